@@ -1,0 +1,5 @@
+import sys
+
+from flexdispatch.cli import main
+
+sys.exit(main())

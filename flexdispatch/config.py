@@ -1,0 +1,242 @@
+"""Configuration models (pydantic v2, ``extra="forbid"``) and YAML presets.
+
+Every validation error names the field and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import math
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "RouterConfig",
+    "DispatchConfig",
+    "MoEConfig",
+    "load_config",
+    "list_presets",
+    "preset_path",
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class RouterConfig(_Strict):
+    """How tokens pick experts (Megatron-Core semantics; see REFERENCE_FACTS.md)."""
+
+    num_experts: int = Field(gt=0, description="E, experts in total.")
+    topk: int = Field(gt=0, le=32, description="k, experts per token (DeepEP allows at most 32).")
+    score_function: Literal["softmax", "sigmoid", "sqrtsoftplus"] = "softmax"
+    use_pre_softmax: bool = Field(
+        False, description="softmax only: softmax over all E before top-k (else over the k)."
+    )
+    num_groups: int | None = Field(
+        None, gt=0, description="Group-limited routing: experts split into this many groups."
+    )
+    group_topk: int | None = Field(None, gt=0, description="Groups kept per token.")
+    group_score: Literal["sum_topk", "max"] = Field(
+        "sum_topk",
+        description="Group rank: sum of the top k/group_topk scores (Megatron, DeepSeek-V3) or "
+        "the max score (DeepSeek-V2).",
+    )
+    scaling_factor: float | None = Field(None, gt=0, description="probs *= scaling_factor.")
+    normalize_topk: bool | None = Field(
+        None,
+        description="Renormalise the k selected probs to sum to 1. None keeps Megatron's rule "
+        "(sigmoid/sqrtsoftplus: yes when k > 1; softmax pre: no; softmax post: sums to 1 anyway); "
+        "HF configs map norm_topk_prob here.",
+    )
+    enable_expert_bias: bool = Field(
+        False, description="Aux-loss-free balancing bias, used for selection only."
+    )
+    bias_update_rate: float = Field(1e-3, ge=0)
+    capacity_factor: float | None = Field(None, gt=0)
+    drop_policy: Literal["probs", "position"] = "probs"
+    aux_loss_type: Literal["none", "aux_loss", "seq_aux_loss", "global_aux_loss"] = "none"
+    aux_loss_coeff: float = Field(0.0, ge=0)
+    z_loss_coeff: float = Field(0.0, ge=0)
+    router_dtype: Literal["fp32", "fp64"] = "fp32"
+    router_type: Literal["learned", "hash"] = Field(
+        "learned",
+        description="'hash' routes by a fixed hash of the token id (DeepSeek-V4's first layers).",
+    )
+    hash_seed: int = Field(0, ge=0, description="Seed of the hash router's table.")
+
+    @model_validator(mode="after")
+    def _check(self) -> RouterConfig:
+        E, k = self.num_experts, self.topk
+        if k > E:
+            raise ValueError(f"topk={k} exceeds num_experts={E}: set topk <= num_experts")
+        if (self.num_groups is None) != (self.group_topk is None):
+            raise ValueError(
+                "num_groups and group_topk go together: set both (group-limited routing) or neither"
+            )
+        if self.num_groups is not None and self.group_topk is not None:
+            G, g = self.num_groups, self.group_topk
+            if E % G:
+                raise ValueError(
+                    f"num_experts={E} is not divisible by num_groups={G}: pick num_groups that "
+                    f"divides num_experts"
+                )
+            if g > G:
+                raise ValueError(
+                    f"group_topk={g} exceeds num_groups={G}: set group_topk <= num_groups"
+                )
+            if k % g and self.group_score == "sum_topk":
+                raise ValueError(
+                    f"topk={k} is not divisible by group_topk={g}: the group score sums the top "
+                    f"topk//group_topk scores of each group, so pick group_topk dividing topk"
+                )
+            if g * (E // G) < k:
+                raise ValueError(
+                    f"group_topk={g} groups of {E // G} experts hold fewer than topk={k} experts: "
+                    f"raise group_topk or num_experts/num_groups"
+                )
+            if self.group_score == "sum_topk" and k // g > E // G:
+                raise ValueError(
+                    f"each group holds {E // G} experts but the group score sums the top "
+                    f"topk//group_topk={k // g}: raise group_topk"
+                )
+        if self.use_pre_softmax and self.score_function != "softmax":
+            raise ValueError("use_pre_softmax applies to score_function='softmax' only: unset it")
+        if self.enable_expert_bias and self.score_function == "softmax":
+            raise ValueError(
+                "enable_expert_bias needs score_function 'sigmoid' or 'sqrtsoftplus' (Megatron "
+                "ignores the bias in the softmax branch)"
+            )
+        if self.aux_loss_type != "none" and self.aux_loss_coeff == 0.0:
+            raise ValueError(
+                f"aux_loss_type={self.aux_loss_type!r} with aux_loss_coeff=0: set a positive "
+                f"aux_loss_coeff or aux_loss_type='none'"
+            )
+        if self.router_type == "hash" and (self.capacity_factor is not None):
+            raise ValueError("router_type='hash' has no capacity dropping: unset capacity_factor")
+        return self
+
+    @property
+    def num_experts_per_group(self) -> int | None:
+        return None if self.num_groups is None else self.num_experts // self.num_groups
+
+    def capacity(self, num_tokens: int) -> int | None:
+        """Per-expert capacity ``ceil(T * k / E * capacity_factor)``, or None without dropping."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(num_tokens * self.topk / self.num_experts * self.capacity_factor)
+
+
+class DispatchConfig(_Strict):
+    """How rows move between ranks."""
+
+    backend: Literal["auto", "torch", "deepep"] = "auto"
+    num_worst_tokens: int = Field(
+        0,
+        ge=0,
+        description="W > 0: static-shape worst-case mode (W rows out, no host sync). "
+        "Must be a multiple of the EP world size for the torch backend.",
+    )
+    hierarchical: bool = Field(
+        False, description="Cross the node boundary once per destination node, forward inside."
+    )
+    ranks_per_node: int | None = Field(
+        None,
+        gt=0,
+        description="L, ranks per node; None takes LOCAL_WORLD_SIZE from the launcher, else R.",
+    )
+    checks: bool = Field(
+        False,
+        description="Run checks that need a host sync (ids, NaN); or FLEXDISPATCH_CHECKS=1.",
+    )
+    timeout_s: float = Field(300.0, gt=0, description="Process-group timeout used by the CLI.")
+
+
+class MoEConfig(_Strict):
+    """One MoE layer: router + dispatch + grouped experts."""
+
+    name: str = "custom"
+    hidden_size: int = Field(gt=0, description="H.")
+    ffn_hidden_size: int = Field(gt=0, description="F, hidden size of each expert's MLP.")
+    activation: Literal["swiglu", "gelu", "relu", "silu"] = "swiglu"
+    num_shared_experts: int = Field(
+        0, ge=0, description="Shared experts of the model (described, not dispatched)."
+    )
+    shared_expert_ffn_hidden_size: int | None = Field(None, gt=0)
+    router: RouterConfig
+    dispatch: DispatchConfig = DispatchConfig()
+    source: dict[str, str] = Field(
+        default_factory=dict, description="Where the preset's numbers come from (model card, etc.)."
+    )
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.num_experts
+
+    def check_world(self, num_ranks: int, ranks_per_node: int | None = None) -> None:
+        """Raise ValueError when this config cannot run on ``num_ranks`` EP ranks."""
+        E = self.router.num_experts
+        if num_ranks <= 0:
+            raise ValueError(f"num_ranks must be positive, got {num_ranks}")
+        if E % num_ranks:
+            raise ValueError(
+                f"router.num_experts={E} is not divisible by the expert-parallel world size "
+                f"{num_ranks}: experts are sharded contiguously, pick a world size dividing {E}"
+            )
+        W = self.dispatch.num_worst_tokens
+        if W and W % num_ranks:
+            raise ValueError(
+                f"dispatch.num_worst_tokens={W} is not a multiple of the world size {num_ranks}: "
+                f"round it up to {math.ceil(W / num_ranks) * num_ranks}"
+            )
+        if ranks_per_node is not None and num_ranks % ranks_per_node:
+            raise ValueError(
+                f"world size {num_ranks} is not a multiple of ranks_per_node={ranks_per_node}"
+            )
+
+
+def _presets_dir() -> Path:
+    # Presets ship inside the package (flexdispatch/presets is a copy-free link to configs/ in a
+    # source checkout; in a wheel it is package data).
+    return Path(str(resources.files("flexdispatch") / "presets"))
+
+
+def list_presets() -> list[str]:
+    """Names of the YAML presets shipped with the package."""
+    return sorted(p.stem for p in _presets_dir().glob("*.yaml"))
+
+
+def preset_path(name: str) -> Path:
+    """Path of preset ``name`` (without ``.yaml``)."""
+    path = _presets_dir() / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(list_presets())}")
+    return path
+
+
+def load_config(preset_name_or_path: str | Path) -> MoEConfig:
+    """Load a ``MoEConfig`` from a preset name (see ``list_presets()``) or a YAML file path.
+
+    Raises:
+        ValueError: unknown preset, unreadable file, or a config that fails validation (the
+            message names the offending fields).
+    """
+    text = str(preset_name_or_path)
+    path = Path(text)
+    if not (path.suffix in (".yaml", ".yml") or path.is_file()):
+        path = preset_path(text)
+    if not path.is_file():
+        raise ValueError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config file {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping, got {type(data).__name__}")
+    try:
+        return MoEConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(f"config file {path} is invalid:\n{exc}") from exc

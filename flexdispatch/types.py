@@ -1,0 +1,176 @@
+"""Result types that cross module boundaries.
+
+Shape letters (ARCHITECTURE.md): T tokens on this rank · H hidden · E experts in total · R ranks in
+the expert-parallel group · e = E / R local experts · k top-k · L ranks per node · N = R / L nodes ·
+M rows received by this rank · W worst-case rows.
+
+Results and handles are frozen, keyword-only dataclasses; nothing here is a bare tuple.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "RoutingResult",
+    "DispatchLayout",
+    "Permutation",
+    "DispatchResult",
+    "DispatchHandle",
+    "DispatchStats",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutingResult:
+    """What a router hands to the dispatcher.
+
+    Attributes:
+        topk_idx: ``[T, k]`` int64 global expert ids; ``-1`` marks a dropped slot.
+        topk_probs: ``[T, k]`` float32 routing weights; exactly ``0`` wherever ``topk_idx == -1``.
+        tokens_per_expert: ``[E]`` int64 number of ``(token, slot)`` pairs per expert after
+            capacity dropping.
+        num_dropped: 0-d int64 device tensor, pairs removed by capacity dropping (0 without a
+            capacity factor). A tensor, not an int, so that reading it is the caller's host sync.
+        aux_loss: 0-d float32 load-balancing loss (already scaled by its coefficient), or None.
+        z_loss: 0-d float32 router z-loss (already scaled), or None.
+    """
+
+    topk_idx: torch.Tensor
+    topk_probs: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    num_dropped: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    z_loss: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.topk_idx.shape[0]
+
+    @property
+    def topk(self) -> int:
+        return self.topk_idx.shape[1]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DispatchLayout:
+    """DeepEP's dispatch layout (values and dtypes of ``Buffer.get_dispatch_layout``).
+
+    Attributes:
+        num_tokens_per_rank: ``[R]`` int32, tokens with at least one expert on each rank.
+        num_tokens_per_rdma_rank: ``[N]`` int32, tokens with at least one expert on each node, or
+            None when ``R <= ranks_per_node``.
+        num_tokens_per_expert: ``[E]`` int32, ``(token, slot)`` pairs per expert.
+        is_token_in_rank: ``[T, R]`` bool, token ``t`` has an expert on rank ``r``.
+    """
+
+    num_tokens_per_rank: torch.Tensor
+    num_tokens_per_rdma_rank: torch.Tensor | None
+    num_tokens_per_expert: torch.Tensor
+    is_token_in_rank: torch.Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class Permutation:
+    """Rows grouped expert-major, and the maps back.
+
+    Attributes:
+        x: ``[N, H]`` rows, expert-major, stable by token inside an expert; padding rows are 0.
+        probs: ``[N]`` float32 prob of each row (0 on padding), or None when no probs were given.
+        tokens_per_expert: ``[num_experts]`` int64 real rows per expert (padding excluded).
+        padded_tokens_per_expert: ``[num_experts]`` int64 rows per expert segment including the
+            padding to a multiple of ``align`` (equal to ``tokens_per_expert`` when ``align == 1``).
+        row_token: ``[N]`` int64 source token of each row, ``-1`` on padding rows.
+        row_slot: ``[N]`` int64 source top-k slot of each row, ``-1`` on padding rows.
+        num_tokens: T, the number of source tokens (rows of ``unpermute``'s output).
+    """
+
+    x: torch.Tensor
+    probs: torch.Tensor | None
+    tokens_per_expert: torch.Tensor
+    padded_tokens_per_expert: torch.Tensor
+    row_token: torch.Tensor
+    row_slot: torch.Tensor
+    num_tokens: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class DispatchHandle:
+    """Everything ``combine`` needs to send rows back; owned by the caller, never cached.
+
+    Backends put their own state in ``state`` (a frozen dataclass of their own).
+
+    Attributes:
+        backend: name of the backend that made it.
+        num_tokens: T of the dispatching rank.
+        hidden: H of the dispatched rows.
+        num_recv_rows: M (W in worst-case mode).
+        state: backend-specific, opaque to callers.
+    """
+
+    backend: str
+    num_tokens: int
+    hidden: int
+    num_recv_rows: int
+    state: Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class DispatchResult:
+    """What ``FlexDispatcher.dispatch`` returns.
+
+    Attributes:
+        recv_x: ``[M, H]`` received rows (``[W, H]`` in worst-case mode, zero past the real rows),
+            ordered by source rank, then source token.
+        recv_topk_idx: ``[M, k]`` int64 local expert ids (``x - rank * e``), ``-1`` elsewhere.
+        recv_topk_probs: ``[M, k]`` float32, ``0`` wherever ``recv_topk_idx == -1``.
+        num_recv_tokens_per_expert: ``[e]`` int64 device tensor, ``(row, slot)`` pairs per local
+            expert.
+        handle: what ``combine`` needs.
+    """
+
+    recv_x: torch.Tensor
+    recv_topk_idx: torch.Tensor
+    recv_topk_probs: torch.Tensor
+    num_recv_tokens_per_expert: torch.Tensor
+    handle: DispatchHandle
+
+
+@dataclass(kw_only=True)
+class DispatchStats:
+    """Cumulative counters of one dispatcher since construction (host-side integers).
+
+    Attributes:
+        host_syncs: device-to-host synchronisations issued by dispatch/combine.
+        bytes_sent_intra_node: payload bytes this rank sent to ranks on its own node (itself
+            excluded), dispatch and combine together.
+        bytes_sent_inter_node: payload bytes this rank sent to ranks on other nodes.
+        rows_sent: rows this rank sent to other ranks or kept for itself, dispatch direction.
+        rows_received: rows this rank received (real rows, padding excluded), dispatch direction.
+        dispatch_calls, combine_calls: number of calls.
+    """
+
+    host_syncs: int = 0
+    bytes_sent_intra_node: int = 0
+    bytes_sent_inter_node: int = 0
+    rows_sent: int = 0
+    rows_received: int = 0
+    dispatch_calls: int = 0
+    combine_calls: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, int]:
+        out = {
+            "host_syncs": self.host_syncs,
+            "bytes_sent_intra_node": self.bytes_sent_intra_node,
+            "bytes_sent_inter_node": self.bytes_sent_inter_node,
+            "rows_sent": self.rows_sent,
+            "rows_received": self.rows_received,
+            "dispatch_calls": self.dispatch_calls,
+            "combine_calls": self.combine_calls,
+        }
+        out.update(self.extra)
+        return out

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment and install flexdispatch into it.
+#
+#   FLEXDISPATCH_VENV   where the environment lives (default: .venv in the repository)
+#   FLEXDISPATCH_TORCH  pip requirement for torch when no torch is importable
+#                       (default: torch==2.13.0, the CPU build on these machines);
+#                       "none" never installs torch (bring your own)
+#   FLEXDISPATCH_EXTRAS extras to install (default: test,dev)
+#
+# A machine that already has torch (a GPU box, a container image) keeps it: the environment is
+# created with --system-site-packages when the system Python imports torch, and torch is installed
+# only when none is importable.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${FLEXDISPATCH_VENV:-$root/.venv}
+torch_req=${FLEXDISPATCH_TORCH:-torch==2.13.0}
+extras=${FLEXDISPATCH_EXTRAS:-test,dev}
+py=${PYTHON:-python3}
+
+if [ ! -x "$venv/bin/python" ]; then
+  if "$py" -c 'import torch' >/dev/null 2>&1; then
+    echo "[setup] system Python has torch; creating $venv with --system-site-packages" >&2
+    "$py" -m venv --system-site-packages "$venv"
+  else
+    echo "[setup] creating $venv" >&2
+    "$py" -m venv "$venv"
+  fi
+fi
+vpy="$venv/bin/python"
+pip_q=(-q --disable-pip-version-check)
+
+if ! "$vpy" -c 'import torch' >/dev/null 2>&1; then
+  if [ "$torch_req" = "none" ]; then
+    echo "[setup] FLEXDISPATCH_TORCH=none but no torch is importable: install torch first" >&2
+    exit 1
+  fi
+  echo "[setup] installing $torch_req" >&2
+  "$vpy" -m pip install "${pip_q[@]}" "$torch_req"
+fi
+
+# Reinstall only when pyproject.toml changed since the last install.
+stamp="$venv/.flexdispatch-installed"
+want="$(cat "$root/pyproject.toml" | sha256sum | cut -d' ' -f1) $extras $root"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$vpy" -c 'import flexdispatch' >/dev/null 2>&1; then
+  echo "[setup] installing flexdispatch[$extras] (editable)" >&2
+  "$vpy" -m pip install "${pip_q[@]}" -e "$root[$extras]"
+  echo "$want" > "$stamp"
+fi
