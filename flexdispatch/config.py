@@ -98,11 +98,6 @@ class RouterConfig(_Strict):
                     f"group_topk={g} groups of {E // G} experts hold fewer than topk={k} experts: "
                     f"raise group_topk or num_experts/num_groups"
                 )
-            if self.group_score == "sum_topk" and k // g > E // G:
-                raise ValueError(
-                    f"each group holds {E // G} experts but the group score sums the top "
-                    f"topk//group_topk={k // g}: raise group_topk"
-                )
         if self.use_pre_softmax and self.score_function != "softmax":
             raise ValueError("use_pre_softmax applies to score_function='softmax' only: unset it")
         if self.enable_expert_bias and self.score_function == "softmax":

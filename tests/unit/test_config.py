@@ -1,0 +1,96 @@
+"""Config validation and preset loading."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from flexdispatch import DispatchConfig, MoEConfig, RouterConfig, list_presets, load_config
+
+
+def _router(**kw):
+    base = {"num_experts": 16, "topk": 4}
+    base.update(kw)
+    return RouterConfig(**base)
+
+
+def test_defaults_are_megatron_like():
+    r = _router()
+    assert r.score_function == "softmax" and not r.use_pre_softmax
+    assert r.group_score == "sum_topk" and r.normalize_topk is None
+    assert r.capacity(100) is None
+
+
+def test_capacity_formula():
+    r = _router(capacity_factor=1.5)
+    # ceil(T * k / E * cf) = ceil(10 * 4 / 16 * 1.5) = ceil(3.75) = 4
+    assert r.capacity(10) == 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"topk": 17}, "topk=17 exceeds num_experts=16"),
+        ({"num_groups": 4}, "num_groups and group_topk go together"),
+        ({"num_groups": 5, "group_topk": 1}, "not divisible by num_groups=5"),
+        ({"num_groups": 4, "group_topk": 5}, "group_topk=5 exceeds num_groups=4"),
+        ({"num_groups": 4, "group_topk": 3}, "topk=4 is not divisible by group_topk=3"),
+        ({"num_groups": 16, "group_topk": 2}, "groups of 1 experts hold fewer than topk=4"),
+        ({"use_pre_softmax": True, "score_function": "sigmoid"}, "use_pre_softmax"),
+        ({"enable_expert_bias": True}, "enable_expert_bias"),
+        ({"aux_loss_type": "aux_loss"}, "aux_loss_coeff"),
+        ({"score_function": "relu"}, "score_function"),
+        ({"topk": 0}, "topk"),
+        ({"capacity_factor": -1.0}, "capacity_factor"),
+    ],
+)
+def test_router_config_errors_name_the_field(kwargs, needle):
+    with pytest.raises(ValidationError) as err:
+        _router(**kwargs)
+    assert needle in str(err.value)
+
+
+def test_unknown_fields_are_rejected():
+    with pytest.raises(ValidationError, match="num_expert"):
+        RouterConfig(num_expert=8, topk=2)
+    with pytest.raises(ValidationError, match="hierarchy"):
+        DispatchConfig(hierarchy=True)
+
+
+def test_max_group_rule_allows_topk_not_divisible():
+    # DeepSeek-V2 ranks groups by their max score, so k need not divide evenly.
+    r = _router(num_experts=160, topk=6, num_groups=8, group_topk=4, group_score="max")
+    assert r.num_experts_per_group == 20
+
+
+def test_check_world():
+    cfg = MoEConfig(hidden_size=8, ffn_hidden_size=8, router=_router())
+    cfg.check_world(4)
+    with pytest.raises(ValueError, match="not divisible by the expert-parallel world size 3"):
+        cfg.check_world(3)
+    cfg = cfg.model_copy(update={"dispatch": DispatchConfig(num_worst_tokens=10)})
+    with pytest.raises(ValueError, match="round it up to 12"):
+        cfg.check_world(4)
+
+
+def test_tiny_preset_loads_by_name_and_path(tmp_path):
+    assert "tiny_cpu" in list_presets()
+    cfg = load_config("tiny_cpu")
+    assert cfg.router.num_experts == 16 and cfg.hidden_size == 64
+    path = tmp_path / "x.yaml"
+    path.write_text(cfg.model_dump_json())  # JSON is valid YAML
+    assert load_config(path) == cfg
+
+
+def test_load_config_errors(tmp_path):
+    with pytest.raises(ValueError, match="unknown preset 'nope'"):
+        load_config("nope")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("hidden_size: 8\nffn_hidden_size: 8\nrouter: {num_experts: 4, topk: 9}\n")
+    with pytest.raises(ValueError, match="topk=9 exceeds num_experts=4"):
+        load_config(bad)
+    bad.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="must hold a mapping"):
+        load_config(bad)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
