@@ -1,0 +1,317 @@
+"""Top-k routing as a pure function: scores, (group-limited) top-k, normalisation, capacity.
+
+Shape letters: T tokens on this rank · H hidden · E experts in total · R ranks · e = E/R local
+experts · k top-k · L ranks per node · N nodes · M received rows · W worst-case rows. Also used
+here: G expert groups, P = T*k (token, slot) pairs.
+
+The semantics are Megatron-Core's ``topk_routing_with_score_function`` (REFERENCE_FACTS.md,
+"Routing"), extended by two switches that published models need: the group score rule
+(``group_score``) and an override of the renormalisation (``normalize_topk``). The output is
+``[T, k]`` from the start (never a ``[T, E]`` routing map), and nothing here synchronises with
+the host: every branch is decided from shapes and arguments, never from tensor values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flexdispatch._validate import check_finite, check_tensor, checks_enabled
+from flexdispatch.types import RoutingResult
+
+__all__ = ["topk_routing", "expert_capacity", "SCORE_FUNCTIONS", "DROP_POLICIES", "GROUP_SCORES"]
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+DROP_POLICIES = ("probs", "position")
+GROUP_SCORES = ("sum_topk", "max")
+
+# Megatron's guard against a zero denominator when renormalising the k selected scores.
+_NORM_EPS = 1e-20
+
+
+def expert_capacity(num_tokens: int, num_experts: int, topk: int, capacity_factor: float) -> int:
+    """Per-expert capacity ``ceil(T * k / E * capacity_factor)`` (Megatron's ``get_capacity``)."""
+    return math.ceil(num_tokens * topk / num_experts * capacity_factor)
+
+
+def _validate(
+    logits: object,
+    *,
+    topk: object,
+    score_function: str,
+    use_pre_softmax: bool,
+    num_groups: int | None,
+    group_topk: int | None,
+    group_score: str,
+    scaling_factor: float | None,
+    expert_bias: torch.Tensor | None,
+    capacity_factor: float | None,
+    drop_policy: str,
+) -> None:
+    E = check_tensor("logits", logits, ndim=2, floating=True).shape[1]
+    if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= E:
+        raise ValueError(
+            f"topk must be an int in [1, num_experts={E}] (logits has {E} columns), got {topk!r}"
+        )
+    if score_function not in SCORE_FUNCTIONS:
+        raise ValueError(
+            f"score_function must be one of {', '.join(SCORE_FUNCTIONS)}, got {score_function!r}"
+        )
+    if use_pre_softmax and score_function != "softmax":
+        raise ValueError(
+            f"use_pre_softmax applies to score_function='softmax' only, got "
+            f"score_function={score_function!r}: unset use_pre_softmax"
+        )
+    if group_score not in GROUP_SCORES:
+        raise ValueError(
+            f"group_score must be one of {', '.join(GROUP_SCORES)}, got {group_score!r}"
+        )
+    if (num_groups is None) != (group_topk is None):
+        raise ValueError(
+            "num_groups and group_topk go together: set both (group-limited routing) or neither"
+        )
+    if num_groups is not None and group_topk is not None:
+        if num_groups < 1 or E % num_groups:
+            raise ValueError(
+                f"num_groups={num_groups} must be a positive divisor of num_experts={E}"
+            )
+        if not 1 <= group_topk <= num_groups:
+            raise ValueError(f"group_topk={group_topk} must be in [1, num_groups={num_groups}]")
+        if group_score == "sum_topk" and topk % group_topk:
+            raise ValueError(
+                f"topk={topk} is not divisible by group_topk={group_topk}: the group score sums "
+                f"the top topk//group_topk scores of each group, so pick group_topk dividing topk "
+                f"(or group_score='max')"
+            )
+        if group_topk * (E // num_groups) < topk:
+            raise ValueError(
+                f"group_topk={group_topk} groups of {E // num_groups} experts hold fewer than "
+                f"topk={topk} experts: raise group_topk"
+            )
+    if scaling_factor is not None and not (
+        isinstance(scaling_factor, (int, float)) and math.isfinite(scaling_factor)
+    ):
+        raise ValueError(f"scaling_factor must be a finite number or None, got {scaling_factor!r}")
+    if expert_bias is not None:
+        check_tensor("expert_bias", expert_bias, ndim=1, floating=True)
+        if expert_bias.shape[0] != E:
+            raise ValueError(
+                f"expert_bias must have shape [num_experts={E}], got {tuple(expert_bias.shape)}"
+            )
+        if score_function == "softmax":
+            raise ValueError(
+                "expert_bias is not applied with score_function='softmax' (Megatron ignores it "
+                "there): use 'sigmoid' or 'sqrtsoftplus', or pass expert_bias=None"
+            )
+    if capacity_factor is not None and not (
+        isinstance(capacity_factor, (int, float)) and capacity_factor > 0
+    ):
+        raise ValueError(
+            f"capacity_factor must be a positive number or None, got {capacity_factor!r}"
+        )
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(
+            f"drop_policy must be one of {', '.join(DROP_POLICIES)}, got {drop_policy!r}"
+        )
+
+
+def _select(
+    sel_TE: torch.Tensor,
+    topk: int,
+    num_groups: int | None,
+    group_topk: int | None,
+    group_score: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of ``sel_TE`` per row, optionally restricted to the ``group_topk`` best groups.
+
+    Returns ``(values [T, k], indices [T, k] int64)``.
+    """
+    if num_groups is None or group_topk is None:
+        return torch.topk(sel_TE, k=topk, dim=-1)
+    T, E = sel_TE.shape
+    grouped_TGX = sel_TE.view(T, num_groups, E // num_groups)
+    if group_score == "max":
+        group_scores_TG = grouped_TGX.amax(dim=-1)
+    else:
+        group_scores_TG = grouped_TGX.topk(topk // group_topk, dim=-1).values.sum(dim=-1)
+    keep_groups_Tg = torch.topk(group_scores_TG, k=group_topk, dim=-1, sorted=False).indices
+    group_mask_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool)
+    group_mask_TG.scatter_(1, keep_groups_Tg, True)
+    expert_mask_TE = group_mask_TG.unsqueeze(-1).expand_as(grouped_TGX).reshape(T, E)
+    masked_TE = sel_TE.masked_fill(~expert_mask_TE, float("-inf"))
+    return torch.topk(masked_TE, k=topk, dim=-1)
+
+
+def _capacity_keep(
+    idx_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int, capacity: int, policy: str
+) -> torch.Tensor:
+    """Which ``(token, slot)`` pairs survive the per-expert capacity; ``[T, k]`` bool.
+
+    Pairs are ranked inside their expert (by prob, highest first, or by position ``t*k + j``), and
+    the first ``capacity`` of each expert are kept. Ties in prob keep the earlier position. Done
+    with two stable sorts of the ``P`` pairs, so nothing of size ``[T, E]`` is built.
+    """
+    T, k = idx_TK.shape
+    flat_idx_P = idx_TK.reshape(-1)
+    P = flat_idx_P.shape[0]
+    if policy == "probs":
+        order_P = torch.sort(probs_TK.reshape(-1).detach(), descending=True, stable=True).indices
+        order_P = order_P[torch.sort(flat_idx_P[order_P], stable=True).indices]
+    else:
+        order_P = torch.sort(flat_idx_P, stable=True).indices
+    expert_sorted_P = flat_idx_P[order_P]
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=idx_TK.device)
+    counts_E.scatter_add_(0, flat_idx_P, torch.ones_like(flat_idx_P))
+    starts_E = torch.cumsum(counts_E, dim=0) - counts_E
+    rank_P = torch.arange(P, device=idx_TK.device) - starts_E[expert_sorted_P]
+    keep_P = torch.empty(P, dtype=torch.bool, device=idx_TK.device)
+    keep_P.scatter_(0, order_P, rank_P < capacity)
+    return keep_P.view(T, k)
+
+
+def topk_routing(
+    logits: torch.Tensor,
+    *,
+    topk: int,
+    score_function: str = "softmax",
+    use_pre_softmax: bool = False,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    group_score: str = "sum_topk",
+    normalize_topk: bool | None = None,
+    scaling_factor: float | None = None,
+    expert_bias: torch.Tensor | None = None,
+    capacity_factor: float | None = None,
+    drop_policy: str = "probs",
+    checks: bool | None = None,
+) -> RoutingResult:
+    """Route each token to its top-k experts (Megatron-Core semantics), without a host sync.
+
+    Scores are computed in fp32 (fp64 when ``logits`` is fp64):
+
+    - ``softmax`` + ``use_pre_softmax``: softmax over all E, top-k of it; not renormalised unless
+      ``normalize_topk=True``.
+    - ``softmax`` (post): top-k of the logits, softmax over the k (sums to 1).
+      ``normalize_topk=False`` drops that renormalisation: the probs are then the softmax over
+      all E at the chosen experts (equal to the pre-softmax probs; selection is unchanged).
+    - ``sigmoid`` / ``sqrtsoftplus`` (``sqrt(softplus(x))``): top-k of ``scores + expert_bias``
+      (bias for selection only), probs are the unbiased scores at the chosen experts,
+      renormalised ``s / (sum(s) + 1e-20)`` when ``k > 1`` (``normalize_topk`` overrides).
+
+    then ``probs *= scaling_factor``.
+
+    Group-limited top-k (``num_groups``, ``group_topk``): experts form ``num_groups`` contiguous
+    groups ranked by the sum of their top ``topk // group_topk`` selection scores
+    (``group_score="sum_topk"``: Megatron, DeepSeek-V3) or their max (``"max"``: DeepSeek-V2);
+    only the best ``group_topk`` groups stay eligible. The selection scores are the logits for
+    softmax-post, the softmax for pre-softmax, and the biased scores for sigmoid/sqrtsoftplus.
+
+    Capacity (``capacity_factor``): ``capacity = ceil(T * k / E * capacity_factor)`` pairs per
+    expert; ``drop_policy="probs"`` keeps each expert's highest-prob pairs, ``"position"`` the
+    first pairs in token order (slot order within a token). Dropped pairs get ``topk_idx = -1``
+    and prob 0.
+
+    Args:
+        logits: ``[T, E]`` floating router logits (any float dtype).
+        topk: k, experts per token, in ``[1, E]``.
+        score_function: ``"softmax"``, ``"sigmoid"`` or ``"sqrtsoftplus"``.
+        use_pre_softmax: softmax only; softmax over all E before the top-k.
+        num_groups: G, number of contiguous expert groups (with ``group_topk``), or None.
+        group_topk: groups kept per token (with ``num_groups``), or None.
+        group_score: ``"sum_topk"`` or ``"max"``, how a group is ranked.
+        normalize_topk: None keeps Megatron's rule above; True/False forces renormalisation of
+            the k selected probs on/off (Hugging Face ``norm_topk_prob``).
+        scaling_factor: multiplies the probs, or None.
+        expert_bias: ``[E]`` float selection bias (sigmoid/sqrtsoftplus only), or None.
+        capacity_factor: positive float, or None for dropless routing.
+        drop_policy: ``"probs"`` or ``"position"``.
+        checks: run value checks (NaN/inf logits), which sync with the host; None reads
+            ``FLEXDISPATCH_CHECKS``.
+
+    Returns:
+        RoutingResult with ``topk_idx`` ``[T, k]`` int64 (``-1`` = dropped), ``topk_probs``
+        ``[T, k]`` float32 (float64 when ``logits`` is float64; ``0`` where ``-1``; differentiable
+        w.r.t. ``logits``), ``tokens_per_expert`` ``[E]`` int64 after dropping and
+        ``num_dropped`` 0-d int64.
+
+    Raises:
+        TypeError: ``logits`` / ``expert_bias`` is not a floating tensor.
+        ValueError: a bad shape or argument (the message names it), or NaN/inf logits when
+            checks are enabled.
+    """
+    _validate(
+        logits,
+        topk=topk,
+        score_function=score_function,
+        use_pre_softmax=use_pre_softmax,
+        num_groups=num_groups,
+        group_topk=group_topk,
+        group_score=group_score,
+        scaling_factor=scaling_factor,
+        expert_bias=expert_bias,
+        capacity_factor=capacity_factor,
+        drop_policy=drop_policy,
+    )
+    if checks_enabled(checks):
+        check_finite("logits", logits)
+        if expert_bias is not None:
+            check_finite("expert_bias", expert_bias)
+
+    T, E = logits.shape
+    x_TE = logits if logits.dtype == torch.float64 else logits.float()
+
+    if score_function == "softmax":
+        if use_pre_softmax:
+            scores_TE = torch.softmax(x_TE, dim=-1)
+            probs_TK, idx_TK = _select(scores_TE, topk, num_groups, group_topk, group_score)
+            normalize = bool(normalize_topk)
+        else:
+            vals_TK, idx_TK = _select(x_TE, topk, num_groups, group_topk, group_score)
+            if normalize_topk is False:
+                probs_TK = torch.softmax(x_TE, dim=-1).gather(1, idx_TK)
+            else:
+                probs_TK = torch.softmax(vals_TK, dim=-1)
+            normalize = False  # already sums to 1, or explicitly not renormalised
+    else:
+        if score_function == "sigmoid":
+            scores_TE = torch.sigmoid(x_TE)
+        else:
+            scores_TE = torch.nn.functional.softplus(x_TE).sqrt()
+        if expert_bias is not None:
+            sel_TE = scores_TE + expert_bias.to(x_TE.dtype)
+            _, idx_TK = _select(sel_TE, topk, num_groups, group_topk, group_score)
+            probs_TK = scores_TE.gather(1, idx_TK)
+        else:
+            probs_TK, idx_TK = _select(scores_TE, topk, num_groups, group_topk, group_score)
+        normalize = topk > 1 if normalize_topk is None else normalize_topk
+
+    if normalize:
+        probs_TK = probs_TK / (probs_TK.sum(dim=-1, keepdim=True) + _NORM_EPS)
+    if scaling_factor is not None:
+        probs_TK = probs_TK * scaling_factor
+    if probs_TK.dtype != torch.float64:
+        probs_TK = probs_TK.float()
+
+    device = logits.device
+    if capacity_factor is not None and expert_capacity(T, E, topk, capacity_factor) < T:
+        capacity = expert_capacity(T, E, topk, capacity_factor)
+        keep_TK = _capacity_keep(idx_TK, probs_TK, E, capacity, drop_policy)
+        tokens_per_expert_E = torch.zeros(E, dtype=torch.int64, device=device)
+        tokens_per_expert_E.scatter_add_(0, idx_TK.reshape(-1), keep_TK.reshape(-1).long())
+        num_dropped = (~keep_TK).sum()
+        idx_TK = torch.where(keep_TK, idx_TK, torch.full_like(idx_TK, -1))
+        probs_TK = torch.where(keep_TK, probs_TK, torch.zeros_like(probs_TK))
+    else:
+        # capacity >= T can never be exceeded: each token holds an expert at most once.
+        tokens_per_expert_E = torch.zeros(E, dtype=torch.int64, device=device)
+        flat_idx_P = idx_TK.reshape(-1)
+        tokens_per_expert_E.scatter_add_(0, flat_idx_P, torch.ones_like(flat_idx_P))
+        num_dropped = torch.zeros((), dtype=torch.int64, device=device)
+
+    return RoutingResult(
+        topk_idx=idx_TK,
+        topk_probs=probs_TK,
+        tokens_per_expert=tokens_per_expert_E,
+        num_dropped=num_dropped,
+    )
