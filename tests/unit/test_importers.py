@@ -1,0 +1,280 @@
+"""Config import from Hugging Face config.json and Megatron-Core arguments."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flexdispatch import load_config
+from flexdispatch.importers import (
+    hash_layer_router_config,
+    moe_config_from_hf,
+    moe_config_from_megatron,
+    num_hash_layers,
+    to_yaml,
+)
+
+HF = Path(__file__).resolve().parent.parent / "fixtures" / "hf"
+FIXTURES = sorted(p.name for p in HF.glob("*.json"))
+
+
+def hf(name: str) -> dict:
+    return json.loads((HF / name).read_text())
+
+
+def test_fixtures_are_present():
+    assert set(FIXTURES) == {
+        "deepseek_v2.json",
+        "deepseek_v3.json",
+        "deepseek_v4_flash.json",
+        "mixtral_8x7b.json",
+        "qwen3_30b_a3b.json",
+    }
+
+
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_shapes_come_from_the_config(fixture):
+    raw = hf(fixture)
+    cfg = moe_config_from_hf(raw)
+    E = raw.get("n_routed_experts") or raw.get("num_local_experts") or raw.get("num_experts")
+    F = raw.get("moe_intermediate_size") or raw["intermediate_size"]
+    assert cfg.router.num_experts == E
+    assert cfg.router.topk == raw["num_experts_per_tok"]
+    assert cfg.hidden_size == raw["hidden_size"]
+    assert cfg.ffn_hidden_size == F
+    assert cfg.activation == "swiglu"
+    assert cfg.num_shared_experts == raw.get("n_shared_experts", 0)
+    if cfg.num_shared_experts:
+        assert cfg.shared_expert_ffn_hidden_size == F * raw["n_shared_experts"]
+    assert cfg.name == raw["model_type"]
+    assert cfg.source["hf_model_type"] == raw["model_type"]
+    assert cfg.router.router_type == "learned"
+
+
+def test_path_and_folder_inputs(tmp_path):
+    raw = hf("deepseek_v3.json")
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    a = moe_config_from_hf(tmp_path, name="v3")
+    b = moe_config_from_hf(str(tmp_path / "config.json"), name="v3")
+    c = moe_config_from_hf(raw, name="v3")
+    assert a == b == c and a.name == "v3"
+
+
+def test_deepseek_v2_rules():
+    raw = hf("deepseek_v2.json")
+    r = moe_config_from_hf(raw).router
+    assert r.score_function == "softmax" and r.use_pre_softmax
+    assert (r.num_groups, r.group_topk) == (raw["n_group"], raw["topk_group"])
+    assert r.group_score == "max"
+    assert r.normalize_topk is False and r.scaling_factor == raw["routed_scaling_factor"]
+    assert r.aux_loss_type == "seq_aux_loss" and r.aux_loss_coeff == raw["aux_loss_alpha"]
+    assert not r.enable_expert_bias
+
+
+def test_deepseek_v2_renormalised_variant_is_not_scaled():
+    # DeepSeek-V2's gate multiplies by routed_scaling_factor only when it does not renormalise.
+    raw = {**hf("deepseek_v2.json"), "norm_topk_prob": True}
+    cfg = moe_config_from_hf(raw)
+    assert cfg.router.normalize_topk is True and cfg.router.scaling_factor is None
+    assert "does not scale" in cfg.source["scaling"]
+
+
+def test_deepseek_v3_rules():
+    raw = hf("deepseek_v3.json")
+    r = moe_config_from_hf(raw).router
+    assert r.score_function == "sigmoid" and r.enable_expert_bias
+    assert (r.num_groups, r.group_topk) == (raw["n_group"], raw["topk_group"])
+    # HF sums the top-2 of each group; Megatron sums the top k // group_topk = 8 // 4 = 2.
+    assert r.group_score == "sum_topk" and r.topk // r.group_topk == 2
+    assert r.normalize_topk is True and r.scaling_factor == raw["routed_scaling_factor"]
+    assert r.aux_loss_type == "none"
+
+
+def test_noaux_tc_without_top2_equivalence_is_rejected():
+    raw = {**hf("deepseek_v3.json"), "topk_group": 2}  # 8 // 2 = 4 != 2
+    with pytest.raises(ValueError, match="sum of their top-2"):
+        moe_config_from_hf(raw)
+
+
+def test_single_group_means_no_group_limit():
+    raw = {**hf("deepseek_v3.json"), "n_group": 1, "topk_group": 1}  # Kimi-K2 style
+    r = moe_config_from_hf(raw).router
+    assert r.num_groups is None and r.group_topk is None
+
+
+def test_deepseek_v4_rules_and_hash_layers():
+    raw = hf("deepseek_v4_flash.json")
+    cfg = moe_config_from_hf(raw)
+    r = cfg.router
+    assert r.score_function == "sqrtsoftplus" and r.enable_expert_bias
+    assert r.num_groups is None
+    assert r.normalize_topk is True and r.scaling_factor == raw["routed_scaling_factor"]
+    assert num_hash_layers(cfg) == raw["num_hash_layers"]
+    h = hash_layer_router_config(cfg)
+    assert h.router_type == "hash" and not h.enable_expert_bias
+    assert (h.num_experts, h.topk, h.score_function) == (r.num_experts, r.topk, r.score_function)
+    assert (h.normalize_topk, h.scaling_factor) == (r.normalize_topk, r.scaling_factor)
+
+
+def test_hash_layers_only_for_v4():
+    cfg = moe_config_from_hf(hf("deepseek_v3.json"))
+    assert num_hash_layers(cfg) == 0
+    with pytest.raises(ValueError, match="no hash-routed layers"):
+        hash_layer_router_config(cfg)
+
+
+def test_mixtral_rules():
+    raw = hf("mixtral_8x7b.json")
+    r = moe_config_from_hf(raw).router
+    assert r.score_function == "softmax" and not r.use_pre_softmax
+    assert r.normalize_topk is None and r.scaling_factor is None and r.num_groups is None
+    assert r.aux_loss_type == "aux_loss" and r.aux_loss_coeff == raw["router_aux_loss_coef"]
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_qwen3_norm_topk_prob(norm):
+    raw = {**hf("qwen3_30b_a3b.json"), "norm_topk_prob": norm}
+    r = moe_config_from_hf(raw).router
+    assert r.score_function == "softmax"
+    if norm:
+        assert not r.use_pre_softmax and r.normalize_topk is None
+    else:
+        assert r.use_pre_softmax and r.normalize_topk is False
+
+
+def test_unknown_model_type_lists_supported():
+    with pytest.raises(ValueError) as err:
+        moe_config_from_hf({"model_type": "llama"})
+    msg = str(err.value)
+    assert "'llama'" in msg
+    for mt in ("deepseek_v2", "deepseek_v3", "deepseek_v4", "mixtral", "qwen3_moe"):
+        assert mt in msg
+
+
+def test_missing_field_is_named():
+    raw = hf("mixtral_8x7b.json")
+    del raw["num_local_experts"]
+    with pytest.raises(ValueError, match="num_local_experts"):
+        moe_config_from_hf(raw)
+
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        moe_config_from_hf(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        moe_config_from_hf(tmp_path / "bad.json")
+    with pytest.raises(TypeError, match="config must be a dict"):
+        moe_config_from_hf(42)
+    with pytest.raises(ValueError, match="hidden_act"):
+        moe_config_from_hf({**hf("mixtral_8x7b.json"), "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="topk_method"):
+        moe_config_from_hf({**hf("deepseek_v2.json"), "topk_method": "sinkhorn"})
+
+
+# -------------------------------------------------------------------------------------- Megatron
+
+
+def megatron_v3_args() -> dict:
+    return {
+        "hidden_size": 7168,
+        "ffn_hidden_size": 18432,
+        "swiglu": True,
+        "num_layers": 61,
+        "num_moe_experts": 256,
+        "moe_router_topk": 8,
+        "moe_router_score_function": "sigmoid",
+        "moe_router_pre_softmax": False,
+        "moe_router_num_groups": 8,
+        "moe_router_group_topk": 4,
+        "moe_router_topk_scaling_factor": 2.5,
+        "moe_router_enable_expert_bias": True,
+        "moe_router_bias_update_rate": 1e-3,
+        "moe_expert_capacity_factor": None,
+        "moe_token_drop_policy": "probs",
+        "moe_router_load_balancing_type": "seq_aux_loss",
+        "moe_aux_loss_coeff": 1e-4,
+        "moe_z_loss_coeff": None,
+        "moe_router_dtype": "fp32",
+        "moe_ffn_hidden_size": 2048,
+        "moe_shared_expert_intermediate_size": 2048,
+    }
+
+
+def test_megatron_mapping():
+    args = megatron_v3_args()
+    cfg = moe_config_from_megatron(args, name="dsv3")
+    r = cfg.router
+    assert cfg.name == "dsv3" and cfg.hidden_size == args["hidden_size"]
+    assert cfg.ffn_hidden_size == args["moe_ffn_hidden_size"] and cfg.activation == "swiglu"
+    assert (r.num_experts, r.topk, r.score_function) == (256, 8, "sigmoid")
+    assert (r.num_groups, r.group_topk, r.group_score) == (8, 4, "sum_topk")
+    assert r.scaling_factor == 2.5 and r.enable_expert_bias and r.bias_update_rate == 1e-3
+    assert r.capacity_factor is None and r.drop_policy == "probs"
+    assert r.aux_loss_type == "seq_aux_loss" and r.aux_loss_coeff == 1e-4
+    assert r.z_loss_coeff == 0.0 and r.router_dtype == "fp32" and r.normalize_topk is None
+    assert cfg.num_shared_experts == 1 and cfg.shared_expert_ffn_hidden_size == 2048
+
+
+def test_megatron_defaults_and_options():
+    cfg = moe_config_from_megatron(
+        {
+            "hidden_size": 64,
+            "ffn_hidden_size": 128,
+            "num_moe_experts": 8,
+            "moe_aux_loss_coeff": [0.01],
+            "moe_z_loss_coeff": 1e-3,
+            "moe_router_pre_softmax": True,
+            "moe_expert_capacity_factor": 1.25,
+            "moe_token_drop_policy": "position",
+            "swiglu": False,
+        }
+    )
+    r = cfg.router
+    assert r.topk == 2 and r.score_function == "softmax" and r.use_pre_softmax
+    assert r.aux_loss_type == "aux_loss" and r.aux_loss_coeff == 0.01
+    assert r.z_loss_coeff == 1e-3
+    assert r.capacity_factor == 1.25 and r.drop_policy == "position"
+    assert cfg.ffn_hidden_size == 128 and cfg.activation == "gelu"
+    none = moe_config_from_megatron({"hidden_size": 8, "ffn_hidden_size": 8, "num_moe_experts": 4})
+    assert none.router.aux_loss_type == "none"  # aux_loss with coefficient 0 is off
+
+
+def test_megatron_unknown_moe_keys_are_listed():
+    args = {**megatron_v3_args(), "moe_router_topk_limited_devices": 4, "moe_jitter": 0.1}
+    with pytest.raises(ValueError) as err:
+        moe_config_from_megatron(args)
+    assert "moe_jitter, moe_router_topk_limited_devices" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("update", "needle"),
+    [
+        ({"num_moe_experts": None}, "num_moe_experts"),
+        ({"hidden_size": None}, "hidden_size"),
+        ({"moe_router_load_balancing_type": "sinkhorn"}, "sinkhorn"),
+        ({"moe_router_group_topk": 3}, "topk=8 is not divisible by group_topk=3"),
+        ({"moe_aux_loss_coeff": [0.1, 0.2]}, "give one coefficient"),
+    ],
+)
+def test_megatron_errors(update, needle):
+    with pytest.raises(ValueError, match=needle):
+        moe_config_from_megatron({**megatron_v3_args(), **update})
+
+
+# ----------------------------------------------------------------------------------------- YAML
+
+
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_to_yaml_round_trips(fixture, tmp_path):
+    cfg = moe_config_from_hf(hf(fixture))
+    path = tmp_path / "cfg.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(path) == cfg
+
+
+def test_to_yaml_rejects_other_types():
+    with pytest.raises(TypeError, match="MoEConfig"):
+        to_yaml({"name": "x"})
