@@ -57,11 +57,16 @@ def get_dispatch_layout(
     T = topk_idx.shape[0]
     device = topk_idx.device
     experts_per_rank = num_experts // num_ranks
-    valid_TK = topk_idx >= 0
-    # NOTE: ids are clamped so that -1 lands in a spare bucket that is cut off afterwards.
+    # NOTE: without checks, ids outside [0, E) are treated like -1 (never an out-of-bounds index).
+    valid_TK = (topk_idx >= 0) & (topk_idx < num_experts)
+    # NOTE: -1 ids land in a spare bucket that is cut off afterwards. scatter_add_, not bincount:
+    # bincount reads the maximum on the host (a device sync on CUDA).
     safe_TK = torch.where(valid_TK, topk_idx, torch.full_like(topk_idx, num_experts))
-    num_tokens_per_expert = torch.bincount(safe_TK.flatten(), minlength=num_experts + 1)
-    num_tokens_per_expert = num_tokens_per_expert[:num_experts].to(torch.int32)
+    num_tokens_per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=device)
+    num_tokens_per_expert.scatter_add_(
+        0, safe_TK.flatten(), torch.ones(safe_TK.numel(), dtype=torch.int32, device=device)
+    )
+    num_tokens_per_expert = num_tokens_per_expert[:num_experts]
 
     rank_TK = torch.where(
         valid_TK, topk_idx // experts_per_rank, torch.full_like(topk_idx, num_ranks)
