@@ -31,8 +31,8 @@ _EXPORTS: dict[str, str] = {
     "TopKRouter": "flexdispatch.routing",
     # layout and permutation
     "get_dispatch_layout": "flexdispatch.layout",
-    "permute": "flexdispatch.permute",
-    "unpermute": "flexdispatch.permute",
+    "permute": "flexdispatch.permutation",
+    "unpermute": "flexdispatch.permutation",
     # dispatch and the layer
     "FlexDispatcher": "flexdispatch.dispatcher",
     "GroupedExperts": "flexdispatch.experts",
