@@ -1,0 +1,122 @@
+"""The backend protocol: what every dispatch backend implements and reports.
+
+Shape letters (ARCHITECTURE.md): T tokens on this rank · H hidden · E experts in total · R ranks ·
+e = E / R local experts · k top-k · L ranks per node · N = R / L nodes · M received rows ·
+W worst-case rows.
+
+A backend moves rows and nothing else: it is never differentiable (``FlexDispatcher`` wraps its
+primitives in autograd Functions) and it keeps no per-call state on itself. Everything ``combine``
+needs travels in the ``DispatchHandle`` it returns. Capabilities are answered as ``(ok, reason)``
+pairs so that selection and diagnostics can explain themselves.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, DispatchStats
+
+__all__ = ["Capability", "DispatchBackend"]
+
+Capability = tuple[bool, str]
+"""``(ok, reason)``: whether a feature is supported and why (or why not)."""
+
+
+class DispatchBackend(abc.ABC):
+    """A way of moving rows between the ranks of an expert-parallel group.
+
+    Attributes:
+        name: registry name (``"torch"``, ``"deepep"``).
+        num_ranks: R.
+        rank: this rank inside the group.
+        ranks_per_node: L.
+        num_experts: E.
+        stats: cumulative counters; the backend adds bytes, rows and host syncs to them.
+    """
+
+    name: str
+    num_ranks: int
+    rank: int
+    ranks_per_node: int
+    num_experts: int
+    stats: DispatchStats
+
+    @property
+    def num_local_experts(self) -> int:
+        """e = E / R."""
+        return self.num_experts // self.num_ranks
+
+    @property
+    def num_nodes(self) -> int:
+        """N = R / L."""
+        return self.num_ranks // self.ranks_per_node
+
+    # ----------------------------------------------------------------- capabilities
+    @abc.abstractmethod
+    def supports_worst_case(self) -> Capability:
+        """Static-shape worst-case mode (``num_worst_tokens > 0``)."""
+
+    @abc.abstractmethod
+    def supports_cuda_graph(self) -> Capability:
+        """Capturing dispatch/combine in a CUDA graph."""
+
+    @abc.abstractmethod
+    def supports_hierarchical(self) -> Capability:
+        """Node-aware two-stage dispatch."""
+
+    @abc.abstractmethod
+    def supports_world(self, num_ranks: int, ranks_per_node: int) -> Capability:
+        """Running on ``num_ranks`` ranks with ``ranks_per_node`` ranks per node."""
+
+    # ----------------------------------------------------------------- primitives (no grad)
+    @abc.abstractmethod
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+        layout: DispatchLayout | None = None,
+    ) -> DispatchResult:
+        """Send each token once to every rank holding one of its experts.
+
+        Args:
+            x: ``[T, H]`` rows (bf16, fp16 or fp32).
+            topk_idx: ``[T, k]`` int64 global expert ids, ``-1`` = none.
+            topk_probs: ``[T, k]`` float32, 0 where ``topk_idx`` is ``-1``.
+            layout: optional precomputed ``get_dispatch_layout`` result for ``topk_idx``.
+
+        Returns:
+            ``DispatchResult`` satisfying the seven-point contract of ARCHITECTURE.md.
+        """
+
+    @abc.abstractmethod
+    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Send rows back along ``handle`` and sum them per source token.
+
+        Args:
+            y: ``[M, X]`` floating rows in the order ``dispatch`` returned (``[W, X]`` in
+                worst-case mode; rows past the real ones are ignored). Any width ``X``.
+
+        Returns:
+            ``[T, X]`` unweighted sum over the receiving ranks; zero for tokens sent nowhere.
+        """
+
+    @abc.abstractmethod
+    def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Send new rows along an existing handle's layout (the backward of ``combine``).
+
+        Args:
+            x: ``[T, X]`` floating rows, one per source token. Any width ``X``.
+
+        Returns:
+            ``[M, X]`` (``[W, X]`` in worst-case mode, zero past the real rows), in the order of
+            the handle's ``dispatch``.
+        """
+
+    def check_overflow(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Raise if a worst-case dispatch overflowed since construction (may sync the host)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Release communication resources."""

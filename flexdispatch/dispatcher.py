@@ -1,0 +1,332 @@
+"""``FlexDispatcher``: differentiable dispatch/combine over a selected backend.
+
+Shape letters (ARCHITECTURE.md): T tokens on this rank · H hidden · E experts in total · R ranks ·
+e = E / R local experts · k top-k · L ranks per node · N = R / L nodes · M received rows ·
+W worst-case rows.
+
+The dispatcher validates inputs, picks the backend (the same on every rank), and wraps the
+backend's no-grad primitives in autograd Functions:
+
+- backward of dispatch: ``grad x = combine(grad recv_x)``, and ``grad topk_probs =
+  combine(grad recv_topk_probs)`` with the gradient zeroed wherever ``recv_topk_idx == -1``, so
+  that each ``(token, slot)`` gets exactly the gradient of the one rank that owns its expert;
+- backward of combine: ``grad y = cached_dispatch(grad out)`` along the same handle.
+
+The handle travels in the ``DispatchResult``; nothing about a call is kept on ``self``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flexdispatch._validate import check_ids_in_range, check_tensor, checks_enabled
+from flexdispatch.backends import select_backend
+from flexdispatch.backends.base import DispatchBackend
+from flexdispatch.config import DispatchConfig
+from flexdispatch.distributed import check_fingerprint, group_size, resolve_ranks_per_node
+from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, DispatchStats
+
+__all__ = ["FlexDispatcher"]
+
+_ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class _Dispatch(torch.autograd.Function):
+    """Differentiable in ``x`` and ``topk_probs``; ``topk_idx`` and the counts are integer."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        backend: DispatchBackend,
+        layout: DispatchLayout | None,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
+        res = backend.dispatch(x, topk_idx, topk_probs, layout)
+        ctx.backend = backend
+        ctx.handle = res.handle
+        ctx.x_dtype = x.dtype
+        ctx.save_for_backward(res.recv_topk_idx)
+        ctx.mark_non_differentiable(res.recv_topk_idx, res.num_recv_tokens_per_expert)
+        return (
+            res.recv_x,
+            res.recv_topk_idx,
+            res.recv_topk_probs,
+            res.num_recv_tokens_per_expert,
+            res.handle,
+        )
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any,
+        grad_x: torch.Tensor | None,
+        _grad_idx: Any,
+        grad_probs: torch.Tensor | None,
+        _grad_counts: Any,
+        _grad_handle: Any,
+    ) -> tuple[None, None, torch.Tensor | None, None, torch.Tensor | None]:
+        (recv_idx,) = ctx.saved_tensors
+        backend: DispatchBackend = ctx.backend
+        handle: DispatchHandle = ctx.handle
+        dx = dp = None
+        # NOTE: every rank must run the same collectives; a missing gradient becomes zeros.
+        if ctx.needs_input_grad[2]:
+            if grad_x is None:
+                grad_x = torch.zeros(
+                    recv_idx.shape[0], handle.hidden, dtype=ctx.x_dtype, device=recv_idx.device
+                )
+            dx = backend.combine(grad_x.contiguous(), handle)
+        if ctx.needs_input_grad[4]:
+            if grad_probs is None:
+                grad_probs = torch.zeros(
+                    recv_idx.shape, dtype=torch.float32, device=recv_idx.device
+                )
+            masked = torch.where(recv_idx >= 0, grad_probs.to(torch.float32), 0.0)
+            dp = backend.combine(masked, handle)
+        return None, None, dx, None, dp
+
+
+class _Combine(torch.autograd.Function):
+    """Differentiable in ``y``."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, backend: DispatchBackend, handle: DispatchHandle, y: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.backend = backend
+        ctx.handle = handle
+        return backend.combine(y, handle)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_out: torch.Tensor
+    ) -> tuple[None, None, torch.Tensor]:
+        return None, None, ctx.backend.cached_dispatch(grad_out.contiguous(), ctx.handle)
+
+
+class FlexDispatcher:
+    """Expert-parallel dispatch/combine with one contract for every backend.
+
+    Args:
+        config: ``DispatchConfig`` (backend, worst-case rows W, hierarchical, ranks per node,
+            checks).
+        num_experts: E, divisible by the group size R.
+        group: the expert-parallel process group; None = WORLD, or a world of one rank when
+            ``torch.distributed`` is not initialised (no collectives at all).
+
+    Construction is collective: every rank of ``group`` must build its dispatcher at the same
+    time, with the same config (checked: a fingerprint of every config field, ``num_experts`` and
+    the resolved L is compared, and every rank raises ``ValueError`` naming the differing fields).
+
+    Raises:
+        ValueError: bad world size / ranks per node / W, configs differing across ranks, or
+            ``backend="deepep"`` unavailable.
+    """
+
+    def __init__(
+        self,
+        config: DispatchConfig,
+        *,
+        num_experts: int,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not isinstance(config, DispatchConfig):
+            raise TypeError(f"config must be a DispatchConfig, got {type(config).__name__}")
+        if not isinstance(num_experts, int) or num_experts <= 0:
+            raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+        self.config = config
+        self.group = group
+        R = group_size(group)
+        L, self.ranks_per_node_source = resolve_ranks_per_node(config.ranks_per_node, R)
+        fields: dict[str, object] = dict(config.model_dump())
+        fields["num_experts"] = num_experts
+        fields["ranks_per_node (resolved)"] = L
+        check_fingerprint(fields, group)
+        self.stats = DispatchStats()
+        self._backend, self.backend_reason = select_backend(
+            config, group, num_experts=num_experts, ranks_per_node=L, stats=self.stats
+        )
+        if config.hierarchical:
+            ok, why = self._backend.supports_hierarchical()
+            if not ok:
+                raise ValueError(f"hierarchical dispatch not supported: {why}")
+        if config.num_worst_tokens:
+            ok, why = self._backend.supports_worst_case()
+            if not ok:
+                raise ValueError(f"num_worst_tokens not supported: {why}")
+        self.num_experts = num_experts
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def backend(self) -> DispatchBackend:
+        """The backend object (for capability queries)."""
+        return self._backend
+
+    @property
+    def backend_name(self) -> str:
+        """``"torch"`` or ``"deepep"``."""
+        return self._backend.name
+
+    @property
+    def num_ranks(self) -> int:
+        """R."""
+        return self._backend.num_ranks
+
+    @property
+    def rank(self) -> int:
+        """This rank inside the group."""
+        return self._backend.rank
+
+    @property
+    def ranks_per_node(self) -> int:
+        """L (from the config, ``LOCAL_WORLD_SIZE``, or R; see ``ranks_per_node_source``)."""
+        return self._backend.ranks_per_node
+
+    @property
+    def num_nodes(self) -> int:
+        """N = R / L."""
+        return self._backend.num_nodes
+
+    @property
+    def num_local_experts(self) -> int:
+        """e = E / R."""
+        return self._backend.num_local_experts
+
+    # ----------------------------------------------------------------- validation
+    def _check_inputs(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+        layout: DispatchLayout | None,
+    ) -> None:
+        check_tensor("x", x, ndim=2, floating=True)
+        if x.dtype not in _ROW_DTYPES:
+            raise TypeError(
+                f"x must be bfloat16, float16 or float32, got {str(x.dtype).replace('torch.', '')}"
+                f": convert it with x.to(torch.bfloat16) or x.float()"
+            )
+        check_tensor("topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2)
+        check_tensor("topk_probs", topk_probs, dtypes=(torch.float32,), ndim=2)
+        T = x.shape[0]
+        if topk_idx.shape[0] != T:
+            raise ValueError(
+                f"topk_idx has {topk_idx.shape[0]} rows but x has {T}: one row of expert ids per "
+                f"token"
+            )
+        if topk_probs.shape != topk_idx.shape:
+            raise ValueError(
+                f"topk_probs has shape {tuple(topk_probs.shape)} but topk_idx has "
+                f"{tuple(topk_idx.shape)}: they must match"
+            )
+        if topk_idx.shape[1] == 0:
+            raise ValueError("topk_idx must have at least one column (k >= 1)")
+        for name, t in (("topk_idx", topk_idx), ("topk_probs", topk_probs)):
+            if t.device != x.device:
+                raise ValueError(
+                    f"{name} is on {t.device} but x is on {x.device}: move them to one device"
+                )
+        if layout is not None:
+            mask = layout.is_token_in_rank
+            if tuple(mask.shape) != (T, self.num_ranks) or mask.dtype != torch.bool:
+                raise ValueError(
+                    f"layout.is_token_in_rank must be a [{T}, {self.num_ranks}] bool tensor, got "
+                    f"{tuple(mask.shape)} {mask.dtype}: build the layout with "
+                    f"get_dispatch_layout(topk_idx, num_experts, num_ranks)"
+                )
+        if checks_enabled(self.config.checks or None):
+            check_ids_in_range("topk_idx", topk_idx, self.num_experts)
+
+    # ----------------------------------------------------------------- public API
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+        *,
+        layout: DispatchLayout | None = None,
+    ) -> DispatchResult:
+        """Send each token once to every rank that holds one of its experts.
+
+        Args:
+            x: ``[T, H]`` bf16/fp16/fp32 rows (T may be 0).
+            topk_idx: ``[T, k]`` int64 global expert ids, ``-1`` = no expert.
+            topk_probs: ``[T, k]`` float32 routing weights (0 where ``topk_idx`` is ``-1``).
+            layout: optional ``get_dispatch_layout(topk_idx, E, R)`` result, reused if given.
+
+        Returns:
+            ``DispatchResult``: ``recv_x [M, H]`` (x's dtype), ``recv_topk_idx [M, k]`` int64 local
+            ids or ``-1``, ``recv_topk_probs [M, k]`` float32 (0 where ``-1``),
+            ``num_recv_tokens_per_expert [e]`` int64 device tensor, and the handle. Rows are
+            ordered by source rank, then source token. In worst-case mode ``M = W`` and rows past
+            the real ones are zero / ``-1`` / 0.
+
+        Raises:
+            TypeError / ValueError: malformed inputs (raised before any collective); on every
+            rank: ranks disagree on H, k or dtype, or (dropless off, CPU or checks on) a
+            worst-case overflow.
+        """
+        self._check_inputs(x, topk_idx, topk_probs, layout)
+        recv_x, recv_idx, recv_probs, counts, handle = _Dispatch.apply(
+            self._backend, layout, x.contiguous(), topk_idx.contiguous(), topk_probs.contiguous()
+        )
+        self.stats.dispatch_calls += 1
+        return DispatchResult(
+            recv_x=recv_x,
+            recv_topk_idx=recv_idx,
+            recv_topk_probs=recv_probs,
+            num_recv_tokens_per_expert=counts,
+            handle=handle,
+        )
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Send expert outputs back and sum them per source token (unweighted).
+
+        Args:
+            y: ``[M, H]`` floating rows in the order ``dispatch`` returned (``[W, H]`` in
+                worst-case mode; the tail rows are ignored).
+            handle: ``DispatchResult.handle`` of that dispatch.
+
+        Returns:
+            ``[T, H]`` with y's dtype: for each token the sum over the ranks that received it of
+            their row; zero for tokens sent nowhere.
+        """
+        if not isinstance(handle, DispatchHandle) or handle.backend != self.backend_name:
+            raise TypeError(
+                "handle must be the DispatchHandle of this dispatcher's dispatch (result.handle)"
+            )
+        check_tensor("y", y, ndim=2, floating=True)
+        if tuple(y.shape) != (handle.num_recv_rows, handle.hidden):
+            raise ValueError(
+                f"y must have shape [{handle.num_recv_rows}, {handle.hidden}] (the rows dispatch "
+                f"returned), got {tuple(y.shape)}"
+            )
+        out = _Combine.apply(self._backend, handle, y.contiguous())
+        self.stats.combine_calls += 1
+        return out
+
+    def check_overflow(self) -> None:
+        """Raise ``ValueError`` if a worst-case dispatch since construction overflowed.
+
+        On CPU, and on CUDA with checks enabled, an overflow raises inside ``dispatch`` on every
+        rank. On CUDA without checks (e.g. under CUDA-graph capture) the dispatch cannot look at
+        the counts without a host sync, so it records the largest W needed on the device and drops
+        the rows past each cap (never writing out of bounds); call this method (it syncs) at a
+        safe point, e.g. after a step, to turn that record into an error.
+        """
+        self._backend.check_overflow()
+
+    def close(self) -> None:
+        """Release the backend's resources; the dispatcher must not be used afterwards."""
+        self._backend.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"FlexDispatcher(backend={self.backend_name!r}, R={self.num_ranks}, "
+            f"rank={self.rank}, L={self.ranks_per_node}, E={self.num_experts}, "
+            f"W={self.config.num_worst_tokens}, hierarchical={self.config.hierarchical})"
+        )

@@ -1,0 +1,177 @@
+"""Process-group helpers: world/rank/node detection and the config fingerprint exchange.
+
+Shape letters (ARCHITECTURE.md): R ranks in the expert-parallel group · L ranks per node ·
+N = R / L nodes.
+
+``group=None`` means the default process group (WORLD). When ``torch.distributed`` is not
+initialised, every helper behaves as a world of one rank (R = 1, no collectives), which is what
+single-process tests and the demo use.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "is_distributed",
+    "group_size",
+    "group_rank",
+    "collective_device",
+    "resolve_ranks_per_node",
+    "all_gather_int64",
+    "all_reduce_min_flag",
+    "stable_hash",
+    "check_fingerprint",
+]
+
+
+def is_distributed(group: dist.ProcessGroup | None = None) -> bool:
+    """True when collectives must run: torch.distributed is initialised (any group size)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def group_size(group: dist.ProcessGroup | None = None) -> int:
+    """R, the number of ranks of ``group`` (1 when torch.distributed is not initialised)."""
+    return dist.get_world_size(group) if is_distributed(group) else 1
+
+
+def group_rank(group: dist.ProcessGroup | None = None) -> int:
+    """This process's rank inside ``group`` (0 when torch.distributed is not initialised)."""
+    return dist.get_rank(group) if is_distributed(group) else 0
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Device on which small control tensors must live for ``group``'s backend.
+
+    NCCL groups need CUDA tensors (the current CUDA device); gloo and the world of one use CPU.
+    """
+    if is_distributed(group) and torch.cuda.is_available():
+        backend = str(dist.get_backend(group)).lower()
+        if "nccl" in backend:
+            return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def resolve_ranks_per_node(configured: int | None, num_ranks: int) -> tuple[int, str]:
+    """L, the ranks per node, and where it came from.
+
+    Args:
+        configured: ``DispatchConfig.ranks_per_node`` (None to detect).
+        num_ranks: R.
+
+    Returns:
+        ``(L, source)`` with ``source`` one of ``"config"``, ``"LOCAL_WORLD_SIZE"`` or
+        ``"world"`` (no launcher information: every rank on one node).
+
+    Raises:
+        ValueError: L does not divide R, or LOCAL_WORLD_SIZE is not a positive integer.
+    """
+    if configured is not None:
+        value, source = configured, "config"
+    elif os.environ.get("LOCAL_WORLD_SIZE"):
+        text = os.environ["LOCAL_WORLD_SIZE"]
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(
+                f"LOCAL_WORLD_SIZE={text!r} is not an integer: fix the launcher environment or set "
+                f"DispatchConfig.ranks_per_node"
+            ) from None
+        source = "LOCAL_WORLD_SIZE"
+        if value <= 0:
+            raise ValueError(f"LOCAL_WORLD_SIZE={value} must be positive")
+        # NOTE: an EP group smaller than the launcher's node (e.g. EP inside a node) is one node.
+        value = min(value, num_ranks)
+    else:
+        value, source = num_ranks, "world"
+    if num_ranks % value:
+        raise ValueError(
+            f"the expert-parallel world size {num_ranks} is not a multiple of ranks_per_node="
+            f"{value} (from {source}): set DispatchConfig.ranks_per_node to a divisor of "
+            f"{num_ranks}"
+        )
+    return value, source
+
+
+def all_gather_int64(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """All-gather a 1-D int64 vector from every rank.
+
+    Args:
+        values: ``[n]`` int64, same ``n`` on every rank, on ``collective_device(group)``.
+        group: the process group (None = WORLD).
+
+    Returns:
+        ``[R, n]`` int64; row ``r`` is rank ``r``'s vector.
+    """
+    if not is_distributed(group):
+        return values.reshape(1, -1).clone()
+    size = dist.get_world_size(group)
+    flat = values.reshape(-1).contiguous()
+    out = torch.empty(size * flat.numel(), dtype=flat.dtype, device=flat.device)
+    # NOTE: torch >= 2.13 renames all_gather_into_tensor to all_gather_single.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, flat, group=group)
+    return out.view(size, flat.numel())
+
+
+def all_reduce_min_flag(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """True only when ``flag`` is True on every rank (one small MIN all-reduce)."""
+    if not is_distributed(group):
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=collective_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return bool(t.item())
+
+
+def stable_hash(value: object) -> int:
+    """A hash of ``repr(value)`` that is equal across processes (unlike the salted ``hash``)."""
+    return zlib.crc32(repr(value).encode())
+
+
+def check_fingerprint(fields: Mapping[str, object], group: dist.ProcessGroup | None = None) -> None:
+    """Raise on every rank when the ranks disagree on any field.
+
+    Every rank all-gathers one stable hash per field (a fixed-size int64 vector, so the collective
+    itself cannot mismatch); when any column differs, the field values are exchanged with
+    ``all_gather_object`` (every rank takes this branch together) and the error names them.
+
+    Args:
+        fields: name -> value, the same names in the same order on every rank.
+        group: the process group (None = WORLD).
+
+    Raises:
+        ValueError: naming each differing field and its value on each rank.
+    """
+    if not is_distributed(group):
+        return
+    names = list(fields)
+    device = collective_device(group)
+    # NOTE: the field count goes first so that ranks with different field lists also disagree.
+    vec = torch.tensor(
+        [len(names), stable_hash(names)] + [stable_hash(fields[n]) for n in names],
+        dtype=torch.int64,
+        device=device,
+    )
+    n_all = torch.tensor([vec.numel()], dtype=torch.int64, device=device)
+    sizes = all_gather_int64(n_all, group).flatten().tolist()
+    if len(set(sizes)) == 1:
+        gathered = all_gather_int64(vec, group).cpu()
+        if bool((gathered == gathered[0]).all()):
+            return
+    reprs: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reprs, {n: repr(fields[n]) for n in names}, group=group)
+    lines = []
+    all_names = list(dict.fromkeys(n for r in reprs for n in r))  # type: ignore[union-attr]
+    for name in all_names:
+        per_rank = [r.get(name, "<missing>") for r in reprs]  # type: ignore[union-attr]
+        if len(set(per_rank)) > 1:
+            lines.append(f"{name}: " + ", ".join(f"rank {i}={v}" for i, v in enumerate(per_rank)))
+    raise ValueError(
+        "FlexDispatcher configs differ across ranks (every rank must build the dispatcher with the "
+        "same DispatchConfig, num_experts and ranks_per_node): " + "; ".join(lines)
+    )

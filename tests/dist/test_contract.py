@@ -1,0 +1,316 @@
+"""The seven-point dispatch contract (ARCHITECTURE.md), on real gloo groups, for every backend.
+
+Shape letters (ARCHITECTURE.md): T tokens · H hidden · E experts · R ranks · e = E / R · k top-k ·
+L ranks per node · N = R / L nodes · M received rows · W worst-case rows.
+
+One spawned group per (backend, topology) runs every mode (flat / hierarchical × dropless /
+worst-case) and every case inside the worker; each rank knows the answer without communication
+(``reference.py``). ``BACKENDS_UNDER_TEST`` is the list to extend (e.g. a "deepep-emulated"
+backend registered in ``flexdispatch.backends.BACKENDS``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.dist.harness import run_group
+from tests.dist.reference import (
+    CASES,
+    all_inputs,
+    expert_fn,
+    pair_counts,
+    ref_combine,
+    ref_dispatch,
+    worst_needed,
+)
+
+BACKENDS_UNDER_TEST = ["torch"]
+TOPOLOGIES = [(2, 1), (2, 2), (4, 2)]  # (R, L): 2 nodes x 1, 1 node x 2, 2 nodes x 2
+MODES = [(False, False), (False, True), (True, False), (True, True)]  # (hierarchical, worst)
+K, H, E_PER_RANK = 3, 8, 3
+
+
+def _mode_name(hier: bool, worst: bool) -> str:
+    return f"{'hier' if hier else 'flat'}-{'worst' if worst else 'dropless'}"
+
+
+def _dispatcher(backend: str, E: int, L: int, hier: bool, W: int) -> Any:
+    from flexdispatch import DispatchConfig, FlexDispatcher
+
+    cfg = DispatchConfig(backend=backend, hierarchical=hier, ranks_per_node=L, num_worst_tokens=W)
+    return FlexDispatcher(cfg, num_experts=E)
+
+
+def _check_dispatch(res: Any, ref: Any, W: int, where: str) -> None:
+    """Points 1-4 and 6 (worst-case shape, prefix and tail) against the reference."""
+    M = ref.x.shape[0]
+    rows = W if W else M
+    assert res.recv_x.shape == (rows, H), f"{where}: recv_x shape {tuple(res.recv_x.shape)}"
+    assert res.recv_topk_idx.shape == (rows, K) and res.recv_topk_idx.dtype == torch.int64
+    assert res.recv_topk_probs.shape == (rows, K) and res.recv_topk_probs.dtype == torch.float32
+    assert res.recv_x.dtype == ref.x.dtype, f"{where}: dtype {res.recv_x.dtype}"
+    # points 1 + 2: one row per (token, destination rank), in (source rank, token) order
+    assert torch.equal(res.recv_x[:M], ref.x), f"{where}: received rows differ"
+    # point 3: local ids, -1 elsewhere, probs 0 there
+    assert torch.equal(res.recv_topk_idx[:M], ref.idx), f"{where}: recv_topk_idx differs"
+    assert torch.equal(res.recv_topk_probs[:M], ref.probs), f"{where}: recv_topk_probs differs"
+    assert bool((res.recv_topk_probs[res.recv_topk_idx < 0] == 0).all())
+    # point 4: per-expert counts, as a device tensor
+    counts = res.num_recv_tokens_per_expert
+    assert isinstance(counts, torch.Tensor) and counts.dtype == torch.int64
+    assert counts.device == res.recv_x.device
+    assert torch.equal(counts, ref.counts), f"{where}: counts {counts} != {ref.counts}"
+    # point 6: the tail of a worst-case result
+    if W:
+        assert bool((res.recv_x[M:] == 0).all()), f"{where}: recv_x tail not zero"
+        assert bool((res.recv_topk_idx[M:] == -1).all()), f"{where}: idx tail not -1"
+        assert bool((res.recv_topk_probs[M:] == 0).all()), f"{where}: probs tail not 0"
+
+
+def _expected_flat_bytes(
+    C: list[list[int]], me: int, L: int, row_bytes: int, meta_bytes: int, W: int
+) -> tuple[int, int]:
+    """(intra, inter) bytes a flat dispatch + combine of ``row_bytes`` rows puts on the wire."""
+    R = len(C)
+    intra = inter = 0
+    for r in range(R):
+        if r == me:
+            continue
+        out_rows = W // R if W else C[me][r]
+        back_rows = W // R if W else C[r][me]
+        n = out_rows * (row_bytes + meta_bytes) + back_rows * row_bytes
+        if r // L == me // L:
+            intra += n
+        else:
+            inter += n
+    return intra, inter
+
+
+def contract_worker(rank: int, R: int, backend: str, L: int, seed: int) -> dict[str, Any]:
+    """Every mode x case on one group; returns per-mode stats for the parent's comparisons."""
+    E = E_PER_RANK * R
+    kw = {"R": R, "E": E, "k": K, "H": H}
+    report: dict[str, Any] = {"checked": 0, "stats": {}}
+    for case in CASES:
+        inputs = all_inputs(seed, case=case, **kw)
+        mine = inputs[rank]
+        ref = ref_dispatch(inputs, rank, E)
+        ref_out = ref_combine(mine, E, R)
+        C = pair_counts(inputs, E)
+        W = max(worst_needed(inputs, E, L, h) for h in (False, True)) + R
+        # NOTE: non-exact random rows for the bit-equality comparisons between modes.
+        noisy = all_inputs(seed + 1, case=case, exact=False, **kw)
+        seen: dict[str, tuple[torch.Tensor, ...]] = {}
+        for hier, worst in MODES:
+            name = _mode_name(hier, worst)
+            where = f"rank {rank} {case} {name}"
+            d = _dispatcher(backend, E, L, hier, W if worst else 0)
+            res = d.dispatch(mine.x, mine.idx, mine.probs)
+            _check_dispatch(res, ref, W if worst else 0, where)
+            out = d.combine(expert_fn(res.recv_x, res.recv_topk_probs, rank), res.handle)
+            # point 5: unweighted sum over the receiving ranks, zero for tokens sent nowhere
+            assert out.shape == mine.x.shape and out.dtype == mine.x.dtype
+            torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=0, msg=where)
+            assert d.stats.host_syncs == (0 if worst else 1), f"{where}: {d.stats}"
+            assert d.stats.dispatch_calls == 1 and d.stats.combine_calls == 1
+            if not hier:
+                want = _expected_flat_bytes(C, rank, L, H * 4, 8 * K, W if worst else 0)
+                got = (d.stats.bytes_sent_intra_node, d.stats.bytes_sent_inter_node)
+                assert got == want, f"{where}: bytes {got} != {want}"
+            if not worst:
+                assert d.stats.rows_received == ref.x.shape[0]
+            report["stats"][(case, name)] = d.stats.as_dict()
+            # modes must agree bit for bit on non-exact data (flat vs hier, worst prefix)
+            nx = noisy[rank]
+            r2 = d.dispatch(nx.x, nx.idx, nx.probs)
+            y2 = torch.sin(r2.recv_x) * 1.37 + r2.recv_x * r2.recv_topk_probs.sum(1, keepdim=True)
+            o2 = d.combine(y2, r2.handle)
+            M2 = ref_dispatch(noisy, rank, E).x.shape[0]
+            seen[name] = (r2.recv_x[:M2], r2.recv_topk_idx[:M2], r2.recv_topk_probs[:M2], o2)
+            assert d.stats.host_syncs == (0 if worst else 2)
+            d.close()
+            report["checked"] += 1
+        base = seen["flat-dropless"]
+        for name, got in seen.items():
+            for a, b in zip(base, got, strict=True):
+                assert torch.equal(a, b), f"rank {rank} {case}: {name} differs from flat-dropless"
+    return report
+
+
+def autograd_worker(rank: int, R: int, backend: str, L: int, seed: int) -> int:
+    """Grads of x and probs through dispatch -> experts -> combine equal the local reference."""
+    E = E_PER_RANK * R
+    kw = {"R": R, "E": E, "k": K, "H": H}
+    checked = 0
+    for case in ("random", "empty_rank"):
+        inputs = all_inputs(seed, case=case, exact=False, **kw)
+        mine = inputs[rank]
+        W = max(worst_needed(inputs, E, L, h) for h in (False, True)) + R
+        w_out = torch.randn(mine.x.shape, generator=torch.Generator().manual_seed(rank))
+        xr = mine.x.clone().requires_grad_()
+        pr = mine.probs.clone().requires_grad_()
+        ref_loss = (ref_combine(mine, E, R, x=xr, probs=pr) * w_out).sum()
+        if ref_loss.requires_grad:  # T = 0: nothing to differentiate
+            ref_loss.backward()
+        ref_gx = xr.grad if xr.grad is not None else torch.zeros_like(xr)
+        ref_gp = pr.grad if pr.grad is not None else torch.zeros_like(pr)
+        for hier, worst in MODES:
+            where = f"rank {rank} {case} {_mode_name(hier, worst)}"
+            d = _dispatcher(backend, E, L, hier, W if worst else 0)
+            x = mine.x.clone().requires_grad_()
+            p = mine.probs.clone().requires_grad_()
+            res = d.dispatch(x, mine.idx, p)
+            out = d.combine(expert_fn(res.recv_x, res.recv_topk_probs, rank), res.handle)
+            (out * w_out).sum().backward()
+            assert x.grad is not None and p.grad is not None, where
+            torch.testing.assert_close(x.grad, ref_gx, rtol=1e-5, atol=1e-5, msg=where)
+            torch.testing.assert_close(p.grad, ref_gp, rtol=1e-5, atol=1e-5, msg=where)
+            assert bool((p.grad[mine.idx < 0] == 0).all()), f"{where}: grad at -1 slots"
+            checked += 1
+    return checked
+
+
+def bf16_worker(rank: int, R: int, backend: str, L: int, seed: int) -> int:
+    """bf16 rows stay bf16 (in the result and on the wire) and move bit for bit."""
+    E = E_PER_RANK * R
+    kw = {"R": R, "E": E, "k": K, "H": H}
+    inputs = all_inputs(seed, exact=False, dtype=torch.bfloat16, **kw)
+    mine = inputs[rank]
+    ref = ref_dispatch(inputs, rank, E)
+    C = pair_counts(inputs, E)
+    W = max(worst_needed(inputs, E, L, h) for h in (False, True)) + R
+    checked = 0
+    for hier, worst in MODES:
+        where = f"rank {rank} bf16 {_mode_name(hier, worst)}"
+        d = _dispatcher(backend, E, L, hier, W if worst else 0)
+        res = d.dispatch(mine.x, mine.idx, mine.probs)
+        _check_dispatch(res, ref, W if worst else 0, where)
+        out = d.combine(res.recv_x, res.handle)
+        assert out.dtype == torch.bfloat16, where
+        n_dest = torch.tensor(
+            [len({i // E_PER_RANK for i in row if i >= 0}) for row in mine.idx.tolist()],
+            dtype=torch.float32,
+        )
+        want = mine.x.float() * n_dest[:, None]
+        torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=1e-2, msg=where)
+        if not hier:
+            got = (d.stats.bytes_sent_intra_node, d.stats.bytes_sent_inter_node)
+            assert got == _expected_flat_bytes(C, rank, L, H * 2, 8 * K, W if worst else 0)
+        checked += 1
+    return checked
+
+
+def grads_and_bf16_worker(rank: int, R: int, backend: str, L: int, seed: int) -> tuple[int, int]:
+    """Both workers in one group (spawning costs seconds)."""
+    return autograd_worker(rank, R, backend, L, seed), bf16_worker(rank, R, backend, L, seed)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)
+@pytest.mark.parametrize(("R", "L"), TOPOLOGIES, ids=[f"R{r}-L{l}" for r, l in TOPOLOGIES])
+def test_contract(backend: str, R: int, L: int) -> None:
+    reports = run_group(contract_worker, R, backend, L, 1234, timeout=200)
+    assert all(r["checked"] == len(CASES) * len(MODES) for r in reports)
+
+    def inter(name: str) -> int:
+        return sum(r["stats"][("random", name)]["bytes_sent_inter_node"] for r in reports)
+
+    if R // L > 1 and L > 1:
+        # hierarchical sends fewer bytes across nodes than flat on the same inputs
+        assert 0 < inter("hier-dropless") < inter("flat-dropless")
+    elif L == 1:
+        # one rank per node: the forwarder is the destination, nothing to save
+        assert inter("hier-dropless") == inter("flat-dropless") > 0
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)
+@pytest.mark.parametrize(("R", "L"), [(2, 1), (4, 2)], ids=["R2-L1", "R4-L2"])
+def test_autograd_and_bf16(backend: str, R: int, L: int) -> None:
+    results = run_group(grads_and_bf16_worker, R, backend, L, 99, timeout=200)
+    assert results == [(2 * len(MODES), len(MODES))] * R
+
+
+def _raises(fn: Any) -> str:
+    """Run ``fn``; return the ValueError's message ("" when nothing was raised)."""
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def errors_worker(rank: int, R: int, backend: str, L: int, seed: int) -> dict[str, str]:
+    """Errors that must be raised on every rank, naming the numbers; the group stays usable."""
+    from flexdispatch import DispatchConfig, FlexDispatcher
+
+    E = E_PER_RANK * R
+    kw = {"R": R, "E": E, "k": K, "H": H}
+    inputs = all_inputs(seed, **kw)
+    mine = inputs[rank]
+    ref = ref_dispatch(inputs, rank, E)
+    C = pair_counts(inputs, E)
+    need = max(max(row) for row in C)
+    out: dict[str, str] = {}
+
+    def run(hier: bool, W: int, x: torch.Tensor = mine.x) -> None:
+        d = _dispatcher(backend, E, L, hier, W)
+        res = d.dispatch(x, mine.idx, mine.probs)
+        _check_dispatch(res, ref, W, f"rank {rank} W={W} hier={hier}")
+
+    # worst-case overflow: one row short fails, the exact size works
+    out["flat_overflow"] = _raises(lambda: run(False, R * (need - 1)))
+    run(False, R * need)
+    w_hier = worst_needed(inputs, E, L, True)
+    out["hier_overflow"] = _raises(lambda: run(True, w_hier - R))
+    run(True, w_hier)
+    # ranks that disagree on H or on the dtype
+    wide = torch.zeros(mine.x.shape[0], H + 1) if rank == R - 1 else mine.x
+    for hier, worst in MODES:
+        W = w_hier + R if worst else 0
+        out[f"hidden_{_mode_name(hier, worst)}"] = _raises(lambda: run(hier, W, wide))  # noqa: B023
+    half = mine.x.to(torch.bfloat16) if rank == 0 else mine.x
+    out["dtype"] = _raises(lambda: run(False, 0, half))
+    # configs that differ across ranks
+    cfg = DispatchConfig(backend=backend, ranks_per_node=L, hierarchical=rank == 0)
+    out["fingerprint_config"] = _raises(lambda: FlexDispatcher(cfg, num_experts=E))
+    cfg = DispatchConfig(backend=backend, ranks_per_node=L)
+    out["fingerprint_experts"] = _raises(
+        lambda: FlexDispatcher(cfg, num_experts=E + R * (rank == R - 1))
+    )
+    # the group still works after all of that
+    run(False, 0)
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)
+def test_errors_on_every_rank(backend: str) -> None:
+    R, L = 4, 2
+    results = run_group(errors_worker, R, backend, L, 5, timeout=200)
+    E = E_PER_RANK * R
+    inputs = all_inputs(5, R=R, E=E, k=K, H=H)
+    need = max(max(row) for row in pair_counts(inputs, E))
+    w_hier = worst_needed(inputs, E, L, True)
+    for rank, msgs in enumerate(results):
+        where = f"rank {rank}"
+        m = msgs["flat_overflow"]
+        assert f"needs {need} rows" in m and f"W={R * (need - 1)}" in m, (where, m)
+        assert f"W/{R} = {need - 1}" in m and f"at least {R * need}" in m, (where, m)
+        m = msgs["hier_overflow"]
+        assert f"W={w_hier - R}" in m and f"at least {w_hier}" in m, (where, m)
+        for hier, worst in MODES:
+            m = msgs[f"hidden_{_mode_name(hier, worst)}"]
+            assert "hidden size" in m and f"rank {R - 1}={H + 1}" in m and f"rank 0={H}" in m
+        m = msgs["dtype"]
+        assert "dtype" in m and "rank 0=bfloat16" in m and "rank 1=float32" in m, (where, m)
+        m = msgs["fingerprint_config"]
+        assert "hierarchical" in m and "rank 0=True" in m and "rank 1=False" in m, (where, m)
+        m = msgs["fingerprint_experts"]
+        assert "num_experts" in m and f"rank {R - 1}={E + R}" in m and f"rank 0={E}" in m
