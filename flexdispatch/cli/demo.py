@@ -1,0 +1,359 @@
+"""``flexdispatch demo``: an expert-parallel MoE layer, forward and backward, checked end to end.
+
+By default it spawns a simulated group on this machine's CPUs (2 nodes × 2 ranks over gloo on
+127.0.0.1). Under ``torchrun`` it joins the group the launcher set up (NCCL on GPUs, gloo
+otherwise). Each rank runs ``MoELayer`` forward and backward in the flat and the hierarchical
+mode; the results are compared with a single-process dense reference (every rank's tokens routed
+by the same router and sent through every expert in one process), and a report is printed.
+
+R ranks · L ranks per node · N nodes · T tokens per rank · H hidden · E experts · e = E / R.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["DemoSpec", "register", "run", "run_rank", "check_against_reference"]
+
+_MODES = ("flat", "hierarchical")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoSpec:
+    """What every rank of the demo needs (picklable)."""
+
+    preset: str
+    backend: str
+    tokens: int
+    seed: int
+    iters: int
+    worst_case: bool
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="run an expert-parallel MoE layer on a simulated group and check it",
+        description=__doc__.split("\n\n")[1],
+    )
+    p.add_argument("--nodes", type=int, default=2, help="simulated nodes (default 2)")
+    p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
+    p.add_argument("--preset", default="tiny_cpu", help="preset name or YAML path")
+    p.add_argument("--backend", default="auto", choices=("auto", "torch", "deepep"))
+    p.add_argument("--tokens", type=int, default=64, help="tokens per rank (default 64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--iters", type=int, default=3, help="timed iterations per mode (default 3)")
+    p.add_argument(
+        "--worst-case",
+        action="store_true",
+        help="use the static-shape worst-case mode (num_worst_tokens = R * T)",
+    )
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run)
+
+
+def _progress(msg: str) -> None:
+    print(f"[demo] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _layer_config(spec: DemoSpec, mode: str, num_ranks: int, ranks_per_node: int):
+    from flexdispatch.config import load_config
+
+    cfg = load_config(spec.preset)
+    dispatch = cfg.dispatch.model_copy(
+        update={
+            "backend": spec.backend,
+            "hierarchical": mode == "hierarchical",
+            "ranks_per_node": ranks_per_node,
+            "num_worst_tokens": spec.tokens * num_ranks if spec.worst_case else 0,
+        }
+    )
+    return cfg.model_copy(update={"dispatch": dispatch})
+
+
+def global_inputs(spec: DemoSpec, num_ranks: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's tokens and output gradients, ``[R, T, H]`` each, from one seed."""
+    gen = torch.Generator().manual_seed(spec.seed + 12345)
+    x = torch.randn(num_ranks, spec.tokens, hidden, generator=gen)
+    g = torch.randn(num_ranks, spec.tokens, hidden, generator=gen)
+    return x, g
+
+
+# --------------------------------------------------------------------------- one rank
+
+
+def run_rank(spec: DemoSpec) -> dict[str, Any]:
+    """Body of one rank (the process group is already initialised). Returns CPU tensors."""
+    import torch.distributed as dist
+
+    from flexdispatch.moe import MoELayer
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    L = int(os.environ.get("LOCAL_WORLD_SIZE", R))
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl" and torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    out: dict[str, Any] = {"rank": rank, "world": R, "ranks_per_node": L, "modes": {}}
+    for mode in _MODES:
+        cfg = _layer_config(spec, mode, R, L)
+        layer = MoELayer(cfg, seed=spec.seed, device=device)
+        x_all, g_all = global_inputs(spec, R, cfg.hidden_size)
+        x = x_all[rank].to(device).requires_grad_(True)
+        g = g_all[rank].to(device)
+        times_f, times_b = [], []
+        for it in range(spec.iters):
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            dist.barrier()
+            t0 = time.perf_counter()
+            res = layer(x)
+            t1 = time.perf_counter()
+            (res.output * g).sum().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            if it > 0 or spec.iters == 1:
+                times_f.append(t1 - t0)
+                times_b.append(t2 - t1)
+        stats = layer.dispatcher.stats.as_dict()
+        calls = max(1, stats["dispatch_calls"])
+        out["backend"] = layer.dispatcher.backend_name
+        out["backend_reason"] = layer.dispatcher.backend_reason
+        out["modes"][mode] = {
+            "output": res.output.detach().cpu(),
+            "grad_x": x.grad.detach().cpu(),
+            "grad_router": layer.router.weight.grad.detach().cpu(),
+            "grad_experts": {
+                n: p.grad.detach().cpu()
+                for n, p in layer.experts.named_parameters()
+                if p.grad is not None
+            },
+            "tokens_per_expert": res.routing.tokens_per_expert.cpu(),
+            "recv_rows": int((res.dispatch.recv_topk_idx >= 0).any(1).sum()),
+            "stats_per_iter": {k: v / calls for k, v in stats.items()},
+            "forward_ms": 1e3 * statistics.median(times_f),
+            "backward_ms": 1e3 * statistics.median(times_b),
+        }
+        layer.dispatcher.close()
+    return out
+
+
+def _launcher_entry(spec: DemoSpec) -> list[dict[str, Any]] | None:
+    """Under torchrun: join the launcher's group, run, gather everything on rank 0."""
+    import torch.distributed as dist
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    try:
+        mine = run_rank(spec)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        return gathered if dist.get_rank() == 0 else None
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- the reference
+
+
+def check_against_reference(spec: DemoSpec, results: list[dict[str, Any]]) -> dict[str, float]:
+    """Max abs difference per quantity between the EP run and the single-process reference."""
+    from flexdispatch.config import load_config
+    from flexdispatch.experts import init_expert_weights
+    from flexdispatch.reference import dense_moe_reference
+    from flexdispatch.routing import TopKRouter
+
+    R = results[0]["world"]
+    cfg = load_config(spec.preset)
+    E, H = cfg.router.num_experts, cfg.hidden_size
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        router = TopKRouter(cfg.router, H)
+    ws = [
+        init_expert_weights(
+            g,
+            spec.seed,
+            hidden_size=H,
+            ffn_hidden_size=cfg.ffn_hidden_size,
+            activation=cfg.activation,
+        )
+        for g in range(E)
+    ]
+    w1 = torch.stack([w.w1 for w in ws]).requires_grad_(True)
+    w2 = torch.stack([w.w2 for w in ws]).requires_grad_(True)
+    w3 = None
+    if cfg.activation == "swiglu":
+        w3 = torch.stack([w.w3 for w in ws]).requires_grad_(True)  # type: ignore[misc]
+    x_all, g_all = global_inputs(spec, R, H)
+    x_all = x_all.clone().requires_grad_(True)
+    outs = []
+    for r in range(R):
+        routing = router(x_all[r])
+        y = dense_moe_reference(
+            x_all[r], routing.topk_idx, routing.topk_probs, w1, w2, w3, cfg.activation
+        )
+        outs.append(y)
+        (y * g_all[r]).sum().backward()
+    e = E // R
+    diffs: dict[str, float] = {}
+    for mode in _MODES:
+        got = [res["modes"][mode] for res in results]
+
+        def md(a: torch.Tensor, b: torch.Tensor) -> float:
+            return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+        diffs[f"{mode}.output"] = max(md(got[r]["output"], outs[r].detach()) for r in range(R))
+        diffs[f"{mode}.grad_x"] = max(md(got[r]["grad_x"], x_all.grad[r]) for r in range(R))
+        router_grad = torch.stack([g["grad_router"] for g in got]).sum(0)
+        diffs[f"{mode}.grad_router"] = md(router_grad, router.weight.grad)
+        expert_diffs = []
+        for name, ref in (("w1", w1), ("w2", w2), ("w3", w3)):
+            if ref is None:
+                continue
+            full = torch.cat([g["grad_experts"][name] for g in got])
+            expert_diffs.append(md(full, ref.grad[: R * e]))
+        diffs[f"{mode}.grad_experts"] = max(expert_diffs)
+    return diffs
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def build_report(
+    spec: DemoSpec, results: list[dict[str, Any]], diffs: dict[str, float], tol: float
+) -> dict[str, Any]:
+    R, L = results[0]["world"], results[0]["ranks_per_node"]
+    flat = [r["modes"]["flat"] for r in results]
+    per_expert = torch.stack([f["tokens_per_expert"] for f in flat]).sum(0)
+    report: dict[str, Any] = {
+        "preset": spec.preset,
+        "world_size": R,
+        "nodes": R // L,
+        "ranks_per_node": L,
+        "tokens_per_rank": spec.tokens,
+        "worst_case": spec.worst_case,
+        "backend": results[0]["backend"],
+        "backend_reason": results[0]["backend_reason"],
+        "rows_received_per_rank": [f["recv_rows"] for f in flat],
+        "tokens_per_expert": per_expert.tolist(),
+        "modes": {},
+        "max_abs_diff": diffs,
+        "tolerance": tol,
+        "ok": all(v <= tol for v in diffs.values()),
+    }
+    for mode in _MODES:
+        ms = [r["modes"][mode] for r in results]
+        report["modes"][mode] = {
+            "bytes_intra_node": sum(m["stats_per_iter"]["bytes_sent_intra_node"] for m in ms),
+            "bytes_inter_node": sum(m["stats_per_iter"]["bytes_sent_inter_node"] for m in ms),
+            "host_syncs_per_step": max(m["stats_per_iter"]["host_syncs"] for m in ms),
+            "forward_ms": max(m["forward_ms"] for m in ms),
+            "backward_ms": max(m["backward_ms"] for m in ms),
+        }
+    return report
+
+
+def print_report(report: dict[str, Any]) -> None:
+    R, N, L = report["world_size"], report["nodes"], report["ranks_per_node"]
+    print(
+        f"flexdispatch demo — preset {report['preset']}, {N} node(s) × {L} rank(s) = {R} ranks, "
+        f"{report['tokens_per_rank']} tokens per rank"
+        + (", worst-case mode" if report["worst_case"] else "")
+    )
+    print(f"backend: {report['backend']} ({report['backend_reason']})")
+    rows = report["rows_received_per_rank"]
+    print("rows received per rank: " + "  ".join(f"r{i}={n}" for i, n in enumerate(rows)))
+    tpe = report["tokens_per_expert"]
+    mean = sum(tpe) / max(1, len(tpe))
+    print(
+        f"tokens per expert (max/mean {max(tpe) / mean if mean else 0:.2f}): "
+        + " ".join(str(n) for n in tpe)
+    )
+    print(
+        f"{'mode':<13} {'intra-node':>11} {'inter-node':>11} {'syncs/step':>10} "
+        f"{'fwd ms':>8} {'bwd ms':>8}"
+    )
+    for mode, m in report["modes"].items():
+        print(
+            f"{mode:<13} {_fmt_bytes(m['bytes_intra_node']):>11} "
+            f"{_fmt_bytes(m['bytes_inter_node']):>11} {m['host_syncs_per_step']:>10.0f} "
+            f"{m['forward_ms']:>8.1f} {m['backward_ms']:>8.1f}"
+        )
+    flat, hier = report["modes"]["flat"], report["modes"]["hierarchical"]
+    if flat["bytes_inter_node"]:
+        ratio = hier["bytes_inter_node"] / flat["bytes_inter_node"]
+        print(f"hierarchical / flat inter-node bytes: {ratio:.2f}")
+    worst = max(report["max_abs_diff"].values())
+    verdict = "OK" if report["ok"] else "MISMATCH"
+    print(
+        f"check vs single-process reference (output, grads of input, router, experts): {verdict} "
+        f"(max abs diff {worst:.2e}, tolerance {report['tolerance']:.0e})"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from flexdispatch.config import load_config
+    from flexdispatch.launch import spawn_group, under_launcher
+
+    spec = DemoSpec(
+        preset=args.preset,
+        backend=args.backend,
+        tokens=args.tokens,
+        seed=args.seed,
+        iters=args.iters,
+        worst_case=args.worst_case,
+    )
+    if args.tokens < 0 or args.iters < 1:
+        raise ValueError("--tokens must be >= 0 and --iters >= 1")
+    load_config(spec.preset)  # fail fast on a bad preset, before spawning anything
+    t0 = time.perf_counter()
+    if under_launcher():
+        _progress("joining the launcher's process group")
+        results = _launcher_entry(spec)
+        if results is None:
+            return 0
+    else:
+        if args.nodes < 1 or args.ranks_per_node < 1:
+            raise ValueError("--nodes and --ranks-per-node must be >= 1")
+        R = args.nodes * args.ranks_per_node
+        _progress(f"[1/3] spawning {R} ranks ({args.nodes} nodes × {args.ranks_per_node}, gloo)")
+        results = spawn_group(
+            run_rank,
+            R,
+            args=(spec,),
+            ranks_per_node=args.ranks_per_node,
+            timeout_s=args.timeout,
+        )
+        _progress(f"[2/3] {R} ranks finished forward+backward in flat and hierarchical modes")
+    _progress("[3/3] checking against the single-process reference")
+    diffs = check_against_reference(spec, results)
+    report = build_report(spec, results, diffs, tol=1e-4)
+    report["wall_s"] = round(time.perf_counter() - t0, 2)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+        print(f"wall time {report['wall_s']:.1f} s")
+    return 0 if report["ok"] else 1

@@ -1,0 +1,151 @@
+"""MoELayer: router + dispatcher + grouped experts, forward and backward.
+
+T tokens on this rank · H hidden · F expert hidden · E experts · R ranks · e = E / R local experts ·
+k top-k · M rows received by this rank · W worst-case rows.
+
+The forward path (ARCHITECTURE.md): ``hidden [.., H]`` → router → ``[T, k]`` ids/probs →
+dispatch → ``recv_x [M, H]`` → permute by local expert → grouped experts (probs applied inside) →
+unpermute (sum per received row) → combine → ``[T, H]``. The communication belongs to the
+dispatcher, the math to the experts; this class only wires them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flexdispatch._validate import check_tensor
+from flexdispatch.config import MoEConfig
+from flexdispatch.dispatcher import FlexDispatcher
+from flexdispatch.experts import GroupedExperts
+from flexdispatch.permutation import permute, unpermute
+from flexdispatch.routing import TopKRouter
+from flexdispatch.types import DispatchResult, RoutingResult
+
+__all__ = ["MoELayer", "MoEOutput"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEOutput:
+    """What ``MoELayer.forward`` returns.
+
+    Attributes:
+        output: the layer output, same shape and dtype as the input ``hidden``.
+        aux_loss: the router's load-balancing loss (already scaled and already wired into the
+            gradient of ``output``; report it, do not add it), or None.
+        z_loss: the router's z-loss (same rules), or None.
+        routing: the routing decision of this rank's tokens.
+        dispatch: the dispatch result (received rows and the handle), for inspection.
+    """
+
+    output: torch.Tensor
+    aux_loss: torch.Tensor | None
+    z_loss: torch.Tensor | None
+    routing: RoutingResult
+    dispatch: DispatchResult
+
+
+class MoELayer(nn.Module):
+    """One expert-parallel MoE layer.
+
+    Every rank of ``group`` builds the same layer; the router weight is replicated and rank ``r``
+    holds global experts ``[r·e, (r+1)·e)``. Parameters are drawn from ``seed`` so that every rank
+    (and a single-process reference) gets the same values: the router weight from
+    ``torch.manual_seed(seed)`` (restored afterwards), expert ``g`` from
+    ``init_expert_weights(g, seed)``.
+
+    Args:
+        config: the layer configuration.
+        group: the expert-parallel process group (None: the default group, or a world of one
+            when torch.distributed is not initialised).
+        seed: parameter seed (>= 0).
+        dtype: dtype of the expert weights and of the rows that travel (the router keeps its own
+            dtype).
+        device: device of the parameters.
+    """
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        *,
+        group: dist.ProcessGroup | None = None,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+        self.config = config
+        self.dispatcher = FlexDispatcher(
+            config.dispatch, num_experts=config.router.num_experts, group=group
+        )
+        R, rank = self.dispatcher.num_ranks, self.dispatcher.rank
+        config.check_world(R)
+        e = config.router.num_experts // R
+        self.num_local_experts = e
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.router = TopKRouter(config.router, config.hidden_size)
+        self.router.to(device=device)
+        self.experts = GroupedExperts(
+            e,
+            config.hidden_size,
+            config.ffn_hidden_size,
+            activation=config.activation,
+            dtype=dtype,
+            device=device,
+            first_expert=rank * e,
+        )
+        self.experts.reset_parameters_from_seed(seed)
+
+    @property
+    def backend_name(self) -> str:
+        return self.dispatcher.backend_name
+
+    def forward(self, hidden: torch.Tensor, *, token_ids: torch.Tensor | None = None) -> MoEOutput:
+        """Run the layer on ``hidden`` ``[T, H]`` or ``[S, B, H]`` (dtype of the experts).
+
+        ``token_ids`` (same leading shape, int64) is needed by hash routing only.
+        """
+        check_tensor("hidden", hidden, floating=True)
+        H = self.config.hidden_size
+        if hidden.dim() not in (2, 3) or hidden.shape[-1] != H:
+            raise ValueError(
+                f"hidden must be [T, {H}] or [S, B, {H}] (hidden_size={H}), got shape "
+                f"{tuple(hidden.shape)}"
+            )
+        if hidden.dtype != self.experts.w1.dtype:
+            raise TypeError(
+                f"hidden has dtype {hidden.dtype} but the experts hold {self.experts.w1.dtype}: "
+                f"build the layer with dtype={hidden.dtype} or cast the input"
+            )
+        x_TH = hidden.reshape(-1, H)
+        routing = self.router(hidden, token_ids=token_ids)
+        res = self.dispatcher.dispatch(x_TH, routing.topk_idx, routing.topk_probs)
+        M, k = res.recv_topk_idx.shape
+        e = self.num_local_experts
+        static_rows = None
+        if self.config.dispatch.num_worst_tokens > 0:
+            # NOTE: a static row count keeps the whole layer free of host syncs (graph capture).
+            static_rows = M * k
+        perm = permute(
+            res.recv_x,
+            res.recv_topk_idx,
+            e,
+            topk_probs=res.recv_topk_probs,
+            num_out_rows=static_rows,
+        )
+        y = self.experts(perm.x, perm.padded_tokens_per_expert, perm.probs)
+        rows_MH = unpermute(y, perm)
+        out_TH = self.dispatcher.combine(rows_MH, res.handle)
+        return MoEOutput(
+            output=out_TH.reshape(hidden.shape),
+            aux_loss=routing.aux_loss,
+            z_loss=routing.z_loss,
+            routing=routing,
+            dispatch=res,
+        )
