@@ -37,6 +37,10 @@ _EXPORTS: dict[str, str] = {
     "FlexDispatcher": "flexdispatch.dispatcher",
     "GroupedExperts": "flexdispatch.experts",
     "MoELayer": "flexdispatch.moe",
+    "MoEOutput": "flexdispatch.moe",
+    # tools
+    "plan_cluster": "flexdispatch.planner",
+    "spawn_group": "flexdispatch.launch",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

@@ -13,15 +13,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="flexdispatch", description="MoE expert-parallel dispatch: demo, presets and tools."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    from flexdispatch.cli import presets_cmd
+    from flexdispatch.cli import demo, plan, presets_cmd
 
+    demo.register(sub)
+    plan.register(sub)
     presets_cmd.register(sub)
-    try:
-        from flexdispatch.cli import demo
-    except ImportError:  # pragma: no cover - only while the package is half-built
-        pass
-    else:
-        demo.register(sub)
     return parser
 
 

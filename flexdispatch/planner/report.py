@@ -1,0 +1,214 @@
+"""Human-readable report and plot of a ``ClusterPlan``.
+
+Shape letters (ARCHITECTURE.md): T tokens per rank · H hidden · E experts · R ranks · e = E / R ·
+k top-k · L ranks per node · N nodes · M received rows · W worst-case rows.
+
+The table summarises over ranks (min / mean / max and the hottest few) instead of printing one row
+per rank, so it stays readable at EP=256. ``plot_plan`` needs the optional ``plot`` extra
+(matplotlib); it is imported lazily and draws on an Agg canvas (no global backend change).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from flexdispatch.planner.results import ClusterPlan, Stat, VariantPlan
+
+__all__ = ["format_plan", "plot_plan", "format_bytes"]
+
+_PER_NODE_LIMIT = 16
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` → ``'1.5 KiB'`` (binary units)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _grouping(v: VariantPlan) -> str:
+    return "-" if v.num_groups is None else f"{v.group_topk} of {v.num_groups}"
+
+
+def _mmm(s: Stat, digits: int = 0) -> str:
+    return f"{s.min:,.{digits}f}/{s.mean:,.{digits}f}/{s.max:,.{digits}f}"
+
+
+def _load_table(plan: ClusterPlan) -> list[str]:
+    lines = [
+        "Load per routing variant (rows: one per (token, destination rank); imb = max/mean)",
+        f"{'variant':<13} {'groups':<9} {'ranks/tok':>9} {'nodes/tok':>9}  "
+        f"{'rows/rank min/mean/max':>26} {'imb':>5} {'pairs imb':>9} {'expert imb':>10}",
+    ]
+    for v in plan.variants:
+        rows = Stat.of(torch.tensor(v.recv_rows))
+        pairs = Stat.of(torch.tensor(v.recv_pairs))
+        experts = Stat.of(torch.tensor(v.tokens_per_expert))
+        lines.append(
+            f"{v.name:<13} {_grouping(v):<9} {v.avg_ranks_per_token:>9.2f} "
+            f"{v.avg_nodes_per_token:>9.2f}  {_mmm(rows):>26} {rows.imbalance:>5.2f} "
+            f"{pairs.imbalance:>9.2f} {experts.imbalance:>10.2f}"
+        )
+    return lines
+
+
+def _traffic_table(plan: ClusterPlan) -> list[str]:
+    lines = [
+        "Bytes sent per rank (max over ranks) and estimated time of the slowest rank",
+        f"  NVLink {plan.nvlink_gbps:g} GB/s, RDMA {plan.rdma_gbps:g} GB/s per rank; flat and "
+        "deepep overlap the links (max), hierarchical runs its two hops in turn (sum)",
+        f"{'variant':<13} {'transport':<12} {'row B d/c':>11}  {'disp NVL':>10} {'disp RDMA':>10}"
+        f"  {'comb NVL':>10} {'comb RDMA':>10}  {'disp us':>8} {'comb us':>8}",
+    ]
+    for v in plan.variants:
+        if v.same_as is not None:
+            lines.append(f"{v.name:<13} same grouping as {v.same_as}")
+            continue
+        for m in v.traffic:
+            fmt = m.row_format
+            d, c = m.dispatch, m.combine
+            lines.append(
+                f"{v.name:<13} {m.mode:<12} {fmt.dispatch_bytes:>5}/{fmt.combine_bytes:<5}  "
+                f"{format_bytes(max(d.nvlink_bytes)):>10} {format_bytes(max(d.rdma_bytes)):>10}  "
+                f"{format_bytes(max(c.nvlink_bytes)):>10} {format_bytes(max(c.rdma_bytes)):>10}  "
+                f"{d.time_us:>8.1f} {c.time_us:>8.1f}"
+            )
+    return lines
+
+
+def _variant_details(plan: ClusterPlan, v: VariantPlan, top: int) -> list[str]:
+    lines = [f"Variant {v.name} ({_grouping(v)} groups) in detail"]
+    if plan.nodes <= _PER_NODE_LIMIT:
+        per_node = ", ".join(
+            f"n{n}: {rows:,} ({rdma:,} via RDMA)"
+            for n, (rows, rdma) in enumerate(
+                zip(v.node_recv_rows, v.node_rdma_rows_in, strict=True)
+            )
+        )
+        lines.append(f"  rows received per node: {per_node}")
+    else:
+        node = Stat.of(torch.tensor(v.node_recv_rows))
+        rdma = Stat.of(torch.tensor(v.node_rdma_rows_in))
+        lines.append(
+            f"  rows received per node min/mean/max: {_mmm(node)} (imb {node.imbalance:.2f}); "
+            f"entering over RDMA: {_mmm(rdma)}"
+        )
+    hot_ranks = ", ".join(f"r{r}: {n:,}" for r, n in v.hot_ranks(top))
+    hot_experts = ", ".join(f"x{x}: {n:,}" for x, n in v.hot_experts(top))
+    lines.append(f"  hottest ranks (rows): {hot_ranks}")
+    lines.append(f"  hottest experts (pairs): {hot_experts}")
+    w = v.worst_case
+    lines.append(
+        f"  worst-case W: observed max M = {w.observed_max_recv_rows:,} rows -> DeepEP "
+        f"W >= {w.deepep_w:,} (intranode only; its test uses T*R = {w.deepep_test_w:,}); "
+        f"torch flat W >= {w.torch_flat_w:,}; torch hierarchical W >= {w.torch_hier_w:,} "
+        f"(add headroom)"
+    )
+    return lines
+
+
+def _deepep_lines(plan: ClusterPlan) -> list[str]:
+    d = plan.deepep
+    head = (
+        f"DeepEP buffers (hidden_bytes = H*{d.hidden_bytes // plan.hidden_size} = "
+        f"{d.hidden_bytes}, {d.num_sms} SMs)"
+    )
+    lines = [head]
+    if d.num_nvl_bytes is None or d.num_rdma_bytes is None:
+        lines.append(f"  normal kernels: no tuned config for R={plan.num_ranks}")
+    else:
+        lines.append(
+            f"  num_nvl_bytes = {d.num_nvl_bytes:,} ({format_bytes(d.num_nvl_bytes)}; dispatch "
+            f"{d.nvl_bytes_dispatch:,}, combine {d.nvl_bytes_combine:,}); num_rdma_bytes = "
+            f"{d.num_rdma_bytes:,} ({format_bytes(d.num_rdma_bytes)})"
+        )
+    lines.append(
+        f"  low-latency ({d.ll_max_tokens} tokens/rank): num_rdma_bytes = {d.ll_rdma_bytes:,} "
+        f"({format_bytes(d.ll_rdma_bytes)})"
+    )
+    if not d.supported:
+        lines.append(f"  normal kernels do not fit this cluster: {d.reason}")
+    return lines
+
+
+def format_plan(plan: ClusterPlan, *, top: int = 5) -> str:
+    """The compact human report printed by ``flexdispatch plan`` (no per-rank rows)."""
+    head = [
+        f"flexdispatch plan: {plan.preset} on {plan.nodes} node(s) x {plan.ranks_per_node} "
+        f"ranks = R {plan.num_ranks}, e = {plan.experts_per_rank} expert(s)/rank (E = "
+        f"{plan.num_experts}, k = {plan.topk}, H = {plan.hidden_size})",
+        f"  T = {plan.tokens_per_rank:,} tokens/rank ({plan.total_tokens:,} total), skew "
+        f"{plan.skew:g}, seed {plan.seed}, rows of {plan.elem_size} B/elem; simulated in "
+        f"{plan.wall_s:.1f} s",
+    ]
+    blocks = [head, _load_table(plan), _traffic_table(plan)]
+    for v in plan.variants:
+        if v.same_as is None:
+            blocks.append(_variant_details(plan, v, top))
+    blocks.append(_deepep_lines(plan))
+    if plan.notes:
+        blocks.append(["Notes", *(f"  {n}" for n in plan.notes)])
+    return "\n\n".join("\n".join(b) for b in blocks) + "\n"
+
+
+def plot_plan(plan: ClusterPlan, path: str | Path, *, variant: str = "preset") -> Path:
+    """Save a rank x rank heatmap of flat dispatch bytes and the per-expert load bars as PNG.
+
+    Args:
+        plan: the plan to draw.
+        path: output file (``.png``).
+        variant: which routing variant to draw.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install flexdispatch[plot]``).
+        ValueError: unknown variant.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+    except ImportError as exc:
+        raise ImportError(
+            "flexdispatch plan --plot needs matplotlib: pip install 'flexdispatch[plot]'"
+        ) from exc
+    v = plan.variant(variant)
+    flat = v.mode("flat")
+    bytes_RR = (v.rows_SR * flat.row_format.dispatch_bytes).double()
+    bytes_RR.fill_diagonal_(0.0)  # self-sends are not traffic
+    fig = Figure(figsize=(13, 5.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_map, ax_bar = fig.subplots(1, 2, width_ratios=[1, 1.3])
+    image = ax_map.imshow(bytes_RR.numpy() / 2**20, cmap="viridis", interpolation="nearest")
+    ax_map.set_title(f"flat dispatch MiB, source rank -> destination ({v.name})")
+    ax_map.set_xlabel("destination rank")
+    ax_map.set_ylabel("source rank")
+    L = plan.ranks_per_node
+    for b in range(L, plan.num_ranks, L):
+        ax_map.axhline(b - 0.5, color="white", linewidth=0.4)
+        ax_map.axvline(b - 0.5, color="white", linewidth=0.4)
+    ax_map.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_map.yaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.colorbar(image, ax=ax_map, shrink=0.8)
+    per_expert = list(v.tokens_per_expert)
+    e = plan.experts_per_rank
+    colors = [f"C{(x // e) // L % 10}" for x in range(plan.num_experts)]
+    ax_bar.bar(range(plan.num_experts), per_expert, width=1.0, color=colors)
+    ax_bar.axhline(sum(per_expert) / len(per_expert), color="black", linewidth=0.8)
+    ax_bar.set_title("(token, expert) pairs per expert (colour = node; line = mean)")
+    ax_bar.set_xlabel("expert")
+    ax_bar.set_ylabel("pairs")
+    fig.suptitle(
+        f"{plan.preset}: {plan.nodes} x {plan.ranks_per_node} ranks, T={plan.tokens_per_rank}, "
+        f"skew {plan.skew:g}"
+    )
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    return out
