@@ -5,7 +5,7 @@
 #   FLEXDISPATCH_TORCH  pip requirement for torch when no torch is importable
 #                       (default: torch==2.13.0, the CPU build on these machines);
 #                       "none" never installs torch (bring your own)
-#   FLEXDISPATCH_EXTRAS extras to install (default: test,dev)
+#   FLEXDISPATCH_EXTRAS extras to install (default: test,dev,plot)
 #
 # A machine that already has torch (a GPU box, a container image) keeps it: the environment is
 # created with --system-site-packages when the system Python imports torch, and torch is installed
@@ -14,7 +14,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${FLEXDISPATCH_VENV:-$root/.venv}
 torch_req=${FLEXDISPATCH_TORCH:-torch==2.13.0}
-extras=${FLEXDISPATCH_EXTRAS:-test,dev}
+extras=${FLEXDISPATCH_EXTRAS:-test,dev,plot}
 py=${PYTHON:-python3}
 
 if [ ! -x "$venv/bin/python" ]; then
