@@ -152,12 +152,14 @@ def run_rank(spec: DemoSpec) -> dict[str, Any]:
     return out
 
 
-def _launcher_entry(spec: DemoSpec) -> list[dict[str, Any]] | None:
+def _launcher_entry(spec: DemoSpec, timeout_s: float) -> list[dict[str, Any]] | None:
     """Under torchrun: join the launcher's group, run, gather everything on rank 0."""
+    import datetime
+
     import torch.distributed as dist
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     try:
         mine = run_rank(spec)
         gathered: list[Any] = [None] * dist.get_world_size()
@@ -330,8 +332,16 @@ def run(args: argparse.Namespace) -> int:
     load_config(spec.preset)  # fail fast on a bad preset, before spawning anything
     t0 = time.perf_counter()
     if under_launcher():
+        world = int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        mismatch = (args.nodes * args.ranks_per_node, args.ranks_per_node) != (world, local)
+        if mismatch and os.environ.get("RANK") == "0":
+            _progress(
+                f"under a launcher: using its {world // local} node(s) × {local} rank(s); "
+                f"--nodes/--ranks-per-node are ignored"
+            )
         _progress("joining the launcher's process group")
-        results = _launcher_entry(spec)
+        results = _launcher_entry(spec, args.timeout)
         if results is None:
             return 0
     else:
