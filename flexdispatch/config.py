@@ -148,6 +148,83 @@ class DispatchConfig(_Strict):
         description="Run checks that need a host sync (ids, NaN); or FLEXDISPATCH_CHECKS=1.",
     )
     timeout_s: float = Field(300.0, gt=0, description="Process-group timeout used by the CLI.")
+    mode: Literal["normal", "low_latency"] = Field(
+        "normal",
+        description="'low_latency': decode with DeepEP's low-latency kernels (expert-major "
+        "[e, R*num_max, H], see flexdispatch.decode); other backends decode in worst-case mode.",
+    )
+    num_max_dispatch_tokens_per_rank: int = Field(
+        128,
+        gt=0,
+        description="Decode: the most tokens a rank dispatches per call (DeepEP: at most 1024).",
+    )
+    use_fp8: bool = Field(
+        False, description="DeepEP low-latency dispatch casts rows to fp8 (per-128-channel scales)."
+    )
+    hidden_size: int | None = Field(
+        None,
+        gt=0,
+        description="H, when known: lets backend selection check DeepEP's hidden-size rules.",
+    )
+    cuda_graph: bool = Field(
+        False,
+        description="The dispatch will be captured in a CUDA graph: refused unless it can be "
+        "(num_worst_tokens > 0 or mode='low_latency'; DeepEP worst-case mode intranode only).",
+    )
+    deepep_async_finish: bool = Field(
+        False,
+        description="DeepEP: launch on its communication stream (inputs fenced by an event, "
+        "outputs allocated there); the current stream waits on the GPU, never the host.",
+    )
+    deepep_num_sms: int | None = Field(
+        None, gt=0, description="DeepEP Buffer.set_num_sms (even; process-wide in DeepEP)."
+    )
+
+    @model_validator(mode="after")
+    def _check_modes(self) -> DispatchConfig:
+        from flexdispatch.backends import deepep_sizing
+
+        if self.deepep_num_sms is not None and self.deepep_num_sms % 2:
+            raise ValueError(
+                f"deepep_num_sms={self.deepep_num_sms} must be even (DeepEP runs one channel on "
+                f"two SMs): use {self.deepep_num_sms + 1}"
+            )
+        if self.cuda_graph and self.mode == "normal" and self.num_worst_tokens == 0:
+            raise ValueError(
+                "cuda_graph=True with a dropless dispatch: the split sizes (DeepEP: the receive "
+                "counts) are read on the host, which cannot be captured; set num_worst_tokens > 0 "
+                "or mode='low_latency'"
+            )
+        if self.backend == "deepep" and self.mode == "low_latency":
+            H, n = self.hidden_size, self.num_max_dispatch_tokens_per_rank
+            if H is not None and H not in deepep_sizing.LOW_LATENCY_HIDDEN_SIZES:
+                sizes = ", ".join(map(str, deepep_sizing.LOW_LATENCY_HIDDEN_SIZES))
+                raise ValueError(
+                    f"hidden_size={H} is not one of DeepEP's low-latency hidden sizes ({sizes}): "
+                    f"pad the rows, or use backend='auto'/'torch' (worst-case decode)"
+                )
+            if n > deepep_sizing.LOW_LATENCY_MAX_TOKENS_PER_RANK:
+                raise ValueError(
+                    f"num_max_dispatch_tokens_per_rank={n} exceeds DeepEP's low-latency limit "
+                    f"{deepep_sizing.LOW_LATENCY_MAX_TOKENS_PER_RANK}"
+                )
+        return self
+
+    def check_world(self, num_ranks: int, ranks_per_node: int | None = None) -> None:
+        """Raise ValueError when ``backend='deepep'`` cannot run on this world (R, L).
+
+        Catches at set-up what would otherwise fail at the first dispatch or at graph capture:
+        DeepEP's rank-count rules and its intranode-only worst-case (CUDA-graph) mode.
+        """
+        from flexdispatch.backends import deepep_sizing
+
+        if self.backend != "deepep":
+            return
+        L = num_ranks if ranks_per_node is None else ranks_per_node
+        ok, why = deepep_sizing.check_topology(num_ranks, L, num_worst_tokens=self.num_worst_tokens)
+        if not ok:
+            extra = " (cuda_graph=True needs it)" if self.cuda_graph else ""
+            raise ValueError(f"backend='deepep' cannot run here{extra}: {why}")
 
 
 class MoEConfig(_Strict):
@@ -191,6 +268,7 @@ class MoEConfig(_Strict):
             raise ValueError(
                 f"world size {num_ranks} is not a multiple of ranks_per_node={ranks_per_node}"
             )
+        self.dispatch.check_world(num_ranks, ranks_per_node)
 
 
 def _presets_dir() -> Path:

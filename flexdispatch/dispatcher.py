@@ -17,6 +17,7 @@ The handle travels in the ``DispatchResult``; nothing about a call is kept on ``
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -117,6 +118,8 @@ class FlexDispatcher:
         num_experts: E, divisible by the group size R.
         group: the expert-parallel process group; None = WORLD, or a world of one rank when
             ``torch.distributed`` is not initialised (no collectives at all).
+        _deep_ep: private test hook: a ``deep_ep`` module to use instead of importing one (the
+            emulator in ``tests/deepep_emu``; only it may run the deepep backend on CPU/gloo).
 
     Construction is collective: every rank of ``group`` must build its dispatcher at the same
     time, with the same config (checked: a fingerprint of every config field, ``num_experts`` and
@@ -133,6 +136,7 @@ class FlexDispatcher:
         *,
         num_experts: int,
         group: dist.ProcessGroup | None = None,
+        _deep_ep: ModuleType | None = None,
     ) -> None:
         if not isinstance(config, DispatchConfig):
             raise TypeError(f"config must be a DispatchConfig, got {type(config).__name__}")
@@ -148,7 +152,12 @@ class FlexDispatcher:
         check_fingerprint(fields, group)
         self.stats = DispatchStats()
         self._backend, self.backend_reason = select_backend(
-            config, group, num_experts=num_experts, ranks_per_node=L, stats=self.stats
+            config,
+            group,
+            num_experts=num_experts,
+            ranks_per_node=L,
+            stats=self.stats,
+            deep_ep=_deep_ep,
         )
         if config.hierarchical:
             ok, why = self._backend.supports_hierarchical()

@@ -5,15 +5,21 @@ Shape letters (ARCHITECTURE.md): R ranks · L ranks per node · E experts in tot
 ``select_backend`` turns ``DispatchConfig.backend`` into a backend object and a reason. Every rank
 must reach the same decision, so a choice that depends on local facts (can ``deep_ep`` be imported
 here?) is agreed with one small MIN all-reduce over a "can use" flag.
+
+``auto`` picks ``deepep`` only when ``deep_ep`` imports, the group is NCCL on CUDA, DeepEP supports
+the topology (and the worst-case request: intranode only) and, in low-latency mode with a known
+``hidden_size``, the hidden size — on every rank; otherwise ``torch``, with the reason.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import torch.distributed as dist
 
 from flexdispatch.backends.base import Capability, DispatchBackend
+from flexdispatch.backends.deepep_support import deepep_support, load_deep_ep, make_deepep_backend
 from flexdispatch.config import DispatchConfig
 from flexdispatch.distributed import all_reduce_min_flag
 from flexdispatch.types import DispatchStats
@@ -52,19 +58,14 @@ def make_torch_backend(
     )
 
 
-BACKENDS: dict[str, BackendFactory] = {"torch": make_torch_backend}
-"""Registered backend factories by name (``deepep`` joins when its backend lands)."""
+BACKENDS: dict[str, BackendFactory] = {"torch": make_torch_backend, "deepep": make_deepep_backend}
+"""Registered backend factories by name."""
 
 
 def deepep_available() -> Capability:
     """Whether ``deep_ep`` imports here, as ``(ok, reason)``; never raises."""
-    try:
-        import deep_ep  # noqa: F401
-    except (ImportError, OSError, AssertionError) as exc:
-        return False, f"import deep_ep failed: {type(exc).__name__}: {exc}"
-    if "deepep" not in BACKENDS:
-        return False, "deep_ep imports, but this flexdispatch version has no deepep backend yet"
-    return True, "deep_ep imports"
+    module, why = load_deep_ep()
+    return module is not None, why
 
 
 def select_backend(
@@ -74,6 +75,7 @@ def select_backend(
     num_experts: int,
     ranks_per_node: int,
     stats: DispatchStats,
+    deep_ep: ModuleType | None = None,
 ) -> tuple[DispatchBackend, str]:
     """Pick and build the backend named by ``config.backend``.
 
@@ -83,6 +85,8 @@ def select_backend(
         num_experts: E.
         ranks_per_node: L (already resolved).
         stats: counters the backend adds to.
+        deep_ep: a ``deep_ep`` module to use instead of importing one (private test hook: the
+            emulator in ``tests/deepep_emu``).
 
     Returns:
         ``(backend, reason)``; the reason says why this backend was chosen.
@@ -93,15 +97,24 @@ def select_backend(
     kwargs = {"num_experts": num_experts, "ranks_per_node": ranks_per_node, "stats": stats}
     if config.backend == "torch":
         return make_torch_backend(config, group, **kwargs), "backend='torch' requested"
+    ok, why = deepep_support(
+        group=group,
+        num_experts=num_experts,
+        ranks_per_node=ranks_per_node,
+        num_worst_tokens=config.num_worst_tokens,
+        mode=config.mode,
+        hidden_size=config.hidden_size,
+        deep_ep=deep_ep,
+    )
     if config.backend == "deepep":
-        ok, why = deepep_available()
         if not ok:
             raise ValueError(f"deepep backend not available: {why}; use backend='torch' or 'auto'")
-        return BACKENDS["deepep"](config, group, **kwargs), "backend='deepep' requested"
-    ok, why = deepep_available()
-    # NOTE: importability is a local fact; every rank must choose alike.
+        backend = make_deepep_backend(config, group, **kwargs, _deep_ep=deep_ep)
+        return backend, f"backend='deepep' requested ({why})"
+    # NOTE: usability is a local fact (imports, devices); every rank must choose alike.
     if all_reduce_min_flag(ok, group):
-        return BACKENDS["deepep"](config, group, **kwargs), "auto: deep_ep usable on every rank"
+        backend = make_deepep_backend(config, group, **kwargs, _deep_ep=deep_ep)
+        return backend, f"auto: deepep on every rank ({why})"
     if ok:
-        why = "deep_ep is not usable on every rank"
+        why = "deep_ep is usable here but not on every rank"
     return make_torch_backend(config, group, **kwargs), f"auto: torch fallback ({why})"

@@ -5,8 +5,14 @@ L ranks per node · N = R / L nodes · M received rows · W worst-case rows.
 
 One spawned group per (backend, topology) runs every mode (flat / hierarchical × dropless /
 worst-case) and every case inside the worker; each rank knows the answer without communication
-(``reference.py``). ``BACKENDS_UNDER_TEST`` is the list to extend (e.g. a "deepep-emulated"
-backend registered in ``flexdispatch.backends.BACKENDS``).
+(``reference.py``). ``BACKENDS_UNDER_TEST`` is the list to extend.
+
+``deepep-emulated`` is the real ``deepep`` adapter (``flexdispatch/backends/deepep.py``) on top of
+the DeepEP emulator in ``tests/deepep_emu`` (passed through ``FlexDispatcher``'s private
+``_deep_ep`` hook). It runs where DeepEP runs: one node of 2 or 4 ranks, and two emulated nodes of
+2 ranks (the emulator's NVLink domain shrunk to 2), where worst-case mode must be refused. Its
+byte counts follow DeepEP's traffic pattern (flat in a node; across nodes one RDMA row per
+destination node, forwarded over NVLink) and its row layouts, computed here per token.
 """
 
 from __future__ import annotations
@@ -27,21 +33,48 @@ from tests.dist.reference import (
     worst_needed,
 )
 
-BACKENDS_UNDER_TEST = ["torch"]
+BACKENDS_UNDER_TEST = ["torch", "deepep-emulated"]
 TOPOLOGIES = [(2, 1), (2, 2), (4, 2)]  # (R, L): 2 nodes x 1, 1 node x 2, 2 nodes x 2
+# DeepEP: one node of 2 or 4 ranks; two (emulated) nodes of 2 ranks
+DEEPEP_TOPOLOGIES = [(2, 2), (4, 4), (4, 2)]
 MODES = [(False, False), (False, True), (True, False), (True, True)]  # (hierarchical, worst)
 K, H, E_PER_RANK = 3, 8, 3
+
+
+def _cases(topologies: dict[str, list[tuple[int, int]]]) -> list[Any]:
+    return [
+        pytest.param(b, R, L, id=f"{b}-R{R}-L{L}")
+        for b in BACKENDS_UNDER_TEST
+        for R, L in topologies[b]
+    ]
+
+
+def _supported(backend: str, R: int, L: int, worst: bool) -> bool:
+    """DeepEP refuses worst-case (CUDA-graph) mode across nodes."""
+    return not (backend == "deepep-emulated" and worst and L < R)
 
 
 def _mode_name(hier: bool, worst: bool) -> str:
     return f"{'hier' if hier else 'flat'}-{'worst' if worst else 'dropless'}"
 
 
-def _dispatcher(backend: str, E: int, L: int, hier: bool, W: int) -> Any:
+def _make(backend: str, E: int, **cfg_kw: Any) -> Any:
+    """A FlexDispatcher for ``backend`` (``deepep-emulated``: deepep on the emulator)."""
+    import torch.distributed as dist
+
     from flexdispatch import DispatchConfig, FlexDispatcher
 
-    cfg = DispatchConfig(backend=backend, hierarchical=hier, ranks_per_node=L, num_worst_tokens=W)
-    return FlexDispatcher(cfg, num_experts=E)
+    if backend != "deepep-emulated":
+        return FlexDispatcher(DispatchConfig(backend=backend, **cfg_kw), num_experts=E)
+    from tests.deepep_emu import deep_ep as emu
+
+    R, L = dist.get_world_size(), cfg_kw.get("ranks_per_node") or dist.get_world_size()
+    emu.set_num_max_nvl_peers(L if L < R else 8)  # NOTE: this worker process only
+    return FlexDispatcher(DispatchConfig(backend="deepep", **cfg_kw), num_experts=E, _deep_ep=emu)
+
+
+def _dispatcher(backend: str, E: int, L: int, hier: bool, W: int) -> Any:
+    return _make(backend, E, hierarchical=hier, ranks_per_node=L, num_worst_tokens=W)
 
 
 def _check_dispatch(res: Any, ref: Any, W: int, where: str) -> None:
@@ -89,11 +122,53 @@ def _expected_flat_bytes(
     return intra, inter
 
 
+def _expected_deepep_bytes(
+    inputs: list[Any], me: int, L: int, dtype: torch.dtype, narrow_combine: bool
+) -> tuple[int, int]:
+    """(intra, inter) bytes rank ``me`` puts on the wire in one deepep dispatch + combine.
+
+    Per token, per destination node ``n``: the source sends one row to the forwarder ``(n,
+    source's local index)`` (RDMA unless ``n`` is its own node, where it forwards itself), which
+    sends it over NVLink to each destination rank of ``n`` but itself; combine mirrors it. Row
+    sizes: rows travel as bf16 views padded to 16 bytes; intranode rows carry an int32 source
+    index, int64 ids and fp32 weights; internode rows an 8-byte SourceMeta, int32 ids and fp32
+    weights, aligned to 16 bytes. Narrow fp32 combines ride the fp32 weights channel beside a
+    16-byte dummy row.
+    """
+    R = len(inputs)
+    e = E_PER_RANK
+    internode = L < R
+    wire = -(-(H * torch.empty(0, dtype=dtype).element_size() // 2) // 8) * 16
+
+    def row(payload: int, ids: int, weights: int) -> int:
+        if not internode:
+            return payload + 4 + 8 * ids + 4 * weights
+        return -(-(payload + 8 + 4 * ids + 4 * weights) // 16) * 16
+
+    disp = row(wire, K, K)
+    comb = row(16, 0, H) if narrow_combine else row(wire, 0, 0)
+    intra = inter = 0
+    for s, inp in enumerate(inputs):
+        for t in range(inp.idx.shape[0]):
+            ranks = sorted({i // e for i in inp.idx[t].tolist() if i >= 0})
+            for n in sorted({g // L for g in ranks}):
+                fwd = n * L + s % L
+                if s == me and n != s // L:
+                    inter += disp
+                if fwd == me and n != s // L:
+                    inter += comb
+                for g in ranks:
+                    if g // L == n and g != fwd:
+                        intra += disp if fwd == me else 0
+                        intra += comb if g == me else 0
+    return intra, inter
+
+
 def contract_worker(rank: int, R: int, backend: str, L: int, seed: int) -> dict[str, Any]:
     """Every mode x case on one group; returns per-mode stats for the parent's comparisons."""
     E = E_PER_RANK * R
     kw = {"R": R, "E": E, "k": K, "H": H}
-    report: dict[str, Any] = {"checked": 0, "stats": {}}
+    report: dict[str, Any] = {"checked": 0, "refused": 0, "stats": {}}
     for case in CASES:
         inputs = all_inputs(seed, case=case, **kw)
         mine = inputs[rank]
@@ -107,6 +182,11 @@ def contract_worker(rank: int, R: int, backend: str, L: int, seed: int) -> dict[
         for hier, worst in MODES:
             name = _mode_name(hier, worst)
             where = f"rank {rank} {case} {name}"
+            if not _supported(backend, R, L, worst):
+                msg = _raises(lambda: _dispatcher(backend, E, L, hier, W))  # noqa: B023
+                assert "intranode only" in msg, f"{where}: {msg!r}"
+                report["refused"] += 1
+                continue
             d = _dispatcher(backend, E, L, hier, W if worst else 0)
             res = d.dispatch(mine.x, mine.idx, mine.probs)
             _check_dispatch(res, ref, W if worst else 0, where)
@@ -116,9 +196,12 @@ def contract_worker(rank: int, R: int, backend: str, L: int, seed: int) -> dict[
             torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=0, msg=where)
             assert d.stats.host_syncs == (0 if worst else 1), f"{where}: {d.stats}"
             assert d.stats.dispatch_calls == 1 and d.stats.combine_calls == 1
-            if not hier:
+            got = (d.stats.bytes_sent_intra_node, d.stats.bytes_sent_inter_node)
+            if backend == "deepep-emulated":
+                want = _expected_deepep_bytes(inputs, rank, L, torch.float32, True)
+                assert got == want, f"{where}: bytes {got} != {want}"
+            elif not hier:
                 want = _expected_flat_bytes(C, rank, L, H * 4, 8 * K, W if worst else 0)
-                got = (d.stats.bytes_sent_intra_node, d.stats.bytes_sent_inter_node)
                 assert got == want, f"{where}: bytes {got} != {want}"
             if not worst:
                 assert d.stats.rows_received == ref.x.shape[0]
@@ -159,6 +242,8 @@ def autograd_worker(rank: int, R: int, backend: str, L: int, seed: int) -> int:
         ref_gp = pr.grad if pr.grad is not None else torch.zeros_like(pr)
         for hier, worst in MODES:
             where = f"rank {rank} {case} {_mode_name(hier, worst)}"
+            if not _supported(backend, R, L, worst):
+                continue
             d = _dispatcher(backend, E, L, hier, W if worst else 0)
             x = mine.x.clone().requires_grad_()
             p = mine.probs.clone().requires_grad_()
@@ -185,6 +270,8 @@ def bf16_worker(rank: int, R: int, backend: str, L: int, seed: int) -> int:
     checked = 0
     for hier, worst in MODES:
         where = f"rank {rank} bf16 {_mode_name(hier, worst)}"
+        if not _supported(backend, R, L, worst):
+            continue
         d = _dispatcher(backend, E, L, hier, W if worst else 0)
         res = d.dispatch(mine.x, mine.idx, mine.probs)
         _check_dispatch(res, ref, W if worst else 0, where)
@@ -196,8 +283,10 @@ def bf16_worker(rank: int, R: int, backend: str, L: int, seed: int) -> int:
         )
         want = mine.x.float() * n_dest[:, None]
         torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=1e-2, msg=where)
-        if not hier:
-            got = (d.stats.bytes_sent_intra_node, d.stats.bytes_sent_inter_node)
+        got = (d.stats.bytes_sent_intra_node, d.stats.bytes_sent_inter_node)
+        if backend == "deepep-emulated":
+            assert got == _expected_deepep_bytes(inputs, rank, L, torch.bfloat16, False), where
+        elif not hier:
             assert got == _expected_flat_bytes(C, rank, L, H * 2, 8 * K, W if worst else 0)
         checked += 1
     return checked
@@ -210,16 +299,24 @@ def grads_and_bf16_worker(rank: int, R: int, backend: str, L: int, seed: int) ->
 
 @pytest.mark.dist
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)
-@pytest.mark.parametrize(("R", "L"), TOPOLOGIES, ids=[f"R{r}-L{l}" for r, l in TOPOLOGIES])
+@pytest.mark.parametrize(
+    ("backend", "R", "L"),
+    _cases({"torch": TOPOLOGIES, "deepep-emulated": DEEPEP_TOPOLOGIES}),
+)
 def test_contract(backend: str, R: int, L: int) -> None:
     reports = run_group(contract_worker, R, backend, L, 1234, timeout=200)
-    assert all(r["checked"] == len(CASES) * len(MODES) for r in reports)
+    refused = sum(not _supported(backend, R, L, w) for _, w in MODES) * len(CASES)
+    assert all(r["checked"] == len(CASES) * len(MODES) - refused for r in reports)
+    assert all(r["refused"] == refused for r in reports)
 
     def inter(name: str) -> int:
         return sum(r["stats"][("random", name)]["bytes_sent_inter_node"] for r in reports)
 
-    if R // L > 1 and L > 1:
+    if backend == "deepep-emulated":
+        # DeepEP's kernels are node-aware in every mode: one RDMA row per destination node
+        assert inter("hier-dropless") == inter("flat-dropless")
+        assert (inter("flat-dropless") > 0) == (L < R)
+    elif R // L > 1 and L > 1:
         # hierarchical sends fewer bytes across nodes than flat on the same inputs
         assert 0 < inter("hier-dropless") < inter("flat-dropless")
     elif L == 1:
@@ -229,11 +326,13 @@ def test_contract(backend: str, R: int, L: int) -> None:
 
 @pytest.mark.dist
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)
-@pytest.mark.parametrize(("R", "L"), [(2, 1), (4, 2)], ids=["R2-L1", "R4-L2"])
+@pytest.mark.parametrize(
+    ("backend", "R", "L"), _cases({"torch": [(2, 1), (4, 2)], "deepep-emulated": [(2, 2), (4, 2)]})
+)
 def test_autograd_and_bf16(backend: str, R: int, L: int) -> None:
     results = run_group(grads_and_bf16_worker, R, backend, L, 99, timeout=200)
-    assert results == [(2 * len(MODES), len(MODES))] * R
+    modes = sum(_supported(backend, R, L, w) for _, w in MODES)
+    assert results == [(2 * modes, modes)] * R
 
 
 def _raises(fn: Any) -> str:
@@ -247,8 +346,6 @@ def _raises(fn: Any) -> str:
 
 def errors_worker(rank: int, R: int, backend: str, L: int, seed: int) -> dict[str, str]:
     """Errors that must be raised on every rank, naming the numbers; the group stays usable."""
-    from flexdispatch import DispatchConfig, FlexDispatcher
-
     E = E_PER_RANK * R
     kw = {"R": R, "E": E, "k": K, "H": H}
     inputs = all_inputs(seed, **kw)
@@ -264,11 +361,20 @@ def errors_worker(rank: int, R: int, backend: str, L: int, seed: int) -> dict[st
         _check_dispatch(res, ref, W, f"rank {rank} W={W} hier={hier}")
 
     # worst-case overflow: one row short fails, the exact size works
-    out["flat_overflow"] = _raises(lambda: run(False, R * (need - 1)))
-    run(False, R * need)
-    w_hier = worst_needed(inputs, E, L, True)
-    out["hier_overflow"] = _raises(lambda: run(True, w_hier - R))
-    run(True, w_hier)
+    if backend == "deepep-emulated":
+        # DeepEP has no per-peer padding: W bounds the rows a rank receives in total
+        incoming = max(sum(C[s][g] for s in range(R)) for g in range(R))
+        out["flat_overflow"] = _raises(lambda: run(False, incoming - 1))
+        run(False, incoming)
+        out["hier_overflow"] = _raises(lambda: run(True, incoming - 1))
+        run(True, incoming)
+        w_hier = incoming
+    else:
+        out["flat_overflow"] = _raises(lambda: run(False, R * (need - 1)))
+        run(False, R * need)
+        w_hier = worst_needed(inputs, E, L, True)
+        out["hier_overflow"] = _raises(lambda: run(True, w_hier - R))
+        run(True, w_hier)
     # ranks that disagree on H or on the dtype
     wide = torch.zeros(mine.x.shape[0], H + 1) if rank == R - 1 else mine.x
     for hier, worst in MODES:
@@ -277,11 +383,11 @@ def errors_worker(rank: int, R: int, backend: str, L: int, seed: int) -> dict[st
     half = mine.x.to(torch.bfloat16) if rank == 0 else mine.x
     out["dtype"] = _raises(lambda: run(False, 0, half))
     # configs that differ across ranks
-    cfg = DispatchConfig(backend=backend, ranks_per_node=L, hierarchical=rank == 0)
-    out["fingerprint_config"] = _raises(lambda: FlexDispatcher(cfg, num_experts=E))
-    cfg = DispatchConfig(backend=backend, ranks_per_node=L)
+    out["fingerprint_config"] = _raises(
+        lambda: _make(backend, E, ranks_per_node=L, hierarchical=rank == 0)
+    )
     out["fingerprint_experts"] = _raises(
-        lambda: FlexDispatcher(cfg, num_experts=E + R * (rank == R - 1))
+        lambda: _make(backend, E + R * (rank == R - 1), ranks_per_node=L)
     )
     # the group still works after all of that
     run(False, 0)
@@ -292,19 +398,28 @@ def errors_worker(rank: int, R: int, backend: str, L: int, seed: int) -> dict[st
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("backend", BACKENDS_UNDER_TEST)
 def test_errors_on_every_rank(backend: str) -> None:
-    R, L = 4, 2
+    R, L = 4, (4 if backend == "deepep-emulated" else 2)
     results = run_group(errors_worker, R, backend, L, 5, timeout=200)
     E = E_PER_RANK * R
     inputs = all_inputs(5, R=R, E=E, k=K, H=H)
-    need = max(max(row) for row in pair_counts(inputs, E))
+    C = pair_counts(inputs, E)
+    need = max(max(row) for row in C)
     w_hier = worst_needed(inputs, E, L, True)
+    incoming = [sum(C[s][g] for s in range(R)) for g in range(R)]
     for rank, msgs in enumerate(results):
         where = f"rank {rank}"
-        m = msgs["flat_overflow"]
-        assert f"needs {need} rows" in m and f"W={R * (need - 1)}" in m, (where, m)
-        assert f"W/{R} = {need - 1}" in m and f"at least {R * need}" in m, (where, m)
-        m = msgs["hier_overflow"]
-        assert f"W={w_hier - R}" in m and f"at least {w_hier}" in m, (where, m)
+        if backend == "deepep-emulated":
+            top = max(incoming)
+            for key in ("flat_overflow", "hier_overflow"):
+                m = msgs[key]
+                assert f"rank {incoming.index(top)} would receive {top} rows" in m, (where, m)
+                assert f"W={top - 1}" in m and f"at least {top}" in m, (where, m)
+        else:
+            m = msgs["flat_overflow"]
+            assert f"needs {need} rows" in m and f"W={R * (need - 1)}" in m, (where, m)
+            assert f"W/{R} = {need - 1}" in m and f"at least {R * need}" in m, (where, m)
+            m = msgs["hier_overflow"]
+            assert f"W={w_hier - R}" in m and f"at least {w_hier}" in m, (where, m)
         for hier, worst in MODES:
             m = msgs[f"hidden_{_mode_name(hier, worst)}"]
             assert "hidden size" in m and f"rank {R - 1}={H + 1}" in m and f"rank 0={H}" in m

@@ -1,0 +1,141 @@
+"""Low-latency (decode) half of the ``deepep`` backend: DeepEP's IBGDA/NVLink decode kernels.
+
+Shape letters (ARCHITECTURE.md): T tokens on this rank (at most ``num_max`` per call) · H hidden ·
+E experts · R ranks · e = E / R local experts · k top-k · C = R * num_max rows per local expert.
+
+``low_latency_dispatch`` sends one row per ``(token, expert)`` pair and returns the expert-major
+``[e, C, H]`` layout of ``flexdispatch.decode`` (bf16, or fp8 with per-128-channel scales);
+``low_latency_combine`` sends the expert outputs back and reduces them *weighted* by the routing
+probs at the source. Shapes are static, so both can be captured in a CUDA graph.
+
+DeepEP's rules the mixin enforces: bf16 rows, H in the compiled list, k <= 11, at most
+``num_max_dispatch_tokens_per_rank`` tokens; the buffer is cleaned after normal kernels used it;
+at most two low-latency results are alive at a time (DeepEP alternates two buffers), so combining
+a result after two more low-latency kernels ran is an error, not silent garbage. Not exposed:
+``return_recv_hook`` / ``async_finish`` overlap, zero-copy and LogFMT combine.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from flexdispatch.backends import deepep_sizing as sizing
+from flexdispatch.decode import ExpertMajorHandle, ExpertMajorResult
+from flexdispatch.types import DispatchStats
+
+__all__ = ["LowLatencyMixin"]
+
+
+class LowLatencyMixin:
+    """``low_latency_dispatch`` / ``low_latency_combine`` of ``DeepEPBackend``."""
+
+    name: str
+    mode: str
+    num_ranks: int
+    num_experts: int
+    num_max_dispatch_tokens_per_rank: int
+    use_fp8: bool
+    topk_idx_dtype: torch.dtype
+    deep_ep: ModuleType
+    stats: DispatchStats
+    _buffer: Any
+    _ll_dirty: bool
+    _ll_generation: int
+
+    def _ensure_buffer(self, need: sizing.BufferSize) -> Any:  # provided by DeepEPBackend
+        raise NotImplementedError
+
+    def _required_size(self, row_bytes: int, hidden: int | None = None) -> sizing.BufferSize:
+        raise NotImplementedError
+
+    def _check_low_latency_mode(self) -> None:
+        if self.mode != "low_latency":
+            raise ValueError(
+                "low-latency kernels need DispatchConfig(mode='low_latency') for the deepep backend"
+            )
+
+    def low_latency_dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_probs: torch.Tensor
+    ) -> ExpertMajorResult:
+        """DeepEP ``low_latency_dispatch``: expert-major ``[e, R * num_max, H]`` rows.
+
+        Args:
+            x: ``[T, H]`` bf16, ``T <= num_max_dispatch_tokens_per_rank``, H in DeepEP's list.
+            topk_idx: ``[T, k]`` global expert ids (``k <= 11``).
+            topk_probs: ``[T, k]`` float32 weights, kept for the weighted combine.
+
+        Raises:
+            ValueError: wrong mode, dtype or shape (DeepEP's limits, named).
+        """
+        self._check_low_latency_mode()
+        T, H = x.shape
+        k = topk_idx.shape[1]
+        n = self.num_max_dispatch_tokens_per_rank
+        if x.dtype != torch.bfloat16:
+            raise TypeError(
+                f"low-latency dispatch takes bf16 rows, got {x.dtype}: use x.bfloat16()"
+            )
+        ok, why = sizing.check_low_latency(
+            hidden=H,
+            topk=k,
+            num_experts=self.num_experts,
+            num_ranks=self.num_ranks,
+            num_max_dispatch_tokens_per_rank=n,
+        )
+        if not ok:
+            raise ValueError(why)
+        if n < T:
+            raise ValueError(f"{T} tokens exceed num_max_dispatch_tokens_per_rank={n}")
+        buffer = self._ensure_buffer(self._required_size(2 * H, hidden=H))
+        if self._ll_dirty:
+            buffer.clean_low_latency_buffer(n, H, self.num_experts)
+            self._ll_dirty = False
+        idx = topk_idx.to(self.topk_idx_dtype).contiguous()
+        recv, count, handle, _event, _hook = buffer.low_latency_dispatch(
+            x.contiguous(), idx, n, self.num_experts, use_fp8=self.use_fp8
+        )
+        self._ll_generation += 1
+        self.stats.extra["low_latency_calls"] = self.stats.extra.get("low_latency_calls", 0) + 1
+        recv_x, recv_scales = recv if self.use_fp8 else (recv, None)
+        return ExpertMajorResult(
+            recv_x=recv_x,
+            recv_scales=recv_scales,
+            recv_count=count.to(torch.int64),
+            handle=ExpertMajorHandle(
+                backend=self.name,
+                num_tokens=T,
+                hidden=H,
+                capacity=self.num_ranks * n,
+                topk_idx=idx,
+                topk_probs=topk_probs.to(torch.float32).contiguous(),
+                generation=self._ll_generation,
+                state=handle,
+            ),
+        )
+
+    def low_latency_combine(self, y: torch.Tensor, handle: ExpertMajorHandle) -> torch.Tensor:
+        """DeepEP ``low_latency_combine``: ``[T, H]`` bf16 weighted sum at the source tokens.
+
+        Raises:
+            ValueError: the result is stale — DeepEP keeps only two low-latency results alive,
+                and two more low-latency kernels ran since this one.
+        """
+        self._check_low_latency_mode()
+        if handle.backend != self.name or handle.generation <= 0:
+            raise TypeError("handle must come from this backend's low_latency_dispatch")
+        age = self._ll_generation - handle.generation
+        if age >= 2:
+            raise ValueError(
+                f"stale low-latency result: {age} low-latency kernels ran since its dispatch, but "
+                f"DeepEP keeps only two results alive (its buffers are reused): combine each "
+                f"dispatch before issuing a third low-latency kernel"
+            )
+        buffer = self._buffer
+        out, _event, _hook = buffer.low_latency_combine(
+            y.to(torch.bfloat16).contiguous(), handle.topk_idx, handle.topk_probs, handle.state
+        )
+        self._ll_generation += 1
+        return out

@@ -1,0 +1,459 @@
+"""Pure helpers of the DeepEP backend: buffer sizing, support checks, worst-case masking.
+
+Shape letters (ARCHITECTURE.md): T tokens on this rank · H hidden · E experts in total · R ranks ·
+e = E / R local experts · k top-k · L ranks per node · N = R / L nodes · M received rows ·
+W worst-case rows.
+
+Nothing here imports ``deep_ep``: the sizing functions take the module as an argument (the real
+library, or the test emulator), so they can be unit-tested on any machine. The tensor helpers
+never read a value on the host (no ``.item()``, no ``bincount``, no boolean indexing), so they
+can run inside a captured CUDA graph.
+
+Limits below are those of DeepEP's release tag ``v1.2.1`` (``csrc/kernels/launch.cuh``,
+``csrc/kernels/configs.cuh``, ``deep_ep/buffer.py``); later releases only add to them, which is
+why the checks take the lists as arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from flexdispatch.backends.base import Capability
+
+__all__ = [
+    "NUM_BUFFER_ALIGNMENT_BYTES",
+    "NUM_MAX_NVL_PEERS",
+    "INTRANODE_RANK_COUNTS",
+    "INTERNODE_NODE_COUNTS",
+    "MAX_TOPK",
+    "NUM_MAX_LOCAL_EXPERTS",
+    "LOW_LATENCY_HIDDEN_SIZES",
+    "LOW_LATENCY_MAX_TOPK",
+    "LOW_LATENCY_MAX_TOKENS_PER_RANK",
+    "BufferSize",
+    "MaskedWorstCase",
+    "WireFormat",
+    "align_bytes",
+    "hidden_bytes",
+    "normal_buffer_size",
+    "low_latency_buffer_size",
+    "grow_buffer_size",
+    "check_topology",
+    "check_row_bytes",
+    "check_low_latency",
+    "valid_rows",
+    "zero_invalid_rows",
+    "count_local_experts",
+    "mask_worst_case",
+    "expert_major_valid_mask",
+]
+
+NUM_BUFFER_ALIGNMENT_BYTES = 128
+"""DeepEP asserts that ``num_nvl_bytes`` and ``num_rdma_bytes`` are multiples of this."""
+NUM_MAX_NVL_PEERS = 8
+"""DeepEP's NVLink domain: node = rank // 8 once R > 8."""
+INTRANODE_RANK_COUNTS = (2, 4, 8)
+"""R accepted by the intranode kernels (``SWITCH_RANKS``)."""
+INTERNODE_NODE_COUNTS = (2, 4, 8, 16)
+"""N = R / 8 accepted by the internode kernels at v1.2.1 (``SWITCH_RDMA_RANKS``)."""
+MAX_TOPK = 32
+"""k handled by the normal kernels (one warp lane per slot)."""
+NUM_MAX_LOCAL_EXPERTS = 1024
+"""e accepted by the normal dispatch (``NUM_MAX_LOCAL_EXPERTS``)."""
+LOW_LATENCY_HIDDEN_SIZES = (2048, 2560, 4096, 5120, 6144, 7168, 8192)
+"""H compiled into the low-latency kernels at v1.2.1 (``SWITCH_HIDDEN``; 3072 came later)."""
+LOW_LATENCY_MAX_TOPK = 11
+"""k accepted by the low-latency kernels (``kNumMaxTopK``)."""
+LOW_LATENCY_MAX_TOKENS_PER_RANK = 1024
+"""Tokens one rank may send another in low-latency mode (the finish tag of the kernels)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class BufferSize:
+    """Byte counts of one ``deep_ep.Buffer`` (each a multiple of 128).
+
+    Attributes:
+        num_nvl_bytes: NVLink (intranode IPC) buffer.
+        num_rdma_bytes: NVSHMEM buffer (internode normal kernels and low-latency kernels).
+    """
+
+    num_nvl_bytes: int
+    num_rdma_bytes: int
+
+    def covers(self, other: BufferSize) -> bool:
+        """Whether a buffer of this size can serve a call that needs ``other``."""
+        return (
+            self.num_nvl_bytes >= other.num_nvl_bytes
+            and self.num_rdma_bytes >= other.num_rdma_bytes
+        )
+
+    def union(self, other: BufferSize) -> BufferSize:
+        """The smallest size that covers both."""
+        return BufferSize(
+            num_nvl_bytes=max(self.num_nvl_bytes, other.num_nvl_bytes),
+            num_rdma_bytes=max(self.num_rdma_bytes, other.num_rdma_bytes),
+        )
+
+
+def align_bytes(num_bytes: int, alignment: int = NUM_BUFFER_ALIGNMENT_BYTES) -> int:
+    """``num_bytes`` rounded up to a multiple of ``alignment``."""
+    if num_bytes < 0 or alignment <= 0:
+        raise ValueError(
+            f"align_bytes needs num_bytes >= 0 and alignment > 0, got {num_bytes}, {alignment}"
+        )
+    return -(-num_bytes // alignment) * alignment
+
+
+def hidden_bytes(hidden: int, element_size: int) -> int:
+    """Bytes DeepEP's sizing hints assume per row: ``H * max(element_size, 2)``.
+
+    The factor ``max(., 2)`` makes an fp8 buffer large enough for the bf16 combine that follows.
+    """
+    if hidden <= 0 or element_size <= 0:
+        raise ValueError(f"hidden ({hidden}) and element_size ({element_size}) must be positive")
+    return hidden * max(element_size, 2)
+
+
+def _configs(deep_ep: ModuleType, num_ranks: int) -> tuple[object, object]:
+    buffer_cls = deep_ep.Buffer
+    try:
+        return buffer_cls.get_dispatch_config(num_ranks), buffer_cls.get_combine_config(num_ranks)
+    except (AssertionError, KeyError, RuntimeError) as exc:
+        raise ValueError(
+            f"DeepEP has no tuned config for {num_ranks} ranks ({exc}): use the torch backend or "
+            f"a supported expert-parallel size"
+        ) from exc
+
+
+def normal_buffer_size(deep_ep: ModuleType, num_ranks: int, row_bytes: int) -> BufferSize:
+    """Buffer size for the normal (high-throughput) kernels, from DeepEP's own configs.
+
+    The max over ``Buffer.get_dispatch_config(R)`` and ``Buffer.get_combine_config(R)`` of
+    ``get_nvl_buffer_size_hint`` and ``get_rdma_buffer_size_hint`` — DeepEP's recommended recipe.
+
+    Args:
+        deep_ep: the ``deep_ep`` module (or the emulator).
+        num_ranks: R.
+        row_bytes: ``hidden_bytes(H, element_size)``.
+
+    Raises:
+        ValueError: DeepEP has no config for R.
+    """
+    if row_bytes <= 0:
+        raise ValueError(f"row_bytes must be positive, got {row_bytes}")
+    nvl = rdma = 0
+    for cfg in _configs(deep_ep, num_ranks):
+        nvl = max(nvl, int(cfg.get_nvl_buffer_size_hint(row_bytes, num_ranks)))
+        rdma = max(rdma, int(cfg.get_rdma_buffer_size_hint(row_bytes, num_ranks)))
+    return BufferSize(num_nvl_bytes=align_bytes(nvl), num_rdma_bytes=align_bytes(rdma))
+
+
+def low_latency_buffer_size(
+    deep_ep: ModuleType,
+    *,
+    num_max_dispatch_tokens_per_rank: int,
+    hidden: int,
+    num_ranks: int,
+    num_experts: int,
+) -> BufferSize:
+    """Buffer size for the low-latency kernels (``Buffer.get_low_latency_rdma_size_hint``)."""
+    rdma = int(
+        deep_ep.Buffer.get_low_latency_rdma_size_hint(
+            num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts
+        )
+    )
+    return BufferSize(num_nvl_bytes=0, num_rdma_bytes=align_bytes(rdma))
+
+
+def grow_buffer_size(current: BufferSize | None, required: BufferSize) -> BufferSize | None:
+    """Growth policy: reuse a buffer that is large enough, otherwise grow it (never shrink).
+
+    Args:
+        current: size of the live buffer, or None when there is none yet.
+        required: what the next call needs.
+
+    Returns:
+        None to keep the current buffer, else the size of the buffer to allocate in its place
+        (the union of both, so alternating shapes do not reallocate back and forth).
+    """
+    if current is None:
+        return required
+    if current.covers(required):
+        return None
+    return current.union(required)
+
+
+def check_topology(
+    num_ranks: int,
+    ranks_per_node: int,
+    *,
+    num_worst_tokens: int = 0,
+    intranode_rank_counts: Sequence[int] = INTRANODE_RANK_COUNTS,
+    internode_node_counts: Sequence[int] = INTERNODE_NODE_COUNTS,
+    nvl_peers: int = NUM_MAX_NVL_PEERS,
+) -> Capability:
+    """Whether DeepEP's normal kernels run on ``R`` ranks with ``L`` ranks per node.
+
+    DeepEP does not read the launcher's topology: it treats ``R <= 8`` ranks as one NVLink domain
+    and, above that, ``rank // 8`` as the node. So a job is supported only when its real
+    layout matches that view.
+
+    Args:
+        num_ranks: R.
+        ranks_per_node: L, ranks per node as launched.
+        num_worst_tokens: W; DeepEP's Python wrapper refuses W > 0 across nodes.
+        intranode_rank_counts: R accepted on one node.
+        internode_node_counts: N accepted across nodes (with L = 8).
+        nvl_peers: DeepEP's NVLink domain (8; the test emulator can shrink it to fake nodes).
+
+    Returns:
+        ``(ok, reason)``.
+    """
+    ranks, local = num_ranks, ranks_per_node
+    if ranks < 2:
+        return False, f"DeepEP needs at least 2 ranks, the group has {ranks}"
+    if local <= 0 or ranks % local:
+        return False, f"world size {ranks} is not a multiple of ranks_per_node={local}"
+    if local > nvl_peers:
+        return False, f"DeepEP's NVLink domain is at most {nvl_peers} ranks, got L={local}"
+    if local == ranks:
+        if ranks not in intranode_rank_counts:
+            allowed = "/".join(map(str, intranode_rank_counts))
+            return False, f"DeepEP's intranode kernels support {allowed} ranks, not {ranks}"
+        return True, f"intranode: {ranks} ranks on one node"
+    if ranks <= nvl_peers:
+        return False, (
+            f"{ranks} ranks on {ranks // local} nodes: DeepEP treats up to {nvl_peers} ranks as "
+            f"one NVLink domain and cannot span nodes with them"
+        )
+    if local != nvl_peers:
+        return False, (
+            f"DeepEP's internode kernels take node = rank // {nvl_peers}, but this job "
+            f"runs {local} ranks per node"
+        )
+    nodes = ranks // local
+    if nodes not in internode_node_counts:
+        allowed = "/".join(map(str, internode_node_counts))
+        return False, f"DeepEP's internode kernels support {allowed} nodes, not {nodes}"
+    if num_worst_tokens > 0:
+        return False, (
+            f"num_worst_tokens={num_worst_tokens} across {nodes} nodes: DeepEP supports the "
+            f"worst-case (CUDA-graph) mode intranode only"
+        )
+    return True, f"internode: {nodes} nodes x {local} ranks"
+
+
+def check_row_bytes(hidden: int, element_size: int) -> Capability:
+    """DeepEP moves rows in 16-byte units: ``H * element_size`` must be a multiple of 16."""
+    if hidden <= 0:
+        return False, f"hidden size must be positive, got {hidden}"
+    if (hidden * element_size) % 16:
+        return False, (
+            f"rows of {hidden} x {element_size} bytes are not a multiple of 16 bytes, which "
+            f"DeepEP's kernels require: pad the hidden size"
+        )
+    return True, f"rows of {hidden * element_size} bytes"
+
+
+def check_low_latency(
+    *,
+    hidden: int,
+    topk: int,
+    num_experts: int,
+    num_ranks: int,
+    num_max_dispatch_tokens_per_rank: int,
+    hidden_sizes: Sequence[int] = LOW_LATENCY_HIDDEN_SIZES,
+) -> Capability:
+    """Whether DeepEP's low-latency (decode) kernels accept this shape.
+
+    Args:
+        hidden: H.
+        topk: k.
+        num_experts: E.
+        num_ranks: R.
+        num_max_dispatch_tokens_per_rank: tokens per rank and call the buffers are sized for.
+        hidden_sizes: H compiled into the kernels.
+    """
+    if hidden not in hidden_sizes:
+        sizes = ", ".join(map(str, hidden_sizes))
+        return False, (
+            f"DeepEP's low-latency kernels are compiled for hidden sizes {sizes}, not {hidden}: "
+            f"pad the rows or use the torch backend's decode layout"
+        )
+    if not 0 < topk <= LOW_LATENCY_MAX_TOPK:
+        return (
+            False,
+            f"low-latency kernels accept 1..{LOW_LATENCY_MAX_TOPK} experts per token, got {topk}",
+        )
+    if num_ranks < 2 or num_experts % num_ranks:
+        return False, f"num_experts={num_experts} must be divisible by {num_ranks} >= 2 ranks"
+    if not 0 < num_max_dispatch_tokens_per_rank <= LOW_LATENCY_MAX_TOKENS_PER_RANK:
+        return False, (
+            f"num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank} must be in "
+            f"1..{LOW_LATENCY_MAX_TOKENS_PER_RANK} for DeepEP's low-latency kernels"
+        )
+    return (
+        True,
+        f"low-latency: H={hidden}, k={topk}, up to {num_max_dispatch_tokens_per_rank} tokens",
+    )
+
+
+# --------------------------------------------------------------------- wire format
+@dataclass(frozen=True, kw_only=True)
+class WireFormat:
+    """How ``[n, X]`` rows of ``dtype`` travel through DeepEP: ``[n, Xw]`` bf16 bit views.
+
+    DeepEP's normal kernels copy rows in 16-byte units and document bf16 (or an fp8 tuple). A
+    bf16 *view* of fp32 / fp16 rows (``2X`` / ``X`` columns) zero-padded to a multiple of 8
+    columns moves any of them bit for bit and sizes the buffer correctly.
+
+    Attributes:
+        dtype: dtype of the rows.
+        width: X, columns of the rows.
+        wire_width: Xw, bf16 columns on the wire (a multiple of 8).
+    """
+
+    dtype: torch.dtype
+    width: int
+    wire_width: int
+
+    @staticmethod
+    def of(dtype: torch.dtype, width: int) -> WireFormat:
+        """The wire format of bf16 / fp16 / fp32 rows of ``width`` columns."""
+        elem = torch.empty(0, dtype=dtype).element_size()
+        if elem < 2:
+            raise ValueError(f"rows of {dtype} travel as an (x, scales) tuple, not a bit view")
+        bf16_cols = width * elem // 2
+        return WireFormat(dtype=dtype, width=width, wire_width=-(-bf16_cols // 8) * 8)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row on the wire (a multiple of 16)."""
+        return self.wire_width * 2
+
+    def send(self, x: torch.Tensor) -> torch.Tensor:
+        """``[n, X]`` rows -> ``[n, Xw]`` contiguous bf16 (bit view, zero padding)."""
+        v = x.contiguous()
+        if v.dtype != torch.bfloat16:
+            v = v.view(torch.bfloat16)
+        pad = self.wire_width - v.shape[1]
+        return F.pad(v, (0, pad)) if pad else v
+
+    def recv(self, w: torch.Tensor) -> torch.Tensor:
+        """``[n, Xw]`` bf16 -> ``[n, X]`` rows of ``dtype`` (inverse of ``send``)."""
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        v = w[:, : self.width * elem // 2]
+        if self.dtype == torch.bfloat16:
+            return v.contiguous()
+        if not v.is_contiguous() or (v.storage_offset() * 2) % elem:
+            v = v.clone(memory_format=torch.contiguous_format)
+        return v.view(self.dtype)
+
+
+# --------------------------------------------------------------------- sync-free tensor helpers
+def valid_rows(recv_topk_idx: torch.Tensor) -> torch.Tensor:
+    """``[W]`` bool: rows that were really received.
+
+    A received row always carries at least one local expert (it was sent because the token has
+    an expert here), and DeepEP sets every id of a worst-case tail row to ``-1``.
+
+    Args:
+        recv_topk_idx: ``[W, k]`` local expert ids, ``-1`` elsewhere.
+    """
+    return (recv_topk_idx >= 0).any(dim=-1)
+
+
+def zero_invalid_rows(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``x`` with every row where ``valid`` is False set to 0 (also NaN / inf garbage).
+
+    Args:
+        x: ``[W, ...]`` rows of any dtype (fp8 included).
+        valid: ``[W]`` bool.
+    """
+    # NOTE: a select, not a multiply: garbage rows may hold NaN, and NaN * 0 is NaN.
+    mask = valid.reshape(valid.shape + (1,) * (x.dim() - 1))
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def count_local_experts(recv_topk_idx: torch.Tensor, num_local_experts: int) -> torch.Tensor:
+    """``[e]`` int64 number of ``(row, slot)`` pairs per local expert, on the device.
+
+    Uses ``scatter_add_`` into a spare bucket for ``-1`` instead of ``torch.bincount``, whose
+    CUDA kernel reads the maximum id on the host (a sync, illegal during graph capture).
+
+    Args:
+        recv_topk_idx: ``[W, k]`` local expert ids in ``[0, e)``, ``-1`` elsewhere.
+        num_local_experts: e.
+    """
+    if num_local_experts <= 0:
+        raise ValueError(f"num_local_experts must be positive, got {num_local_experts}")
+    ids = recv_topk_idx.reshape(-1).to(torch.int64)
+    spare = torch.full_like(ids, num_local_experts)
+    ids = torch.where((ids >= 0) & (ids < num_local_experts), ids, spare)
+    counts = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, ids, torch.ones_like(ids))
+    return counts[:num_local_experts]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MaskedWorstCase:
+    """A worst-case receive with DeepEP's garbage removed.
+
+    Attributes:
+        recv_x: ``[W, H]`` rows, exactly 0 past the real ones.
+        recv_topk_idx: ``[W, k]`` int64 local ids, ``-1`` elsewhere and on the tail.
+        recv_topk_probs: ``[W, k]`` float32, 0 wherever ``recv_topk_idx == -1``.
+        num_recv_tokens_per_expert: ``[e]`` int64 device tensor.
+        valid: ``[W]`` bool, the real rows (kept for the cached dispatch of the backward pass).
+    """
+
+    recv_x: torch.Tensor
+    recv_topk_idx: torch.Tensor
+    recv_topk_probs: torch.Tensor
+    num_recv_tokens_per_expert: torch.Tensor
+    valid: torch.Tensor
+
+
+def mask_worst_case(
+    recv_x: torch.Tensor,
+    recv_topk_idx: torch.Tensor,
+    recv_topk_probs: torch.Tensor,
+    num_local_experts: int,
+) -> MaskedWorstCase:
+    """Clean a ``num_worst_tokens`` receive without any host synchronisation.
+
+    DeepEP leaves the tail of ``recv_x`` and ``recv_topk_weights`` uninitialised, sets only the
+    tail of ``recv_topk_idx`` to ``-1``, and returns an empty per-expert count list.
+
+    Args:
+        recv_x: ``[W, H]`` received rows (tail is garbage).
+        recv_topk_idx: ``[W, k]`` local ids, ``-1`` elsewhere and on the tail.
+        recv_topk_probs: ``[W, k]`` float32 (tail is garbage).
+        num_local_experts: e.
+    """
+    idx = recv_topk_idx.to(torch.int64)
+    valid = valid_rows(idx)
+    probs = torch.where(idx >= 0, recv_topk_probs.to(torch.float32), 0.0)
+    return MaskedWorstCase(
+        recv_x=zero_invalid_rows(recv_x, valid),
+        recv_topk_idx=idx,
+        recv_topk_probs=probs,
+        num_recv_tokens_per_expert=count_local_experts(idx, num_local_experts),
+        valid=valid,
+    )
+
+
+def expert_major_valid_mask(recv_count: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``[e, capacity]`` bool: slot ``i`` of expert ``j`` holds a row iff ``i < recv_count[j]``.
+
+    Args:
+        recv_count: ``[e]`` integer rows per local expert (low-latency ``recv_count``).
+        capacity: ``R * num_max_dispatch_tokens_per_rank``.
+    """
+    slots = torch.arange(capacity, device=recv_count.device)
+    return slots[None, :] < recv_count.to(torch.int64)[:, None]

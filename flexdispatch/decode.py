@@ -1,0 +1,298 @@
+"""Expert-major decode dispatch: ``[e, C, H]`` rows per local expert, on any backend.
+
+Shape letters (ARCHITECTURE.md): T tokens on this rank (at most ``num_max`` per call) · H hidden ·
+E experts · R ranks · e = E / R local experts · k top-k · W worst-case rows · C = R * num_max
+rows per local expert (the capacity) · P = W * k (row, slot) pairs.
+
+Decode steps are small and captured in CUDA graphs, so their layout is static: every local expert
+owns ``C`` rows, of which ``recv_count[j]`` are real (the rest are zero on the torch path and
+undefined on DeepEP's). One row per ``(token, expert)`` pair — a token with two experts on a rank
+arrives twice — and the combine is *weighted* by the routing probs:
+``out[t] = sum_j probs[t, j] * y[expert(t, j), slot(t, j)]``.
+
+- On the ``deepep`` backend in ``mode="low_latency"`` this is DeepEP's ``low_latency_dispatch`` /
+  ``low_latency_combine`` (see ``backends/deepep.py``).
+- On any other backend it is the worst-case (``num_worst_tokens``) dispatch followed by
+  ``to_expert_major`` and, on the way back, ``from_expert_major`` + the ordinary combine. Both are
+  gathers/scatters with device-side indices (no host sync).
+
+The decode path is for inference (no autograd). Row order inside an expert is (source rank,
+source token) on the torch path; DeepEP fills rows in arrival order, so rely only on
+``recv_count`` and on the combine, never on positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from flexdispatch._validate import check_tensor
+from flexdispatch.types import DispatchResult
+
+if TYPE_CHECKING:
+    from flexdispatch.dispatcher import FlexDispatcher
+
+__all__ = [
+    "ExpertMajorHandle",
+    "ExpertMajorResult",
+    "ExpertMajorMaps",
+    "expert_major_maps",
+    "to_expert_major",
+    "from_expert_major",
+    "DecodeDispatcher",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertMajorHandle:
+    """What the decode combine needs; owned by the caller.
+
+    Attributes:
+        backend: ``"deepep"`` (low-latency kernels) or the name of the backend whose worst-case
+            dispatch was used.
+        num_tokens: T of the dispatching rank.
+        hidden: H.
+        capacity: C, rows per local expert.
+        topk_idx: ``[T, k]`` global expert ids of the source tokens (the combine's weights go with
+            them).
+        topk_probs: ``[T, k]`` float32 routing weights of the source tokens.
+        generation: DeepEP low-latency kernel count when the result was made (-1 elsewhere).
+        state: backend-specific (DeepEP's handle tuple, or ``(DispatchHandle, ExpertMajorMaps)``).
+    """
+
+    backend: str
+    num_tokens: int
+    hidden: int
+    capacity: int
+    topk_idx: torch.Tensor
+    topk_probs: torch.Tensor
+    generation: int
+    state: Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertMajorResult:
+    """Rows received for decode, expert-major.
+
+    Attributes:
+        recv_x: ``[e, C, H]`` rows (bf16 on DeepEP, else x's dtype; ``float8_e4m3fn`` with
+            ``use_fp8``). Rows past ``recv_count[j]`` are zero (torch) or undefined (DeepEP).
+        recv_scales: ``[e, C, H / 128]`` float32 fp8 scales (column-major in the last two dims,
+            as DeepEP returns them), or None without fp8.
+        recv_count: ``[e]`` int64 device tensor, real rows per local expert.
+        handle: what ``combine`` needs.
+    """
+
+    recv_x: torch.Tensor
+    recv_scales: torch.Tensor | None
+    recv_count: torch.Tensor
+    handle: ExpertMajorHandle
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertMajorMaps:
+    """Where each ``(row, slot)`` pair of a worst-case result sits in the ``[e * C]`` layout.
+
+    Attributes:
+        slot: ``[P]`` int64 flat position ``expert * C + i`` of each pair, or a unique spare index
+            ``>= e * C`` for pairs without a local expert (and for pairs past the capacity).
+        valid: ``[P]`` bool, the pair has a local expert and fits.
+        recv_count: ``[e]`` int64 pairs per local expert (capped at C).
+        overflow: 0-d int64, pairs that did not fit (0 unless an expert got more than C rows).
+    """
+
+    slot: torch.Tensor
+    valid: torch.Tensor
+    recv_count: torch.Tensor
+    overflow: torch.Tensor
+
+
+def expert_major_maps(
+    recv_topk_idx: torch.Tensor, num_local_experts: int, capacity: int
+) -> ExpertMajorMaps:
+    """Positions of the pairs of a dispatch result in the expert-major layout (no host sync).
+
+    Pairs are numbered row-major (``p = m * k + j``) and, inside an expert, keep that order, so the
+    layout is (source rank, source token) ordered.
+
+    Args:
+        recv_topk_idx: ``[W, k]`` local expert ids, ``-1`` elsewhere.
+        num_local_experts: e.
+        capacity: C.
+    """
+    if num_local_experts <= 0 or capacity <= 0:
+        raise ValueError(
+            f"num_local_experts ({num_local_experts}) and capacity ({capacity}) must be positive"
+        )
+    e, C = num_local_experts, capacity
+    ids = recv_topk_idx.reshape(-1).to(torch.int64)
+    P = ids.numel()
+    device = ids.device
+    has = (ids >= 0) & (ids < e)
+    onehot_PE = (ids[:, None] == torch.arange(e, device=device)) & has[:, None]
+    before_P = (onehot_PE.to(torch.int64).cumsum(0) - 1).gather(1, ids.clamp(0, e - 1)[:, None])
+    before_P = before_P.squeeze(1)
+    valid = has & (before_P < C)
+    spare = e * C + torch.arange(P, device=device, dtype=torch.int64)
+    slot = torch.where(valid, ids.clamp(0, e - 1) * C + before_P, spare)
+    total = onehot_PE.sum(0, dtype=torch.int64)
+    return ExpertMajorMaps(
+        slot=slot,
+        valid=valid,
+        recv_count=total.clamp(max=C),
+        overflow=(total - C).clamp(min=0).sum(),
+    )
+
+
+def to_expert_major(recv_x: torch.Tensor, maps: ExpertMajorMaps, capacity: int) -> torch.Tensor:
+    """``[W, H]`` rows of a dispatch result to ``[e, C, H]`` (zero where no pair sits).
+
+    Args:
+        recv_x: ``[W, H]`` received rows.
+        maps: ``expert_major_maps`` of the same result.
+        capacity: C.
+    """
+    W, H = recv_x.shape
+    k = maps.slot.numel() // max(W, 1) if W else 0
+    e = maps.recv_count.numel()
+    rows_P = recv_x.repeat_interleave(k, dim=0) if W else recv_x.new_zeros(0, H)
+    out = recv_x.new_zeros(e * capacity + maps.slot.numel(), H)
+    # NOTE: every pair has its own index (spares included): the scatter is deterministic.
+    out.index_copy_(0, maps.slot, rows_P)
+    return out[: e * capacity].view(e, capacity, H)
+
+
+def from_expert_major(
+    y: torch.Tensor, maps: ExpertMajorMaps, recv_topk_probs: torch.Tensor
+) -> torch.Tensor:
+    """``[e, C, H]`` expert outputs back to ``[W, H]`` rows, weighted by the pairs' probs.
+
+    ``row[m] = sum_j probs[m, j] * y[pair (m, j)]`` over the pairs with a local expert; rows
+    without one are zero.
+
+    Args:
+        y: ``[e, C, X]`` expert outputs.
+        maps: ``expert_major_maps`` of the dispatch result.
+        recv_topk_probs: ``[W, k]`` float32, 0 where there is no local expert.
+    """
+    e, C, X = y.shape
+    W, k = recv_topk_probs.shape
+    flat = torch.cat([y.reshape(e * C, X), y.new_zeros(1, X)])
+    pick = torch.where(maps.valid, maps.slot, e * C)
+    pairs = flat.index_select(0, pick).view(W, k, X).float()
+    weights = torch.where(maps.valid.view(W, k), recv_topk_probs.float(), 0.0)
+    return (pairs * weights[..., None]).sum(1).to(y.dtype)
+
+
+class DecodeDispatcher:
+    """Expert-major decode dispatch/combine over a ``FlexDispatcher``'s backend.
+
+    Args:
+        dispatcher: a ``FlexDispatcher``. On ``deepep`` it must be built with
+            ``mode="low_latency"``; elsewhere with ``num_worst_tokens >= R * num_max``.
+        num_max_dispatch_tokens_per_rank: the most tokens any rank dispatches in one call (the
+            same on every rank); C = R * this.
+
+    Raises:
+        ValueError: the dispatcher cannot serve this decode shape (the message says what to set).
+    """
+
+    def __init__(
+        self, dispatcher: FlexDispatcher, *, num_max_dispatch_tokens_per_rank: int
+    ) -> None:
+        if num_max_dispatch_tokens_per_rank <= 0:
+            raise ValueError(
+                f"num_max_dispatch_tokens_per_rank must be positive, got "
+                f"{num_max_dispatch_tokens_per_rank}"
+            )
+        self.dispatcher = dispatcher
+        self.num_max = num_max_dispatch_tokens_per_rank
+        self.capacity = dispatcher.num_ranks * num_max_dispatch_tokens_per_rank
+        backend = dispatcher.backend
+        self._low_latency = getattr(backend, "mode", "normal") == "low_latency"
+        if self._low_latency:
+            configured = getattr(backend, "num_max_dispatch_tokens_per_rank", self.num_max)
+            if configured != self.num_max:
+                raise ValueError(
+                    f"num_max_dispatch_tokens_per_rank={self.num_max} differs from the "
+                    f"dispatcher's DispatchConfig.num_max_dispatch_tokens_per_rank={configured}"
+                )
+            return
+        worst = dispatcher.config.num_worst_tokens
+        if worst < self.capacity:
+            raise ValueError(
+                f"decode on the {dispatcher.backend_name} backend uses its worst-case mode: build "
+                f"the dispatcher with num_worst_tokens >= R * num_max = {self.capacity} (got "
+                f"W={worst}), or use backend='deepep' with mode='low_latency'"
+            )
+
+    def dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_probs: torch.Tensor
+    ) -> ExpertMajorResult:
+        """Send each ``(token, expert)`` pair to its expert, expert-major.
+
+        Args:
+            x: ``[T, H]`` rows, ``T <= num_max`` (bf16 on DeepEP).
+            topk_idx: ``[T, k]`` int64 global expert ids, ``-1`` = none.
+            topk_probs: ``[T, k]`` float32 routing weights (used by ``combine``).
+
+        Returns:
+            ``ExpertMajorResult`` (``recv_x [e, C, H]``, ``recv_count [e]`` int64).
+        """
+        check_tensor("x", x, ndim=2, floating=True)
+        check_tensor("topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2)
+        check_tensor("topk_probs", topk_probs, dtypes=(torch.float32,), ndim=2)
+        if x.shape[0] > self.num_max:
+            raise ValueError(
+                f"{x.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank={self.num_max}"
+            )
+        with torch.no_grad():
+            if self._low_latency:
+                return self.dispatcher.backend.low_latency_dispatch(x, topk_idx, topk_probs)
+            res: DispatchResult = self.dispatcher.dispatch(x, topk_idx, topk_probs)
+            e = self.dispatcher.num_local_experts
+            maps = expert_major_maps(res.recv_topk_idx, e, self.capacity)
+            handle = ExpertMajorHandle(
+                backend=self.dispatcher.backend_name,
+                num_tokens=x.shape[0],
+                hidden=x.shape[1],
+                capacity=self.capacity,
+                topk_idx=topk_idx,
+                topk_probs=topk_probs,
+                generation=-1,
+                state=(res.handle, maps, res.recv_topk_probs),
+            )
+            return ExpertMajorResult(
+                recv_x=to_expert_major(res.recv_x, maps, self.capacity),
+                recv_scales=None,
+                recv_count=maps.recv_count,
+                handle=handle,
+            )
+
+    def combine(self, y: torch.Tensor, handle: ExpertMajorHandle) -> torch.Tensor:
+        """Weighted sum of the expert outputs of every pair, back at the source token.
+
+        Args:
+            y: ``[e, C, H]`` expert outputs (bf16 on DeepEP).
+            handle: ``ExpertMajorResult.handle`` of the matching ``dispatch``.
+
+        Returns:
+            ``[T, H]``: ``sum_j probs[t, j] * y[pair (t, j)]`` (zero for tokens without experts).
+        """
+        if not isinstance(handle, ExpertMajorHandle):
+            raise TypeError("handle must be the ExpertMajorResult.handle of this decoder")
+        check_tensor("y", y, ndim=3, floating=True)
+        e = self.dispatcher.num_local_experts
+        if tuple(y.shape[:2]) != (e, self.capacity):
+            raise ValueError(
+                f"y must be [{e}, {self.capacity}, H] (expert-major, as dispatched), got "
+                f"{tuple(y.shape)}"
+            )
+        with torch.no_grad():
+            if self._low_latency:
+                return self.dispatcher.backend.low_latency_combine(y, handle)
+            inner, maps, probs = handle.state
+            rows = from_expert_major(y, maps, probs)
+            return self.dispatcher.combine(rows, inner)

@@ -1,0 +1,119 @@
+"""The torch backend on CUDA: worst-case mode is capturable in a CUDA graph and never syncs.
+
+Shape letters (ARCHITECTURE.md): T tokens · H hidden · E experts · R ranks · k top-k · W worst-case
+rows.
+
+Skipped without CUDA. Each test runs in a spawned process with an NCCL group of world size 1 (the
+NCCL code path, without needing two GPUs), so nothing leaks into the pytest process:
+
+- a dispatch -> experts -> combine step in worst-case mode is captured in a CUDA graph, replayed
+  on new inputs copied into the static tensors, and equals the eager result bit for bit;
+- ``torch.cuda.set_sync_debug_mode("error")`` around worst-case dispatch + combine raises
+  nothing, while the same check around a dropless dispatch does raise (so the check is live).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+T, H, E, K = 64, 256, 8, 2
+
+
+def _inputs(seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    idx = torch.rand(T, E, generator=g).argsort(1)[:, :K]
+    idx[::5, 1] = -1
+    probs = torch.rand(T, K, generator=g).masked_fill(idx < 0, 0.0)
+    return x.to(device), idx.to(device), probs.to(device)
+
+
+def _step(d: Any, x: torch.Tensor, idx: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    res = d.dispatch(x, idx, probs)
+    y = res.recv_x * (1 + res.recv_topk_probs.sum(1, keepdim=True)).to(res.recv_x.dtype)
+    return d.combine(y, res.handle)
+
+
+def graph_worker() -> dict[str, Any]:
+    from flexdispatch import DispatchConfig, FlexDispatcher
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    d = FlexDispatcher(
+        DispatchConfig(backend="torch", num_worst_tokens=T, cuda_graph=True), num_experts=E
+    )
+    x, idx, probs = (t.clone() for t in _inputs(0, dev))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # NOTE: warm-up (NCCL communicator, allocator) off capture
+        for _ in range(2):
+            _step(d, x, idx, probs)
+    torch.cuda.current_stream().wait_stream(side)
+    syncs = d.stats.host_syncs
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _step(d, x, idx, probs)
+    results = {}
+    for seed in (1, 2):
+        nx, nidx, nprobs = _inputs(seed, dev)
+        x.copy_(nx)
+        idx.copy_(nidx)
+        probs.copy_(nprobs)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = _step(d, nx, nidx, nprobs)
+        results[seed] = bool(torch.equal(out, eager))
+    d.check_overflow()
+    return {"equal": results, "syncs_moved": d.stats.host_syncs - syncs}
+
+
+def sync_worker() -> dict[str, str]:
+    from flexdispatch import DispatchConfig, FlexDispatcher
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    x, idx, probs = _inputs(3, dev)
+    worst = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=T), num_experts=E)
+    dropless = FlexDispatcher(DispatchConfig(backend="torch"), num_experts=E)
+    for d in (worst, dropless):  # warm-up outside the check (NCCL init, caching allocator)
+        _step(d, x, idx, probs)
+    torch.cuda.synchronize()
+    out = {}
+    for name, d in (("worst", worst), ("dropless", dropless)):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            _step(d, x, idx, probs)
+            out[name] = ""
+        except RuntimeError as exc:
+            out[name] = str(exc)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return out
+
+
+def _run(fn: Any) -> Any:
+    from flexdispatch.launch import spawn_group
+
+    return spawn_group(fn, 1, backend="nccl", timeout_s=240)[0]
+
+
+@pytest.mark.timeout(300)
+def test_worst_case_step_captured_in_a_cuda_graph_equals_eager() -> None:
+    got = _run(graph_worker)
+    assert got["equal"] == {1: True, 2: True}, got
+    assert got["syncs_moved"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_worst_case_has_no_host_sync_and_dropless_does() -> None:
+    got = _run(sync_worker)
+    assert got["worst"] == "", got["worst"]
+    assert "synchroniz" in got["dropless"], "the sync check did not fire on the dropless path"
