@@ -13,11 +13,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="flexdispatch", description="MoE expert-parallel dispatch: demo, presets and tools."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    from flexdispatch.cli import demo, plan, presets_cmd
+    from flexdispatch.cli import bench, config_cmd, demo, doctor, plan, presets_cmd
 
     demo.register(sub)
     plan.register(sub)
     presets_cmd.register(sub)
+    doctor.register(sub)
+    bench.register(sub)
+    config_cmd.register(sub)
     return parser
 
 

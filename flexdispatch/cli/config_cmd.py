@@ -1,0 +1,89 @@
+"""``flexdispatch config``: turn a published model config into a flexdispatch ``MoEConfig`` YAML.
+
+Shape letters (ARCHITECTURE.md): E experts · k top-k · H hidden size.
+
+Usage::
+
+    flexdispatch config --from-hf config.json [--name NAME] [--output FILE]
+    flexdispatch config --from-megatron args.{json,yaml} [--name NAME] [--output FILE]
+
+``--from-hf`` reads a Hugging Face ``config.json`` (or the folder holding it) through
+``flexdispatch.importers.moe_config_from_hf``; ``--from-megatron`` reads a JSON or YAML mapping of
+Megatron-Core argument names (``vars(args)`` of a training run) through
+``moe_config_from_megatron``. The YAML (``importers.to_yaml``) goes to stdout, or to ``--output``;
+``load_config`` reads it back to an equal config, so it can be passed to ``--preset``/``--config``
+of the other sub-commands. A missing file, an unknown ``model_type`` or an argument the importer
+cannot map is an error with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["register", "run", "read_megatron_args"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``config`` sub-command to ``sub``."""
+    p = sub.add_parser(
+        "config",
+        help="print the MoEConfig YAML of a Hugging Face or Megatron model config",
+        description="Import a Hugging Face config.json or a Megatron-Core argument file and print "
+        "the flexdispatch MoEConfig as YAML.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from-hf", metavar="FILE", help="Hugging Face config.json (or its folder)")
+    src.add_argument(
+        "--from-megatron",
+        metavar="FILE",
+        help="JSON or YAML mapping of Megatron-Core argument names",
+    )
+    p.add_argument("--name", default=None, help="MoEConfig.name (default: model_type / 'megatron')")
+    p.add_argument("--output", "-o", default=None, help="write the YAML here instead of stdout")
+    p.set_defaults(func=run)
+
+
+def read_megatron_args(path: str | Path) -> dict[str, Any]:
+    """The mapping stored in a Megatron argument file (``.json``; anything else is read as YAML).
+
+    Raises:
+        ValueError: the file is missing, does not parse, or does not hold a mapping.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"Megatron argument file {path} does not exist")
+    text = path.read_text()
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        kind = "JSON" if path.suffix == ".json" else "YAML"
+        raise ValueError(f"Megatron argument file {path} is not valid {kind}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"Megatron argument file {path} must hold a mapping of argument names, got "
+            f"{type(data).__name__}"
+        )
+    return data
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print (or write) the YAML; ValueError (exit 2) on bad input."""
+    from flexdispatch.importers import moe_config_from_hf, moe_config_from_megatron, to_yaml
+
+    if args.from_hf is not None:
+        cfg = moe_config_from_hf(args.from_hf, name=args.name)
+    else:
+        data = read_megatron_args(args.from_megatron)
+        kwargs = {} if args.name is None else {"name": args.name}
+        cfg = moe_config_from_megatron(data, **kwargs)
+    text = to_yaml(cfg)
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        print(text, end="")
+    return 0

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Launch a flexdispatch sub-command across NODES with torchrun: run this script once on every node
+# (by hand, from Slurm's srun -- see slurm_flexdispatch.sbatch -- or in every pod of a Kubeflow
+# PyTorchJob -- see k8s_pytorchjob.yaml). R = NNODES * NPROC_PER_NODE ranks, L = NPROC_PER_NODE.
+#
+#   # node 0                                      # node 1
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 \   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 \
+#     scripts/launch/torchrun_multi_node.sh         scripts/launch/torchrun_multi_node.sh
+#
+# Every worker runs `python -m flexdispatch.cli $FLEXDISPATCH_CMD "$@"`; flexdispatch reads L from
+# the launcher's LOCAL_WORLD_SIZE, so hierarchical dispatch and the node-aware byte counts see the
+# real node boundaries. Rank 0 (on NODE_RANK 0) prints the report.
+#
+# Environment:
+#   NNODES           number of nodes (default: $PET_NNODES, else 1)
+#   NODE_RANK        this node's index 0..NNODES-1 (default: $PET_NODE_RANK, else 0); static only
+#   MASTER_ADDR      address of node 0, reachable from every node (default 127.0.0.1)
+#   MASTER_PORT      a free TCP port on node 0 (default 29500)
+#   NPROC_PER_NODE   processes per node = GPUs per node (default: $PET_NPROC_PER_NODE, else the
+#                    GPU count from nvidia-smi, else 2 CPU processes over gloo)
+#   RDZV_BACKEND     static (default: fixed NODE_RANKs, nothing elastic) or c10d (rendezvous at
+#                    MASTER_ADDR:MASTER_PORT, node ranks assigned by arrival; needs RDZV_ID)
+#   RDZV_ID          job id for c10d (default flexdispatch)
+#   FLEXDISPATCH_CMD sub-command: demo (default), bench, doctor, ...
+#   FLEXDISPATCH_VENV, PYTHON, TORCHRUN, FLEXDISPATCH_DRY_RUN: as in torchrun_single_node.sh
+#
+# Communication settings (export them before this script; they reach every worker):
+#   NCCL_SOCKET_IFNAME=eth0          interface for NCCL's bootstrap / socket transport (also set
+#                                    GLOO_SOCKET_IFNAME for gloo jobs on CPU clusters)
+#   NCCL_IB_HCA=mlx5_0,mlx5_1,...    InfiniBand/RoCE adapters NCCL may use (^mlx5_4 excludes one)
+#   NCCL_IB_GID_INDEX=3              RoCE v2 GID index (clusters on RoCE)
+#   NCCL_IB_DISABLE=1                no InfiniBand (TCP only), for debugging
+#   NCCL_NET_GDR_LEVEL=SYS           allow GPUDirect RDMA across the PCIe topology
+#   NCCL_DEBUG=INFO                  print NCCL's transport choice (WARN in production)
+#   NVSHMEM_* are read by DeepEP's internode and low-latency kernels (NVSHMEM >= 3.3.9):
+#   NVSHMEM_IB_ENABLE_IBGDA=1        GPU-initiated RDMA (DeepEP V1 sets it itself when it needs it)
+#   NVSHMEM_IBGDA_NIC_HANDLER=gpu    who rings the NIC doorbell (gpu or auto)
+#   NVSHMEM_DISABLE_P2P=1            no NVLink inside NVSHMEM (0 lets low-latency mode use NVLink)
+#   NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=eth0   interface of NVSHMEM's UID bootstrap
+#   NVSHMEM_HCA_LIST=mlx5_0:1,...    adapters NVSHMEM may use
+#   NVSHMEM_DEBUG=INFO               NVSHMEM start-up diagnostics
+#   NVSHMEM_DIR=/opt/nvshmem         where DeepEP's build found NVSHMEM (runtime: LD_LIBRARY_PATH)
+# `flexdispatch doctor` lists every NCCL_*/NVSHMEM_*/GLOO_* variable a process sees.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+venv=${FLEXDISPATCH_VENV:-$root/.venv}
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x "$venv/bin/python" ]]; then PYTHON=$venv/bin/python; else PYTHON=python3; fi
+fi
+if [[ -n "${TORCHRUN:-}" ]]; then
+  read -r -a launcher <<<"$TORCHRUN"
+elif [[ -x "$venv/bin/torchrun" && "$PYTHON" == "$venv/bin/python" ]]; then
+  launcher=("$venv/bin/torchrun")
+else
+  launcher=("$PYTHON" -m torch.distributed.run)
+fi
+NNODES=${NNODES:-${PET_NNODES:-1}}
+NODE_RANK=${NODE_RANK:-${PET_NODE_RANK:-0}}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+if [[ -z "${NPROC_PER_NODE:-}" ]]; then
+  if [[ -n "${PET_NPROC_PER_NODE:-}" && "${PET_NPROC_PER_NODE}" =~ ^[0-9]+$ ]]; then
+    NPROC_PER_NODE=$PET_NPROC_PER_NODE
+  else
+    gpus=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
+    NPROC_PER_NODE=$(( gpus > 0 ? gpus : 2 ))
+  fi
+fi
+case "${RDZV_BACKEND:-static}" in
+  static)
+    rdzv=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --rdzv-backend static
+          --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT") ;;
+  c10d)
+    rdzv=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
+          --rdzv-id "${RDZV_ID:-flexdispatch}") ;;
+  *)
+    echo "torchrun_multi_node.sh: RDZV_BACKEND must be static or c10d, got '$RDZV_BACKEND'" >&2
+    exit 2 ;;
+esac
+cmd=${FLEXDISPATCH_CMD:-demo}
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+args=("${launcher[@]}" "${rdzv[@]}" --nproc-per-node "$NPROC_PER_NODE" --max-restarts 0
+      -m flexdispatch.cli "$cmd" "$@")
+if [[ "${FLEXDISPATCH_DRY_RUN:-0}" == "1" ]]; then
+  printf '%q ' "${args[@]}"; echo
+  exit 0
+fi
+exec "${args[@]}"

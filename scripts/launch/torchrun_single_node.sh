@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Launch a flexdispatch sub-command on ONE node with torchrun: one process per GPU (NCCL), or
+# NPROC_PER_NODE CPU processes over gloo on a machine without GPUs.
+#
+#   NPROC_PER_NODE=8 scripts/launch/torchrun_single_node.sh                    # flexdispatch demo
+#   FLEXDISPATCH_CMD=bench scripts/launch/torchrun_single_node.sh --tokens 4096 # flexdispatch bench
+#
+# Every worker runs `python -m flexdispatch.cli $FLEXDISPATCH_CMD "$@"`; the sub-command sees the
+# launcher's environment (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), joins the
+# launcher's process group (NCCL on CUDA, gloo otherwise) and rank 0 prints the report.
+#
+# Environment:
+#   NPROC_PER_NODE    processes on this node (default: the GPU count from nvidia-smi, else 2)
+#   FLEXDISPATCH_CMD  sub-command: demo (default), bench, doctor, ...
+#   MASTER_PORT       set: static rendezvous on 127.0.0.1:MASTER_PORT; unset: torchrun --standalone
+#                     (c10d rendezvous on a free local port; works offline)
+#   FLEXDISPATCH_VENV virtual environment (default: <repo>/.venv when it exists)
+#   PYTHON            interpreter (default: the venv's python, else python3)
+#   TORCHRUN          launcher command (default: the venv's torchrun, else `$PYTHON -m torch.distributed.run`)
+#   FLEXDISPATCH_DRY_RUN=1  print the command instead of running it
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+venv=${FLEXDISPATCH_VENV:-$root/.venv}
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x "$venv/bin/python" ]]; then PYTHON=$venv/bin/python; else PYTHON=python3; fi
+fi
+if [[ -n "${TORCHRUN:-}" ]]; then
+  read -r -a launcher <<<"$TORCHRUN"
+elif [[ -x "$venv/bin/torchrun" && "$PYTHON" == "$venv/bin/python" ]]; then
+  launcher=("$venv/bin/torchrun")
+else
+  launcher=("$PYTHON" -m torch.distributed.run)
+fi
+if [[ -z "${NPROC_PER_NODE:-}" ]]; then
+  gpus=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
+  NPROC_PER_NODE=$(( gpus > 0 ? gpus : 2 ))
+fi
+cmd=${FLEXDISPATCH_CMD:-demo}
+if [[ -n "${MASTER_PORT:-}" ]]; then
+  rdzv=(--nnodes 1 --node-rank 0 --rdzv-backend static --master-addr 127.0.0.1 --master-port "$MASTER_PORT")
+else
+  rdzv=(--standalone --nnodes 1)
+fi
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+args=("${launcher[@]}" "${rdzv[@]}" --nproc-per-node "$NPROC_PER_NODE" --max-restarts 0
+      -m flexdispatch.cli "$cmd" "$@")
+if [[ "${FLEXDISPATCH_DRY_RUN:-0}" == "1" ]]; then
+  printf '%q ' "${args[@]}"; echo
+  exit 0
+fi
+exec "${args[@]}"
