@@ -1,0 +1,36 @@
+"""The README stays true: its Quick start holds two commands, and its Python example runs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+
+
+def _section(title: str) -> str:
+    match = re.search(rf"^## {title}\n(.*?)(?=^## )", README, flags=re.S | re.M)
+    assert match, f"README has no '## {title}' section"
+    return match.group(1)
+
+
+def test_quick_start_has_the_two_commands():
+    block = re.search(r"```bash\n(.*?)```", _section("Quick start"), flags=re.S)
+    assert block
+    commands = [ln.split("#")[0].strip() for ln in block.group(1).splitlines() if ln.strip()]
+    assert commands == ["bash scripts/demo.sh", "bash scripts/test.sh"]
+    for script in ("demo.sh", "test.sh"):
+        assert (ROOT / "scripts" / script).is_file()
+    assert 'flexdispatch" demo' in (ROOT / "scripts" / "demo.sh").read_text()
+    assert "scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_python_example_runs():
+    code = re.search(r"```python\n(.*?)```", README, flags=re.S)
+    assert code
+    namespace: dict = {}
+    exec(compile(code.group(1), "README.md", "exec"), namespace)
+    out = namespace["out"]
+    assert out.output.shape == namespace["hidden"].shape
+    assert namespace["layer"].dispatcher.stats.dispatch_calls == 1
