@@ -6,8 +6,9 @@ experts · k top-k · L ranks per node · N = R / L nodes · M received rows · 
 Everything here runs in one process, without a process group, and never raises for a missing or
 broken optional dependency: each probe turns a failure into text. ``would_select`` answers "what
 would ``backend=auto`` choose for R ranks with L per node on machines like this one" from the
-local facts (``HostFacts``) and the same capability answers the backends give (DeepEP's topology
-and row-size rules from ``flexdispatch.backends.deepep_sizing``), so it needs no cluster.
+local facts (``HostFacts``) and the rule backend selection applies (``deepep_support_checks`` in
+``flexdispatch.backends.deepep_support``, plus the row-size rule of ``deepep_sizing``), so it
+needs no cluster.
 
 ``run_doctor`` returns one JSON-ready dict with these stable keys (schema
 ``flexdispatch.doctor/1``; ``flexdispatch doctor --json`` prints it):
@@ -179,6 +180,11 @@ def deepep_checks(
 ) -> tuple[Check, ...]:
     """Every condition the ``deepep`` backend needs, evaluated for R ranks with L per node.
 
+    DeepEP's own rule comes from ``deepep_support_checks`` (what ``deepep_support_for`` and
+    backend selection apply); the doctor adds what only a whole machine can answer: CUDA and NCCL
+    separately (together they are the rule's ``nccl_on_cuda``), one GPU per local rank, and the
+    row size.
+
     Args:
         world_size: R.
         ranks_per_node: L.
@@ -189,37 +195,37 @@ def deepep_checks(
         Checks named ``import``, ``cuda``, ``nccl``, ``gpus``, ``topology`` and, with ``hidden``,
         ``row_bytes``.
     """
-    from flexdispatch.backends.deepep_sizing import check_row_bytes, check_topology
+    from flexdispatch.backends.deepep_sizing import check_row_bytes
+    from flexdispatch.backends.deepep_support import deepep_support_checks
 
     R, L = world_size, ranks_per_node
-    ok, why = facts.deepep
-    checks = [Check(name="import", ok=ok, detail=why)]
-    checks.append(
-        Check(
-            name="cuda",
-            ok=facts.cuda_available,
-            detail="CUDA is available" if facts.cuda_available else "CUDA is not available",
-        )
+    cuda = Check(
+        name="cuda",
+        ok=facts.cuda_available,
+        detail="CUDA is available" if facts.cuda_available else "CUDA is not available",
     )
-    checks.append(
-        Check(
-            name="nccl",
-            ok=facts.nccl_available,
-            detail="torch has NCCL"
-            if facts.nccl_available
-            else "torch was built without NCCL (DeepEP needs an NCCL process group)",
-        )
+    nccl = Check(
+        name="nccl",
+        ok=facts.nccl_available,
+        detail="torch has NCCL"
+        if facts.nccl_available
+        else "torch was built without NCCL (DeepEP needs an NCCL process group)",
     )
-    checks.append(
-        Check(
-            name="gpus",
-            ok=facts.num_gpus >= L,
-            detail=f"{facts.num_gpus} GPU(s) here for {L} rank(s) per node"
-            + ("" if facts.num_gpus >= L else ": DeepEP needs one GPU per rank"),
+    failing = next((c for c in (cuda, nccl) if not c.ok), None)
+    nccl_on_cuda = (True, "NCCL on CUDA") if failing is None else (False, failing.detail)
+    rule = {
+        name: Check(name=name, ok=ok, detail=why)
+        for name, ok, why in deepep_support_checks(
+            R, L, imported=facts.deepep, nccl_on_cuda=nccl_on_cuda
         )
+    }
+    gpus = Check(
+        name="gpus",
+        ok=facts.num_gpus >= L,
+        detail=f"{facts.num_gpus} GPU(s) here for {L} rank(s) per node"
+        + ("" if facts.num_gpus >= L else ": DeepEP needs one GPU per rank"),
     )
-    ok, why = check_topology(R, L)
-    checks.append(Check(name="topology", ok=ok, detail=why))
+    checks = [rule["import"], cuda, nccl, gpus, rule["topology"]]
     if hidden is not None:
         ok, why = check_row_bytes(hidden, _ROW_ELEMENT_SIZE)
         checks.append(Check(name="row_bytes", ok=ok, detail=f"bf16 {why}"))

@@ -30,6 +30,9 @@ __all__ = [
     "is_emulator",
     "nvl_peers",
     "group_is_nccl_on_cuda",
+    "SupportCheck",
+    "deepep_support_checks",
+    "deepep_support_for",
     "deepep_support",
     "make_deepep_backend",
 ]
@@ -74,6 +77,129 @@ def group_is_nccl_on_cuda(group: dist.ProcessGroup | None) -> Capability:
     return True, "NCCL group on CUDA"
 
 
+SupportCheck = tuple[str, bool, str]
+"""``(name, ok, reason)``: one named condition of DeepEP support."""
+
+
+def deepep_support_checks(
+    num_ranks: int,
+    ranks_per_node: int,
+    *,
+    imported: Capability,
+    nccl_on_cuda: Capability,
+    num_experts: int | None = None,
+    num_worst_tokens: int = 0,
+    mode: str = "normal",
+    hidden_size: int | None = None,
+    nvl_peers: int = sizing.NUM_MAX_NVL_PEERS,
+) -> tuple[SupportCheck, ...]:
+    """Every condition of DeepEP support, each evaluated (not only up to the first failure).
+
+    The one rule behind ``deepep_support_for`` (selection) and ``flexdispatch.doctor`` (which
+    reports each check). It needs neither ``deep_ep`` nor a process group: the caller says whether
+    ``deep_ep`` imports and whether the group is (or would be) NCCL on CUDA.
+
+    Args:
+        num_ranks: R.
+        ranks_per_node: L.
+        imported: ``(ok, reason)`` of importing ``deep_ep``.
+        nccl_on_cuda: ``(ok, reason)``: the group is NCCL on CUDA (pass ``(True, ...)`` to waive
+            it, as for the test emulator).
+        num_experts: E; when given, E must divide by R.
+        num_worst_tokens: W (0 = dropless); DeepEP takes W > 0 intranode only.
+        mode: ``"normal"`` or ``"low_latency"``.
+        hidden_size: H; in low-latency mode it must be one of the compiled hidden sizes.
+        nvl_peers: DeepEP's NVLink domain (8; the emulator can fake smaller nodes).
+
+    Returns:
+        ``(name, ok, reason)`` in this order: ``import``, ``nccl_on_cuda``, ``experts`` (with
+        ``num_experts``), ``topology``, ``low_latency_hidden`` (low-latency mode with
+        ``hidden_size``).
+    """
+    R = num_ranks
+    checks: list[SupportCheck] = [("import", *imported), ("nccl_on_cuda", *nccl_on_cuda)]
+    if num_experts is not None:
+        ok = num_experts % max(R, 1) == 0
+        why = (
+            f"num_experts={num_experts} divides by R={R}"
+            if ok
+            else f"num_experts={num_experts} is not divisible by R={R}"
+        )
+        checks.append(("experts", ok, why))
+    ok, why = sizing.check_topology(
+        R, ranks_per_node, num_worst_tokens=num_worst_tokens, nvl_peers=nvl_peers
+    )
+    checks.append(("topology", ok, why))
+    if mode == "low_latency" and hidden_size is not None:
+        sizes = sizing.LOW_LATENCY_HIDDEN_SIZES
+        if hidden_size in sizes:
+            checks.append(("low_latency_hidden", True, f"low-latency kernels take H={hidden_size}"))
+        else:
+            listed = ", ".join(map(str, sizes))
+            checks.append(
+                (
+                    "low_latency_hidden",
+                    False,
+                    f"low-latency kernels support H in {listed}, not {hidden_size}",
+                )
+            )
+    return tuple(checks)
+
+
+def deepep_support_for(
+    num_ranks: int,
+    ranks_per_node: int,
+    *,
+    nccl_on_cuda: Capability,
+    num_experts: int | None = None,
+    num_worst_tokens: int = 0,
+    mode: str = "normal",
+    hidden_size: int | None = None,
+    deep_ep: ModuleType | None = None,
+) -> Capability:
+    """Whether DeepEP can serve R ranks with L per node, without a process group.
+
+    Checks, in order (``deepep_support_checks``): ``deep_ep`` imports; ``nccl_on_cuda`` (waived
+    for the test emulator); E divides by R (when given); DeepEP supports the topology and the
+    worst-case request; low-latency mode accepts the hidden size (when known).
+
+    Args:
+        num_ranks: R.
+        ranks_per_node: L.
+        nccl_on_cuda: ``(ok, reason)``: the group is NCCL on CUDA (``group_is_nccl_on_cuda``).
+        num_experts: E, or None to skip that check.
+        num_worst_tokens: W (0 = dropless).
+        mode: ``"normal"`` or ``"low_latency"``.
+        hidden_size: H, or None to skip the low-latency hidden-size check.
+        deep_ep: the ``deep_ep`` module (the emulator in tests); None imports it.
+
+    Returns:
+        ``(ok, reason)``: the first failing check's reason, else ``"deep_ep usable (...)"``.
+    """
+    if deep_ep is None:
+        deep_ep, why = load_deep_ep()
+        if deep_ep is None:
+            return False, why
+    if is_emulator(deep_ep):
+        nccl_on_cuda = (True, "the test emulator runs on any process group")
+    checks = deepep_support_checks(
+        num_ranks,
+        ranks_per_node,
+        imported=(True, "deep_ep imports"),
+        nccl_on_cuda=nccl_on_cuda,
+        num_experts=num_experts,
+        num_worst_tokens=num_worst_tokens,
+        mode=mode,
+        hidden_size=hidden_size,
+        nvl_peers=nvl_peers(deep_ep),
+    )
+    failed = next((why for _, ok, why in checks if not ok), None)
+    if failed is not None:
+        return False, failed
+    topology = next(why for name, _, why in checks if name == "topology")
+    return True, f"deep_ep usable ({topology})"
+
+
 def deepep_support(
     *,
     group: dist.ProcessGroup | None,
@@ -86,31 +212,18 @@ def deepep_support(
 ) -> Capability:
     """Whether the ``deepep`` backend can serve this group here (a local answer; no collective).
 
-    Checks, in order: ``deep_ep`` imports; the group is NCCL on CUDA (waived for the test
-    emulator); DeepEP supports the topology and the worst-case request; low-latency mode accepts
-    the hidden size (when known).
+    ``deepep_support_for`` with R = the group's size and the group's NCCL-on-CUDA answer.
     """
-    if deep_ep is None:
-        deep_ep, why = load_deep_ep()
-        if deep_ep is None:
-            return False, why
-    if not is_emulator(deep_ep):
-        ok, why = group_is_nccl_on_cuda(group)
-        if not ok:
-            return False, why
-    R = group_size(group)
-    if num_experts % max(R, 1):
-        return False, f"num_experts={num_experts} is not divisible by R={R}"
-    ok, why = sizing.check_topology(
-        R, ranks_per_node, num_worst_tokens=num_worst_tokens, nvl_peers=nvl_peers(deep_ep)
+    return deepep_support_for(
+        group_size(group),
+        ranks_per_node,
+        nccl_on_cuda=group_is_nccl_on_cuda(group),
+        num_experts=num_experts,
+        num_worst_tokens=num_worst_tokens,
+        mode=mode,
+        hidden_size=hidden_size,
+        deep_ep=deep_ep,
     )
-    if not ok:
-        return False, why
-    lists = sizing.LOW_LATENCY_HIDDEN_SIZES
-    if mode == "low_latency" and hidden_size is not None and hidden_size not in lists:
-        sizes = ", ".join(map(str, lists))
-        return False, f"low-latency kernels support H in {sizes}, not {hidden_size}"
-    return True, f"deep_ep usable ({why})"
 
 
 def make_deepep_backend(
