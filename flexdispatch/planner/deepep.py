@@ -5,9 +5,11 @@ node · N nodes · W worst-case rows.
 
 Sources (DeepEP, read for the arithmetic only):
 
-- ``deep_ep/buffer.py`` ``Buffer.get_dispatch_config`` / ``Buffer.get_combine_config``: the tuned
-  ``Config(num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv)`` per rank count (table below, as of
-  the 1.2.x Python API with ``num_worst_tokens``; ``Buffer.num_sms`` defaults to 20).
+- ``deep_ep/buffer.py`` ``Buffer.get_dispatch_config`` / ``Buffer.get_combine_config`` at release
+  tag ``v1.2.1`` (commit ``9af0e0d``): the tuned ``Config(num_sms, nvl_send, nvl_recv, rdma_send,
+  rdma_recv)`` per rank count (``DISPATCH_CONFIGS`` / ``COMBINE_CONFIGS`` below, the one copy of
+  these tables in the project: the test emulator reads them from here; ``Buffer.num_sms``
+  defaults to 20).
 - ``csrc/config.hpp`` ``Config::Config`` (rounds ``rdma_recv`` up to a multiple of
   ``rdma_send``), ``Config::get_nvl_buffer_size_hint``, ``Config::get_rdma_buffer_size_hint``
   and ``LowLatencyLayout`` / ``get_low_latency_rdma_size_hint``.
@@ -18,9 +20,13 @@ Sources (DeepEP, read for the arithmetic only):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 __all__ = [
+    "DISPATCH_CONFIGS",
+    "COMBINE_CONFIGS",
     "DeepEPConfig",
     "DeepEPHints",
     "dispatch_config",
@@ -40,31 +46,37 @@ _MAX_SCALES = 128  # kNumMaxScales
 _SOURCE_META_BYTES = 8
 _INT, _INT64, _FLOAT, _INT4 = 4, 8, 4, 16
 
-# (nvl_send, nvl_recv, rdma_send, rdma_recv) per rank count, without the SM count.
-_DISPATCH_TABLE: dict[int, tuple[int, int, int, int]] = {
-    2: (24, 256, 6, 128),
-    4: (6, 256, 6, 128),
-    8: (6, 256, 6, 128),
-    16: (36, 288, 20, 128),
-    24: (8, 288, 32, 128),
-    32: (32, 288, 32, 128),
-    64: (20, 288, 28, 128),
-    128: (20, 560, 32, 128),
-    144: (32, 720, 12, 128),
-    160: (28, 720, 12, 128),
-}
-_COMBINE_TABLE: dict[int, tuple[int, int, int, int]] = {
-    2: (10, 256, 6, 128),
-    4: (9, 256, 6, 128),
-    8: (4, 256, 6, 128),
-    16: (4, 288, 12, 128),
-    24: (1, 288, 8, 128),
-    32: (1, 288, 8, 128),
-    64: (1, 288, 20, 128),
-    128: (1, 560, 12, 128),
-    144: (2, 720, 8, 128),
-    160: (2, 720, 8, 128),
-}
+DISPATCH_CONFIGS: Mapping[int, tuple[int, int, int, int]] = MappingProxyType(
+    {
+        2: (24, 256, 6, 128),
+        4: (6, 256, 6, 128),
+        8: (6, 256, 6, 128),
+        16: (36, 288, 20, 128),
+        24: (8, 288, 32, 128),
+        32: (32, 288, 32, 128),
+        64: (20, 288, 28, 128),
+        128: (20, 560, 32, 128),
+        144: (32, 720, 12, 128),
+        160: (28, 720, 12, 128),
+    }
+)
+"""``Buffer.get_dispatch_config`` at DeepEP v1.2.1: R -> ``(nvl_send, nvl_recv, rdma_send,
+rdma_recv)`` (tokens; the SM count is ``Buffer.num_sms``), read-only."""
+COMBINE_CONFIGS: Mapping[int, tuple[int, int, int, int]] = MappingProxyType(
+    {
+        2: (10, 256, 6, 128),
+        4: (9, 256, 6, 128),
+        8: (4, 256, 6, 128),
+        16: (4, 288, 12, 128),
+        24: (1, 288, 8, 128),
+        32: (1, 288, 8, 128),
+        64: (1, 288, 20, 128),
+        128: (1, 560, 12, 128),
+        144: (2, 720, 8, 128),
+        160: (2, 720, 8, 128),
+    }
+)
+"""``Buffer.get_combine_config`` at DeepEP v1.2.1, in the same layout as ``DISPATCH_CONFIGS``."""
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -174,7 +186,7 @@ class DeepEPConfig:
 
 
 def _lookup(
-    table: dict[int, tuple[int, int, int, int]], num_ranks: int, num_sms: int, what: str
+    table: Mapping[int, tuple[int, int, int, int]], num_ranks: int, num_sms: int, what: str
 ) -> DeepEPConfig:
     if num_ranks not in table:
         raise ValueError(
@@ -186,12 +198,12 @@ def _lookup(
 
 def dispatch_config(num_ranks: int, num_sms: int = DEEPEP_DEFAULT_NUM_SMS) -> DeepEPConfig:
     """``Buffer.get_dispatch_config(num_ranks)``; ValueError for an unsupported rank count."""
-    return _lookup(_DISPATCH_TABLE, num_ranks, num_sms, "dispatch")
+    return _lookup(DISPATCH_CONFIGS, num_ranks, num_sms, "dispatch")
 
 
 def combine_config(num_ranks: int, num_sms: int = DEEPEP_DEFAULT_NUM_SMS) -> DeepEPConfig:
     """``Buffer.get_combine_config(num_ranks)``; ValueError for an unsupported rank count."""
-    return _lookup(_COMBINE_TABLE, num_ranks, num_sms, "combine")
+    return _lookup(COMBINE_CONFIGS, num_ranks, num_sms, "combine")
 
 
 def low_latency_rdma_size_hint(
@@ -268,7 +280,7 @@ def _support_reason(num_ranks: int, ranks_per_node: int) -> str:
             f"internode kernels support at most {_MAX_RDMA_PEERS} nodes ({_MAX_RDMA_PEERS * P} "
             f"ranks), not {num_ranks // P}; the low-latency kernels still apply"
         )
-    if num_ranks not in _DISPATCH_TABLE:
+    if num_ranks not in DISPATCH_CONFIGS:
         return f"no tuned DeepEP config for {num_ranks} ranks"
     return ""
 
@@ -290,7 +302,7 @@ def deepep_hints(
     reason = _support_reason(num_ranks, ranks_per_node)
     disp = comb = None
     nvl_d = nvl_c = rdma_d = rdma_c = None
-    if num_ranks in _DISPATCH_TABLE:
+    if num_ranks in DISPATCH_CONFIGS:
         disp, comb = dispatch_config(num_ranks, num_sms), combine_config(num_ranks, num_sms)
         nvl_d = disp.nvl_buffer_size_hint(hidden_bytes, num_ranks)
         nvl_c = comb.nvl_buffer_size_hint(hidden_bytes, num_ranks)

@@ -5,7 +5,8 @@ W worst-case rows.
 
 Internode (``R > NUM_MAX_NVL_PEERS``) and intranode calls move rows the same way here; they
 differ only in the checks DeepEP applies to each. The low-latency kernels are in
-``_low_latency.py``.
+``_low_latency.py``. The tuned ``get_dispatch_config`` / ``get_combine_config`` tables are
+DeepEP v1.2.1's, read from ``flexdispatch.planner.deepep`` (their one copy in the project).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from flexdispatch.planner.deepep import COMBINE_CONFIGS, DISPATCH_CONFIGS
 
 from . import _config as C
 from ._config import Config, ep_assert, get_low_latency_rdma_size_hint
@@ -123,39 +126,15 @@ class Buffer(LowLatencyMixin):
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
-        """Recommended dispatch config (v1.2.1 table)."""
-        table = {
-            2: (24, 256, 6, 128),
-            4: (6, 256, 6, 128),
-            8: (6, 256, 6, 128),
-            16: (16, 288, 20, 128),
-            24: (8, 288, 32, 128),
-            32: (8, 288, 32, 128),
-            64: (20, 288, 28, 128),
-            128: (20, 560, 32, 128),
-            144: (32, 720, 12, 128),
-            160: (28, 720, 12, 128),
-        }
-        assert num_ranks in table, f"Unsupported number of EP ranks: {num_ranks}"
-        return Config(Buffer.num_sms, *table[num_ranks])
+        """Recommended dispatch config (DeepEP v1.2.1's table, kept in the package)."""
+        assert num_ranks in DISPATCH_CONFIGS, f"Unsupported number of EP ranks: {num_ranks}"
+        return Config(Buffer.num_sms, *DISPATCH_CONFIGS[num_ranks])
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        """Recommended combine config (v1.2.1 table)."""
-        table = {
-            2: (10, 256, 6, 128),
-            4: (9, 256, 6, 128),
-            8: (4, 256, 6, 128),
-            16: (2, 288, 28, 128),
-            24: (1, 288, 20, 128),
-            32: (1, 288, 20, 128),
-            64: (1, 288, 20, 128),
-            128: (1, 560, 12, 128),
-            144: (2, 720, 8, 128),
-            160: (2, 720, 8, 128),
-        }
-        assert num_ranks in table, f"Unsupported number of EP ranks: {num_ranks}"
-        return Config(Buffer.num_sms, *table[num_ranks])
+        """Recommended combine config (DeepEP v1.2.1's table, kept in the package)."""
+        assert num_ranks in COMBINE_CONFIGS, f"Unsupported number of EP ranks: {num_ranks}"
+        return Config(Buffer.num_sms, *COMBINE_CONFIGS[num_ranks])
 
     # ----------------------------------------------------------------- helpers
     @property
