@@ -5,9 +5,10 @@
 #   scripts/gpu_check.sh            # uses .venv/bin/python, else python3
 #   FLEXDISPATCH_PYTHON=/usr/bin/python3 scripts/gpu_check.sh
 #
-# Checks: CUDA is there; the unit tests; the torch backend's worst-case step captured in a CUDA
-# graph and replayed equal to eager; no host sync (torch.cuda.set_sync_debug_mode("error")) in
-# worst-case dispatch/combine, routing, layout, static permute and the deepep masking helpers;
+# Checks: CUDA is there; the unit tests (with FLEXDISPATCH_TEST_DEVICE=cuda); the torch backend's
+# worst-case step captured in a CUDA graph and replayed equal to eager; no host sync
+# (torch.cuda.set_sync_debug_mode("error")) in worst-case dispatch/combine, routing, layout,
+# static permute and the deepep masking helpers;
 # the DeepEP GPU tests (skipped with the reason unless deep_ep imports and >= 2 GPUs); routing and
 # permute throughput as a fraction of a device copy of the same bytes.
 set -uo pipefail
@@ -51,7 +52,10 @@ import torch
 assert torch.cuda.is_available(), "torch.cuda.is_available() is False"
 print(f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
 '
-run unit_tests 150 "$py" -m pytest tests/unit -q -x -p no:cacheprovider
+# The core reference tests (routing, permute, layout, experts) take the `device` fixture
+# (tests/conftest.py): here they run on CUDA; the rest of tests/unit runs as on the CPU.
+run unit_tests 150 env FLEXDISPATCH_TEST_DEVICE=cuda "$py" -m pytest tests/unit -q -x \
+    -p no:cacheprovider
 run graph_capture 120 "$py" -m pytest tests/gpu/test_torch_cuda.py -q -p no:cacheprovider \
     -k graph
 run sync_debug_dispatch 120 "$py" -m pytest tests/gpu/test_torch_cuda.py -q \

@@ -1,6 +1,9 @@
 """GroupedExperts against a slow per-row reference, grouped_mm against the loop, seeded init.
 
 N rows fed to the experts · H hidden · F expert hidden · e local experts · E experts in total.
+
+The per-row reference comparisons run the module on the ``device`` fixture
+(``FLEXDISPATCH_TEST_DEVICE``, tests/conftest.py); the fp64 reference always runs on the CPU.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ def _run_and_grads(module, x, tpe, probs):
     x = x.detach().clone().requires_grad_(True)
     probs = probs.detach().clone().requires_grad_(True)
     y = module(x, tpe, probs)
-    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(99)).to(y.dtype)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(99)).to(y.device, y.dtype)
     module.zero_grad(set_to_none=True)
     (y * g).sum().backward()
     grads = {"x": x.grad, "probs": probs.grad}
@@ -92,10 +95,12 @@ def _run_and_grads(module, x, tpe, probs):
 
 
 def _reference_and_grads(module, x, tpe, probs):
-    """The per-row reference in fp64 on copies of the module's weights."""
-    params = {n: p.detach().double().requires_grad_(True) for n, p in module.named_parameters()}
-    xd = x.detach().double().requires_grad_(True)
-    pd = probs.detach().double().requires_grad_(True)
+    """The per-row reference in fp64 on CPU copies of the module's weights."""
+    params = {
+        n: p.detach().cpu().double().requires_grad_(True) for n, p in module.named_parameters()
+    }
+    xd = x.detach().cpu().double().requires_grad_(True)
+    pd = probs.detach().cpu().double().requires_grad_(True)
     y = per_row_reference(
         xd, tpe.tolist(), pd, params["w1"], params["w2"], params.get("w3"), module.activation
     )
@@ -115,25 +120,37 @@ def _paths():
     return [pytest.param(False, id="loop"), pytest.param(True, id="grouped_mm")]
 
 
+def _on_device(module, device, grouped, dtype=torch.float32):
+    """``module`` moved to ``device``; skips (with the reason) a forced grouped_mm path that
+    ``device`` cannot run."""
+    if grouped:
+        support = grouped_mm_support(dtype, device, H, F)
+        if not support.runs:
+            pytest.skip(f"grouped_mm path on {device}: {support.reason}")
+    return module.to(device)
+
+
 # ------------------------------------------------------------------------- correctness
 
 
 @pytest.mark.parametrize("grouped", _paths())
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize(("sizes", "N"), SIZE_CASES)
-def test_forward_backward_match_per_row_reference(grouped, activation, sizes, N):
-    m = _module(activation, grouped)
+def test_forward_backward_match_per_row_reference(grouped, activation, sizes, N, device):
+    m = _on_device(_module(activation, grouped), device, grouped)
     x, tpe, probs = _inputs(sizes, N)
+    x, tpe, probs = x.to(device), tpe.to(device), probs.to(device)
     y, grads = _run_and_grads(m, x, tpe, probs)
     y_ref, grads_ref = _reference_and_grads(m, x, tpe, probs)
-    assert y.dtype == torch.float32 and y.shape == (N, H)
-    torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=1e-5)
+    assert y.dtype == torch.float32 and y.shape == (N, H) and y.device == device
+    # NOTE: 1e-5 relies on torch's default of no TF32 in fp32 CUDA matmuls.
+    torch.testing.assert_close(y.cpu().double(), y_ref, rtol=1e-5, atol=1e-5)
     expected = {"x", "probs", "w1", "w2"} | ({"w3"} if activation == "swiglu" else set())
     assert set(grads) == expected
     for name in expected:
         assert grads[name] is not None, f"{name} got no gradient"
         torch.testing.assert_close(
-            grads[name].double(), grads_ref[name], rtol=1e-5, atol=1e-5, msg=name
+            grads[name].cpu().double(), grads_ref[name], rtol=1e-5, atol=1e-5, msg=name
         )
     tail = sum(sizes)
     assert torch.equal(y[tail:], torch.zeros_like(y[tail:]))
@@ -181,16 +198,21 @@ def test_grouped_mm_equals_loop(dtype, sizes, N):
 
 
 @pytest.mark.parametrize("grouped", _paths())
-def test_bf16_close_to_fp64_reference(grouped):
-    m = _module("swiglu", grouped, dtype=torch.bfloat16)
+def test_bf16_close_to_fp64_reference(grouped, device):
+    m = _on_device(
+        _module("swiglu", grouped, dtype=torch.bfloat16), device, grouped, torch.bfloat16
+    )
     x, tpe, probs = _inputs([5, 2, 0, 6], 14, dtype=torch.bfloat16)
+    x, tpe, probs = x.to(device), tpe.to(device), probs.to(device)
     y, grads = _run_and_grads(m, x, tpe, probs)
     y_ref, grads_ref = _reference_and_grads(m, x, tpe, probs)
-    assert y.dtype == torch.bfloat16
-    torch.testing.assert_close(y.double(), y_ref, rtol=3e-2, atol=3e-2)
+    assert y.dtype == torch.bfloat16 and y.device == device
+    torch.testing.assert_close(y.cpu().double(), y_ref, rtol=3e-2, atol=3e-2)
     for name in ("x", "probs", "w1", "w2", "w3"):
         assert grads[name].dtype == (torch.float32 if name == "probs" else torch.bfloat16)
-        torch.testing.assert_close(grads[name].double(), grads_ref[name], rtol=5e-2, atol=5e-2)
+        torch.testing.assert_close(
+            grads[name].cpu().double(), grads_ref[name], rtol=5e-2, atol=5e-2
+        )
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)

@@ -1,6 +1,9 @@
 """get_dispatch_layout against a slow per-token loop that follows DeepEP's definitions.
 
 T tokens · k top-k · E experts · R ranks · L ranks per node · N = R / L nodes · e = E / R.
+
+The reference comparison runs on the ``device`` fixture (``FLEXDISPATCH_TEST_DEVICE``,
+tests/conftest.py); the reference loop runs on the CPU.
 """
 
 from __future__ import annotations
@@ -52,19 +55,20 @@ def random_ids(T, k, E, *, drop=0.25, generator=None):
 
 
 def assert_layout_equal(layout, ref):
+    """``layout`` (on any device) equals the CPU reference ``ref``."""
     per_rank, rdma, per_expert, mask = ref
     assert isinstance(layout, DispatchLayout)
     assert layout.num_tokens_per_rank.dtype == torch.int32
     assert layout.num_tokens_per_expert.dtype == torch.int32
     assert layout.is_token_in_rank.dtype == torch.bool
-    assert torch.equal(layout.num_tokens_per_rank, per_rank)
-    assert torch.equal(layout.num_tokens_per_expert, per_expert)
-    assert torch.equal(layout.is_token_in_rank, mask)
+    assert torch.equal(layout.num_tokens_per_rank.cpu(), per_rank)
+    assert torch.equal(layout.num_tokens_per_expert.cpu(), per_expert)
+    assert torch.equal(layout.is_token_in_rank.cpu(), mask)
     if rdma is None:
         assert layout.num_tokens_per_rdma_rank is None
     else:
         assert layout.num_tokens_per_rdma_rank.dtype == torch.int32
-        assert torch.equal(layout.num_tokens_per_rdma_rank, rdma)
+        assert torch.equal(layout.num_tokens_per_rdma_rank.cpu(), rdma)
 
 
 @pytest.mark.parametrize(
@@ -78,9 +82,11 @@ def assert_layout_equal(layout, ref):
         (12, 6, 12, 6, 2),  # three nodes, e = 2
     ],
 )
-def test_matches_reference(T, k, E, R, L):
+def test_matches_reference(T, k, E, R, L, device):
     idx = random_ids(T, k, E)
-    layout = get_dispatch_layout(idx, E, R, ranks_per_node=L)
+    layout = get_dispatch_layout(idx.to(device), E, R, ranks_per_node=L)
+    assert layout.num_tokens_per_rank.device == device
+    assert layout.is_token_in_rank.device == device
     assert_layout_equal(layout, ref_layout(idx, E, R, L))
 
 
@@ -101,11 +107,12 @@ def test_tokens_counted_once_per_rank_but_pairs_per_expert():
     assert layout.is_token_in_rank.tolist() == [[True, False], [False, True], [False, False]]
 
 
-def test_all_dropped_and_empty():
+def test_all_dropped_and_empty(device):
     idx = torch.full((5, 3), -1, dtype=torch.int64)
-    assert_layout_equal(get_dispatch_layout(idx, 8, 4, ranks_per_node=2), ref_layout(idx, 8, 4, 2))
+    layout = get_dispatch_layout(idx.to(device), 8, 4, ranks_per_node=2)
+    assert_layout_equal(layout, ref_layout(idx, 8, 4, 2))
     idx = torch.zeros(0, 3, dtype=torch.int64)
-    layout = get_dispatch_layout(idx, 8, 4, ranks_per_node=2)
+    layout = get_dispatch_layout(idx.to(device), 8, 4, ranks_per_node=2)
     assert_layout_equal(layout, ref_layout(idx, 8, 4, 2))
     assert layout.is_token_in_rank.shape == (0, 4)
 

@@ -1,6 +1,9 @@
 """permute / unpermute against slow per-pair Python loops.
 
 T tokens · H hidden · E experts · k top-k · N rows of a permutation.
+
+The reference comparisons run on the ``device`` fixture (``FLEXDISPATCH_TEST_DEVICE``,
+tests/conftest.py); inputs are drawn and references computed on the CPU.
 """
 
 from __future__ import annotations
@@ -94,23 +97,24 @@ def random_routing(T, k, E, *, drop=0.2, distinct=True, generator=None):
         (20, 6, 16, 3, True),
     ],
 )
-def test_permute_matches_reference(T, k, E, align, distinct):
+def test_permute_matches_reference(T, k, E, align, distinct, device):
     x = torch.randn(T, 5)
     idx = random_routing(T, k, E, distinct=distinct)
     probs = torch.rand(T, k)
-    perm = permute(x, idx, E, topk_probs=probs, align=align)
+    perm = permute(x.to(device), idx.to(device), E, topk_probs=probs.to(device), align=align)
     ref = ref_permute(x, idx, E, probs, align)
     assert isinstance(perm, Permutation)
     assert perm.num_tokens == T
-    assert torch.equal(perm.row_token, ref["row_token"])
-    assert torch.equal(perm.row_slot, ref["row_slot"])
-    assert torch.equal(perm.x, ref["x"])
+    assert perm.x.device == device and perm.row_token.device == device
+    assert torch.equal(perm.row_token.cpu(), ref["row_token"])
+    assert torch.equal(perm.row_slot.cpu(), ref["row_slot"])
+    assert torch.equal(perm.x.cpu(), ref["x"])
     assert perm.probs is not None and perm.probs.dtype == torch.float32
-    assert torch.equal(perm.probs.double(), ref["probs"].float().double())
+    assert torch.equal(perm.probs.cpu().double(), ref["probs"].float().double())
     assert perm.tokens_per_expert.dtype == torch.int64
     assert perm.padded_tokens_per_expert.dtype == torch.int64
-    assert torch.equal(perm.tokens_per_expert, ref["counts"])
-    assert torch.equal(perm.padded_tokens_per_expert, ref["padded"])
+    assert torch.equal(perm.tokens_per_expert.cpu(), ref["counts"])
+    assert torch.equal(perm.padded_tokens_per_expert.cpu(), ref["padded"])
 
 
 def test_permute_without_probs_has_none_and_int64_maps():
@@ -246,25 +250,27 @@ def test_out_of_range_ids_are_dropped_without_checks_and_caught_with():
 
 @pytest.mark.parametrize("align", [1, 3])
 @pytest.mark.parametrize("static", [False, True])
-def test_unpermute_matches_reference_and_ignores_padding(align, static):
+def test_unpermute_matches_reference_and_ignores_padding(align, static, device):
     T, k, E, H = 14, 3, 5, 6
     idx = random_routing(T, k, E, distinct=False)
     perm = permute(
-        torch.randn(T, H),
-        idx,
+        torch.randn(T, H).to(device),
+        idx.to(device),
         E,
         align=align,
         num_out_rows=T * k + E * (align - 1) + 2 if static else None,
     )
     N = perm.x.shape[0]
+    row_token = perm.row_token.cpu()
     y = torch.randn(N, H, dtype=torch.float64)
-    y[perm.row_token < 0] = float("nan")  # padding rows must not leak into any token
+    y[row_token < 0] = float("nan")  # padding rows must not leak into any token
     probs = torch.rand(N, dtype=torch.float64)
-    out = unpermute(y, perm)
+    out = unpermute(y.to(device), perm)
+    assert out.device == device
     assert out.dtype == torch.float64 and not out.isnan().any()
-    torch.testing.assert_close(out, ref_unpermute(y, perm.row_token, T))
-    out_w = unpermute(y, perm, probs=probs)
-    torch.testing.assert_close(out_w, ref_unpermute(y, perm.row_token, T, probs))
+    torch.testing.assert_close(out.cpu(), ref_unpermute(y, row_token, T))
+    out_w = unpermute(y.to(device), perm, probs=probs.to(device))
+    torch.testing.assert_close(out_w.cpu(), ref_unpermute(y, row_token, T, probs))
 
 
 def test_unpermute_bf16_accumulates_in_fp32():
@@ -283,17 +289,24 @@ def test_unpermute_bf16_accumulates_in_fp32():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_unpermute_16bit_matches_fp64_reference(dtype):
+def test_unpermute_16bit_matches_fp64_reference(dtype, device):
     T, k, E, H = 16, 4, 8, 32
     idx = random_routing(T, k, E)
-    perm = permute(torch.randn(T, H).to(dtype), idx, E, topk_probs=torch.rand(T, k), align=2)
+    perm = permute(
+        torch.randn(T, H).to(device, dtype),
+        idx.to(device),
+        E,
+        topk_probs=torch.rand(T, k).to(device),
+        align=2,
+    )
     y = torch.randn(perm.x.shape[0], H).to(dtype)
     ulp = 2**-7 if dtype == torch.bfloat16 else 2**-10
     for probs in (None, perm.probs):
-        out = unpermute(y, perm, probs=probs)
-        assert out.dtype == dtype
-        ref = ref_unpermute(y, perm.row_token, T, probs).to(dtype)
-        torch.testing.assert_close(out, ref, atol=1e-3, rtol=ulp)
+        out = unpermute(y.to(device), perm, probs=probs)
+        assert out.dtype == dtype and out.device == device
+        ref_probs = None if probs is None else probs.cpu()
+        ref = ref_unpermute(y, perm.row_token.cpu(), T, ref_probs).to(dtype)
+        torch.testing.assert_close(out.cpu(), ref, atol=1e-3, rtol=ulp)
 
 
 def test_unpermute_bf16_probs_keep_fp32_precision():
@@ -367,23 +380,25 @@ def test_gradcheck_unpermute(align, chunk_elements, monkeypatch):
 
 
 @pytest.mark.parametrize("chunk_elements", [None, 11])
-def test_end_to_end_gradient_matches_reference(chunk_elements, monkeypatch):
+def test_end_to_end_gradient_matches_reference(chunk_elements, monkeypatch, device):
     if chunk_elements is not None:
         monkeypatch.setattr(permute_module, "_BACKWARD_CHUNK_ELEMENTS", chunk_elements)
     T, k, E, H = 9, 3, 4, 5
     idx = random_routing(T, k, E)
-    x = torch.randn(T, H, dtype=torch.float64, requires_grad=True)
-    probs = torch.rand(T, k, dtype=torch.float64, requires_grad=True)
-    perm = permute(x, idx, E, topk_probs=probs, align=2)
-    scale = torch.arange(1, perm.x.shape[0] + 1, dtype=torch.float64).unsqueeze(1)
+    x = torch.randn(T, H, dtype=torch.float64, device=device, requires_grad=True)
+    probs = torch.rand(T, k, dtype=torch.float64, device=device, requires_grad=True)
+    perm = permute(x, idx.to(device), E, topk_probs=probs, align=2)
+    scale = torch.arange(1, perm.x.shape[0] + 1, dtype=torch.float64, device=device).unsqueeze(1)
     out = unpermute(perm.x * scale, perm, probs=perm.probs)
     out.square().sum().backward()
-    # Reference: the same function written per token.
-    x2 = x.detach().clone().requires_grad_(True)
-    p2 = probs.detach().clone().requires_grad_(True)
+    # Reference: the same function written per token, on the CPU.
+    x2 = x.detach().cpu().requires_grad_(True)
+    p2 = probs.detach().cpu().requires_grad_(True)
     rows = {
         (int(t), int(s)): r
-        for r, (t, s) in enumerate(zip(perm.row_token, perm.row_slot, strict=True))
+        for r, (t, s) in enumerate(
+            zip(perm.row_token.tolist(), perm.row_slot.tolist(), strict=True)
+        )
     }
     ref = []
     for t in range(T):
@@ -393,8 +408,9 @@ def test_end_to_end_gradient_matches_reference(chunk_elements, monkeypatch):
                 acc = acc + p2[t, s] * x2[t] * float(rows[(t, s)] + 1)
         ref.append(acc)
     torch.stack(ref).square().sum().backward()
-    torch.testing.assert_close(x.grad, x2.grad)
-    torch.testing.assert_close(probs.grad, p2.grad)
+    assert x.grad.device == device
+    torch.testing.assert_close(x.grad.cpu(), x2.grad)
+    torch.testing.assert_close(probs.grad.cpu(), p2.grad)
 
 
 def test_bf16_gradients_accumulate_in_fp32():

@@ -1,7 +1,8 @@
 """``topk_routing`` against a slow per-token reference written here, plus properties and errors.
 
 The reference works on Python floats (float64) one token at a time and shares no code with the
-implementation.
+implementation. The reference comparisons run on the ``device`` fixture
+(``FLEXDISPATCH_TEST_DEVICE``, tests/conftest.py); the reference itself always runs on the CPU.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ for fn, pre in (("softmax", False), ("softmax", True), ("sigmoid", False), ("sqr
 
 @pytest.mark.parametrize(("fn", "pre", "use_bias", "groups", "scaling", "normalize"), _VARIANTS)
 @pytest.mark.parametrize("k", [1, 4])
-def test_matches_per_token_reference(fn, pre, use_bias, groups, scaling, normalize, k):
+def test_matches_per_token_reference(fn, pre, use_bias, groups, scaling, normalize, k, device):
     logits = torch.randn(T_REF, E_REF) * 2
     bias = (torch.randn(E_REF) * 0.3) if use_bias else None
     kw = {}
@@ -128,15 +129,16 @@ def test_matches_per_token_reference(fn, pre, use_bias, groups, scaling, normali
             kw["group_topk"] = 1
             groups = (groups[0], 1, groups[2])
     res = topk_routing(
-        logits,
+        logits.to(device),
         topk=k,
         score_function=fn,
         use_pre_softmax=pre,
         scaling_factor=scaling,
         normalize_topk=normalize,
-        expert_bias=bias,
+        expert_bias=None if bias is None else bias.to(device),
         **kw,
     )
+    assert res.topk_idx.device == device and res.topk_probs.device == device
     assert res.topk_idx.dtype == torch.int64 and res.topk_idx.shape == (T_REF, k)
     assert res.topk_probs.dtype == torch.float32 and res.topk_probs.shape == (T_REF, k)
     want = [
@@ -157,7 +159,7 @@ def test_matches_per_token_reference(fn, pre, use_bias, groups, scaling, normali
     for d in want:
         for e in d:
             counts[e] += 1
-    assert torch.equal(res.tokens_per_expert, counts)
+    assert torch.equal(res.tokens_per_expert.cpu(), counts)
     assert res.num_dropped.dim() == 0 and int(res.num_dropped) == 0
 
 
@@ -219,19 +221,23 @@ def ref_drop(idx: torch.Tensor, probs: torch.Tensor, E: int, cap: int, policy: s
 @pytest.mark.parametrize("policy", ["probs", "position"])
 @pytest.mark.parametrize("cf", [0.25, 0.6, 1.0, 1.3])
 @pytest.mark.parametrize("fn", ["softmax", "sigmoid"])
-def test_capacity_matches_reference(policy, cf, fn):
+def test_capacity_matches_reference(policy, cf, fn, device):
     T, E, k = 40, 8, 2
     logits = torch.randn(T, E)
     logits[:, 0] += 2.0  # make expert 0 popular so that something is dropped
-    free = topk_routing(logits, topk=k, score_function=fn)
-    res = topk_routing(logits, topk=k, score_function=fn, capacity_factor=cf, drop_policy=policy)
+    free = topk_routing(logits.to(device), topk=k, score_function=fn)
+    res = topk_routing(
+        logits.to(device), topk=k, score_function=fn, capacity_factor=cf, drop_policy=policy
+    )
+    assert res.topk_idx.device == device
     cap = math.ceil(T * k / E * cf)
-    want_idx, want_p = ref_drop(free.topk_idx, free.topk_probs, E, cap, policy)
-    assert torch.equal(res.topk_idx, want_idx)
-    assert torch.equal(res.topk_probs, want_p)
+    # the drop reference runs on the CPU over the capacity-free routing of the same device
+    want_idx, want_p = ref_drop(free.topk_idx.cpu(), free.topk_probs.cpu(), E, cap, policy)
+    assert torch.equal(res.topk_idx.cpu(), want_idx)
+    assert torch.equal(res.topk_probs.cpu(), want_p)
     assert int(res.num_dropped) == int((want_idx == -1).sum())
     counts = torch.bincount(want_idx[want_idx >= 0], minlength=E)
-    assert torch.equal(res.tokens_per_expert, counts)
+    assert torch.equal(res.tokens_per_expert.cpu(), counts)
     assert int(res.tokens_per_expert.max()) <= cap
 
 
