@@ -13,6 +13,11 @@ backend's no-grad primitives in autograd Functions:
 - backward of combine: ``grad y = cached_dispatch(grad out)`` along the same handle.
 
 The handle travels in the ``DispatchResult``; nothing about a call is kept on ``self``.
+
+fp8 pass-through (``deepep`` backend only): ``dispatch`` also takes DeepEP's ``(x_fp8 [T, H]
+float8_e4m3fn, scales [T, ceil(H / 128)] float32)`` tuple and hands it to DeepEP unchanged. That
+path is forward-only: ``recv_x`` (fp8) carries no gradient and an ``x`` that requires grad is
+refused; ``topk_probs`` stays differentiable.
 """
 
 from __future__ import annotations
@@ -27,12 +32,21 @@ from flexdispatch._validate import check_ids_in_range, check_tensor, checks_enab
 from flexdispatch.backends import select_backend
 from flexdispatch.backends.base import DispatchBackend
 from flexdispatch.config import DispatchConfig
-from flexdispatch.distributed import check_fingerprint, group_size, resolve_ranks_per_node
+from flexdispatch.distributed import (
+    check_fingerprint,
+    collective_device,
+    group_size,
+    resolve_ranks_per_node,
+)
 from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, DispatchStats
 
 __all__ = ["FlexDispatcher"]
 
 _ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FP8_SCALE_BLOCK = 128  # DeepEP: one float32 scale per 128 channels of an fp8 row
+
+Rows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""``x`` of ``dispatch``: ``[T, H]`` rows, or (deepep only) an ``(fp8 rows, scales)`` tuple."""
 
 
 class _Dispatch(torch.autograd.Function):
@@ -43,16 +57,19 @@ class _Dispatch(torch.autograd.Function):
         ctx: Any,
         backend: DispatchBackend,
         layout: DispatchLayout | None,
-        x: torch.Tensor,
+        x: Rows,
         topk_idx: torch.Tensor,
         topk_probs: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
         res = backend.dispatch(x, topk_idx, topk_probs, layout)
         ctx.backend = backend
         ctx.handle = res.handle
-        ctx.x_dtype = x.dtype
+        ctx.x_dtype = x[0].dtype if isinstance(x, tuple) else x.dtype
         ctx.save_for_backward(res.recv_topk_idx)
-        ctx.mark_non_differentiable(res.recv_topk_idx, res.num_recv_tokens_per_expert)
+        frozen = [res.recv_topk_idx, res.num_recv_tokens_per_expert]
+        if isinstance(x, tuple):  # fp8 pass-through: forward-only rows
+            frozen.append(res.recv_x)
+        ctx.mark_non_differentiable(*frozen)  # NOTE: one call; a second replaces the first
         return (
             res.recv_x,
             res.recv_topk_idx,
@@ -140,10 +157,11 @@ class FlexDispatcher:
     ) -> None:
         if not isinstance(config, DispatchConfig):
             raise TypeError(f"config must be a DispatchConfig, got {type(config).__name__}")
-        if not isinstance(num_experts, int) or num_experts <= 0:
+        if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
             raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
         self.config = config
         self.group = group
+        self._comm_device = collective_device(group)
         R = group_size(group)
         L, self.ranks_per_node_source = resolve_ranks_per_node(config.ranks_per_node, R)
         fields: dict[str, object] = dict(config.model_dump())
@@ -206,19 +224,79 @@ class FlexDispatcher:
         return self._backend.num_local_experts
 
     # ----------------------------------------------------------------- validation
+    def _check_device(self, name: str, t: torch.Tensor) -> None:
+        """Raise ValueError (before any collective) for a tensor the group cannot move."""
+        if t.device.type == "meta":
+            raise ValueError(
+                f"{name} is on the meta device (shapes only, no data): dispatch and combine move "
+                f"real rows; pass a tensor on {self._comm_device.type}"
+            )
+        if self._comm_device.type == "cuda" and t.device.type != "cuda":
+            raise ValueError(
+                f"{name} is on {t.device} but the process group (NCCL) moves CUDA tensors: move "
+                f"it with .to('cuda')"
+            )
+
+    def _check_fp8_rows(self, x: tuple) -> torch.Tensor:
+        """Validate DeepEP's ``(x_fp8 [T, H], scales [T, ceil(H / 128)])`` tuple; return x_fp8."""
+        if self.backend_name != "deepep":
+            raise TypeError(
+                f"x is an (fp8 rows, scales) tuple, which only the deepep backend takes, but this "
+                f"dispatcher runs the {self.backend_name!r} backend: pass x as [T, H] bfloat16, "
+                f"float16 or float32 rows (dequantize the fp8 rows first), or build the "
+                f"dispatcher with DispatchConfig(backend='deepep')"
+            )
+        if len(x) != 2:
+            raise TypeError(
+                f"x as a tuple must be (x_fp8 [T, H] float8_e4m3fn, scales [T, ceil(H / 128)] "
+                f"float32), got {len(x)} items"
+            )
+        rows, scales = x
+        check_tensor("x[0] (fp8 rows)", rows, dtypes=(torch.float8_e4m3fn,), ndim=2)
+        check_tensor("x[1] (fp8 scales)", scales, dtypes=(torch.float32,), ndim=2)
+        T, H = rows.shape
+        if H % 16:
+            raise ValueError(
+                f"x[0] has H={H} fp8 columns, but DeepEP moves rows in 16-byte units: pad the "
+                f"hidden size to a multiple of 16"
+            )
+        n_scales = -(-H // _FP8_SCALE_BLOCK)
+        if tuple(scales.shape) != (T, n_scales):
+            raise ValueError(
+                f"x[1] (fp8 scales) must have shape [{T}, {n_scales}] (one float32 scale per "
+                f"{_FP8_SCALE_BLOCK} channels of each of the T={T} rows, ceil(H / "
+                f"{_FP8_SCALE_BLOCK})), got {tuple(scales.shape)}"
+            )
+        if scales.device != rows.device:
+            raise ValueError(
+                f"x[1] (fp8 scales) is on {scales.device} but x[0] is on {rows.device}: move "
+                f"them to one device"
+            )
+        if rows.requires_grad or scales.requires_grad:
+            raise ValueError(
+                "x is an (fp8 rows, scales) tuple that requires grad, but fp8 dispatch is "
+                "forward-only (recv_x carries no gradient): pass (x[0].detach(), x[1].detach()), "
+                "or dispatch bf16 rows to train through the dispatch"
+            )
+        return rows
+
     def _check_inputs(
         self,
-        x: torch.Tensor,
+        x: Rows,
         topk_idx: torch.Tensor,
         topk_probs: torch.Tensor,
         layout: DispatchLayout | None,
     ) -> None:
-        check_tensor("x", x, ndim=2, floating=True)
-        if x.dtype not in _ROW_DTYPES:
-            raise TypeError(
-                f"x must be bfloat16, float16 or float32, got {str(x.dtype).replace('torch.', '')}"
-                f": convert it with x.to(torch.bfloat16) or x.float()"
-            )
+        if isinstance(x, tuple):
+            x = self._check_fp8_rows(x)
+        else:
+            check_tensor("x", x, ndim=2, floating=True)
+            if x.dtype not in _ROW_DTYPES:
+                raise TypeError(
+                    f"x must be bfloat16, float16 or float32, got "
+                    f"{str(x.dtype).replace('torch.', '')}: convert it with x.to(torch.bfloat16) "
+                    f"or x.float() (or pass an (fp8 rows, scales) tuple to the deepep backend)"
+                )
         check_tensor("topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2)
         check_tensor("topk_probs", topk_probs, dtypes=(torch.float32,), ndim=2)
         T = x.shape[0]
@@ -239,6 +317,7 @@ class FlexDispatcher:
                 raise ValueError(
                     f"{name} is on {t.device} but x is on {x.device}: move them to one device"
                 )
+        self._check_device("x", x)
         if layout is not None:
             mask = layout.is_token_in_rank
             if tuple(mask.shape) != (T, self.num_ranks) or mask.dtype != torch.bool:
@@ -253,7 +332,7 @@ class FlexDispatcher:
     # ----------------------------------------------------------------- public API
     def dispatch(
         self,
-        x: torch.Tensor,
+        x: Rows,
         topk_idx: torch.Tensor,
         topk_probs: torch.Tensor,
         *,
@@ -262,7 +341,11 @@ class FlexDispatcher:
         """Send each token once to every rank that holds one of its experts.
 
         Args:
-            x: ``[T, H]`` bf16/fp16/fp32 rows (T may be 0).
+            x: ``[T, H]`` bf16/fp16/fp32 rows (T may be 0). With the ``deepep`` backend only,
+                also DeepEP's ``(x_fp8 [T, H] float8_e4m3fn, scales [T, ceil(H / 128)] float32)``
+                tuple (H a multiple of 16), passed to DeepEP unchanged. fp8 dispatch is
+                forward-only: neither tensor may require grad, and ``recv_x`` has no gradient
+                (``topk_probs`` still gets one).
             topk_idx: ``[T, k]`` int64 global expert ids, ``-1`` = no expert.
             topk_probs: ``[T, k]`` float32 routing weights (0 where ``topk_idx`` is ``-1``).
             layout: optional ``get_dispatch_layout(topk_idx, E, R)`` result, reused if given.
@@ -272,16 +355,21 @@ class FlexDispatcher:
             ids or ``-1``, ``recv_topk_probs [M, k]`` float32 (0 where ``-1``),
             ``num_recv_tokens_per_expert [e]`` int64 device tensor, and the handle. Rows are
             ordered by source rank, then source token. In worst-case mode ``M = W`` and rows past
-            the real ones are zero / ``-1`` / 0.
+            the real ones are zero / ``-1`` / 0. For an fp8 tuple, ``recv_x`` is the
+            ``[M, H]`` float8_e4m3fn rows and their ``[M, ceil(H / 128)]`` float32 scales are
+            ``result.handle.state.recv_scales``; ``combine`` then takes bf16 (or fp16/fp32) rows.
 
         Raises:
             TypeError / ValueError: malformed inputs (raised before any collective); on every
             rank: ranks disagree on H, k or dtype, or (dropless off, CPU or checks on) a
             worst-case overflow.
+            flexdispatch.distributed.CollectiveError: a peer rank failed (raised, exited, was
+            killed) or did not join within the process-group timeout (docs/errors.md).
         """
         self._check_inputs(x, topk_idx, topk_probs, layout)
+        rows = (x[0].contiguous(), x[1].contiguous()) if isinstance(x, tuple) else x.contiguous()
         recv_x, recv_idx, recv_probs, counts, handle = _Dispatch.apply(
-            self._backend, layout, x.contiguous(), topk_idx.contiguous(), topk_probs.contiguous()
+            self._backend, layout, rows, topk_idx.contiguous(), topk_probs.contiguous()
         )
         self.stats.dispatch_calls += 1
         return DispatchResult(
@@ -303,12 +391,17 @@ class FlexDispatcher:
         Returns:
             ``[T, H]`` with y's dtype: for each token the sum over the ranks that received it of
             their row; zero for tokens sent nowhere.
+
+        Raises:
+            TypeError / ValueError: a foreign handle or a malformed ``y`` (before any collective).
+            flexdispatch.distributed.CollectiveError: a peer rank failed or timed out.
         """
         if not isinstance(handle, DispatchHandle) or handle.backend != self.backend_name:
             raise TypeError(
                 "handle must be the DispatchHandle of this dispatcher's dispatch (result.handle)"
             )
         check_tensor("y", y, ndim=2, floating=True)
+        self._check_device("y", y)
         if tuple(y.shape) != (handle.num_recv_rows, handle.hidden):
             raise ValueError(
                 f"y must have shape [{handle.num_recv_rows}, {handle.hidden}] (the rows dispatch "

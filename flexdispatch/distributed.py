@@ -6,18 +6,28 @@ N = R / L nodes.
 ``group=None`` means the default process group (WORLD). When ``torch.distributed`` is not
 initialised, every helper behaves as a world of one rank (R = 1, no collectives), which is what
 single-process tests and the demo use.
+
+Every collective issued here (and by the ``torch`` backend) runs inside ``collective_guard``: when
+it fails — a peer rank raised and left the group, exited, was killed, or did not join within the
+process-group timeout — the backend's terse error (gloo: "Connection reset by peer", "Timed out
+waiting 10000ms ...") becomes a ``CollectiveError`` that names the collective, this rank and the
+timeout, with the original error chained.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
+    "CollectiveError",
+    "collective_guard",
+    "process_group_timeout_s",
     "is_distributed",
     "group_size",
     "group_rank",
@@ -28,6 +38,59 @@ __all__ = [
     "stable_hash",
     "check_fingerprint",
 ]
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the expert-parallel group failed on this rank.
+
+    Raised instead of the communication backend's own error when a peer rank raised (and left the
+    group), exited, was killed or did not reach the same collective within the process-group
+    timeout. The original error is chained (``__cause__``) and quoted in the message. The group
+    must not be used afterwards: destroy it (or end the process) and restart from a checkpoint.
+    """
+
+
+def process_group_timeout_s(group: dist.ProcessGroup | None = None) -> float | None:
+    """The timeout of ``group``'s communication backend in seconds, or None when unknown."""
+    if not is_distributed(group):
+        return None
+    try:
+        pg = group if group is not None else dist.group.WORLD
+        device = collective_device(group)
+        timeout = pg._get_backend(device).options._timeout  # type: ignore[union-attr]
+        return float(timeout.total_seconds())
+    except Exception:  # private API: absent or renamed in some torch releases
+        return None
+
+
+@contextlib.contextmanager
+def collective_guard(name: str, group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Turn a failing collective's ``RuntimeError`` into a ``CollectiveError`` naming it.
+
+    Args:
+        name: what the collective is, e.g. ``"all_gather (dispatch count exchange)"``.
+        group: the process group it runs on (None = WORLD).
+
+    Raises:
+        CollectiveError: the collective raised a ``RuntimeError`` (``DistBackendError`` and the
+            timeouts of gloo/NCCL are ``RuntimeError`` subclasses); other exceptions pass as is.
+    """
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as exc:
+        if not is_distributed(group):
+            raise
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        timeout = process_group_timeout_s(group)
+        within = f"{timeout:g} s" if timeout is not None else "the process-group timeout"
+        raise CollectiveError(
+            f"flexdispatch: collective {name} failed on rank {rank} of {size}: a peer rank "
+            f"raised, exited or was killed, or did not reach this collective within {within} "
+            f"(look for the first error in the other ranks' logs; the group cannot be used any "
+            f"more): {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def is_distributed(group: dist.ProcessGroup | None = None) -> bool:
@@ -98,15 +161,21 @@ def resolve_ranks_per_node(configured: int | None, num_ranks: int) -> tuple[int,
     return value, source
 
 
-def all_gather_int64(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def all_gather_int64(
+    values: torch.Tensor, group: dist.ProcessGroup | None = None, *, name: str = "all_gather"
+) -> torch.Tensor:
     """All-gather a 1-D int64 vector from every rank.
 
     Args:
         values: ``[n]`` int64, same ``n`` on every rank, on ``collective_device(group)``.
         group: the process group (None = WORLD).
+        name: how a failure names the collective (``CollectiveError``).
 
     Returns:
         ``[R, n]`` int64; row ``r`` is rank ``r``'s vector.
+
+    Raises:
+        CollectiveError: a peer failed or the process-group timeout passed.
     """
     if not is_distributed(group):
         return values.reshape(1, -1).clone()
@@ -115,7 +184,8 @@ def all_gather_int64(values: torch.Tensor, group: dist.ProcessGroup | None = Non
     out = torch.empty(size * flat.numel(), dtype=flat.dtype, device=flat.device)
     # NOTE: torch >= 2.13 renames all_gather_into_tensor to all_gather_single.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, flat, group=group)
+    with collective_guard(name, group):
+        gather(out, flat, group=group)
     return out.view(size, flat.numel())
 
 
@@ -124,7 +194,8 @@ def all_reduce_min_flag(flag: bool, group: dist.ProcessGroup | None = None) -> b
     if not is_distributed(group):
         return flag
     t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=collective_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    with collective_guard("all_reduce (backend selection)", group):
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return bool(t.item())
 
 
@@ -133,7 +204,14 @@ def stable_hash(value: object) -> int:
     return zlib.crc32(repr(value).encode())
 
 
-def check_fingerprint(fields: Mapping[str, object], group: dist.ProcessGroup | None = None) -> None:
+def check_fingerprint(
+    fields: Mapping[str, object],
+    group: dist.ProcessGroup | None = None,
+    *,
+    what: str = "FlexDispatcher configs",
+    fix: str = "every rank must build the dispatcher with the same DispatchConfig, num_experts "
+    "and ranks_per_node",
+) -> None:
     """Raise on every rank when the ranks disagree on any field.
 
     Every rank all-gathers one stable hash per field (a fixed-size int64 vector, so the collective
@@ -143,9 +221,12 @@ def check_fingerprint(fields: Mapping[str, object], group: dist.ProcessGroup | N
     Args:
         fields: name -> value, the same names in the same order on every rank.
         group: the process group (None = WORLD).
+        what: what differs, the start of the error message.
+        fix: how to fix it, in the error message.
 
     Raises:
         ValueError: naming each differing field and its value on each rank.
+        CollectiveError: a peer failed or the process-group timeout passed.
     """
     if not is_distributed(group):
         return
@@ -158,20 +239,18 @@ def check_fingerprint(fields: Mapping[str, object], group: dist.ProcessGroup | N
         device=device,
     )
     n_all = torch.tensor([vec.numel()], dtype=torch.int64, device=device)
-    sizes = all_gather_int64(n_all, group).flatten().tolist()
-    if len(set(sizes)) == 1:
-        gathered = all_gather_int64(vec, group).cpu()
+    sizes = all_gather_int64(n_all, group, name="all_gather (config fingerprint)").flatten()
+    if len(set(sizes.tolist())) == 1:
+        gathered = all_gather_int64(vec, group, name="all_gather (config fingerprint)").cpu()
         if bool((gathered == gathered[0]).all()):
             return
     reprs: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(reprs, {n: repr(fields[n]) for n in names}, group=group)
+    with collective_guard("all_gather_object (config fingerprint)", group):
+        dist.all_gather_object(reprs, {n: repr(fields[n]) for n in names}, group=group)
     lines = []
     all_names = list(dict.fromkeys(n for r in reprs for n in r))  # type: ignore[union-attr]
     for name in all_names:
         per_rank = [r.get(name, "<missing>") for r in reprs]  # type: ignore[union-attr]
         if len(set(per_rank)) > 1:
             lines.append(f"{name}: " + ", ".join(f"rank {i}={v}" for i, v in enumerate(per_rank)))
-    raise ValueError(
-        "FlexDispatcher configs differ across ranks (every rank must build the dispatcher with the "
-        "same DispatchConfig, num_experts and ranks_per_node): " + "; ".join(lines)
-    )
+    raise ValueError(f"{what} differ across ranks ({fix}): " + "; ".join(lines))

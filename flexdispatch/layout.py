@@ -33,8 +33,20 @@ def get_dispatch_layout(
 
     Returns:
         ``DispatchLayout`` with int32 counts and a ``[T, R]`` bool mask, on ``topk_idx``'s device.
+
+    Raises:
+        TypeError: ``topk_idx`` is not an int64 tensor, or a count is not an int.
+        ValueError: a bad shape or count (the message names it), or ids outside ``[-1, E)``
+            when checks are enabled.
     """
     check_tensor("topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2)
+    for name, value in (
+        ("num_experts", num_experts),
+        ("num_ranks", num_ranks),
+        ("ranks_per_node", ranks_per_node),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if num_experts <= 0 or num_ranks <= 0:
         raise ValueError(
             f"num_experts ({num_experts}) and num_ranks ({num_ranks}) must be positive"

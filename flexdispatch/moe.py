@@ -20,6 +20,7 @@ from torch import nn
 from flexdispatch._validate import check_tensor
 from flexdispatch.config import MoEConfig
 from flexdispatch.dispatcher import FlexDispatcher
+from flexdispatch.distributed import check_fingerprint
 from flexdispatch.experts import GroupedExperts
 from flexdispatch.permutation import permute, unpermute
 from flexdispatch.routing import TopKRouter
@@ -52,10 +53,14 @@ class MoELayer(nn.Module):
     """One expert-parallel MoE layer.
 
     Every rank of ``group`` builds the same layer; the router weight is replicated and rank ``r``
-    holds global experts ``[r·e, (r+1)·e)``. Parameters are drawn from ``seed`` so that every rank
-    (and a single-process reference) gets the same values: the router weight from
-    ``torch.manual_seed(seed)`` (restored afterwards), expert ``g`` from
-    ``init_expert_weights(g, seed)``.
+    holds global experts ``[r·e, (r+1)·e)``. Construction is collective: besides the
+    dispatcher's own check, every field of ``config`` that is not dispatch-related (the router,
+    the sizes, the activation), ``seed`` and ``dtype`` are compared across the ranks, and every
+    rank raises ``ValueError`` naming the fields that differ.
+
+    Parameters are drawn from ``seed`` so that every rank (and a single-process reference) gets
+    the same values: the router weight from ``torch.manual_seed(seed)`` (restored afterwards),
+    expert ``g`` from ``init_expert_weights(g, seed)``.
 
     Args:
         config: the layer configuration.
@@ -84,6 +89,20 @@ class MoELayer(nn.Module):
             config.dispatch, num_experts=config.router.num_experts, group=group
         )
         R, rank = self.dispatcher.num_ranks, self.dispatcher.rank
+        # NOTE: one field per router setting, so that the error names the setting that differs.
+        fields: dict[str, object] = {
+            k: v
+            for k, v in config.model_dump().items()
+            if k not in ("router", "dispatch", "name", "source")
+        }
+        fields.update({f"router.{k}": v for k, v in config.router.model_dump().items()})
+        fields.update(seed=seed, dtype=str(dtype))
+        check_fingerprint(
+            fields,
+            group,
+            what="MoELayer configs",
+            fix="every rank must build the layer from the same MoEConfig, seed and dtype",
+        )
         config.check_world(R)
         e = config.router.num_experts // R
         self.num_local_experts = e
@@ -109,7 +128,13 @@ class MoELayer(nn.Module):
     def forward(self, hidden: torch.Tensor, *, token_ids: torch.Tensor | None = None) -> MoEOutput:
         """Run the layer on ``hidden`` ``[T, H]`` or ``[S, B, H]`` (dtype of the experts).
 
-        ``token_ids`` (same leading shape, int64) is needed by hash routing only.
+        ``token_ids`` (same leading shape, int64) is needed by hash routing only. With
+        ``config.dispatch.checks`` (or ``FLEXDISPATCH_CHECKS=1``) the router's logits are checked
+        for NaN/inf and the expert ids for range, before any collective.
+
+        Raises:
+            TypeError / ValueError: a bad ``hidden`` (dtype, shape, device), before any
+                collective; see ``FlexDispatcher.dispatch`` for the errors raised on every rank.
         """
         check_tensor("hidden", hidden, floating=True)
         H = self.config.hidden_size
@@ -123,8 +148,15 @@ class MoELayer(nn.Module):
                 f"hidden has dtype {hidden.dtype} but the experts hold {self.experts.w1.dtype}: "
                 f"build the layer with dtype={hidden.dtype} or cast the input"
             )
+        if hidden.device != self.experts.w1.device:
+            raise ValueError(
+                f"hidden is on {hidden.device} but the layer's parameters are on "
+                f"{self.experts.w1.device}: move the input (or the layer, with .to(device))"
+            )
         x_TH = hidden.reshape(-1, H)
-        routing = self.router(hidden, token_ids=token_ids)
+        routing = self.router(
+            hidden, token_ids=token_ids, checks=self.config.dispatch.checks or None
+        )
         res = self.dispatcher.dispatch(x_TH, routing.topk_idx, routing.topk_probs)
         M, k = res.recv_topk_idx.shape
         e = self.num_local_experts

@@ -377,7 +377,8 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
         info = torch.empty(4, dtype=torch.int64, device=mask_TR.device)
         for i, v in enumerate((hidden, k, _DTYPE_CODES[dtype], T)):
             info[i] = v
-        return all_gather_int64(torch.cat([per_rank, per_node, info]), self.group)
+        vec = torch.cat([per_rank, per_node, info])
+        return all_gather_int64(vec, self.group, name="all_gather (dispatch count exchange)")
 
     def _check_agreement(self, Gh: list[list[int]]) -> None:
         """Raise on every rank when H, k or the dtype differ across ranks."""

@@ -26,6 +26,9 @@ Combine sends the rows back along the same hops and sums them per token. The sum
 order — first over the ranks of each node (in rank order), then over nodes — so flat and
 hierarchical combine give bit-identical results, and every ``index_add_`` has unique indices
 (deterministic on CUDA too).
+
+Every collective runs inside ``collective_guard``: a peer that fails, exits or times out turns
+into a ``flexdispatch.distributed.CollectiveError`` on this rank, naming the collective.
 """
 
 from __future__ import annotations
@@ -50,7 +53,13 @@ from flexdispatch.backends.torch_rows import (
     split_owner,
     unpack_meta,
 )
-from flexdispatch.distributed import all_gather_int64, group_rank, group_size, is_distributed
+from flexdispatch.distributed import (
+    all_gather_int64,
+    collective_guard,
+    group_rank,
+    group_size,
+    is_distributed,
+)
 from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, DispatchStats
 
 __all__ = ["TorchA2ABackend", "TorchDispatchState", "Hop", "DTYPE_CODES"]
@@ -261,7 +270,7 @@ class TorchA2ABackend(DispatchBackend):
         for i, value in enumerate((hidden, topk, DTYPE_CODES[dtype], T)):
             info[i] = value
         vec = torch.cat([per_rank, per_node, info])
-        return all_gather_int64(vec, self.group)
+        return all_gather_int64(vec, self.group, name="all_gather (dispatch count exchange)")
 
     def check_agreement(self, Gh: list[list[int]]) -> None:
         """Raise on every rank when H, k or the dtype differ across ranks."""
@@ -308,9 +317,10 @@ class TorchA2ABackend(DispatchBackend):
         if not is_distributed(self.group):
             out[:B].copy_(send)
             return out
-        dist.all_to_all_single(
-            out[:B], send, list(recv_splits), list(send_splits), group=self.group
-        )
+        with collective_guard("all_to_all_single (rows)", self.group):
+            dist.all_to_all_single(
+                out[:B], send, list(recv_splits), list(send_splits), group=self.group
+            )
         return out
 
     def run_hop_rows(
@@ -399,7 +409,9 @@ class TorchA2ABackend(DispatchBackend):
         if layout is not None:
             mask_TR = layout.is_token_in_rank
         else:
-            rank_TK = torch.where(topk_idx >= 0, topk_idx // e, R)
+            # NOTE: ids outside [0, E) count as -1, as in get_dispatch_layout (never an OOB index).
+            valid_TK = (topk_idx >= 0) & (topk_idx < self.num_experts)
+            rank_TK = torch.where(valid_TK, topk_idx // e, R)
             mask_TR = torch.zeros(T, R + 1, dtype=torch.bool, device=x.device)
             mask_TR.scatter_(1, rank_TK, True)
             mask_TR = mask_TR[:, :R]

@@ -348,6 +348,9 @@ def run(args: argparse.Namespace) -> int:
         if args.nodes < 1 or args.ranks_per_node < 1:
             raise ValueError("--nodes and --ranks-per-node must be >= 1")
         R = args.nodes * args.ranks_per_node
+        _layer_config(spec, "hierarchical", R, args.ranks_per_node).check_world(
+            R, args.ranks_per_node
+        )
         _progress(f"[1/3] spawning {R} ranks ({args.nodes} nodes × {args.ranks_per_node}, gloo)")
         results = spawn_group(
             run_rank,

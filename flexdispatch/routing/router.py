@@ -155,7 +155,11 @@ class TopKRouter(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(
-        self, hidden: torch.Tensor, *, token_ids: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        *,
+        token_ids: torch.Tensor | None = None,
+        checks: bool | None = None,
     ) -> RoutingResult:
         """Route ``hidden`` (``[T, H]`` or ``[S, B, H]``, any float dtype).
 
@@ -164,11 +168,18 @@ class TopKRouter(nn.Module):
                 order of ``hidden.reshape(-1, H)``.
             token_ids: ``[T]`` or ``[S, B]`` int64 (or int32) token ids, required (only) when
                 ``config.router_type == "hash"``.
+            checks: run the host-syncing value checks (NaN/inf logits; hash: token ids); None
+                reads ``FLEXDISPATCH_CHECKS``.
 
         Returns:
             RoutingResult: ``topk_idx`` ``[T, k]`` int64 (``-1`` dropped), ``topk_probs``
             ``[T, k]`` float32 (0 where ``-1``), ``tokens_per_expert`` ``[E]`` int64,
             ``num_dropped`` 0-d int64, ``aux_loss`` / ``z_loss`` 0-d (router dtype) or None.
+
+        Raises:
+            TypeError: ``hidden`` is not a floating tensor.
+            ValueError: a bad shape or device, a missing ``token_ids`` (hash), or NaN/inf
+                logits with checks enabled.
         """
         check_tensor("hidden", hidden, ndim=(2, 3), floating=True)
         H = self.hidden_size
@@ -176,6 +187,11 @@ class TopKRouter(nn.Module):
             raise ValueError(
                 f"hidden has last dimension {hidden.shape[-1]} but the router was built with "
                 f"hidden_size={H}: pass [T, {H}] or [S, B, {H}]"
+            )
+        if hidden.device != self.weight.device:
+            raise ValueError(
+                f"hidden is on {hidden.device} but the router weight is on {self.weight.device}: "
+                f"move the input (or the module, with .to(device)) so both are on one device"
             )
         if hidden.dim() == 3:
             seq_length, batch_size = hidden.shape[0], hidden.shape[1]
@@ -185,7 +201,7 @@ class TopKRouter(nn.Module):
         cfg = self.config
 
         if cfg.router_type == "hash":
-            return self._hash_forward(x_TH, token_ids)
+            return self._hash_forward(x_TH, token_ids, checks)
 
         logits_TE = gating_linear(x_TH, self.weight, self.router_dtype)
         result = topk_routing(
@@ -201,6 +217,7 @@ class TopKRouter(nn.Module):
             expert_bias=self.expert_bias,
             capacity_factor=cfg.capacity_factor,
             drop_policy=cfg.drop_policy,
+            checks=checks,
         )
 
         if self.training and self.local_tokens_per_expert is not None:
@@ -219,7 +236,9 @@ class TopKRouter(nn.Module):
             probs_TK = AuxLossAutoScaler.apply(probs_TK, zl, self.aux_loss_scale)
         return dataclasses.replace(result, topk_probs=probs_TK.float(), aux_loss=aux, z_loss=zl)
 
-    def _hash_forward(self, x_TH: torch.Tensor, token_ids: torch.Tensor | None) -> RoutingResult:
+    def _hash_forward(
+        self, x_TH: torch.Tensor, token_ids: torch.Tensor | None, checks: bool | None
+    ) -> RoutingResult:
         cfg = self.config
         if token_ids is None:
             raise ValueError(
@@ -244,6 +263,7 @@ class TopKRouter(nn.Module):
             score_function=cfg.score_function,
             normalize_topk=cfg.normalize_topk,
             scaling_factor=cfg.scaling_factor,
+            checks=checks,
         )
 
     def _aux_loss(

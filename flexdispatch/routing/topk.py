@@ -49,7 +49,8 @@ def _validate(
     capacity_factor: float | None,
     drop_policy: str,
 ) -> None:
-    E = check_tensor("logits", logits, ndim=2, floating=True).shape[1]
+    logits_TE = check_tensor("logits", logits, ndim=2, floating=True)
+    E = logits_TE.shape[1]
     if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= E:
         raise ValueError(
             f"topk must be an int in [1, num_experts={E}] (logits has {E} columns), got {topk!r}"
@@ -95,6 +96,11 @@ def _validate(
         raise ValueError(f"scaling_factor must be a finite number or None, got {scaling_factor!r}")
     if expert_bias is not None:
         check_tensor("expert_bias", expert_bias, ndim=1, floating=True)
+        if expert_bias.device != logits_TE.device:
+            raise ValueError(
+                f"expert_bias is on {expert_bias.device} but logits is on {logits_TE.device}: "
+                f"move both to the same device"
+            )
         if expert_bias.shape[0] != E:
             raise ValueError(
                 f"expert_bias must have shape [num_experts={E}], got {tuple(expert_bias.shape)}"
