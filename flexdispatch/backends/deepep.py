@@ -48,15 +48,15 @@ import torch.distributed as dist
 from flexdispatch._validate import checks_enabled, is_capturing
 from flexdispatch.backends import deepep_sizing as sizing
 from flexdispatch.backends.base import Capability, DispatchBackend
+from flexdispatch.backends.counts import check_agreement, exchange_counts
 from flexdispatch.backends.deepep_ll import LowLatencyMixin
 from flexdispatch.backends.deepep_support import deepep_support, load_deep_ep, nvl_peers
-from flexdispatch.distributed import all_gather_int64, group_rank, group_size
+from flexdispatch.distributed import group_rank, group_size
 from flexdispatch.layout import get_dispatch_layout
 from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, DispatchStats
 
 __all__ = ["DeepEPBackend", "DeepEPDispatchState"]
 
-_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float8_e4m3fn: 4}
 _NARROW_FP32_COLUMNS = sizing.MAX_TOPK  # combine's fp32 topk_weights channel width
 
 
@@ -364,36 +364,18 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
     def _exchange_counts(
         self, mask_TR: torch.Tensor, hidden: int, k: int, dtype: torch.dtype
     ) -> torch.Tensor:
-        """All-gather ``[rows per rank (R), rows per node (N), H, k, dtype code, T]``.
-
-        Returns:
-            ``G``: ``[R, R + N + 4]`` int64 on the collective device; row ``s`` is rank ``s``'s.
-        """
-        T = mask_TR.shape[0]
-        N, L = self.num_nodes, self.ranks_per_node
-        per_rank = mask_TR.sum(0, dtype=torch.int64)
-        per_node = mask_TR.view(T, N, L).any(-1).sum(0, dtype=torch.int64)
-        # NOTE: filled with scalars on the device (a host-to-device copy would block on CUDA).
-        info = torch.empty(4, dtype=torch.int64, device=mask_TR.device)
-        for i, v in enumerate((hidden, k, _DTYPE_CODES[dtype], T)):
-            info[i] = v
-        vec = torch.cat([per_rank, per_node, info])
-        return all_gather_int64(vec, self.group, name="all_gather (dispatch count exchange)")
+        """The count exchange (``counts.exchange_counts``) over this backend's group."""
+        return exchange_counts(
+            mask_TR,
+            hidden=hidden,
+            topk=k,
+            dtype=dtype,
+            ranks_per_node=self.ranks_per_node,
+            group=self.group,
+        )
 
     def _check_agreement(self, Gh: list[list[int]]) -> None:
-        """Raise on every rank when H, k or the dtype differ across ranks."""
-        base = self.num_ranks + self.num_nodes
-        names = ("hidden size H (x.shape[1])", "topk k (topk_idx.shape[1])", "x dtype")
-        dtype_names = {v: str(d).replace("torch.", "") for d, v in _DTYPE_CODES.items()}
-        for j, what in enumerate(names):
-            col = [row[base + j] for row in Gh]
-            if len(set(col)) > 1:
-                shown = [dtype_names.get(v, str(v)) for v in col] if j == 2 else col
-                raise ValueError(
-                    f"ranks disagree on the {what}: "
-                    + ", ".join(f"rank {r}={v}" for r, v in enumerate(shown))
-                    + ": every rank must dispatch rows of the same shape and dtype"
-                )
+        check_agreement(Gh, num_ranks=self.num_ranks, num_nodes=self.num_nodes)
 
     def _overflow_error(self, Gh: list[list[int]]) -> ValueError | None:
         R, W = self.num_ranks, self.num_worst_tokens

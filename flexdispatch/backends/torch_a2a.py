@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from flexdispatch._validate import checks_enabled, is_capturing
 from flexdispatch.backends.base import Capability, DispatchBackend
+from flexdispatch.backends.counts import DTYPE_CODES, check_agreement, exchange_counts
 from flexdispatch.backends.torch_rows import (
     compaction,
     count_local,
@@ -54,7 +55,6 @@ from flexdispatch.backends.torch_rows import (
     unpack_meta,
 )
 from flexdispatch.distributed import (
-    all_gather_int64,
     collective_guard,
     group_rank,
     group_size,
@@ -63,8 +63,6 @@ from flexdispatch.distributed import (
 from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, DispatchStats
 
 __all__ = ["TorchA2ABackend", "TorchDispatchState", "Hop", "DTYPE_CODES"]
-
-DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,36 +254,19 @@ class TorchA2ABackend(DispatchBackend):
     def exchange_counts(
         self, mask_TR: torch.Tensor, hidden: int, topk: int, dtype: torch.dtype
     ) -> torch.Tensor:
-        """All-gather ``[rows per rank (R), rows per node (N), H, k, dtype, T]``.
-
-        Returns:
-            ``G``: ``[R, R + N + 4]`` int64 on the collective device; row ``s`` is rank ``s``'s.
-        """
-        T = mask_TR.shape[0]
-        N, L = self.num_nodes, self.ranks_per_node
-        per_rank = mask_TR.sum(0, dtype=torch.int64)
-        per_node = mask_TR.view(T, N, L).any(-1).sum(0, dtype=torch.int64)
-        # NOTE: filled with scalars on the device (a host-to-device copy would block on CUDA).
-        info = torch.empty(4, dtype=torch.int64, device=mask_TR.device)
-        for i, value in enumerate((hidden, topk, DTYPE_CODES[dtype], T)):
-            info[i] = value
-        vec = torch.cat([per_rank, per_node, info])
-        return all_gather_int64(vec, self.group, name="all_gather (dispatch count exchange)")
+        """The count exchange (``counts.exchange_counts``) over this backend's group."""
+        return exchange_counts(
+            mask_TR,
+            hidden=hidden,
+            topk=topk,
+            dtype=dtype,
+            ranks_per_node=self.ranks_per_node,
+            group=self.group,
+        )
 
     def check_agreement(self, Gh: list[list[int]]) -> None:
         """Raise on every rank when H, k or the dtype differ across ranks."""
-        base = self.num_ranks + self.num_nodes
-        names = ("hidden size H (x.shape[1])", "topk k (topk_idx.shape[1])", "x dtype")
-        codes = {v: str(k).replace("torch.", "") for k, v in DTYPE_CODES.items()}
-        for j, what in enumerate(names):
-            col = [row[base + j] for row in Gh]
-            if len(set(col)) > 1:
-                shown = [codes.get(v, str(v)) for v in col] if j == 2 else col
-                raise ValueError(
-                    f"ranks disagree on the {what}: "
-                    + ", ".join(f"rank {r}={v}" for r, v in enumerate(shown))
-                    + ": every rank must dispatch rows of the same shape and dtype"
-                )
+        check_agreement(Gh, num_ranks=self.num_ranks, num_nodes=self.num_nodes)
 
     def account(self, splits: tuple[int, ...], row_bytes: int) -> None:
         """Add ``splits[r] * row_bytes`` for every peer ``r != rank`` to the byte counters."""

@@ -1,0 +1,79 @@
+"""The count exchange every backend runs before rows move, and the agreement check on it.
+
+T tokens on this rank · R ranks · L ranks per node · N = R / L nodes · H hidden · k top-k.
+
+One all-gather of a ``[R + N + 4]`` int64 vector per rank — rows for every rank, rows for every
+node, then H, k, a dtype code and T — gives every rank the whole ``[R, R + N + 4]`` matrix ``G``.
+With it every rank can size its receive buffers and raise the *same* error when the ranks
+disagree on the row shape or dtype, instead of hanging or mixing garbage.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from flexdispatch.distributed import all_gather_int64
+
+__all__ = ["DTYPE_CODES", "check_agreement", "exchange_counts"]
+
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.float8_e4m3fn: 4,
+}
+
+
+def exchange_counts(
+    mask_TR: torch.Tensor,
+    *,
+    hidden: int,
+    topk: int,
+    dtype: torch.dtype,
+    ranks_per_node: int,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """All-gather ``[rows per rank (R), rows per node (N), H, k, dtype code, T]``.
+
+    Args:
+        mask_TR: ``[T, R]`` bool, token ``t`` goes to rank ``r``.
+        hidden, topk, dtype: the row shape this rank dispatches.
+        ranks_per_node: L (dividing R).
+        group: the dispatcher's process group.
+
+    Returns:
+        ``G``: ``[R, R + N + 4]`` int64 on the collective device; row ``s`` is rank ``s``'s.
+    """
+    T, R = mask_TR.shape
+    L = ranks_per_node
+    per_rank = mask_TR.sum(0, dtype=torch.int64)
+    per_node = mask_TR.view(T, R // L, L).any(-1).sum(0, dtype=torch.int64)
+    # NOTE: filled with scalars on the device (a host-to-device copy would block on CUDA).
+    info = torch.empty(4, dtype=torch.int64, device=mask_TR.device)
+    for i, value in enumerate((hidden, topk, DTYPE_CODES[dtype], T)):
+        info[i] = value
+    vec = torch.cat([per_rank, per_node, info])
+    return all_gather_int64(vec, group, name="all_gather (dispatch count exchange)")
+
+
+def check_agreement(Gh: list[list[int]], *, num_ranks: int, num_nodes: int) -> None:
+    """Raise the same ValueError on every rank when H, k or the dtype differ across ranks.
+
+    Args:
+        Gh: the host copy of ``G`` (``[R][R + N + 4]`` ints).
+        num_ranks: R.
+        num_nodes: N.
+    """
+    base = num_ranks + num_nodes
+    names = ("hidden size H (x.shape[1])", "topk k (topk_idx.shape[1])", "x dtype")
+    dtype_names = {v: str(d).replace("torch.", "") for d, v in DTYPE_CODES.items()}
+    for j, what in enumerate(names):
+        col = [row[base + j] for row in Gh]
+        if len(set(col)) > 1:
+            shown = [dtype_names.get(v, str(v)) for v in col] if j == 2 else col
+            raise ValueError(
+                f"ranks disagree on the {what}: "
+                + ", ".join(f"rank {r}={v}" for r, v in enumerate(shown))
+                + ": every rank must dispatch rows of the same shape and dtype"
+            )
