@@ -360,23 +360,6 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
         self.stats.rows_received += recv
         self._device_stats = None
 
-    # ----------------------------------------------------------------- count exchange
-    def _exchange_counts(
-        self, mask_TR: torch.Tensor, hidden: int, k: int, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """The count exchange (``counts.exchange_counts``) over this backend's group."""
-        return exchange_counts(
-            mask_TR,
-            hidden=hidden,
-            topk=k,
-            dtype=dtype,
-            ranks_per_node=self.ranks_per_node,
-            group=self.group,
-        )
-
-    def _check_agreement(self, Gh: list[list[int]]) -> None:
-        check_agreement(Gh, num_ranks=self.num_ranks, num_nodes=self.num_nodes)
-
     def _overflow_error(self, Gh: list[list[int]]) -> ValueError | None:
         R, W = self.num_ranks, self.num_worst_tokens
         incoming = [sum(Gh[s][g] for s in range(R)) for g in range(R)]
@@ -481,13 +464,20 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
         ntr, ntrr, nte, itr = self._layout(topk_idx, layout)
 
         # one small all-gather: statistics, overflow guard, agreement check
-        G = self._exchange_counts(itr, X, k, x.dtype)
+        G = exchange_counts(
+            itr,
+            hidden=X,
+            topk=k,
+            dtype=x.dtype,
+            ranks_per_node=self.ranks_per_node,
+            group=self.group,
+        )
         Gh: list[list[int]] | None = None
         if not G.is_cuda or (checks_enabled(self.checks) and not is_capturing()):
             Gh = G.tolist()
             if G.is_cuda:
                 self.stats.extra["check_syncs"] = self.stats.extra.get("check_syncs", 0) + 1
-            self._check_agreement(Gh)
+            check_agreement(Gh, num_ranks=self.num_ranks, num_nodes=self.num_nodes)
             if self.worst_case and (err := self._overflow_error(Gh)) is not None:
                 raise err
         pinned = None
