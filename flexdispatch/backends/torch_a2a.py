@@ -25,7 +25,16 @@ How a dispatch runs (works on gloo and NCCL):
 Combine sends the rows back along the same hops and sums them per token. The sum runs in a fixed
 order — first over the ranks of each node (in rank order), then over nodes — so flat and
 hierarchical combine give bit-identical results, and every ``index_add_`` has unique indices
-(deterministic on CUDA too).
+(deterministic on CUDA too). The first term of each node's sum is a gather (a zero row where that
+rank sent nothing) rather than an add into zeros; the first two terms may swap (``a + b == b + a``
+exactly), so that this rank's own rows are added straight from where they lie.
+
+Rows a rank sends to itself skip the collective (split 0 to itself) whenever they sit at one end
+of both buffers (always for R = 2): dispatch gathers them straight into the receive buffer while
+the peers' rows travel (``async_op`` on CPU; on CUDA the stream order overlaps them), and combine
+adds them from the rows it was given. This changes no byte on the wire. On CPU, buffers that never
+leave a call (send buffers, padded receive buffers, returning rows) are kept per backend and
+reused (``TorchA2ABackend.scratch``): fresh buffers over 32 MiB are page-faulted on every call.
 
 Every collective runs inside ``collective_guard``: a peer that fails, exits or times out turns
 into a ``flexdispatch.distributed.CollectiveError`` on this rank, naming the collective.
@@ -34,6 +43,7 @@ into a ``flexdispatch.distributed.CollectiveError`` on this rank, naming the col
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -200,6 +210,8 @@ class TorchA2ABackend(DispatchBackend):
         self.checks = checks
         self.stats = stats if stats is not None else DispatchStats()
         self._required_w: torch.Tensor | None = None
+        # NOTE: reusable CPU buffers for rows that never leave a call (see ``scratch``).
+        self._scratch: dict[str, torch.Tensor] = {}
         ok, reason = self.supports_world(self.num_ranks, ranks_per_node)
         if not ok:
             raise ValueError(reason)
@@ -278,6 +290,29 @@ class TorchA2ABackend(DispatchBackend):
                 else:
                     self.stats.bytes_sent_inter_node += n * row_bytes
 
+    def scratch(
+        self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """An uninitialised ``shape`` buffer for rows that never leave the current call.
+
+        On CPU the bytes are kept per ``key`` and reused by later calls: fresh buffers of more
+        than 32 MiB are ``mmap``-ed by the C allocator and page-faulted on every call, which costs
+        about as much as gloo's transfer of the rows. On other devices (caching allocators) this
+        is ``torch.empty``. Never return a scratch view to the caller.
+
+        Args:
+            key: names the buffer; two buffers alive at the same time need different keys.
+            shape: any shape; ``dtype``, ``device``: those of the result.
+        """
+        if device.type != "cpu":
+            return torch.empty(shape, dtype=dtype, device=device)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            self._scratch[key] = buf
+        return buf[:nbytes].view(dtype).view(shape)
+
     def all_to_all(
         self,
         send: torch.Tensor,
@@ -285,14 +320,20 @@ class TorchA2ABackend(DispatchBackend):
         recv_splits: tuple[int, ...],
         *,
         spare_row: bool = False,
+        scratch_key: str | None = None,
     ) -> torch.Tensor:
         """``all_to_all_single`` of rows; ``[sum(recv_splits), X]`` out, same dtype.
 
         ``spare_row`` appends one zero row to the output (``[sum(recv_splits) + 1, X]``), the
         target of the dummy index of a compaction, so that gathering needs no masking pass.
+        ``scratch_key`` receives into a reused buffer (``scratch``): only for internal rows.
         """
         B = sum(recv_splits)
-        out = send.new_empty(B + int(spare_row), *send.shape[1:])
+        shape = (B + int(spare_row), *send.shape[1:])
+        if scratch_key is None:
+            out = send.new_empty(shape)
+        else:
+            out = self.scratch(scratch_key, shape, send.dtype, send.device)
         if spare_row:
             out[B].zero_()
         if not is_distributed(self.group):
@@ -305,16 +346,152 @@ class TorchA2ABackend(DispatchBackend):
         return out
 
     def run_hop_rows(
-        self, hop: Hop, rows: torch.Tensor, *, spare_row: bool = False
+        self,
+        hop: Hop,
+        rows: torch.Tensor,
+        *,
+        spare_row: bool = False,
+        scratch_key: str | None = None,
+        during: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Send ``[num_in, X]`` rows along ``hop``; ``[num_recv (+1 spare), X]`` out.
 
         Padding rows carry arbitrary rows of ``rows``: no receiver returns them (the compaction
         skips them, forwarders see ids ``-1`` on them) and combine sends them into dummy rows.
+        ``scratch_key``: receive into a reused buffer (rows that the call consumes itself).
+        ``during``: called once, while the rows travel where they travel asynchronously (after
+        the rows collective was issued, before it is waited on), else after it.
         """
-        send = gather_rows(rows, hop.send_index, hop.send_valid, zero_invalid=False)
-        self.account(hop.send_splits, send.shape[1] * send.element_size())
-        return self.all_to_all(send, hop.send_splits, hop.recv_splits, spare_row=spare_row)
+        width = rows.shape[1:]
+        self.account(hop.send_splits, math.prod(width) * rows.element_size())
+        own = self.self_block(hop.send_splits, hop.recv_splits)
+        if own is None:
+            send = self.scratch("send", (hop.num_send, *width), rows.dtype, rows.device)
+            gather_rows(rows, hop.send_index, hop.send_valid, zero_invalid=False, out=send)
+            out = self.all_to_all(
+                send, hop.send_splits, hop.recv_splits, spare_row=spare_row, scratch_key=scratch_key
+            )
+            if during is not None:
+                during()
+            return out
+        # my own rows skip the collective: gathered straight into the receive buffer while the
+        # peers' rows travel
+        lo, hi, rlo, rhi = own
+        S, B = hop.num_send, hop.num_recv
+        shape = (B + int(spare_row), *width)
+        if scratch_key is None:
+            out = rows.new_empty(shape)
+        else:
+            out = self.scratch(scratch_key, shape, rows.dtype, rows.device)
+        if spare_row:
+            out[B].zero_()
+        keep = slice(hi, S) if lo == 0 else slice(0, lo)
+        valid = hop.send_valid
+        send = self.scratch("send", (S - (hi - lo), *width), rows.dtype, rows.device)
+        gather_rows(
+            rows,
+            hop.send_index[keep],
+            None if valid is None else valid[keep],
+            zero_invalid=False,
+            out=send,
+        )
+        recv = out[rhi:B] if rlo == 0 else out[:rlo]
+        work = self.start_all_to_all(recv, send, hop.send_splits, hop.recv_splits)
+        gather_rows(
+            rows,
+            hop.send_index[lo:hi],
+            None if valid is None else valid[lo:hi],
+            zero_invalid=False,
+            out=out[rlo:rhi],
+        )
+        if during is not None:
+            during()
+        self.wait_all_to_all(work)
+        return out
+
+    def run_hop(
+        self,
+        hop: Hop,
+        rows: torch.Tensor,
+        make_meta: Callable[[], torch.Tensor],
+        *,
+        spare_row: bool = False,
+        scratch_key: str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows (``run_hop_rows``) and then their metadata (``run_hop_meta``) along ``hop``.
+
+        ``make_meta`` builds the ``[num_send, 2k]`` int32 metadata while the rows are still on
+        their way (CPU) or right after them; the metadata travels once the rows have arrived.
+
+        Returns:
+            ``(rows [num_recv (+1), X], meta [num_recv (+1), 2k] int32)``.
+        """
+        got: list[torch.Tensor] = []
+        out = self.run_hop_rows(
+            hop,
+            rows,
+            spare_row=spare_row,
+            scratch_key=scratch_key,
+            during=lambda: got.append(make_meta()),
+        )
+        return out, self.run_hop_meta(hop, got[0], spare_row=spare_row)
+
+    def self_block(
+        self, send_splits: tuple[int, ...], recv_splits: tuple[int, ...]
+    ) -> tuple[int, int, int, int] | None:
+        """Where this rank's rows to itself lie, when they can skip the collective.
+
+        They can when they sit at one end of both the send buffer (send order) and the receive
+        buffer (source-rank order), so that the rest of each buffer is one contiguous block.
+        Always true for R = 2; otherwise true on the first and last ranks of the hop.
+
+        Returns:
+            ``(lo, hi, rlo, rhi)``: send rows ``[lo, hi)`` arrive as receive rows ``[rlo, rhi)``
+            (in order), or None (no rows to myself, no group, or a block in the middle).
+        """
+        me = self.rank
+        n = send_splits[me]
+        if n == 0 or not is_distributed(self.group):
+            return None
+        lo, rlo = sum(send_splits[:me]), sum(recv_splits[:me])
+        hi, rhi = lo + n, rlo + n
+        ends = (lo == 0 or hi == sum(send_splits)) and (rlo == 0 or rhi == sum(recv_splits))
+        return (lo, hi, rlo, rhi) if ends else None
+
+    def start_all_to_all(
+        self,
+        out: torch.Tensor,
+        send: torch.Tensor,
+        send_splits: tuple[int, ...],
+        recv_splits: tuple[int, ...],
+    ) -> dist.Work | None:
+        """Start an ``all_to_all_single`` that skips this rank's own rows (split 0 to itself).
+
+        On CPU it runs asynchronously (the caller copies its own rows meanwhile) and the caller
+        must pass the returned work to ``wait_all_to_all``. On CUDA it is issued synchronously
+        (``async_op=False``: the stream order already overlaps it, and it stays capturable in a
+        CUDA graph) and None is returned.
+
+        Args:
+            out: ``[sum(recv_splits) - recv_splits[rank], X]`` receive rows, peers only.
+            send: ``[sum(send_splits) - send_splits[rank], X]`` send rows, peers only.
+            send_splits, recv_splits: ``[R]`` with this rank's own entry still in.
+        """
+        send_l, recv_l = list(send_splits), list(recv_splits)
+        send_l[self.rank] = recv_l[self.rank] = 0
+        is_async = not out.is_cuda
+        with collective_guard("all_to_all_single (rows)", self.group):
+            work = dist.all_to_all_single(
+                out, send, recv_l, send_l, group=self.group, async_op=is_async
+            )
+        return work if is_async else None
+
+    def wait_all_to_all(self, work: dist.Work | None) -> None:
+        """Wait for a ``start_all_to_all`` (failures become ``CollectiveError``)."""
+        if work is None:
+            return
+        with collective_guard("all_to_all_single (rows)", self.group):
+            work.wait()
 
     def run_hop_meta(
         self, hop: Hop, meta: torch.Tensor, *, spare_row: bool = False
@@ -325,33 +502,72 @@ class TorchA2ABackend(DispatchBackend):
 
     def reduce_hop(self, hop: Hop, back_in: torch.Tensor) -> torch.Tensor:
         """Send ``[num_recv, X]`` rows back along ``hop`` and sum them into ``[num_in, X]``."""
-        back = self.all_to_all(back_in, hop.recv_splits, hop.send_splits)
-        self.account(hop.recv_splits, back_in.shape[1] * back_in.element_size())
+        width = back_in.shape[1:]
+        self.account(hop.recv_splits, math.prod(width) * back_in.element_size())
+        own = self.self_block(hop.send_splits, hop.recv_splits)
+        work: dist.Work | None = None
+        mine: torch.Tensor | None = None  # my own returning rows, read from ``back_in``
+        if own is None:
+            back = self.all_to_all(
+                back_in, hop.recv_splits, hop.send_splits, spare_row=True, scratch_key="back"
+            )
+        else:
+            # my own rows skip the collective: read straight from ``back_in``
+            lo, hi, rlo, rhi = own
+            S, B = hop.num_send, hop.num_recv
+            back = self.scratch("back", (S + 1, *width), back_in.dtype, back_in.device)
+            back[S].zero_()
+            peers_in = back_in[rhi:B] if rlo == 0 else back_in[:rlo]
+            peers_out = back[hi:S] if lo == 0 else back[:lo]
+            work = self.start_all_to_all(peers_out, peers_in, hop.recv_splits, hop.send_splits)
+            mine = back_in[rlo:rhi]
         offsets = [0]
         for n in hop.send_splits:
             offsets.append(offsets[-1] + n)
         out: torch.Tensor | None = None
         width = back.shape[1:]
+        spare = back.shape[0] - 1  # the zero row
         # NOTE: dropless hops have no padding, hence no dummy row.
-        rows_out = hop.num_in + (hop.send_valid is not None)
+        padded = hop.send_valid is not None
+        rows_out = hop.num_in + padded
+        me = self.rank
         for members in hop.reduce_groups:
-            part: torch.Tensor | None = None
-            for r in members:
+            present = [r for r in members if offsets[r + 1] > offsets[r]]
+            if not present:
+                continue
+            if mine is not None and len(present) > 1 and present[0] == me:
+                # NOTE: ``a + b == b + a`` exactly: the first two terms may swap, so that my rows
+                # are added from ``back_in`` and only a peer's rows are gathered (from ``back``,
+                # which has the zero row). Later terms keep their order.
+                present[0], present[1] = present[1], me
+            if mine is not None and present[0] == me:
+                # alone in its group: my rows need the zero row of ``back``
+                back[offsets[me] : offsets[me + 1]].copy_(mine)
+            # the first peer of the group is gathered (zero row where it sent nothing) instead of
+            # added to zeros: ``0 + a == a``, so the sums are the same and one pass is saved
+            lo, hi = offsets[present[0]], offsets[present[0] + 1]
+            index = hop.send_index[lo:hi]
+            rows_from = torch.arange(lo, hi, device=back.device, dtype=torch.int64)
+            size = rows_out
+            if padded:
+                # NOTE: padding rows scatter into unique slots past the output (deterministic).
+                size += hi - lo
+                index = torch.where(hop.send_valid[lo:hi], index, rows_out + rows_from - lo)
+            first = torch.full((size,), spare, dtype=torch.int64, device=back.device)
+            first.scatter_(0, index, rows_from)
+            if work is not None:
+                self.wait_all_to_all(work)
+                work = None
+            part = back.index_select(0, first[:rows_out])
+            for r in present[1:]:
                 lo, hi = offsets[r], offsets[r + 1]
-                if hi == lo:
-                    continue
-                if part is None and hop.send_valid is None and hi - lo == hop.num_in:
-                    # every input row went to r, in order: its rows are the partial sum already
-                    part = back[lo:hi]
-                    continue
-                if part is None:
-                    part = back.new_zeros(rows_out, *width)
+                src = mine if r == me and mine is not None else back[lo:hi]
                 # NOTE: one index_add_ per peer: indices are unique (except the dummy row), so the
                 # order of the additions is fixed on every device.
-                part.index_add_(0, hop.send_index[lo:hi], back[lo:hi])
-            if part is None:
-                continue
+                part.index_add_(0, hop.send_index[lo:hi], src)
             out = part if out is None else out.add_(part)
+        if work is not None:
+            self.wait_all_to_all(work)
         if out is None:
             return back.new_zeros(hop.num_in, *width)
         return out[: hop.num_in]
@@ -424,7 +640,10 @@ class TorchA2ABackend(DispatchBackend):
         if state.in_index is not None:
             # NOTE: buffer rows that were never returned (padding) get arbitrary rows of y; they
             # travel back into the senders' dummy rows, which are cut off.
-            rows = y.index_select(0, state.in_index)
+            rows = self.scratch(
+                "combine", (state.in_index.shape[0], *y.shape[1:]), y.dtype, y.device
+            )
+            torch.index_select(y, 0, state.in_index, out=rows)
         for hop in reversed(state.hops):
             rows = self.reduce_hop(hop, rows)
         return rows
@@ -435,7 +654,9 @@ class TorchA2ABackend(DispatchBackend):
         last = len(state.hops) - 1
         for i, hop in enumerate(state.hops):
             spare = i == last and state.out_index is not None
-            rows = self.run_hop_rows(hop, rows, spare_row=spare)
+            internal = i < last or spare
+            key = f"recv{i}" if internal else None
+            rows = self.run_hop_rows(hop, rows, spare_row=spare, scratch_key=key)
         if state.out_index is not None:
             rows = rows.index_select(0, state.out_index)
         return rows
@@ -475,9 +696,6 @@ def dispatch_flat(
         recv_splits = tuple(Gh[s][me] for s in range(R))
         send_index = send_index[: sum(send_splits)]
         dest_S = split_owner(mask_TR.sum(0), sum(send_splits))
-    ids_SK = gather_rows(topk_idx, send_index, send_valid)
-    probs_SK = gather_rows(topk_probs, send_index, send_valid)
-    ids_SK, probs_SK = localize(ids_SK, probs_SK, dest_S * e, e, send_valid)
     hop = Hop(
         send_index=send_index,
         send_valid=send_valid,
@@ -488,8 +706,15 @@ def dispatch_flat(
     )
     be.stats.rows_sent += hop.num_send
     spare = cap is not None
-    recv_x = be.run_hop_rows(hop, x, spare_row=spare)
-    recv_meta = be.run_hop_meta(hop, pack_meta(ids_SK, probs_SK), spare_row=spare)
+
+    def make_meta() -> torch.Tensor:
+        ids_SK = gather_rows(topk_idx, send_index, send_valid)
+        probs_SK = gather_rows(topk_probs, send_index, send_valid)
+        return pack_meta(*localize(ids_SK, probs_SK, dest_S * e, e, send_valid))
+
+    recv_x, recv_meta = be.run_hop(
+        hop, x, make_meta, spare_row=spare, scratch_key="recv0" if spare else None
+    )
     maps = None
     if cap is not None:
         sizes = G[:, me].clamp(max=cap).to(device)

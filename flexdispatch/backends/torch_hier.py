@@ -111,14 +111,18 @@ def dispatch_hier(
             recv1[n * L + l_me] = Gh[n * L + l_me][R + n_me]
         send_index1 = send_index1[: sum(send1)]
         node_S = split_owner(mask_TN.sum(0), sum(send1))
-    ids1, probs1 = localize(
-        gather_rows(topk_idx, send_index1, send_valid1),
-        gather_rows(topk_probs, send_index1, send_valid1),
-        node_S * (e * L),
-        e * L,
-        send_valid1,
-        keep_global=True,
-    )
+
+    def make_meta1() -> torch.Tensor:
+        ids1, probs1 = localize(
+            gather_rows(topk_idx, send_index1, send_valid1),
+            gather_rows(topk_probs, send_index1, send_valid1),
+            node_S * (e * L),
+            e * L,
+            send_valid1,
+            keep_global=True,
+        )
+        return pack_meta(ids1, probs1)
+
     hop1 = Hop(
         send_index=send_index1,
         send_valid=send_valid1,
@@ -127,8 +131,8 @@ def dispatch_hier(
         num_in=T,
         reduce_groups=tuple((n * L + l_me,) for n in range(N)),
     )
-    rows1 = be.run_hop_rows(hop1, x)
-    ids_M1, probs_M1 = unpack_meta(be.run_hop_meta(hop1, pack_meta(ids1, probs1)), k)
+    rows1, meta1 = be.run_hop(hop1, x, make_meta1, scratch_key="recv0")
+    ids_M1, probs_M1 = unpack_meta(meta1, k)
     M1 = rows1.shape[0]
 
     # ---- hop 2: forward inside the node to the ranks that hold the experts
@@ -149,13 +153,17 @@ def dispatch_hier(
             recv2[g] = sum(Gh[n * L + j][me] for n in range(N))
         send_index2 = send_index2[: sum(send2)]
         dest_S = n_me * L + split_owner(mask_M1L.sum(0), sum(send2))
-    ids2, probs2 = localize(
-        gather_rows(ids_M1, send_index2, send_valid2),
-        gather_rows(probs_M1, send_index2, send_valid2),
-        dest_S * e,
-        e,
-        send_valid2,
-    )
+
+    def make_meta2() -> torch.Tensor:
+        ids2, probs2 = localize(
+            gather_rows(ids_M1, send_index2, send_valid2),
+            gather_rows(probs_M1, send_index2, send_valid2),
+            dest_S * e,
+            e,
+            send_valid2,
+        )
+        return pack_meta(ids2, probs2)
+
     hop2 = Hop(
         send_index=send_index2,
         send_valid=send_valid2,
@@ -165,8 +173,7 @@ def dispatch_hier(
         reduce_groups=(tuple(node_ranks),),
     )
     be.stats.rows_sent += hop1.num_send + hop2.num_send
-    recv_x = be.run_hop_rows(hop2, rows1, spare_row=True)
-    recv_meta = be.run_hop_meta(hop2, pack_meta(ids2, probs2), spare_row=True)
+    recv_x, recv_meta = be.run_hop(hop2, rows1, make_meta2, spare_row=True, scratch_key="recv1")
 
     # ---- reorder blocks [forwarder l][source node n] into source-rank order (n, l)
     B = recv_x.shape[0] - 1  # without the spare row

@@ -30,7 +30,12 @@ __all__ = [
 
 
 def gather_rows(
-    src: torch.Tensor, index: torch.Tensor, valid: torch.Tensor | None, *, zero_invalid: bool = True
+    src: torch.Tensor,
+    index: torch.Tensor,
+    valid: torch.Tensor | None,
+    *,
+    zero_invalid: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``src[index]``, where ``index`` may hold the dummy ``n`` on rows that ``valid`` rules out.
 
@@ -40,16 +45,24 @@ def gather_rows(
         valid: ``[S]`` bool, or None when every index is real.
         zero_invalid: zero the rows ruled out; False leaves arbitrary rows of ``src`` there (for
             padding that no receiver ever reads back, which saves a pass over the rows).
+        out: ``[S, X]`` buffer to write into (same dtype and device as ``src``), or None.
 
     Returns:
-        ``[S, X]`` with ``src``'s dtype.
+        ``[S, X]`` with ``src``'s dtype (``out`` when given).
     """
     n = src.shape[0]
     if valid is None:
-        return src.index_select(0, index)
+        return (
+            src.index_select(0, index)
+            if out is None
+            else torch.index_select(src, 0, index, out=out)
+        )
     if n == 0:
-        return src.new_zeros(index.shape[0], *src.shape[1:])
-    rows = src.index_select(0, index.clamp(max=n - 1))
+        if out is None:
+            return src.new_zeros(index.shape[0], *src.shape[1:])
+        return out.zero_()
+    index = index.clamp(max=n - 1)
+    rows = src.index_select(0, index) if out is None else torch.index_select(src, 0, index, out=out)
     if not zero_invalid:
         return rows
     return rows.masked_fill_(~valid.view(-1, *([1] * (src.dim() - 1))), 0)
