@@ -76,6 +76,7 @@ class _Dispatch(torch.autograd.Function):
             res.recv_topk_probs,
             res.num_recv_tokens_per_expert,
             res.handle,
+            res.num_recv_pairs,
         )
 
     @staticmethod
@@ -86,6 +87,7 @@ class _Dispatch(torch.autograd.Function):
         grad_probs: torch.Tensor | None,
         _grad_counts: Any,
         _grad_handle: Any,
+        _grad_pairs: Any,
     ) -> tuple[None, None, torch.Tensor | None, None, torch.Tensor | None]:
         (recv_idx,) = ctx.saved_tensors
         backend: DispatchBackend = ctx.backend
@@ -368,7 +370,7 @@ class FlexDispatcher:
         """
         self._check_inputs(x, topk_idx, topk_probs, layout)
         rows = (x[0].contiguous(), x[1].contiguous()) if isinstance(x, tuple) else x.contiguous()
-        recv_x, recv_idx, recv_probs, counts, handle = _Dispatch.apply(
+        recv_x, recv_idx, recv_probs, counts, handle, pairs = _Dispatch.apply(
             self._backend, layout, rows, topk_idx.contiguous(), topk_probs.contiguous()
         )
         self.stats.dispatch_calls += 1
@@ -378,6 +380,7 @@ class FlexDispatcher:
             recv_topk_probs=recv_probs,
             num_recv_tokens_per_expert=counts,
             handle=handle,
+            num_recv_pairs=pairs,
         )
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

@@ -170,6 +170,8 @@ class MoELayer(nn.Module):
             e,
             topk_probs=res.recv_topk_probs,
             num_out_rows=static_rows,
+            # NOTE: dropless backends report the pair count they got with the dispatch's one sync.
+            num_rows=None if static_rows is not None else res.num_recv_pairs,
         )
         y = self.experts(perm.x, perm.padded_tokens_per_expert, perm.probs)
         rows_MH = unpermute(y, perm)

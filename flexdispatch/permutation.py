@@ -196,6 +196,7 @@ def permute(
     topk_probs: torch.Tensor | None = None,
     align: int = 1,
     num_out_rows: int | None = None,
+    num_rows: int | None = None,
     checks: bool | None = None,
 ) -> Permutation:
     """Copy each token once per valid top-k slot into rows grouped expert-major.
@@ -218,6 +219,9 @@ def permute(
         topk_probs: ``[T, k]`` float routing weights, or None.
         align: pad each expert segment to a multiple of this (>= 1).
         num_out_rows: static output size ``R_out`` (no host sync), or None for the exact size.
+        num_rows: the exact size ``N`` when the caller already holds it on the host (e.g.
+            ``DispatchResult.num_recv_pairs`` with ``align == 1``): no host sync. Trusted; with
+            value checks on it is compared with the device count. Exclusive with ``num_out_rows``.
         checks: run the host-syncing id-range check (default: ``FLEXDISPATCH_CHECKS``).
 
     Returns:
@@ -258,7 +262,12 @@ def permute(
                 f" = {T}*{k} + {num_experts}*{align - 1} = {bound}: pass at least {bound} (or None "
                 f"for the exact size, which costs one host sync)"
             )
-    if checks_enabled(checks):
+    if num_rows is not None:
+        if num_out_rows is not None:
+            raise ValueError("pass num_rows (exact size) or num_out_rows (static size), not both")
+        _check_int("num_rows", num_rows, 0)
+    do_checks = checks_enabled(checks)
+    if do_checks:
         check_ids_in_range("topk_idx", topk_idx, num_experts)
 
     device = x.device
@@ -275,8 +284,15 @@ def permute(
     pad_end_E = torch.cumsum(padded_E, 0)
     pad_start_E1 = torch.cat([pad_end_E.new_zeros(1), pad_end_E])
 
-    # NOTE: exact mode's one host sync.
-    num_rows = int(pad_start_E1[-1].item()) if num_out_rows is None else num_out_rows
+    if num_out_rows is not None:
+        num_rows = num_out_rows
+    elif num_rows is None:
+        num_rows = int(pad_start_E1[-1].item())  # NOTE: exact mode's one host sync.
+    elif do_checks and num_rows != int(pad_start_E1[-1].item()):
+        raise ValueError(
+            f"num_rows={num_rows} but the routing holds {int(pad_start_E1[-1].item())} rows: pass "
+            f"the exact count (or None to count on the device, one host sync)"
+        )
 
     rows_N = torch.arange(num_rows, dtype=torch.int64, device=device)
     seg_N = torch.searchsorted(pad_end_E, rows_N, right=True)  # expert of each row; E = tail

@@ -130,6 +130,9 @@ class DispatchResult:
         num_recv_tokens_per_expert: ``[e]`` int64 device tensor, ``(row, slot)`` pairs per local
             expert.
         handle: what ``combine`` needs.
+        num_recv_pairs: the number of ``(row, slot)`` pairs with a local expert as a host int,
+            when the backend knows it without a sync (dropless mode), else None. Lets
+            ``permute(..., num_rows=...)`` size its output without a second host sync.
     """
 
     recv_x: torch.Tensor
@@ -137,6 +140,7 @@ class DispatchResult:
     recv_topk_probs: torch.Tensor
     num_recv_tokens_per_expert: torch.Tensor
     handle: DispatchHandle
+    num_recv_pairs: int | None = None
 
 
 @dataclass(kw_only=True)

@@ -2,8 +2,9 @@
 
 T tokens on this rank · R ranks · L ranks per node · N = R / L nodes · H hidden · k top-k.
 
-One all-gather of a ``[R + N + 4]`` int64 vector per rank — rows for every rank, rows for every
-node, then H, k, a dtype code and T — gives every rank the whole ``[R, R + N + 4]`` matrix ``G``.
+One all-gather of a ``[R + N + 4 + R]`` int64 vector per rank — rows for every rank, rows for every
+node, then H, k, a dtype code and T, then (token, expert) pairs for every rank — gives every rank
+the whole ``[R, 2R + N + 4]`` matrix ``G``.
 With it every rank can size its receive buffers and raise the *same* error when the ranks
 disagree on the row shape or dtype, instead of hanging or mixing garbage.
 """
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 from flexdispatch.distributed import all_gather_int64
 
-__all__ = ["DTYPE_CODES", "check_agreement", "exchange_counts"]
+__all__ = ["DTYPE_CODES", "check_agreement", "exchange_counts", "recv_pairs"]
 
 DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 1,
@@ -33,17 +34,19 @@ def exchange_counts(
     dtype: torch.dtype,
     ranks_per_node: int,
     group: dist.ProcessGroup | None,
+    pairs_R: torch.Tensor,
 ) -> torch.Tensor:
-    """All-gather ``[rows per rank (R), rows per node (N), H, k, dtype code, T]``.
+    """All-gather ``[rows per rank (R), rows per node (N), H, k, dtype, T, pairs per rank (R)]``.
 
     Args:
         mask_TR: ``[T, R]`` bool, token ``t`` goes to rank ``r``.
         hidden, topk, dtype: the row shape this rank dispatches.
         ranks_per_node: L (dividing R).
         group: the dispatcher's process group.
+        pairs_R: ``[R]`` int64, valid ``(token, slot)`` pairs whose expert lives on each rank.
 
     Returns:
-        ``G``: ``[R, R + N + 4]`` int64 on the collective device; row ``s`` is rank ``s``'s.
+        ``G``: ``[R, 2R + N + 4]`` int64 on the collective device; row ``s`` is rank ``s``'s.
     """
     T, R = mask_TR.shape
     L = ranks_per_node
@@ -53,7 +56,7 @@ def exchange_counts(
     info = torch.empty(4, dtype=torch.int64, device=mask_TR.device)
     for i, value in enumerate((hidden, topk, DTYPE_CODES[dtype], T)):
         info[i] = value
-    vec = torch.cat([per_rank, per_node, info])
+    vec = torch.cat([per_rank, per_node, info, pairs_R.to(torch.int64)])
     return all_gather_int64(vec, group, name="all_gather (dispatch count exchange)")
 
 
@@ -77,3 +80,10 @@ def check_agreement(Gh: list[list[int]], *, num_ranks: int, num_nodes: int) -> N
                 + ", ".join(f"rank {r}={v}" for r, v in enumerate(shown))
                 + ": every rank must dispatch rows of the same shape and dtype"
             )
+
+
+def recv_pairs(Gh: list[list[int]], *, rank: int, num_ranks: int, num_nodes: int) -> int:
+    """``(row, slot)`` pairs with a local expert that ``rank`` receives, from the host copy of
+    ``G`` (so a dropless receiver knows it without another sync)."""
+    col = 2 * num_ranks + num_nodes + 4 - num_ranks + rank
+    return sum(row[col] for row in Gh)

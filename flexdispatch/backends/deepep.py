@@ -471,6 +471,7 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
             dtype=x.dtype,
             ranks_per_node=self.ranks_per_node,
             group=self.group,
+            pairs_R=nte.view(self.num_ranks, e).sum(1, dtype=torch.int64),
         )
         Gh: list[list[int]] | None = None
         if not G.is_cuda or (checks_enabled(self.checks) and not is_capturing()):

@@ -42,6 +42,7 @@ into a ``flexdispatch.distributed.CollectiveError`` on this rank, naming the col
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,7 +52,12 @@ import torch.distributed as dist
 
 from flexdispatch._validate import checks_enabled, is_capturing
 from flexdispatch.backends.base import Capability, DispatchBackend
-from flexdispatch.backends.counts import DTYPE_CODES, check_agreement, exchange_counts
+from flexdispatch.backends.counts import (
+    DTYPE_CODES,
+    check_agreement,
+    exchange_counts,
+    recv_pairs,
+)
 from flexdispatch.backends.torch_rows import (
     compaction,
     count_local,
@@ -264,7 +270,12 @@ class TorchA2ABackend(DispatchBackend):
         return tuple(tuple(range(n * L, (n + 1) * L)) for n in range(self.num_nodes))
 
     def exchange_counts(
-        self, mask_TR: torch.Tensor, hidden: int, topk: int, dtype: torch.dtype
+        self,
+        mask_TR: torch.Tensor,
+        hidden: int,
+        topk: int,
+        dtype: torch.dtype,
+        pairs_R: torch.Tensor,
     ) -> torch.Tensor:
         """The count exchange (``counts.exchange_counts``) over this backend's group."""
         return exchange_counts(
@@ -274,6 +285,7 @@ class TorchA2ABackend(DispatchBackend):
             dtype=dtype,
             ranks_per_node=self.ranks_per_node,
             group=self.group,
+            pairs_R=pairs_R,
         )
 
     def check_agreement(self, Gh: list[list[int]]) -> None:
@@ -603,20 +615,26 @@ class TorchA2ABackend(DispatchBackend):
         T, H = x.shape
         k = topk_idx.shape[1]
         R, e = self.num_ranks, self.num_local_experts
+        # NOTE: ids outside [0, E) count as -1, as in get_dispatch_layout (never an OOB index).
+        valid_TK = (topk_idx >= 0) & (topk_idx < self.num_experts)
+        rank_TK = torch.where(valid_TK, topk_idx // e, R)
+        pairs_R1 = torch.zeros(R + 1, dtype=torch.int64, device=x.device)
+        pairs_R1.scatter_add_(0, rank_TK.reshape(-1), torch.ones_like(rank_TK).reshape(-1))
         if layout is not None:
             mask_TR = layout.is_token_in_rank
         else:
-            # NOTE: ids outside [0, E) count as -1, as in get_dispatch_layout (never an OOB index).
-            valid_TK = (topk_idx >= 0) & (topk_idx < self.num_experts)
-            rank_TK = torch.where(valid_TK, topk_idx // e, R)
             mask_TR = torch.zeros(T, R + 1, dtype=torch.bool, device=x.device)
             mask_TR.scatter_(1, rank_TK, True)
             mask_TR = mask_TR[:, :R]
-        G = self.exchange_counts(mask_TR, H, k, x.dtype)
+        G = self.exchange_counts(mask_TR, H, k, x.dtype, pairs_R1[:R])
         pending = self.start_host_counts(G)
         plan = torch_hier.dispatch_hier if self.hierarchical else dispatch_flat
         result = plan(self, x, topk_idx, topk_probs, mask_TR, G, pending)
         self.stats.rows_received += result.recv_x.shape[0]
+        if not self.worst_case and pending is not None:
+            Gh = pending.wait()  # NOTE: already on the host (the dispatch's one sync)
+            pairs = recv_pairs(Gh, rank=self.rank, num_ranks=R, num_nodes=self.num_nodes)
+            result = dataclasses.replace(result, num_recv_pairs=pairs)
         return result
 
     def start_host_counts(self, G: torch.Tensor) -> PendingCounts | None:

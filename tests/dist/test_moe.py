@@ -111,7 +111,9 @@ def _reference(R: int, activation: str) -> dict:
             for s in range(routing.topk_idx.shape[1]):
                 ex = int(routing.topk_idx[t, s])
                 if ex >= 0:
-                    y = y + routing.topk_probs[t, s] * _mlp(x[t], w1[ex], w2[ex], w3[ex], activation)
+                    y = y + routing.topk_probs[t, s] * _mlp(
+                        x[t], w1[ex], w2[ex], w3[ex], activation
+                    )
             rows.append(y)
         out = torch.stack(rows) if rows else torch.zeros(0, H)
         if rows:
@@ -152,3 +154,26 @@ def test_moe_layer_matches_dense_loop(R: int, L: int, activation: str) -> None:
         syncs = [results[r][key]["host_syncs"] for r in range(R)]
         # one dispatch per forward; backward needs none; worst-case mode needs none at all
         assert syncs == [0 if key[1] else 1] * R, (key, syncs)
+
+
+def test_dropless_layer_syncs_once_per_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dispatch's one host sync also sizes the permutation: no second sync in the layer."""
+    from flexdispatch.moe import MoELayer
+
+    cfg = _config(1, 1, False, False, "swiglu")
+    layer = MoELayer(cfg, seed=SEED)
+    x = torch.randn(T, cfg.hidden_size)
+    want = layer(x).output  # a first call, with every lazy import done
+    calls = []
+    real_item = torch.Tensor.item
+
+    def counting_item(self):
+        calls.append(tuple(self.shape))
+        return real_item(self)
+
+    monkeypatch.setattr(torch.Tensor, "item", counting_item)
+    got = layer(x)
+    assert calls == [], f"MoELayer forward called Tensor.item {len(calls)} time(s)"
+    assert got.dispatch.num_recv_pairs == int((got.dispatch.recv_topk_idx >= 0).sum())
+    torch.testing.assert_close(got.output, want)
+    assert layer.dispatcher.stats.host_syncs == 2  # one per dispatch, two forwards

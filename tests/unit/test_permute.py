@@ -499,3 +499,26 @@ def test_unpermute_bad_inputs():
         unpermute(torch.randn(N, 3), perm, probs=torch.rand(N, 1))
     with pytest.raises(TypeError, match="probs must be a floating"):
         unpermute(torch.randn(N, 3), perm, probs=torch.ones(N, dtype=torch.int64))
+
+
+def test_num_rows_skips_the_host_sync(monkeypatch):
+    x = torch.randn(10, 8)
+    idx = torch.randint(-1, 5, (10, 3))
+    probs = torch.rand(10, 3)
+    want = permute(x, idx, 5, topk_probs=probs)
+    n = int((idx >= 0).sum())
+
+    def no_item(self):
+        raise AssertionError("permute(num_rows=...) must not read a value on the host")
+
+    monkeypatch.setattr(torch.Tensor, "item", no_item)
+    got = permute(x, idx, 5, topk_probs=probs, num_rows=n, checks=False)
+    monkeypatch.undo()
+    assert torch.equal(got.x, want.x) and torch.equal(got.probs, want.probs)
+    assert torch.equal(got.row_token, want.row_token)
+    with pytest.raises(ValueError, match=f"num_rows={n + 1} but the routing holds {n} rows"):
+        permute(x, idx, 5, num_rows=n + 1, checks=True)
+    with pytest.raises(ValueError, match="not both"):
+        permute(x, idx, 5, num_rows=n, num_out_rows=30)
+    with pytest.raises(ValueError, match="num_rows"):
+        permute(x, idx, 5, num_rows=-1)
