@@ -2,7 +2,7 @@
 
 T tokens on this rank · R ranks · L ranks per node · N = R / L nodes · H hidden · k top-k.
 
-One all-gather of a ``[R + N + 4 + R]`` int64 vector per rank — rows for every rank, rows for every
+One all-gather of a ``[2R + N + 4]`` int64 vector per rank — rows for every rank, rows for every
 node, then H, k, a dtype code and T, then (token, expert) pairs for every rank — gives every rank
 the whole ``[R, 2R + N + 4]`` matrix ``G``.
 With it every rank can size its receive buffers and raise the *same* error when the ranks
@@ -64,7 +64,7 @@ def check_agreement(Gh: list[list[int]], *, num_ranks: int, num_nodes: int) -> N
     """Raise the same ValueError on every rank when H, k or the dtype differ across ranks.
 
     Args:
-        Gh: the host copy of ``G`` (``[R][R + N + 4]`` ints).
+        Gh: the host copy of ``G`` (``[R][2R + N + 4]`` ints).
         num_ranks: R.
         num_nodes: N.
     """

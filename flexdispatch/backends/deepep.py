@@ -16,7 +16,7 @@ How the contract maps onto ``deep_ep.Buffer`` (the V1 API, release v1.2.1):
   channel, which sums exactly in fp32 (Megatron does the same); wider fp32/fp16 rows are reduced
   in bf16 (relative error ~2^-8) — use bf16 activations with this backend.
 - The layout (``num_tokens_per_rank`` ...) comes from ``flexdispatch.layout`` (DeepEP's values
-  and dtypes, no host sync), then one ``[R + N + 4]`` int64 all-gather of the per-rank and
+  and dtypes, no host sync), then one ``[2R + N + 4]`` int64 all-gather of the per-rank and
   per-node row counts (and H, k, dtype, T) runs on the device, before any buffer is touched. It
   feeds the byte/row statistics (DeepEP's traffic pattern: ``planner.accounting.link_rows``), the
   worst-case overflow guard (DeepEP writes past its outputs when a rank receives more than W rows;

@@ -6,9 +6,10 @@ W worst-case rows · S rows one rank sends in one hop · P peers one hop sends t
 
 How a dispatch runs (works on gloo and NCCL):
 
-1. Count exchange: one ``all_gather_into_tensor`` of a ``[R + N + 4]`` int64 vector per rank
-   (rows for every rank, rows for every node, H, k, dtype code, T). Every rank then holds the
-   ``[R, R + N + 4]`` matrix ``G`` and can raise the same error on every rank: mismatching
+1. Count exchange: one ``all_gather_into_tensor`` of a ``[2R + N + 4]`` int64 vector per rank
+   (rows for every rank, rows for every node, H, k, dtype code, T, pairs for every rank). Every
+   rank then holds the
+   ``[R, 2R + N + 4]`` matrix ``G`` and can raise the same error on every rank: mismatching
    H / k / dtype, or a worst-case overflow.
 2. Dropless mode copies ``G`` to the host once (``stats.host_syncs += 1``); on CUDA that copy is
    issued on a side stream into pinned memory right after the exchange and waited on just before
@@ -145,7 +146,7 @@ class PendingCounts:
 
     Args:
         backend: the backend whose stats count the copy.
-        G: ``[R, R + N + 4]`` int64 gathered counts.
+        G: ``[R, 2R + N + 4]`` int64 gathered counts.
         counter: ``"host_syncs"``, ``"check_syncs"`` (``stats.extra``) or None (not counted).
     """
 
@@ -166,7 +167,7 @@ class PendingCounts:
             G.record_stream(side)
 
     def wait(self) -> list[list[int]]:
-        """Host values of ``G`` (``[R][R + N + 4]`` ints), after the cross-rank agreement check."""
+        """Host values of ``G`` (``[R][2R + N + 4]`` ints), after the cross-rank agreement check."""
         if self._values is None:
             if self._event is not None:
                 self._event.synchronize()
