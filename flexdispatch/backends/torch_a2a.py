@@ -313,6 +313,9 @@ class TorchA2ABackend(DispatchBackend):
         about as much as gloo's transfer of the rows. On other devices (caching allocators) this
         is ``torch.empty``. Never return a scratch view to the caller.
 
+        NOTE: the reuse makes one backend (hence one ``FlexDispatcher``) unsafe to call from two
+        threads at once on CPU; give each thread its own dispatcher.
+
         Args:
             key: names the buffer; two buffers alive at the same time need different keys.
             shape: any shape; ``dtype``, ``device``: those of the result.
