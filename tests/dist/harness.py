@@ -7,14 +7,15 @@ R ranks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
 from flexdispatch.launch import free_port, spawn_group
 
-__all__ = ["free_port", "run_group"]
+__all__ = ["free_port", "run_agents", "run_group"]
 
 
 def _call_with_rank(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
@@ -56,3 +57,36 @@ def run_group(
         pg_timeout_s=pg_timeout,
         env=env,
     )
+
+
+def run_agents(
+    commands: Sequence[Sequence[str]],
+    *,
+    envs: Sequence[Mapping[str, str]],
+    cwd: str,
+    timeout: float,
+) -> tuple[list[subprocess.Popen], list[str]]:
+    """Start one launcher agent per command (e.g. two ``torchrun --node-rank`` agents), wait for
+    all of them, kill whatever outlives ``timeout``, and return them with their combined output."""
+    agents = [
+        subprocess.Popen(
+            list(cmd),
+            cwd=cwd,
+            env=dict(env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for cmd, env in zip(commands, envs, strict=True)
+    ]
+    outputs = []
+    try:
+        for agent in agents:
+            out, _ = agent.communicate(timeout=timeout)
+            outputs.append(out)
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait(timeout=10)
+    return agents, outputs

@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from flexdispatch.launch import free_port
+from tests.dist.harness import run_agents
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "scripts" / "launch"
@@ -106,33 +107,21 @@ def test_single_node_bench_standalone() -> None:
 @pytest.mark.timeout(240)
 def test_multi_node_script_two_agents() -> None:
     port = str(free_port())
-    agents = [
-        subprocess.Popen(
-            ["bash", str(MULTI), *DEMO_ARGS],
-            cwd=ROOT,
-            env=_env(
+    agents, outputs = run_agents(
+        [["bash", str(MULTI), *DEMO_ARGS]] * 2,
+        envs=[
+            _env(
                 NNODES="2",
                 NODE_RANK=str(node),
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=port,
                 NPROC_PER_NODE="2",
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for node in (0, 1)
-    ]
-    outputs = []
-    try:
-        for agent in agents:
-            out, _ = agent.communicate(timeout=200)
-            outputs.append(out)
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
-                agent.wait(timeout=10)
+            )
+            for node in (0, 1)
+        ],
+        cwd=str(ROOT),
+        timeout=200,
+    )
     text = "\n".join(outputs)
     assert all(a.returncode == 0 for a in agents), text[-4000:]
     assert _demo_summary(outputs[0]) == (2, 2, 4)

@@ -10,13 +10,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.dist.harness import free_port
+from tests.dist.harness import free_port, run_agents
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("torchrun_worker.py")
@@ -40,37 +39,32 @@ def test_torchrun_two_nodes_detects_local_world_size() -> None:
         PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
         OMP_NUM_THREADS="1",
     )
-    agents = [
-        subprocess.Popen(
+    agents, outputs = run_agents(
+        [
             [
                 *_torchrun(),
-                "--nnodes", "2",
-                "--nproc-per-node", "2",
-                "--node-rank", str(node),
-                "--master-addr", "127.0.0.1",
-                "--master-port", str(port),
-                "--rdzv-backend", "static",
-                "--max-restarts", "0",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "2",
+                "--node-rank",
+                str(node),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                "--rdzv-backend",
+                "static",
+                "--max-restarts",
+                "0",
                 str(WORKER),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for node in (0, 1)
-    ]  # fmt: skip
-    outputs = []
-    try:
-        for agent in agents:
-            out, _ = agent.communicate(timeout=150)
-            outputs.append(out)
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
-                agent.wait(timeout=10)
+            ]
+            for node in (0, 1)
+        ],
+        envs=[env, env],
+        cwd=str(ROOT),
+        timeout=150,
+    )
     text = "\n".join(outputs)
     assert all(a.returncode == 0 for a in agents), text[-4000:]
     lines = re.findall(
