@@ -42,18 +42,8 @@
 #   NVSHMEM_DIR=/opt/nvshmem         where DeepEP's build found NVSHMEM (runtime: LD_LIBRARY_PATH)
 # `flexdispatch doctor` lists every NCCL_*/NVSHMEM_*/GLOO_* variable a process sees.
 set -euo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-venv=${FLEXDISPATCH_VENV:-$root/.venv}
-if [[ -z "${PYTHON:-}" ]]; then
-  if [[ -x "$venv/bin/python" ]]; then PYTHON=$venv/bin/python; else PYTHON=python3; fi
-fi
-if [[ -n "${TORCHRUN:-}" ]]; then
-  read -r -a launcher <<<"$TORCHRUN"
-elif [[ -x "$venv/bin/torchrun" && "$PYTHON" == "$venv/bin/python" ]]; then
-  launcher=("$venv/bin/torchrun")
-else
-  launcher=("$PYTHON" -m torch.distributed.run)
-fi
+# shellcheck source=scripts/launch/_launcher.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_launcher.sh"
 NNODES=${NNODES:-${PET_NNODES:-1}}
 NODE_RANK=${NODE_RANK:-${PET_NODE_RANK:-0}}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}

@@ -19,18 +19,8 @@
 #   TORCHRUN          launcher command (default: the venv's torchrun, else `$PYTHON -m torch.distributed.run`)
 #   FLEXDISPATCH_DRY_RUN=1  print the command instead of running it
 set -euo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-venv=${FLEXDISPATCH_VENV:-$root/.venv}
-if [[ -z "${PYTHON:-}" ]]; then
-  if [[ -x "$venv/bin/python" ]]; then PYTHON=$venv/bin/python; else PYTHON=python3; fi
-fi
-if [[ -n "${TORCHRUN:-}" ]]; then
-  read -r -a launcher <<<"$TORCHRUN"
-elif [[ -x "$venv/bin/torchrun" && "$PYTHON" == "$venv/bin/python" ]]; then
-  launcher=("$venv/bin/torchrun")
-else
-  launcher=("$PYTHON" -m torch.distributed.run)
-fi
+# shellcheck source=scripts/launch/_launcher.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_launcher.sh"
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
   gpus=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
   NPROC_PER_NODE=$(( gpus > 0 ? gpus : 2 ))
