@@ -36,6 +36,8 @@ the peers' rows travel (``async_op`` on CPU; on CUDA the stream order overlaps t
 adds them from the rows it was given. This changes no byte on the wire. On CPU, buffers that never
 leave a call (send buffers, padded receive buffers, returning rows) are kept per backend and
 reused (``TorchA2ABackend.scratch``): fresh buffers over 32 MiB are page-faulted on every call.
+Tensors handed to the caller come from ``cpu_pool.OUTPUT_POOL`` on CPU, which lends an earlier
+output's memory again only once nothing refers to it any more.
 
 Every collective runs inside ``collective_guard``: a peer that fails, exits or times out turns
 into a ``flexdispatch.distributed.CollectiveError`` on this rank, naming the collective.
@@ -59,6 +61,7 @@ from flexdispatch.backends.counts import (
     exchange_counts,
     recv_pairs,
 )
+from flexdispatch.backends.cpu_pool import OUTPUT_POOL
 from flexdispatch.backends.torch_rows import (
     compaction,
     count_local,
@@ -329,6 +332,19 @@ class TorchA2ABackend(DispatchBackend):
             self._scratch[key] = buf
         return buf[:nbytes].view(dtype).view(shape)
 
+    def output(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """An uninitialised tensor handed to the caller (dispatch rows, combine sums).
+
+        On CPU it comes from ``cpu_pool.OUTPUT_POOL``, which lends the memory of an earlier
+        output again once the caller has dropped every reference to it (no page faults); on other
+        devices it is ``torch.empty`` (the caching allocator already reuses memory).
+        """
+        if device.type == "cpu":
+            return OUTPUT_POOL.empty(shape, dtype)
+        return torch.empty(shape, dtype=dtype, device=device)
+
     def all_to_all(
         self,
         send: torch.Tensor,
@@ -347,7 +363,7 @@ class TorchA2ABackend(DispatchBackend):
         B = sum(recv_splits)
         shape = (B + int(spare_row), *send.shape[1:])
         if scratch_key is None:
-            out = send.new_empty(shape)
+            out = self.output(shape, send.dtype, send.device)
         else:
             out = self.scratch(scratch_key, shape, send.dtype, send.device)
         if spare_row:
@@ -396,7 +412,7 @@ class TorchA2ABackend(DispatchBackend):
         S, B = hop.num_send, hop.num_recv
         shape = (B + int(spare_row), *width)
         if scratch_key is None:
-            out = rows.new_empty(shape)
+            out = self.output(shape, rows.dtype, rows.device)
         else:
             out = self.scratch(scratch_key, shape, rows.dtype, rows.device)
         if spare_row:
@@ -574,7 +590,8 @@ class TorchA2ABackend(DispatchBackend):
             if work is not None:
                 self.wait_all_to_all(work)
                 work = None
-            part = back.index_select(0, first[:rows_out])
+            part = self.output((rows_out, *width), back.dtype, back.device)
+            torch.index_select(back, 0, first[:rows_out], out=part)
             for r in present[1:]:
                 lo, hi = offsets[r], offsets[r + 1]
                 src = mine if r == me and mine is not None else back[lo:hi]
@@ -585,8 +602,8 @@ class TorchA2ABackend(DispatchBackend):
         if work is not None:
             self.wait_all_to_all(work)
         if out is None:
-            return back.new_zeros(hop.num_in, *width)
-        return out[: hop.num_in]
+            return self.output((hop.num_in, *width), back.dtype, back.device).zero_()
+        return first_rows(out, hop.num_in)
 
     def record_overflow(self, required_w: torch.Tensor) -> None:
         """Remember (on the device) the largest W a worst-case dispatch needed."""
@@ -680,7 +697,8 @@ class TorchA2ABackend(DispatchBackend):
             key = f"recv{i}" if internal else None
             rows = self.run_hop_rows(hop, rows, spare_row=spare, scratch_key=key)
         if state.out_index is not None:
-            rows = rows.index_select(0, state.out_index)
+            out = self.output((state.out_index.shape[0], *rows.shape[1:]), rows.dtype, rows.device)
+            rows = torch.index_select(rows, 0, state.out_index, out=out)
         return rows
 
 
@@ -765,7 +783,8 @@ def finish(
         out_index, out_valid, in_index, _ = maps
         num_out = out_index.shape[0]
         in_index = in_index.clamp(max=max(num_out - 1, 0))
-        recv_x = recv_x.index_select(0, out_index)
+        rows = be.output((num_out, *recv_x.shape[1:]), recv_x.dtype, recv_x.device)
+        recv_x = torch.index_select(recv_x, 0, out_index, out=rows)
         recv_meta = recv_meta.index_select(0, out_index)
     ids, probs = unpack_meta(recv_meta, k)
     if out_valid is not None:
@@ -787,3 +806,15 @@ def finish(
         num_recv_tokens_per_expert=count_local(ids, be.num_local_experts),
         handle=handle,
     )
+
+
+def first_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` rows of contiguous ``t``, as a tensor that is not a view when ``n`` is short.
+
+    A custom autograd Function may not return a view of a tensor it created (in-place ops on it
+    would then fail), so the rows are re-wrapped over the same storage with ``Tensor.set_``.
+    """
+    if t.shape[0] == n:
+        return t
+    out = torch.empty((0,), dtype=t.dtype, device=t.device)
+    return out.set_(t.untyped_storage(), t.storage_offset(), (n, *t.shape[1:]))
