@@ -429,6 +429,8 @@ class TorchA2ABackend(DispatchBackend):
         )
         recv = out[rhi:B] if rlo == 0 else out[:rlo]
         work = self.start_all_to_all(recv, send, hop.send_splits, hop.recv_splits)
+        if during is not None:
+            during()
         gather_rows(
             rows,
             hop.send_index[lo:hi],
@@ -436,8 +438,6 @@ class TorchA2ABackend(DispatchBackend):
             zero_invalid=False,
             out=out[rlo:rhi],
         )
-        if during is not None:
-            during()
         self.wait_all_to_all(work)
         return out
 
@@ -453,20 +453,57 @@ class TorchA2ABackend(DispatchBackend):
         """Rows (``run_hop_rows``) and then their metadata (``run_hop_meta``) along ``hop``.
 
         ``make_meta`` builds the ``[num_send, 2k]`` int32 metadata while the rows are still on
-        their way (CPU) or right after them; the metadata travels once the rows have arrived.
+        their way (CPU) or right after them. On CPU the metadata then starts at once
+        (``async_op``: gloo runs it beside the rows) and this rank's own rows are copied while
+        both travel; on CUDA it follows the rows on the stream.
+
+        NOTE: every rank issues the rows collective before the metadata one, whether or not its
+        own rows skip the collective, so the order of collectives matches on every rank.
 
         Returns:
             ``(rows [num_recv (+1), X], meta [num_recv (+1), 2k] int32)``.
         """
-        got: list[torch.Tensor] = []
+        got: list[tuple[torch.Tensor, dist.Work | None]] = []
+
+        def during() -> None:
+            meta = make_meta()
+            if meta.is_cuda or not is_distributed(self.group):
+                got.append((meta, None))
+                return
+            got.append(self.start_meta(hop, meta, spare_row=spare_row))
+
         out = self.run_hop_rows(
-            hop,
-            rows,
-            spare_row=spare_row,
-            scratch_key=scratch_key,
-            during=lambda: got.append(make_meta()),
+            hop, rows, spare_row=spare_row, scratch_key=scratch_key, during=during
         )
-        return out, self.run_hop_meta(hop, got[0], spare_row=spare_row)
+        meta, work = got[0]
+        if work is None:
+            return out, self.run_hop_meta(hop, meta, spare_row=spare_row)
+        self.wait_all_to_all(work, what="all_to_all_single (metadata)")
+        return out, meta
+
+    def start_meta(
+        self, hop: Hop, meta: torch.Tensor, *, spare_row: bool
+    ) -> tuple[torch.Tensor, dist.Work]:
+        """Start (``async_op``, CPU only) the metadata of ``hop``; ``(receive buffer, work)``.
+
+        The buffer is ``[num_recv (+1 zero spare row), 2k]`` int32; wait on the work with
+        ``wait_all_to_all`` before reading it.
+        """
+        self.account(hop.send_splits, meta.shape[1] * meta.element_size())
+        B = hop.num_recv
+        out = meta.new_empty((B + int(spare_row), *meta.shape[1:]))
+        if spare_row:
+            out[B].zero_()
+        with collective_guard("all_to_all_single (metadata)", self.group):
+            work = dist.all_to_all_single(
+                out[:B],
+                meta,
+                list(hop.recv_splits),
+                list(hop.send_splits),
+                group=self.group,
+                async_op=True,
+            )
+        return out, work
 
     def self_block(
         self, send_splits: tuple[int, ...], recv_splits: tuple[int, ...]
@@ -518,11 +555,13 @@ class TorchA2ABackend(DispatchBackend):
             )
         return work if is_async else None
 
-    def wait_all_to_all(self, work: dist.Work | None) -> None:
+    def wait_all_to_all(
+        self, work: dist.Work | None, *, what: str = "all_to_all_single (rows)"
+    ) -> None:
         """Wait for a ``start_all_to_all`` (failures become ``CollectiveError``)."""
         if work is None:
             return
-        with collective_guard("all_to_all_single (rows)", self.group):
+        with collective_guard(what, self.group):
             work.wait()
 
     def run_hop_meta(
