@@ -606,6 +606,18 @@ class TorchA2ABackend(DispatchBackend):
             present = [r for r in members if offsets[r + 1] > offsets[r]]
             if not present:
                 continue
+            if work is not None and me in present[:2]:
+                # CPU, peers' rows still travelling: start the sum from my own rows meanwhile
+                # (``a + b == b + a`` exactly, so my rows may come first of the first two terms)
+                present.remove(me)
+                part = self.gather_own(hop, mine, offsets[me], offsets[me + 1], rows_out)
+                self.wait_all_to_all(work)
+                work = None
+                for r in present:
+                    lo, hi = offsets[r], offsets[r + 1]
+                    part.index_add_(0, hop.send_index[lo:hi], back[lo:hi])
+                out = part if out is None else out.add_(part)
+                continue
             if mine is not None and len(present) > 1 and present[0] == me:
                 # NOTE: ``a + b == b + a`` exactly: the first two terms may swap, so that my rows
                 # are added from ``back_in`` and only a peer's rows are gathered (from ``back``,
@@ -643,6 +655,33 @@ class TorchA2ABackend(DispatchBackend):
         if out is None:
             return self.output((hop.num_in, *width), back.dtype, back.device).zero_()
         return first_rows(out, hop.num_in)
+
+    def gather_own(
+        self, hop: Hop, mine: torch.Tensor, lo: int, hi: int, rows_out: int
+    ) -> torch.Tensor:
+        """``[rows_out, X]`` with my own returning rows at their input rows, zero elsewhere.
+
+        CPU only (reads the zero rows' positions on the host). ``mine`` holds send rows
+        ``[lo, hi)`` of ``hop`` (my rows to myself); padding rows among them land in the dummy
+        row ``rows_out - 1`` (worst-case mode) or past it.
+        """
+        n = hi - lo
+        index = hop.send_index[lo:hi]
+        rows_from = torch.arange(n, dtype=torch.int64, device=mine.device)
+        size = rows_out
+        if hop.send_valid is not None:
+            # NOTE: padding rows scatter into unique slots past the output (deterministic).
+            size += n
+            index = torch.where(hop.send_valid[lo:hi], index, rows_out + rows_from)
+        first = torch.full((size,), n, dtype=torch.int64, device=mine.device)
+        first.scatter_(0, index, rows_from)
+        first = first[:rows_out]
+        part = self.output((rows_out, *mine.shape[1:]), mine.dtype, mine.device)
+        torch.index_select(mine, 0, first.clamp(max=n - 1), out=part)
+        absent = (first == n).nonzero().squeeze(1)
+        if absent.numel():
+            part.index_fill_(0, absent, 0)
+        return part
 
     def record_overflow(self, required_w: torch.Tensor) -> None:
         """Remember (on the device) the largest W a worst-case dispatch needed."""
