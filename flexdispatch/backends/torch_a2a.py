@@ -66,12 +66,11 @@ from flexdispatch.backends.torch_rows import (
     compaction,
     count_local,
     gather_rows,
-    localize,
     overflow_message,
-    pack_meta,
+    pack_token_meta,
     round_up,
     slot_positions,
-    split_owner,
+    unpack_local,
     unpack_meta,
 )
 from flexdispatch.distributed import (
@@ -806,14 +805,12 @@ def dispatch_flat(
         else:
             be.record_overflow(round_up(G[:, :R].max() * R, R))
         send_splits = recv_splits = (cap,) * R
-        dest_S = torch.arange(cap * R, device=device) // cap
     else:
         if Gh is None:
             raise RuntimeError("internal error: dropless dispatch without host counts")
         send_splits = tuple(Gh[me][:R])
         recv_splits = tuple(Gh[s][me] for s in range(R))
         send_index = send_index[: sum(send_splits)]
-        dest_S = split_owner(mask_TR.sum(0), sum(send_splits))
     hop = Hop(
         send_index=send_index,
         send_valid=send_valid,
@@ -826,9 +823,10 @@ def dispatch_flat(
     spare = cap is not None
 
     def make_meta() -> torch.Tensor:
-        ids_SK = gather_rows(topk_idx, send_index, send_valid)
-        probs_SK = gather_rows(topk_probs, send_index, send_valid)
-        return pack_meta(*localize(ids_SK, probs_SK, dest_S * e, e, send_valid))
+        # NOTE: global ids travel; each receiver keeps its own (``finish``). Padding rows carry
+        # arbitrary rows: the compaction never returns them.
+        meta_TK = pack_token_meta(topk_idx, topk_probs, be.num_experts)
+        return gather_rows(meta_TK, send_index, send_valid, zero_invalid=False)
 
     recv_x, recv_meta = be.run_hop(
         hop, x, make_meta, spare_row=spare, scratch_key="recv0" if spare else None
@@ -838,7 +836,17 @@ def dispatch_flat(
         sizes = G[:, me].clamp(max=cap).to(device)
         starts = torch.arange(R, device=device, dtype=torch.int64) * cap
         maps = compaction(sizes, starts, W, W)
-    return finish(be, hop_list=(hop,), recv_x=recv_x, recv_meta=recv_meta, maps=maps, T=T, H=H, k=k)
+    return finish(
+        be,
+        hop_list=(hop,),
+        recv_x=recv_x,
+        recv_meta=recv_meta,
+        maps=maps,
+        T=T,
+        H=H,
+        k=k,
+        local_lo=me * e,
+    )
 
 
 def finish(
@@ -851,10 +859,13 @@ def finish(
     T: int,
     H: int,
     k: int,
+    local_lo: int | None = None,
 ) -> DispatchResult:
     """Apply the output compaction (if any) and build the result and its handle.
 
     With ``maps``, ``recv_x`` / ``recv_meta`` carry the zero spare row (``spare_row=True``).
+    ``local_lo``: the metadata holds global ids (``pack_token_meta``) and this rank's experts
+    start at ``local_lo``; None: the ids are local already (``pack_meta`` after ``localize``).
     """
     out_index = out_valid = in_index = None
     if maps is not None:
@@ -864,7 +875,10 @@ def finish(
         rows = be.output((num_out, *recv_x.shape[1:]), recv_x.dtype, recv_x.device)
         recv_x = torch.index_select(recv_x, 0, out_index, out=rows)
         recv_meta = recv_meta.index_select(0, out_index)
-    ids, probs = unpack_meta(recv_meta, k)
+    if local_lo is None:
+        ids, probs = unpack_meta(recv_meta, k)
+    else:
+        ids, probs = unpack_local(recv_meta, k, local_lo, be.num_local_experts)
     if out_valid is not None:
         ids.masked_fill_(~out_valid[:, None], -1)
     state = TorchDispatchState(

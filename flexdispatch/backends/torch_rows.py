@@ -21,6 +21,8 @@ __all__ = [
     "compaction",
     "pack_meta",
     "unpack_meta",
+    "pack_token_meta",
+    "unpack_local",
     "localize",
     "count_local",
     "split_owner",
@@ -148,6 +150,31 @@ def pack_meta(ids_SK: torch.Tensor, probs_SK: torch.Tensor) -> torch.Tensor:
 def unpack_meta(meta: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of ``pack_meta``: ``(ids [S, k] int64, probs [S, k] float32)``."""
     return meta[:, :k].to(torch.int64), meta[:, k:].view(torch.float32).contiguous()
+
+
+def pack_token_meta(ids_TK: torch.Tensor, probs_TK: torch.Tensor, num_ids: int) -> torch.Tensor:
+    """``[T, 2k]`` int32 metadata of every input row, global ids (``pack_meta`` layout).
+
+    Ids outside ``[0, num_ids)`` become -1 first (never a valid id after the int32 cast). The
+    rows are gathered into send order with one index_select and localized by the receiver
+    (``unpack_local``), which needs only its own first id, not one per row.
+    """
+    ok = (ids_TK >= 0) & (ids_TK < num_ids)
+    return pack_meta(torch.where(ok, ids_TK, -1), probs_TK)
+
+
+def unpack_local(
+    meta: torch.Tensor, k: int, lo: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Receiver side of ``pack_token_meta``: keep the slots whose id lies in ``[lo, lo + width)``.
+
+    Returns:
+        ``(ids [B, k] int64 as id - lo or -1, probs [B, k] float32, 0 where the id is -1)``.
+    """
+    rel = meta[:, :k] - lo
+    keep = (rel >= 0) & (rel < width)  # -1 and other ranks' ids fall outside
+    ids = torch.where(keep, rel, -1).to(torch.int64)
+    return ids, torch.where(keep, meta[:, k:].view(torch.float32), 0.0)
 
 
 def localize(
