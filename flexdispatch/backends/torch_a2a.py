@@ -878,7 +878,7 @@ def finish(
     if local_lo is None:
         ids, probs = unpack_meta(recv_meta, k)
     else:
-        ids, probs = unpack_local(recv_meta, k, local_lo, be.num_local_experts)
+        ids, probs = unpack_local(recv_meta, k, local_lo, be.num_local_experts, be.num_experts)
     if out_valid is not None:
         ids.masked_fill_(~out_valid[:, None], -1)
     state = TorchDispatchState(

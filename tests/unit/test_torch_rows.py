@@ -20,7 +20,7 @@ def test_receiver_side_localize_matches_sender_side(rank: int) -> None:
     ids[0] = torch.tensor([-5, E, 2**32 + rank * e])
     ids[1] = torch.tensor([2**31, -(2**32) + rank * e, rank * e])
     probs = torch.rand(64, 3, generator=g)
-    got_ids, got_probs = unpack_local(pack_token_meta(ids, probs, E), 3, rank * e, e)
+    got_ids, got_probs = unpack_local(pack_token_meta(ids, probs, E), 3, rank * e, e, E)
     clean = torch.where((ids >= 0) & (ids < E), ids, -1)
     lo = torch.full((64,), rank * e)
     want_ids, want_probs = localize(clean, probs, lo, e, None)
