@@ -48,7 +48,7 @@ import torch.distributed as dist
 from flexdispatch._validate import checks_enabled, is_capturing
 from flexdispatch.backends import deepep_sizing as sizing
 from flexdispatch.backends.base import Capability, DispatchBackend
-from flexdispatch.backends.counts import check_agreement, exchange_counts
+from flexdispatch.backends.counts import check_agreement, exchange_counts, recv_pairs
 from flexdispatch.backends.deepep_ll import LowLatencyMixin
 from flexdispatch.backends.deepep_support import deepep_support, load_deep_ep, nvl_peers
 from flexdispatch.distributed import group_rank, group_size
@@ -537,7 +537,12 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
         links = None
         if pinned is not None:
             Gh = pinned.tolist()
+        pairs = None
         if Gh is not None:
+            if not self.worst_case:
+                pairs = recv_pairs(
+                    Gh, rank=self.rank, num_ranks=self.num_ranks, num_nodes=self.num_nodes
+                )
             links, sent, received = self._links(Gh)
             self._account(links.dispatch_intra, links.dispatch_inter, row_bytes)
             self.stats.rows_sent += sent
@@ -563,6 +568,7 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
             handle=DispatchHandle(
                 backend=self.name, num_tokens=T, hidden=X, num_recv_rows=rows, state=state
             ),
+            num_recv_pairs=pairs,
         )
 
     def _limited_host(self, C: list[list[int]]) -> list[list[int]]:

@@ -96,6 +96,9 @@ def _check_dispatch(res: Any, ref: Any, W: int, where: str) -> None:
     assert isinstance(counts, torch.Tensor) and counts.dtype == torch.int64
     assert counts.device == res.recv_x.device
     assert torch.equal(counts, ref.counts), f"{where}: counts {counts} != {ref.counts}"
+    # dropless: the (row, slot) pairs as a host int, so permute needs no second host sync
+    want_pairs = None if W else int(ref.counts.sum())
+    assert res.num_recv_pairs == want_pairs, f"{where}: num_recv_pairs {res.num_recv_pairs}"
     # point 6: the tail of a worst-case result
     if W:
         assert bool((res.recv_x[M:] == 0).all()), f"{where}: recv_x tail not zero"
