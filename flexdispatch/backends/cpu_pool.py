@@ -41,7 +41,7 @@ __all__ = ["CpuOutputPool", "OUTPUT_POOL", "MIN_BYTES", "MAX_ENTRIES"]
 MIN_BYTES = 1 << 20
 """Smaller requests come from ``torch.empty`` (glibc reuses small blocks without faults)."""
 
-MAX_ENTRIES = 16
+MAX_ENTRIES = 8
 """Buffers the pool keeps at most (in use or free)."""
 
 _HEADROOM = 1 / 16
