@@ -28,16 +28,19 @@ order — first over the ranks of each node (in rank order), then over nodes —
 hierarchical combine give bit-identical results, and every ``index_add_`` has unique indices
 (deterministic on CUDA too). The first term of each node's sum is a gather (a zero row where that
 rank sent nothing) rather than an add into zeros; the first two terms may swap (``a + b == b + a``
-exactly), so that this rank's own rows are added straight from where they lie.
+exactly), so that this rank's own rows are added straight from where they lie (on CUDA) or
+gathered first while the peers' rows are still travelling (on CPU).
 
 Rows a rank sends to itself skip the collective (split 0 to itself) whenever they sit at one end
 of both buffers (always for R = 2): dispatch gathers them straight into the receive buffer while
 the peers' rows travel (``async_op`` on CPU; on CUDA the stream order overlaps them), and combine
-adds them from the rows it was given. This changes no byte on the wire. On CPU, buffers that never
-leave a call (send buffers, padded receive buffers, returning rows) are kept per backend and
-reused (``TorchA2ABackend.scratch``): fresh buffers over 32 MiB are page-faulted on every call.
-Tensors handed to the caller come from ``cpu_pool.OUTPUT_POOL`` on CPU, which lends an earlier
-output's memory again only once nothing refers to it any more.
+reads them from the rows it was given. This changes no byte on the wire. In flat mode the
+metadata carries global expert ids and each receiver keeps its own (one offset, ``rank * e``).
+
+On CPU, buffers that never leave a call (send buffers, padded receive buffers, returning rows)
+are kept per backend and reused (``TorchA2ABackend.scratch``): fresh buffers over 32 MiB are
+page-faulted on every call. Tensors handed to the caller come from ``cpu_pool.OUTPUT_POOL``,
+which lends an earlier output's memory again only once nothing refers to it any more.
 
 Every collective runs inside ``collective_guard``: a peer that fails, exits or times out turns
 into a ``flexdispatch.distributed.CollectiveError`` on this rank, naming the collective.
