@@ -23,13 +23,15 @@ that is not in use. When the private counter is missing (another PyTorch), nothi
 every request is a plain ``torch.empty``.
 
 The pool is shared by every dispatcher of the process (like a caching allocator), guarded by a
-lock, so dispatchers in different threads may use it at the same time.
+lock, so dispatchers in different threads may use it at the same time. A forked child starts with
+an empty pool and a fresh lock (the parent's lock may have been held by another thread).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -156,6 +158,11 @@ class CpuOutputPool:
                 self._entries.remove(entry)
             return sum(e.nbytes for e in free)
 
+    def reset_after_fork(self) -> None:
+        """Forget every buffer and replace the lock (``os.register_at_fork`` in the child)."""
+        self._lock = threading.Lock()
+        self._entries = []
+
     def held_bytes(self) -> int:
         """Bytes of every buffer the pool keeps (in use or free)."""
         with self._lock:
@@ -164,3 +171,5 @@ class CpuOutputPool:
 
 OUTPUT_POOL = CpuOutputPool()
 """The process-wide pool used by the ``torch`` backend for its CPU outputs."""
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=OUTPUT_POOL.reset_after_fork)

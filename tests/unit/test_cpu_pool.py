@@ -172,3 +172,30 @@ def test_dispatcher_outputs_survive_later_calls(W: int) -> None:
     assert torch.equal(rx1, copies[0]) and torch.equal(y1, copies[1])
     ptrs = {t.data_ptr() for pair in later for t in pair}
     assert rx1.data_ptr() not in ptrs and y1.data_ptr() not in ptrs
+
+
+def _child_uses_pool(q) -> None:
+    from flexdispatch.backends.cpu_pool import OUTPUT_POOL
+
+    t = OUTPUT_POOL.empty(SHAPE, torch.float32).fill_(2.0)
+    q.put((len(OUTPUT_POOL._entries), float(t.sum())))
+
+
+def test_a_forked_child_starts_with_an_empty_pool_and_a_free_lock() -> None:
+    import multiprocessing as mp
+
+    from flexdispatch.backends.cpu_pool import OUTPUT_POOL
+
+    if not OUTPUT_POOL.enabled:
+        pytest.skip("this PyTorch has no storage use counter: the pool is off")
+    held = OUTPUT_POOL.empty(SHAPE, torch.float32)  # the parent holds one buffer
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    with OUTPUT_POOL._lock:  # another thread holds the lock at fork time
+        p = ctx.Process(target=_child_uses_pool, args=(q,))
+        p.start()
+    entries, total = q.get(timeout=30)
+    p.join(timeout=30)
+    assert p.exitcode == 0
+    assert entries == 1 and total == 2.0 * SHAPE[0] * SHAPE[1]
+    del held
