@@ -362,6 +362,21 @@ class TorchA2ABackend(DispatchBackend):
         target of the dummy index of a compaction, so that gathering needs no masking pass.
         ``scratch_key`` receives into a reused buffer (``scratch``): only for internal rows.
         """
+        out, _ = self._all_to_all(send, send_splits, recv_splits, spare_row, scratch_key)
+        return out
+
+    def _all_to_all(
+        self,
+        send: torch.Tensor,
+        send_splits: tuple[int, ...],
+        recv_splits: tuple[int, ...],
+        spare_row: bool,
+        scratch_key: str | None,
+        *,
+        async_op: bool = False,
+        what: str = "all_to_all_single (rows)",
+    ) -> tuple[torch.Tensor, dist.Work | None]:
+        """``all_to_all``'s body; with ``async_op`` also the work to wait on (None when done)."""
         B = sum(recv_splits)
         shape = (B + int(spare_row), *send.shape[1:])
         if scratch_key is None:
@@ -372,12 +387,17 @@ class TorchA2ABackend(DispatchBackend):
             out[B].zero_()
         if not is_distributed(self.group):
             out[:B].copy_(send)
-            return out
-        with collective_guard("all_to_all_single (rows)", self.group):
-            dist.all_to_all_single(
-                out[:B], send, list(recv_splits), list(send_splits), group=self.group
+            return out, None
+        with collective_guard(what, self.group):
+            work = dist.all_to_all_single(
+                out[:B],
+                send,
+                list(recv_splits),
+                list(send_splits),
+                group=self.group,
+                async_op=async_op,
             )
-        return out
+        return out, work if async_op else None
 
     def run_hop_rows(
         self,
@@ -485,27 +505,22 @@ class TorchA2ABackend(DispatchBackend):
 
     def start_meta(
         self, hop: Hop, meta: torch.Tensor, *, spare_row: bool
-    ) -> tuple[torch.Tensor, dist.Work]:
+    ) -> tuple[torch.Tensor, dist.Work | None]:
         """Start (``async_op``, CPU only) the metadata of ``hop``; ``(receive buffer, work)``.
 
         The buffer is ``[num_recv (+1 zero spare row), 2k]`` int32; wait on the work with
         ``wait_all_to_all`` before reading it.
         """
         self.account(hop.send_splits, meta.shape[1] * meta.element_size())
-        B = hop.num_recv
-        out = meta.new_empty((B + int(spare_row), *meta.shape[1:]))
-        if spare_row:
-            out[B].zero_()
-        with collective_guard("all_to_all_single (metadata)", self.group):
-            work = dist.all_to_all_single(
-                out[:B],
-                meta,
-                list(hop.recv_splits),
-                list(hop.send_splits),
-                group=self.group,
-                async_op=True,
-            )
-        return out, work
+        return self._all_to_all(
+            meta,
+            hop.send_splits,
+            hop.recv_splits,
+            spare_row,
+            None,
+            async_op=True,
+            what="all_to_all_single (metadata)",
+        )
 
     def self_block(
         self, send_splits: tuple[int, ...], recv_splits: tuple[int, ...]
@@ -631,20 +646,12 @@ class TorchA2ABackend(DispatchBackend):
             # the first peer of the group is gathered (zero row where it sent nothing) instead of
             # added to zeros: ``0 + a == a``, so the sums are the same and one pass is saved
             lo, hi = offsets[present[0]], offsets[present[0] + 1]
-            index = hop.send_index[lo:hi]
-            rows_from = torch.arange(lo, hi, device=back.device, dtype=torch.int64)
-            size = rows_out
-            if padded:
-                # NOTE: padding rows scatter into unique slots past the output (deterministic).
-                size += hi - lo
-                index = torch.where(hop.send_valid[lo:hi], index, rows_out + rows_from - lo)
-            first = torch.full((size,), spare, dtype=torch.int64, device=back.device)
-            first.scatter_(0, index, rows_from)
+            first = row_of_input(hop, lo, hi, rows_out, base=lo, missing=spare)
             if work is not None:
                 self.wait_all_to_all(work)
                 work = None
             part = self.output((rows_out, *width), back.dtype, back.device)
-            torch.index_select(back, 0, first[:rows_out], out=part)
+            torch.index_select(back, 0, first, out=part)
             for r in present[1:]:
                 lo, hi = offsets[r], offsets[r + 1]
                 src = mine if r == me and mine is not None else back[lo:hi]
@@ -668,16 +675,7 @@ class TorchA2ABackend(DispatchBackend):
         row ``rows_out - 1`` (worst-case mode) or past it.
         """
         n = hi - lo
-        index = hop.send_index[lo:hi]
-        rows_from = torch.arange(n, dtype=torch.int64, device=mine.device)
-        size = rows_out
-        if hop.send_valid is not None:
-            # NOTE: padding rows scatter into unique slots past the output (deterministic).
-            size += n
-            index = torch.where(hop.send_valid[lo:hi], index, rows_out + rows_from)
-        first = torch.full((size,), n, dtype=torch.int64, device=mine.device)
-        first.scatter_(0, index, rows_from)
-        first = first[:rows_out]
+        first = row_of_input(hop, lo, hi, rows_out, base=0, missing=n)
         part = self.output((rows_out, *mine.shape[1:]), mine.dtype, mine.device)
         torch.index_select(mine, 0, first.clamp(max=n - 1), out=part)
         absent = (first == n).nonzero().squeeze(1)
@@ -913,3 +911,24 @@ def first_rows(t: torch.Tensor, n: int) -> torch.Tensor:
         return t
     out = torch.empty((0,), dtype=t.dtype, device=t.device)
     return out.set_(t.untyped_storage(), t.storage_offset(), (n, *t.shape[1:]))
+
+
+def row_of_input(
+    hop: Hop, lo: int, hi: int, rows_out: int, *, base: int, missing: int
+) -> torch.Tensor:
+    """``[rows_out]`` int64: for each input row of ``hop``, the row ``base + i`` of its send row
+    ``lo + i`` among ``[lo, hi)``, or ``missing`` where that range has none.
+
+    Padding rows (worst-case mode) scatter into unique slots past the output and are cut off, so
+    every scatter index is unique (deterministic).
+    """
+    index = hop.send_index[lo:hi]
+    device = index.device
+    rows_from = torch.arange(base, base + hi - lo, device=device, dtype=torch.int64)
+    size = rows_out
+    if hop.send_valid is not None:
+        size += hi - lo
+        index = torch.where(hop.send_valid[lo:hi], index, rows_out + rows_from - base)
+    first = torch.full((size,), missing, dtype=torch.int64, device=device)
+    first.scatter_(0, index, rows_from)
+    return first[:rows_out]
