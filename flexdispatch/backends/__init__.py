@@ -104,6 +104,7 @@ def select_backend(
         num_worst_tokens=config.num_worst_tokens,
         mode=config.mode,
         hidden_size=config.hidden_size,
+        num_max_dispatch_tokens_per_rank=config.num_max_dispatch_tokens_per_rank,
         deep_ep=deep_ep,
     )
     if config.backend == "deepep":

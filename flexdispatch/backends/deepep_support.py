@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from flexdispatch.backends import deepep_rules as rules
 from flexdispatch.backends import deepep_sizing as sizing
 from flexdispatch.backends.base import Capability
 from flexdispatch.distributed import group_size, is_distributed
@@ -59,10 +60,24 @@ def is_emulator(module: ModuleType) -> bool:
 
 
 def nvl_peers(module: ModuleType) -> int:
-    """DeepEP's NVLink domain size: 8, or what the test emulator was told to fake."""
-    if is_emulator(module) and callable(getattr(module, "num_max_nvl_peers", None)):
-        return int(module.num_max_nvl_peers())
+    """DeepEP's NVLink domain size: 8, or what the test runtime was told to emulate."""
+    if is_emulator(module):
+        peers = getattr(module, "NUM_MAX_NVL_PEERS", None)
+        if callable(getattr(module, "num_max_nvl_peers", None)):
+            peers = module.num_max_nvl_peers()
+        if peers is not None:
+            return int(peers)
     return sizing.NUM_MAX_NVL_PEERS
+
+
+def qp_depth() -> int:
+    """``NVSHMEM_QP_DEPTH`` as DeepEP's Python layer reads it (default 1024)."""
+    import os
+
+    try:
+        return int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
+    except ValueError:
+        return 0
 
 
 def group_is_nccl_on_cuda(group: dist.ProcessGroup | None) -> Capability:
@@ -92,6 +107,8 @@ def deepep_support_checks(
     mode: str = "normal",
     hidden_size: int | None = None,
     nvl_peers: int = sizing.NUM_MAX_NVL_PEERS,
+    release: str = rules.DEFAULT_RELEASE,
+    num_max_dispatch_tokens_per_rank: int | None = None,
 ) -> tuple[SupportCheck, ...]:
     """Every condition of DeepEP support, each evaluated (not only up to the first failure).
 
@@ -110,11 +127,15 @@ def deepep_support_checks(
         mode: ``"normal"`` or ``"low_latency"``.
         hidden_size: H; in low-latency mode it must be one of the compiled hidden sizes.
         nvl_peers: DeepEP's NVLink domain (8; the emulator can fake smaller nodes).
+        release: the DeepEP release whose limits apply (``deepep_rules``).
+        num_max_dispatch_tokens_per_rank: low-latency tokens per rank and call (checked in
+            low-latency mode when given).
 
     Returns:
         ``(name, ok, reason)`` in this order: ``import``, ``nccl_on_cuda``, ``experts`` (with
-        ``num_experts``), ``topology``, ``low_latency_hidden`` (low-latency mode with
-        ``hidden_size``).
+        ``num_experts``), ``topology``, ``local_experts`` (with ``num_experts``),
+        ``low_latency_hidden`` (low-latency mode with ``hidden_size``), ``low_latency_tokens``
+        (low-latency mode with ``num_max_dispatch_tokens_per_rank``).
     """
     R = num_ranks
     checks: list[SupportCheck] = [("import", *imported), ("nccl_on_cuda", *nccl_on_cuda)]
@@ -126,12 +147,23 @@ def deepep_support_checks(
             else f"num_experts={num_experts} is not divisible by R={R}"
         )
         checks.append(("experts", ok, why))
+    limits = rules.rules_for(release)
     ok, why = sizing.check_topology(
-        R, ranks_per_node, num_worst_tokens=num_worst_tokens, nvl_peers=nvl_peers
+        R,
+        ranks_per_node,
+        num_worst_tokens=num_worst_tokens,
+        internode_node_counts=limits.internode_node_counts,
+        nvl_peers=nvl_peers,
     )
     checks.append(("topology", ok, why))
+    if num_experts is not None and R > 0 and num_experts % R == 0:
+        checks.append(("local_experts", *_local_experts(num_experts, R, ranks_per_node, limits)))
+    if mode == "low_latency" and num_max_dispatch_tokens_per_rank is not None:
+        checks.append(
+            ("low_latency_tokens", *_low_latency_tokens(R, num_max_dispatch_tokens_per_rank))
+        )
     if mode == "low_latency" and hidden_size is not None:
-        sizes = sizing.LOW_LATENCY_HIDDEN_SIZES
+        sizes = limits.low_latency_hidden_sizes
         if hidden_size in sizes:
             checks.append(("low_latency_hidden", True, f"low-latency kernels take H={hidden_size}"))
         else:
@@ -146,6 +178,46 @@ def deepep_support_checks(
     return tuple(checks)
 
 
+def _local_experts(E: int, R: int, L: int, limits: rules.Rules) -> Capability:
+    """DeepEP's layout-notify kernels: one thread per expert of a rank (intranode, 128 threads)
+    or of a node (internode, 512 threads) — ``deepep_rules``."""
+    e = E // R
+    if L >= R:
+        cap = limits.max_local_experts_intranode
+        if e > cap:
+            return False, (
+                f"{e} local experts per rank exceed DeepEP {limits.release}'s intranode limit of "
+                f"{cap} (notify_dispatch runs {cap} threads): use more ranks or the torch backend"
+            )
+        return True, f"{e} local experts (intranode limit {cap})"
+    per_node = E // (R // L)
+    cap = limits.max_experts_per_node_internode
+    if per_node > cap:
+        return False, (
+            f"{per_node} experts per node exceed DeepEP {limits.release}'s internode limit of "
+            f"{cap} (notify_dispatch runs {cap} threads): use more nodes or the torch backend"
+        )
+    return True, f"{per_node} experts per node (internode limit {cap})"
+
+
+def _low_latency_tokens(R: int, n: int) -> Capability:
+    """Low-latency rules on ``num_max_dispatch_tokens_per_rank`` (``deepep_rules``)."""
+    if (R * n) % 4:
+        return False, (
+            f"R * num_max_dispatch_tokens_per_rank = {R} * {n} is not a multiple of 4, which "
+            f"DeepEP's low-latency TMA copies require: round num_max_dispatch_tokens_per_rank up "
+            f"to a multiple of 4"
+        )
+    depth, need = qp_depth(), 2 * (n + 1)
+    if depth < need:
+        return False, (
+            f"NVSHMEM_QP_DEPTH={depth} is below 2 * (num_max_dispatch_tokens_per_rank + 1) = "
+            f"{need}, which DeepEP's low-latency kernels need (in-flight work requests): export "
+            f"NVSHMEM_QP_DEPTH={max(need, 1024)} before the first DeepEP buffer is built"
+        )
+    return True, f"low-latency: {n} tokens per rank, NVSHMEM_QP_DEPTH={depth}"
+
+
 def deepep_support_for(
     num_ranks: int,
     ranks_per_node: int,
@@ -155,6 +227,7 @@ def deepep_support_for(
     num_worst_tokens: int = 0,
     mode: str = "normal",
     hidden_size: int | None = None,
+    num_max_dispatch_tokens_per_rank: int | None = None,
     deep_ep: ModuleType | None = None,
 ) -> Capability:
     """Whether DeepEP can serve R ranks with L per node, without a process group.
@@ -192,6 +265,8 @@ def deepep_support_for(
         mode=mode,
         hidden_size=hidden_size,
         nvl_peers=nvl_peers(deep_ep),
+        release=rules.release_of(deep_ep),
+        num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
     )
     failed = next((why for _, ok, why in checks if not ok), None)
     if failed is not None:
@@ -208,6 +283,7 @@ def deepep_support(
     num_worst_tokens: int = 0,
     mode: str = "normal",
     hidden_size: int | None = None,
+    num_max_dispatch_tokens_per_rank: int | None = None,
     deep_ep: ModuleType | None = None,
 ) -> Capability:
     """Whether the ``deepep`` backend can serve this group here (a local answer; no collective).
@@ -222,6 +298,7 @@ def deepep_support(
         num_worst_tokens=num_worst_tokens,
         mode=mode,
         hidden_size=hidden_size,
+        num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
         deep_ep=deep_ep,
     )
 
