@@ -24,9 +24,7 @@ def _module(release: str, nvl_peers: int = 8) -> types.SimpleNamespace:
 
 
 def _support(release: str, R: int, L: int, **kw: object) -> tuple[bool, str]:
-    return deepep_support_for(
-        R, L, nccl_on_cuda=(False, "no CUDA"), deep_ep=_module(release), **kw
-    )
+    return deepep_support_for(R, L, nccl_on_cuda=(False, "no CUDA"), deep_ep=_module(release), **kw)
 
 
 @pytest.mark.parametrize("release", ["1.2.1", "2.1.0"])
