@@ -67,6 +67,9 @@ class RouterConfig(_Strict):
         description="'hash' routes by a fixed hash of the token id (DeepSeek-V4's first layers).",
     )
     hash_seed: int = Field(0, ge=0, description="Seed of the hash router's table.")
+    router_bias: bool = Field(
+        False, description="The gating Linear(H, E) has a bias added to the logits (gpt-oss)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RouterConfig:
@@ -233,16 +236,79 @@ class MoEConfig(_Strict):
     name: str = "custom"
     hidden_size: int = Field(gt=0, description="H.")
     ffn_hidden_size: int = Field(gt=0, description="F, hidden size of each expert's MLP.")
-    activation: Literal["swiglu", "gelu", "relu", "silu"] = "swiglu"
-    num_shared_experts: int = Field(
-        0, ge=0, description="Shared experts of the model (described, not dispatched)."
+    activation: Literal["swiglu", "swiglu_oai", "gelu", "relu", "relu2", "silu"] = Field(
+        "swiglu",
+        description=(
+            "Expert MLP: swiglu = silu(x w1) * (x w3); swiglu_oai = gpt-oss's clamped GLU "
+            "(gate clamped above by swiglu_limit, up clamped to +-swiglu_limit, "
+            "gate * sigmoid(swiglu_alpha * gate) * (up + 1)); relu2 = relu(x w1)^2 (non-gated)."
+        ),
     )
-    shared_expert_ffn_hidden_size: int | None = Field(None, gt=0)
+    swiglu_limit: float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Clamp of a gated activation: swiglu clamps the gate above and the up projection to "
+            "+-limit before the product; required by swiglu_oai."
+        ),
+    )
+    swiglu_alpha: float | None = Field(
+        None, gt=0, description="swiglu_oai's sigmoid slope (gpt-oss: 1.702); swiglu_oai only."
+    )
+    expert_mlp_bias: bool = Field(False, description="Expert projections carry biases (gpt-oss).")
+    num_shared_experts: int = Field(
+        0,
+        ge=0,
+        description="Shared experts, computed locally on every rank beside the routed ones.",
+    )
+    shared_expert_ffn_hidden_size: int | None = Field(
+        None, gt=0, description="F of the shared expert MLP (all shared experts fused into one)."
+    )
+    shared_expert_gate: bool = Field(
+        False,
+        description="A sigmoid gate Linear(H, 1) scales the shared experts' output (Qwen2-MoE).",
+    )
+    probs_on_input: bool = Field(
+        False,
+        description=(
+            "Multiply the routing weight into the expert's input instead of its output "
+            "(Llama-4; top-1 only)."
+        ),
+    )
     router: RouterConfig
     dispatch: DispatchConfig = DispatchConfig()
     source: dict[str, str] = Field(
         default_factory=dict, description="Where the preset's numbers come from (model card, etc.)."
     )
+
+    @model_validator(mode="after")
+    def _check_mlp(self) -> MoEConfig:
+        gated = self.activation in ("swiglu", "swiglu_oai")
+        if self.swiglu_limit is not None and not gated:
+            raise ValueError(
+                f"swiglu_limit={self.swiglu_limit} applies to a gated activation, "
+                f"not activation={self.activation!r}: drop it or use swiglu/swiglu_oai"
+            )
+        if self.activation == "swiglu_oai" and self.swiglu_limit is None:
+            raise ValueError("activation='swiglu_oai' needs swiglu_limit (gpt-oss: 7.0)")
+        if self.swiglu_alpha is not None and self.activation != "swiglu_oai":
+            raise ValueError(
+                f"swiglu_alpha={self.swiglu_alpha} belongs to activation='swiglu_oai', "
+                f"not {self.activation!r}"
+            )
+        if self.num_shared_experts == 0 and (
+            self.shared_expert_ffn_hidden_size is not None or self.shared_expert_gate
+        ):
+            raise ValueError(
+                "shared_expert_ffn_hidden_size / shared_expert_gate are set but "
+                "num_shared_experts=0: set num_shared_experts or drop them"
+            )
+        if self.probs_on_input and self.router.topk != 1:
+            raise ValueError(
+                f"probs_on_input=True weights the expert input and needs router.topk=1, "
+                f"got topk={self.router.topk}"
+            )
+        return self
 
     @property
     def num_experts(self) -> int:
