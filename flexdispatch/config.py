@@ -13,6 +13,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from flexdispatch import deepep_limits
+
 __all__ = [
     "RouterConfig",
     "DispatchConfig",
@@ -185,8 +187,6 @@ class DispatchConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_modes(self) -> DispatchConfig:
-        from flexdispatch.backends import deepep_sizing
-
         if self.deepep_num_sms is not None and self.deepep_num_sms % 2:
             raise ValueError(
                 f"deepep_num_sms={self.deepep_num_sms} must be even (DeepEP runs one channel on "
@@ -200,16 +200,16 @@ class DispatchConfig(_Strict):
             )
         if self.backend == "deepep" and self.mode == "low_latency":
             H, n = self.hidden_size, self.num_max_dispatch_tokens_per_rank
-            if H is not None and H not in deepep_sizing.LOW_LATENCY_HIDDEN_SIZES:
-                sizes = ", ".join(map(str, deepep_sizing.LOW_LATENCY_HIDDEN_SIZES))
+            if H is not None and H not in deepep_limits.LOW_LATENCY_HIDDEN_SIZES:
+                sizes = ", ".join(map(str, deepep_limits.LOW_LATENCY_HIDDEN_SIZES))
                 raise ValueError(
                     f"hidden_size={H} is not one of DeepEP's low-latency hidden sizes ({sizes}): "
                     f"pad the rows, or use backend='auto'/'torch' (worst-case decode)"
                 )
-            if n > deepep_sizing.LOW_LATENCY_MAX_TOKENS_PER_RANK:
+            if n > deepep_limits.LOW_LATENCY_MAX_TOKENS_PER_RANK:
                 raise ValueError(
                     f"num_max_dispatch_tokens_per_rank={n} exceeds DeepEP's low-latency limit "
-                    f"{deepep_sizing.LOW_LATENCY_MAX_TOKENS_PER_RANK}"
+                    f"{deepep_limits.LOW_LATENCY_MAX_TOKENS_PER_RANK}"
                 )
         return self
 
@@ -219,12 +219,10 @@ class DispatchConfig(_Strict):
         Catches at set-up what would otherwise fail at the first dispatch or at graph capture:
         DeepEP's rank-count rules and its intranode-only worst-case (CUDA-graph) mode.
         """
-        from flexdispatch.backends import deepep_sizing
-
         if self.backend != "deepep":
             return
         L = num_ranks if ranks_per_node is None else ranks_per_node
-        ok, why = deepep_sizing.check_topology(num_ranks, L, num_worst_tokens=self.num_worst_tokens)
+        ok, why = deepep_limits.check_topology(num_ranks, L, num_worst_tokens=self.num_worst_tokens)
         if not ok:
             extra = " (cuda_graph=True needs it)" if self.cuda_graph else ""
             raise ValueError(f"backend='deepep' cannot run here{extra}: {why}")

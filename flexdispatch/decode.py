@@ -24,12 +24,12 @@ source token) on the torch path; DeepEP fills rows in arrival order, so rely onl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from flexdispatch._validate import check_tensor
-from flexdispatch.types import DispatchResult
+from flexdispatch.types import DispatchResult, ExpertMajorHandle, ExpertMajorResult
 
 if TYPE_CHECKING:
     from flexdispatch.dispatcher import FlexDispatcher
@@ -43,52 +43,6 @@ __all__ = [
     "from_expert_major",
     "DecodeDispatcher",
 ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExpertMajorHandle:
-    """What the decode combine needs; owned by the caller.
-
-    Attributes:
-        backend: ``"deepep"`` (low-latency kernels) or the name of the backend whose worst-case
-            dispatch was used.
-        num_tokens: T of the dispatching rank.
-        hidden: H.
-        capacity: C, rows per local expert.
-        topk_idx: ``[T, k]`` global expert ids of the source tokens (the combine's weights go with
-            them).
-        topk_probs: ``[T, k]`` float32 routing weights of the source tokens.
-        generation: DeepEP low-latency kernel count when the result was made (-1 elsewhere).
-        state: backend-specific (DeepEP's handle tuple, or ``(DispatchHandle, ExpertMajorMaps)``).
-    """
-
-    backend: str
-    num_tokens: int
-    hidden: int
-    capacity: int
-    topk_idx: torch.Tensor
-    topk_probs: torch.Tensor
-    generation: int
-    state: Any
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExpertMajorResult:
-    """Rows received for decode, expert-major.
-
-    Attributes:
-        recv_x: ``[e, C, H]`` rows (bf16 on DeepEP, else x's dtype; ``float8_e4m3fn`` with
-            ``use_fp8``). Rows past ``recv_count[j]`` are zero (torch) or undefined (DeepEP).
-        recv_scales: ``[e, C, H / 128]`` float32 fp8 scales (column-major in the last two dims,
-            as DeepEP returns them), or None without fp8.
-        recv_count: ``[e]`` int64 device tensor, real rows per local expert.
-        handle: what ``combine`` needs.
-    """
-
-    recv_x: torch.Tensor
-    recv_scales: torch.Tensor | None
-    recv_count: torch.Tensor
-    handle: ExpertMajorHandle
 
 
 @dataclass(frozen=True, kw_only=True)

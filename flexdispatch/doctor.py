@@ -42,9 +42,6 @@ needs no cluster.
 from __future__ import annotations
 
 import datetime
-import importlib
-import importlib.metadata
-import importlib.util
 import os
 import platform
 import socket
@@ -56,6 +53,14 @@ import torch
 import torch.distributed as dist
 
 from flexdispatch.backends.base import Capability
+from flexdispatch.doctor_probe import (
+    probe_cuda,
+    probe_deep_ep,
+    probe_launcher,
+    probe_nccl,
+    probe_nvshmem,
+)
+from flexdispatch.doctor_report import format_report
 
 __all__ = [
     "SCHEMA",
@@ -80,15 +85,6 @@ __all__ = [
 SCHEMA = "flexdispatch.doctor/1"
 BACKEND_CHOICES = ("auto", "torch", "deepep")
 _ROW_ELEMENT_SIZE = 2  # bf16 activations, the dtype DeepEP moves natively
-_LAUNCHER_KEYS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
-_COMM_PREFIXES = ("NCCL_", "NVSHMEM_", "GLOO_")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -333,169 +329,6 @@ def would_select(
 # --------------------------------------------------------------------------- probes
 
 
-def probe_cuda(cuda: Any = None) -> dict[str, Any]:
-    """CUDA availability, runtime version and every visible GPU.
-
-    Args:
-        cuda: the ``torch.cuda`` module, or a stand-in with the same functions (tests).
-    """
-    cuda = torch.cuda if cuda is None else cuda
-    out: dict[str, Any] = {
-        "available": False,
-        "version": torch.version.cuda,
-        "device_count": 0,
-        "gpus": [],
-        "reason": "",
-    }
-    try:
-        available = bool(cuda.is_available())
-    except Exception as exc:  # a broken driver must not break the doctor
-        out["reason"] = f"torch.cuda.is_available() raised {type(exc).__name__}: {exc}"
-        return out
-    if not available:
-        out["reason"] = (
-            "torch was built without CUDA"
-            if torch.version.cuda is None
-            else "no CUDA device is visible (driver, CUDA_VISIBLE_DEVICES)"
-        )
-        return out
-    out["available"] = True
-    try:
-        count = int(cuda.device_count())
-        for i in range(count):
-            props = cuda.get_device_properties(i)
-            out["gpus"].append(
-                {
-                    "index": i,
-                    "name": str(props.name),
-                    "total_memory_bytes": int(props.total_memory),
-                    "compute_capability": f"{props.major}.{props.minor}",
-                    "multi_processor_count": int(props.multi_processor_count),
-                }
-            )
-        out["device_count"] = count
-        out["reason"] = f"{count} device(s)"
-    except Exception as exc:
-        out["reason"] = f"listing devices failed: {type(exc).__name__}: {exc}"
-    return out
-
-
-def probe_nccl(cuda: Any = None, *, built: bool | None = None) -> dict[str, Any]:
-    """Whether torch has NCCL and which version (``torch.cuda.nccl.version()``, guarded).
-
-    Args:
-        cuda: the ``torch.cuda`` module, or a stand-in (tests).
-        built: whether torch has NCCL (default ``dist.is_nccl_available()``).
-    """
-    cuda = torch.cuda if cuda is None else cuda
-    built = dist.is_nccl_available() if built is None else built
-    out: dict[str, Any] = {"available": bool(built), "version": None}
-    if not out["available"]:
-        out["reason"] = "torch was built without NCCL"
-        return out
-    try:
-        if not cuda.is_available():
-            out["reason"] = "built with NCCL; no CUDA device to ask for its version"
-            return out
-        version = cuda.nccl.version()
-    except Exception as exc:
-        out["reason"] = f"torch.cuda.nccl.version() raised {type(exc).__name__}: {exc}"
-        return out
-    if isinstance(version, tuple):
-        out["version"] = ".".join(str(v) for v in version)
-    else:  # older torch: one int, major*1000 + minor*100 + patch (or *10000 from 2.9 on)
-        v = int(version)
-        major, rest = (v // 10000, v % 10000) if v >= 10000 else (v // 1000, v % 1000)
-        out["version"] = f"{major}.{rest // 100}.{rest % 100}"
-    out["reason"] = "NCCL available"
-    return out
-
-
-def _dist_version(*names: str) -> str | None:
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
-def probe_deep_ep() -> dict[str, Any]:
-    """Whether ``deep_ep`` imports (through the backends' guarded import) and is usable."""
-    from flexdispatch.backends import deepep_available
-
-    try:
-        usable, reason = deepep_available()
-    except Exception as exc:  # e.g. RuntimeError from a CUDA check at import time
-        usable, reason = False, f"import deep_ep failed: {type(exc).__name__}: {exc}"
-    module = sys.modules.get("deep_ep")
-    out: dict[str, Any] = {
-        "importable": module is not None,
-        "usable": bool(usable),
-        "reason": reason,
-        "version": None,
-        "path": None,
-        "emulator": False,
-    }
-    if module is not None:
-        out["version"] = getattr(module, "__version__", None) or _dist_version("deep_ep", "deep-ep")
-        out["path"] = getattr(module, "__file__", None)
-        out["emulator"] = getattr(module, "IS_EMULATOR", False) is True
-    return out
-
-
-def probe_nvshmem() -> dict[str, Any]:
-    """NVSHMEM through nvshmem4py (``nvshmem.core``); imported, never initialised."""
-    py: dict[str, Any] = {"importable": False, "version": None, "error": None}
-    try:
-        found = importlib.util.find_spec("nvshmem") is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
-        status = "not installed"
-        py["error"] = "No module named 'nvshmem' (pip install nvshmem4py-cu12)"
-    else:
-        try:
-            core = importlib.import_module("nvshmem.core")
-        except Exception as exc:  # ImportError, OSError (missing libnvshmem), RuntimeError
-            py["error"] = f"{type(exc).__name__}: {exc}"
-            status = f"import failed: {py['error']}"
-        else:
-            py["importable"] = True
-            parent = sys.modules.get("nvshmem")
-            py["version"] = (
-                _dist_version("nvshmem4py-cu12", "nvshmem4py-cu13", "nvshmem4py")
-                or getattr(parent, "__version__", None)
-                or getattr(core, "__version__", None)
-            )
-            status = "importable, not initialised"
-    library = None
-    try:
-        spec = importlib.util.find_spec("nvidia.nvshmem")
-        if spec is not None and spec.submodule_search_locations:
-            library = next(iter(spec.submodule_search_locations))
-    except (ImportError, ValueError):
-        library = None
-    return {
-        "nvshmem4py": py,
-        "initialised": False,
-        "status": status,
-        "library_path": library,
-        "nvshmem_dir": os.environ.get("NVSHMEM_DIR"),
-    }
-
-
-def probe_launcher() -> dict[str, Any]:
-    """The launcher's environment (torchrun, Slurm wrappers) and communication variables."""
-    from flexdispatch.launch import under_launcher
-
-    return {
-        "under_launcher": under_launcher(),
-        "env": {k: os.environ[k] for k in _LAUNCHER_KEYS if k in os.environ},
-        "comm_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_COMM_PREFIXES)},
-    }
-
-
 def host_facts(
     cuda_report: dict[str, Any], nccl_report: dict[str, Any], deepep: Capability
 ) -> HostFacts:
@@ -603,61 +436,3 @@ def run_doctor(
 
 
 # --------------------------------------------------------------------------- text output
-
-
-def _mark(ok: bool) -> str:
-    return "ok " if ok else "NO "
-
-
-def format_report(report: dict[str, Any]) -> str:
-    """The report as a short human-readable text (what ``flexdispatch doctor`` prints)."""
-    p, t, c, n = report["platform"], report["torch"], report["cuda"], report["nccl"]
-    lines = [
-        f"flexdispatch {report['flexdispatch_version']} doctor — {p['hostname']}, "
-        f"{p['cpu_count']} CPUs, Python {p['python']} ({p['system']} {p['machine']})",
-        f"torch      {t['version']} (built with CUDA {t['cuda_build'] or 'none'})",
-        f"cuda       {_mark(c['available'])}{c['reason']}"
-        + (f", runtime {c['version']}" if c["available"] else ""),
-    ]
-    for g in report["gpus"]:
-        lines.append(
-            f"  gpu {g['index']}    {g['name']}, {g['total_memory_bytes'] / 2**30:.1f} GiB, "
-            f"sm_{g['compute_capability'].replace('.', '')}, {g['multi_processor_count']} SMs"
-        )
-    lines.append(
-        f"nccl       {_mark(n['available'])}"
-        + (f"version {n['version']}" if n["version"] else n["reason"])
-    )
-    lines.append(
-        f"gloo       {_mark(report['gloo']['available'])}"
-        + ("available" if report["gloo"]["available"] else "not built")
-    )
-    d = report["deep_ep"]
-    detail = d["reason"]
-    if d["importable"]:
-        detail += f" (version {d['version'] or '?'}, {d['path']})" + (
-            " [test emulator]" if d["emulator"] else ""
-        )
-    lines.append(f"deep_ep    {_mark(d['usable'])}{detail}")
-    nv = report["nvshmem"]
-    lines.append(
-        f"nvshmem    {_mark(nv['nvshmem4py']['importable'])}nvshmem4py {nv['status']}"
-        + (f" (version {nv['nvshmem4py']['version']})" if nv["nvshmem4py"]["version"] else "")
-        + (f"; library {nv['library_path']}" if nv["library_path"] else "")
-    )
-    la = report["launcher"]
-    if la["under_launcher"]:
-        env = " ".join(f"{k}={v}" for k, v in la["env"].items())
-        lines.append(f"launcher   {env}")
-    s = report["selection"]
-    lines.append(
-        f"backend    requested {s['requested']!r} for {s['world_size']} rank(s) = {s['nodes']} "
-        f"node(s) x {s['ranks_per_node']}"
-        + (f", H={s['hidden']}" if s["hidden"] is not None else "")
-        + f": {s['backend'] or 'NOT USABLE'}"
-    )
-    lines.append(f"           {s['reason']}")
-    for name in ("deepep", "torch"):
-        for chk in s["checks"][name]:
-            lines.append(f"  {name:<7} {_mark(chk['ok'])}{chk['name']}: {chk['detail']}")
-    return "\n".join(lines)

@@ -19,7 +19,7 @@ from types import ModuleType
 import torch.distributed as dist
 
 from flexdispatch.backends.base import Capability, DispatchBackend
-from flexdispatch.backends.deepep_support import deepep_support, load_deep_ep, make_deepep_backend
+from flexdispatch.backends.deepep_support import deepep_support, load_deep_ep
 from flexdispatch.config import DispatchConfig
 from flexdispatch.distributed import all_reduce_min_flag
 from flexdispatch.types import DispatchStats
@@ -30,6 +30,7 @@ __all__ = [
     "BACKENDS",
     "deepep_available",
     "make_torch_backend",
+    "make_deepep_backend",
     "select_backend",
 ]
 
@@ -55,6 +56,48 @@ def make_torch_backend(
         hierarchical=config.hierarchical,
         checks=config.checks or None,
         stats=stats,
+    )
+
+
+def make_deepep_backend(
+    config: DispatchConfig,
+    group: dist.ProcessGroup | None,
+    *,
+    num_experts: int,
+    ranks_per_node: int,
+    stats: DispatchStats,
+    _deep_ep: ModuleType | None = None,
+) -> DispatchBackend:
+    """Build the ``deepep`` backend from a ``DispatchConfig``.
+
+    Args:
+        config: the ``DispatchConfig``.
+        group: the process group (None = WORLD).
+        num_experts: E.
+        ranks_per_node: L (resolved).
+        stats: counters the backend adds to.
+        _deep_ep: a ``deep_ep`` module to use instead of importing one (test hook, see
+            ``DeepEPBackend``).
+
+    Raises:
+        ValueError: DeepEP cannot serve this group (with the reason).
+    """
+    from flexdispatch.backends.deepep import DeepEPBackend
+
+    return DeepEPBackend(
+        group,
+        num_experts=num_experts,
+        ranks_per_node=ranks_per_node,
+        num_worst_tokens=config.num_worst_tokens,
+        hierarchical=config.hierarchical,
+        checks=config.checks or None,
+        stats=stats,
+        async_finish=config.deepep_async_finish,
+        num_sms=config.deepep_num_sms,
+        mode=config.mode,
+        num_max_dispatch_tokens_per_rank=config.num_max_dispatch_tokens_per_rank,
+        use_fp8=config.use_fp8,
+        _deep_ep=_deep_ep,
     )
 
 

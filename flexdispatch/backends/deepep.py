@@ -18,7 +18,7 @@ How the contract maps onto ``deep_ep.Buffer`` (the V1 API, release v1.2.1):
 - The layout (``num_tokens_per_rank`` ...) comes from ``flexdispatch.layout`` (DeepEP's values
   and dtypes, no host sync), then one ``[2R + N + 4]`` int64 all-gather of the per-rank and
   per-node row counts (and H, k, dtype, T) runs on the device, before any buffer is touched. It
-  feeds the byte/row statistics (DeepEP's traffic pattern: ``planner.accounting.link_rows``), the
+  feeds the byte/row statistics (DeepEP's traffic pattern: ``traffic.link_rows``), the
   worst-case overflow guard (DeepEP writes past its outputs when a rank receives more than W rows;
   here each sender drops the rows past W on the device and the overflow is reported, never
   silent) and, with checks on or on CPU, the cross-rank shape agreement check.
@@ -293,9 +293,9 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
 
         DeepEP's traffic pattern is flat inside a node and, across nodes, one RDMA row per
         destination node to the rank with the same local index, forwarded over NVLink there
-        (``planner.accounting.link_rows``).
+        (``traffic.link_rows``).
         """
-        from flexdispatch.planner.accounting import link_rows
+        from flexdispatch.traffic import link_rows
 
         R, N, me = self.num_ranks, self.num_nodes, self.rank
         C = [row[:R] for row in Gh]

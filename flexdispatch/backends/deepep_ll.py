@@ -23,8 +23,7 @@ from typing import Any
 import torch
 
 from flexdispatch.backends import deepep_sizing as sizing
-from flexdispatch.decode import ExpertMajorHandle, ExpertMajorResult
-from flexdispatch.types import DispatchStats
+from flexdispatch.types import DispatchStats, ExpertMajorHandle, ExpertMajorResult
 
 __all__ = ["LowLatencyMixin"]
 

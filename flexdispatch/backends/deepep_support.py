@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,10 +20,6 @@ from flexdispatch.backends import deepep_rules as rules
 from flexdispatch.backends import deepep_sizing as sizing
 from flexdispatch.backends.base import Capability
 from flexdispatch.distributed import group_size, is_distributed
-from flexdispatch.types import DispatchStats
-
-if TYPE_CHECKING:
-    from flexdispatch.backends.deepep import DeepEPBackend
 
 __all__ = [
     "load_deep_ep",
@@ -35,7 +30,6 @@ __all__ = [
     "deepep_support_checks",
     "deepep_support_for",
     "deepep_support",
-    "make_deepep_backend",
 ]
 
 
@@ -300,46 +294,4 @@ def deepep_support(
         hidden_size=hidden_size,
         num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
         deep_ep=deep_ep,
-    )
-
-
-def make_deepep_backend(
-    config: Any,
-    group: dist.ProcessGroup | None,
-    *,
-    num_experts: int,
-    ranks_per_node: int,
-    stats: DispatchStats,
-    _deep_ep: ModuleType | None = None,
-) -> DeepEPBackend:
-    """Build the ``deepep`` backend from a ``DispatchConfig``.
-
-    Args:
-        config: the ``DispatchConfig``.
-        group: the process group (None = WORLD).
-        num_experts: E.
-        ranks_per_node: L (resolved).
-        stats: counters the backend adds to.
-        _deep_ep: a ``deep_ep`` module to use instead of importing one (test hook, see
-            ``DeepEPBackend``).
-
-    Raises:
-        ValueError: DeepEP cannot serve this group (with the reason).
-    """
-    from flexdispatch.backends.deepep import DeepEPBackend
-
-    return DeepEPBackend(
-        group,
-        num_experts=num_experts,
-        ranks_per_node=ranks_per_node,
-        num_worst_tokens=config.num_worst_tokens,
-        hierarchical=config.hierarchical,
-        checks=config.checks or None,
-        stats=stats,
-        async_finish=config.deepep_async_finish,
-        num_sms=config.deepep_num_sms,
-        mode=config.mode,
-        num_max_dispatch_tokens_per_rank=config.num_max_dispatch_tokens_per_rank,
-        use_fp8=config.use_fp8,
-        _deep_ep=_deep_ep,
     )

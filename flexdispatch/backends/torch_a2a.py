@@ -42,6 +42,11 @@ are kept per backend and reused (``TorchA2ABackend.scratch``): fresh buffers ove
 page-faulted on every call. Tensors handed to the caller come from ``cpu_pool.OUTPUT_POOL``,
 which lends an earlier output's memory again only once nothing refers to it any more.
 
+The code is split by concern: this module holds the backend class (counts, hops, combine,
+stats); ``torch_flat.py`` the flat dispatch plan; ``torch_hier.py`` the hierarchical one;
+``torch_hops.py`` what both plans share (``Hop``, the dispatch state, the host count copy and the
+row plumbing that finishes a dispatch); ``torch_rows.py`` the row and metadata kernels.
+
 Every collective runs inside ``collective_guard``: a peer that fails, exits or times out turns
 into a ``flexdispatch.distributed.CollectiveError`` on this rank, naming the collective.
 """
@@ -51,12 +56,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from flexdispatch._validate import checks_enabled, is_capturing
+from flexdispatch.backends import torch_hier
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import (
     DTYPE_CODES,
@@ -65,16 +70,16 @@ from flexdispatch.backends.counts import (
     recv_pairs,
 )
 from flexdispatch.backends.cpu_pool import OUTPUT_POOL
+from flexdispatch.backends.torch_flat import dispatch_flat
+from flexdispatch.backends.torch_hops import (
+    Hop,
+    PendingCounts,
+    TorchDispatchState,
+    first_rows,
+    row_of_input,
+)
 from flexdispatch.backends.torch_rows import (
-    compaction,
-    count_local,
     gather_rows,
-    overflow_message,
-    pack_token_meta,
-    round_up,
-    slot_positions,
-    unpack_local,
-    unpack_meta,
 )
 from flexdispatch.distributed import (
     collective_guard,
@@ -85,105 +90,6 @@ from flexdispatch.distributed import (
 from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, DispatchStats
 
 __all__ = ["TorchA2ABackend", "TorchDispatchState", "Hop", "DTYPE_CODES"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Hop:
-    """One ``all_to_all_single`` over the group, recorded so that combine can run it backwards.
-
-    Attributes:
-        send_index: ``[S]`` int64, row of the hop's input for each send row; ``num_in`` marks a
-            padding row (worst-case mode).
-        send_valid: ``[S]`` bool, False on padding rows; None when every row is real.
-        send_splits: ``[R]`` rows sent to each rank (host ints).
-        recv_splits: ``[R]`` rows received from each rank (host ints).
-        num_in: rows of the hop's input (T for the first hop).
-        reduce_groups: peers whose returning rows are summed together first (the ranks of one
-            node, in rank order); the groups are then added in order.
-    """
-
-    send_index: torch.Tensor
-    send_valid: torch.Tensor | None
-    send_splits: tuple[int, ...]
-    recv_splits: tuple[int, ...]
-    num_in: int
-    reduce_groups: tuple[tuple[int, ...], ...]
-
-    @property
-    def num_send(self) -> int:
-        return sum(self.send_splits)
-
-    @property
-    def num_recv(self) -> int:
-        return sum(self.recv_splits)
-
-
-@dataclass(frozen=True, kw_only=True)
-class TorchDispatchState:
-    """The torch backend's part of a ``DispatchHandle``.
-
-    Attributes:
-        hops: the hops of the dispatch, in order.
-        out_index: ``[M]`` int64 row of the last hop's output for each returned row (dummy =
-            that output's row count: the zero spare row), or None when the last hop's output is
-            returned as is.
-        out_valid: ``[M]`` bool, False on the worst-case tail; None with ``out_index``.
-        in_index: ``[B]`` int64 returned row for each row of the last hop's output, the inverse
-            of ``out_index`` used by combine; rows that are not returned point at an arbitrary
-            returned row (their values end in the senders' dummy rows).
-        worst_case: whether the handle came from worst-case mode.
-    """
-
-    hops: tuple[Hop, ...]
-    out_index: torch.Tensor | None
-    out_valid: torch.Tensor | None
-    in_index: torch.Tensor | None
-    worst_case: bool
-
-
-class PendingCounts:
-    """The gathered counts ``G`` on their way to the host.
-
-    On CUDA the copy goes into pinned memory on a side stream as soon as ``G`` exists, and
-    ``wait()`` blocks on its event only when the host values are needed (just before the rows
-    move). ``wait()`` also checks that the ranks agree on H, k and dtype, and raises the same
-    error on every rank when they do not.
-
-    Args:
-        backend: the backend whose stats count the copy.
-        G: ``[R, 2R + N + 4]`` int64 gathered counts.
-        counter: ``"host_syncs"``, ``"check_syncs"`` (``stats.extra``) or None (not counted).
-    """
-
-    def __init__(self, backend: TorchA2ABackend, G: torch.Tensor, *, counter: str | None) -> None:
-        self._backend = backend
-        self._counter = counter
-        self._values: list[list[int]] | None = None
-        self._event: torch.cuda.Event | None = None
-        self._host = G
-        if G.is_cuda and torch.cuda.is_available():
-            self._host = torch.empty(G.shape, dtype=G.dtype, pin_memory=True)
-            side = torch.cuda.Stream(device=G.device)
-            side.wait_stream(torch.cuda.current_stream(G.device))
-            with torch.cuda.stream(side):
-                self._host.copy_(G, non_blocking=True)
-                self._event = torch.cuda.Event()
-                self._event.record(side)
-            G.record_stream(side)
-
-    def wait(self) -> list[list[int]]:
-        """Host values of ``G`` (``[R][2R + N + 4]`` ints), after the cross-rank agreement check."""
-        if self._values is None:
-            if self._event is not None:
-                self._event.synchronize()
-            self._values = self._host.tolist()
-            stats = self._backend.stats
-            if self._counter == "host_syncs":
-                stats.host_syncs += 1
-            elif self._counter is not None:
-                stats.extra[self._counter] = stats.extra.get(self._counter, 0) + 1
-            self._backend.check_agreement(self._values)
-        return self._values
 
 
 class TorchA2ABackend(DispatchBackend):
@@ -709,7 +615,6 @@ class TorchA2ABackend(DispatchBackend):
         topk_probs: torch.Tensor,
         layout: DispatchLayout | None = None,
     ) -> DispatchResult:
-        from flexdispatch.backends import torch_hier  # local: torch_hier imports this module
 
         T, H = x.shape
         k = topk_idx.shape[1]
@@ -778,157 +683,3 @@ class TorchA2ABackend(DispatchBackend):
             out = self.output((state.out_index.shape[0], *rows.shape[1:]), rows.dtype, rows.device)
             rows = torch.index_select(rows, 0, state.out_index, out=out)
         return rows
-
-
-def dispatch_flat(
-    be: TorchA2ABackend,
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    topk_probs: torch.Tensor,
-    mask_TR: torch.Tensor,
-    G: torch.Tensor,
-    pending: PendingCounts | None,
-) -> DispatchResult:
-    """One hop straight to the ranks that hold the experts (see the module docstring)."""
-    T, H = x.shape
-    k = topk_idx.shape[1]
-    R, e, me, W = be.num_ranks, be.num_local_experts, be.rank, be.num_worst_tokens
-    device = x.device
-    cap = W // R if be.worst_case else None
-    send_index, send_valid = slot_positions(mask_TR, cap)
-    Gh = pending.wait() if pending is not None else None
-    if cap is not None:
-        if Gh is not None:
-            worst = max((Gh[s][g], s, g) for s in range(R) for g in range(R))
-            if worst[0] > cap:
-                what = f"rank {worst[1]} sending to rank {worst[2]}"
-                raise ValueError(overflow_message(what, worst[0], cap, W, R, R))
-        else:
-            be.record_overflow(round_up(G[:, :R].max() * R, R))
-        send_splits = recv_splits = (cap,) * R
-    else:
-        if Gh is None:
-            raise RuntimeError("internal error: dropless dispatch without host counts")
-        send_splits = tuple(Gh[me][:R])
-        recv_splits = tuple(Gh[s][me] for s in range(R))
-        send_index = send_index[: sum(send_splits)]
-    hop = Hop(
-        send_index=send_index,
-        send_valid=send_valid,
-        send_splits=send_splits,
-        recv_splits=recv_splits,
-        num_in=T,
-        reduce_groups=be.node_groups(),
-    )
-    be.stats.rows_sent += hop.num_send
-    spare = cap is not None
-
-    def make_meta() -> torch.Tensor:
-        # NOTE: global ids travel; each receiver keeps its own (``finish``). Padding rows carry
-        # arbitrary rows: the compaction never returns them.
-        meta_TK = pack_token_meta(topk_idx, topk_probs, be.num_experts)
-        return gather_rows(meta_TK, send_index, send_valid, zero_invalid=False)
-
-    recv_x, recv_meta = be.run_hop(
-        hop, x, make_meta, spare_row=spare, scratch_key="recv0" if spare else None
-    )
-    maps = None
-    if cap is not None:
-        sizes = G[:, me].clamp(max=cap).to(device)
-        starts = torch.arange(R, device=device, dtype=torch.int64) * cap
-        maps = compaction(sizes, starts, W, W)
-    return finish(
-        be,
-        hop_list=(hop,),
-        recv_x=recv_x,
-        recv_meta=recv_meta,
-        maps=maps,
-        T=T,
-        H=H,
-        k=k,
-        local_lo=me * e,
-    )
-
-
-def finish(
-    be: TorchA2ABackend,
-    *,
-    hop_list: tuple[Hop, ...],
-    recv_x: torch.Tensor,
-    recv_meta: torch.Tensor,
-    maps: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    T: int,
-    H: int,
-    k: int,
-    local_lo: int | None = None,
-) -> DispatchResult:
-    """Apply the output compaction (if any) and build the result and its handle.
-
-    With ``maps``, ``recv_x`` / ``recv_meta`` carry the zero spare row (``spare_row=True``).
-    ``local_lo``: the metadata holds global ids (``pack_token_meta``) and this rank's experts
-    start at ``local_lo``; None: the ids are local already (``pack_meta`` after ``localize``).
-    """
-    out_index = out_valid = in_index = None
-    if maps is not None:
-        out_index, out_valid, in_index, _ = maps
-        num_out = out_index.shape[0]
-        in_index = in_index.clamp(max=max(num_out - 1, 0))
-        rows = be.output((num_out, *recv_x.shape[1:]), recv_x.dtype, recv_x.device)
-        recv_x = torch.index_select(recv_x, 0, out_index, out=rows)
-        recv_meta = recv_meta.index_select(0, out_index)
-    if local_lo is None:
-        ids, probs = unpack_meta(recv_meta, k)
-    else:
-        ids, probs = unpack_local(recv_meta, k, local_lo, be.num_local_experts, be.num_experts)
-    if out_valid is not None:
-        ids.masked_fill_(~out_valid[:, None], -1)
-    state = TorchDispatchState(
-        hops=hop_list,
-        out_index=out_index,
-        out_valid=out_valid,
-        in_index=in_index,
-        worst_case=be.worst_case,
-    )
-    handle = DispatchHandle(
-        backend="torch", num_tokens=T, hidden=H, num_recv_rows=recv_x.shape[0], state=state
-    )
-    return DispatchResult(
-        recv_x=recv_x,
-        recv_topk_idx=ids,
-        recv_topk_probs=probs,
-        num_recv_tokens_per_expert=count_local(ids, be.num_local_experts),
-        handle=handle,
-    )
-
-
-def first_rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """The first ``n`` rows of contiguous ``t``, as a tensor that is not a view when ``n`` is short.
-
-    A custom autograd Function may not return a view of a tensor it created (in-place ops on it
-    would then fail), so the rows are re-wrapped over the same storage with ``Tensor.set_``.
-    """
-    if t.shape[0] == n:
-        return t
-    out = torch.empty((0,), dtype=t.dtype, device=t.device)
-    return out.set_(t.untyped_storage(), t.storage_offset(), (n, *t.shape[1:]))
-
-
-def row_of_input(
-    hop: Hop, lo: int, hi: int, rows_out: int, *, base: int, missing: int
-) -> torch.Tensor:
-    """``[rows_out]`` int64: for each input row of ``hop``, the row ``base + i`` of its send row
-    ``lo + i`` among ``[lo, hi)``, or ``missing`` where that range has none.
-
-    Padding rows (worst-case mode) scatter into unique slots past the output and are cut off, so
-    every scatter index is unique (deterministic).
-    """
-    index = hop.send_index[lo:hi]
-    device = index.device
-    rows_from = torch.arange(base, base + hi - lo, device=device, dtype=torch.int64)
-    size = rows_out
-    if hop.send_valid is not None:
-        size += hi - lo
-        index = torch.where(hop.send_valid[lo:hi], index, rows_out + rows_from - base)
-    first = torch.full((size,), missing, dtype=torch.int64, device=device)
-    first.scatter_(0, index, rows_from)
-    return first[:rows_out]

@@ -21,9 +21,11 @@ outside the hop (no sub-groups are created). Worst-case mode pads hop 1 to ``W /
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from flexdispatch.backends.torch_a2a import Hop, PendingCounts, TorchA2ABackend, finish
+from flexdispatch.backends.torch_hops import Hop, PendingCounts, finish
 from flexdispatch.backends.torch_rows import (
     compaction,
     gather_rows,
@@ -36,6 +38,9 @@ from flexdispatch.backends.torch_rows import (
     unpack_meta,
 )
 from flexdispatch.types import DispatchResult
+
+if TYPE_CHECKING:
+    from flexdispatch.backends.torch_a2a import TorchA2ABackend
 
 __all__ = ["dispatch_hier"]
 

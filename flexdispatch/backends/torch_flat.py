@@ -1,0 +1,97 @@
+"""The flat plan of the ``torch`` backend: one hop straight to every expert's rank."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from flexdispatch.backends.torch_hops import (
+    Hop,
+    PendingCounts,
+    finish,
+)
+from flexdispatch.backends.torch_rows import (
+    compaction,
+    gather_rows,
+    overflow_message,
+    pack_token_meta,
+    round_up,
+    slot_positions,
+)
+from flexdispatch.types import DispatchResult
+
+if TYPE_CHECKING:
+    from flexdispatch.backends.torch_a2a import TorchA2ABackend
+
+__all__ = ["dispatch_flat"]
+
+
+def dispatch_flat(
+    be: TorchA2ABackend,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_probs: torch.Tensor,
+    mask_TR: torch.Tensor,
+    G: torch.Tensor,
+    pending: PendingCounts | None,
+) -> DispatchResult:
+    """One hop straight to the ranks that hold the experts (see the module docstring)."""
+    T, H = x.shape
+    k = topk_idx.shape[1]
+    R, e, me, W = be.num_ranks, be.num_local_experts, be.rank, be.num_worst_tokens
+    device = x.device
+    cap = W // R if be.worst_case else None
+    send_index, send_valid = slot_positions(mask_TR, cap)
+    Gh = pending.wait() if pending is not None else None
+    if cap is not None:
+        if Gh is not None:
+            worst = max((Gh[s][g], s, g) for s in range(R) for g in range(R))
+            if worst[0] > cap:
+                what = f"rank {worst[1]} sending to rank {worst[2]}"
+                raise ValueError(overflow_message(what, worst[0], cap, W, R, R))
+        else:
+            be.record_overflow(round_up(G[:, :R].max() * R, R))
+        send_splits = recv_splits = (cap,) * R
+    else:
+        if Gh is None:
+            raise RuntimeError("internal error: dropless dispatch without host counts")
+        send_splits = tuple(Gh[me][:R])
+        recv_splits = tuple(Gh[s][me] for s in range(R))
+        send_index = send_index[: sum(send_splits)]
+    hop = Hop(
+        send_index=send_index,
+        send_valid=send_valid,
+        send_splits=send_splits,
+        recv_splits=recv_splits,
+        num_in=T,
+        reduce_groups=be.node_groups(),
+    )
+    be.stats.rows_sent += hop.num_send
+    spare = cap is not None
+
+    def make_meta() -> torch.Tensor:
+        # NOTE: global ids travel; each receiver keeps its own (``finish``). Padding rows carry
+        # arbitrary rows: the compaction never returns them.
+        meta_TK = pack_token_meta(topk_idx, topk_probs, be.num_experts)
+        return gather_rows(meta_TK, send_index, send_valid, zero_invalid=False)
+
+    recv_x, recv_meta = be.run_hop(
+        hop, x, make_meta, spare_row=spare, scratch_key="recv0" if spare else None
+    )
+    maps = None
+    if cap is not None:
+        sizes = G[:, me].clamp(max=cap).to(device)
+        starts = torch.arange(R, device=device, dtype=torch.int64) * cap
+        maps = compaction(sizes, starts, W, W)
+    return finish(
+        be,
+        hop_list=(hop,),
+        recv_x=recv_x,
+        recv_meta=recv_meta,
+        maps=maps,
+        T=T,
+        H=H,
+        k=k,
+        local_lo=me * e,
+    )

@@ -1,0 +1,65 @@
+"""The text form of the doctor's report (``flexdispatch doctor`` without ``--json``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["format_report"]
+
+
+def _mark(ok: bool) -> str:
+    return "ok " if ok else "NO "
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as a short human-readable text (what ``flexdispatch doctor`` prints)."""
+    p, t, c, n = report["platform"], report["torch"], report["cuda"], report["nccl"]
+    lines = [
+        f"flexdispatch {report['flexdispatch_version']} doctor — {p['hostname']}, "
+        f"{p['cpu_count']} CPUs, Python {p['python']} ({p['system']} {p['machine']})",
+        f"torch      {t['version']} (built with CUDA {t['cuda_build'] or 'none'})",
+        f"cuda       {_mark(c['available'])}{c['reason']}"
+        + (f", runtime {c['version']}" if c["available"] else ""),
+    ]
+    for g in report["gpus"]:
+        lines.append(
+            f"  gpu {g['index']}    {g['name']}, {g['total_memory_bytes'] / 2**30:.1f} GiB, "
+            f"sm_{g['compute_capability'].replace('.', '')}, {g['multi_processor_count']} SMs"
+        )
+    lines.append(
+        f"nccl       {_mark(n['available'])}"
+        + (f"version {n['version']}" if n["version"] else n["reason"])
+    )
+    lines.append(
+        f"gloo       {_mark(report['gloo']['available'])}"
+        + ("available" if report["gloo"]["available"] else "not built")
+    )
+    d = report["deep_ep"]
+    detail = d["reason"]
+    if d["importable"]:
+        detail += f" (version {d['version'] or '?'}, {d['path']})" + (
+            " [test emulator]" if d["emulator"] else ""
+        )
+    lines.append(f"deep_ep    {_mark(d['usable'])}{detail}")
+    nv = report["nvshmem"]
+    lines.append(
+        f"nvshmem    {_mark(nv['nvshmem4py']['importable'])}nvshmem4py {nv['status']}"
+        + (f" (version {nv['nvshmem4py']['version']})" if nv["nvshmem4py"]["version"] else "")
+        + (f"; library {nv['library_path']}" if nv["library_path"] else "")
+    )
+    la = report["launcher"]
+    if la["under_launcher"]:
+        env = " ".join(f"{k}={v}" for k, v in la["env"].items())
+        lines.append(f"launcher   {env}")
+    s = report["selection"]
+    lines.append(
+        f"backend    requested {s['requested']!r} for {s['world_size']} rank(s) = {s['nodes']} "
+        f"node(s) x {s['ranks_per_node']}"
+        + (f", H={s['hidden']}" if s["hidden"] is not None else "")
+        + f": {s['backend'] or 'NOT USABLE'}"
+    )
+    lines.append(f"           {s['reason']}")
+    for name in ("deepep", "torch"):
+        for chk in s["checks"][name]:
+            lines.append(f"  {name:<7} {_mark(chk['ok'])}{chk['name']}: {chk['detail']}")
+    return "\n".join(lines)
