@@ -31,6 +31,7 @@ from flexdispatch import (
     MoELayer,
     RouterConfig,
     TopKRouter,
+    _validate,
     get_dispatch_layout,
     load_config,
     permute,
@@ -463,8 +464,13 @@ def _clean(idx: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", list(UNUSUAL_IDS))
 @pytest.mark.parametrize("W", [0, 16])
-def test_dispatch_on_unusual_ids_matches_the_loop(name: str, W: int) -> None:
+def test_dispatch_on_unusual_ids_matches_the_loop(
+    name: str, W: int, request: pytest.FixtureRequest
+) -> None:
     idx = UNUSUAL_IDS[name]()
+    unchecked = name == "out-of-range-unchecked"
+    if unchecked:  # on CPU bad ids raise in dispatch; the sync-free (CUDA) path drops them
+        request.getfixturevalue("deferred_value_checks")
     Tn = idx.shape[0]
     x = torch.randn(H, Tn).t()  # non-contiguous rows as well
     probs = torch.rand(K, Tn).t().masked_fill(_clean(idx) < 0, 0.0)
@@ -483,6 +489,14 @@ def test_dispatch_on_unusual_ids_matches_the_loop(name: str, W: int) -> None:
     for m, (_, t) in enumerate(ref.sources):  # world of one: one row per token sent anywhere
         want[t] = y[m]
     assert torch.equal(out, want)
+    if unchecked:  # ...and the safe-point check names them
+        with pytest.raises(
+            ValueError, match=r"held 4 id\(s\) outside \[-1, 8\) \(lowest -5, highest 100\)"
+        ):
+            d.check_overflow()
+        assert d.stats.extra["invalid_expert_ids"] == 4
+    else:
+        d.check_overflow()
 
 
 @pytest.mark.parametrize("name", list(UNUSUAL_IDS))
@@ -522,8 +536,9 @@ def test_routing_and_layer_on_non_contiguous_and_empty_input() -> None:
     assert layer(torch.zeros(0, H)).output.shape == (0, H)
 
 
-def test_nan_rows_stay_in_their_own_tokens() -> None:
-    """With checks off, a NaN row is moved, never spread: only its own token's output is NaN."""
+def test_nan_rows_stay_in_their_own_tokens(deferred_value_checks: None) -> None:
+    """On the sync-free path (CUDA, checks off), a NaN row is moved, never spread: only its own
+    token's output is NaN; the safe-point check then reports it."""
     x = _x()
     x[2, 1] = float("nan")
     d = _disp()
@@ -531,6 +546,17 @@ def test_nan_rows_stay_in_their_own_tokens() -> None:
     out = d.combine(res.recv_x, res.handle)
     bad = torch.isnan(out).any(1)
     assert bad.tolist() == [t == 2 for t in range(T)]
+    with pytest.raises(ValueError, match=r"x held 1 NaN/inf value\(s\) since the dispatcher"):
+        d.check()
+    assert d.stats.extra["nonfinite_x"] == 1
+
+
+def test_nan_rows_raise_in_dispatch_on_cpu() -> None:
+    x = _x()
+    x[2, 1] = float("nan")
+    x[3, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"x holds 2 NaN/inf value\(s\): check the layer"):
+        _disp().dispatch(x, _idx(), _probs())
 
 
 # --------------------------------------------------------------------------- one bad rank
@@ -620,4 +646,13 @@ def test_environment_checks_flag_turns_value_checks_on(monkeypatch: pytest.Monke
     with pytest.raises(ValueError, match=r"outside \[-1, 8\)"):
         _disp().dispatch(_x(), _out_of_range(), _probs())
     monkeypatch.setenv("FLEXDISPATCH_CHECKS", "0")
-    assert _disp().dispatch(_x(), _out_of_range(), _probs()).recv_x.shape[1] == H
+    with pytest.raises(ValueError, match=r"outside \[-1, 8\)"):  # CPU: checked without a sync
+        _disp().dispatch(_x(), _out_of_range(), _probs())
+    monkeypatch.setattr(_validate, "defer_value_checks", lambda device: True)
+    d = _disp()  # the CUDA path: counted, raised at the safe point
+    assert d.dispatch(_x(), _out_of_range(), _probs()).recv_x.shape[1] == H
+    with pytest.raises(ValueError, match=r"held 1 id\(s\) outside \[-1, 8\) \(highest 8\)"):
+        d.check_overflow()
+    monkeypatch.setenv("FLEXDISPATCH_CHECKS", "1")  # checks on: raised in dispatch, even there
+    with pytest.raises(ValueError, match=r"outside \[-1, 8\)"):
+        _disp().dispatch(_x(), _out_of_range(), _probs())
