@@ -79,6 +79,23 @@ def _disp(**kw: Any) -> FlexDispatcher:
     return FlexDispatcher(DispatchConfig(**kw), num_experts=E)
 
 
+def _with_nan(x: torch.Tensor) -> torch.Tensor:
+    x[2, 1] = float("nan")
+    return x
+
+
+def _deferred_check(x: torch.Tensor, idx: torch.Tensor, probs: torch.Tensor) -> None:
+    """Dispatch on the CUDA-without-checks path (forced), then the safe-point check."""
+    saved = _validate.defer_value_checks
+    _validate.defer_value_checks = lambda device: True
+    try:
+        d = _disp()
+        d.dispatch(x, idx, probs)
+    finally:
+        _validate.defer_value_checks = saved
+    d.check_overflow()
+
+
 def _combine(y: Callable[[torch.Tensor], Any], handle: Callable[[Any], Any] = lambda h: h) -> Any:
     d = _disp()
     res = d.dispatch(_x(), _idx(), _probs())
@@ -293,6 +310,20 @@ ERRORS: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
     ("dispatch/out-of-range-checked",
      lambda t: _disp(checks=True).dispatch(_x(), _out_of_range(), _probs()), ValueError,
      r"topk_idx holds 1 id\(s\) outside \[-1, 8\) \(first: 8\)"),
+    ("dispatch/out-of-range-cpu",
+     lambda t: _disp().dispatch(_x(), _out_of_range(), _probs()), ValueError,
+     r"topk_idx holds 1 id\(s\) outside \[-1, 8\) \(first: 8\), distinct bad ids \[8\]: expert "
+     r"ids must be -1 \(dropped\) or in \[0, 8\); the dispatcher was built for num_experts=8"),
+    ("dispatch/nan-x-cpu", lambda t: _disp().dispatch(_with_nan(_x()), _idx(), _probs()),
+     ValueError, r"x holds 1 NaN/inf value\(s\): check the layer that feeds the MoE block"),
+    ("dispatch/nan-probs-cpu", lambda t: _disp().dispatch(_x(), _idx(), _with_nan(_probs())),
+     ValueError, r"topk_probs holds 1 NaN/inf value\(s\): check the router's logits"),
+    ("check_overflow/out-of-range-cuda",
+     lambda t: _deferred_check(_x(), _out_of_range(), _probs()), ValueError,
+     r"topk_idx held 1 id\(s\) outside \[-1, 8\) \(highest 8\) since the dispatcher was built; "
+     r"they were treated as -1"),
+    ("check_overflow/nan-x-cuda", lambda t: _deferred_check(_with_nan(_x()), _idx(), _probs()),
+     ValueError, r"x held 1 NaN/inf value\(s\) since the dispatcher was built"),
     ("combine/foreign-handle", lambda t: _combine(lambda y: y, lambda h: object()), TypeError,
      r"handle must be the DispatchHandle of this dispatcher's dispatch"),
     ("combine/wrong-rows", lambda t: _combine(lambda y: y[:-1]), ValueError,
