@@ -506,7 +506,9 @@ class FlexDispatcher:
             extra["invalid_expert_id_lowest"] = min(extra.get("invalid_expert_id_lowest", lo), lo)
 
     def close(self) -> None:
-        """Release the backend's resources; the dispatcher must not be used afterwards."""
+        """Release the backend's resources; the dispatcher must not be used afterwards. Device
+        counts of bad inputs not yet read are added to ``stats.extra`` (no error is raised)."""
+        self._fold_bad_values()
         self._backend.close()
 
     def __repr__(self) -> str:

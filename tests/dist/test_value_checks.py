@@ -145,6 +145,17 @@ def test_deferred_path_counts_nonfinite_values(deferred_value_checks: None) -> N
     assert d.stats.extra["nonfinite_topk_probs"] == 2
 
 
+def test_close_folds_the_device_counts(deferred_value_checks: None) -> None:
+    x, idx, p = _inputs()
+    idx[1, 1] = E
+    d = _disp()
+    d.dispatch(x, idx, p)
+    d.close()
+    assert d.stats.pending_bad_values is None
+    assert d.stats.extra["invalid_expert_ids"] == 1
+    assert d.stats.extra["invalid_expert_id_highest"] == E
+
+
 def test_deferred_path_valid_inputs_stay_quiet(deferred_value_checks: None) -> None:
     inp = all_inputs(4, R=1, E=E, k=K, H=H)
     ref = ref_dispatch(inp, 0, E)
