@@ -346,7 +346,10 @@ class FlexDispatcher:
 
         Checks on (or CPU, where reading values costs no sync): raise now. CUDA without checks
         (or while capturing a graph): count them on the device into
-        ``stats.pending_bad_values``; ``check_overflow`` raises naming them.
+        ``stats.pending_bad_values``; ``check_overflow`` raises naming them. Under CUDA-graph
+        capture the counter accumulates across replays when it already exists (one eager
+        dispatch before capturing, as warm-up does); created inside the capture it holds the
+        latest replay's counts.
         """
         E = self.num_experts
         if checks_enabled(self.config.checks or None) or not _validate.defer_value_checks(
