@@ -1,8 +1,12 @@
 """Input validation shared by every public entry point.
 
 Checks on metadata (dtype, rank, shape, device) are free and always run. Checks on values (id
-ranges, NaN) need a device-to-host sync, so they run only when enabled (``checks=True`` or the
-environment variable ``FLEXDISPATCH_CHECKS=1``) and never while a CUDA graph is being captured.
+ranges, NaN) need a device-to-host sync on CUDA, so there they run only when enabled
+(``checks=True`` or the environment variable ``FLEXDISPATCH_CHECKS=1``) and never while a CUDA graph
+is being captured. On CPU a value check costs no sync, so the dispatcher runs it always; on CUDA
+without checks it counts the bad values on the device instead (``count_bad_values``) and a safe
+point reads the count (``FlexDispatcher.check_overflow``). ``defer_value_checks`` picks the path
+from the tensor's device (tests force it to drive the CUDA path on CPU).
 """
 
 from __future__ import annotations
@@ -18,7 +22,20 @@ __all__ = [
     "is_capturing",
     "check_ids_in_range",
     "check_finite",
+    "defer_value_checks",
+    "check_dispatch_values",
+    "count_bad_values",
+    "BAD_VALUE_SLOTS",
+    "bad_ids_message",
+    "nonfinite_message",
 ]
+
+_MAX_NAMED_IDS = 8
+_INT64 = torch.iinfo(torch.int64)
+
+BAD_VALUE_SLOTS = ("invalid_expert_ids", "nonfinite_x", "nonfinite_topk_probs")
+"""Names of the counters ``count_bad_values`` returns first (also the ``stats.extra`` keys); the
+last two entries of its vector are the largest and the smallest bad id seen."""
 
 
 def is_capturing() -> bool:
@@ -68,18 +85,95 @@ def check_tensor(
     return value
 
 
-def check_ids_in_range(name: str, ids: torch.Tensor, upper: int) -> None:
-    """Host-syncing check that every id is ``-1`` or in ``[0, upper)``."""
+def check_ids_in_range(name: str, ids: torch.Tensor, upper: int, *, hint: str = "") -> None:
+    """Host-syncing check that every id is ``-1`` or in ``[0, upper)``; ``hint`` ends the
+    message (the fix, in the caller's words)."""
     if ids.numel() == 0:
         return
     bad = (ids < -1) | (ids >= upper)
     if bool(bad.any()):
         first = ids[bad].flatten()[0].item()
         count = int(bad.sum().item())
+        named = torch.unique(ids[bad])[:_MAX_NAMED_IDS].tolist()
         raise ValueError(
-            f"{name} holds {count} id(s) outside [-1, {upper}) (first: {first}): expert ids must "
-            f"be -1 (dropped) or in [0, {upper})"
+            f"{name} holds {count} id(s) outside [-1, {upper}) (first: {first}), distinct bad "
+            f"ids {named}{' ...' if len(named) == _MAX_NAMED_IDS else ''}: expert ids must be -1 "
+            f"(dropped) or in [0, {upper}){hint}"
         )
+
+
+def bad_ids_message(name: str, count: int, lowest: int, highest: int, upper: int) -> str:
+    """Error text for ``count`` expert ids outside ``[-1, upper)`` seen on the device."""
+    seen = []
+    if lowest < -1:
+        seen.append(f"lowest {lowest}")
+    if highest >= upper:
+        seen.append(f"highest {highest}")
+    return (
+        f"{name} held {count} id(s) outside [-1, {upper}) ({', '.join(seen)}) since the dispatcher "
+        f"was built; they were treated as -1 and their tokens' shares were dropped: expert ids "
+        f"must be -1 (dropped) or in [0, {upper}); the dispatcher was built for num_experts="
+        f"{upper}: give the router and the dispatcher the same expert count"
+    )
+
+
+def nonfinite_message(name: str, count: int, *, past: bool = False) -> str:
+    """Error text for ``count`` NaN/inf values in ``name`` (``x`` or ``topk_probs``)."""
+    held = "held" if past else "holds"
+    since = " since the dispatcher was built" if past else ""
+    fix = (
+        "check the layer that feeds the MoE block (NaN hidden states route to arbitrary experts)"
+        if name.startswith("x")
+        else "check the router's logits and its inputs"
+    )
+    return f"{name} {held} {count} NaN/inf value(s){since}: {fix}"
+
+
+def defer_value_checks(device: torch.device) -> bool:
+    """Whether value checks on ``device`` must be deferred (counted on the device, read at a safe
+    point) because an immediate one would sync the host: True on CUDA, False on CPU."""
+    return device.type == "cuda"
+
+
+def check_dispatch_values(
+    topk_idx: torch.Tensor, num_experts: int, x: torch.Tensor, topk_probs: torch.Tensor
+) -> None:
+    """Raise ValueError for expert ids outside ``[-1, E)`` or NaN/inf in ``x`` / ``topk_probs``
+    (reads values: free on CPU, a host sync on CUDA)."""
+    check_ids_in_range(
+        "topk_idx",
+        topk_idx,
+        num_experts,
+        hint=(
+            f"; the dispatcher was built for num_experts={num_experts}: give the router and the "
+            f"dispatcher the same expert count"
+        ),
+    )
+    for name, t in (("x", x), ("topk_probs", topk_probs)):
+        if t.numel() and not bool(torch.isfinite(t).all()):
+            raise ValueError(nonfinite_message(name, int((~torch.isfinite(t)).sum().item())))
+
+
+def count_bad_values(
+    topk_idx: torch.Tensor, num_experts: int, x: torch.Tensor, topk_probs: torch.Tensor
+) -> torch.Tensor:
+    """Sync-free ``[5]`` int64 device vector: ids outside ``[-1, E)``, NaN/inf values in ``x``,
+    NaN/inf values in ``topk_probs`` (``BAD_VALUE_SLOTS``), then the largest bad id (int64 min
+    when none) and the smallest bad id (int64 max when none)."""
+    device = topk_idx.device
+    bad = (topk_idx < -1) | (topk_idx >= num_experts)
+    parts = [
+        bad.sum(dtype=torch.int64),
+        (~torch.isfinite(x)).sum(dtype=torch.int64).to(device),
+        (~torch.isfinite(topk_probs)).sum(dtype=torch.int64),
+    ]
+    if topk_idx.numel():
+        parts.append(torch.where(bad, topk_idx, _INT64.min).amax())
+        parts.append(torch.where(bad, topk_idx, _INT64.max).amin())
+    else:
+        parts.append(torch.full((), _INT64.min, dtype=torch.int64, device=device))
+        parts.append(torch.full((), _INT64.max, dtype=torch.int64, device=device))
+    return torch.stack(parts)
 
 
 def check_finite(name: str, value: torch.Tensor) -> None:

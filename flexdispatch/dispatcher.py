@@ -28,7 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexdispatch._validate import check_ids_in_range, check_tensor, checks_enabled
+from flexdispatch import _validate
+from flexdispatch._validate import (
+    BAD_VALUE_SLOTS,
+    bad_ids_message,
+    check_tensor,
+    checks_enabled,
+    nonfinite_message,
+)
 from flexdispatch.backends import select_backend
 from flexdispatch.backends.base import DispatchBackend
 from flexdispatch.config import DispatchConfig
@@ -289,8 +296,10 @@ class FlexDispatcher:
         topk_probs: torch.Tensor,
         layout: DispatchLayout | None,
     ) -> None:
+        values = x  # what the non-finite check reads (fp8 rows: their float32 scales)
         if isinstance(x, tuple):
             x = self._check_fp8_rows(x)
+            values = values[1]
         else:
             check_tensor("x", x, ndim=2, floating=True)
             if x.dtype not in _ROW_DTYPES:
@@ -328,8 +337,35 @@ class FlexDispatcher:
                     f"{tuple(mask.shape)} {mask.dtype}: build the layout with "
                     f"get_dispatch_layout(topk_idx, num_experts, num_ranks)"
                 )
-        if checks_enabled(self.config.checks or None):
-            check_ids_in_range("topk_idx", topk_idx, self.num_experts)
+        self._check_values(topk_idx, values, topk_probs)
+
+    def _check_values(
+        self, topk_idx: torch.Tensor, values: torch.Tensor, topk_probs: torch.Tensor
+    ) -> None:
+        """Ids outside ``[-1, E)`` and NaN/inf rows or probs never pass silently.
+
+        Checks on (or CPU, where reading values costs no sync): raise now. CUDA without checks
+        (or while capturing a graph): count them on the device into
+        ``stats.pending_bad_values``; ``check_overflow`` raises naming them. Under CUDA-graph
+        capture the counter accumulates across replays when it already exists (one eager
+        dispatch before capturing, as warm-up does); created inside the capture it holds the
+        latest replay's counts.
+        """
+        E = self.num_experts
+        if checks_enabled(self.config.checks or None) or not _validate.defer_value_checks(
+            topk_idx.device
+        ):
+            _validate.check_dispatch_values(topk_idx, E, values, topk_probs)
+            return
+        counts = _validate.count_bad_values(topk_idx, E, values, topk_probs)
+        acc = self.stats.pending_bad_values
+        if acc is None:
+            self.stats.pending_bad_values = counts
+            return
+        n = len(BAD_VALUE_SLOTS)
+        acc[:n].add_(counts[:n])
+        torch.maximum(acc[n], counts[n], out=acc[n])
+        torch.minimum(acc[n + 1], counts[n + 1], out=acc[n + 1])
 
     # ----------------------------------------------------------------- public API
     def dispatch(
@@ -415,18 +451,67 @@ class FlexDispatcher:
         return out
 
     def check_overflow(self) -> None:
-        """Raise ``ValueError`` if a worst-case dispatch since construction overflowed.
+        """Raise ``ValueError`` if a dispatch since construction dropped something: bad inputs
+        counted on the device (below), or a worst-case overflow.
 
+        Bad inputs: on CPU, and on CUDA with checks enabled, expert ids outside ``[-1, E)`` and
+        NaN/inf in ``x`` or ``topk_probs`` raise inside ``dispatch``. On CUDA without checks they
+        are counted on the device (no sync; the ids are treated as -1); this method reads the
+        count (one sync), adds it to ``stats.extra`` (``invalid_expert_ids``, ``nonfinite_x``,
+        ``nonfinite_topk_probs``) and raises naming them, then and at every later call.
+
+        Overflow:
         On CPU, and on CUDA with checks enabled, an overflow raises inside ``dispatch`` on every
         rank. On CUDA without checks (e.g. under CUDA-graph capture) the dispatch cannot look at
         the counts without a host sync, so it records the largest W needed on the device and drops
         the rows past each cap (never writing out of bounds); call this method (it syncs) at a
         safe point, e.g. after a step, to turn that record into an error.
         """
+        self._fold_bad_values()
+        extra = self.stats.extra
+        problems = []
+        if extra.get("invalid_expert_ids", 0):
+            problems.append(
+                bad_ids_message(
+                    "topk_idx",
+                    extra["invalid_expert_ids"],
+                    extra["invalid_expert_id_lowest"],
+                    extra["invalid_expert_id_highest"],
+                    self.num_experts,
+                )
+            )
+        for key, name in (("nonfinite_x", "x"), ("nonfinite_topk_probs", "topk_probs")):
+            if extra.get(key, 0):
+                problems.append(nonfinite_message(name, extra[key], past=True))
+        if problems:
+            raise ValueError("; ".join(problems))
         self._backend.check_overflow()
 
+    def check(self) -> None:
+        """Alias of ``check_overflow``: the safe-point check of everything a dispatch dropped."""
+        self.check_overflow()
+
+    def _fold_bad_values(self) -> None:
+        """Move the device counts of bad inputs into ``stats.extra`` (one host sync)."""
+        acc = self.stats.pending_bad_values
+        if acc is None:
+            return
+        vals = acc.tolist()
+        self.stats.pending_bad_values = None
+        extra = self.stats.extra
+        n = len(BAD_VALUE_SLOTS)
+        for key, v in zip(BAD_VALUE_SLOTS, vals[:n], strict=True):
+            if v:
+                extra[key] = extra.get(key, 0) + v
+        if vals[0]:
+            hi, lo = vals[n], vals[n + 1]
+            extra["invalid_expert_id_highest"] = max(extra.get("invalid_expert_id_highest", hi), hi)
+            extra["invalid_expert_id_lowest"] = min(extra.get("invalid_expert_id_lowest", lo), lo)
+
     def close(self) -> None:
-        """Release the backend's resources; the dispatcher must not be used afterwards."""
+        """Release the backend's resources; the dispatcher must not be used afterwards. Device
+        counts of bad inputs not yet read are added to ``stats.extra`` (no error is raised)."""
+        self._fold_bad_values()
         self._backend.close()
 
     def __repr__(self) -> str:

@@ -157,6 +157,13 @@ class DispatchStats:
         rows_sent: rows this rank sent to other ranks or kept for itself, dispatch direction.
         rows_received: rows this rank received (real rows, padding excluded), dispatch direction.
         dispatch_calls, combine_calls: number of calls.
+        extra: further counters by name. ``invalid_expert_ids``, ``nonfinite_x`` and
+            ``nonfinite_topk_probs`` appear once a safe-point check (``check_overflow``) has read
+            a non-zero device count of them.
+        pending_bad_values: device-side ``[5]`` int64 counters of bad dispatch inputs not yet
+            read (CUDA without checks: ids outside ``[-1, E)``, NaN/inf in ``x`` and in
+            ``topk_probs``, largest and smallest bad id), or None before the first such count.
+            Not part of ``as_dict`` (reading it syncs); ``check_overflow`` folds it into ``extra``.
     """
 
     host_syncs: int = 0
@@ -167,6 +174,7 @@ class DispatchStats:
     dispatch_calls: int = 0
     combine_calls: int = 0
     extra: dict[str, int] = field(default_factory=dict)
+    pending_bad_values: torch.Tensor | None = None
 
     def as_dict(self) -> dict[str, int]:
         out = {

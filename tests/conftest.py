@@ -64,3 +64,12 @@ def device() -> torch.device:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def deferred_value_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drive the CUDA-without-checks path of the dispatcher's value checks on any device: bad ids
+    and NaN/inf are counted on the device and raised by ``check_overflow``, not in ``dispatch``."""
+    from flexdispatch import _validate
+
+    monkeypatch.setattr(_validate, "defer_value_checks", lambda device: True)

@@ -31,6 +31,7 @@ from flexdispatch import (
     MoELayer,
     RouterConfig,
     TopKRouter,
+    _validate,
     get_dispatch_layout,
     load_config,
     permute,
@@ -76,6 +77,23 @@ def _moe_cfg(**dispatch: Any) -> MoEConfig:
 
 def _disp(**kw: Any) -> FlexDispatcher:
     return FlexDispatcher(DispatchConfig(**kw), num_experts=E)
+
+
+def _with_nan(x: torch.Tensor) -> torch.Tensor:
+    x[2, 1] = float("nan")
+    return x
+
+
+def _deferred_check(x: torch.Tensor, idx: torch.Tensor, probs: torch.Tensor) -> None:
+    """Dispatch on the CUDA-without-checks path (forced), then the safe-point check."""
+    saved = _validate.defer_value_checks
+    _validate.defer_value_checks = lambda device: True
+    try:
+        d = _disp()
+        d.dispatch(x, idx, probs)
+    finally:
+        _validate.defer_value_checks = saved
+    d.check_overflow()
 
 
 def _combine(y: Callable[[torch.Tensor], Any], handle: Callable[[Any], Any] = lambda h: h) -> Any:
@@ -292,6 +310,20 @@ ERRORS: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
     ("dispatch/out-of-range-checked",
      lambda t: _disp(checks=True).dispatch(_x(), _out_of_range(), _probs()), ValueError,
      r"topk_idx holds 1 id\(s\) outside \[-1, 8\) \(first: 8\)"),
+    ("dispatch/out-of-range-cpu",
+     lambda t: _disp().dispatch(_x(), _out_of_range(), _probs()), ValueError,
+     r"topk_idx holds 1 id\(s\) outside \[-1, 8\) \(first: 8\), distinct bad ids \[8\]: expert "
+     r"ids must be -1 \(dropped\) or in \[0, 8\); the dispatcher was built for num_experts=8"),
+    ("dispatch/nan-x-cpu", lambda t: _disp().dispatch(_with_nan(_x()), _idx(), _probs()),
+     ValueError, r"x holds 1 NaN/inf value\(s\): check the layer that feeds the MoE block"),
+    ("dispatch/nan-probs-cpu", lambda t: _disp().dispatch(_x(), _idx(), _with_nan(_probs())),
+     ValueError, r"topk_probs holds 1 NaN/inf value\(s\): check the router's logits"),
+    ("check_overflow/out-of-range-cuda",
+     lambda t: _deferred_check(_x(), _out_of_range(), _probs()), ValueError,
+     r"topk_idx held 1 id\(s\) outside \[-1, 8\) \(highest 8\) since the dispatcher was built; "
+     r"they were treated as -1"),
+    ("check_overflow/nan-x-cuda", lambda t: _deferred_check(_with_nan(_x()), _idx(), _probs()),
+     ValueError, r"x held 1 NaN/inf value\(s\) since the dispatcher was built"),
     ("combine/foreign-handle", lambda t: _combine(lambda y: y, lambda h: object()), TypeError,
      r"handle must be the DispatchHandle of this dispatcher's dispatch"),
     ("combine/wrong-rows", lambda t: _combine(lambda y: y[:-1]), ValueError,
@@ -463,8 +495,13 @@ def _clean(idx: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", list(UNUSUAL_IDS))
 @pytest.mark.parametrize("W", [0, 16])
-def test_dispatch_on_unusual_ids_matches_the_loop(name: str, W: int) -> None:
+def test_dispatch_on_unusual_ids_matches_the_loop(
+    name: str, W: int, request: pytest.FixtureRequest
+) -> None:
     idx = UNUSUAL_IDS[name]()
+    unchecked = name == "out-of-range-unchecked"
+    if unchecked:  # on CPU bad ids raise in dispatch; the sync-free (CUDA) path drops them
+        request.getfixturevalue("deferred_value_checks")
     Tn = idx.shape[0]
     x = torch.randn(H, Tn).t()  # non-contiguous rows as well
     probs = torch.rand(K, Tn).t().masked_fill(_clean(idx) < 0, 0.0)
@@ -483,6 +520,14 @@ def test_dispatch_on_unusual_ids_matches_the_loop(name: str, W: int) -> None:
     for m, (_, t) in enumerate(ref.sources):  # world of one: one row per token sent anywhere
         want[t] = y[m]
     assert torch.equal(out, want)
+    if unchecked:  # ...and the safe-point check names them
+        with pytest.raises(
+            ValueError, match=r"held 4 id\(s\) outside \[-1, 8\) \(lowest -5, highest 100\)"
+        ):
+            d.check_overflow()
+        assert d.stats.extra["invalid_expert_ids"] == 4
+    else:
+        d.check_overflow()
 
 
 @pytest.mark.parametrize("name", list(UNUSUAL_IDS))
@@ -522,8 +567,9 @@ def test_routing_and_layer_on_non_contiguous_and_empty_input() -> None:
     assert layer(torch.zeros(0, H)).output.shape == (0, H)
 
 
-def test_nan_rows_stay_in_their_own_tokens() -> None:
-    """With checks off, a NaN row is moved, never spread: only its own token's output is NaN."""
+def test_nan_rows_stay_in_their_own_tokens(deferred_value_checks: None) -> None:
+    """On the sync-free path (CUDA, checks off), a NaN row is moved, never spread: only its own
+    token's output is NaN; the safe-point check then reports it."""
     x = _x()
     x[2, 1] = float("nan")
     d = _disp()
@@ -531,6 +577,17 @@ def test_nan_rows_stay_in_their_own_tokens() -> None:
     out = d.combine(res.recv_x, res.handle)
     bad = torch.isnan(out).any(1)
     assert bad.tolist() == [t == 2 for t in range(T)]
+    with pytest.raises(ValueError, match=r"x held 1 NaN/inf value\(s\) since the dispatcher"):
+        d.check()
+    assert d.stats.extra["nonfinite_x"] == 1
+
+
+def test_nan_rows_raise_in_dispatch_on_cpu() -> None:
+    x = _x()
+    x[2, 1] = float("nan")
+    x[3, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"x holds 2 NaN/inf value\(s\): check the layer"):
+        _disp().dispatch(x, _idx(), _probs())
 
 
 # --------------------------------------------------------------------------- one bad rank
@@ -620,4 +677,13 @@ def test_environment_checks_flag_turns_value_checks_on(monkeypatch: pytest.Monke
     with pytest.raises(ValueError, match=r"outside \[-1, 8\)"):
         _disp().dispatch(_x(), _out_of_range(), _probs())
     monkeypatch.setenv("FLEXDISPATCH_CHECKS", "0")
-    assert _disp().dispatch(_x(), _out_of_range(), _probs()).recv_x.shape[1] == H
+    with pytest.raises(ValueError, match=r"outside \[-1, 8\)"):  # CPU: checked without a sync
+        _disp().dispatch(_x(), _out_of_range(), _probs())
+    monkeypatch.setattr(_validate, "defer_value_checks", lambda device: True)
+    d = _disp()  # the CUDA path: counted, raised at the safe point
+    assert d.dispatch(_x(), _out_of_range(), _probs()).recv_x.shape[1] == H
+    with pytest.raises(ValueError, match=r"held 1 id\(s\) outside \[-1, 8\) \(highest 8\)"):
+        d.check_overflow()
+    monkeypatch.setenv("FLEXDISPATCH_CHECKS", "1")  # checks on: raised in dispatch, even there
+    with pytest.raises(ValueError, match=r"outside \[-1, 8\)"):
+        _disp().dispatch(_x(), _out_of_range(), _probs())
