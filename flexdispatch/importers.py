@@ -219,6 +219,20 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 
+# Keys that are not attributes of the family's config class: the modeling code hard-codes them,
+# and the default is what it runs.
+_V3_FIXED = frozenset({"topk_method", "scoring_func"})
+_FIXED_IN_MODELING: dict[str, frozenset[str]] = {
+    "deepseek_v2": frozenset({"scoring_func"}),
+    "deepseek_v3": _V3_FIXED,
+    "kimi_k2": _V3_FIXED,
+    "deepseek_v32": _V3_FIXED,
+    "glm_moe_dsa": _V3_FIXED,
+    "glm4_moe": _V3_FIXED,
+    "deepseek_v4": frozenset({"topk_method"}),
+    "minimax_m2": frozenset({"scoring_func", "use_routing_bias"}),
+}
+
 _DEFAULTS_FROM = {
     "kimi_k2": "the transformers deepseek_v3 config class (Kimi-K2 is DeepSeek-V3's architecture)",
     "deepseek": "DeepSeek-MoE's own DeepseekConfig (remote code; no transformers class)",
@@ -245,7 +259,9 @@ class _Keys:
             return self.cfg[key]
         if self.defaults.get(key) is not None:
             value = self.defaults[key]
-            self.defaulted.append(f"{self.name(key)}={json.dumps(value)}")
+            fixed = key in _FIXED_IN_MODELING.get(self.mt, ())
+            note = " (fixed by the modeling code)" if fixed else ""
+            self.defaulted.append(f"{self.name(key)}={json.dumps(value)}{note}")
             return value
         raise ValueError(
             f"{self.mt} config lacks {self.name(key)!r} and the architecture has no default "
