@@ -219,6 +219,30 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 
+
+# Alternative spellings of a key (the config class's ``attribute_map``, both ways): transformers
+# 5.x saves e.g. a Qwen3-MoE config's ``num_experts`` as ``num_local_experts``.
+def _both_ways(**pairs: str) -> dict[str, str]:
+    return {**pairs, **{v: k for k, v in pairs.items()}}
+
+
+_LOCAL = _both_ways(num_local_experts="num_experts")
+_ROUTED = _both_ways(n_routed_experts="num_local_experts")
+_ALIASES: dict[str, dict[str, str]] = {
+    "mixtral": _LOCAL,
+    "qwen3_moe": _LOCAL,
+    "minimax_m2": _LOCAL,
+    "gpt_oss": _LOCAL,
+    "deepseek_v2": _both_ways(n_routed_experts="num_experts"),
+    "deepseek_v3": _ROUTED,
+    "kimi_k2": _ROUTED,
+    "deepseek_v32": _ROUTED,
+    "glm4_moe": _ROUTED,
+    "glm_moe_dsa": _ROUTED,
+    "nemotron_h": _ROUTED,
+    "deepseek_v4": {**_ROUTED, **_both_ways(moe_intermediate_size="intermediate_size")},
+}
+
 # Keys that are not attributes of the family's config class: the modeling code hard-codes them,
 # and the default is what it runs.
 _V3_FIXED = frozenset({"topk_method", "scoring_func"})
@@ -255,7 +279,17 @@ class _Keys:
         return f"{self.prefix}{key}"
 
     def raw(self, key: str) -> Any:
-        if key in self.cfg and self.cfg[key] is not None:
+        alias = _ALIASES.get(self.mt, {}).get(key)
+        here = key in self.cfg and self.cfg[key] is not None
+        if alias is not None and alias in self.cfg and self.cfg[alias] is not None:
+            if here and self.cfg[key] != self.cfg[alias]:
+                raise ValueError(
+                    f"{self.mt} config has {self.name(key)}={self.cfg[key]!r} and its alias "
+                    f"{self.name(alias)}={self.cfg[alias]!r}: they must agree"
+                )
+            if not here:
+                return self.cfg[alias]
+        if here:
             return self.cfg[key]
         if self.defaults.get(key) is not None:
             value = self.defaults[key]
@@ -269,9 +303,10 @@ class _Keys:
         )
 
     def has(self, key: str) -> bool:
-        return (key in self.cfg and self.cfg[key] is not None) or (
-            self.defaults.get(key) is not None
-        )
+        alias = _ALIASES.get(self.mt, {}).get(key)
+        return any(
+            name in self.cfg and self.cfg[name] is not None for name in (key, alias) if name
+        ) or (self.defaults.get(key) is not None)
 
     def int(self, key: str) -> int:
         value = self.raw(key)

@@ -460,3 +460,14 @@ def test_wrong_type_in_text_config_names_the_path():
     raw["text_config"] = {**raw["text_config"], "num_experts": 1.5}
     with pytest.raises(ValueError, match=r"text_config\.num_experts must be an integer"):
         moe_config_from_hf(raw)
+
+
+def test_attribute_map_spellings_are_read():
+    # transformers 5.x saves Qwen3MoeConfig.num_experts as num_local_experts (attribute_map).
+    raw = {**hf("qwen3_30b_a3b.json")}
+    raw["num_local_experts"] = raw.pop("num_experts")
+    cfg = moe_config_from_hf(raw)
+    assert cfg.router.num_experts == raw["num_local_experts"]
+    assert "defaulted" not in cfg.source
+    with pytest.raises(ValueError, match="must agree"):
+        moe_config_from_hf({**raw, "num_experts": 64})
