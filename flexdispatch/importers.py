@@ -483,7 +483,12 @@ def _deepseek(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[
         f"topk_method={method}, scoring_func={scoring}, norm_topk_prob={str(norm).lower()}"
         + (f", routed_scaling_factor={scale}" if mt != "deepseek" else "")
     )
+    if k.has("first_k_dense_replace"):
+        k.int("first_k_dense_replace")  # typed, and listed as defaulted when absent
     _layer_pattern(cfg, ("first_k_dense_replace", "moe_layer_freq", "mlp_layer_types"), source)
+    if "first_k_dense_replace" not in cfg and k.has("first_k_dense_replace"):
+        note = f"first_k_dense_replace={k.int('first_k_dense_replace')} (default)"
+        source["moe_layers"] = f"{source['moe_layers']}, {note}" if "moe_layers" in source else note
     out: dict[str, Any] = {
         "hidden_size": k.int("hidden_size"),
         "ffn_hidden_size": F,
@@ -506,6 +511,17 @@ def _deepseek(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[
                 f"to match its experts exactly)"
             )
         out["swiglu_limit"] = k.float("swiglu_limit")
+        if not norm:
+            raise ValueError(
+                "deepseek_v4 norm_topk_prob=false: the transformers DeepSeek-V4 gate always "
+                "renormalises the k weights, so this config does not describe that model"
+            )
+        n_shared = k.int("n_shared_experts")
+        if n_shared != 1:
+            raise ValueError(
+                f"deepseek_v4 n_shared_experts={n_shared}: the transformers DeepSeek-V4 block "
+                f"always builds exactly one shared MLP of moe_intermediate_size"
+            )
     out.update(_shared(k, F, source))
     return out
 

@@ -471,3 +471,16 @@ def test_attribute_map_spellings_are_read():
     assert "defaulted" not in cfg.source
     with pytest.raises(ValueError, match="must agree"):
         moe_config_from_hf({**raw, "num_experts": 64})
+
+
+def test_deepseek_v4_refuses_what_its_block_cannot_be():
+    with pytest.raises(ValueError, match="always renormalises"):
+        moe_config_from_hf({**hf("deepseek_v4_flash.json"), "norm_topk_prob": False})
+    with pytest.raises(ValueError, match="exactly one shared MLP"):
+        moe_config_from_hf({**hf("deepseek_v4_flash.json"), "n_shared_experts": 2})
+
+
+def test_default_dense_prefix_is_recorded():
+    cfg = moe_config_from_hf({"model_type": "glm4_moe"})
+    assert "first_k_dense_replace=1 (default)" in cfg.source["moe_layers"]
+    assert "first_k_dense_replace=1" in cfg.source["defaulted"]
