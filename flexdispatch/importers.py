@@ -131,6 +131,47 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "first_k_dense_replace": 0,
         "hidden_act": "silu",
     },
+    "dots1": {
+        **_V3_DEFAULTS,
+        "hidden_size": 4608,
+        "moe_intermediate_size": 1408,
+        "n_routed_experts": None,
+        "n_shared_experts": None,
+        "num_experts_per_tok": None,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 0,
+        "norm_topk_prob": False,
+        "routed_scaling_factor": 1.0,
+    },
+    "glm4_moe_lite": {
+        **_V3_DEFAULTS,
+        "hidden_size": 2048,
+        "moe_intermediate_size": 1536,
+        "n_routed_experts": 64,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 4,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.8,
+        "first_k_dense_replace": None,
+    },
+    "olmoe": {
+        "hidden_size": 2048,
+        "intermediate_size": 2048,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": False,
+        "hidden_act": "silu",
+    },
+    "qwen3_vl_moe_text": {
+        "hidden_size": 2048,
+        "moe_intermediate_size": 1408,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "decoder_sparse_step": 1,
+        "hidden_act": "silu",
+    },
     "mixtral": {
         "hidden_size": 4096,
         "intermediate_size": 14336,
@@ -240,6 +281,10 @@ _ALIASES: dict[str, dict[str, str]] = {
     "glm4_moe": _ROUTED,
     "glm_moe_dsa": _ROUTED,
     "nemotron_h": _ROUTED,
+    "dots1": _ROUTED,
+    "glm4_moe_lite": _ROUTED,
+    "olmoe": _LOCAL,
+    "qwen3_vl_moe_text": _LOCAL,
     "deepseek_v4": {**_ROUTED, **_both_ways(moe_intermediate_size="intermediate_size")},
 }
 
@@ -253,6 +298,8 @@ _FIXED_IN_MODELING: dict[str, frozenset[str]] = {
     "deepseek_v32": _V3_FIXED,
     "glm_moe_dsa": _V3_FIXED,
     "glm4_moe": _V3_FIXED,
+    "glm4_moe_lite": _V3_FIXED,
+    "dots1": _V3_FIXED,
     "deepseek_v4": frozenset({"topk_method"}),
     "minimax_m2": frozenset({"scoring_func", "use_routing_bias"}),
 }
@@ -264,7 +311,12 @@ _DEFAULTS_FROM = {
 
 # Composite (multimodal) configs whose MoE text model is the ``text_config`` mapping, with the
 # text model_type the config class assumes when ``text_config`` carries none.
-_NESTED = {"kimi_k25": "deepseek_v3", "llama4": "llama4_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+_NESTED = {
+    "kimi_k25": "deepseek_v3",
+    "llama4": "llama4_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+    "qwen3_vl_moe": "qwen3_vl_moe_text",
+}
 
 
 class _Keys:
@@ -565,8 +617,10 @@ def _mixtral(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[s
 
 def _qwen(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[str, Any]:
     """Qwen3-MoE; Qwen2-MoE, Qwen3-Next and Qwen3.5-MoE add one sigmoid-gated shared expert."""
-    # Qwen3.5-MoE's gate always renormalises (its config has no norm_topk_prob).
-    norm = True if k.mt == "qwen3_5_moe_text" else k.bool("norm_topk_prob")
+    # Qwen3.5-MoE's and Qwen3-VL-MoE's gates always renormalise (no norm_topk_prob in their
+    # config classes).
+    always = k.mt in ("qwen3_5_moe_text", "qwen3_vl_moe_text")
+    norm = True if always else k.bool("norm_topk_prob")
     router = _softmax_router(k, k.int("num_experts"), k.int("num_experts_per_tok"), norm, source)
     router.update(_aux(cfg, source))
     _layer_pattern(cfg, ("decoder_sparse_step", "mlp_only_layers", "layer_types"), source)
@@ -574,11 +628,13 @@ def _qwen(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[str,
         k.int("decoder_sparse_step")
     out: dict[str, Any] = {
         "hidden_size": k.int("hidden_size"),
-        "ffn_hidden_size": k.int("moe_intermediate_size"),
+        "ffn_hidden_size": k.int(
+            "intermediate_size" if k.mt == "olmoe" else "moe_intermediate_size"
+        ),
         "activation": _activation(k),
         "router": router,
     }
-    if k.mt != "qwen3_moe":
+    if k.mt in ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text"):
         S = k.int("shared_expert_intermediate_size")
         if S:
             out.update(
@@ -757,7 +813,11 @@ _HF_FAMILIES: dict[str, _Family] = {
     "deepseek_v32": _v3_style,
     "glm4_moe": _v3_style,
     "glm_moe_dsa": _v3_style,
+    "glm4_moe_lite": _v3_style,
+    "dots1": _v3_style,
     "mixtral": _mixtral,
+    "olmoe": _qwen,
+    "qwen3_vl_moe_text": _qwen,
     "qwen3_moe": _qwen,
     "qwen2_moe": _qwen,
     "qwen3_next": _qwen,

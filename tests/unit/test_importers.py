@@ -37,7 +37,9 @@ def test_fixtures_are_present():
         "deepseek_v3.json",
         "deepseek_v3_2.json",
         "deepseek_v4_flash.json",
+        "dots_llm1.json",
         "glm4_5.json",
+        "glm4_7_flash.json",
         "glm5.json",
         "gpt_oss_120b.json",
         "kimi_k2.json",
@@ -46,16 +48,19 @@ def test_fixtures_are_present():
         "minimax_m2.json",
         "mixtral_8x7b.json",
         "nemotron_3_nano_30b_a3b.json",
+        "olmoe_1b_7b.json",
         "qwen1_5_moe_a2_7b.json",
         "qwen3_30b_a3b.json",
         "qwen3_5_moe_35b_a3b.json",
         "qwen3_next_80b_a3b.json",
+        "qwen3_vl_30b_a3b.json",
     }
 
 
 def test_every_supported_model_type_has_a_fixture():
     shipped = {hf(f)["model_type"] for f in FIXTURES}
-    assert set(supported_model_types()) - {"qwen3_5_moe_text", "llama4_text"} == shipped
+    inner = {"qwen3_5_moe_text", "llama4_text", "qwen3_vl_moe_text"}  # read inside text_config
+    assert set(supported_model_types()) - inner == shipped
 
 
 @pytest.mark.parametrize("fixture", FIXTURES)
@@ -305,7 +310,16 @@ def test_to_yaml_rejects_other_types():
 
 
 @pytest.mark.parametrize(
-    "fixture", ["deepseek_v3_2.json", "glm4_5.json", "glm5.json", "kimi_k2.json", "kimi_k2_5.json"]
+    "fixture",
+    [
+        "deepseek_v3_2.json",
+        "dots_llm1.json",
+        "glm4_5.json",
+        "glm4_7_flash.json",
+        "glm5.json",
+        "kimi_k2.json",
+        "kimi_k2_5.json",
+    ],
 )
 def test_v3_style_families_route_like_deepseek_v3(fixture):
     raw = text(hf(fixture))
@@ -319,7 +333,17 @@ def test_v3_style_families_route_like_deepseek_v3(fixture):
     else:
         assert r.num_groups is None
     assert cfg.num_shared_experts == raw["n_shared_experts"]
-    assert "first_k_dense_replace" in cfg.source["moe_layers"]
+    if "first_k_dense_replace" in raw:
+        assert "first_k_dense_replace" in cfg.source["moe_layers"]
+
+
+def test_olmoe_and_qwen3_vl_moe():
+    o = moe_config_from_hf(hf("olmoe_1b_7b.json"))
+    assert o.router.use_pre_softmax and o.router.normalize_topk is False
+    assert o.ffn_hidden_size == 1024 and o.num_shared_experts == 0
+    v = moe_config_from_hf(hf("qwen3_vl_30b_a3b.json"))
+    assert not v.router.use_pre_softmax and v.router.normalize_topk is None
+    assert v.num_shared_experts == 0 and v.source["hf_text_model_type"] == "qwen3_vl_moe_text"
 
 
 def test_kimi_k25_reads_text_config():

@@ -25,17 +25,21 @@ from transformers.models.deepseek_v2 import modeling_deepseek_v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3
 from transformers.models.deepseek_v4 import modeling_deepseek_v4
 from transformers.models.deepseek_v32 import modeling_deepseek_v32
+from transformers.models.dots1 import modeling_dots1
 from transformers.models.glm4_moe import modeling_glm4_moe
+from transformers.models.glm4_moe_lite import modeling_glm4_moe_lite
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa
 from transformers.models.gpt_oss import modeling_gpt_oss
 from transformers.models.llama4 import modeling_llama4
 from transformers.models.minimax_m2 import modeling_minimax_m2
 from transformers.models.mixtral import modeling_mixtral
 from transformers.models.nemotron_h import modeling_nemotron_h
+from transformers.models.olmoe import modeling_olmoe
 from transformers.models.qwen2_moe import modeling_qwen2_moe
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 from transformers.models.qwen3_next import modeling_qwen3_next
+from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe
 
 from flexdispatch.importers import moe_config_from_hf
 from flexdispatch.routing import topk_routing
@@ -184,6 +188,31 @@ CASES: dict[str, Case] = {
         _from("MiniMaxM2Config", modeling_minimax_m2.MiniMaxM2TopKRouter),
         has_bias=True,
         call="bias_arg",
+    ),
+    "dots1": Case(
+        _cfg("Dots1Config", n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=4),
+        _from("Dots1Config", modeling_dots1.Dots1TopkRouter),
+        has_bias=True,
+    ),
+    "glm4_moe_lite": Case(
+        _cfg("Glm4MoeLiteConfig", n_routed_experts=16, num_experts_per_tok=4),
+        _from("Glm4MoeLiteConfig", modeling_glm4_moe_lite.Glm4MoeLiteTopkRouter),
+        has_bias=True,
+    ),
+    "olmoe": Case(
+        _cfg("OlmoeConfig", num_experts=16, num_experts_per_tok=4),
+        _from("OlmoeConfig", modeling_olmoe.OlmoeTopKRouter),
+    ),
+    "qwen3_vl_moe": Case(
+        lambda: {
+            "model_type": "qwen3_vl_moe",
+            "text_config": transformers.Qwen3VLMoeTextConfig(
+                hidden_size=H, num_experts=16, num_experts_per_tok=4
+            ).to_dict(),
+        },
+        lambda c: modeling_qwen3_vl_moe.Qwen3VLMoeTextTopKRouter(
+            transformers.Qwen3VLMoeTextConfig(**c["text_config"])
+        ),
     ),
     "gpt_oss": Case(
         _cfg("GptOssConfig", num_local_experts=16, num_experts_per_tok=4),
