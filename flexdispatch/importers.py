@@ -6,19 +6,38 @@ E experts · k top-k · H hidden size · F expert MLP hidden size.
 Each Hugging Face family is mapped to the routing its reference code runs (REFERENCE_FACTS.md,
 "Routing as published models define it"):
 
-================  ====================================================================
-model_type        routing
-================  ====================================================================
-mixtral           softmax over E, top-k, renormalise = Megatron post-softmax top-k
-qwen3_moe         as Mixtral when ``norm_topk_prob``; else softmax over E (pre), no renorm
-deepseek_v2       softmax over E (pre); ``group_limited_greedy``: groups ranked by their
-                  max score; renormalise only when ``norm_topk_prob`` (then no scaling),
-                  else x ``routed_scaling_factor``
-deepseek_v3       ``noaux_tc``: sigmoid, expert bias for selection only, groups ranked by
-                  the sum of their top-2 biased scores, renormalise, x scaling
-deepseek_v4       sqrtsoftplus, expert bias, top-k, renormalise, x scaling; the first
-                  ``num_hash_layers`` MoE layers route by token id (``router_type="hash"``)
-================  ====================================================================
+==================  ==================================================================
+model_type          routing (transformers 5.23 modeling code)
+==================  ==================================================================
+mixtral, granitemoe softmax over E, top-k, renormalise = Megatron post-softmax top-k
+qwen3_moe, olmoe    as Mixtral when ``norm_topk_prob``; else softmax over E (pre), no renorm
+qwen2_moe,          as qwen3_moe, plus one shared expert scaled by sigmoid(Linear(H, 1))
+qwen3_next
+qwen3_5_moe,        (``text_config``) softmax, top-k, always renormalised; Qwen3.5 adds the
+qwen3_vl_moe        gated shared expert
+deepseek_v2         softmax over E (pre); ``group_limited_greedy``: groups ranked by their
+                    max score; renormalise only when ``norm_topk_prob`` (then no scaling),
+                    else x ``routed_scaling_factor``
+deepseek            DeepSeek-MoE 16B (remote code): softmax over E, top-k, renormalise when
+                    ``norm_topk_prob``, no scaling; shared experts
+deepseek_v3,        ``noaux_tc``: sigmoid, expert bias for selection only, groups ranked by
+kimi_k2, kimi_k25,  the sum of their top-2 biased scores, renormalise when
+deepseek_v32,       ``norm_topk_prob``, x scaling; shared experts
+glm4_moe(_lite),
+glm_moe_dsa, dots1,
+nemotron_h          (nemotron_h: non-gated relu2 experts, one shared MLP)
+deepseek_v4         sqrtsoftplus, expert bias, top-k, renormalise, x scaling, clamped SwiGLU;
+                    the first ``num_hash_layers`` MoE layers route by token id
+minimax_m2          sigmoid, expert bias for selection, renormalise, no scaling
+gpt_oss             Linear(H, E) with bias, top-k of the logits, softmax over the k;
+                    gpt-oss's clamped GLU experts with biases
+llama4              (``text_config``) top-1 of the logits, sigmoid weight multiplied into
+                    the expert input, one ungated shared expert
+==================  ==================================================================
+
+Keys a config lacks take the defaults of the family's transformers config class (listed in
+``source["defaulted"]``); a key of the wrong type is refused naming it. Families whose routing
+flexdispatch cannot express (ernie4_5_moe, phimoe, longcat_flash) are refused with the reason.
 
 ``MoEConfig.source`` records where each number came from and what was not representable.
 """
@@ -170,6 +189,13 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "num_experts": 60,
         "num_experts_per_tok": 4,
         "decoder_sparse_step": 1,
+        "hidden_act": "silu",
+    },
+    "granitemoe": {
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
         "hidden_act": "silu",
     },
     "mixtral": {
@@ -594,7 +620,7 @@ def _softmax_router(
 
 
 def _no_jitter(k: _Keys) -> None:
-    if k.float("router_jitter_noise") > 0:
+    if k.has("router_jitter_noise") and k.float("router_jitter_noise") > 0:
         raise ValueError(
             f"{k.mt} config has router_jitter_noise={k.cfg['router_jitter_noise']}: the training-"
             f"time multiplicative noise on the router input is not supported by flexdispatch"
@@ -816,6 +842,7 @@ _HF_FAMILIES: dict[str, _Family] = {
     "glm4_moe_lite": _v3_style,
     "dots1": _v3_style,
     "mixtral": _mixtral,
+    "granitemoe": _mixtral,
     "olmoe": _qwen,
     "qwen3_vl_moe_text": _qwen,
     "qwen3_moe": _qwen,
@@ -826,6 +853,16 @@ _HF_FAMILIES: dict[str, _Family] = {
     "minimax_m2": _minimax_m2,
     "gpt_oss": _gpt_oss,
     "nemotron_h": _nemotron_h,
+}
+
+
+# MoE families whose routing or experts flexdispatch cannot express, with the reason (read from
+# their transformers modeling code); refused instead of approximated.
+_REFUSED = {
+    "ernie4_5_moe": "its gate adds a selection bias to softmax scores and renormalises with a "
+    "floor (moe_norm_min); flexdispatch's expert bias applies to sigmoid/sqrtsoftplus scores",
+    "phimoe": "it routes with SparseMixer (masked, jittered top-2 sampling), not a top-k rule",
+    "longcat_flash": "it mixes zero-computation (identity) experts into the top-k",
 }
 
 
@@ -861,6 +898,8 @@ def moe_config_from_hf(
     """
     top = _read_hf(config)
     mt = top.get("model_type")
+    if mt in _REFUSED:
+        raise ValueError(f"model_type {mt!r} cannot be imported exactly: {_REFUSED[mt]}")
     if not isinstance(mt, str) or (mt not in _HF_FAMILIES and mt not in _NESTED):
         raise ValueError(
             f"unsupported model_type {mt!r}: supported are {', '.join(supported_model_types())}"

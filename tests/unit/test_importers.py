@@ -42,6 +42,7 @@ def test_fixtures_are_present():
         "glm4_7_flash.json",
         "glm5.json",
         "gpt_oss_120b.json",
+        "granite_3_0_3b_a800m.json",
         "kimi_k2.json",
         "kimi_k2_5.json",
         "llama4_scout.json",
@@ -508,3 +509,17 @@ def test_default_dense_prefix_is_recorded():
     cfg = moe_config_from_hf({"model_type": "glm4_moe"})
     assert "first_k_dense_replace=1 (default)" in cfg.source["moe_layers"]
     assert "first_k_dense_replace=1" in cfg.source["defaulted"]
+
+
+@pytest.mark.parametrize(
+    "mt, reason",
+    [("ernie4_5_moe", "selection bias"), ("phimoe", "SparseMixer"), ("longcat_flash", "zero")],
+)
+def test_inexpressible_families_are_refused_with_the_reason(mt, reason):
+    with pytest.raises(ValueError, match=f"cannot be imported exactly: .*{reason}"):
+        moe_config_from_hf({"model_type": mt, "hidden_size": 64})
+
+
+def test_granitemoe_is_post_softmax_topk():
+    r = moe_config_from_hf(hf("granite_3_0_3b_a800m.json")).router
+    assert r.score_function == "softmax" and not r.use_pre_softmax and r.normalize_topk is None

@@ -30,6 +30,7 @@ from transformers.models.glm4_moe import modeling_glm4_moe
 from transformers.models.glm4_moe_lite import modeling_glm4_moe_lite
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa
 from transformers.models.gpt_oss import modeling_gpt_oss
+from transformers.models.granitemoe import modeling_granitemoe
 from transformers.models.llama4 import modeling_llama4
 from transformers.models.minimax_m2 import modeling_minimax_m2
 from transformers.models.mixtral import modeling_mixtral
@@ -213,6 +214,10 @@ CASES: dict[str, Case] = {
         lambda c: modeling_qwen3_vl_moe.Qwen3VLMoeTextTopKRouter(
             transformers.Qwen3VLMoeTextConfig(**c["text_config"])
         ),
+    ),
+    "granitemoe": Case(
+        _cfg("GraniteMoeConfig", num_local_experts=16, num_experts_per_tok=4),
+        _from("GraniteMoeConfig", modeling_granitemoe.GraniteMoeTopKRouter),
     ),
     "gpt_oss": Case(
         _cfg("GptOssConfig", num_local_experts=16, num_experts_per_tok=4),
