@@ -553,7 +553,11 @@ def _deepseek(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[
     router["normalize_topk"] = norm
     if mt == "deepseek_v2" and norm and topk > 1:
         # NOTE: DeepSeek-V2's reference code scales only the branch that does not renormalise.
-        source["scaling"] = "norm_topk_prob=true: V2 code renormalises and does not scale"
+        source["scaling"] = (
+            "norm_topk_prob=true: V2 code renormalises and does not scale (DeepSeek's own "
+            "modeling code; transformers 5.23's DeepseekV2 gate ignores norm_topk_prob and "
+            "always scales - every published V2 config has norm_topk_prob=false, where both agree)"
+        )
     elif scale != 1.0:
         router["scaling_factor"] = scale
     router.update(_aux(cfg, source))
@@ -813,16 +817,24 @@ def _nemotron_h(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dic
         "activation": "relu2",
         "router": router,
     }
+    if cfg.get("mlp_bias"):
+        raise ValueError(
+            "nemotron_h mlp_bias=true: its shared MLP then has biases but its routed experts "
+            "do not, which one MoEConfig cannot express"
+        )
     n = k.int("n_shared_experts")
-    if n:
-        S = k.int("moe_shared_expert_intermediate_size")
-        if n != 1:
-            raise ValueError(
-                f"nemotron_h n_shared_experts={n}: its block builds one shared MLP of "
-                f"moe_shared_expert_intermediate_size, whatever n_shared_experts says"
-            )
-        out.update(num_shared_experts=1, shared_expert_ffn_hidden_size=S)
-        source["shared_experts"] = f"one relu2 shared MLP of {S}"
+    if n > 1:
+        raise ValueError(
+            f"nemotron_h n_shared_experts={n}: its block builds one shared MLP of "
+            f"moe_shared_expert_intermediate_size, whatever n_shared_experts says"
+        )
+    # NOTE: the transformers block builds the shared MLP whatever n_shared_experts is.
+    S = k.int("moe_shared_expert_intermediate_size")
+    out.update(num_shared_experts=1, shared_expert_ffn_hidden_size=S)
+    source["shared_experts"] = (
+        f"one relu2 shared MLP of moe_shared_expert_intermediate_size={S} (the block always "
+        f"builds it; n_shared_experts={n})"
+    )
     pattern = cfg.get("hybrid_override_pattern") or cfg.get("layers_block_type")
     if pattern is not None:
         source["moe_layers"] = f"layer pattern (E = MoE): {json.dumps(pattern)}"

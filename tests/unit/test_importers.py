@@ -523,3 +523,11 @@ def test_inexpressible_families_are_refused_with_the_reason(mt, reason):
 def test_granitemoe_is_post_softmax_topk():
     r = moe_config_from_hf(hf("granite_3_0_3b_a800m.json")).router
     assert r.score_function == "softmax" and not r.use_pre_softmax and r.normalize_topk is None
+
+
+def test_nemotron_h_always_has_its_shared_mlp():
+    raw = {**hf("nemotron_3_nano_30b_a3b.json"), "n_shared_experts": 0}
+    cfg = moe_config_from_hf(raw)
+    assert (cfg.num_shared_experts, cfg.shared_expert_ffn_hidden_size) == (1, 3712)
+    with pytest.raises(ValueError, match="mlp_bias"):
+        moe_config_from_hf({**raw, "mlp_bias": True})
