@@ -932,8 +932,11 @@ def moe_config_from_hf(
         inner = text.get("model_type") or _NESTED[mt]
         if mt == "kimi_k25" and inner == "kimi_k2":
             inner = "deepseek_v3"  # as transformers' Kimi-K2.5 config maps it
-        if inner not in _HF_FAMILIES or inner in _NESTED:
-            raise ValueError(f"{mt} config: text_config model_type {inner!r} is not supported")
+        if inner != _NESTED[mt]:
+            raise ValueError(
+                f"{mt} config: text_config model_type {inner!r} is not supported: a {mt} text "
+                f"model is {_NESTED[mt]!r}"
+            )
         cfg, prefix = text, "text_config."
         source["hf_text_model_type"] = inner
     keys = _Keys(cfg, inner, prefix)

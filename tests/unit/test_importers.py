@@ -531,3 +531,12 @@ def test_nemotron_h_always_has_its_shared_mlp():
     assert (cfg.num_shared_experts, cfg.shared_expert_ffn_hidden_size) == (1, 3712)
     with pytest.raises(ValueError, match="mlp_bias"):
         moe_config_from_hf({**raw, "mlp_bias": True})
+
+
+def test_nested_text_config_must_be_the_families_text_model():
+    raw = {**hf("llama4_scout.json")}
+    raw["text_config"] = {**raw["text_config"], "model_type": "mixtral"}
+    with pytest.raises(ValueError, match="text_config model_type 'mixtral' is not supported"):
+        moe_config_from_hf(raw)
+    with pytest.raises(ValueError, match="text_config must be an object"):
+        moe_config_from_hf({"model_type": "llama4", "text_config": [1]})
