@@ -4,16 +4,17 @@ Shape letters (ARCHITECTURE.md): E experts · k top-k · H hidden size.
 
 Usage::
 
-    flexdispatch config --from-hf config.json [--name NAME] [--output FILE]
-    flexdispatch config --from-megatron args.{json,yaml} [--name NAME] [--output FILE]
+    flexdispatch config --from-hf config.json [--name NAME] [--output FILE] [--json]
+    flexdispatch config --from-megatron args.{json,yaml} [--name NAME] [--output FILE] [--json]
 
 ``--from-hf`` reads a Hugging Face ``config.json`` (or the folder holding it) through
 ``flexdispatch.importers.moe_config_from_hf``; ``--from-megatron`` reads a JSON or YAML mapping of
 Megatron-Core argument names (``vars(args)`` of a training run) through
 ``moe_config_from_megatron``. The YAML (``importers.to_yaml``) goes to stdout, or to ``--output``;
 ``load_config`` reads it back to an equal config, so it can be passed to ``--preset``/``--config``
-of the other sub-commands. A missing file, an unknown ``model_type`` or an argument the importer
-cannot map is an error with exit code 2.
+of the other sub-commands. ``--json`` prints the same fields as a JSON object instead (which
+``MoEConfig.model_validate`` reads back). A missing file, a key of the wrong type, an unknown
+``model_type`` or an argument the importer cannot map is an error with exit code 2.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--name", default=None, help="MoEConfig.name (default: model_type / 'megatron')")
     p.add_argument("--output", "-o", default=None, help="write the YAML here instead of stdout")
+    p.add_argument("--json", action="store_true", help="print (or write) the config as JSON")
     p.set_defaults(func=run)
 
 
@@ -81,7 +83,10 @@ def run(args: argparse.Namespace) -> int:
         data = read_megatron_args(args.from_megatron)
         kwargs = {} if args.name is None else {"name": args.name}
         cfg = moe_config_from_megatron(data, **kwargs)
-    text = to_yaml(cfg)
+    if getattr(args, "json", False):
+        text = json.dumps(cfg.model_dump(mode="json"), indent=2) + "\n"
+    else:
+        text = to_yaml(cfg)
     if args.output:
         Path(args.output).write_text(text)
     else:

@@ -51,12 +51,44 @@ def test_from_hf_prints_the_importer_config(path: Path, capsys: pytest.CaptureFi
     assert code == 0, err
     cfg = MoEConfig.model_validate(yaml.safe_load(out))
     assert cfg == moe_config_from_hf(path)
-    raw = json.loads(path.read_text())
+    top = json.loads(path.read_text())
+    raw = top.get("text_config", top)  # composite configs keep the MoE model in text_config
     E = raw.get("n_routed_experts") or raw.get("num_local_experts") or raw.get("num_experts")
     assert cfg.router.num_experts == E
     assert cfg.router.topk == raw["num_experts_per_tok"]
     assert cfg.hidden_size == raw["hidden_size"]
-    assert cfg.name == raw["model_type"]
+    assert cfg.name == top["model_type"]
+
+
+@pytest.mark.parametrize("path", HF_FILES[:3], ids=lambda p: p.stem)
+def test_from_hf_json(path: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, err = _run(capsys, "--from-hf", str(path), "--json")
+    assert code == 0, err
+    assert MoEConfig.model_validate(json.loads(out)) == moe_config_from_hf(path)
+    target = tmp_path / "out.json"
+    code, out, err = _run(capsys, "--from-hf", str(path), "--json", "--output", str(target))
+    assert code == 0 and out == ""
+    assert MoEConfig.model_validate_json(target.read_text()) == moe_config_from_hf(path)
+
+
+@pytest.mark.parametrize(
+    "patch, message",
+    [
+        ({"num_experts_per_tok": 8.7}, "num_experts_per_tok must be an integer, got 8.7"),
+        ({"num_experts_per_tok": True}, "num_experts_per_tok must be an integer, got True"),
+        ({"n_routed_experts": [128]}, "n_routed_experts must be an integer, got [128]"),
+        ({"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false"),
+        ({"routed_scaling_factor": True}, "routed_scaling_factor must be a number"),
+    ],
+)
+def test_wrong_types_exit_2_naming_the_key(
+    tmp_path: Path, patch: dict, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    raw = {**json.loads((FIXTURES / "deepseek_v3.json").read_text()), **patch}
+    path = _write(tmp_path, "config.json", json.dumps(raw))
+    code, out, err = _run(capsys, "--from-hf", path)
+    assert code == 2 and out == ""
+    assert message in err, err
 
 
 def test_from_hf_name_and_output_round_trip(

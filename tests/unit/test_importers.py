@@ -13,6 +13,7 @@ from flexdispatch.importers import (
     moe_config_from_hf,
     moe_config_from_megatron,
     num_hash_layers,
+    supported_model_types,
     to_yaml,
 )
 
@@ -24,32 +25,58 @@ def hf(name: str) -> dict:
     return json.loads((HF / name).read_text())
 
 
+def text(raw: dict) -> dict:
+    """The MoE text model of a config (composite configs keep it in ``text_config``)."""
+    return raw.get("text_config", raw)
+
+
 def test_fixtures_are_present():
     assert set(FIXTURES) == {
+        "deepseek_moe_16b.json",
         "deepseek_v2.json",
         "deepseek_v3.json",
+        "deepseek_v3_2.json",
         "deepseek_v4_flash.json",
+        "dots_llm1.json",
+        "glm4_5.json",
+        "glm4_7_flash.json",
+        "glm5.json",
+        "gpt_oss_120b.json",
+        "granite_3_0_3b_a800m.json",
+        "kimi_k2.json",
+        "kimi_k2_5.json",
+        "llama4_scout.json",
+        "minimax_m2.json",
         "mixtral_8x7b.json",
+        "nemotron_3_nano_30b_a3b.json",
+        "olmoe_1b_7b.json",
+        "qwen1_5_moe_a2_7b.json",
         "qwen3_30b_a3b.json",
+        "qwen3_5_moe_35b_a3b.json",
+        "qwen3_next_80b_a3b.json",
+        "qwen3_vl_30b_a3b.json",
     }
+
+
+def test_every_supported_model_type_has_a_fixture():
+    shipped = {hf(f)["model_type"] for f in FIXTURES}
+    inner = {"qwen3_5_moe_text", "llama4_text", "qwen3_vl_moe_text"}  # read inside text_config
+    assert set(supported_model_types()) - inner == shipped
 
 
 @pytest.mark.parametrize("fixture", FIXTURES)
 def test_shapes_come_from_the_config(fixture):
-    raw = hf(fixture)
-    cfg = moe_config_from_hf(raw)
+    top = hf(fixture)
+    raw = text(top)
+    cfg = moe_config_from_hf(top)
     E = raw.get("n_routed_experts") or raw.get("num_local_experts") or raw.get("num_experts")
     F = raw.get("moe_intermediate_size") or raw["intermediate_size"]
     assert cfg.router.num_experts == E
     assert cfg.router.topk == raw["num_experts_per_tok"]
     assert cfg.hidden_size == raw["hidden_size"]
     assert cfg.ffn_hidden_size == F
-    assert cfg.activation == "swiglu"
-    assert cfg.num_shared_experts == raw.get("n_shared_experts", 0)
-    if cfg.num_shared_experts:
-        assert cfg.shared_expert_ffn_hidden_size == F * raw["n_shared_experts"]
-    assert cfg.name == raw["model_type"]
-    assert cfg.source["hf_model_type"] == raw["model_type"]
+    assert cfg.name == top["model_type"]
+    assert cfg.source["hf_model_type"] == top["model_type"]
     assert cfg.router.router_type == "learned"
 
 
@@ -149,14 +176,14 @@ def test_unknown_model_type_lists_supported():
         moe_config_from_hf({"model_type": "llama"})
     msg = str(err.value)
     assert "'llama'" in msg
-    for mt in ("deepseek_v2", "deepseek_v3", "deepseek_v4", "mixtral", "qwen3_moe"):
+    for mt in ("deepseek_v2", "deepseek_v3", "deepseek_v4", "mixtral", "qwen3_moe", "gpt_oss"):
         assert mt in msg
 
 
-def test_missing_field_is_named():
-    raw = hf("mixtral_8x7b.json")
-    del raw["num_local_experts"]
-    with pytest.raises(ValueError, match="num_local_experts"):
+def test_missing_field_without_default_is_named():
+    raw = hf("deepseek_v2.json")
+    del raw["num_experts_per_tok"]  # DeepseekV2Config has no default for it
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
         moe_config_from_hf(raw)
 
 
@@ -278,3 +305,238 @@ def test_to_yaml_round_trips(fixture, tmp_path):
 def test_to_yaml_rejects_other_types():
     with pytest.raises(TypeError, match="MoEConfig"):
         to_yaml({"name": "x"})
+
+
+# ------------------------------------------------------------------------- families of issue 14
+
+
+@pytest.mark.parametrize(
+    "fixture",
+    [
+        "deepseek_v3_2.json",
+        "dots_llm1.json",
+        "glm4_5.json",
+        "glm4_7_flash.json",
+        "glm5.json",
+        "kimi_k2.json",
+        "kimi_k2_5.json",
+    ],
+)
+def test_v3_style_families_route_like_deepseek_v3(fixture):
+    raw = text(hf(fixture))
+    cfg = moe_config_from_hf(hf(fixture))
+    r = cfg.router
+    assert r.score_function == "sigmoid" and r.enable_expert_bias and not r.use_pre_softmax
+    assert r.normalize_topk is raw["norm_topk_prob"]
+    assert r.scaling_factor == raw["routed_scaling_factor"]
+    if raw["n_group"] > 1:
+        assert (r.num_groups, r.group_topk, r.group_score) == (8, 4, "sum_topk")
+    else:
+        assert r.num_groups is None
+    assert cfg.num_shared_experts == raw["n_shared_experts"]
+    if "first_k_dense_replace" in raw:
+        assert "first_k_dense_replace" in cfg.source["moe_layers"]
+
+
+def test_olmoe_and_qwen3_vl_moe():
+    o = moe_config_from_hf(hf("olmoe_1b_7b.json"))
+    assert o.router.use_pre_softmax and o.router.normalize_topk is False
+    assert o.ffn_hidden_size == 1024 and o.num_shared_experts == 0
+    v = moe_config_from_hf(hf("qwen3_vl_30b_a3b.json"))
+    assert not v.router.use_pre_softmax and v.router.normalize_topk is None
+    assert v.num_shared_experts == 0 and v.source["hf_text_model_type"] == "qwen3_vl_moe_text"
+
+
+def test_kimi_k25_reads_text_config():
+    cfg = moe_config_from_hf(hf("kimi_k2_5.json"))
+    assert cfg.name == "kimi_k25" and cfg.source["hf_text_model_type"] == "deepseek_v3"
+    assert cfg.router == moe_config_from_hf(hf("kimi_k2.json")).router
+
+
+def test_v3_style_refuses_other_gates():
+    with pytest.raises(ValueError, match="always runs sigmoid"):
+        moe_config_from_hf({**hf("glm4_5.json"), "scoring_func": "softmax"})
+
+
+@pytest.mark.parametrize(
+    "fixture, norm",
+    [("qwen1_5_moe_a2_7b.json", False), ("qwen3_next_80b_a3b.json", True)],
+)
+def test_qwen_shared_gated_expert(fixture, norm):
+    raw = hf(fixture)
+    cfg = moe_config_from_hf(raw)
+    assert cfg.num_shared_experts == 1 and cfg.shared_expert_gate
+    assert cfg.shared_expert_ffn_hidden_size == raw["shared_expert_intermediate_size"]
+    r = cfg.router
+    assert r.score_function == "softmax" and r.use_pre_softmax is (not norm)
+
+
+def test_qwen3_5_moe_always_renormalises():
+    cfg = moe_config_from_hf(hf("qwen3_5_moe_35b_a3b.json"))
+    assert cfg.source["hf_text_model_type"] == "qwen3_5_moe_text"
+    assert not cfg.router.use_pre_softmax and cfg.router.normalize_topk is None
+    assert cfg.shared_expert_gate and cfg.num_shared_experts == 1
+
+
+def test_llama4_sigmoid_top1_on_input():
+    cfg = moe_config_from_hf(hf("llama4_scout.json"))
+    r = cfg.router
+    assert (r.topk, r.score_function, r.normalize_topk) == (1, "sigmoid", False)
+    assert cfg.probs_on_input and cfg.num_shared_experts == 1 and not cfg.shared_expert_gate
+    assert cfg.shared_expert_ffn_hidden_size == cfg.ffn_hidden_size == 8192
+    raw = hf("llama4_scout.json")
+    raw["text_config"] = {**raw["text_config"], "num_experts_per_tok": 2}
+    with pytest.raises(ValueError, match="top-1 only"):
+        moe_config_from_hf(raw)
+
+
+def test_minimax_m2_rules():
+    r = moe_config_from_hf(hf("minimax_m2.json")).router
+    assert r.score_function == "sigmoid" and r.enable_expert_bias and r.normalize_topk is True
+    assert r.scaling_factor is None and r.num_groups is None
+    with pytest.raises(ValueError, match="router_jitter_noise"):
+        moe_config_from_hf({**hf("minimax_m2.json"), "router_jitter_noise": 0.1})
+
+
+def test_gpt_oss_rules():
+    cfg = moe_config_from_hf(hf("gpt_oss_120b.json"))
+    r = cfg.router
+    assert r.router_bias and r.score_function == "softmax" and not r.use_pre_softmax
+    assert cfg.activation == "swiglu_oai" and cfg.expert_mlp_bias
+    assert (cfg.swiglu_limit, cfg.swiglu_alpha) == (7.0, 1.702)
+    assert "swiglu_alpha=1.702" in cfg.source["defaulted"]
+
+
+def test_deepseek_moe_16b_rules():
+    cfg = moe_config_from_hf(hf("deepseek_moe_16b.json"))
+    r = cfg.router
+    assert r.score_function == "softmax" and r.use_pre_softmax and r.normalize_topk is False
+    assert r.scaling_factor is None and r.num_groups is None and not r.enable_expert_bias
+    assert (cfg.num_shared_experts, cfg.shared_expert_ffn_hidden_size) == (2, 2 * 1408)
+
+
+def test_nemotron_h_rules():
+    cfg = moe_config_from_hf(hf("nemotron_3_nano_30b_a3b.json"))
+    r = cfg.router
+    assert r.score_function == "sigmoid" and r.enable_expert_bias and r.normalize_topk is True
+    assert r.scaling_factor == 2.5 and cfg.activation == "relu2"
+    assert (cfg.num_shared_experts, cfg.shared_expert_ffn_hidden_size) == (1, 3712)
+    with pytest.raises(ValueError, match="latent"):
+        moe_config_from_hf({**hf("nemotron_3_nano_30b_a3b.json"), "moe_latent_size": 1024})
+
+
+def test_deepseek_v4_clamps_its_experts():
+    assert moe_config_from_hf(hf("deepseek_v4_flash.json")).swiglu_limit == 10.0
+
+
+# ------------------------------------------------------------------------------ missing keys
+
+
+def test_deepseek_v3_without_method_keys_takes_v3_defaults():
+    raw = {
+        k: v for k, v in hf("deepseek_v3.json").items() if k not in ("topk_method", "scoring_func")
+    }
+    cfg = moe_config_from_hf(raw)
+    assert cfg.router == moe_config_from_hf(hf("deepseek_v3.json")).router
+    assert 'topk_method="noaux_tc" (fixed by the modeling code)' in cfg.source["defaulted"]
+    assert 'scoring_func="sigmoid" (fixed by the modeling code)' in cfg.source["defaulted"]
+
+
+def test_bare_config_takes_every_default():
+    cfg = moe_config_from_hf({"model_type": "deepseek_v3"})
+    r = cfg.router
+    assert (r.num_experts, r.topk, r.num_groups, r.group_topk) == (256, 8, 8, 4)
+    assert r.scaling_factor == 2.5 and cfg.hidden_size == 7168
+    for key in ("n_routed_experts", "num_experts_per_tok", "hidden_size", "n_group"):
+        assert key in cfg.source["defaulted"]
+    q = moe_config_from_hf({"model_type": "qwen2_moe"})
+    assert (q.router.num_experts, q.router.topk, q.shared_expert_ffn_hidden_size) == (60, 4, 5632)
+    nested = moe_config_from_hf({"model_type": "llama4"})
+    assert "text_config.num_local_experts=16" in nested.source["defaulted"]
+
+
+def test_published_keys_are_not_reported_as_defaulted():
+    cfg = moe_config_from_hf(hf("deepseek_v3.json"))
+    assert "defaulted" not in cfg.source
+
+
+# ------------------------------------------------------------------------------- wrong types
+
+
+@pytest.mark.parametrize(
+    "key, value, kind",
+    [
+        ("num_experts_per_tok", 8.7, "an integer"),
+        ("num_experts_per_tok", True, "an integer"),
+        ("n_routed_experts", [128], "an integer"),
+        ("n_routed_experts", "256", "an integer"),
+        ("norm_topk_prob", 1, "true or false"),
+        ("routed_scaling_factor", False, "a number"),
+        ("scoring_func", 3, "a string"),
+    ],
+)
+def test_wrong_types_are_refused_naming_the_key(key, value, kind):
+    with pytest.raises(ValueError, match=f"{key} must be {kind}"):
+        moe_config_from_hf({**hf("deepseek_v3.json"), key: value})
+
+
+def test_wrong_type_in_text_config_names_the_path():
+    raw = hf("qwen3_5_moe_35b_a3b.json")
+    raw["text_config"] = {**raw["text_config"], "num_experts": 1.5}
+    with pytest.raises(ValueError, match=r"text_config\.num_experts must be an integer"):
+        moe_config_from_hf(raw)
+
+
+def test_attribute_map_spellings_are_read():
+    # transformers 5.x saves Qwen3MoeConfig.num_experts as num_local_experts (attribute_map).
+    raw = {**hf("qwen3_30b_a3b.json")}
+    raw["num_local_experts"] = raw.pop("num_experts")
+    cfg = moe_config_from_hf(raw)
+    assert cfg.router.num_experts == raw["num_local_experts"]
+    assert "defaulted" not in cfg.source
+    with pytest.raises(ValueError, match="must agree"):
+        moe_config_from_hf({**raw, "num_experts": 64})
+
+
+def test_deepseek_v4_refuses_what_its_block_cannot_be():
+    with pytest.raises(ValueError, match="always renormalises"):
+        moe_config_from_hf({**hf("deepseek_v4_flash.json"), "norm_topk_prob": False})
+    with pytest.raises(ValueError, match="exactly one shared MLP"):
+        moe_config_from_hf({**hf("deepseek_v4_flash.json"), "n_shared_experts": 2})
+
+
+def test_default_dense_prefix_is_recorded():
+    cfg = moe_config_from_hf({"model_type": "glm4_moe"})
+    assert "first_k_dense_replace=1 (default)" in cfg.source["moe_layers"]
+    assert "first_k_dense_replace=1" in cfg.source["defaulted"]
+
+
+@pytest.mark.parametrize(
+    "mt, reason",
+    [("ernie4_5_moe", "selection bias"), ("phimoe", "SparseMixer"), ("longcat_flash", "zero")],
+)
+def test_inexpressible_families_are_refused_with_the_reason(mt, reason):
+    with pytest.raises(ValueError, match=f"cannot be imported exactly: .*{reason}"):
+        moe_config_from_hf({"model_type": mt, "hidden_size": 64})
+
+
+def test_granitemoe_is_post_softmax_topk():
+    r = moe_config_from_hf(hf("granite_3_0_3b_a800m.json")).router
+    assert r.score_function == "softmax" and not r.use_pre_softmax and r.normalize_topk is None
+
+
+def test_nemotron_h_always_has_its_shared_mlp():
+    raw = {**hf("nemotron_3_nano_30b_a3b.json"), "n_shared_experts": 0}
+    cfg = moe_config_from_hf(raw)
+    assert (cfg.num_shared_experts, cfg.shared_expert_ffn_hidden_size) == (1, 3712)
+    with pytest.raises(ValueError, match="mlp_bias"):
+        moe_config_from_hf({**raw, "mlp_bias": True})
+
+
+def test_nested_text_config_must_be_the_families_text_model():
+    raw = {**hf("llama4_scout.json")}
+    raw["text_config"] = {**raw["text_config"], "model_type": "mixtral"}
+    with pytest.raises(ValueError, match="text_config model_type 'mixtral' is not supported"):
+        moe_config_from_hf(raw)
+    with pytest.raises(ValueError, match="text_config must be an object"):
+        moe_config_from_hf({"model_type": "llama4", "text_config": [1]})
