@@ -1,0 +1,155 @@
+"""Run a Hugging Face ``transformers`` MoE model expert-parallel, in place.
+
+``expert_parallel(model, group=..., dispatch=DispatchConfig(...))`` replaces every sparse MoE
+block of a supported model with an :class:`EPSparseMoeBlock`: an ``MoELayer`` that keeps the
+model's own router ``Parameter`` (the very object, so optimisers and state dicts still see it),
+holds this rank's slice ``[r·e, (r+1)·e)`` of the expert weights, routes with the model's
+semantics and moves tokens through ``FlexDispatcher``. Everything else (attention, norms,
+embeddings) stays replicated: run each rank on its own batch and all-reduce the replicated
+gradients (data parallel), as for any ``MoELayer``.
+
+Supported today (transformers 5.x module layout, checked on 5.23.0):
+
+- Mixtral (``MixtralSparseMoeBlock``): softmax over all E, top-k, renormalised;
+- Qwen3-MoE (``Qwen3MoeSparseMoeBlock``): softmax over all E, top-k, renormalised only with
+  ``norm_topk_prob``.
+
+Both use ``hidden_act="silu"`` gated experts (``gate_up_proj`` ``[E, 2F, H]`` holding the gate
+rows first, ``down_proj`` ``[E, H, F]``), mapped to ``w1 = gate^T``, ``w3 = up^T``,
+``w2 = down^T``. Router jitter noise (Mixtral, training only) is refused. Other families are
+refused with the reason.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flexdispatch.config import DispatchConfig, MoEConfig, RouterConfig
+from flexdispatch.moe import MoELayer
+
+__all__ = ["EPSparseMoeBlock", "SUPPORTED_BLOCKS", "expert_parallel"]
+
+SUPPORTED_BLOCKS: tuple[str, ...] = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
+
+
+def _router_config(block: nn.Module, model_config: object, num_experts: int) -> RouterConfig:
+    name = type(block).__name__
+    topk = int(block.gate.top_k)
+    if name == "MixtralSparseMoeBlock":
+        if float(getattr(block, "jitter_noise", 0.0) or 0.0) > 0:
+            raise ValueError(
+                f"router_jitter_noise={block.jitter_noise}: flexdispatch has no router jitter; "
+                f"set config.router_jitter_noise=0"
+            )
+        normalize = True
+    else:
+        normalize = bool(block.gate.norm_topk_prob)
+    return RouterConfig(
+        num_experts=num_experts,
+        topk=topk,
+        score_function="softmax",
+        use_pre_softmax=True,
+        normalize_topk=normalize,
+    )
+
+
+class EPSparseMoeBlock(nn.Module):
+    """The expert-parallel stand-in of one sparse MoE block (see the module docstring).
+
+    ``forward(hidden [B, S, H]) -> [B, S, H]``, like the block it replaces. ``layer`` is the
+    ``MoELayer``; ``layer.router.weight`` is the original block's ``gate.weight``; the experts
+    hold global experts ``[r·e, (r+1)·e)`` (``layer.experts.global_expert_ids``).
+    """
+
+    def __init__(
+        self,
+        block: nn.Module,
+        model_config: object,
+        *,
+        group: dist.ProcessGroup | None,
+        dispatch: DispatchConfig,
+    ) -> None:
+        super().__init__()
+        name = type(block).__name__
+        act = getattr(model_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"{name}: hidden_act={act!r}; only silu (SwiGLU) experts map exactly")
+        gate_up = block.experts.gate_up_proj  # [E, 2F, H]
+        down = block.experts.down_proj  # [E, H, F]
+        E, two_f, H = gate_up.shape
+        F_ = two_f // 2
+        weight = block.gate.weight
+        if weight.dtype not in (torch.float32, torch.float64):
+            raise ValueError(
+                f"{name}: router weight is {weight.dtype}; flexdispatch routes in fp32/fp64, "
+                f"load the model in float32 (or keep the router in fp32)"
+            )
+        router = _router_config(block, model_config, E)
+        if weight.dtype == torch.float64:
+            router = router.model_copy(update={"router_dtype": "fp64"})
+        cfg = MoEConfig(
+            name=name,
+            hidden_size=H,
+            ffn_hidden_size=F_,
+            activation="swiglu",
+            router=router,
+            dispatch=dispatch,
+        )
+        self.layer = MoELayer(cfg, group=group, dtype=gate_up.dtype, device=gate_up.device)
+        # NOTE: the model's own Parameter, not a copy.
+        self.layer.router.weight = weight
+        ex = self.layer.experts
+        ids = list(ex.global_expert_ids)
+        with torch.no_grad():
+            local_gu = gate_up.detach()[ids[0] : ids[-1] + 1]
+            ex.w1.copy_(local_gu[:, :F_, :].transpose(1, 2))
+            ex.w3.copy_(local_gu[:, F_:, :].transpose(1, 2))
+            ex.w2.copy_(down.detach()[ids[0] : ids[-1] + 1].transpose(1, 2))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        out = self.layer(hidden_states.reshape(-1, shape[-1])).output
+        return out.reshape(shape)
+
+
+def expert_parallel(
+    model: nn.Module,
+    *,
+    group: dist.ProcessGroup | None = None,
+    dispatch: DispatchConfig | None = None,
+) -> nn.Module:
+    """Replace, in place, every supported sparse MoE block of ``model`` with an
+    ``EPSparseMoeBlock`` over ``group`` (collective: call it on every rank, same model).
+
+    Args:
+        model: a ``transformers`` model of a supported family (``SUPPORTED_BLOCKS``), the same
+            weights on every rank.
+        group: the expert-parallel group (None: the default group).
+        dispatch: how tokens move (default ``DispatchConfig()``).
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        ValueError: no supported block was found (the message names the block types seen), or
+            a block's settings cannot be expressed exactly.
+    """
+    dispatch = DispatchConfig() if dispatch is None else dispatch
+    model_config = getattr(model, "config", None)
+    targets = [
+        (name, mod) for name, mod in model.named_modules() if type(mod).__name__ in SUPPORTED_BLOCKS
+    ]
+    if not targets:
+        seen = sorted({type(m).__name__ for m in model.modules() if "Moe" in type(m).__name__})
+        raise ValueError(
+            f"no supported sparse MoE block in {type(model).__name__} (supported: "
+            f"{', '.join(SUPPORTED_BLOCKS)}; MoE-looking modules seen: {seen or 'none'})"
+        )
+    text_config = getattr(model_config, "text_config", None) or model_config
+    for name, block in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, EPSparseMoeBlock(block, text_config, group=group, dispatch=dispatch))
+    return model

@@ -1,0 +1,125 @@
+"""flexdispatch.hf.expert_parallel on tiny random-weight transformers models (no downloads):
+the sharded model on 2 gloo ranks gives the unsharded model's logits, and the gradients of the
+parameters each rank keeps equal the unsharded model's (replicated ones: the sum over ranks, as a
+data-parallel all-reduce would give; expert slices: this rank's experts).
+
+Rank r runs batch r; the reference runs every batch through the unsharded model, loss summed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers  # a pinned test dependency (pyproject.toml [test])
+
+from flexdispatch.launch import spawn_group
+
+B, S, VOCAB = 2, 5, 64
+
+
+def _model(family: str, norm_topk_prob: bool = True):
+    torch.manual_seed(7)
+    common = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32,
+        "num_experts_per_tok": 2,
+        "attn_implementation": "eager",
+    }
+    if family == "mixtral":
+        cfg = transformers.MixtralConfig(num_local_experts=4, **common)
+        model = transformers.MixtralForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen3MoeConfig(
+            num_experts=4,
+            moe_intermediate_size=24,
+            head_dim=8,
+            norm_topk_prob=norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            **common,
+        )
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    # NOTE: larger router weights than the init's std=0.02, so the top-k choice is decisive.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    return model.float().train()
+
+
+def _batches(R: int):
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, VOCAB, (R, B, S), generator=g)
+    up = torch.randn(R, B, S, VOCAB, generator=g)
+    return ids, up
+
+
+def _worker(family: str, norm: bool) -> dict:
+    import torch.distributed as dist
+
+    from flexdispatch.config import DispatchConfig
+    from flexdispatch.hf import EPSparseMoeBlock, expert_parallel
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    model = _model(family, norm)
+    routers = [id(p) for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
+    expert_parallel(model, dispatch=DispatchConfig(backend="torch"))
+    blocks = [m for m in model.modules() if isinstance(m, EPSparseMoeBlock)]
+    assert len(blocks) == 2
+    # the model's own router Parameters are kept (same objects)
+    assert [id(b.layer.router.weight) for b in blocks] == routers
+    ids, up = _batches(R)
+    logits = model(input_ids=ids[rank]).logits
+    (logits * up[rank]).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {
+        "logits": logits.detach(),
+        "grads": grads,
+        "expert_ids": list(blocks[0].layer.experts.global_expert_ids),
+    }
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("family", "norm"), [("mixtral", True), ("qwen3_moe", False), ("qwen3_moe", True)]
+)
+def test_expert_parallel_matches_unsharded(family: str, norm: bool) -> None:
+    R = 2
+    results = spawn_group(_worker, R, args=(family, norm), timeout_s=200)
+    model = _model(family, norm)
+    ids, up = _batches(R)
+    logits = [model(input_ids=ids[r]).logits for r in range(R)]
+    sum((lg * up[r]).sum() for r, lg in enumerate(logits)).backward()
+    ref = {n: p.grad for n, p in model.named_parameters()}
+    tol = {"atol": 1e-5, "rtol": 1e-4}
+    for r in range(R):
+        torch.testing.assert_close(results[r]["logits"], logits[r].detach(), **tol, msg=f"r{r}")
+    F = model.config.intermediate_size if family == "mixtral" else 24
+    replicated = [n for n in ref if ".mlp.experts." not in n]
+    for name in replicated:
+        # the kept router Parameter now lives at <block>.layer.router.weight
+        mine = name.replace(".mlp.gate.weight", ".mlp.layer.router.weight")
+        got = sum(results[r]["grads"][mine] for r in range(R))
+        torch.testing.assert_close(got, ref[name], **tol, msg=name)
+    for layer in range(2):
+        pre = f"model.layers.{layer}.mlp"
+        gu, down = ref[f"{pre}.experts.gate_up_proj"], ref[f"{pre}.experts.down_proj"]
+        for r in range(R):
+            g = results[r]["grads"]
+            e = results[r]["expert_ids"]
+            sl = slice(e[0], e[-1] + 1)
+            want = {
+                "w1": gu[sl, :F, :].transpose(1, 2),
+                "w3": gu[sl, F:, :].transpose(1, 2),
+                "w2": down[sl].transpose(1, 2),
+            }
+            for w, v in want.items():
+                torch.testing.assert_close(
+                    g[f"{pre}.layer.experts.{w}"], v, **tol, msg=f"{pre} r{r} {w}"
+                )
