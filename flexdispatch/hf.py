@@ -12,7 +12,12 @@ Supported today (transformers 5.x module layout, checked on 5.23.0):
 
 - Mixtral (``MixtralSparseMoeBlock``): softmax over all E, top-k, renormalised;
 - Qwen3-MoE (``Qwen3MoeSparseMoeBlock``): softmax over all E, top-k, renormalised only with
-  ``norm_topk_prob``.
+  ``norm_topk_prob``;
+- Qwen2-MoE (``Qwen2MoeSparseMoeBlock``): Qwen3-MoE's routing plus one shared expert (an MLP
+  of ``shared_expert_intermediate_size``) scaled by ``sigmoid(shared_expert_gate(x))``. The
+  shared expert stays whole on every rank: its weights are copied into
+  ``layer.shared_experts`` (``w1 = gate_proj.weight^T``, ``w3 = up_proj.weight^T``,
+  ``w2 = down_proj.weight^T``) and the gate keeps the model's own ``[1, H]`` Parameter.
 
 Both use ``hidden_act="silu"`` gated experts (``gate_up_proj`` ``[E, 2F, H]`` holding the gate
 rows first, ``down_proj`` ``[E, H, F]``), mapped to ``w1 = gate^T``, ``w3 = up^T``,
@@ -31,7 +36,11 @@ from flexdispatch.moe import MoELayer
 
 __all__ = ["EPSparseMoeBlock", "SUPPORTED_BLOCKS", "expert_parallel"]
 
-SUPPORTED_BLOCKS: tuple[str, ...] = ("MixtralSparseMoeBlock", "Qwen3MoeSparseMoeBlock")
+SUPPORTED_BLOCKS: tuple[str, ...] = (
+    "MixtralSparseMoeBlock",
+    "Qwen2MoeSparseMoeBlock",
+    "Qwen3MoeSparseMoeBlock",
+)
 
 
 def _router_config(block: nn.Module, model_config: object, num_experts: int) -> RouterConfig:
@@ -89,6 +98,15 @@ class EPSparseMoeBlock(nn.Module):
         router = _router_config(block, model_config, E)
         if weight.dtype == torch.float64:
             router = router.model_copy(update={"router_dtype": "fp64"})
+        shared = getattr(block, "shared_expert", None)
+        shared_gate = getattr(block, "shared_expert_gate", None)
+        extra: dict[str, object] = {}
+        if shared is not None:
+            extra = {
+                "num_shared_experts": 1,
+                "shared_expert_ffn_hidden_size": int(shared.gate_proj.weight.shape[0]),
+                "shared_expert_gate": shared_gate is not None,
+            }
         cfg = MoEConfig(
             name=name,
             hidden_size=H,
@@ -96,6 +114,7 @@ class EPSparseMoeBlock(nn.Module):
             activation="swiglu",
             router=router,
             dispatch=dispatch,
+            **extra,
         )
         self.layer = MoELayer(cfg, group=group, dtype=gate_up.dtype, device=gate_up.device)
         # NOTE: the model's own Parameter, not a copy.
@@ -107,6 +126,16 @@ class EPSparseMoeBlock(nn.Module):
             ex.w1.copy_(local_gu[:, :F_, :].transpose(1, 2))
             ex.w3.copy_(local_gu[:, F_:, :].transpose(1, 2))
             ex.w2.copy_(down.detach()[ids[0] : ids[-1] + 1].transpose(1, 2))
+        if shared is not None:
+            se = self.layer.shared_experts
+            assert se is not None
+            with torch.no_grad():
+                se.w1.copy_(shared.gate_proj.weight.t())
+                se.w3.copy_(shared.up_proj.weight.t())
+                se.w2.copy_(shared.down_proj.weight.t())
+            if shared_gate is not None:
+                # NOTE: the model's own gate Parameter ([1, H], the layout SharedExperts uses).
+                se.gate_weight = shared_gate.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape

@@ -33,6 +33,17 @@ def _model(family: str, norm_topk_prob: bool = True):
     if family == "mixtral":
         cfg = transformers.MixtralConfig(num_local_experts=4, **common)
         model = transformers.MixtralForCausalLM(cfg)
+    elif family == "qwen2_moe":
+        cfg = transformers.Qwen2MoeConfig(
+            num_experts=4,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            norm_topk_prob=norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            **common,
+        )
+        model = transformers.Qwen2MoeForCausalLM(cfg)
     else:
         cfg = transformers.Qwen3MoeConfig(
             num_experts=4,
@@ -47,7 +58,7 @@ def _model(family: str, norm_topk_prob: bool = True):
     # NOTE: larger router weights than the init's std=0.02, so the top-k choice is decisive.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith(("mlp.gate.weight", "mlp.shared_expert_gate.weight")):
                 p.normal_(0, 0.5)
     return model.float().train()
 
@@ -87,7 +98,8 @@ def _worker(family: str, norm: bool) -> dict:
 @pytest.mark.dist
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    ("family", "norm"), [("mixtral", True), ("qwen3_moe", False), ("qwen3_moe", True)]
+    ("family", "norm"),
+    [("mixtral", True), ("qwen3_moe", False), ("qwen3_moe", True), ("qwen2_moe", False)],
 )
 def test_expert_parallel_matches_unsharded(family: str, norm: bool) -> None:
     R = 2
@@ -101,12 +113,26 @@ def test_expert_parallel_matches_unsharded(family: str, norm: bool) -> None:
     for r in range(R):
         torch.testing.assert_close(results[r]["logits"], logits[r].detach(), **tol, msg=f"r{r}")
     F = model.config.intermediate_size if family == "mixtral" else 24
+    # the kept router / shared-gate Parameters now live inside <block>.layer; the shared expert's
+    # Linear weights [F, H] were copied, transposed, into layer.shared_experts.w1/w3/w2
+    moved = {
+        ".mlp.gate.weight": (".mlp.layer.router.weight", False),
+        ".mlp.shared_expert_gate.weight": (".mlp.layer.shared_experts.gate_weight", False),
+        ".mlp.shared_expert.gate_proj.weight": (".mlp.layer.shared_experts.w1", True),
+        ".mlp.shared_expert.up_proj.weight": (".mlp.layer.shared_experts.w3", True),
+        ".mlp.shared_expert.down_proj.weight": (".mlp.layer.shared_experts.w2", True),
+    }
     replicated = [n for n in ref if ".mlp.experts." not in n]
+    checked_shared = 0
     for name in replicated:
-        # the kept router Parameter now lives at <block>.layer.router.weight
-        mine = name.replace(".mlp.gate.weight", ".mlp.layer.router.weight")
+        mine, transpose = name, False
+        for old, (new, t) in moved.items():
+            if name.endswith(old):
+                mine, transpose = name.replace(old, new), t
+                checked_shared += "shared" in old
         got = sum(results[r]["grads"][mine] for r in range(R))
-        torch.testing.assert_close(got, ref[name], **tol, msg=name)
+        torch.testing.assert_close(got.t() if transpose else got, ref[name], **tol, msg=name)
+    assert checked_shared == (8 if family == "qwen2_moe" else 0)
     for layer in range(2):
         pre = f"model.layers.{layer}.mlp"
         gu, down = ref[f"{pre}.experts.gate_up_proj"], ref[f"{pre}.experts.down_proj"]
