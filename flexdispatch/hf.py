@@ -19,7 +19,13 @@ Supported today (transformers 5.x module layout, checked on 5.23.0):
   ``layer.shared_experts`` (``w1 = gate_proj.weight^T``, ``w3 = up_proj.weight^T``,
   ``w2 = down_proj.weight^T``) and the gate keeps the model's own ``[1, H]`` Parameter.
 
-Both use ``hidden_act="silu"`` gated experts (``gate_up_proj`` ``[E, 2F, H]`` holding the gate
+- gpt-oss (``GptOssMLP``): top-k of the biased logits ``x W^T + b`` (the model's own ``bias``
+  Parameter is kept too), softmax over the k; clamped GLU experts (``swiglu_oai`` with the
+  config's ``swiglu_limit`` and ``swiglu_alpha``) with biases; ``gate_up_proj`` ``[E, H, 2F]``
+  interleaves gate (even columns) and up (odd columns). The block returns
+  ``(hidden, router_scores)`` like the original.
+
+The others use ``hidden_act="silu"`` gated experts (``gate_up_proj`` ``[E, 2F, H]`` holding the gate
 rows first, ``down_proj`` ``[E, H, F]``), mapped to ``w1 = gate^T``, ``w3 = up^T``,
 ``w2 = down^T``. Router jitter noise (Mixtral, training only) is refused. Other families are
 refused with the reason.
@@ -37,6 +43,7 @@ from flexdispatch.moe import MoELayer
 __all__ = ["EPSparseMoeBlock", "SUPPORTED_BLOCKS", "expert_parallel"]
 
 SUPPORTED_BLOCKS: tuple[str, ...] = (
+    "GptOssMLP",
     "MixtralSparseMoeBlock",
     "Qwen2MoeSparseMoeBlock",
     "Qwen3MoeSparseMoeBlock",
@@ -45,6 +52,15 @@ SUPPORTED_BLOCKS: tuple[str, ...] = (
 
 def _router_config(block: nn.Module, model_config: object, num_experts: int) -> RouterConfig:
     name = type(block).__name__
+    if name == "GptOssMLP":
+        return RouterConfig(
+            num_experts=num_experts,
+            topk=int(block.router.top_k),
+            score_function="softmax",
+            use_pre_softmax=False,
+            normalize_topk=None,
+            router_bias=True,
+        )
     topk = int(block.gate.top_k)
     if name == "MixtralSparseMoeBlock":
         if float(getattr(block, "jitter_noise", 0.0) or 0.0) > 0:
@@ -82,14 +98,19 @@ class EPSparseMoeBlock(nn.Module):
     ) -> None:
         super().__init__()
         name = type(block).__name__
+        self.oai = name == "GptOssMLP"
         act = getattr(model_config, "hidden_act", "silu")
-        if act != "silu":
+        if act != "silu" and not self.oai:
             raise ValueError(f"{name}: hidden_act={act!r}; only silu (SwiGLU) experts map exactly")
-        gate_up = block.experts.gate_up_proj  # [E, 2F, H]
-        down = block.experts.down_proj  # [E, H, F]
-        E, two_f, H = gate_up.shape
+        gate_up = block.experts.gate_up_proj  # [E, 2F, H]; gpt-oss: [E, H, 2F]
+        down = block.experts.down_proj  # [E, H, F]; gpt-oss: [E, F, H]
+        if self.oai:
+            E, H, two_f = gate_up.shape
+        else:
+            E, two_f, H = gate_up.shape
         F_ = two_f // 2
-        weight = block.gate.weight
+        gate_mod = block.router if self.oai else block.gate
+        weight = gate_mod.weight
         if weight.dtype not in (torch.float32, torch.float64):
             raise ValueError(
                 f"{name}: router weight is {weight.dtype}; flexdispatch routes in fp32/fp64, "
@@ -107,25 +128,43 @@ class EPSparseMoeBlock(nn.Module):
                 "shared_expert_ffn_hidden_size": int(shared.gate_proj.weight.shape[0]),
                 "shared_expert_gate": shared_gate is not None,
             }
+        if self.oai:
+            extra = {
+                "activation": "swiglu_oai",
+                "swiglu_limit": float(block.experts.limit),
+                "swiglu_alpha": float(block.experts.alpha),
+                "expert_mlp_bias": True,
+            }
         cfg = MoEConfig(
             name=name,
             hidden_size=H,
             ffn_hidden_size=F_,
-            activation="swiglu",
             router=router,
             dispatch=dispatch,
-            **extra,
+            **({"activation": "swiglu"} | extra),
         )
         self.layer = MoELayer(cfg, group=group, dtype=gate_up.dtype, device=gate_up.device)
         # NOTE: the model's own Parameter, not a copy.
         self.layer.router.weight = weight
+        if self.oai:
+            self.layer.router.bias = gate_mod.bias
         ex = self.layer.experts
         ids = list(ex.global_expert_ids)
+        sl = slice(ids[0], ids[-1] + 1)
         with torch.no_grad():
-            local_gu = gate_up.detach()[ids[0] : ids[-1] + 1]
-            ex.w1.copy_(local_gu[:, :F_, :].transpose(1, 2))
-            ex.w3.copy_(local_gu[:, F_:, :].transpose(1, 2))
-            ex.w2.copy_(down.detach()[ids[0] : ids[-1] + 1].transpose(1, 2))
+            local_gu = gate_up.detach()[sl]
+            if self.oai:
+                gub = block.experts.gate_up_proj_bias.detach()[sl]
+                ex.w1.copy_(local_gu[..., ::2])
+                ex.w3.copy_(local_gu[..., 1::2])
+                ex.w2.copy_(down.detach()[sl])
+                ex.b1.copy_(gub[:, ::2])
+                ex.b3.copy_(gub[:, 1::2])
+                ex.b2.copy_(block.experts.down_proj_bias.detach()[sl])
+            else:
+                ex.w1.copy_(local_gu[:, :F_, :].transpose(1, 2))
+                ex.w3.copy_(local_gu[:, F_:, :].transpose(1, 2))
+                ex.w2.copy_(down.detach()[sl].transpose(1, 2))
         if shared is not None:
             se = self.layer.shared_experts
             assert se is not None
@@ -137,10 +176,13 @@ class EPSparseMoeBlock(nn.Module):
                 # NOTE: the model's own gate Parameter ([1, H], the layout SharedExperts uses).
                 se.gate_weight = shared_gate.weight
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | tuple:
         shape = hidden_states.shape
-        out = self.layer(hidden_states.reshape(-1, shape[-1])).output
-        return out.reshape(shape)
+        res = self.layer(hidden_states.reshape(-1, shape[-1]))
+        out = res.output.reshape(shape)
+        if self.oai:
+            return out, res.routing.topk_probs
+        return out
 
 
 def expert_parallel(

@@ -15,6 +15,7 @@ import transformers  # a pinned test dependency (pyproject.toml [test])
 from flexdispatch.launch import spawn_group
 
 B, S, VOCAB = 2, 5, 64
+ROUTERS = ("mlp.gate.weight", "mlp.router.weight", "mlp.router.bias")
 
 
 def _model(family: str, norm_topk_prob: bool = True):
@@ -33,6 +34,17 @@ def _model(family: str, norm_topk_prob: bool = True):
     if family == "mixtral":
         cfg = transformers.MixtralConfig(num_local_experts=4, **common)
         model = transformers.MixtralForCausalLM(cfg)
+    elif family == "gpt_oss":
+        common.pop("intermediate_size")
+        cfg = transformers.GptOssConfig(
+            num_local_experts=4,
+            intermediate_size=24,
+            head_dim=8,
+            swiglu_limit=0.5,  # small, so that the clamps bite on these weights
+            sliding_window=4,
+            **common,
+        )
+        model = transformers.GptOssForCausalLM(cfg)
     elif family == "qwen2_moe":
         cfg = transformers.Qwen2MoeConfig(
             num_experts=4,
@@ -58,8 +70,10 @@ def _model(family: str, norm_topk_prob: bool = True):
     # NOTE: larger router weights than the init's std=0.02, so the top-k choice is decisive.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("mlp.gate.weight", "mlp.shared_expert_gate.weight")):
+            if name.endswith(ROUTERS + ("mlp.shared_expert_gate.weight",)):
                 p.normal_(0, 0.5)
+            if ".mlp.experts." in name and family == "gpt_oss":
+                p.normal_(0, 0.3)
     return model.float().train()
 
 
@@ -78,12 +92,15 @@ def _worker(family: str, norm: bool) -> dict:
 
     R, rank = dist.get_world_size(), dist.get_rank()
     model = _model(family, norm)
-    routers = [id(p) for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
+    routers = [id(p) for n, p in model.named_parameters() if n.endswith(ROUTERS)]
     expert_parallel(model, dispatch=DispatchConfig(backend="torch"))
     blocks = [m for m in model.modules() if isinstance(m, EPSparseMoeBlock)]
     assert len(blocks) == 2
     # the model's own router Parameters are kept (same objects)
-    assert [id(b.layer.router.weight) for b in blocks] == routers
+    kept = [
+        id(p) for b in blocks for p in (b.layer.router.weight, b.layer.router.bias) if p is not None
+    ]
+    assert kept == routers
     ids, up = _batches(R)
     logits = model(input_ids=ids[rank]).logits
     (logits * up[rank]).sum().backward()
@@ -99,7 +116,13 @@ def _worker(family: str, norm: bool) -> dict:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     ("family", "norm"),
-    [("mixtral", True), ("qwen3_moe", False), ("qwen3_moe", True), ("qwen2_moe", False)],
+    [
+        ("mixtral", True),
+        ("qwen3_moe", False),
+        ("qwen3_moe", True),
+        ("qwen2_moe", False),
+        ("gpt_oss", False),
+    ],
 )
 def test_expert_parallel_matches_unsharded(family: str, norm: bool) -> None:
     R = 2
@@ -112,11 +135,13 @@ def test_expert_parallel_matches_unsharded(family: str, norm: bool) -> None:
     tol = {"atol": 1e-5, "rtol": 1e-4}
     for r in range(R):
         torch.testing.assert_close(results[r]["logits"], logits[r].detach(), **tol, msg=f"r{r}")
-    F = model.config.intermediate_size if family == "mixtral" else 24
+    F = model.config.intermediate_size if family in ("mixtral", "gpt_oss") else 24
     # the kept router / shared-gate Parameters now live inside <block>.layer; the shared expert's
     # Linear weights [F, H] were copied, transposed, into layer.shared_experts.w1/w3/w2
     moved = {
         ".mlp.gate.weight": (".mlp.layer.router.weight", False),
+        ".mlp.router.weight": (".mlp.layer.router.weight", False),
+        ".mlp.router.bias": (".mlp.layer.router.bias", False),
         ".mlp.shared_expert_gate.weight": (".mlp.layer.shared_experts.gate_weight", False),
         ".mlp.shared_expert.gate_proj.weight": (".mlp.layer.shared_experts.w1", True),
         ".mlp.shared_expert.up_proj.weight": (".mlp.layer.shared_experts.w3", True),
@@ -140,11 +165,22 @@ def test_expert_parallel_matches_unsharded(family: str, norm: bool) -> None:
             g = results[r]["grads"]
             e = results[r]["expert_ids"]
             sl = slice(e[0], e[-1] + 1)
-            want = {
-                "w1": gu[sl, :F, :].transpose(1, 2),
-                "w3": gu[sl, F:, :].transpose(1, 2),
-                "w2": down[sl].transpose(1, 2),
-            }
+            if family == "gpt_oss":  # [E, H, 2F], gate/up interleaved; biases
+                gub = ref[f"{pre}.experts.gate_up_proj_bias"]
+                want = {
+                    "w1": gu[sl, :, ::2],
+                    "w3": gu[sl, :, 1::2],
+                    "w2": down[sl],
+                    "b1": gub[sl, ::2],
+                    "b3": gub[sl, 1::2],
+                    "b2": ref[f"{pre}.experts.down_proj_bias"][sl],
+                }
+            else:
+                want = {
+                    "w1": gu[sl, :F, :].transpose(1, 2),
+                    "w3": gu[sl, F:, :].transpose(1, 2),
+                    "w2": down[sl].transpose(1, 2),
+                }
             for w, v in want.items():
                 torch.testing.assert_close(
                     g[f"{pre}.layer.experts.{w}"], v, **tol, msg=f"{pre} r{r} {w}"
@@ -187,7 +223,7 @@ def _host_syncs(model) -> int:
 
 @pytest.mark.dist
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss"])
 def test_generate_worst_case_matches_unsharded(family: str) -> None:
     """Greedy ``generate()`` of a few tokens with static-shape (worst-case) dispatch gives the
     unsharded model's tokens on every rank, with no host sync in the dispatch."""
