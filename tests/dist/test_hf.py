@@ -1,5 +1,5 @@
 """flexdispatch.hf.expert_parallel on tiny random-weight transformers models (no downloads):
-the sharded model on 2 gloo ranks gives the unsharded model's logits, and the gradients of the
+the sharded model on 2 and 4 gloo ranks gives the unsharded model's logits, and the gradients of the
 parameters each rank keeps equal the unsharded model's (replicated ones: the sum over ranks, as a
 data-parallel all-reduce would give; expert slices: this rank's experts).
 
@@ -115,17 +115,18 @@ def _worker(family: str, norm: bool) -> dict:
 @pytest.mark.dist
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    ("family", "norm"),
+    ("family", "norm", "R"),
     [
-        ("mixtral", True),
-        ("qwen3_moe", False),
-        ("qwen3_moe", True),
-        ("qwen2_moe", False),
-        ("gpt_oss", False),
+        ("mixtral", True, 2),
+        ("qwen3_moe", False, 2),
+        ("qwen3_moe", True, 2),
+        ("qwen2_moe", False, 2),
+        ("gpt_oss", False, 2),
+        ("mixtral", True, 4),
+        ("qwen2_moe", False, 4),
     ],
 )
-def test_expert_parallel_matches_unsharded(family: str, norm: bool) -> None:
-    R = 2
+def test_expert_parallel_matches_unsharded(family: str, norm: bool, R: int) -> None:
     results = spawn_group(_worker, R, args=(family, norm), timeout_s=200)
     model = _model(family, norm)
     ids, up = _batches(R)
