@@ -19,6 +19,13 @@ Supported today (transformers 5.x module layout, checked on 5.23.0):
   ``layer.shared_experts`` (``w1 = gate_proj.weight^T``, ``w3 = up_proj.weight^T``,
   ``w2 = down_proj.weight^T``) and the gate keeps the model's own ``[1, H]`` Parameter.
 
+- DeepSeek-V3 (``DeepseekV3MoE``): sigmoid scores, the ``e_score_correction_bias`` for the
+  choice only (copied into the router's ``expert_bias``), group-limited routing (``n_group``,
+  ``topk_group``, groups ranked by the sum of their top-2 scores: exact when
+  ``num_experts_per_tok / topk_group == 2``, refused otherwise), ``norm_topk_prob``,
+  ``routed_scaling_factor``; the shared experts (one MLP of ``n_shared_experts *
+  moe_intermediate_size``, ungated) stay whole, copied like Qwen2-MoE's; dense first layers
+  are left alone;
 - gpt-oss (``GptOssMLP``): top-k of the biased logits ``x W^T + b`` (the model's own ``bias``
   Parameter is kept too), softmax over the k; clamped GLU experts (``swiglu_oai`` with the
   config's ``swiglu_limit`` and ``swiglu_alpha``) with biases; ``gate_up_proj`` ``[E, H, 2F]``
@@ -43,6 +50,7 @@ from flexdispatch.moe import MoELayer
 __all__ = ["EPSparseMoeBlock", "SUPPORTED_BLOCKS", "expert_parallel"]
 
 SUPPORTED_BLOCKS: tuple[str, ...] = (
+    "DeepseekV3MoE",
     "GptOssMLP",
     "MixtralSparseMoeBlock",
     "Qwen2MoeSparseMoeBlock",
@@ -62,6 +70,25 @@ def _router_config(block: nn.Module, model_config: object, num_experts: int) -> 
             router_bias=True,
         )
     topk = int(block.gate.top_k)
+    if name == "DeepseekV3MoE":
+        gate = block.gate
+        groups, kept = int(gate.num_group), int(gate.topk_group)
+        if groups > 1 and topk != 2 * kept:
+            raise ValueError(
+                f"DeepseekV3MoE ranks groups by their top-2 scores; flexdispatch sums the top "
+                f"num_experts_per_tok / topk_group = {topk}/{kept}: exact only when that is 2"
+            )
+        return RouterConfig(
+            num_experts=num_experts,
+            topk=topk,
+            score_function="sigmoid",
+            num_groups=groups if groups > 1 else None,
+            group_topk=kept if groups > 1 else None,
+            group_score="sum_topk",
+            normalize_topk=bool(gate.norm_topk_prob),
+            scaling_factor=float(gate.routed_scaling_factor),
+            enable_expert_bias=True,
+        )
     if name == "MixtralSparseMoeBlock":
         if float(getattr(block, "jitter_noise", 0.0) or 0.0) > 0:
             raise ValueError(
@@ -119,7 +146,7 @@ class EPSparseMoeBlock(nn.Module):
         router = _router_config(block, model_config, E)
         if weight.dtype == torch.float64:
             router = router.model_copy(update={"router_dtype": "fp64"})
-        shared = getattr(block, "shared_expert", None)
+        shared = getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None)
         shared_gate = getattr(block, "shared_expert_gate", None)
         extra: dict[str, object] = {}
         if shared is not None:
@@ -148,6 +175,11 @@ class EPSparseMoeBlock(nn.Module):
         self.layer.router.weight = weight
         if self.oai:
             self.layer.router.bias = gate_mod.bias
+        correction = getattr(gate_mod, "e_score_correction_bias", None)
+        if correction is not None:
+            assert self.layer.router.expert_bias is not None
+            with torch.no_grad():
+                self.layer.router.expert_bias.copy_(correction.float())
         ex = self.layer.experts
         ids = list(ex.global_expert_ids)
         sl = slice(ids[0], ids[-1] + 1)

@@ -34,6 +34,35 @@ def _model(family: str, norm_topk_prob: bool = True):
     if family == "mixtral":
         cfg = transformers.MixtralConfig(num_local_experts=4, **common)
         model = transformers.MixtralForCausalLM(cfg)
+    elif family == "deepseek_v3":
+        common.pop("intermediate_size")
+        cfg = transformers.DeepseekV3Config(
+            intermediate_size=40,  # the dense first layer's MLP
+            moe_intermediate_size=16,
+            n_routed_experts=8,
+            n_shared_experts=2,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=1,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+            **{
+                **common,
+                "num_experts_per_tok": 4,
+                "num_hidden_layers": 3,
+                "num_key_value_heads": 4,
+            },
+        )
+        model = transformers.DeepseekV3ForCausalLM(cfg)
+        with torch.no_grad():  # a non-zero selection bias
+            for name, buf in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buf.copy_(torch.linspace(-0.3, 0.3, buf.numel()))
     elif family == "gpt_oss":
         common.pop("intermediate_size")
         cfg = transformers.GptOssConfig(
@@ -95,7 +124,7 @@ def _worker(family: str, norm: bool) -> dict:
     routers = [id(p) for n, p in model.named_parameters() if n.endswith(ROUTERS)]
     expert_parallel(model, dispatch=DispatchConfig(backend="torch"))
     blocks = [m for m in model.modules() if isinstance(m, EPSparseMoeBlock)]
-    assert len(blocks) == 2
+    assert len(blocks) == 2  # deepseek_v3: layer 0 stays dense
     # the model's own router Parameters are kept (same objects)
     kept = [
         id(p) for b in blocks for p in (b.layer.router.weight, b.layer.router.bias) if p is not None
@@ -122,6 +151,7 @@ def _worker(family: str, norm: bool) -> dict:
         ("qwen3_moe", True, 2),
         ("qwen2_moe", False, 2),
         ("gpt_oss", False, 2),
+        ("deepseek_v3", False, 2),
         ("mixtral", True, 4),
         ("qwen2_moe", False, 4),
     ],
@@ -136,7 +166,8 @@ def test_expert_parallel_matches_unsharded(family: str, norm: bool, R: int) -> N
     tol = {"atol": 1e-5, "rtol": 1e-4}
     for r in range(R):
         torch.testing.assert_close(results[r]["logits"], logits[r].detach(), **tol, msg=f"r{r}")
-    F = model.config.intermediate_size if family in ("mixtral", "gpt_oss") else 24
+    F = {"mixtral": 48, "gpt_oss": 24, "deepseek_v3": 16}.get(family, 24)
+    moe_layers = [1, 2] if family == "deepseek_v3" else [0, 1]
     # the kept router / shared-gate Parameters now live inside <block>.layer; the shared expert's
     # Linear weights [F, H] were copied, transposed, into layer.shared_experts.w1/w3/w2
     moved = {
@@ -147,6 +178,9 @@ def test_expert_parallel_matches_unsharded(family: str, norm: bool, R: int) -> N
         ".mlp.shared_expert.gate_proj.weight": (".mlp.layer.shared_experts.w1", True),
         ".mlp.shared_expert.up_proj.weight": (".mlp.layer.shared_experts.w3", True),
         ".mlp.shared_expert.down_proj.weight": (".mlp.layer.shared_experts.w2", True),
+        ".mlp.shared_experts.gate_proj.weight": (".mlp.layer.shared_experts.w1", True),
+        ".mlp.shared_experts.up_proj.weight": (".mlp.layer.shared_experts.w3", True),
+        ".mlp.shared_experts.down_proj.weight": (".mlp.layer.shared_experts.w2", True),
     }
     replicated = [n for n in ref if ".mlp.experts." not in n]
     checked_shared = 0
@@ -158,8 +192,8 @@ def test_expert_parallel_matches_unsharded(family: str, norm: bool, R: int) -> N
                 checked_shared += "shared" in old
         got = sum(results[r]["grads"][mine] for r in range(R))
         torch.testing.assert_close(got.t() if transpose else got, ref[name], **tol, msg=name)
-    assert checked_shared == (8 if family == "qwen2_moe" else 0)
-    for layer in range(2):
+    assert checked_shared == {"qwen2_moe": 8, "deepseek_v3": 6}.get(family, 0)
+    for layer in moe_layers:
         pre = f"model.layers.{layer}.mlp"
         gu, down = ref[f"{pre}.experts.gate_up_proj"], ref[f"{pre}.experts.down_proj"]
         for r in range(R):
