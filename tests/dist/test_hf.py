@@ -258,7 +258,7 @@ def _host_syncs(model) -> int:
 
 @pytest.mark.dist
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3"])
 def test_generate_worst_case_matches_unsharded(family: str) -> None:
     """Greedy ``generate()`` of a few tokens with static-shape (worst-case) dispatch gives the
     unsharded model's tokens on every rank, with no host sync in the dispatch."""
