@@ -5,8 +5,9 @@ k top-k · M rows received by this rank · W worst-case rows.
 
 The forward path (ARCHITECTURE.md): ``hidden [.., H]`` → router → ``[T, k]`` ids/probs →
 dispatch → ``recv_x [M, H]`` → permute by local expert → grouped experts (probs applied inside) →
-unpermute (sum per received row) → combine → ``[T, H]``. The communication belongs to the
-dispatcher, the math to the experts; this class only wires them.
+unpermute (sum per received row) → combine → ``[T, H]``, plus the shared experts (when the
+config has them) run locally on all ``T`` tokens and added after the combine. The communication
+belongs to the dispatcher, the math to the experts; this class only wires them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from flexdispatch._validate import check_tensor
 from flexdispatch.config import MoEConfig
 from flexdispatch.dispatcher import FlexDispatcher
 from flexdispatch.distributed import check_fingerprint
-from flexdispatch.experts import GroupedExperts
+from flexdispatch.experts import GroupedExperts, SharedExperts
 from flexdispatch.permutation import permute, unpermute
 from flexdispatch.routing import TopKRouter
 from flexdispatch.types import DispatchResult, RoutingResult
@@ -60,7 +61,22 @@ class MoELayer(nn.Module):
 
     Parameters are drawn from ``seed`` so that every rank (and a single-process reference) gets
     the same values: the router weight from ``torch.manual_seed(seed)`` (restored afterwards),
-    expert ``g`` from ``init_expert_weights(g, seed)``.
+    expert ``g`` from ``init_expert_weights(g, seed)`` (biases too with ``expert_mlp_bias``),
+    the shared experts from ``SharedExperts.reset_parameters_from_seed(seed, E)``.
+
+    The experts follow ``config.activation`` (with ``swiglu_limit`` / ``swiglu_alpha``),
+    ``expert_mlp_bias`` and ``probs_on_input`` (routing weight multiplied into the expert
+    input, Llama-4). With ``num_shared_experts > 0``, ``shared_experts`` is one fused dense MLP
+    of ``F = shared_expert_ffn_hidden_size`` (default ``num_shared_experts * ffn_hidden_size``)
+    with the layer's activation and no bias, replicated on every rank (its gradients are this
+    rank's tokens' share, like the router's), gated by ``sigmoid(x @ gate_weight.T)`` when
+    ``shared_expert_gate``. ``output = combine(routed) + shared(x)``.
+
+    Overlap: the shared MLP is issued after ``dispatch`` returns and before the routed experts
+    and ``combine``, so that a dispatch still in flight would overlap it. With the backends
+    shipped today nothing actually overlaps: the torch backends finish their all-to-all before
+    ``dispatch`` returns, and DeepEP's ``async_finish`` makes the compute stream wait on the
+    dispatch event inside ``dispatch``.
 
     Args:
         config: the layer configuration.
@@ -115,11 +131,36 @@ class MoELayer(nn.Module):
             config.hidden_size,
             config.ffn_hidden_size,
             activation=config.activation,
+            swiglu_limit=config.swiglu_limit,
+            swiglu_alpha=config.swiglu_alpha,
+            bias=config.expert_mlp_bias,
+            probs_on_input=config.probs_on_input,
             dtype=dtype,
             device=device,
             first_expert=rank * e,
         )
         self.experts.reset_parameters_from_seed(seed)
+        self.shared_experts: SharedExperts | None = None
+        if config.num_shared_experts > 0:
+            self.shared_experts = SharedExperts(
+                config.hidden_size,
+                self.shared_ffn_hidden_size,
+                activation=config.activation,
+                swiglu_limit=config.swiglu_limit,
+                swiglu_alpha=config.swiglu_alpha,
+                gate=config.shared_expert_gate,
+                dtype=dtype,
+                device=device,
+            )
+            self.shared_experts.reset_parameters_from_seed(seed, config.router.num_experts)
+
+    @property
+    def shared_ffn_hidden_size(self) -> int:
+        """F of the fused shared-expert MLP (0 without shared experts)."""
+        c = self.config
+        if c.num_shared_experts == 0:
+            return 0
+        return c.shared_expert_ffn_hidden_size or c.num_shared_experts * c.ffn_hidden_size
 
     @property
     def backend_name(self) -> str:
@@ -158,6 +199,8 @@ class MoELayer(nn.Module):
             hidden, token_ids=token_ids, checks=self.config.dispatch.checks or None
         )
         res = self.dispatcher.dispatch(x_TH, routing.topk_idx, routing.topk_probs)
+        # NOTE: issued between dispatch and combine (see the class docstring on overlap).
+        shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH)
         M, k = res.recv_topk_idx.shape
         e = self.num_local_experts
         static_rows = None
@@ -176,6 +219,8 @@ class MoELayer(nn.Module):
         y = self.experts(perm.x, perm.padded_tokens_per_expert, perm.probs)
         rows_MH = unpermute(y, perm)
         out_TH = self.dispatcher.combine(rows_MH, res.handle)
+        if shared_TH is not None:
+            out_TH = out_TH + shared_TH
         return MoEOutput(
             output=out_TH.reshape(hidden.shape),
             aux_loss=routing.aux_loss,

@@ -34,7 +34,8 @@ _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
 class _GatingLinear(torch.autograd.Function):
-    """``x.to(rd) @ W.to(rd).T`` that saves only the original ``x`` and ``W`` (no ``rd`` copy).
+    """``x.to(rd) @ W.to(rd).T (+ b.to(rd))`` that saves only the original ``x`` and ``W`` (no
+    ``rd`` copy; the bias is not needed for backward).
 
     A bf16 ``x`` of ``[T, H]`` would otherwise keep an fp32 copy of itself alive until backward;
     here the cast is recomputed in backward, and each gradient comes back in its input's dtype.
@@ -45,34 +46,47 @@ class _GatingLinear(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx,
         x_TH: torch.Tensor,
         weight_EH: torch.Tensor,
+        bias_E: torch.Tensor | None,
         router_dtype: torch.dtype,
     ) -> torch.Tensor:
         ctx.save_for_backward(x_TH, weight_EH)
         ctx.router_dtype = router_dtype  # type: ignore[attr-defined]
-        return torch.matmul(x_TH.to(router_dtype), weight_EH.to(router_dtype).t())
+        ctx.bias_dtype = None if bias_E is None else bias_E.dtype  # type: ignore[attr-defined]
+        logits = torch.matmul(x_TH.to(router_dtype), weight_EH.to(router_dtype).t())
+        if bias_E is not None:
+            logits = logits + bias_E.to(router_dtype)
+        return logits
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad_TE: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
         x_TH, weight_EH = ctx.saved_tensors  # type: ignore[attr-defined]
         rd = ctx.router_dtype  # type: ignore[attr-defined]
         grad_TE = grad_TE.to(rd)
-        grad_x = grad_w = None
+        grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:  # type: ignore[attr-defined]
             grad_x = torch.matmul(grad_TE, weight_EH.to(rd)).to(x_TH.dtype)
         if ctx.needs_input_grad[1]:  # type: ignore[attr-defined]
             grad_w = torch.matmul(grad_TE.t(), x_TH.to(rd)).to(weight_EH.dtype)
-        return grad_x, grad_w, None
+        if ctx.needs_input_grad[2]:  # type: ignore[attr-defined]
+            grad_b = grad_TE.sum(0).to(ctx.bias_dtype)  # type: ignore[attr-defined]
+        return grad_x, grad_w, grad_b, None
 
 
-def gating_linear(x: torch.Tensor, weight: torch.Tensor, router_dtype: torch.dtype) -> torch.Tensor:
-    """Router logits ``[T, E]`` in ``router_dtype`` from ``x`` ``[T, H]`` and ``weight`` ``[E, H]``.
+def gating_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    router_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Router logits ``[T, E]`` in ``router_dtype`` from ``x`` ``[T, H]``, ``weight`` ``[E, H]``
+    and an optional ``bias`` ``[E]`` added to the logits (gpt-oss's router).
 
     Memory-saving: only the original (possibly bf16) ``x`` and ``weight`` are kept for backward;
     the gradients come back in their own dtypes.
     """
-    return _GatingLinear.apply(x, weight, router_dtype)
+    return _GatingLinear.apply(x, weight, bias, router_dtype)
 
 
 class TopKRouter(nn.Module):
@@ -83,6 +97,9 @@ class TopKRouter(nn.Module):
     - ``weight``: ``[E, H]`` Parameter in the router dtype (fp32, or fp64 for
       ``router_dtype="fp64"``), initialised from torch's global RNG with ``normal(0, 0.02)``
       (``reset_parameters``), so ``torch.manual_seed`` makes it reproducible.
+    - ``bias``: ``[E]`` Parameter in the router dtype, added to the logits, when
+      ``router_bias`` (gpt-oss); initialised to zeros (no draw, so ``weight`` is the same with
+      or without it); None otherwise.
     - ``expert_bias`` ``[E]`` fp32 (persistent) and ``local_tokens_per_expert`` ``[E]`` int64
       (not persistent) when ``enable_expert_bias``: counts after capacity dropping accumulate on
       the device in every training-mode forward; :meth:`update_expert_bias` applies them.
@@ -126,6 +143,10 @@ class TopKRouter(nn.Module):
         self.aux_loss_scale = 1.0
         E = config.num_experts
         self.weight = nn.Parameter(torch.empty(E, hidden_size, dtype=self.router_dtype))
+        if config.router_bias:
+            self.bias = nn.Parameter(torch.empty(E, dtype=self.router_dtype))
+        else:
+            self.register_parameter("bias", None)
         self.reset_parameters()
         if config.enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32))
@@ -142,14 +163,17 @@ class TopKRouter(nn.Module):
             self.register_buffer("ga_steps", torch.zeros((), dtype=torch.int64), persistent=False)
 
     def reset_parameters(self) -> None:
-        """Draw ``weight`` from ``normal(0, 0.02)`` with torch's global RNG."""
+        """Draw ``weight`` from ``normal(0, 0.02)`` with torch's global RNG; zero ``bias``."""
         nn.init.normal_(self.weight, mean=0.0, std=0.02)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def extra_repr(self) -> str:
         c = self.config
         return (
             f"hidden_size={self.hidden_size}, num_experts={c.num_experts}, topk={c.topk}, "
-            f"score_function={c.score_function}, router_type={c.router_type}"
+            f"score_function={c.score_function}, router_type={c.router_type}, "
+            f"router_bias={c.router_bias}"
         )
 
     # ------------------------------------------------------------------ forward
@@ -203,7 +227,7 @@ class TopKRouter(nn.Module):
         if cfg.router_type == "hash":
             return self._hash_forward(x_TH, token_ids, checks)
 
-        logits_TE = gating_linear(x_TH, self.weight, self.router_dtype)
+        logits_TE = gating_linear(x_TH, self.weight, self.router_dtype, self.bias)
         result = topk_routing(
             logits_TE,
             topk=cfg.topk,
@@ -253,7 +277,7 @@ class TopKRouter(nn.Module):
             )
         from flexdispatch.routing.hash import hash_routing
 
-        logits_TE = gating_linear(x_TH, self.weight, self.router_dtype)
+        logits_TE = gating_linear(x_TH, self.weight, self.router_dtype, self.bias)
         return hash_routing(
             token_ids.reshape(-1),
             num_experts=cfg.num_experts,

@@ -177,3 +177,172 @@ def test_dropless_layer_syncs_once_per_forward(monkeypatch: pytest.MonkeyPatch) 
     assert got.dispatch.num_recv_pairs == int((got.dispatch.recv_topk_idx >= 0).sum())
     torch.testing.assert_close(got.output, want)
     assert layer.dispatcher.stats.host_syncs == 2  # one per dispatch, two forwards
+
+
+# ------------------------------------------------------- MLP variants and shared experts
+
+VARIANTS = {
+    # Qwen2-MoE-like: two shared experts fused (F = 2 * ffn_hidden_size) behind a sigmoid gate
+    "shared-gate": {"num_shared_experts": 2, "shared_expert_gate": True},
+    # gpt-oss-like: clamped GLU with alpha, expert biases, router bias (+ an ungated shared MLP);
+    # the small limit makes the clamps bite on these activations
+    "oai-bias": {
+        "activation": "swiglu_oai",
+        "swiglu_limit": 0.05,
+        "swiglu_alpha": 1.702,
+        "expert_mlp_bias": True,
+        "num_shared_experts": 1,
+        "shared_expert_ffn_hidden_size": 32,
+        "router": {"router_bias": True},
+    },
+    # Llama-4-like: top-1 sigmoid weight on the expert input, plus a gated shared expert; relu2
+    "input-probs": {
+        "activation": "relu2",
+        "probs_on_input": True,
+        "num_shared_experts": 1,
+        "shared_expert_gate": True,
+        "router": {"topk": 1, "num_groups": None, "group_topk": None},
+    },
+}
+
+
+def _variant_config(R: int, worst: bool, variant: str):
+    cfg = _config(R, 1, False, worst, "swiglu")
+    update = dict(VARIANTS[variant])
+    router_update = update.pop("router", {})
+    router = cfg.router.model_copy(update=router_update)
+    # NOTE: validated again (model_copy does not run the validators).
+    return type(cfg).model_validate({**cfg.model_dump(), **update, "router": router.model_dump()})
+
+
+def _variant_worker(variant: str) -> dict:
+    import torch.distributed as dist
+
+    from flexdispatch.moe import MoELayer
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for worst in (False, True):
+        cfg = _variant_config(R, worst, variant)
+        layer = MoELayer(cfg, seed=SEED)
+        with torch.no_grad():  # a non-zero router bias, the same on every rank
+            if layer.router.bias is not None:
+                layer.router.bias.copy_(torch.linspace(-0.05, 0.05, cfg.router.num_experts))
+        x_all, g_all = _inputs(R, cfg.hidden_size)
+        x = x_all[rank].clone().requires_grad_(True)
+        res = layer(x)
+        (res.output * g_all[rank]).sum().backward()
+        out[worst] = {
+            "output": res.output.detach(),
+            "grad_x": x.grad,
+            "router": {k: p.grad for k, p in layer.router.named_parameters()},
+            "experts": {k: p.grad for k, p in layer.experts.named_parameters()},
+            "shared": {k: p.grad for k, p in layer.shared_experts.named_parameters()},
+        }
+    return out
+
+
+def _variant_reference(R: int, variant: str) -> dict:
+    from flexdispatch.experts import SharedExperts
+    from flexdispatch.reference import dense_moe_reference
+
+    cfg = _variant_config(R, False, variant)
+    E, H = cfg.router.num_experts, cfg.hidden_size
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        router = TopKRouter(cfg.router, H)
+    with torch.no_grad():
+        if router.bias is not None:
+            router.bias.copy_(torch.linspace(-0.05, 0.05, E))
+    ws = [
+        init_expert_weights(
+            g,
+            SEED,
+            hidden_size=H,
+            ffn_hidden_size=cfg.ffn_hidden_size,
+            activation=cfg.activation,
+            bias=cfg.expert_mlp_bias,
+        )
+        for g in range(E)
+    ]
+    experts = {
+        name: None
+        if getattr(ws[0], name) is None
+        else torch.stack([getattr(w, name) for w in ws]).requires_grad_(True)
+        for name in ("w1", "w2", "w3", "b1", "b2", "b3")
+    }
+    fs = cfg.shared_expert_ffn_hidden_size or cfg.num_shared_experts * cfg.ffn_hidden_size
+    shared = SharedExperts(
+        H,
+        fs,
+        activation=cfg.activation,
+        swiglu_limit=cfg.swiglu_limit,
+        swiglu_alpha=cfg.swiglu_alpha,
+        gate=cfg.shared_expert_gate,
+    )
+    shared.reset_parameters_from_seed(SEED, E)
+    sp = dict(shared.named_parameters())
+    x_all, g_all = _inputs(R, H)
+    x_all = x_all.clone().requires_grad_(True)
+    outs = []
+    for r in range(R):
+        routing = router(x_all[r])
+        y = dense_moe_reference(
+            x_all[r],
+            routing.topk_idx,
+            routing.topk_probs,
+            experts["w1"],
+            experts["w2"],
+            experts["w3"],
+            cfg.activation,
+            b1=experts["b1"],
+            b2=experts["b2"],
+            b3=experts["b3"],
+            swiglu_limit=cfg.swiglu_limit,
+            swiglu_alpha=cfg.swiglu_alpha,
+            probs_on_input=cfg.probs_on_input,
+            shared_w1=sp["w1"],
+            shared_w2=sp["w2"],
+            shared_w3=sp.get("w3"),
+            shared_gate_weight=sp.get("gate_weight"),
+        )
+        (y * g_all[r]).sum().backward()
+        outs.append(y.detach())
+    return {
+        "outputs": outs,
+        "grad_x": x_all.grad,
+        "router": {k: p.grad for k, p in router.named_parameters()},
+        "experts": {k: None if v is None else v.grad for k, v in experts.items()},
+        "shared": {k: p.grad for k, p in sp.items()},
+    }
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_moe_layer_variants_and_shared_experts_match_reference(variant: str) -> None:
+    """Shared experts (+ sigmoid gate), clamped/biased experts, router bias and input-side probs
+    on 2 gloo ranks, dropless and worst-case: output and every gradient equal the dense
+    single-process reference's (replicated parameters: the sum over ranks)."""
+    R = 2
+    results = spawn_group(_variant_worker, R, args=(variant,), timeout_s=200)
+    ref = _variant_reference(R, variant)
+    e = ref["experts"]["w1"].shape[0] // R
+    tol = {"atol": 2e-5, "rtol": 1e-4}
+    for worst in (False, True):
+        for r in range(R):
+            got = results[r][worst]
+            msg = f"{variant} worst={worst} r{r}"
+            torch.testing.assert_close(got["output"], ref["outputs"][r], **tol, msg=msg)
+            torch.testing.assert_close(got["grad_x"], ref["grad_x"][r], **tol, msg=msg)
+            for name, want in ref["experts"].items():
+                if want is None:
+                    assert got["experts"].get(name) is None, (msg, name)
+                    continue
+                want_r = want[r * e : (r + 1) * e]
+                torch.testing.assert_close(got["experts"][name], want_r, **tol, msg=msg + name)
+        for group in ("router", "shared"):
+            assert set(results[0][worst][group]) == set(ref[group]), group
+            for name, want in ref[group].items():
+                summed = sum(results[r][worst][group][name] for r in range(R))
+                torch.testing.assert_close(summed, want, **tol, msg=f"{variant} {group}.{name}")

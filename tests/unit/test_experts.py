@@ -16,6 +16,7 @@ from torch.func import functional_call
 
 from flexdispatch.experts import (
     ACTIVATIONS,
+    GATED_ACTIVATIONS,
     GroupedExperts,
     expert_seed,
     grouped_mm_support,
@@ -36,10 +37,42 @@ SIZE_CASES = [
 ]
 
 
-def _act(name: str, a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+# the expert variants checked against the per-row reference: activation plus its options; the
+# limits are small enough that x @ w1 and x @ w3 (|.| ~ 0.6 here) do get clamped
+VARIANTS = [pytest.param({"activation": a}, id=a) for a in ACTIVATIONS if a != "swiglu_oai"] + [
+    pytest.param({"activation": "swiglu_oai", "swiglu_limit": 0.4}, id="swiglu_oai"),
+    pytest.param(
+        {"activation": "swiglu_oai", "swiglu_limit": 0.3, "swiglu_alpha": 2.5, "bias": True},
+        id="swiglu_oai-alpha-bias",
+    ),
+    pytest.param({"activation": "swiglu", "swiglu_limit": 0.3}, id="swiglu-limit"),
+    pytest.param({"activation": "swiglu", "bias": True}, id="swiglu-bias"),
+    pytest.param({"activation": "relu2", "bias": True}, id="relu2-bias"),
+    pytest.param({"activation": "gelu", "probs_on_input": True}, id="gelu-probs_on_input"),
+    pytest.param(
+        {"activation": "swiglu", "bias": True, "probs_on_input": True},
+        id="swiglu-bias-probs_on_input",
+    ),
+]
+
+
+def _act(
+    name: str,
+    a: torch.Tensor,
+    b: torch.Tensor | None,
+    limit: float | None = None,
+    alpha: float | None = None,
+) -> torch.Tensor:
     """Activations from their formulas (independent of torch.nn.functional)."""
+    if limit is not None:
+        a = torch.minimum(a, torch.full_like(a, limit))
+        b = torch.maximum(torch.minimum(b, torch.full_like(b, limit)), torch.full_like(b, -limit))
     if name == "swiglu":
         return a * torch.sigmoid(a) * b
+    if name == "swiglu_oai":
+        return a / (1 + torch.exp(-(1.702 if alpha is None else alpha) * a)) * (b + 1)
+    if name == "relu2":
+        return a.clamp_min(0) * a.clamp_min(0)
     if name == "silu":
         return a * torch.sigmoid(a)
     if name == "gelu":
@@ -49,9 +82,14 @@ def _act(name: str, a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     raise AssertionError(name)
 
 
-def per_row_reference(x, sizes, probs, w1, w2, w3, activation):
-    """Row by row: find the row's expert from the sizes, run that expert's MLP on it alone."""
+def per_row_reference(x, sizes, probs, w1, w2, w3, activation, **opts):
+    """Row by row: find the row's expert from the sizes, run that expert's MLP on it alone.
+
+    ``opts``: ``swiglu_limit``, ``swiglu_alpha``, biases ``b1``/``b2``/``b3`` (``[e, .]`` or
+    None) and ``probs_on_input``."""
     owner = [j for j, n in enumerate(sizes) for _ in range(n)]
+    b1, b2, b3 = opts.get("b1"), opts.get("b2"), opts.get("b3")
+    on_input = opts.get("probs_on_input", False)
     rows = []
     for i in range(x.shape[0]):
         if i >= len(owner):
@@ -59,15 +97,20 @@ def per_row_reference(x, sizes, probs, w1, w2, w3, activation):
             continue
         j = owner[i]
         xi = x[i : i + 1]
-        y = _act(activation, xi @ w1[j], None if w3 is None else xi @ w3[j]) @ w2[j]
-        if probs is not None:
+        if probs is not None and on_input:
+            xi = xi * probs[i]
+        a = xi @ w1[j] + (0 if b1 is None else b1[j])
+        b = None if w3 is None else xi @ w3[j] + (0 if b3 is None else b3[j])
+        act = _act(activation, a, b, opts.get("swiglu_limit"), opts.get("swiglu_alpha"))
+        y = act @ w2[j] + (0 if b2 is None else b2[j])
+        if probs is not None and not on_input:
             y = y * probs[i]
         rows.append(y)
     return torch.cat([*rows, x.new_zeros(0, x.shape[1])])
 
 
-def _module(activation="swiglu", grouped=None, dtype=torch.float32, e=4, seed=3):
-    m = GroupedExperts(e, H, F, activation=activation, dtype=dtype, use_grouped_mm=grouped)
+def _module(activation="swiglu", grouped=None, dtype=torch.float32, e=4, seed=3, **opts):
+    m = GroupedExperts(e, H, F, activation=activation, dtype=dtype, use_grouped_mm=grouped, **opts)
     m.reset_parameters_from_seed(seed)
     return m
 
@@ -102,7 +145,19 @@ def _reference_and_grads(module, x, tpe, probs):
     xd = x.detach().cpu().double().requires_grad_(True)
     pd = probs.detach().cpu().double().requires_grad_(True)
     y = per_row_reference(
-        xd, tpe.tolist(), pd, params["w1"], params["w2"], params.get("w3"), module.activation
+        xd,
+        tpe.tolist(),
+        pd,
+        params["w1"],
+        params["w2"],
+        params.get("w3"),
+        module.activation,
+        b1=params.get("b1"),
+        b2=params.get("b2"),
+        b3=params.get("b3"),
+        swiglu_limit=module.swiglu_limit,
+        swiglu_alpha=module.swiglu_alpha,
+        probs_on_input=module.probs_on_input,
     )
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(99)).to(x.dtype).double()
     if y.requires_grad:  # False when no row reaches an expert
@@ -134,10 +189,10 @@ def _on_device(module, device, grouped, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("grouped", _paths())
-@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(("sizes", "N"), SIZE_CASES)
-def test_forward_backward_match_per_row_reference(grouped, activation, sizes, N, device):
-    m = _on_device(_module(activation, grouped), device, grouped)
+def test_forward_backward_match_per_row_reference(grouped, variant, sizes, N, device):
+    m = _on_device(_module(grouped=grouped, **variant), device, grouped)
     x, tpe, probs = _inputs(sizes, N)
     x, tpe, probs = x.to(device), tpe.to(device), probs.to(device)
     y, grads = _run_and_grads(m, x, tpe, probs)
@@ -145,7 +200,10 @@ def test_forward_backward_match_per_row_reference(grouped, activation, sizes, N,
     assert y.dtype == torch.float32 and y.shape == (N, H) and y.device == device
     # NOTE: 1e-5 relies on torch's default of no TF32 in fp32 CUDA matmuls.
     torch.testing.assert_close(y.cpu().double(), y_ref, rtol=1e-5, atol=1e-5)
-    expected = {"x", "probs", "w1", "w2"} | ({"w3"} if activation == "swiglu" else set())
+    gated = variant["activation"] in GATED_ACTIVATIONS
+    expected = {"x", "probs", "w1", "w2"} | ({"w3"} if gated else set())
+    if variant.get("bias"):
+        expected |= {"b1", "b2"} | ({"b3"} if gated else set())
     assert set(grads) == expected
     for name in expected:
         assert grads[name] is not None, f"{name} got no gradient"
@@ -215,9 +273,9 @@ def test_bf16_close_to_fp64_reference(grouped, device):
         )
 
 
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_gradcheck_fp64_loop(activation):
-    m = GroupedExperts(3, 4, 6, activation=activation, dtype=torch.float64, use_grouped_mm=False)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gradcheck_fp64_loop(variant):
+    m = GroupedExperts(3, 4, 6, dtype=torch.float64, use_grouped_mm=False, **variant)
     m.reset_parameters_from_seed(1)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(7, 4, generator=g, dtype=torch.float64, requires_grad=True)

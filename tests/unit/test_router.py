@@ -405,3 +405,68 @@ def test_empty_input_gives_zero_losses(loss_type, shape):
     assert float(res.aux_loss.detach()) == 0.0 and float(res.z_loss.detach()) == 0.0
     res.topk_probs.sum().backward()
     assert torch.equal(router.weight.grad, torch.zeros_like(router.weight))
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rd", [torch.float32, torch.float64])
+def test_gating_with_bias_matches_linear_and_saves_only_inputs(x_dtype, rd):
+    w = (torch.randn(8, H) * 0.1).to(rd).requires_grad_()
+    b = torch.randn(8).to(rd).requires_grad_()
+    x = torch.randn(6, H).to(x_dtype).requires_grad_()
+    g = torch.randn(6, 8, dtype=rd)
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = gating_linear(x, w, rd, b)
+    assert out.dtype == rd
+    assert sorted(saved, key=str) == sorted([((6, H), x_dtype), ((8, H), rd)], key=str)
+    (out * g).sum().backward()
+
+    x2, w2, b2 = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    ref = F.linear(x2.to(rd), w2, b2)
+    (ref * g).sum().backward()
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12 if rd == torch.float64 else 1e-6)
+    assert x.grad.dtype == x_dtype and w.grad.dtype == rd and b.grad.dtype == rd
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(w.grad, w2.grad)
+    torch.testing.assert_close(b.grad, b2.grad)
+
+
+def test_gating_bias_gradcheck_fp64():
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda x, w, b: gating_linear(x, w, torch.float64, b), (x, w, b)
+    )
+
+
+def test_router_bias_parameter_shifts_logits_and_trains():
+    torch.manual_seed(4)
+    plain = TopKRouter(_cfg(), H)
+    torch.manual_seed(4)
+    biased = TopKRouter(_cfg(router_bias=True), H)
+    assert plain.bias is None
+    assert biased.bias is not None and biased.bias.shape == (8,)
+    assert torch.equal(biased.bias, torch.zeros(8))  # zero init, no draw: same weight
+    assert torch.equal(plain.weight, biased.weight)
+    assert "bias" in dict(biased.named_parameters())
+    x = torch.randn(10, H)
+    torch.testing.assert_close(biased(x).topk_probs, plain(x).topk_probs)
+    with torch.no_grad():
+        biased.bias.copy_(torch.tensor([0.0, 0, 0, 0, 0, 0, 0, 3.0]))
+    res = biased(x)
+    assert bool((res.topk_idx == 7).any(dim=1).all())  # the large bias wins every token
+    (res.topk_probs * torch.randn(res.topk_probs.shape)).sum().backward()
+    assert biased.bias.grad is not None and biased.bias.grad.abs().sum() > 0
+    # same logits as a plain Linear with that bias
+    lin = torch.nn.Linear(H, 8)
+    with torch.no_grad():
+        lin.weight.copy_(biased.weight)
+        lin.bias.copy_(biased.bias)
+    logits = gating_linear(x, biased.weight, torch.float32, biased.bias)
+    torch.testing.assert_close(logits, lin(x))

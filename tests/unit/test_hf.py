@@ -1,0 +1,83 @@
+"""flexdispatch.hf in one process (a world of one): what it refuses, and that a replaced model
+still computes the original logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from flexdispatch.config import DispatchConfig
+from flexdispatch.hf import EPSparseMoeBlock, expert_parallel
+
+
+def _mixtral(**kw):
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        attn_implementation="eager",
+        **kw,
+    )
+    return transformers.MixtralForCausalLM(cfg).float()
+
+
+def test_world_of_one_keeps_logits():
+    model = _mixtral()
+    with torch.no_grad():
+        model.model.layers[0].mlp.gate.weight.normal_(0, 0.5)
+    ids = torch.randint(0, 32, (2, 6), generator=torch.Generator().manual_seed(1))
+    want = model(input_ids=ids).logits.detach()
+    expert_parallel(model, dispatch=DispatchConfig(backend="torch"))
+    assert isinstance(model.model.layers[0].mlp, EPSparseMoeBlock)
+    torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-4, atol=1e-5)
+
+
+def test_refuses_router_jitter():
+    with pytest.raises(ValueError, match="router_jitter_noise"):
+        expert_parallel(_mixtral(router_jitter_noise=0.1))
+
+
+def test_refuses_a_model_without_supported_blocks():
+    cfg = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    with pytest.raises(ValueError, match="no supported sparse MoE block"):
+        expert_parallel(transformers.LlamaForCausalLM(cfg))
+
+
+def test_refuses_inexact_deepseek_group_rule():
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=24,
+        moe_intermediate_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=2,  # 2 / 2 = 1 score per group, but DeepSeek-V3 sums the top 2
+        first_k_dense_replace=0,
+        q_lora_rank=8,
+        kv_lora_rank=8,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=4,
+    )
+    with pytest.raises(ValueError, match="top-2"):
+        expert_parallel(transformers.DeepseekV3ForCausalLM(cfg))
