@@ -177,13 +177,13 @@ class FlexDispatcher:
         fields["num_experts"] = num_experts
         fields["ranks_per_node (resolved)"] = L
         check_fingerprint(fields, group)
-        self.stats = DispatchStats()
+        self._stats = DispatchStats()
         self._backend, self.backend_reason = select_backend(
             config,
             group,
             num_experts=num_experts,
             ranks_per_node=L,
-            stats=self.stats,
+            stats=self._stats,
             deep_ep=_deep_ep,
         )
         if config.hierarchical:
@@ -197,6 +197,19 @@ class FlexDispatcher:
         self.num_experts = num_experts
 
     # ----------------------------------------------------------------- properties
+    @property
+    def stats(self) -> DispatchStats:
+        """Cumulative counters since construction (``DispatchStats``).
+
+        A backend that keeps statistics on the device (deepep on CUDA) folds them in here, which
+        reads a few small device tensors: read ``stats`` at a safe point, not inside a captured
+        region.
+        """
+        flush = getattr(self._backend, "flush_stats", None)
+        if flush is not None:
+            flush()
+        return self._stats
+
     @property
     def backend(self) -> DispatchBackend:
         """The backend object (for capability queries)."""
@@ -409,7 +422,7 @@ class FlexDispatcher:
         recv_x, recv_idx, recv_probs, counts, handle, pairs = _Dispatch.apply(
             self._backend, layout, rows, topk_idx.contiguous(), topk_probs.contiguous()
         )
-        self.stats.dispatch_calls += 1
+        self._stats.dispatch_calls += 1
         return DispatchResult(
             recv_x=recv_x,
             recv_topk_idx=recv_idx,
@@ -447,7 +460,7 @@ class FlexDispatcher:
                 f"returned), got {tuple(y.shape)}"
             )
         out = _Combine.apply(self._backend, handle, y.contiguous())
-        self.stats.combine_calls += 1
+        self._stats.combine_calls += 1
         return out
 
     def check_overflow(self) -> None:

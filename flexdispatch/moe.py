@@ -13,6 +13,7 @@ belongs to the dispatcher, the math to the experts; this class only wires them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -86,6 +87,8 @@ class MoELayer(nn.Module):
         dtype: dtype of the expert weights and of the rows that travel (the router keeps its own
             dtype).
         device: device of the parameters.
+        _deep_ep: a ``deep_ep`` module for the dispatcher (tests: DeepEP's Python layer over the
+            emulated runtime; see ``FlexDispatcher``).
     """
 
     def __init__(
@@ -96,13 +99,14 @@ class MoELayer(nn.Module):
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        _deep_ep: Any = None,
     ) -> None:
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
         self.config = config
         self.dispatcher = FlexDispatcher(
-            config.dispatch, num_experts=config.router.num_experts, group=group
+            config.dispatch, num_experts=config.router.num_experts, group=group, _deep_ep=_deep_ep
         )
         R, rank = self.dispatcher.num_ranks, self.dispatcher.rank
         # NOTE: one field per router setting, so that the error names the setting that differs.

@@ -46,3 +46,20 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$vpy" -c 'import 
   "$vpy" -m pip install "${pip_q[@]}" -e "$root[$extras]"
   echo "$want" > "$stamp"
 fi
+
+# DeepEP's own Python layer for the tests (tests/deepep_emu/load.py runs it over an emulated
+# runtime): SGLang's DeepEP 2.1.0 wheel, always --no-deps (its dependencies pin a CUDA torch).
+# Skipped where another deep_ep (a source build on a GPU box) is importable or findable.
+deepep_wheel="sgl-deep-ep==0.1.2.post1"
+case ",$extras," in
+  *,test,*)
+    if ! "$vpy" -m pip show -q sgl-deep-ep >/dev/null 2>&1; then
+      if "$vpy" -c 'import importlib.util, sys; sys.exit(0 if importlib.util.find_spec("deep_ep") is None else 1)'; then
+        echo "[setup] installing $deepep_wheel (--no-deps)" >&2
+        "$vpy" -m pip install "${pip_q[@]}" --no-deps "$deepep_wheel"
+      else
+        echo "[setup] a deep_ep is already installed; not installing $deepep_wheel" >&2
+      fi
+    fi
+    ;;
+esac

@@ -2,38 +2,49 @@
 
 Shape letters (ARCHITECTURE.md): T tokens on this rank · H hidden · E experts in total · R ranks ·
 e = E / R local experts · k top-k · L ranks per node · N = R / L nodes · M received rows ·
-W worst-case rows · X any row width · Xw wire width (bf16 columns, a multiple of 8).
+W worst-case rows · X any row width · Xw wire width (bf16 columns).
 
-How the contract maps onto ``deep_ep.Buffer`` (the V1 API, release v1.2.1):
+How the contract maps onto ``deep_ep.Buffer`` (the V1 API: v1.2.1, and ``deep_ep.Buffer`` of 2.1.0):
 
-- ``deep_ep`` is imported lazily; ``ImportError``, ``OSError``, ``AssertionError`` and
-  ``RuntimeError`` at import become a reason string (``load_deep_ep``), never a crash.
-- Rows travel as bf16 *bit views* padded to 16 bytes (``deepep_sizing.WireFormat``): fp32 rows
-  become ``2H`` bf16 columns, fp16 rows are reinterpreted, so dispatch moves every dtype bit for
-  bit with the API DeepEP documents (bf16, or an ``(fp8, scales)`` tuple, passed through).
+- ``deep_ep`` is imported lazily; every known import failure becomes a reason string
+  (``load_deep_ep``), never a crash. The limits applied are those of the module's release
+  (``deepep_rules``: v1.2.1 for a source build, 2.1.0 for the ``sgl-deep-ep`` wheel).
+- **One buffer per process and group** (``deepep_buffer.SharedBuffer``), shared by every
+  dispatcher and layer on that group, normal and low-latency kernels alike.
+- **Layout from DeepEP's own kernel**: ``Buffer.get_dispatch_layout`` turns the ``[T, k]`` ids into
+  DeepEP's layout tensors (one fused kernel on a GPU); a caller's ``layout`` is used as given.
+- **Rows DeepEP accepts**: rows travel as bf16 bit views (fp32 as ``2H`` columns, fp16
+  reinterpreted, exact for every dtype). A row wider than the kernels take (the SM90 TMA cap of
+  16,352 bytes intranode, 16,368 bytes with metadata internode) is split into column chunks: the
+  first chunk goes with the top-k ids, the others follow along DeepEP's handle (cached dispatch,
+  no host sync). Combine rows are padded to the widths the reduce loops need (a multiple of 256
+  bf16 columns internode and at v1.2.1 intranode) and chunked the same way. fp8 ``(x, scales)``
+  tuples pass through as DeepEP takes them.
 - Combine: DeepEP reduces bf16 only. bf16 rows use it directly; fp32/fp16 rows of at most 32
   columns (the probs gradient of the backward pass) go through combine's fp32 ``topk_weights``
-  channel, which sums exactly in fp32 (Megatron does the same); wider fp32/fp16 rows are reduced
-  in bf16 (relative error ~2^-8) — use bf16 activations with this backend.
-- The layout (``num_tokens_per_rank`` ...) comes from ``flexdispatch.layout`` (DeepEP's values
-  and dtypes, no host sync), then one ``[2R + N + 4]`` int64 all-gather of the per-rank and
-  per-node row counts (and H, k, dtype, T) runs on the device, before any buffer is touched. It
-  feeds the byte/row statistics (DeepEP's traffic pattern: ``traffic.link_rows``), the
-  worst-case overflow guard (DeepEP writes past its outputs when a rank receives more than W rows;
-  here each sender drops the rows past W on the device and the overflow is reported, never
-  silent) and, with checks on or on CPU, the cross-rank shape agreement check.
+  channel, which sums exactly in fp32; wider fp32/fp16 rows are reduced in bf16 (relative error
+  ~2^-8) — use bf16 activations with this backend.
+- **No collective beyond DeepEP's own** with checks off: statistics and ``num_recv_pairs`` come from
+  what DeepEP exchanges anyway (the handle's prefix matrices, its per-expert count list). With
+  checks on (or ``FLEXDISPATCH_CHECKS=1``) one small all-gather before DeepEP's kernels checks
+  that every rank agrees on the row shape and catches worst-case overflows on every rank.
 - Dropless dispatch: DeepEP's CPU waits for the receive counts (one host sync, counted).
-  The gathered counts are copied to pinned memory before that wait, so reading them afterwards
-  costs nothing. Worst-case dispatch: ``num_worst_tokens`` is passed through (intranode only),
-  the garbage tails of ``recv_x``/``recv_topk_weights`` are zeroed and the per-expert counts are
-  rebuilt from ``recv_topk_idx`` on the device (``deepep_sizing.mask_worst_case``).
+- Worst-case dispatch (intranode, ``num_worst_tokens = W``): ``W`` is passed through. Like the torch
+  backend, a sender may put at most ``W / R`` rows on each destination, which bounds what any rank
+  receives by ``W`` (DeepEP itself would write past its outputs); a rank with ``T <= W / R`` tokens
+  can never exceed it, so nothing is computed for it. A rank with more tokens keeps, per
+  destination, its first ``W / R`` on the device and records the W that would have been needed
+  (``check_overflow``). The garbage tails of ``recv_x`` / ``recv_topk_weights`` are zeroed and the
+  per-expert counts rebuilt from ``recv_topk_idx`` on the device.
 - Cached dispatch (the backward of combine) re-sends along DeepEP's handle: no host sync.
-- The buffer is sized from DeepEP's own ``Config`` hints, reused, grown (collectively, at the
-  same call on every rank) when rows get wider, and released by ``close()``.
+- Statistics: on CPU they are read from the handle at once; on CUDA the handle's small tensors are
+  kept and summed on the host when ``stats`` is read, ``check_overflow()`` runs or the backend
+  closes (no host sync inside dispatch).
 - Low-latency decode (``mode="low_latency"``): ``deepep_ll.LowLatencyMixin``.
 
-Tests inject the emulator in ``tests/deepep_emu`` through the private ``_deep_ep`` argument; only a
-module that marks itself ``IS_EMULATOR`` lifts the NCCL/CUDA requirement.
+Tests inject DeepEP's own Python layer over an emulated runtime (``tests/deepep_emu/load.py``)
+through the private ``_deep_ep`` argument; only a module that marks itself ``IS_EMULATOR`` lifts the
+NCCL/CUDA requirement.
 """
 
 from __future__ import annotations
@@ -44,15 +55,17 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from flexdispatch._validate import checks_enabled, is_capturing
+from flexdispatch.backends import deepep_buffer
+from flexdispatch.backends import deepep_rules as rules
 from flexdispatch.backends import deepep_sizing as sizing
 from flexdispatch.backends.base import Capability, DispatchBackend
-from flexdispatch.backends.counts import check_agreement, exchange_counts, recv_pairs
+from flexdispatch.backends.counts import check_agreement, exchange_counts
 from flexdispatch.backends.deepep_ll import LowLatencyMixin
 from flexdispatch.backends.deepep_support import deepep_support, load_deep_ep, nvl_peers
 from flexdispatch.distributed import group_rank, group_size
-from flexdispatch.layout import get_dispatch_layout
 from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, DispatchStats
 
 __all__ = ["DeepEPBackend", "DeepEPDispatchState"]
@@ -67,31 +80,31 @@ class DeepEPDispatchState:
     Attributes:
         handle: DeepEP's own handle (a tuple, opaque).
         wire: the wire format of the dispatched rows.
+        chunks: the column chunks the rows travelled in (one DeepEP call each).
         valid: ``[W]`` bool real rows in worst-case mode, else None.
-        links: rows this rank sends per link class (host ints), or None when only the device
-            knows them (worst-case mode on CUDA without checks).
-        out_rows: ``[R]`` int64 device tensor, rows this rank sent to each rank.
-        in_rows: ``[R]`` int64 device tensor, rows this rank received from each rank.
+        links: ``_Links`` of this dispatch: host ints, or device tensors on CUDA.
         recv_scales: ``[M, H / 128]`` float32 scales of an fp8 dispatch, else None.
     """
 
     handle: tuple
     wire: sizing.WireFormat
+    chunks: tuple[rules.Chunk, ...]
     valid: torch.Tensor | None
-    links: _Links | None
-    out_rows: torch.Tensor
-    in_rows: torch.Tensor
+    links: _Links
     recv_scales: torch.Tensor | None
 
 
 @dataclass(frozen=True, kw_only=True)
 class _Links:
-    """Rows one rank puts on NVLink (intra) and RDMA (inter) links, per direction."""
+    """Rows one rank puts on NVLink (intra) and RDMA (inter) links, per direction, and the rows it
+    sent / received. Host ints, or 0-d device tensors (CUDA)."""
 
-    dispatch_intra: int
-    dispatch_inter: int
-    combine_intra: int
-    combine_inter: int
+    dispatch_intra: Any
+    dispatch_inter: Any
+    combine_intra: Any
+    combine_inter: Any
+    sent: Any
+    received: Any
 
 
 class DeepEPBackend(LowLatencyMixin, DispatchBackend):
@@ -103,7 +116,7 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
         ranks_per_node: L as launched (8 for internode DeepEP).
         num_worst_tokens: W (0 = dropless). Intranode only.
         hierarchical: accepted; DeepEP's internode kernels are node-aware by construction.
-        checks: host-syncing value checks (shape agreement, overflow) on CUDA.
+        checks: host-syncing value checks (shape agreement, overflow) with one extra all-gather.
         stats: counters to add to.
         async_finish: launch on DeepEP's communication stream (inputs fenced by an event, outputs
             allocated there); the current stream then waits for it on the GPU, not the host.
@@ -111,8 +124,9 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
         mode: ``"normal"`` or ``"low_latency"`` (allocates the low-latency buffers too).
         num_max_dispatch_tokens_per_rank: tokens per rank and low-latency call.
         use_fp8: low-latency dispatch casts to fp8 (per-128-channel scales).
-        _deep_ep: a ``deep_ep`` module to use instead of importing one (tests pass the
-            emulator; only a module marked ``IS_EMULATOR`` may run on a CPU/gloo group).
+        _deep_ep: a ``deep_ep`` module to use instead of importing one (tests pass DeepEP's Python
+            layer over the emulated runtime; only a module marked ``IS_EMULATOR`` may run on a
+            CPU/gloo group).
 
     Raises:
         ValueError: DeepEP cannot serve this group (the reason is in the message).
@@ -142,6 +156,8 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
             module, why = load_deep_ep()
             if module is None:
                 raise ValueError(f"deepep backend not available: {why}")
+        if mode not in ("normal", "low_latency"):
+            raise ValueError(f"mode must be 'normal' or 'low_latency', got {mode!r}")
         self.group = group if group is not None else dist.group.WORLD
         self.num_ranks = group_size(group)
         self.rank = group_rank(group)
@@ -150,35 +166,34 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
         self.num_worst_tokens = num_worst_tokens
         self.hierarchical = hierarchical
         self.checks = checks
-        self.stats = stats if stats is not None else DispatchStats()
+        self._stats = stats if stats is not None else DispatchStats()
         self.async_finish = async_finish
         self.mode = mode
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
         self.use_fp8 = use_fp8
+        self.release = rules.release_of(module)
+        self.rules = rules.rules_for(self.release)
         ok, why = deepep_support(
             group=group,
             num_experts=num_experts,
             ranks_per_node=ranks_per_node,
             num_worst_tokens=num_worst_tokens,
             mode=mode,
+            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
             deep_ep=module,
         )
         if not ok:
             raise ValueError(f"deepep backend cannot serve this group: {why}")
-        if mode not in ("normal", "low_latency"):
-            raise ValueError(f"mode must be 'normal' or 'low_latency', got {mode!r}")
         self.deep_ep = module
         if num_sms is not None:
             if num_sms <= 0 or num_sms % 2:
                 raise ValueError(f"deepep num_sms must be a positive even number, got {num_sms}")
             module.Buffer.set_num_sms(num_sms)
         self.topk_idx_dtype: torch.dtype = getattr(module, "topk_idx_t", torch.int64)
-        self._buffer: Any = None
-        self._size: sizing.BufferSize | None = None
-        self._required_w: torch.Tensor | None = None
-        self._device_stats: torch.Tensor | None = None  # [intra, inter, rows_sent, rows_recv]
-        self._ll_dirty = False
-        self._ll_generation = 0
+        self._shared = deepep_buffer.acquire(module, self.group, id(self))
+        self._closed = False
+        self._required_w: Any = None  # largest W a worst-case dispatch needed (host int / device)
+        self._pending: list[tuple[str, Any, int]] = []  # CUDA statistics not yet on the host
 
     # ----------------------------------------------------------------- capabilities
     def supports_worst_case(self) -> Capability:
@@ -204,13 +219,133 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
             num_ranks,
             ranks_per_node,
             num_worst_tokens=self.num_worst_tokens,
+            internode_node_counts=self.rules.internode_node_counts,
             nvl_peers=nvl_peers(self.deep_ep),
         )
+
+    # ----------------------------------------------------------------- statistics
+    @property
+    def stats(self) -> DispatchStats:
+        """Cumulative counters (device-side statistics folded in first)."""
+        self.flush_stats()
+        return self._stats
+
+    @stats.setter
+    def stats(self, value: DispatchStats) -> None:
+        self._stats = value
+
+    def flush_stats(self) -> None:
+        """Add the statistics kept on the device (CUDA) to ``stats`` (reads them on the host)."""
+        pending, self._pending = self._pending, []
+        s = self._stats
+        for kind, links, row_bytes in pending:
+            if kind == "dispatch":
+                s.bytes_sent_intra_node += int(links.dispatch_intra) * row_bytes
+                s.bytes_sent_inter_node += int(links.dispatch_inter) * row_bytes
+                s.rows_sent += int(links.sent)
+                s.rows_received += int(links.received)
+            elif kind == "cached":
+                s.bytes_sent_intra_node += int(links.dispatch_intra) * row_bytes
+                s.bytes_sent_inter_node += int(links.dispatch_inter) * row_bytes
+            else:
+                s.bytes_sent_intra_node += int(links.combine_intra) * row_bytes
+                s.bytes_sent_inter_node += int(links.combine_inter) * row_bytes
+
+    def _account(self, kind: str, links: _Links, row_bytes: int) -> None:
+        self._pending.append((kind, links, row_bytes))
+        if not isinstance(links.sent, torch.Tensor) or len(self._pending) >= 256:
+            self.flush_stats()
+
+    def _row_bytes(self, payload: int, *, ids: int = 0, weights: int = 0) -> int:
+        """Bytes one row takes on the wire, beside ``payload`` (DeepEP's channel layouts).
+
+        Intranode: an int32 source index, int64 top-k ids and fp32 weights. Internode: an 8-byte
+        ``SourceMeta``, int32 ids and fp32 weights, the whole row aligned to 16 bytes.
+        """
+        if self.num_nodes == 1:
+            return payload + 4 + 8 * ids + 4 * weights
+        return -(-(payload + 8 + 4 * ids + 4 * weights) // 16) * 16
+
+    def _links(self, handle: tuple, ntr: torch.Tensor, ntrr: torch.Tensor | None) -> _Links:
+        """Rows per link class of one dispatch, read from DeepEP's handle and layout.
+
+        Intranode: ``rank_prefix_matrix [R, R]`` (tokens from ranks ``0..s`` to each rank) gives the
+        rows received from each source; ``num_tokens_per_rank`` the rows sent. Internode: one RDMA
+        row per destination node (``num_tokens_per_rdma_rank``), the NVLink forwards of this rank
+        (``send_nvl_head >= 0`` outside its own column), and the rows received from each global
+        rank and node (``recv_gbl_rank_prefix_sum``, ``recv_rdma_rank_prefix_sum``).
+        """
+        R, L, me = self.num_ranks, self.ranks_per_node, self.rank
+        device = ntr.device
+        peers = torch.arange(R, device=device)
+        if self.num_nodes == 1:
+            rpm = handle[0]
+            col = rpm[:, me].to(torch.int64)
+            recv_from = torch.diff(col, prepend=col.new_zeros(1))
+            sent_to = ntr.to(torch.int64)
+            other = peers != me
+            d_intra = (sent_to * other).sum()
+            c_intra = (recv_from * other).sum()
+            zero = d_intra * 0
+            links = _Links(
+                dispatch_intra=d_intra,
+                dispatch_inter=zero,
+                combine_intra=c_intra,
+                combine_inter=zero,
+                sent=sent_to.sum(),
+                received=col[-1],
+            )
+        else:
+            N, node, local = self.num_nodes, me // L, me % L
+            recv_rdma_sum, recv_gbl_sum, send_nvl_head = handle[4], handle[6], handle[9]
+            gbl = recv_gbl_sum.to(torch.int64)
+            recv_from = torch.diff(gbl, prepend=gbl.new_zeros(1))
+            rdma = recv_rdma_sum.to(torch.int64)
+            recv_from_node = torch.diff(rdma, prepend=rdma.new_zeros(1))
+            nodes = torch.arange(N, device=device)
+            heads = send_nvl_head[:, :L] >= 0
+            forwards = heads.sum() - heads[:, local].sum()
+            assert ntrr is not None
+            links = _Links(
+                dispatch_intra=forwards,
+                dispatch_inter=(ntrr.to(torch.int64) * (nodes != node)).sum(),
+                combine_intra=(recv_from * (peers % L != local)).sum(),
+                combine_inter=(recv_from_node * (nodes != node)).sum(),
+                sent=ntr.to(torch.int64).sum(),
+                received=gbl[-1],
+            )
+        if device.type == "cpu":
+            links = _Links(**{k: int(v) for k, v in links.__dict__.items()})
+        return links
+
+    def check_overflow(self) -> None:
+        """Raise if a worst-case dispatch since construction overflowed (reads a device value)."""
+        self.flush_stats()
+        if self._required_w is None:
+            return
+        need = int(self._required_w)
+        if need > self.num_worst_tokens:
+            R = self.num_ranks
+            raise ValueError(
+                f"a worst-case dispatch overflowed: a rank had to send {need // R} rows to one "
+                f"destination but num_worst_tokens W={self.num_worst_tokens} allows W/R = "
+                f"{self.num_worst_tokens // R} per peer; rows past that were not sent: raise "
+                f"DispatchConfig.num_worst_tokens to at least {need}"
+            )
 
     # ----------------------------------------------------------------- buffer
     @property
     def worst_case(self) -> bool:
         return self.num_worst_tokens > 0
+
+    @property
+    def internode(self) -> bool:
+        return self.num_nodes > 1
+
+    @property
+    def num_qps_per_rank(self) -> int:
+        """QPs that satisfy DeepEP's internode normal and low-latency kernels (``deepep_rules``)."""
+        return max(24, int(self.deep_ep.Buffer.num_sms), self.num_local_experts)
 
     def _required_size(self, row_bytes: int, hidden: int | None = None) -> sizing.BufferSize:
         need = sizing.normal_buffer_size(self.deep_ep, self.num_ranks, max(row_bytes, 16))
@@ -227,37 +362,36 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
         return need
 
     def _ensure_buffer(self, need: sizing.BufferSize) -> Any:
-        """The live buffer, (re)allocated when ``need`` outgrows it (collective on growth)."""
-        new = sizing.grow_buffer_size(self._size, need)
-        if new is None:
-            return self._buffer
-        self._release()
-        low_latency = self.mode == "low_latency"
-        self._buffer = self.deep_ep.Buffer(
-            self.group,
-            num_nvl_bytes=new.num_nvl_bytes,
-            num_rdma_bytes=new.num_rdma_bytes,
-            low_latency_mode=low_latency,
-            num_qps_per_rank=max(self.num_local_experts, 1) if low_latency else 24,
-            explicitly_destroy=True,
+        """The shared buffer, (re)allocated collectively when ``need`` outgrows it."""
+        if self._closed:
+            raise RuntimeError("this deepep backend was closed")
+        before = self._shared.allocations
+        buffer = self._shared.ensure(
+            need, low_latency=self.mode == "low_latency", num_qps_per_rank=self.num_qps_per_rank
         )
-        self._size = new
-        self._ll_dirty = False
-        self.stats.extra["deepep_buffer_allocations"] = (
-            self.stats.extra.get("deepep_buffer_allocations", 0) + 1
-        )
-        return self._buffer
+        if self._shared.allocations != before:
+            extra = self._stats.extra
+            extra["deepep_buffer_allocations"] = extra.get("deepep_buffer_allocations", 0) + 1
+        return buffer
 
-    def _release(self) -> None:
-        if self._buffer is not None:
-            self._buffer.destroy()
-            self._buffer = None
-            self._size = None
+    @property
+    def _ll_dirty(self) -> bool:
+        return self._shared.normal_kernel_ran
+
+    @_ll_dirty.setter
+    def _ll_dirty(self, value: bool) -> None:
+        self._shared.normal_kernel_ran = value
+
+    @property
+    def _buffer(self) -> Any:
+        return self._shared.buffer
 
     def close(self) -> None:
-        """Fold device-side statistics into ``stats`` and destroy the DeepEP buffer."""
-        self._flush_device_stats()
-        self._release()
+        """Fold device-side statistics into ``stats`` and leave the shared DeepEP buffer."""
+        self.flush_stats()
+        if not self._closed:
+            self._closed = True
+            self._shared.leave(id(self))
 
     # ----------------------------------------------------------------- overlap helpers
     def _launch_kwargs(self) -> dict[str, Any]:
@@ -273,156 +407,93 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
         if self.async_finish and event is not None:
             event.current_stream_wait()
 
-    # ----------------------------------------------------------------- statistics
-    def _row_bytes(self, payload: int, *, ids: int = 0, weights: int = 0) -> int:
-        """Bytes one row takes on the wire, beside ``payload`` (DeepEP's channel layouts).
+    def _after_normal_kernel(self) -> None:
+        self._shared.normal_kernel_ran = True
+        self._shared.normal_calls += 1
 
-        Intranode: an int32 source index, int64 top-k ids and fp32 weights. Internode: an 8-byte
-        ``SourceMeta``, int32 ids and fp32 weights, the whole row aligned to 16 bytes.
-        """
-        if self.num_nodes == 1:
-            return payload + 4 + 8 * ids + 4 * weights
-        return -(-(payload + 8 + 4 * ids + 4 * weights) // 16) * 16
+    # ----------------------------------------------------------------- row plans
+    def _dispatch_chunks(self, wire_cols: int, *, num_scales: int, topk: int) -> tuple:
+        cap = self.rules.dispatch_max_cols(self.internode, num_scales=num_scales, topk=topk)
+        return rules.plan_chunks(wire_cols, cap, self.rules.dispatch_col_multiple(self.internode))
 
-    def _account(self, intra_rows: int, inter_rows: int, row_bytes: int) -> None:
-        self.stats.bytes_sent_intra_node += intra_rows * row_bytes
-        self.stats.bytes_sent_inter_node += inter_rows * row_bytes
+    def _combine_chunks(self, cols: int) -> tuple:
+        multiple = self.rules.combine_col_multiple(self.internode)
+        cap = self.rules.combine_max_cols(self.internode, topk=_NARROW_FP32_COLUMNS)
+        return rules.plan_chunks(cols, cap, multiple)
 
-    def _links(self, Gh: list[list[int]]) -> tuple[_Links, int, int]:
-        """Rows per link class from the gathered counts: ``(links, rows_sent, rows_received)``.
+    @staticmethod
+    def _chunk(w: torch.Tensor, c: rules.Chunk) -> torch.Tensor:
+        part = w[:, c.start : c.start + c.width]
+        pad = c.padded - c.width
+        return F.pad(part, (0, pad)) if pad else part.contiguous()
 
-        DeepEP's traffic pattern is flat inside a node and, across nodes, one RDMA row per
-        destination node to the rank with the same local index, forwarded over NVLink there
-        (``traffic.link_rows``).
-        """
-        from flexdispatch.traffic import link_rows
-
-        R, N, me = self.num_ranks, self.num_nodes, self.rank
-        C = [row[:R] for row in Gh]
-        if self.worst_case:
-            C = self._limited_host(C)
-        D = [row[R : R + N] for row in Gh]
-        mode = "flat" if N == 1 else "hierarchical"
-        lr = link_rows(
-            torch.tensor(C, dtype=torch.int64),
-            torch.tensor(D, dtype=torch.int64),
-            ranks_per_node=self.ranks_per_node,
-            mode=mode,
-        )
-        links = _Links(
-            dispatch_intra=int(lr.dispatch_intra[me]),
-            dispatch_inter=int(lr.dispatch_inter[me]),
-            combine_intra=int(lr.combine_intra[me]),
-            combine_inter=int(lr.combine_inter[me]),
-        )
-        return links, sum(C[me]), sum(C[s][me] for s in range(R))
-
-    def _account_on_device(
-        self,
-        rows: torch.Tensor,
-        row_bytes: int,
-        sent: torch.Tensor | None = None,
-        received: torch.Tensor | None = None,
-    ) -> None:
-        """Device-side ``_account`` (worst-case mode on CUDA, where host reads are not allowed).
-
-        Args:
-            rows: ``[R]`` int64 rows sent to each rank.
-            row_bytes: bytes per row.
-            sent / received: 0-d row counts to add to ``rows_sent`` / ``rows_received``.
-        """
-        R, L = self.num_ranks, self.ranks_per_node
-        peers = torch.arange(R, device=rows.device)
-        same = (peers // L == self.rank // L) & (peers != self.rank)
-        other = peers // L != self.rank // L
-        n = rows * row_bytes
-        zero = torch.zeros((), dtype=torch.int64, device=rows.device)
-        vec = torch.stack(
-            [
-                (n * same).sum(),
-                (n * other).sum(),
-                zero if sent is None else sent.to(torch.int64),
-                zero if received is None else received.to(torch.int64),
-            ]
-        )
-        if self._device_stats is None:
-            self._device_stats = vec
-        else:
-            self._device_stats = self._device_stats + vec
-
-    def _flush_device_stats(self) -> None:
-        if self._device_stats is None:
-            return
-        intra, inter, sent, recv = (int(v) for v in self._device_stats.tolist())
-        self.stats.bytes_sent_intra_node += intra
-        self.stats.bytes_sent_inter_node += inter
-        self.stats.rows_sent += sent
-        self.stats.rows_received += recv
-        self._device_stats = None
-
-    def _overflow_error(self, Gh: list[list[int]]) -> ValueError | None:
-        R, W = self.num_ranks, self.num_worst_tokens
-        incoming = [sum(Gh[s][g] for s in range(R)) for g in range(R)]
-        worst = max(range(R), key=lambda g: incoming[g])
-        if incoming[worst] <= W:
-            return None
-        return ValueError(
-            f"worst-case dispatch overflow: rank {worst} would receive {incoming[worst]} rows but "
-            f"num_worst_tokens W={W}: raise DispatchConfig.num_worst_tokens to at least "
-            f"{incoming[worst]}"
-        )
-
-    def check_overflow(self) -> None:
-        """Raise if a worst-case dispatch since construction overflowed (syncs the host)."""
-        self._flush_device_stats()
-        if self._required_w is None:
-            return
-        need = int(self._required_w.item())
-        if need > self.num_worst_tokens:
-            raise ValueError(
-                f"a worst-case dispatch overflowed: a rank had to receive {need} rows but "
-                f"num_worst_tokens W={self.num_worst_tokens}; rows past W were not sent: raise "
-                f"DispatchConfig.num_worst_tokens to at least {need}"
-            )
+    def _buffer_for_rows(self, *cols: int) -> Any:
+        """The shared buffer, sized for rows of up to ``max(cols)`` bf16 columns."""
+        return self._ensure_buffer(self._required_size(2 * max(cols)))
 
     # ----------------------------------------------------------------- dispatch
     def _layout(
-        self, topk_idx: torch.Tensor, layout: DispatchLayout | None
+        self, buffer: Any, idx: torch.Tensor, layout: DispatchLayout | None
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """DeepEP's layout tensors: the caller's, or ``flexdispatch.layout``'s (same values and
-        dtypes as ``Buffer.get_dispatch_layout``, computed before any buffer is touched)."""
-        if layout is None:
-            layout = get_dispatch_layout(
-                topk_idx, self.num_experts, self.num_ranks, ranks_per_node=self.ranks_per_node
+        """DeepEP's layout tensors: the caller's, or DeepEP's own layout kernel's."""
+        if layout is not None:
+            return (
+                layout.num_tokens_per_rank,
+                layout.num_tokens_per_rdma_rank,
+                layout.num_tokens_per_expert,
+                layout.is_token_in_rank,
             )
-        return (
-            layout.num_tokens_per_rank,
-            layout.num_tokens_per_rdma_rank,
-            layout.num_tokens_per_expert,
-            layout.is_token_in_rank,
+        ntr, ntrr, nte, itr, event = buffer.get_dispatch_layout(
+            idx, self.num_experts, **self._launch_kwargs()
         )
+        self._wait(event)
+        return ntr, ntrr, nte, itr
 
-    def _limit_worst_case(
-        self, G: torch.Tensor, mask_TR: torch.Tensor
+    def _cap_worst_case(
+        self, itr: torch.Tensor, ntr: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Drop, on the device, the rows that would not fit in W at their destination.
+        """Keep, per destination, this sender's first ``W / R`` tokens (see the module docstring).
 
-        Destinations fill up in source-rank order; a sender keeps, per destination, its first
-        ``allowed`` tokens. Records the W that would have been needed.
-
-        Returns:
-            ``(mask [T, R] bool, rows received from each rank [R] int64)`` after the limit.
+        Returns ``(is_token_in_rank, num_tokens_per_rank)`` after the cap; records the W needed.
         """
-        R, W, me = self.num_ranks, self.num_worst_tokens, self.rank
-        C = G[:, :R]
-        allowed = (W - (C.cumsum(0) - C)).clamp(min=0).minimum(C)  # [source, destination]
-        pos = mask_TR.to(torch.int64).cumsum(0) - 1
-        keep = mask_TR & (pos < allowed[me][None, :])
-        need = C.sum(0).max()
-        if self._required_w is None:
-            self._required_w = torch.zeros((), dtype=torch.int64, device=G.device)
-        self._required_w = torch.maximum(self._required_w, need)
-        return keep, allowed[:, me]
+        R = self.num_ranks
+        cap = self.num_worst_tokens // R
+        need = ntr.max().to(torch.int64) * R
+        pos = itr.to(torch.int32).cumsum(0)
+        itr = itr & (pos <= cap)
+        if need.device.type == "cpu":
+            self._required_w = max(int(need), self._required_w or 0)
+        elif self._required_w is None:
+            self._required_w = need
+        else:
+            self._required_w = torch.maximum(self._required_w, need)
+        return itr, itr.sum(0, dtype=torch.int32)
+
+    def _check_on_every_rank(
+        self, itr: torch.Tensor, nte: torch.Tensor, X: int, k: int, dtype: torch.dtype
+    ) -> None:
+        """Checks on: one all-gather, then the same error on every rank (shape or overflow)."""
+        G = exchange_counts(
+            itr,
+            hidden=X,
+            topk=k,
+            dtype=dtype,
+            ranks_per_node=self.ranks_per_node,
+            group=self.group,
+            pairs_R=nte.view(self.num_ranks, -1).sum(1, dtype=torch.int64),
+        )
+        Gh = G.tolist()
+        if G.is_cuda:
+            self._stats.extra["check_syncs"] = self._stats.extra.get("check_syncs", 0) + 1
+        check_agreement(Gh, num_ranks=self.num_ranks, num_nodes=self.num_nodes)
+        if self.worst_case:
+            from flexdispatch.backends.torch_rows import overflow_message
+
+            R, W = self.num_ranks, self.num_worst_tokens
+            worst = max((Gh[s][g], s, g) for s in range(R) for g in range(R))
+            if worst[0] > W // R:
+                what = f"rank {worst[1]} sending to rank {worst[2]}"
+                raise ValueError(overflow_message(what, worst[0], W // R, W, R, R))
 
     def dispatch(
         self,
@@ -442,8 +513,8 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
             layout: optional ``get_dispatch_layout`` result (DeepEP's layout kernel otherwise).
 
         Raises:
-            ValueError: ranks disagree on shapes (on CPU, or with checks on), or a worst-case
-                overflow (likewise; otherwise recorded for ``check_overflow``).
+            ValueError: with checks on, ranks disagree on shapes or a worst-case overflow (on
+                every rank); a row DeepEP cannot take.
         """
         scales = None
         if isinstance(x, tuple):
@@ -458,46 +529,54 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
             wire = sizing.WireFormat.of(x.dtype, x.shape[1])
         T, X = x.shape
         k = topk_idx.shape[1]
+        if k > sizing.MAX_TOPK:
+            raise ValueError(
+                f"DeepEP's normal kernels take at most {sizing.MAX_TOPK} experts per token "
+                f"(num_topk <= 32 in intranode.cu / internode.cu, a device assert), got k={k}: "
+                "use backend='torch' for wider top-k"
+            )
         e = self.num_local_experts
-        idx = topk_idx.to(self.topk_idx_dtype).contiguous()
-        probs = topk_probs.to(torch.float32).contiguous()
-        ntr, ntrr, nte, itr = self._layout(topk_idx, layout)
+        num_scales = 0 if scales is None else scales.shape[1]
+        chunks = self._dispatch_chunks(wire.wire_width, num_scales=num_scales, topk=k)
+        if scales is not None and len(chunks) > 1:
+            cap = self.rules.dispatch_max_cols(self.internode, num_scales=num_scales, topk=k)
+            raise ValueError(
+                f"fp8 rows of {X} bytes exceed DeepEP's {2 * cap}-byte row limit "
+                f"({'internode' if self.internode else 'intranode SM90 TMA'}): dispatch bf16 rows "
+                f"instead (flexdispatch splits wide bf16 rows into several DeepEP calls)"
+            )
+        if checks_enabled(self.checks) and not is_capturing():
+            # before the buffer: ranks that disagree on shapes would size (and reallocate,
+            # collectively) different buffers; the pure-torch layout gives the same values
+            from flexdispatch.layout import get_dispatch_layout
 
-        # one small all-gather: statistics, overflow guard, agreement check
-        G = exchange_counts(
-            itr,
-            hidden=X,
-            topk=k,
-            dtype=x.dtype,
-            ranks_per_node=self.ranks_per_node,
-            group=self.group,
-            pairs_R=nte.view(self.num_ranks, e).sum(1, dtype=torch.int64),
-        )
-        Gh: list[list[int]] | None = None
-        if not G.is_cuda or (checks_enabled(self.checks) and not is_capturing()):
-            Gh = G.tolist()
-            if G.is_cuda:
-                self.stats.extra["check_syncs"] = self.stats.extra.get("check_syncs", 0) + 1
-            check_agreement(Gh, num_ranks=self.num_ranks, num_nodes=self.num_nodes)
-            if self.worst_case and (err := self._overflow_error(Gh)) is not None:
-                raise err
-        pinned = None
-        in_rows = G[:, self.rank]
-        if self.worst_case:
-            itr, in_rows = self._limit_worst_case(G, itr)
-            ntr = itr.sum(0, dtype=torch.int32)
-        elif Gh is None:
-            # NOTE: DeepEP's CPU wait below happens after its comm stream waited for the current
-            # stream, so this copy has landed once dispatch returns: no extra sync.
-            pinned = torch.empty(G.shape, dtype=G.dtype, pin_memory=True)
-            pinned.copy_(G, non_blocking=True)
+            lay = layout or get_dispatch_layout(
+                topk_idx, self.num_experts, self.num_ranks, ranks_per_node=self.ranks_per_node
+            )
+            self._check_on_every_rank(
+                lay.is_token_in_rank, lay.num_tokens_per_expert, X, k, x.dtype
+            )
+        widest = max(c.padded for c in chunks)
+        comb = self._combine_chunks(max(-(-X // 8) * 8, 8))
+        buffer = self._buffer_for_rows(widest, max(c.padded for c in comb))
+        idx = topk_idx
+        if idx.dtype != self.topk_idx_dtype:
+            idx = idx.to(self.topk_idx_dtype)
+        idx = idx.contiguous()
+        probs = topk_probs if topk_probs.dtype == torch.float32 else topk_probs.float()
+        probs = probs.contiguous()
+        ntr, ntrr, nte, itr = self._layout(buffer, idx, layout)
+        if self.worst_case and self.num_worst_tokens // self.num_ranks < T:
+            itr, ntr = self._cap_worst_case(itr, ntr)
 
-        # NOTE: sized for the bf16 combine of the same rows as well (DeepEP's hint recipe); a
-        # (re)allocation is collective, so it comes after the agreement check.
-        buffer = self._ensure_buffer(self._required_size(max(wire.row_bytes, 2 * X)))
-        send_x: Any = wire.send(x) if scales is None else (x.contiguous(), scales.contiguous())
-        recv_w, recv_idx, recv_probs, _, handle, event = buffer.dispatch(
-            send_x,
+        if scales is not None:
+            first: Any = (x.contiguous(), scales.contiguous())
+        else:
+            w = wire.send(x)
+            first = self._chunk(w, chunks[0])
+        kw = self._launch_kwargs()
+        recv0, recv_idx, recv_probs, count_list, handle, event = buffer.dispatch(
+            first,
             num_tokens_per_rank=ntr,
             num_tokens_per_rdma_rank=ntrr,
             is_token_in_rank=itr,
@@ -505,20 +584,35 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
             topk_idx=idx,
             topk_weights=probs,
             num_worst_tokens=self.num_worst_tokens,
-            **self._launch_kwargs(),
+            **kw,
         )
         self._wait(event)
-        self._after_normal_kernel()
         recv_scales = None
         if scales is not None:
-            recv_w, recv_scales = recv_w
-        rows = recv_w.shape[0]
-        recv_idx = recv_idx.to(torch.int64)
+            recv_w, recv_scales = recv0
+        elif len(chunks) == 1:
+            recv_w = recv0
+        else:
+            parts = [recv0[:, : chunks[0].width]]
+            for c in chunks[1:]:
+                got, *_, ev = buffer.dispatch(
+                    self._chunk(w, c),
+                    handle=handle,
+                    num_worst_tokens=self.num_worst_tokens,
+                    **self._launch_kwargs(),
+                )
+                self._wait(ev)
+                parts.append(got[:, : c.width])
+            recv_w = torch.cat(parts, dim=1)
+        self._after_normal_kernel()
+
+        pairs = None
         valid = None
         if self.worst_case:
             masked = sizing.mask_worst_case(recv_w, recv_idx, recv_probs, e)
-            recv_w, recv_idx = masked.recv_x, masked.recv_topk_idx
-            recv_probs, counts, valid = (
+            recv_w, recv_idx, recv_probs, counts, valid = (
+                masked.recv_x,
+                masked.recv_topk_idx,
                 masked.recv_topk_probs,
                 masked.num_recv_tokens_per_expert,
                 masked.valid,
@@ -526,38 +620,25 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
             if recv_scales is not None:
                 recv_scales = sizing.zero_invalid_rows(recv_scales, valid)
         else:
-            self.stats.host_syncs += 1  # DeepEP's CPU wait for the receive counts
-            recv_probs = torch.where(recv_idx >= 0, recv_probs.to(torch.float32), 0.0)
-            counts = sizing.count_local_experts(recv_idx, e)
+            self._stats.host_syncs += 1  # DeepEP's CPU wait for the receive counts
+            # NOTE: DeepEP zeroes the weight of every slot whose id is not local (the sender
+            # writes 0 beside -1), and its count list is exact for expert_alignment=1.
+            pairs = int(sum(count_list))
+            counts = torch.tensor(count_list, dtype=torch.int64, device=recv_idx.device)
+        if recv_idx.dtype != torch.int64:
+            recv_idx = recv_idx.to(torch.int64)
 
-        # statistics
-        scale_bytes = scales.shape[1] * 4 if scales is not None else 0
-        row_bytes = self._row_bytes(wire.row_bytes + scale_bytes, ids=k, weights=k)
-        out_rows = itr.sum(0, dtype=torch.int64)
-        links = None
-        if pinned is not None:
-            Gh = pinned.tolist()
-        pairs = None
-        if Gh is not None:
-            if not self.worst_case:
-                pairs = recv_pairs(
-                    Gh, rank=self.rank, num_ranks=self.num_ranks, num_nodes=self.num_nodes
-                )
-            links, sent, received = self._links(Gh)
-            self._account(links.dispatch_intra, links.dispatch_inter, row_bytes)
-            self.stats.rows_sent += sent
-            self.stats.rows_received += received
-        else:
-            self._account_on_device(
-                out_rows, row_bytes, sent=out_rows.sum(), received=in_rows.sum()
-            )
+        scale_bytes = num_scales * 4
+        row_bytes = sum(self._row_bytes(2 * c.padded) for c in chunks)
+        row_bytes += self._row_bytes(scale_bytes, ids=k, weights=k) - self._row_bytes(0)
+        links = self._links(handle, ntr, ntrr)
+        self._account("dispatch", links, row_bytes)
         state = DeepEPDispatchState(
             handle=handle,
             wire=wire,
+            chunks=chunks,
             valid=valid,
             links=links,
-            out_rows=out_rows,
-            in_rows=in_rows,
             recv_scales=recv_scales,
         )
         return DispatchResult(
@@ -566,25 +647,14 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
             recv_topk_probs=recv_probs,
             num_recv_tokens_per_expert=counts,
             handle=DispatchHandle(
-                backend=self.name, num_tokens=T, hidden=X, num_recv_rows=rows, state=state
+                backend=self.name,
+                num_tokens=T,
+                hidden=X,
+                num_recv_rows=recv_w.shape[0],
+                state=state,
             ),
             num_recv_pairs=pairs,
         )
-
-    def _limited_host(self, C: list[list[int]]) -> list[list[int]]:
-        """Host mirror of ``_limit_worst_case`` (row counts after the W limit)."""
-        R, W = self.num_ranks, self.num_worst_tokens
-        out = [[0] * R for _ in range(R)]
-        for g in range(R):
-            left = W
-            for s in range(R):
-                out[s][g] = min(C[s][g], max(left, 0))
-                left -= C[s][g]
-        return out
-
-    def _after_normal_kernel(self) -> None:
-        if self.mode == "low_latency":
-            self._ll_dirty = True
 
     # ----------------------------------------------------------------- combine
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -593,47 +663,59 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
         M, X = y.shape
         narrow = y.dtype in (torch.float32, torch.float16) and X <= _NARROW_FP32_COLUMNS
         if narrow:
-            dummy = torch.zeros(M, 8, dtype=torch.bfloat16, device=y.device)
-            buffer = self._ensure_buffer(self._required_size(16))
+            width = self.rules.combine_col_multiple(self.internode)
+            buffer = self._buffer_for_rows(width)
+            dummy = torch.zeros(M, width, dtype=torch.bfloat16, device=y.device)
+            weights = y if y.dtype == torch.float32 else y.float()
             _, out_w, event = buffer.combine(
-                dummy,
-                state.handle,
-                topk_weights=y.to(torch.float32).contiguous(),
-                **self._launch_kwargs(),
+                dummy, state.handle, topk_weights=weights.contiguous(), **self._launch_kwargs()
             )
             self._wait(event)
-            out = out_w.to(y.dtype)
-            back_bytes = self._row_bytes(16, weights=X)
+            out = out_w if y.dtype == torch.float32 else out_w.to(y.dtype)
+            back_bytes = self._row_bytes(2 * width, weights=X)
         else:
-            wire = sizing.WireFormat.of(torch.bfloat16, X)
-            buffer = self._ensure_buffer(self._required_size(wire.row_bytes))
-            yb = wire.send(y.to(torch.bfloat16))
-            combined, _, event = buffer.combine(yb, state.handle, **self._launch_kwargs())
-            self._wait(event)
-            out = combined[:, :X].to(y.dtype)
-            back_bytes = self._row_bytes(wire.row_bytes)
+            cols = max(-(-X // 8) * 8, 8)
+            chunks = self._combine_chunks(cols)
+            buffer = self._buffer_for_rows(*(c.padded for c in chunks))
+            yb = y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16)
+            parts = []
+            for c in chunks:
+                width = min(c.width, X - c.start)
+                part = yb[:, c.start : c.start + width]
+                pad = c.padded - width
+                part = F.pad(part, (0, pad)) if pad else part.contiguous()
+                combined, _, event = buffer.combine(part, state.handle, **self._launch_kwargs())
+                self._wait(event)
+                parts.append(combined[:, :width])
+            out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            if out.dtype != y.dtype:
+                out = out.to(y.dtype)
+            back_bytes = sum(self._row_bytes(2 * c.padded) for c in chunks)
         self._after_normal_kernel()
-        if state.links is not None:
-            self._account(state.links.combine_intra, state.links.combine_inter, back_bytes)
-        else:
-            self._account_on_device(state.in_rows, back_bytes)
+        self._account("combine", state.links, back_bytes)
         return out
 
     def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Re-send ``[T, X]`` rows along a dispatch's handle (no host sync)."""
         state: DeepEPDispatchState = handle.state
         wire = sizing.WireFormat.of(x.dtype, x.shape[1])
-        buffer = self._ensure_buffer(self._required_size(wire.row_bytes))
-        recv_w, *_, event = buffer.dispatch(
-            wire.send(x), handle=state.handle, **self._launch_kwargs()
-        )
-        self._wait(event)
+        chunks = self._dispatch_chunks(wire.wire_width, num_scales=0, topk=0)
+        buffer = self._buffer_for_rows(*(c.padded for c in chunks))
+        w = wire.send(x)
+        parts = []
+        for c in chunks:
+            got, *_, event = buffer.dispatch(
+                self._chunk(w, c),
+                handle=state.handle,
+                num_worst_tokens=self.num_worst_tokens,
+                **self._launch_kwargs(),
+            )
+            self._wait(event)
+            parts.append(got[:, : c.width])
+        recv_w = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         self._after_normal_kernel()
         if state.valid is not None:
             recv_w = sizing.zero_invalid_rows(recv_w, state.valid)
-        row_bytes = self._row_bytes(wire.row_bytes)
-        if state.links is not None:
-            self._account(state.links.dispatch_intra, state.links.dispatch_inter, row_bytes)
-        else:
-            self._account_on_device(state.out_rows, row_bytes)
+        row_bytes = sum(self._row_bytes(2 * c.padded) for c in chunks)
+        self._account("cached", state.links, row_bytes)
         return wire.recv(recv_w)

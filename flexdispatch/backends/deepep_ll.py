@@ -8,11 +8,14 @@ E experts · R ranks · e = E / R local experts · k top-k · C = R * num_max ro
 ``low_latency_combine`` sends the expert outputs back and reduces them *weighted* by the routing
 probs at the source. Shapes are static, so both can be captured in a CUDA graph.
 
-DeepEP's rules the mixin enforces: bf16 rows, H in the compiled list, k <= 11, at most
-``num_max_dispatch_tokens_per_rank`` tokens; the buffer is cleaned after normal kernels used it;
-at most two low-latency results are alive at a time (DeepEP alternates two buffers), so combining
-a result after two more low-latency kernels ran is an error, not silent garbage. Not exposed:
-``return_recv_hook`` / ``async_finish`` overlap, zero-copy and LogFMT combine.
+DeepEP's rules the mixin enforces (``deepep_rules``, per release): bf16 rows, H in the compiled
+list, k <= 11, at most ``num_max_dispatch_tokens_per_rank`` tokens, ``(R * num_max) % 4 == 0`` and
+enough ``NVSHMEM_QP_DEPTH`` (checked when the backend is built); the shared buffer is cleaned
+before a low-latency kernel whenever a normal kernel used it since the last clean; a result lives in
+the shared buffer's memory, so combining it after a normal kernel ran on that buffer, after the
+buffer was reallocated, or after two more low-latency kernels ran (DeepEP alternates two halves)
+is an error, not silent garbage. Not exposed: ``return_recv_hook`` / ``async_finish`` overlap,
+zero-copy and LogFMT combine.
 """
 
 from __future__ import annotations
@@ -40,9 +43,9 @@ class LowLatencyMixin:
     topk_idx_dtype: torch.dtype
     deep_ep: ModuleType
     stats: DispatchStats
-    _buffer: Any
+    rules: Any
+    _shared: Any
     _ll_dirty: bool
-    _ll_generation: int
 
     def _ensure_buffer(self, need: sizing.BufferSize) -> Any:  # provided by DeepEPBackend
         raise NotImplementedError
@@ -83,20 +86,21 @@ class LowLatencyMixin:
             num_experts=self.num_experts,
             num_ranks=self.num_ranks,
             num_max_dispatch_tokens_per_rank=n,
+            hidden_sizes=self.rules.low_latency_hidden_sizes,
         )
         if not ok:
             raise ValueError(why)
         if n < T:
             raise ValueError(f"{T} tokens exceed num_max_dispatch_tokens_per_rank={n}")
         buffer = self._ensure_buffer(self._required_size(2 * H, hidden=H))
-        if self._ll_dirty:
-            buffer.clean_low_latency_buffer(n, H, self.num_experts)
-            self._ll_dirty = False
+        self._clean_if_dirty(buffer, H)
         idx = topk_idx.to(self.topk_idx_dtype).contiguous()
         recv, count, handle, _event, _hook = buffer.low_latency_dispatch(
             x.contiguous(), idx, n, self.num_experts, use_fp8=self.use_fp8
         )
-        self._ll_generation += 1
+        shared = self._shared
+        shared.low_latency_calls += 1
+        generation = (shared.generation, shared.normal_calls, shared.low_latency_calls)
         self.stats.extra["low_latency_calls"] = self.stats.extra.get("low_latency_calls", 0) + 1
         recv_x, recv_scales = recv if self.use_fp8 else (recv, None)
         return ExpertMajorResult(
@@ -110,8 +114,8 @@ class LowLatencyMixin:
                 capacity=self.num_ranks * n,
                 topk_idx=idx,
                 topk_probs=topk_probs.to(torch.float32).contiguous(),
-                generation=self._ll_generation,
-                state=handle,
+                generation=shared.low_latency_calls,
+                state=(handle, generation),
             ),
         )
 
@@ -125,16 +129,38 @@ class LowLatencyMixin:
         self._check_low_latency_mode()
         if handle.backend != self.name or handle.generation <= 0:
             raise TypeError("handle must come from this backend's low_latency_dispatch")
-        age = self._ll_generation - handle.generation
+        inner, (buffers, normals, calls) = handle.state
+        shared = self._shared
+        if shared.generation != buffers or shared.buffer is None:
+            raise ValueError(
+                "stale low-latency result: the shared DeepEP buffer was reallocated since its "
+                "dispatch (a dispatcher on this group needed a larger one), so its rows are gone: "
+                "combine each low-latency dispatch before any call that grows the buffer"
+            )
+        if shared.normal_calls != normals:
+            raise ValueError(
+                "stale low-latency result: a normal DeepEP kernel ran on the shared buffer since "
+                "its dispatch and overwrote the low-latency rows; combine each low-latency "
+                "dispatch before running normal dispatch/combine on the same group"
+            )
+        age = shared.low_latency_calls - calls
         if age >= 2:
             raise ValueError(
                 f"stale low-latency result: {age} low-latency kernels ran since its dispatch, but "
                 f"DeepEP keeps only two results alive (its buffers are reused): combine each "
                 f"dispatch before issuing a third low-latency kernel"
             )
-        buffer = self._buffer
+        buffer = shared.buffer
         out, _event, _hook = buffer.low_latency_combine(
-            y.to(torch.bfloat16).contiguous(), handle.topk_idx, handle.topk_probs, handle.state
+            y.to(torch.bfloat16).contiguous(), handle.topk_idx, handle.topk_probs, inner
         )
-        self._ll_generation += 1
+        shared.low_latency_calls += 1
         return out
+
+    def _clean_if_dirty(self, buffer: Any, hidden: int) -> None:
+        """DeepEP: after a normal kernel used the buffer, clean it before any low-latency kernel."""
+        if self._ll_dirty:
+            buffer.clean_low_latency_buffer(
+                self.num_max_dispatch_tokens_per_rank, hidden, self.num_experts
+            )
+            self._ll_dirty = False

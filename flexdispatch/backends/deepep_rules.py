@@ -104,6 +104,11 @@ class Rules:
             return self.internode_combine_col_multiple
         return self.intranode_combine_col_multiple
 
+    def dispatch_col_multiple(self, internode: bool) -> int:
+        """bf16 columns a dispatch row must be a multiple of: 16 intranode (the SM90 TMA path
+        takes rows of a multiple of 32 bytes), 8 internode (rows of whole int4)."""
+        return 8 if internode else self.intranode_dispatch_row_multiple // 2
+
     def dispatch_max_cols(self, internode: bool, *, num_scales: int = 0, topk: int = 0) -> int:
         """Most bf16 columns one dispatch row may carry (a multiple of 16)."""
         if not internode:

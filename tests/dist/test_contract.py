@@ -66,10 +66,10 @@ def _make(backend: str, E: int, **cfg_kw: Any) -> Any:
 
     if backend != "deepep-emulated":
         return FlexDispatcher(DispatchConfig(backend=backend, **cfg_kw), num_experts=E)
-    from tests.deepep_emu import deep_ep as emu
+    from tests.deepep_emu.load import load_deep_ep
 
     R, L = dist.get_world_size(), cfg_kw.get("ranks_per_node") or dist.get_world_size()
-    emu.set_num_max_nvl_peers(L if L < R else 8)  # NOTE: this worker process only
+    emu = load_deep_ep(nvl_peers=L if L < R else 8)
     return FlexDispatcher(DispatchConfig(backend="deepep", **cfg_kw), num_experts=E, _deep_ep=emu)
 
 
@@ -133,15 +133,23 @@ def _expected_deepep_bytes(
     Per token, per destination node ``n``: the source sends one row to the forwarder ``(n,
     source's local index)`` (RDMA unless ``n`` is its own node, where it forwards itself), which
     sends it over NVLink to each destination rank of ``n`` but itself; combine mirrors it. Row
-    sizes: rows travel as bf16 views padded to 16 bytes; intranode rows carry an int32 source
-    index, int64 ids and fp32 weights; internode rows an 8-byte SourceMeta, int32 ids and fp32
-    weights, aligned to 16 bytes. Narrow fp32 combines ride the fp32 weights channel beside a
-    16-byte dummy row.
+    sizes: rows travel as bf16 views padded to the column multiple DeepEP takes (dispatch: 16
+    intranode, 8 internode; combine: the release's combine multiple, 256 internode); intranode
+    rows carry an int32 source index, int64 ids and fp32 weights; internode rows an 8-byte
+    SourceMeta, int32 ids and fp32 weights, aligned to 16 bytes. Narrow fp32 combines ride the
+    fp32 weights channel beside a dummy row of one combine multiple.
     """
+    from flexdispatch.backends.deepep_rules import rules_for
+
     R = len(inputs)
     e = E_PER_RANK
     internode = L < R
-    wire = -(-(H * torch.empty(0, dtype=dtype).element_size() // 2) // 8) * 16
+    rules = rules_for("2.1.0")  # the release load_deep_ep emulates by default
+    cols = H * torch.empty(0, dtype=dtype).element_size() // 2
+    d_mult = rules.dispatch_col_multiple(internode)
+    c_mult = rules.combine_col_multiple(internode)
+    wire = -(-cols // d_mult) * d_mult * 2
+    comb_wire = -(-max(H, 8) // c_mult) * c_mult * 2
 
     def row(payload: int, ids: int, weights: int) -> int:
         if not internode:
@@ -149,7 +157,7 @@ def _expected_deepep_bytes(
         return -(-(payload + 8 + 4 * ids + 4 * weights) // 16) * 16
 
     disp = row(wire, K, K)
-    comb = row(16, 0, H) if narrow_combine else row(wire, 0, 0)
+    comb = row(2 * c_mult, 0, H) if narrow_combine else row(comb_wire, 0, 0)
     intra = inter = 0
     for s, inp in enumerate(inputs):
         for t in range(inp.idx.shape[0]):
@@ -359,19 +367,24 @@ def errors_worker(rank: int, R: int, backend: str, L: int, seed: int) -> dict[st
     out: dict[str, str] = {}
 
     def run(hier: bool, W: int, x: torch.Tensor = mine.x) -> None:
-        d = _dispatcher(backend, E, L, hier, W)
+        # NOTE: deepep checks agreement and overflow on every rank only with checks on (its
+        # default path adds no collective beyond DeepEP's own)
+        extra = {"checks": True} if backend == "deepep-emulated" else {}
+        d = _make(
+            backend, E, hierarchical=hier, ranks_per_node=L, num_worst_tokens=W, **extra
+        )
         res = d.dispatch(x, mine.idx, mine.probs)
         _check_dispatch(res, ref, W, f"rank {rank} W={W} hier={hier}")
 
     # worst-case overflow: one row short fails, the exact size works
     if backend == "deepep-emulated":
-        # DeepEP has no per-peer padding: W bounds the rows a rank receives in total
-        incoming = max(sum(C[s][g] for s in range(R)) for g in range(R))
-        out["flat_overflow"] = _raises(lambda: run(False, incoming - 1))
-        run(False, incoming)
-        out["hier_overflow"] = _raises(lambda: run(True, incoming - 1))
-        run(True, incoming)
-        w_hier = incoming
+        # deepep caps W / R rows per (sender, destination) like the torch backend; its
+        # internode kernels are node-aware already, so hierarchical sizes like flat
+        out["flat_overflow"] = _raises(lambda: run(False, R * (need - 1)))
+        run(False, R * need)
+        out["hier_overflow"] = _raises(lambda: run(True, R * (need - 1)))
+        run(True, R * need)
+        w_hier = R * need
     else:
         out["flat_overflow"] = _raises(lambda: run(False, R * (need - 1)))
         run(False, R * need)
@@ -408,15 +421,13 @@ def test_errors_on_every_rank(backend: str) -> None:
     C = pair_counts(inputs, E)
     need = max(max(row) for row in C)
     w_hier = worst_needed(inputs, E, L, True)
-    incoming = [sum(C[s][g] for s in range(R)) for g in range(R)]
     for rank, msgs in enumerate(results):
         where = f"rank {rank}"
         if backend == "deepep-emulated":
-            top = max(incoming)
             for key in ("flat_overflow", "hier_overflow"):
                 m = msgs[key]
-                assert f"rank {incoming.index(top)} would receive {top} rows" in m, (where, m)
-                assert f"W={top - 1}" in m and f"at least {top}" in m, (where, m)
+                assert f"needs {need} rows" in m and f"W={R * (need - 1)}" in m, (where, m)
+                assert f"W/{R} = {need - 1}" in m and f"at least {R * need}" in m, (where, m)
         else:
             m = msgs["flat_overflow"]
             assert f"needs {need} rows" in m and f"W={R * (need - 1)}" in m, (where, m)

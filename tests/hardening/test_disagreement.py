@@ -61,11 +61,15 @@ def _dispatcher(**cfg: Any) -> Any:
 
 def _emulated_deepep() -> Any:
     from flexdispatch import DispatchConfig, FlexDispatcher
-    from tests.deepep_emu import deep_ep as emu
+    from tests.deepep_emu.load import load_deep_ep
 
-    emu.set_num_max_nvl_peers(L)  # NOTE: this worker process only: 2 emulated nodes of 2 ranks
+    emu = load_deep_ep(nvl_peers=L)  # 2 emulated nodes of 2 ranks
+    # NOTE: the deepep backend checks agreement only with checks on: its default path issues no
+    # collective beyond DeepEP's own (docs/deepep.md)
     return FlexDispatcher(
-        DispatchConfig(backend="deepep", ranks_per_node=L), num_experts=E, _deep_ep=emu
+        DispatchConfig(backend="deepep", ranks_per_node=L, checks=True),
+        num_experts=E,
+        _deep_ep=emu,
     )
 
 

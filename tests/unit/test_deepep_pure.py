@@ -18,7 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexdispatch.backends import deepep_sizing as S
-from tests.deepep_emu import deep_ep as emu
+from tests.deepep_emu.load import load_deep_ep
+
+emu = load_deep_ep()
 
 
 # --------------------------------------------------------------------- sizing

@@ -128,3 +128,11 @@ def test_exchange_moves_rows_on_a_real_gloo_group_and_counts_its_collectives():
 def test_collectives_outside_a_kernel_are_refused():
     with pytest.raises(AssertionError):
         transport.exchange_counts(torch.zeros(2, 1, dtype=torch.int64), None)
+
+
+def test_every_limit_is_documented() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "deepep.md").read_text()
+    missing = [lid for lid in limits.LIMITS if f"`{lid}`" not in doc]
+    assert not missing, f"docs/deepep.md does not list: {missing}"

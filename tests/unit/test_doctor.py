@@ -13,6 +13,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from flexdispatch.backends import BACKENDS
@@ -249,14 +250,37 @@ def test_probe_deep_ep_reports_the_exact_import_error(tmp_path: Path, fresh_modu
     assert got["reason"] == f"import deep_ep failed: {expected}"
 
 
+class _NoDeepEP:
+    """A meta-path finder under which ``deep_ep`` does not exist (a machine without DeepEP)."""
+
+    @staticmethod
+    def find_spec(name: str, *_: object) -> None:
+        if name.split(".")[0] == "deep_ep":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
 def test_probe_deep_ep_missing(fresh_modules) -> None:
-    fresh_modules.setattr(sys, "path", [p for p in sys.path if "deepep_emu" not in p])
-    importlib.invalidate_caches()
-    if importlib.util.find_spec("deep_ep") is not None:  # a real DeepEP in this venv
-        pytest.fail("this test expects no deep_ep on the CPU test machine")
+    fresh_modules.setattr(sys, "meta_path", [_NoDeepEP(), *sys.meta_path])
     got = probe_deep_ep()
     assert got["importable"] is False
     assert got["reason"] == "import deep_ep failed: ModuleNotFoundError: No module named 'deep_ep'"
+
+
+def test_probe_deep_ep_wheel_on_a_cpu_machine(fresh_modules) -> None:
+    # the test set-up installs SGLang's DeepEP wheel (for its Python layer); on a CPU build of
+    # torch its __init__ refuses to load, and doctor says why instead of crashing
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution("sgl-deep-ep")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.fail("scripts/setup.sh installs sgl-deep-ep for the tests; it is missing")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA build of torch may load the wheel for real")
+    got = probe_deep_ep()
+    assert got["importable"] is False and got["usable"] is False
+    assert got["reason"].startswith("import deep_ep failed: ImportError: ")
+    assert "does not provide CUDA" in got["reason"]
 
 
 def test_probe_deep_ep_importable(tmp_path: Path, fresh_modules) -> None:

@@ -141,8 +141,9 @@ def test_support_for_returns_the_first_failure() -> None:
 def test_support_for_imports_waives_for_the_emulator_and_reads_its_nodes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from tests.deepep_emu import deep_ep as emu
+    from tests.deepep_emu.load import load_deep_ep
 
+    emu = load_deep_ep()
     monkeypatch.setattr(
         support, "load_deep_ep", lambda: (None, "import deep_ep failed: OSError: no libnvshmem")
     )
@@ -158,19 +159,17 @@ def test_support_for_imports_waives_for_the_emulator_and_reads_its_nodes(
     ok, why = deepep_support_for(2, 2, nccl_on_cuda=(False, "gloo"), deep_ep=emu)
     assert ok and "intranode" in why
     assert deepep_support_for(4, 2, nccl_on_cuda=(True, "ok"), deep_ep=emu)[0] is False
-    emu.set_num_max_nvl_peers(2)
-    try:
-        ok, why = deepep_support_for(4, 2, nccl_on_cuda=(False, "gloo"), deep_ep=emu)
-        assert ok and "2 nodes x 2 ranks" in why
-    finally:
-        emu.set_num_max_nvl_peers(8)
+    small = load_deep_ep(nvl_peers=2)
+    ok, why = deepep_support_for(4, 2, nccl_on_cuda=(False, "gloo"), deep_ep=small)
+    assert ok and "2 nodes x 2 ranks" in why
 
 
 def test_group_version_is_the_group_free_rule_with_the_groups_answers() -> None:
     # no process group here: R = 1 and the NCCL answer is "not NCCL on CUDA"
     fake = _fake_deep_ep()
-    from tests.deepep_emu import deep_ep as emu
+    from tests.deepep_emu.load import load_deep_ep
 
+    emu = load_deep_ep()
     for module in (fake, emu):
         for ranks_per_node in (1, 8):
             got = deepep_support(
@@ -266,9 +265,9 @@ def _message(fn: Any) -> str:
 
 def fp8_worker(rank: int, R: int) -> dict[str, Any]:
     from flexdispatch import DispatchConfig, FlexDispatcher
-    from tests.deepep_emu import deep_ep as emu
+    from tests.deepep_emu.load import load_deep_ep
 
-    emu.set_num_max_nvl_peers(8)
+    emu = load_deep_ep()
     E = 3 * R
     e = E // R
     d = FlexDispatcher(
@@ -406,26 +405,16 @@ def test_deepep_v1_2_1_config_tables_are_pinned() -> None:
         DISPATCH_CONFIGS[16] = (16, 288, 20, 128)  # type: ignore[index]
 
 
-def test_emulator_reads_the_package_tables() -> None:
-    from tests.deepep_emu import deep_ep as emu
+def test_package_tables_size_buffers_like_deepeps_config() -> None:
+    # the planner's copy of the v1.2.1 tables sizes the NVLink buffer exactly as DeepEP's
+    # Config::get_nvl_buffer_size_hint does (the emulated runtime's Config follows config.hpp)
+    from tests.deepep_emu.load import load_deep_ep
 
-    def fields(cfg: Any) -> tuple[int, ...]:
-        return (
-            cfg.num_sms,
-            cfg.num_max_nvl_chunked_send_tokens,
-            cfg.num_max_nvl_chunked_recv_tokens,
-            cfg.num_max_rdma_chunked_send_tokens,
-            cfg.num_max_rdma_chunked_recv_tokens,
-        )
-
-    sms = emu.Buffer.num_sms
+    Config = load_deep_ep().Config
+    sms = 20
     for R in DISPATCH_CONFIGS:
-        emu_d, emu_c = emu.Buffer.get_dispatch_config(R), emu.Buffer.get_combine_config(R)
-        assert fields(emu_d) == dispatch_config(R, sms).as_tuple(), R
-        assert fields(emu_c) == combine_config(R, sms).as_tuple(), R
-        for emu_cfg, cfg in ((emu_d, dispatch_config(R, sms)), (emu_c, combine_config(R, sms))):
-            assert emu_cfg.get_nvl_buffer_size_hint(14336, R) == cfg.nvl_buffer_size_hint(14336, R)
-    source = inspect.getsource(emu.Buffer.get_dispatch_config) + inspect.getsource(
-        emu.Buffer.get_combine_config
-    )
-    assert "DISPATCH_CONFIGS" in source and "COMBINE_CONFIGS" in source and "288" not in source
+        for table, ours in ((DISPATCH_CONFIGS, dispatch_config), (COMBINE_CONFIGS, combine_config)):
+            cfg = Config(sms, *table[R])
+            assert cfg.get_nvl_buffer_size_hint(14336, R) == ours(R, sms).nvl_buffer_size_hint(
+                14336, R
+            ), R

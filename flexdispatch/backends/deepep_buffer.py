@@ -1,0 +1,136 @@
+"""One ``deep_ep.Buffer`` per process and group, shared by every dispatcher on that group.
+
+R ranks · e = E / R local experts.
+
+DeepEP keeps its NVSHMEM state per process and its README builds one buffer per process, used by
+every MoE layer for normal and low-latency kernels alike. ``SharedBuffer`` is that buffer here:
+every ``DeepEPBackend`` on the same group and ``deep_ep`` module joins the same one, asks for what
+its next call needs, and leaves on ``close()``. The buffer is
+
+- sized to the largest need seen so far (the union of byte counts; never shrunk),
+- reallocated only when a call needs more (or low-latency mode where it had none). A
+  reallocation is collective, like DeepEP's constructor: it happens at the same call on every
+  rank, because every rank runs the same sequence of dispatches with the same shapes (the
+  agreement check, with checks on, makes a mismatch an error instead),
+- created with ``num_qps_per_rank = max(24, num_sms, e)`` QPs, which satisfies both DeepEP's
+  internode normal kernels (``num_rc_per_pe == num_channels or >= num_sms``) and its low-latency
+  kernels (``num_rc_per_pe >= e``) — see ``deepep_rules``,
+- destroyed when its last user closes.
+
+``generation`` counts reallocations: a low-latency result lives in the buffer's memory, so a result
+from an older generation is gone.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch.distributed as dist
+
+from flexdispatch.backends import deepep_sizing as sizing
+
+__all__ = ["SharedBuffer", "acquire", "live_buffers"]
+
+_LOCK = threading.Lock()
+_BUFFERS: dict[tuple[int, int], SharedBuffer] = {}
+
+
+@dataclass(eq=False)
+class SharedBuffer:
+    """The ``deep_ep.Buffer`` of one ``(deep_ep module, group)`` pair in this process.
+
+    Attributes:
+        deep_ep: the module whose ``Buffer`` is used.
+        group: the process group.
+        users: ids of the backends that joined and have not closed.
+        buffer: the live ``deep_ep.Buffer`` or None.
+        size: its byte counts.
+        low_latency: whether it was built in low-latency mode.
+        num_qps_per_rank: the QPs it was built with.
+        generation: reallocations so far.
+        allocations: buffers built so far (statistics).
+        normal_kernel_ran: a normal kernel used the buffer since the last low-latency clean.
+        normal_calls: normal kernels run on the buffer (a low-latency result does not survive
+            one: its rows live in the buffer's memory).
+        low_latency_calls: low-latency kernels run on the buffer (DeepEP alternates two halves,
+            so a result survives one more low-latency kernel, not two).
+    """
+
+    deep_ep: ModuleType
+    group: Any
+    users: set[int] = field(default_factory=set)
+    buffer: Any = None
+    size: sizing.BufferSize | None = None
+    low_latency: bool = False
+    num_qps_per_rank: int = 0
+    generation: int = 0
+    allocations: int = 0
+    normal_kernel_ran: bool = False
+    normal_calls: int = 0
+    low_latency_calls: int = 0
+
+    def ensure(self, need: sizing.BufferSize, *, low_latency: bool, num_qps_per_rank: int) -> Any:
+        """The live buffer, (re)built collectively when ``need`` outgrows it."""
+        grow = sizing.grow_buffer_size(self.size, need)
+        ll = self.low_latency or low_latency
+        qps = max(self.num_qps_per_rank, num_qps_per_rank)
+        same_mode = ll == self.low_latency and qps <= self.num_qps_per_rank
+        if self.buffer is not None and grow is None and same_mode:
+            return self.buffer
+        new = need if self.size is None else self.size.union(need)
+        self._destroy()
+        self.buffer = self.deep_ep.Buffer(
+            self.group,
+            num_nvl_bytes=new.num_nvl_bytes,
+            num_rdma_bytes=new.num_rdma_bytes,
+            low_latency_mode=ll,
+            num_qps_per_rank=qps,
+            explicitly_destroy=True,
+        )
+        self.size, self.low_latency, self.num_qps_per_rank = new, ll, qps
+        self.generation += 1
+        self.allocations += 1
+        self.normal_kernel_ran = False
+        return self.buffer
+
+    def _destroy(self) -> None:
+        if self.buffer is not None:
+            self.buffer.destroy()
+            self.buffer = None
+
+    def leave(self, user: int) -> None:
+        """``user`` closes; the buffer is destroyed when nobody uses it any more."""
+        with _LOCK:
+            self.users.discard(user)
+            if self.users:
+                return
+            key = _key(self.deep_ep, self.group)
+            if _BUFFERS.get(key) is self:
+                del _BUFFERS[key]
+        self._destroy()
+        self.size = None
+
+
+def _key(deep_ep: ModuleType, group: Any) -> tuple[int, int]:
+    return id(deep_ep), id(group if group is not None else dist.group.WORLD)
+
+
+def acquire(deep_ep: ModuleType, group: Any, user: int) -> SharedBuffer:
+    """Join the shared buffer of ``(deep_ep, group)`` (created empty on first use)."""
+    group = group if group is not None else dist.group.WORLD
+    with _LOCK:
+        key = _key(deep_ep, group)
+        shared = _BUFFERS.get(key)
+        if shared is None:
+            shared = _BUFFERS[key] = SharedBuffer(deep_ep=deep_ep, group=group)
+        shared.users.add(user)
+        return shared
+
+
+def live_buffers() -> int:
+    """Shared buffers alive in this process (for tests and ``doctor``)."""
+    with _LOCK:
+        return sum(1 for b in _BUFFERS.values() if b.buffer is not None)

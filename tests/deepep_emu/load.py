@@ -1,0 +1,105 @@
+"""``load_deep_ep``: DeepEP's own Python layer over the emulated runtime. TEST-ONLY.
+
+The ``sgl-deep-ep`` wheel (DeepEP 2.1.0, installed by ``scripts/setup.sh`` with ``--no-deps``)
+ships DeepEP's Python files: ``deep_ep/buffers/legacy.py`` (the V1 ``Buffer``),
+``deep_ep/utils/{event,envs,comm}.py``. Its ``deep_ep/__init__.py`` checks for CUDA and NCCL and
+cannot run here, so this loader assembles the package itself:
+
+1. a ``deep_ep`` package object whose ``__path__`` is the installed ``deep_ep`` directory (its
+   ``__init__`` is never executed), with the emulated runtime registered as ``deep_ep._C``
+   (``runtime.module.make_runtime_module``);
+2. ``deep_ep.buffers.legacy`` and the ``deep_ep.utils`` modules it imports are executed from the
+   wheel's files, unchanged;
+3. the names the package's ``__init__`` would export are set on the package (``Buffer``,
+   ``EventOverlap``, ``EventHandle``, ``Config``, ``topk_idx_t``, ``__version__``), plus
+   ``IS_EMULATOR``, ``EMULATED_RELEASE`` and ``num_max_nvl_peers()`` for the adapter's support
+   check;
+4. the ``deep_ep*`` entries are removed from ``sys.modules`` again (the loaded modules keep
+   their references), so ``import deep_ep`` elsewhere still fails as on a machine without it.
+
+One patch, applied only to the loaded ``legacy`` module: ``check_nvlink_connections(group)``
+(which calls ``torch.cuda.get_device_name``, raising on a CPU build) is replaced by a function
+that records ``group`` for the emulated ``_C.Buffer`` that ``Buffer.__init__`` builds next — the
+compiled runtime gets only ``rank`` and ``num_ranks``, and the emulation needs the group to move
+rows over gloo.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+from tests.deepep_emu.runtime.module import make_runtime_module
+
+__all__ = ["load_deep_ep", "wheel_dir", "WHEEL"]
+
+WHEEL = "sgl-deep-ep==0.1.2.post1"
+_CACHE: dict[tuple[int, str], types.ModuleType] = {}
+
+
+def wheel_dir() -> Path:
+    """The installed wheel's ``deep_ep`` directory (raises ``ModuleNotFoundError`` if absent)."""
+    try:
+        dist = importlib.metadata.distribution("sgl-deep-ep")
+    except importlib.metadata.PackageNotFoundError:
+        raise ModuleNotFoundError(
+            f"{WHEEL} is not installed: run scripts/setup.sh (pip install --no-deps {WHEEL})"
+        ) from None
+    path = Path(str(dist.locate_file("deep_ep")))
+    if not (path / "buffers" / "legacy.py").is_file():
+        raise ModuleNotFoundError(f"{path} has no buffers/legacy.py: is {WHEEL} installed whole?")
+    return path
+
+
+def load_deep_ep(nvl_peers: int = 8, release: str = "2.1.0") -> types.ModuleType:
+    """The assembled ``deep_ep`` package (cached per ``(nvl_peers, release)``).
+
+    Args:
+        nvl_peers: ranks of one emulated NVLink domain (8 as in DeepEP; tests use 2 so that 4
+            ranks make 2 nodes).
+        release: whose kernel limits the runtime enforces: ``"1.2.1"`` or ``"2.1.0"``.
+    """
+    key = (nvl_peers, release)
+    if key in _CACHE:
+        return _CACHE[key]
+    root = wheel_dir()
+    runtime = make_runtime_module(release, nvl_peers)
+    saved = {n: m for n, m in sys.modules.items() if n == "deep_ep" or n.startswith("deep_ep.")}
+    for n in saved:
+        del sys.modules[n]
+    pkg = types.ModuleType("deep_ep")
+    pkg.__path__ = [str(root)]
+    pkg.__package__ = "deep_ep"
+    sys.modules["deep_ep"] = pkg
+    sys.modules["deep_ep._C"] = runtime
+    pkg._C = runtime
+    try:
+        legacy = importlib.import_module("deep_ep.buffers.legacy")
+        event = importlib.import_module("deep_ep.utils.event")
+    finally:
+        for n in [n for n in sys.modules if n == "deep_ep" or n.startswith("deep_ep.")]:
+            del sys.modules[n]
+        sys.modules.update(saved)
+
+    def check_nvlink_connections(group: Any) -> None:
+        runtime.pending_group = group
+
+    legacy.check_nvlink_connections = check_nvlink_connections
+    pkg.Buffer = legacy.Buffer
+    pkg.EventOverlap = event.EventOverlap
+    pkg.EventHandle = runtime.EventHandle
+    pkg.Config = runtime.Config
+    pkg.topk_idx_t = runtime.topk_idx_t
+    pkg.__version__ = "2.1.0"
+    pkg.legacy = legacy
+    pkg.runtime = runtime
+    pkg.IS_EMULATOR = True
+    pkg.EMULATED_RELEASE = release
+    pkg.NUM_MAX_NVL_PEERS = nvl_peers
+    pkg.num_max_nvl_peers = lambda: nvl_peers
+    _CACHE[key] = pkg
+    return pkg
