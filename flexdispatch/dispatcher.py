@@ -371,9 +371,9 @@ class FlexDispatcher:
             _validate.check_dispatch_values(topk_idx, E, values, topk_probs)
             return
         counts = _validate.count_bad_values(topk_idx, E, values, topk_probs)
-        acc = self.stats.pending_bad_values
+        acc = self._stats.pending_bad_values
         if acc is None:
-            self.stats.pending_bad_values = counts
+            self._stats.pending_bad_values = counts
             return
         n = len(BAD_VALUE_SLOTS)
         acc[:n].add_(counts[:n])

@@ -82,7 +82,7 @@ class DeepEPDispatchState:
         wire: the wire format of the dispatched rows.
         chunks: the column chunks the rows travelled in (one DeepEP call each).
         valid: ``[W]`` bool real rows in worst-case mode, else None.
-        links: ``_Links`` of this dispatch: host ints, or device tensors on CUDA.
+        links: ``_LazyLinks`` of this dispatch (computed when statistics are read).
         recv_scales: ``[M, H / 128]`` float32 scales of an fp8 dispatch, else None.
     """
 
@@ -90,7 +90,7 @@ class DeepEPDispatchState:
     wire: sizing.WireFormat
     chunks: tuple[rules.Chunk, ...]
     valid: torch.Tensor | None
-    links: _Links
+    links: _LazyLinks
     recv_scales: torch.Tensor | None
 
 
@@ -105,6 +105,24 @@ class _Links:
     combine_inter: Any
     sent: Any
     received: Any
+
+
+class _LazyLinks:
+    """``_Links`` of one dispatch, computed from DeepEP's handle on first use (memoized)."""
+
+    __slots__ = ("_backend", "_args", "_links")
+
+    def __init__(self, backend: DeepEPBackend, handle: tuple, ntr: Any, ntrr: Any) -> None:
+        self._backend = backend
+        self._args: tuple | None = (handle, ntr, ntrr)
+        self._links: _Links | None = None
+
+    def get(self) -> _Links:
+        if self._links is None:
+            assert self._args is not None
+            self._links = self._backend._links(*self._args)
+            self._args = None
+        return self._links
 
 
 class DeepEPBackend(LowLatencyMixin, DispatchBackend):
@@ -238,7 +256,8 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
         """Add the statistics kept on the device (CUDA) to ``stats`` (reads them on the host)."""
         pending, self._pending = self._pending, []
         s = self._stats
-        for kind, links, row_bytes in pending:
+        for kind, lazy, row_bytes in pending:
+            links = lazy.get()
             if kind == "dispatch":
                 s.bytes_sent_intra_node += int(links.dispatch_intra) * row_bytes
                 s.bytes_sent_inter_node += int(links.dispatch_inter) * row_bytes
@@ -251,9 +270,11 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
                 s.bytes_sent_intra_node += int(links.combine_intra) * row_bytes
                 s.bytes_sent_inter_node += int(links.combine_inter) * row_bytes
 
-    def _account(self, kind: str, links: _Links, row_bytes: int) -> None:
+    def _account(self, kind: str, links: _LazyLinks, row_bytes: int) -> None:
+        """Record a call's traffic; it is computed from DeepEP's handle when ``stats`` is read
+        (no device op and no host read on the hot path)."""
         self._pending.append((kind, links, row_bytes))
-        if not isinstance(links.sent, torch.Tensor) or len(self._pending) >= 256:
+        if len(self._pending) >= 256:
             self.flush_stats()
 
     def _row_bytes(self, payload: int, *, ids: int = 0, weights: int = 0) -> int:
@@ -631,7 +652,7 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
         scale_bytes = num_scales * 4
         row_bytes = sum(self._row_bytes(2 * c.padded) for c in chunks)
         row_bytes += self._row_bytes(scale_bytes, ids=k, weights=k) - self._row_bytes(0)
-        links = self._links(handle, ntr, ntrr)
+        links = _LazyLinks(self, handle, ntr, ntrr)
         self._account("dispatch", links, row_bytes)
         state = DeepEPDispatchState(
             handle=handle,

@@ -258,7 +258,7 @@ class WireFormat:
     @staticmethod
     def of(dtype: torch.dtype, width: int) -> WireFormat:
         """The wire format of bf16 / fp16 / fp32 rows of ``width`` columns."""
-        elem = torch.empty(0, dtype=dtype).element_size()
+        elem = dtype.itemsize
         if elem < 2:
             raise ValueError(f"rows of {dtype} travel as an (x, scales) tuple, not a bit view")
         bf16_cols = width * elem // 2
@@ -279,7 +279,7 @@ class WireFormat:
 
     def recv(self, w: torch.Tensor) -> torch.Tensor:
         """``[n, Xw]`` bf16 -> ``[n, X]`` rows of ``dtype`` (inverse of ``send``)."""
-        elem = torch.empty(0, dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         v = w[:, : self.width * elem // 2]
         if self.dtype == torch.bfloat16:
             return v.contiguous()
@@ -326,11 +326,14 @@ def count_local_experts(recv_topk_idx: torch.Tensor, num_local_experts: int) -> 
     if num_local_experts <= 0:
         raise ValueError(f"num_local_experts must be positive, got {num_local_experts}")
     ids = recv_topk_idx.reshape(-1).to(torch.int64)
-    spare = torch.full_like(ids, num_local_experts)
-    ids = torch.where((ids >= 0) & (ids < num_local_experts), ids, spare)
-    counts = torch.zeros(num_local_experts + 1, dtype=torch.int64, device=ids.device)
-    counts.scatter_add_(0, ids, torch.ones_like(ids))
-    return counts[:num_local_experts]
+    return _count_valid(ids, (ids >= 0) & (ids < num_local_experts), num_local_experts)
+
+
+def _count_valid(ids: torch.Tensor, valid: torch.Tensor, e: int) -> torch.Tensor:
+    """``[e]`` int64: how often each id in ``[0, e)`` appears where ``valid`` (4 device ops)."""
+    counts = torch.zeros(e, dtype=torch.int64, device=ids.device)
+    # NOTE: invalid slots add 0 at index 0 (clamped), so no spare bucket is needed
+    return counts.scatter_add_(0, ids.clamp(0, e - 1), valid.to(torch.int64))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -369,14 +372,19 @@ def mask_worst_case(
         recv_topk_probs: ``[W, k]`` float32 (tail is garbage).
         num_local_experts: e.
     """
+    if num_local_experts <= 0:
+        raise ValueError(f"num_local_experts must be positive, got {num_local_experts}")
     idx = recv_topk_idx.to(torch.int64)
-    valid = valid_rows(idx)
-    probs = torch.where(idx >= 0, recv_topk_probs.to(torch.float32), 0.0)
+    has = idx >= 0  # DeepEP's ids are local ([0, e)) or -1
+    valid = has.any(dim=-1)
+    probs = torch.where(has, recv_topk_probs.to(torch.float32), 0.0)
     return MaskedWorstCase(
         recv_x=zero_invalid_rows(recv_x, valid),
         recv_topk_idx=idx,
         recv_topk_probs=probs,
-        num_recv_tokens_per_expert=count_local_experts(idx, num_local_experts),
+        num_recv_tokens_per_expert=_count_valid(
+            idx.reshape(-1), has.reshape(-1), num_local_experts
+        ),
         valid=valid,
     )
 
