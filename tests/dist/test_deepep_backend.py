@@ -178,14 +178,16 @@ def test_worst_case_cap_per_destination() -> None:
 
 
 # --------------------------------------------------------------------- decode
-def decode_worker(rank: int, R: int) -> dict[str, float]:
+def decode_worker(rank: int, R: int, L: int) -> dict[str, float]:
     from flexdispatch import DispatchConfig, FlexDispatcher
     from flexdispatch.decode import DecodeDispatcher
+    from tests.deepep_emu.load import load_deep_ep
 
-    emu, E, k, H, num_max = _emu(), 2 * R, 2, 2048, 4
+    emu = load_deep_ep(nvl_peers=L if L < R else 8)  # L < R: emulated nodes of L ranks
+    E, k, H, num_max = 2 * R, 2, 2048, 4
     e, C = E // R, R * num_max
     gens = [torch.Generator().manual_seed(100 + r) for r in range(R)]
-    T = [2 + r for r in range(R)]
+    T = [2 + r % 3 for r in range(R)]  # at most num_max
     xs = [torch.randn(T[r], H, generator=gens[r]).bfloat16() for r in range(R)]
     idx = [torch.rand(T[r], E, generator=gens[r]).argsort(1)[:, :k] for r in range(R)]
     for r in range(R):
@@ -205,12 +207,17 @@ def decode_worker(rank: int, R: int) -> dict[str, float]:
     out: dict[str, float] = {}
     ll = FlexDispatcher(
         DispatchConfig(
-            backend="deepep", mode="low_latency", num_max_dispatch_tokens_per_rank=num_max
+            backend="deepep",
+            mode="low_latency",
+            num_max_dispatch_tokens_per_rank=num_max,
+            ranks_per_node=L,
         ),
         num_experts=E,
         _deep_ep=emu,
     )
-    tw = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=R * C), num_experts=E)
+    tw = FlexDispatcher(
+        DispatchConfig(backend="torch", num_worst_tokens=R * C, ranks_per_node=L), num_experts=E
+    )
     for name, disp in (("deepep", ll), ("torch", tw)):
         dec = DecodeDispatcher(disp, num_max_dispatch_tokens_per_rank=num_max)
         res = dec.dispatch(xs[rank], idx[rank], probs[rank])
@@ -237,7 +244,7 @@ def decode_worker(rank: int, R: int) -> dict[str, float]:
         "num_worst_tokens >= R * num_max"
         in _raises(
             lambda: DecodeDispatcher(
-                FlexDispatcher(DispatchConfig(backend="torch"), num_experts=E),
+                FlexDispatcher(DispatchConfig(backend="torch", ranks_per_node=L), num_experts=E),
                 num_max_dispatch_tokens_per_rank=num_max,
             )
         )
@@ -247,7 +254,8 @@ def decode_worker(rank: int, R: int) -> dict[str, float]:
 
 @pytest.mark.dist
 @pytest.mark.timeout(120)
-def test_decode_expert_major_on_both_backends() -> None:
-    for out in run_group(decode_worker, 2, timeout=100):
+@pytest.mark.parametrize(("R", "L"), [(2, 2), (4, 2)])
+def test_decode_expert_major_on_both_backends(R: int, L: int) -> None:
+    for out in run_group(decode_worker, R, L, timeout=100):
         assert out["deepep"] < 1e-2 and out["torch"] < 1e-2, out  # bf16 rounding
         assert out["stale"] == 1.0 and out["too_small_w"] == 1.0
