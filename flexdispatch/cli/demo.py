@@ -25,6 +25,7 @@ import torch
 __all__ = ["DemoSpec", "register", "run", "run_rank", "check_against_reference"]
 
 _MODES = ("flat", "hierarchical")
+_VOCAB = 32000  # token ids for hash routing are drawn below this
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,10 +70,15 @@ def _progress(msg: str) -> None:
 # --------------------------------------------------------------------------- inputs
 
 
-def _layer_config(spec: DemoSpec, mode: str, num_ranks: int, ranks_per_node: int):
+def demo_config(spec: DemoSpec):
+    """The preset as the demo runs it (sizes as in ``spec``; see ``flexdispatch.cli.demo_fit``)."""
     from flexdispatch.config import load_config
 
-    cfg = load_config(spec.preset)
+    return load_config(spec.preset)
+
+
+def _layer_config(spec: DemoSpec, mode: str, num_ranks: int, ranks_per_node: int):
+    cfg = demo_config(spec)
     dispatch = cfg.dispatch.model_copy(
         update={
             "backend": spec.backend,
@@ -90,6 +96,12 @@ def global_inputs(spec: DemoSpec, num_ranks: int, hidden: int) -> tuple[torch.Te
     x = torch.randn(num_ranks, spec.tokens, hidden, generator=gen)
     g = torch.randn(num_ranks, spec.tokens, hidden, generator=gen)
     return x, g
+
+
+def global_token_ids(spec: DemoSpec, num_ranks: int) -> torch.Tensor:
+    """Every rank's token ids ``[R, T]`` int64 (hash routing routes by them), from one seed."""
+    gen = torch.Generator().manual_seed(spec.seed + 54321)
+    return torch.randint(0, _VOCAB, (num_ranks, spec.tokens), generator=gen)
 
 
 # --------------------------------------------------------------------------- one rank
@@ -114,13 +126,15 @@ def run_rank(spec: DemoSpec) -> dict[str, Any]:
         x_all, g_all = global_inputs(spec, R, cfg.hidden_size)
         x = x_all[rank].to(device).requires_grad_(True)
         g = g_all[rank].to(device)
+        ids = global_token_ids(spec, R)[rank].to(device)
+        del x_all, g_all
         times_f, times_b = [], []
         for it in range(spec.iters):
             layer.zero_grad(set_to_none=True)
             x.grad = None
             dist.barrier()
             t0 = time.perf_counter()
-            res = layer(x)
+            res = layer(x, token_ids=ids)
             t1 = time.perf_counter()
             (res.output * g).sum().backward()
             if device.type == "cuda":
@@ -136,12 +150,9 @@ def run_rank(spec: DemoSpec) -> dict[str, Any]:
         out["modes"][mode] = {
             "output": res.output.detach().cpu(),
             "grad_x": x.grad.detach().cpu(),
-            "grad_router": layer.router.weight.grad.detach().cpu(),
-            "grad_experts": {
-                n: p.grad.detach().cpu()
-                for n, p in layer.experts.named_parameters()
-                if p.grad is not None
-            },
+            "grad_router": _grads(layer.router),
+            "grad_experts": _grads(layer.experts),
+            "grad_shared": {} if layer.shared_experts is None else _grads(layer.shared_experts),
             "tokens_per_expert": res.routing.tokens_per_expert.cpu(),
             "recv_rows": int((res.dispatch.recv_topk_idx >= 0).any(1).sum()),
             "stats_per_iter": {k: v / calls for k, v in stats.items()},
@@ -149,7 +160,12 @@ def run_rank(spec: DemoSpec) -> dict[str, Any]:
             "backward_ms": 1e3 * statistics.median(times_b),
         }
         layer.dispatcher.close()
+        del layer, res  # NOTE: the next mode's layer must not coexist with this one (memory).
     return out
+
+
+def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().cpu() for n, p in module.named_parameters() if p.grad is not None}
 
 
 def _launcher_entry(spec: DemoSpec, timeout_s: float) -> list[dict[str, Any]] | None:
@@ -172,63 +188,121 @@ def _launcher_entry(spec: DemoSpec, timeout_s: float) -> list[dict[str, Any]] | 
 # --------------------------------------------------------------------------- the reference
 
 
-def check_against_reference(spec: DemoSpec, results: list[dict[str, Any]]) -> dict[str, float]:
-    """Max abs difference per quantity between the EP run and the single-process reference."""
-    from flexdispatch.config import load_config
-    from flexdispatch.experts import init_expert_weights
-    from flexdispatch.reference import dense_moe_reference
+def _reference_model(cfg, seed: int):
+    """The router, all E experts' weights stacked (``w1`` ``[E, H, F]`` ... , None where the
+    config has none) and the shared experts, with the values every rank's ``MoELayer`` draws."""
+    from flexdispatch.experts import SharedExperts, init_expert_weights
     from flexdispatch.routing import TopKRouter
 
-    R = results[0]["world"]
-    cfg = load_config(spec.preset)
     E, H = cfg.router.num_experts, cfg.hidden_size
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(spec.seed)
+        torch.manual_seed(seed)
         router = TopKRouter(cfg.router, H)
-    ws = [
-        init_expert_weights(
+    experts: dict[str, torch.Tensor | None] = {}
+    for g in range(E):
+        # NOTE: filled expert by expert, so the full weights exist once, not twice.
+        w = init_expert_weights(
             g,
-            spec.seed,
+            seed,
             hidden_size=H,
             ffn_hidden_size=cfg.ffn_hidden_size,
             activation=cfg.activation,
+            bias=cfg.expert_mlp_bias,
         )
-        for g in range(E)
-    ]
-    w1 = torch.stack([w.w1 for w in ws]).requires_grad_(True)
-    w2 = torch.stack([w.w2 for w in ws]).requires_grad_(True)
-    w3 = None
-    if cfg.activation == "swiglu":
-        w3 = torch.stack([w.w3 for w in ws]).requires_grad_(True)  # type: ignore[misc]
+        for name in ("w1", "w2", "w3", "b1", "b2", "b3"):
+            t = getattr(w, name)
+            if t is None:
+                experts[name] = None
+                continue
+            if g == 0:
+                experts[name] = torch.empty((E, *t.shape), dtype=t.dtype)
+            experts[name][g] = t  # type: ignore[index]
+    for t in experts.values():
+        if t is not None:
+            t.requires_grad_(True)
+    shared = None
+    if cfg.num_shared_experts > 0:
+        fs = cfg.shared_expert_ffn_hidden_size or cfg.num_shared_experts * cfg.ffn_hidden_size
+        shared = SharedExperts(
+            H,
+            fs,
+            activation=cfg.activation,
+            swiglu_limit=cfg.swiglu_limit,
+            swiglu_alpha=cfg.swiglu_alpha,
+            gate=cfg.shared_expert_gate,
+        )
+        shared.reset_parameters_from_seed(seed, E)
+    return router, experts, shared
+
+
+def check_against_reference(spec: DemoSpec, results: list[dict[str, Any]]) -> dict[str, float]:
+    """Max abs difference per quantity between the EP run and the single-process reference.
+
+    The reference routes every rank's tokens with the same router and runs them through all E
+    experts and the shared experts in one process (``dense_moe_reference``); replicated
+    parameters (router, shared experts) are compared with the sum of the ranks' gradients.
+    """
+    from flexdispatch.reference import dense_moe_reference
+
+    R = results[0]["world"]
+    cfg = demo_config(spec)
+    E, H = cfg.router.num_experts, cfg.hidden_size
+    router, experts, shared = _reference_model(cfg, spec.seed)
+    sp = {} if shared is None else dict(shared.named_parameters())
     x_all, g_all = global_inputs(spec, R, H)
+    ids_all = global_token_ids(spec, R)
     x_all = x_all.clone().requires_grad_(True)
     outs = []
     for r in range(R):
-        routing = router(x_all[r])
+        routing = router(x_all[r], token_ids=ids_all[r])
         y = dense_moe_reference(
-            x_all[r], routing.topk_idx, routing.topk_probs, w1, w2, w3, cfg.activation
+            x_all[r],
+            routing.topk_idx,
+            routing.topk_probs,
+            experts["w1"],  # type: ignore[arg-type]
+            experts["w2"],  # type: ignore[arg-type]
+            experts["w3"],
+            cfg.activation,
+            b1=experts["b1"],
+            b2=experts["b2"],
+            b3=experts["b3"],
+            swiglu_limit=cfg.swiglu_limit,
+            swiglu_alpha=cfg.swiglu_alpha,
+            probs_on_input=cfg.probs_on_input,
+            shared_w1=sp.get("w1"),
+            shared_w2=sp.get("w2"),
+            shared_w3=sp.get("w3"),
+            shared_gate_weight=sp.get("gate_weight"),
         )
-        outs.append(y)
+        outs.append(y.detach())
         (y * g_all[r]).sum().backward()
     e = E // R
+
+    def md(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+    def replicated(got: list[dict[str, Any]], key: str, ref: dict[str, torch.Tensor]) -> float:
+        diffs = [md(torch.stack([g[key][n] for g in got]).sum(0), p.grad) for n, p in ref.items()]
+        return max(diffs, default=0.0)
+
+    router_params = {n: p for n, p in router.named_parameters() if p.grad is not None}
     diffs: dict[str, float] = {}
     for mode in _MODES:
         got = [res["modes"][mode] for res in results]
-
-        def md(a: torch.Tensor, b: torch.Tensor) -> float:
-            return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
-
-        diffs[f"{mode}.output"] = max(md(got[r]["output"], outs[r].detach()) for r in range(R))
+        diffs[f"{mode}.output"] = max(md(got[r]["output"], outs[r]) for r in range(R))
         diffs[f"{mode}.grad_x"] = max(md(got[r]["grad_x"], x_all.grad[r]) for r in range(R))
-        router_grad = torch.stack([g["grad_router"] for g in got]).sum(0)
-        diffs[f"{mode}.grad_router"] = md(router_grad, router.weight.grad)
+        diffs[f"{mode}.grad_router"] = replicated(got, "grad_router", router_params)
         expert_diffs = []
-        for name, ref in (("w1", w1), ("w2", w2), ("w3", w3)):
+        for name, ref in experts.items():
             if ref is None:
                 continue
+            # NOTE: one parameter at a time, so the concatenated copy is one tensor's size.
             full = torch.cat([g["grad_experts"][name] for g in got])
-            expert_diffs.append(md(full, ref.grad[: R * e]))
+            expert_diffs.append(md(full, ref.grad[: R * e]))  # type: ignore[index]
+            del full
         diffs[f"{mode}.grad_experts"] = max(expert_diffs)
+        if sp:
+            diffs[f"{mode}.grad_shared"] = replicated(got, "grad_shared", sp)
     return diffs
 
 
@@ -309,8 +383,10 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"hierarchical / flat inter-node bytes: {ratio:.2f}")
     worst = max(report["max_abs_diff"].values())
     verdict = "OK" if report["ok"] else "MISMATCH"
+    shared = ", shared experts" if "flat.grad_shared" in report["max_abs_diff"] else ""
     print(
-        f"check vs single-process reference (output, grads of input, router, experts): {verdict} "
+        f"check vs single-process reference (output, grads of input, router, experts{shared}): "
+        f"{verdict} "
         f"(max abs diff {worst:.2e}, tolerance {report['tolerance']:.0e})"
     )
 
