@@ -38,6 +38,10 @@ class DemoSpec:
     seed: int
     iters: int
     worst_case: bool
+    # The sizes the demo runs (None: the preset's own), as flexdispatch.cli.demo_fit chose them.
+    hidden_size: int | None = None
+    ffn_hidden_size: int | None = None
+    shared_expert_ffn_hidden_size: int | None = None
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -59,6 +63,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="use the static-shape worst-case mode (num_worst_tokens = R * T)",
     )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up")
+    p.add_argument(
+        "--max-memory",
+        default=None,
+        metavar="SIZE",
+        help="memory the whole demo may use, runtime included, e.g. 4GiB or 512MiB (default "
+        "4GiB, never more than 80%% of the memory available): larger presets are shrunk to fit "
+        "(hidden and expert sizes, then tokens), and refused up front when they cannot",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
 
@@ -72,9 +84,22 @@ def _progress(msg: str) -> None:
 
 def demo_config(spec: DemoSpec):
     """The preset as the demo runs it (sizes as in ``spec``; see ``flexdispatch.cli.demo_fit``)."""
-    from flexdispatch.config import load_config
+    from flexdispatch.config import MoEConfig, load_config
 
-    return load_config(spec.preset)
+    cfg = load_config(spec.preset)
+    sizes = {
+        "hidden_size": spec.hidden_size,
+        "ffn_hidden_size": spec.ffn_hidden_size,
+        "shared_expert_ffn_hidden_size": spec.shared_expert_ffn_hidden_size,
+    }
+    sizes = {k: v for k, v in sizes.items() if v is not None}
+    if not sizes:
+        return cfg
+    data = cfg.model_dump()
+    data.update(sizes)
+    if cfg.dispatch.hidden_size is not None and "hidden_size" in sizes:
+        data["dispatch"]["hidden_size"] = sizes["hidden_size"]
+    return MoEConfig.model_validate(data)
 
 
 def _layer_config(spec: DemoSpec, mode: str, num_ranks: int, ranks_per_node: int):
@@ -161,15 +186,30 @@ def run_rank(spec: DemoSpec) -> dict[str, Any]:
         }
         layer.dispatcher.close()
         del layer, res  # NOTE: the next mode's layer must not coexist with this one (memory).
+    out["peak_rss"] = _peak_rss("self")
     return out
+
+
+def _peak_rss(who: str) -> int | None:
+    """Peak resident bytes of this process (``self``) or of its largest waited-for child."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return None
+    which = resource.RUSAGE_SELF if who == "self" else resource.RUSAGE_CHILDREN
+    peak = resource.getrusage(which).ru_maxrss
+    return int(peak) * (1 if sys.platform == "darwin" else 1024)
 
 
 def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().cpu() for n, p in module.named_parameters() if p.grad is not None}
 
 
-def _launcher_entry(spec: DemoSpec, timeout_s: float) -> list[dict[str, Any]] | None:
-    """Under torchrun: join the launcher's group, run, gather everything on rank 0."""
+def _launcher_entry(
+    planned: tuple[DemoSpec | None, Any, str | None], timeout_s: float
+) -> tuple[DemoSpec, Any, list[dict[str, Any]] | None]:
+    """Under torchrun: join the launcher's group, take rank 0's plan (so that every rank runs
+    the same sizes, or every rank refuses), run, gather everything on rank 0."""
     import datetime
 
     import torch.distributed as dist
@@ -177,10 +217,17 @@ def _launcher_entry(spec: DemoSpec, timeout_s: float) -> list[dict[str, Any]] | 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     try:
+        shared: list[Any] = [planned]
+        dist.broadcast_object_list(shared, src=0)
+        spec, plan, refusal = shared[0]
+        if refusal is not None:
+            raise ValueError(refusal)
+        if dist.get_rank() == 0:
+            _progress(plan[1])
         mine = run_rank(spec)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
-        return gathered if dist.get_rank() == 0 else None
+        return spec, plan, (gathered if dist.get_rank() == 0 else None)
     finally:
         dist.destroy_process_group()
 
@@ -279,7 +326,7 @@ def check_against_reference(spec: DemoSpec, results: list[dict[str, Any]]) -> di
     e = E // R
 
     def md(a: torch.Tensor, b: torch.Tensor) -> float:
-        return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+        return float(torch.sub(a.float(), b.float()).abs_().max()) if a.numel() else 0.0
 
     def replicated(got: list[dict[str, Any]], key: str, ref: dict[str, torch.Tensor]) -> float:
         diffs = [md(torch.stack([g[key][n] for g in got]).sum(0), p.grad) for n, p in ref.items()]
@@ -321,6 +368,7 @@ def build_report(
     spec: DemoSpec, results: list[dict[str, Any]], diffs: dict[str, float], tol: float
 ) -> dict[str, Any]:
     R, L = results[0]["world"], results[0]["ranks_per_node"]
+    cfg = demo_config(spec)
     flat = [r["modes"]["flat"] for r in results]
     per_expert = torch.stack([f["tokens_per_expert"] for f in flat]).sum(0)
     report: dict[str, Any] = {
@@ -330,6 +378,8 @@ def build_report(
         "ranks_per_node": L,
         "tokens_per_rank": spec.tokens,
         "worst_case": spec.worst_case,
+        "hidden_size": cfg.hidden_size,
+        "ffn_hidden_size": cfg.ffn_hidden_size,
         "backend": results[0]["backend"],
         "backend_reason": results[0]["backend_reason"],
         "rows_received_per_rank": [f["recv_rows"] for f in flat],
@@ -358,6 +408,8 @@ def print_report(report: dict[str, Any]) -> None:
         f"{report['tokens_per_rank']} tokens per rank"
         + (", worst-case mode" if report["worst_case"] else "")
     )
+    if report.get("fit_line"):
+        print(report["fit_line"])
     print(f"backend: {report['backend']} ({report['backend_reason']})")
     rows = report["rows_received_per_rank"]
     print("rows received per rank: " + "  ".join(f"r{i}={n}" for i, n in enumerate(rows)))
@@ -391,21 +443,46 @@ def print_report(report: dict[str, Any]) -> None:
     )
 
 
+def _plan(args: argparse.Namespace, num_ranks: int, *, launcher: bool, local_ranks: int):
+    """The spec with the sizes that fit (see ``flexdispatch.cli.demo_fit``) and the plan."""
+    from flexdispatch.cli import demo_fit
+    from flexdispatch.config import load_config
+
+    cfg = load_config(args.preset)
+    cfg.check_world(num_ranks)
+    max_memory = None if args.max_memory is None else demo_fit.parse_size(args.max_memory)
+    limit, why = demo_fit.memory_limit(max_memory)
+    plan = demo_fit.fit_demo(
+        cfg,
+        num_ranks,
+        args.tokens,
+        worst_case=args.worst_case,
+        limit=limit,
+        limit_reason=why,
+        launcher=launcher,
+        local_ranks=local_ranks,
+    )
+    spec = DemoSpec(
+        preset=args.preset,
+        backend=args.backend,
+        tokens=plan.tokens,
+        seed=args.seed,
+        iters=args.iters,
+        worst_case=args.worst_case,
+        hidden_size=plan.hidden_size if plan.shrunk else None,
+        ffn_hidden_size=plan.ffn_hidden_size if plan.shrunk else None,
+        shared_expert_ffn_hidden_size=plan.shared_expert_ffn_hidden_size if plan.shrunk else None,
+    )
+    return spec, plan, plan.shrink_line(cfg)
+
+
 def run(args: argparse.Namespace) -> int:
     from flexdispatch.config import load_config
     from flexdispatch.launch import spawn_group, under_launcher
 
-    spec = DemoSpec(
-        preset=args.preset,
-        backend=args.backend,
-        tokens=args.tokens,
-        seed=args.seed,
-        iters=args.iters,
-        worst_case=args.worst_case,
-    )
     if args.tokens < 0 or args.iters < 1:
         raise ValueError("--tokens must be >= 0 and --iters >= 1")
-    load_config(spec.preset)  # fail fast on a bad preset, before spawning anything
+    load_config(args.preset)  # fail fast on a bad preset, before spawning anything
     t0 = time.perf_counter()
     if under_launcher():
         world = int(os.environ["WORLD_SIZE"])
@@ -416,17 +493,26 @@ def run(args: argparse.Namespace) -> int:
                 f"under a launcher: using its {world // local} node(s) × {local} rank(s); "
                 f"--nodes/--ranks-per-node are ignored"
             )
+        planned: tuple[Any, Any, str | None]
+        try:
+            spec, plan, line = _plan(args, world, launcher=True, local_ranks=local)
+            planned = (spec, (plan, line), None)
+        except ValueError as exc:
+            planned = (None, None, str(exc))
         _progress("joining the launcher's process group")
-        results = _launcher_entry(spec, args.timeout)
+        spec, (plan, line), results = _launcher_entry(planned, args.timeout)
         if results is None:
             return 0
+        peaks = {"largest_rank": max((r.get("peak_rss") or 0) for r in results) or None}
     else:
         if args.nodes < 1 or args.ranks_per_node < 1:
             raise ValueError("--nodes and --ranks-per-node must be >= 1")
         R = args.nodes * args.ranks_per_node
+        spec, plan, line = _plan(args, R, launcher=False, local_ranks=R)
         _layer_config(spec, "hierarchical", R, args.ranks_per_node).check_world(
             R, args.ranks_per_node
         )
+        _progress(line)
         _progress(f"[1/3] spawning {R} ranks ({args.nodes} nodes × {args.ranks_per_node}, gloo)")
         results = spawn_group(
             run_rank,
@@ -436,9 +522,14 @@ def run(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
         )
         _progress(f"[2/3] {R} ranks finished forward+backward in flat and hierarchical modes")
+        # NOTE: the largest child includes a rank's serialisation of its results on the way back.
+        peaks = {"largest_rank": _peak_rss("children")}
     _progress("[3/3] checking against the single-process reference")
     diffs = check_against_reference(spec, results)
     report = build_report(spec, results, diffs, tol=1e-4)
+    peaks["this_process"] = _peak_rss("self")
+    report["fit_line"] = line
+    report["fit"] = {**plan.as_dict(), "measured_peak_rss": peaks}
     report["wall_s"] = round(time.perf_counter() - t0, 2)
     if args.json:
         print(json.dumps(report, indent=2))
