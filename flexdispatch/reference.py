@@ -44,8 +44,14 @@ def expert_mlp(
     return y if b2 is None else y + b2
 
 
-def _pick(t: torch.Tensor | None, e: int) -> torch.Tensor | None:
+def _pick(t: tuple[torch.Tensor, ...] | None, e: int) -> torch.Tensor | None:
     return None if t is None else t[e]
+
+
+def _unbind(t: torch.Tensor | None) -> tuple[torch.Tensor, ...] | None:
+    # NOTE: one unbind per weight, not one index per expert: the backward of ``t[e]`` writes a
+    # zero-filled [E, ...] gradient for every expert (quadratic in E), unbind's stacks them once.
+    return None if t is None else t.unbind(0)
 
 
 def dense_moe_reference(
@@ -91,6 +97,8 @@ def dense_moe_reference(
     """
     act = {"swiglu_limit": swiglu_limit, "swiglu_alpha": swiglu_alpha}
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    w1s, w2s, w3s = w1.unbind(0), w2.unbind(0), _unbind(w3)
+    b1s, b2s, b3s = _unbind(b1), _unbind(b2), _unbind(b3)
     for expert in range(w1.shape[0]):
         tok, slot = (topk_idx == expert).nonzero(as_tuple=True)
         if tok.numel() == 0:
@@ -101,13 +109,13 @@ def dense_moe_reference(
             xin = (xin.float() * p).to(x.dtype)
         y = expert_mlp(
             xin,
-            w1[expert],
-            w2[expert],
-            _pick(w3, expert),
+            w1s[expert],
+            w2s[expert],
+            _pick(w3s, expert),
             activation,
-            b1=_pick(b1, expert),
-            b2=_pick(b2, expert),
-            b3=_pick(b3, expert),
+            b1=_pick(b1s, expert),
+            b2=_pick(b2s, expert),
+            b3=_pick(b3s, expert),
             **act,
         )
         y = y.float() if probs_on_input else y.float() * p

@@ -25,6 +25,7 @@ import torch
 __all__ = ["DemoSpec", "register", "run", "run_rank", "check_against_reference"]
 
 _MODES = ("flat", "hierarchical")
+_VOCAB = 32000  # token ids for hash routing are drawn below this
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +38,10 @@ class DemoSpec:
     seed: int
     iters: int
     worst_case: bool
+    # The sizes the demo runs (None: the preset's own), as flexdispatch.cli.demo_fit chose them.
+    hidden_size: int | None = None
+    ffn_hidden_size: int | None = None
+    shared_expert_ffn_hidden_size: int | None = None
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -58,6 +63,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="use the static-shape worst-case mode (num_worst_tokens = R * T)",
     )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up")
+    p.add_argument(
+        "--max-memory",
+        default=None,
+        metavar="SIZE",
+        help="memory the whole demo may use, runtime included, e.g. 4GiB or 512MiB (default "
+        "4GiB, never more than 80%% of the memory available): larger presets are shrunk to fit "
+        "(hidden and expert sizes, then tokens), and refused up front when they cannot",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
 
@@ -69,10 +82,28 @@ def _progress(msg: str) -> None:
 # --------------------------------------------------------------------------- inputs
 
 
-def _layer_config(spec: DemoSpec, mode: str, num_ranks: int, ranks_per_node: int):
-    from flexdispatch.config import load_config
+def demo_config(spec: DemoSpec):
+    """The preset as the demo runs it (sizes as in ``spec``; see ``flexdispatch.cli.demo_fit``)."""
+    from flexdispatch.config import MoEConfig, load_config
 
     cfg = load_config(spec.preset)
+    sizes = {
+        "hidden_size": spec.hidden_size,
+        "ffn_hidden_size": spec.ffn_hidden_size,
+        "shared_expert_ffn_hidden_size": spec.shared_expert_ffn_hidden_size,
+    }
+    sizes = {k: v for k, v in sizes.items() if v is not None}
+    if not sizes:
+        return cfg
+    data = cfg.model_dump()
+    data.update(sizes)
+    if cfg.dispatch.hidden_size is not None and "hidden_size" in sizes:
+        data["dispatch"]["hidden_size"] = sizes["hidden_size"]
+    return MoEConfig.model_validate(data)
+
+
+def _layer_config(spec: DemoSpec, mode: str, num_ranks: int, ranks_per_node: int):
+    cfg = demo_config(spec)
     dispatch = cfg.dispatch.model_copy(
         update={
             "backend": spec.backend,
@@ -90,6 +121,12 @@ def global_inputs(spec: DemoSpec, num_ranks: int, hidden: int) -> tuple[torch.Te
     x = torch.randn(num_ranks, spec.tokens, hidden, generator=gen)
     g = torch.randn(num_ranks, spec.tokens, hidden, generator=gen)
     return x, g
+
+
+def global_token_ids(spec: DemoSpec, num_ranks: int) -> torch.Tensor:
+    """Every rank's token ids ``[R, T]`` int64 (hash routing routes by them), from one seed."""
+    gen = torch.Generator().manual_seed(spec.seed + 54321)
+    return torch.randint(0, _VOCAB, (num_ranks, spec.tokens), generator=gen)
 
 
 # --------------------------------------------------------------------------- one rank
@@ -114,13 +151,15 @@ def run_rank(spec: DemoSpec) -> dict[str, Any]:
         x_all, g_all = global_inputs(spec, R, cfg.hidden_size)
         x = x_all[rank].to(device).requires_grad_(True)
         g = g_all[rank].to(device)
+        ids = global_token_ids(spec, R)[rank].to(device)
+        del x_all, g_all
         times_f, times_b = [], []
         for it in range(spec.iters):
             layer.zero_grad(set_to_none=True)
             x.grad = None
             dist.barrier()
             t0 = time.perf_counter()
-            res = layer(x)
+            res = layer(x, token_ids=ids)
             t1 = time.perf_counter()
             (res.output * g).sum().backward()
             if device.type == "cuda":
@@ -136,12 +175,9 @@ def run_rank(spec: DemoSpec) -> dict[str, Any]:
         out["modes"][mode] = {
             "output": res.output.detach().cpu(),
             "grad_x": x.grad.detach().cpu(),
-            "grad_router": layer.router.weight.grad.detach().cpu(),
-            "grad_experts": {
-                n: p.grad.detach().cpu()
-                for n, p in layer.experts.named_parameters()
-                if p.grad is not None
-            },
+            "grad_router": _grads(layer.router),
+            "grad_experts": _grads(layer.experts),
+            "grad_shared": {} if layer.shared_experts is None else _grads(layer.shared_experts),
             "tokens_per_expert": res.routing.tokens_per_expert.cpu(),
             "recv_rows": int((res.dispatch.recv_topk_idx >= 0).any(1).sum()),
             "stats_per_iter": {k: v / calls for k, v in stats.items()},
@@ -149,11 +185,31 @@ def run_rank(spec: DemoSpec) -> dict[str, Any]:
             "backward_ms": 1e3 * statistics.median(times_b),
         }
         layer.dispatcher.close()
+        del layer, res  # NOTE: the next mode's layer must not coexist with this one (memory).
+    out["peak_rss"] = _peak_rss("self")
     return out
 
 
-def _launcher_entry(spec: DemoSpec, timeout_s: float) -> list[dict[str, Any]] | None:
-    """Under torchrun: join the launcher's group, run, gather everything on rank 0."""
+def _peak_rss(who: str) -> int | None:
+    """Peak resident bytes of this process (``self``) or of its largest waited-for child."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return None
+    which = resource.RUSAGE_SELF if who == "self" else resource.RUSAGE_CHILDREN
+    peak = resource.getrusage(which).ru_maxrss
+    return int(peak) * (1 if sys.platform == "darwin" else 1024)
+
+
+def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().cpu() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _launcher_entry(
+    planned: tuple[DemoSpec | None, Any, str | None], timeout_s: float
+) -> tuple[DemoSpec, Any, list[dict[str, Any]] | None]:
+    """Under torchrun: join the launcher's group, take rank 0's plan (so that every rank runs
+    the same sizes, or every rank refuses), run, gather everything on rank 0."""
     import datetime
 
     import torch.distributed as dist
@@ -161,10 +217,17 @@ def _launcher_entry(spec: DemoSpec, timeout_s: float) -> list[dict[str, Any]] | 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     try:
+        shared: list[Any] = [planned]
+        dist.broadcast_object_list(shared, src=0)
+        spec, plan, refusal = shared[0]
+        if refusal is not None:
+            raise ValueError(refusal)
+        if dist.get_rank() == 0:
+            _progress(plan[1])
         mine = run_rank(spec)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
-        return gathered if dist.get_rank() == 0 else None
+        return spec, plan, (gathered if dist.get_rank() == 0 else None)
     finally:
         dist.destroy_process_group()
 
@@ -172,63 +235,121 @@ def _launcher_entry(spec: DemoSpec, timeout_s: float) -> list[dict[str, Any]] | 
 # --------------------------------------------------------------------------- the reference
 
 
-def check_against_reference(spec: DemoSpec, results: list[dict[str, Any]]) -> dict[str, float]:
-    """Max abs difference per quantity between the EP run and the single-process reference."""
-    from flexdispatch.config import load_config
-    from flexdispatch.experts import init_expert_weights
-    from flexdispatch.reference import dense_moe_reference
+def _reference_model(cfg, seed: int):
+    """The router, all E experts' weights stacked (``w1`` ``[E, H, F]`` ... , None where the
+    config has none) and the shared experts, with the values every rank's ``MoELayer`` draws."""
+    from flexdispatch.experts import SharedExperts, init_expert_weights
     from flexdispatch.routing import TopKRouter
 
-    R = results[0]["world"]
-    cfg = load_config(spec.preset)
     E, H = cfg.router.num_experts, cfg.hidden_size
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(spec.seed)
+        torch.manual_seed(seed)
         router = TopKRouter(cfg.router, H)
-    ws = [
-        init_expert_weights(
+    experts: dict[str, torch.Tensor | None] = {}
+    for g in range(E):
+        # NOTE: filled expert by expert, so the full weights exist once, not twice.
+        w = init_expert_weights(
             g,
-            spec.seed,
+            seed,
             hidden_size=H,
             ffn_hidden_size=cfg.ffn_hidden_size,
             activation=cfg.activation,
+            bias=cfg.expert_mlp_bias,
         )
-        for g in range(E)
-    ]
-    w1 = torch.stack([w.w1 for w in ws]).requires_grad_(True)
-    w2 = torch.stack([w.w2 for w in ws]).requires_grad_(True)
-    w3 = None
-    if cfg.activation == "swiglu":
-        w3 = torch.stack([w.w3 for w in ws]).requires_grad_(True)  # type: ignore[misc]
+        for name in ("w1", "w2", "w3", "b1", "b2", "b3"):
+            t = getattr(w, name)
+            if t is None:
+                experts[name] = None
+                continue
+            if g == 0:
+                experts[name] = torch.empty((E, *t.shape), dtype=t.dtype)
+            experts[name][g] = t  # type: ignore[index]
+    for t in experts.values():
+        if t is not None:
+            t.requires_grad_(True)
+    shared = None
+    if cfg.num_shared_experts > 0:
+        fs = cfg.shared_expert_ffn_hidden_size or cfg.num_shared_experts * cfg.ffn_hidden_size
+        shared = SharedExperts(
+            H,
+            fs,
+            activation=cfg.activation,
+            swiglu_limit=cfg.swiglu_limit,
+            swiglu_alpha=cfg.swiglu_alpha,
+            gate=cfg.shared_expert_gate,
+        )
+        shared.reset_parameters_from_seed(seed, E)
+    return router, experts, shared
+
+
+def check_against_reference(spec: DemoSpec, results: list[dict[str, Any]]) -> dict[str, float]:
+    """Max abs difference per quantity between the EP run and the single-process reference.
+
+    The reference routes every rank's tokens with the same router and runs them through all E
+    experts and the shared experts in one process (``dense_moe_reference``); replicated
+    parameters (router, shared experts) are compared with the sum of the ranks' gradients.
+    """
+    from flexdispatch.reference import dense_moe_reference
+
+    R = results[0]["world"]
+    cfg = demo_config(spec)
+    E, H = cfg.router.num_experts, cfg.hidden_size
+    router, experts, shared = _reference_model(cfg, spec.seed)
+    sp = {} if shared is None else dict(shared.named_parameters())
     x_all, g_all = global_inputs(spec, R, H)
+    ids_all = global_token_ids(spec, R)
     x_all = x_all.clone().requires_grad_(True)
     outs = []
     for r in range(R):
-        routing = router(x_all[r])
+        routing = router(x_all[r], token_ids=ids_all[r])
         y = dense_moe_reference(
-            x_all[r], routing.topk_idx, routing.topk_probs, w1, w2, w3, cfg.activation
+            x_all[r],
+            routing.topk_idx,
+            routing.topk_probs,
+            experts["w1"],  # type: ignore[arg-type]
+            experts["w2"],  # type: ignore[arg-type]
+            experts["w3"],
+            cfg.activation,
+            b1=experts["b1"],
+            b2=experts["b2"],
+            b3=experts["b3"],
+            swiglu_limit=cfg.swiglu_limit,
+            swiglu_alpha=cfg.swiglu_alpha,
+            probs_on_input=cfg.probs_on_input,
+            shared_w1=sp.get("w1"),
+            shared_w2=sp.get("w2"),
+            shared_w3=sp.get("w3"),
+            shared_gate_weight=sp.get("gate_weight"),
         )
-        outs.append(y)
+        outs.append(y.detach())
         (y * g_all[r]).sum().backward()
     e = E // R
+
+    def md(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float(torch.sub(a.float(), b.float()).abs_().max()) if a.numel() else 0.0
+
+    def replicated(got: list[dict[str, Any]], key: str, ref: dict[str, torch.Tensor]) -> float:
+        diffs = [md(torch.stack([g[key][n] for g in got]).sum(0), p.grad) for n, p in ref.items()]
+        return max(diffs, default=0.0)
+
+    router_params = {n: p for n, p in router.named_parameters() if p.grad is not None}
     diffs: dict[str, float] = {}
     for mode in _MODES:
         got = [res["modes"][mode] for res in results]
-
-        def md(a: torch.Tensor, b: torch.Tensor) -> float:
-            return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
-
-        diffs[f"{mode}.output"] = max(md(got[r]["output"], outs[r].detach()) for r in range(R))
+        diffs[f"{mode}.output"] = max(md(got[r]["output"], outs[r]) for r in range(R))
         diffs[f"{mode}.grad_x"] = max(md(got[r]["grad_x"], x_all.grad[r]) for r in range(R))
-        router_grad = torch.stack([g["grad_router"] for g in got]).sum(0)
-        diffs[f"{mode}.grad_router"] = md(router_grad, router.weight.grad)
+        diffs[f"{mode}.grad_router"] = replicated(got, "grad_router", router_params)
         expert_diffs = []
-        for name, ref in (("w1", w1), ("w2", w2), ("w3", w3)):
+        for name, ref in experts.items():
             if ref is None:
                 continue
+            # NOTE: one parameter at a time, so the concatenated copy is one tensor's size.
             full = torch.cat([g["grad_experts"][name] for g in got])
-            expert_diffs.append(md(full, ref.grad[: R * e]))
+            expert_diffs.append(md(full, ref.grad[: R * e]))  # type: ignore[index]
+            del full
         diffs[f"{mode}.grad_experts"] = max(expert_diffs)
+        if sp:
+            diffs[f"{mode}.grad_shared"] = replicated(got, "grad_shared", sp)
     return diffs
 
 
@@ -247,6 +368,7 @@ def build_report(
     spec: DemoSpec, results: list[dict[str, Any]], diffs: dict[str, float], tol: float
 ) -> dict[str, Any]:
     R, L = results[0]["world"], results[0]["ranks_per_node"]
+    cfg = demo_config(spec)
     flat = [r["modes"]["flat"] for r in results]
     per_expert = torch.stack([f["tokens_per_expert"] for f in flat]).sum(0)
     report: dict[str, Any] = {
@@ -256,6 +378,8 @@ def build_report(
         "ranks_per_node": L,
         "tokens_per_rank": spec.tokens,
         "worst_case": spec.worst_case,
+        "hidden_size": cfg.hidden_size,
+        "ffn_hidden_size": cfg.ffn_hidden_size,
         "backend": results[0]["backend"],
         "backend_reason": results[0]["backend_reason"],
         "rows_received_per_rank": [f["recv_rows"] for f in flat],
@@ -284,6 +408,8 @@ def print_report(report: dict[str, Any]) -> None:
         f"{report['tokens_per_rank']} tokens per rank"
         + (", worst-case mode" if report["worst_case"] else "")
     )
+    if report.get("fit_line"):
+        print(report["fit_line"])
     print(f"backend: {report['backend']} ({report['backend_reason']})")
     rows = report["rows_received_per_rank"]
     print("rows received per rank: " + "  ".join(f"r{i}={n}" for i, n in enumerate(rows)))
@@ -309,27 +435,54 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"hierarchical / flat inter-node bytes: {ratio:.2f}")
     worst = max(report["max_abs_diff"].values())
     verdict = "OK" if report["ok"] else "MISMATCH"
+    shared = ", shared experts" if "flat.grad_shared" in report["max_abs_diff"] else ""
     print(
-        f"check vs single-process reference (output, grads of input, router, experts): {verdict} "
+        f"check vs single-process reference (output, grads of input, router, experts{shared}): "
+        f"{verdict} "
         f"(max abs diff {worst:.2e}, tolerance {report['tolerance']:.0e})"
     )
+
+
+def _plan(args: argparse.Namespace, num_ranks: int, *, launcher: bool, local_ranks: int):
+    """The spec with the sizes that fit (see ``flexdispatch.cli.demo_fit``) and the plan."""
+    from flexdispatch.cli import demo_fit
+    from flexdispatch.config import load_config
+
+    cfg = load_config(args.preset)
+    cfg.check_world(num_ranks)
+    max_memory = None if args.max_memory is None else demo_fit.parse_size(args.max_memory)
+    limit, why = demo_fit.memory_limit(max_memory)
+    plan = demo_fit.fit_demo(
+        cfg,
+        num_ranks,
+        args.tokens,
+        worst_case=args.worst_case,
+        limit=limit,
+        limit_reason=why,
+        launcher=launcher,
+        local_ranks=local_ranks,
+    )
+    spec = DemoSpec(
+        preset=args.preset,
+        backend=args.backend,
+        tokens=plan.tokens,
+        seed=args.seed,
+        iters=args.iters,
+        worst_case=args.worst_case,
+        hidden_size=plan.hidden_size if plan.shrunk else None,
+        ffn_hidden_size=plan.ffn_hidden_size if plan.shrunk else None,
+        shared_expert_ffn_hidden_size=plan.shared_expert_ffn_hidden_size if plan.shrunk else None,
+    )
+    return spec, plan, plan.shrink_line(cfg)
 
 
 def run(args: argparse.Namespace) -> int:
     from flexdispatch.config import load_config
     from flexdispatch.launch import spawn_group, under_launcher
 
-    spec = DemoSpec(
-        preset=args.preset,
-        backend=args.backend,
-        tokens=args.tokens,
-        seed=args.seed,
-        iters=args.iters,
-        worst_case=args.worst_case,
-    )
     if args.tokens < 0 or args.iters < 1:
         raise ValueError("--tokens must be >= 0 and --iters >= 1")
-    load_config(spec.preset)  # fail fast on a bad preset, before spawning anything
+    load_config(args.preset)  # fail fast on a bad preset, before spawning anything
     t0 = time.perf_counter()
     if under_launcher():
         world = int(os.environ["WORLD_SIZE"])
@@ -340,17 +493,26 @@ def run(args: argparse.Namespace) -> int:
                 f"under a launcher: using its {world // local} node(s) × {local} rank(s); "
                 f"--nodes/--ranks-per-node are ignored"
             )
+        planned: tuple[Any, Any, str | None]
+        try:
+            spec, plan, line = _plan(args, world, launcher=True, local_ranks=local)
+            planned = (spec, (plan, line), None)
+        except ValueError as exc:
+            planned = (None, None, str(exc))
         _progress("joining the launcher's process group")
-        results = _launcher_entry(spec, args.timeout)
+        spec, (plan, line), results = _launcher_entry(planned, args.timeout)
         if results is None:
             return 0
+        peaks = {"largest_rank": max((r.get("peak_rss") or 0) for r in results) or None}
     else:
         if args.nodes < 1 or args.ranks_per_node < 1:
             raise ValueError("--nodes and --ranks-per-node must be >= 1")
         R = args.nodes * args.ranks_per_node
+        spec, plan, line = _plan(args, R, launcher=False, local_ranks=R)
         _layer_config(spec, "hierarchical", R, args.ranks_per_node).check_world(
             R, args.ranks_per_node
         )
+        _progress(line)
         _progress(f"[1/3] spawning {R} ranks ({args.nodes} nodes × {args.ranks_per_node}, gloo)")
         results = spawn_group(
             run_rank,
@@ -360,9 +522,14 @@ def run(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
         )
         _progress(f"[2/3] {R} ranks finished forward+backward in flat and hierarchical modes")
+        # NOTE: the largest child includes a rank's serialisation of its results on the way back.
+        peaks = {"largest_rank": _peak_rss("children")}
     _progress("[3/3] checking against the single-process reference")
     diffs = check_against_reference(spec, results)
     report = build_report(spec, results, diffs, tol=1e-4)
+    peaks["this_process"] = _peak_rss("self")
+    report["fit_line"] = line
+    report["fit"] = {**plan.as_dict(), "measured_peak_rss": peaks}
     report["wall_s"] = round(time.perf_counter() - t0, 2)
     if args.json:
         print(json.dumps(report, indent=2))

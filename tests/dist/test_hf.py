@@ -99,7 +99,7 @@ def _model(family: str, norm_topk_prob: bool = True):
     # NOTE: larger router weights than the init's std=0.02, so the top-k choice is decisive.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(ROUTERS + ("mlp.shared_expert_gate.weight",)):
+            if name.endswith((*ROUTERS, "mlp.shared_expert_gate.weight")):
                 p.normal_(0, 0.5)
             if ".mlp.experts." in name and family == "gpt_oss":
                 p.normal_(0, 0.3)
@@ -154,6 +154,8 @@ def _worker(family: str, norm: bool) -> dict:
         ("deepseek_v3", False, 2),
         ("mixtral", True, 4),
         ("qwen2_moe", False, 4),
+        ("gpt_oss", False, 4),  # one expert per rank
+        ("deepseek_v3", False, 4),  # two experts per rank, two per group: a group per rank
     ],
 )
 def test_expert_parallel_matches_unsharded(family: str, norm: bool, R: int) -> None:
@@ -191,7 +193,17 @@ def test_expert_parallel_matches_unsharded(family: str, norm: bool, R: int) -> N
                 mine, transpose = name.replace(old, new), t
                 checked_shared += "shared" in old
         got = sum(results[r]["grads"][mine] for r in range(R))
-        torch.testing.assert_close(got.t() if transpose else got, ref[name], **tol, msg=name)
+        # NOTE: a sum of R rank gradients against one backward over R batches: fp32 summation
+        # order differs, so the absolute tolerance follows the gradient's scale (gpt-oss's
+        # embedding gradient reaches ~1e2 on 4 ranks, off by ~1e-6 of that).
+        scale = max(1.0, float(ref[name].abs().max()))
+        torch.testing.assert_close(
+            got.t() if transpose else got,
+            ref[name],
+            atol=tol["atol"] * scale,
+            rtol=tol["rtol"],
+            msg=name,
+        )
     assert checked_shared == {"qwen2_moe": 8, "deepseek_v3": 6}.get(family, 0)
     for layer in moe_layers:
         pre = f"model.layers.{layer}.mlp"

@@ -1,0 +1,423 @@
+"""Fit ``flexdispatch demo`` to this machine's memory before any rank is spawned.
+
+A published preset at full size does not fit a laptop (DeepSeek-V3's 256 experts alone are 45 GB
+of fp32 weights, and the demo holds weights, gradients, results and a single-process reference).
+``fit_demo`` keeps the preset's routing (E, k, groups, score function, bias, scaling, shared
+experts, activation) and shrinks what must shrink, in this order, until the estimate fits:
+
+1. the hidden size H and the expert sizes F (and the shared experts' F) together, keeping their
+   ratio, in multiples of 8, down to ``H = 32`` and ``F = 16`` (never below the preset's);
+2. the tokens per rank T, halved, down to 1.
+
+If it does not fit even then, the demo is refused up front with the memory it would need.
+
+The estimate (``estimate_memory``) counts what the demo actually holds, in bytes, for every
+process of the tree (R ranks and the parent): a fixed runtime per process (Python, torch, gloo),
+the layer's parameters and gradients, upper bounds of the activations (every rank could receive
+all R*T tokens), the results the ranks return (both modes' gradients, serialised on the way
+back), and in the parent the reference model (all E experts, weights and gradients) beside the
+gathered results. It is an upper bound by design, not a prediction; ``tests/dist/test_demo_fit.py``
+checks it against the peak resident memory the processes really reach.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "AVAILABLE_ENV",
+    "DEFAULT_MAX_MEMORY",
+    "FitPlan",
+    "MemoryEstimate",
+    "available_memory",
+    "estimate_memory",
+    "fit_demo",
+    "format_bytes",
+    "memory_limit",
+    "parse_size",
+]
+
+GiB = 1 << 30
+MiB = 1 << 20
+DEFAULT_MAX_MEMORY = 4 * GiB
+"""The default of ``--max-memory``: what the demo may use in all, runtime included."""
+AVAILABLE_SHARE = 0.8
+"""The demo never plans for more than this share of the memory available when it starts."""
+AVAILABLE_ENV = "FLEXDISPATCH_MEMORY_AVAILABLE"
+"""Overrides the detected available memory (a size such as ``6GiB``; for tests)."""
+RUNTIME_BYTES = 400 * MiB
+"""Resident memory of one demo process before its tensors: Python, torch, gloo, flexdispatch
+(measured at about 250 MiB with torch 2.13 on Linux; the rest is headroom)."""
+MIN_HIDDEN, MIN_FFN = 32, 16
+
+_UNITS = {
+    "": GiB,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "kib": 1 << 10,
+    "m": MiB,
+    "mb": MiB,
+    "mib": MiB,
+    "g": GiB,
+    "gb": GiB,
+    "gib": GiB,
+    "t": 1 << 40,
+    "tb": 1 << 40,
+    "tib": 1 << 40,
+}
+
+
+def parse_size(text: str) -> int:
+    """``"4GiB"``, ``"512MiB"``, ``"1.5G"``, ``"2"`` (GiB) → bytes (binary units throughout)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(
+            f"{text!r} is not a memory size: write a number with a unit, e.g. 4GiB or 512MiB "
+            f"(a bare number is GiB)"
+        )
+    value = float(m.group(1)) * _UNITS[unit]
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{text!r} is not a positive memory size")
+    return int(value)
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
+def available_memory() -> tuple[int | None, str]:
+    """Bytes this process tree can still use, and where the number comes from.
+
+    ``$FLEXDISPATCH_MEMORY_AVAILABLE`` when set; else the smallest of ``MemAvailable`` in
+    ``/proc/meminfo`` and the room left under a cgroup memory limit (v2 ``memory.max`` minus
+    ``memory.current``, v1 ``memory.limit_in_bytes`` minus ``memory.usage_in_bytes``).
+    ``(None, why)`` when none of them can be read.
+    """
+    env = os.environ.get(AVAILABLE_ENV)
+    if env:
+        return parse_size(env), f"${AVAILABLE_ENV}"
+    found: list[tuple[int, str]] = []
+    meminfo = _read("/proc/meminfo") or ""
+    m = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.M)
+    if m:
+        found.append((int(m.group(1)) * 1024, "MemAvailable"))
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
+    ):
+        limit, usage = _read(limit_file), _read(usage_file)
+        if limit and usage and limit.isdigit() and usage.isdigit() and int(limit) < 1 << 60:
+            found.append((max(0, int(limit) - int(usage)), "the cgroup memory limit"))
+    if not found:
+        return None, "no /proc/meminfo or cgroup limit to read"
+    return min(found)
+
+
+def memory_limit(max_memory: int | None) -> tuple[int, str]:
+    """What the demo may plan for: ``--max-memory`` (default ``DEFAULT_MAX_MEMORY``), but never
+    more than ``AVAILABLE_SHARE`` of the memory available now. Returns (bytes, why)."""
+    asked = DEFAULT_MAX_MEMORY if max_memory is None else max_memory
+    why = (
+        f"--max-memory {format_bytes(asked)}"
+        if max_memory is not None
+        else f"the default --max-memory {format_bytes(asked)}"
+    )
+    avail, source = available_memory()
+    if avail is not None and AVAILABLE_SHARE * avail < asked:
+        share = int(AVAILABLE_SHARE * avail)
+        return share, (
+            f"{AVAILABLE_SHARE:.0%} of the {format_bytes(avail)} available ({source}), "
+            f"less than {why}"
+        )
+    return asked, why
+
+
+# --------------------------------------------------------------------------- the estimate
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Upper bounds in bytes: one rank, the parent (or rank 0 under a launcher), and ``ranks``,
+    the ranks on this machine (all R when spawned here; ``LOCAL_WORLD_SIZE`` under a launcher)."""
+
+    per_rank: int
+    parent: int
+    ranks: int
+    launcher: bool
+    parts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        # NOTE: under a launcher rank 0 is the parent (it runs the reference beside its rank).
+        return self.ranks * self.per_rank + self.parent
+
+    def describe(self) -> str:
+        if self.launcher:
+            return (
+                f"{format_bytes(self.total)} on this machine ({self.ranks} local rank(s) × "
+                f"{format_bytes(self.per_rank)} + {format_bytes(self.parent)} for the reference "
+                f"on rank 0)"
+            )
+        return (
+            f"{format_bytes(self.total)} ({self.ranks} rank(s) × {format_bytes(self.per_rank)} "
+            f"+ parent {format_bytes(self.parent)}, each with "
+            f"{format_bytes(RUNTIME_BYTES)} runtime)"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "per_rank": self.per_rank,
+            "parent": self.parent,
+            "ranks": self.ranks,
+            "total": self.total,
+            "runtime_per_process": RUNTIME_BYTES,
+            "parts": dict(self.parts),
+        }
+
+
+def _sizes(cfg) -> tuple[int, int, int]:
+    fs = 0
+    if cfg.num_shared_experts > 0:
+        fs = cfg.shared_expert_ffn_hidden_size or cfg.num_shared_experts * cfg.ffn_hidden_size
+    return cfg.hidden_size, cfg.ffn_hidden_size, fs
+
+
+def estimate_memory(
+    cfg,
+    num_ranks: int,
+    tokens: int,
+    *,
+    worst_case: bool,
+    launcher: bool = False,
+    local_ranks: int | None = None,
+) -> MemoryEstimate:
+    """Peak bytes of ``flexdispatch demo`` running ``cfg`` (a ``MoEConfig``) on ``num_ranks``
+    ranks with ``tokens`` tokens per rank (fp32 experts and rows), ``local_ranks`` of them on
+    this machine (default all).
+
+    Per rank: runtime + max(run, return) where run = the layer's parameters and gradients + the
+    previous mode's results + activations, and return = the results of both modes, three times
+    (the tensors, their serialised bytes, the queue's pickled copy). The parent: runtime + every
+    rank's results + two in flight + the reference (all experts: weights, gradients and the
+    gradient the backward stacks) + the comparison's copies of one weight + its activations.
+    Under a launcher every rank also receives every rank's results (all-gather) and rank 0 runs
+    the reference, counted as ``parent`` without a runtime of its own.
+    """
+    from flexdispatch.experts import GATED_ACTIVATIONS
+
+    R, T = num_ranks, tokens
+    E, k = cfg.router.num_experts, cfg.router.topk
+    e = E // R
+    H, F, Fs = _sizes(cfg)
+    s = 4  # fp32 weights, rows and gradients
+    r = 8 if cfg.router.router_dtype == "fp64" else 4
+    n = 3 if cfg.activation in GATED_ACTIVATIONS else 2
+    expert = n * H * F + (((n - 1) * F + H) if cfg.expert_mlp_bias else 0)
+    shared = n * H * Fs + (H if cfg.shared_expert_gate else 0)
+    router = E * H + (E if cfg.router.router_bias else 0)
+
+    params_rank = s * (e * expert + shared) + r * router + 16 * E  # + the expert-bias buffers
+    mode_result = params_rank + s * 2 * T * H + 8 * E
+    result = 2 * mode_result
+    M = R * T  # rows a rank can receive: every token of every rank, at most once each
+    P = M * (k if worst_case else min(k, e))  # (token, local expert) pairs fed to the experts
+    # NOTE: rows on the way (send, receive, permuted, expert outputs, combined, their gradients,
+    # the hierarchical mode's forwarded copies), the expert hidden states and their gradients,
+    # the router's [T, E] intermediates, the shared experts' hidden states, every rank's inputs.
+    activations = (
+        s * (8 * P * H + 8 * P * F + 8 * M * H + 8 * T * Fs + 8 * T * H + 2 * R * T * H)
+        + 8 * 8 * T * E
+    )
+    run = mode_result + 2 * params_rank + activations
+    ret = 3 * result
+    if launcher:
+        # all_gather_object: this rank's pickled result, then every rank's bytes and tensors.
+        ret = result + 2 * result + 2 * R * result
+    per_rank = RUNTIME_BYTES + max(run, ret)
+
+    full = s * (E * expert + shared) + r * router + 16 * E
+    ref_act = s * (8 * T * k * (H + F) + 8 * T * Fs + 6 * R * T * H) + 8 * 8 * T * E
+    # Weights, gradients, the backward's stacked gradient in flight; then, per weight, the
+    # ranks' gradients concatenated and the difference taken.
+    reference = 3 * full + 3 * s * E * H * F + ref_act
+    held = (0 if launcher else R + 2) * result
+    parent = (0 if launcher else RUNTIME_BYTES) + held + reference
+    parts = {
+        "params_per_rank": params_rank,
+        "activations_per_rank": activations,
+        "results_per_rank": result,
+        "reference": reference,
+    }
+    local = R if local_ranks is None else local_ranks
+    return MemoryEstimate(per_rank, parent, local, launcher, parts)
+
+
+# --------------------------------------------------------------------------- the fit
+
+
+@dataclass(frozen=True)
+class FitPlan:
+    """The sizes the demo runs, what was shrunk, the estimate and the limit it fits."""
+
+    hidden_size: int
+    ffn_hidden_size: int
+    shared_expert_ffn_hidden_size: int | None
+    tokens: int
+    shrunk: dict[str, tuple[int, int]]
+    estimate: MemoryEstimate
+    limit: int
+    limit_reason: str
+
+    def shrink_line(self, cfg) -> str:
+        """One line: what was shrunk from what to what (or that nothing was), the routing kept."""
+        r = cfg.router
+        kept = [f"E={r.num_experts}", f"k={r.topk}", r.score_function]
+        if r.num_groups:
+            kept.append(f"{r.group_topk}/{r.num_groups} groups ({r.group_score})")
+        if r.enable_expert_bias:
+            kept.append("expert bias")
+        if r.scaling_factor:
+            kept.append(f"x{r.scaling_factor:g}")
+        if cfg.num_shared_experts:
+            kept.append(f"{cfg.num_shared_experts} shared")
+        kept.append(cfg.activation)
+        routing = f"routing kept: {', '.join(kept)}"
+        fits = f"estimated peak {self.estimate.describe()}"
+        if not self.shrunk:
+            return (
+                f"sizes: preset's own (H={self.hidden_size}, F={self.ffn_hidden_size}), fits "
+                f"{format_bytes(self.limit)} ({self.limit_reason}); {fits}"
+            )
+        what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in self.shrunk.items())
+        return (
+            f"shrunk to fit {format_bytes(self.limit)} ({self.limit_reason}): {what}; "
+            f"{routing}; {fits}"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "hidden_size": self.hidden_size,
+            "ffn_hidden_size": self.ffn_hidden_size,
+            "shared_expert_ffn_hidden_size": self.shared_expert_ffn_hidden_size,
+            "tokens_per_rank": self.tokens,
+            "shrunk": {k: {"from": a, "to": b} for k, (a, b) in self.shrunk.items()},
+            "limit": self.limit,
+            "limit_reason": self.limit_reason,
+            "estimate": self.estimate.as_dict(),
+        }
+
+
+def _resized(cfg, H: int):
+    """``cfg`` with hidden size ``H`` and the expert sizes scaled by ``H / cfg.hidden_size``."""
+    H0, F0, _ = _sizes(cfg)
+    if H == H0:
+        return cfg
+
+    def scale(f: int) -> int:
+        return min(f, max(min(f, MIN_FFN), 8 * round(f * H / H0 / 8)))
+
+    data = cfg.model_dump()
+    data["hidden_size"] = H
+    data["ffn_hidden_size"] = scale(F0)
+    if cfg.shared_expert_ffn_hidden_size is not None:
+        data["shared_expert_ffn_hidden_size"] = scale(cfg.shared_expert_ffn_hidden_size)
+    if cfg.dispatch.hidden_size is not None:
+        data["dispatch"]["hidden_size"] = H
+    return type(cfg).model_validate(data)
+
+
+def fit_demo(
+    cfg,
+    num_ranks: int,
+    tokens: int,
+    *,
+    worst_case: bool,
+    limit: int,
+    limit_reason: str,
+    launcher: bool = False,
+    local_ranks: int | None = None,
+) -> FitPlan:
+    """The largest sizes (see the module docstring) at which the demo's estimate fits ``limit``.
+
+    Raises:
+        ValueError: it does not fit even at the smallest sizes; the message gives the memory it
+            would need there and the limit.
+    """
+
+    def est(c, t: int) -> MemoryEstimate:
+        return estimate_memory(
+            c, num_ranks, t, worst_case=worst_case, launcher=launcher, local_ranks=local_ranks
+        )
+
+    H0 = cfg.hidden_size
+    h_min = min(H0, MIN_HIDDEN)
+    chosen, T = cfg, tokens
+    if est(cfg, T).total > limit:
+        # Candidates: multiples of 8 below H0 down to h_min; the estimate grows with H.
+        lo, hi = max(1, math.ceil(h_min / 8)), (H0 - 1) // 8
+        smallest = _resized(cfg, 8 * lo if 8 * lo < H0 else H0)
+        if est(smallest, T).total > limit:
+            chosen = smallest
+            while T > 1 and est(chosen, T).total > limit:
+                T //= 2
+            if est(chosen, T).total > limit:
+                need = est(chosen, T)
+                raise ValueError(
+                    f"preset {cfg.name!r} on {num_ranks} rank(s) does not fit: even shrunk to "
+                    f"hidden_size={chosen.hidden_size}, ffn_hidden_size={chosen.ffn_hidden_size}"
+                    f" and {T} token(s) per rank it would need {need.describe()}, more than "
+                    f"{format_bytes(limit)} ({limit_reason}); use fewer ranks (--nodes, "
+                    f"--ranks-per-node) or a larger --max-memory if the machine has it"
+                )
+        else:
+            while lo < hi:  # the largest multiple of 8 in [8*lo, 8*hi] that fits
+                mid = (lo + hi + 1) // 2
+                if est(_resized(cfg, 8 * mid), T).total <= limit:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            chosen = _resized(cfg, 8 * lo)
+    H1, F1, _ = _sizes(chosen)
+    shrunk: dict[str, tuple[int, int]] = {}
+    for name, before, after in (
+        ("hidden_size", H0, H1),
+        ("ffn_hidden_size", cfg.ffn_hidden_size, F1),
+        (
+            "shared_expert_ffn_hidden_size",
+            cfg.shared_expert_ffn_hidden_size,
+            chosen.shared_expert_ffn_hidden_size,
+        ),
+        ("tokens_per_rank", tokens, T),
+    ):
+        if before is not None and after is not None and before != after:
+            shrunk[name] = (before, after)
+    return FitPlan(
+        hidden_size=H1,
+        ffn_hidden_size=F1,
+        shared_expert_ffn_hidden_size=chosen.shared_expert_ffn_hidden_size,
+        tokens=T,
+        shrunk=shrunk,
+        estimate=est(chosen, T),
+        limit=limit,
+        limit_reason=limit_reason,
+    )

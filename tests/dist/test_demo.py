@@ -1,0 +1,213 @@
+"""``flexdispatch demo``: its single-process reference covers every layer variant ``MoELayer``
+runs (shared experts and their gate, clamped/biased experts, a router bias, input-side probs,
+hash routing), so a preset with any of them passes, and a wrong result does not; every shipped
+preset runs on this machine, shrunk to fit (routing kept), spawned and under torchrun; the memory
+estimate bounds the peak the processes really reach.
+
+Every subprocess has a timeout; 2 ranks and few tokens keep each run to seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flexdispatch.cli.demo import DemoSpec, check_against_reference, run_rank
+from flexdispatch.cli.demo_fit import AVAILABLE_ENV, RUNTIME_BYTES
+from flexdispatch.config import list_presets, load_config
+from flexdispatch.launch import free_port, spawn_group
+
+ROOT = Path(__file__).resolve().parents[2]
+TOL = 1e-4
+SMALL = ["--nodes", "1", "--ranks-per-node", "2", "--tokens", "8", "--iters", "1"]
+SHRUNK = re.compile(
+    r"^shrunk to fit ([0-9.]+ [MG]iB) \((.+?)\): hidden_size (\d+) -> (\d+), "
+    r"ffn_hidden_size (\d+) -> (\d+)(.*?); routing kept: E=(\d+), k=(\d+), (\w+)",
+    re.M,
+)
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != AVAILABLE_ENV}
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+    for k in (*launcher, "MASTER_PORT"):
+        env.pop(k, None)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    return env
+
+
+def _demo(*argv: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "flexdispatch.cli", "demo", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=_env(),
+        check=False,
+    )
+
+
+def _variant_yaml(tmp_path: Path, name: str) -> str:
+    base = load_config("tiny_cpu").model_dump(mode="json")
+    router = dict(base["router"])
+    ungrouped = {**router, "num_groups": None, "group_topk": None}
+    variants = {
+        "shared_gate_oai": {
+            "num_shared_experts": 2,
+            "shared_expert_gate": True,
+            "activation": "swiglu_oai",
+            "swiglu_limit": 7.0,
+            "swiglu_alpha": 1.702,
+            "expert_mlp_bias": True,
+            "router": {**router, "router_bias": True},
+        },
+        "probs_on_input_hash": {
+            "num_shared_experts": 1,
+            "probs_on_input": True,
+            "router": {
+                **ungrouped,
+                "topk": 1,
+                "router_type": "hash",
+                "aux_loss_type": "none",
+                "aux_loss_coeff": 0.0,
+            },
+        },
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({**base, **variants[name]}))
+    load_config(path)  # a valid config
+    return str(path)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("variant", ["shared_gate_oai", "probs_on_input_hash"])
+def test_demo_reference_covers_layer_variants_and_catches_errors(
+    tmp_path: Path, variant: str
+) -> None:
+    spec = DemoSpec(
+        preset=_variant_yaml(tmp_path, variant),
+        backend="torch",
+        tokens=8,
+        seed=3,
+        iters=1,
+        worst_case=False,
+    )
+    results = spawn_group(run_rank, 2, args=(spec,), timeout_s=150)
+    diffs = check_against_reference(spec, results)
+    assert {"flat.grad_shared", "hierarchical.grad_shared"} <= diffs.keys()
+    assert max(diffs.values()) <= TOL, diffs
+    # A wrong shared-expert gradient, a wrong output or a wrong router-bias gradient is caught.
+    shared = results[1]["modes"]["flat"]["grad_shared"]
+    name = sorted(shared)[0]
+    shared[name] = shared[name] + 1e-2
+    results[0]["modes"]["hierarchical"]["output"][0, 0] += 1e-2
+    router = results[0]["modes"]["flat"]["grad_router"]
+    for n in router:
+        router[n] = router[n] * 1.1 + 1e-3
+    bad = check_against_reference(spec, results)
+    assert bad["flat.grad_shared"] > TOL and bad["hierarchical.output"] > TOL
+    assert bad["flat.grad_router"] > TOL
+    assert bad["flat.output"] <= TOL and bad["hierarchical.grad_shared"] <= TOL
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("preset", list_presets())
+def test_every_preset_runs_shrunk_to_fit(preset: str) -> None:
+    """Each shipped preset passes its own check on 2 spawned ranks within 1.5 GiB; the report
+    says what was shrunk from what to what, and the routing it kept is the preset's."""
+    proc = _demo("--preset", preset, *SMALL, "--max-memory", "1.5GiB")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert "Traceback" not in text
+    assert re.search(r"check vs single-process reference \(.*\): OK \(", proc.stdout), text
+    cfg = load_config(preset)
+    if cfg.hidden_size <= 64:  # tiny_cpu fits as it is
+        assert "sizes: preset's own (H=64, F=96)" in proc.stdout
+        return
+    m = SHRUNK.search(proc.stdout)
+    assert m, proc.stdout
+    H0, H1, F0, F1 = (int(m.group(i)) for i in (3, 4, 5, 6))
+    assert (cfg.hidden_size, cfg.ffn_hidden_size) == (H0, F0) and H1 < H0 and F1 < F0
+    r = cfg.router
+    kept = (int(m.group(8)), int(m.group(9)), m.group(10))
+    assert kept == (r.num_experts, r.topk, r.score_function)
+    if cfg.num_shared_experts:
+        assert "shared_expert_ffn_hidden_size" in m.group(7)
+        assert "shared experts): OK" in proc.stdout  # the shared experts were checked too
+    assert m.group(0) in proc.stderr  # also said before the ranks were spawned
+    assert proc.stderr.index(m.group(0)) < proc.stderr.index("spawning")
+
+
+def _json_demo(preset: str, max_memory: str) -> dict:
+    proc = _demo("--preset", preset, *SMALL, "--max-memory", max_memory, "--json")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_json_reflects_the_shrink_and_the_estimate_bounds_the_measured_peak() -> None:
+    """``--json`` carries the sizes run and the shrink; the estimate is an upper bound of the
+    peak resident memory of every rank and of the parent, and not a loose one: what the tensors
+    add over a process's runtime is at least half of what the estimate gives them."""
+    base = _json_demo("tiny_cpu", "1.5GiB")  # tensors negligible: the runtime alone
+    assert base["fit"]["shrunk"] == {} and base["hidden_size"] == 64
+    runtime = base["fit"]["measured_peak_rss"]
+    assert runtime["largest_rank"] <= RUNTIME_BYTES and runtime["this_process"] <= RUNTIME_BYTES
+    for preset in ("mixtral_8x7b", "deepseek_v3"):
+        rep = _json_demo(preset, "2.5GiB")
+        fit, cfg = rep["fit"], load_config(preset)
+        assert rep["ok"] and fit["limit"] == int(2.5 * 2**30)
+        assert fit["shrunk"]["hidden_size"] == {"from": cfg.hidden_size, "to": rep["hidden_size"]}
+        assert fit["shrunk"]["ffn_hidden_size"]["to"] == rep["ffn_hidden_size"]
+        assert fit["hidden_size"] == rep["hidden_size"] and rep["tokens_per_rank"] == 8
+        assert rep["fit_line"].startswith("shrunk to fit 2.5 GiB (--max-memory 2.5 GiB)")
+        est, seen = fit["estimate"], fit["measured_peak_rss"]
+        assert est["total"] <= fit["limit"]
+        assert seen["largest_rank"] <= est["per_rank"], (preset, seen, est)
+        assert seen["this_process"] <= est["parent"], (preset, seen, est)
+        tensors_rank = seen["largest_rank"] - runtime["largest_rank"]
+        tensors_parent = seen["this_process"] - runtime["this_process"]
+        assert tensors_rank >= 0.5 * (est["per_rank"] - RUNTIME_BYTES), (preset, seen, est)
+        assert tensors_parent >= 0.5 * (est["parent"] - RUNTIME_BYTES), (preset, seen, est)
+
+
+def _torchrun(*argv: str) -> subprocess.CompletedProcess:
+    env = _env()
+    env.update(NPROC_PER_NODE="2", MASTER_PORT=str(free_port()), PYTHON=sys.executable)
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "launch" / "torchrun_single_node.sh"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=ROOT,
+        env=env,
+        check=False,
+    )
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(330)
+def test_under_torchrun_every_rank_runs_rank_0s_sizes_or_every_rank_refuses() -> None:
+    args = ("--preset", "deepseek_v3", "--tokens", "8", "--iters", "1")
+    proc = _torchrun(*args, "--max-memory", "1.5GiB")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-4000:]
+    assert ": OK (" in proc.stdout and proc.stdout.count("flexdispatch demo —") == 1
+    m = SHRUNK.search(proc.stdout)
+    assert m and m.group(3) == "7168" and "on this machine (2 local rank(s)" in proc.stdout
+    refused = _torchrun(*args, "--max-memory", "500MiB")
+    assert refused.returncode != 0
+    msg = "flexdispatch demo: error: preset 'deepseek_v3' on 2 rank(s) does not fit"
+    assert refused.stderr.count(msg) == 2, refused.stderr[-4000:]  # both ranks, same reason
+    assert "checking against" not in refused.stderr
