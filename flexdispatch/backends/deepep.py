@@ -110,7 +110,7 @@ class _Links:
 class _LazyLinks:
     """``_Links`` of one dispatch, computed from DeepEP's handle on first use (memoized)."""
 
-    __slots__ = ("_backend", "_args", "_links")
+    __slots__ = ("_args", "_backend", "_links")
 
     def __init__(self, backend: DeepEPBackend, handle: tuple, ntr: Any, ntrr: Any) -> None:
         self._backend = backend
