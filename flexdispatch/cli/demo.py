@@ -191,7 +191,20 @@ def run_rank(spec: DemoSpec) -> dict[str, Any]:
 
 
 def _peak_rss(who: str) -> int | None:
-    """Peak resident bytes of this process (``self``) or of its largest waited-for child."""
+    """Peak resident bytes of this process (``self``) or of its largest waited-for child.
+
+    ``self`` reads Linux's ``VmHWM`` (the high-water mark of this process's own memory map):
+    ``ru_maxrss`` also keeps the size of the process it was forked from before ``exec``, so a
+    demo started from a large process (a test runner) would report that process's size.
+    """
+    if who == "self":
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
     try:
         import resource
     except ImportError:  # not on this platform
