@@ -34,11 +34,21 @@ import math
 import os
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["CpuOutputPool", "OUTPUT_POOL", "MIN_BYTES", "MAX_ENTRIES", "output_empty", "arange"]
+__all__ = [
+    "CpuOutputPool",
+    "OUTPUT_POOL",
+    "MIN_BYTES",
+    "MAX_ENTRIES",
+    "output_empty",
+    "arange",
+    "ones",
+    "scalar",
+]
 
 MIN_BYTES = 1 << 20
 """Smaller requests come from ``torch.empty`` (glibc reuses small blocks without faults)."""
@@ -206,3 +216,51 @@ def arange(n: int, device: torch.device) -> torch.Tensor:
         buf = torch.arange(size, dtype=torch.int64, device=device)
     _ARANGES[device] = buf
     return buf[:n]
+
+
+_SCALARS: dict[tuple[torch.device, torch.dtype, float], torch.Tensor] = {}
+
+
+def scalar(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A cached 0-dim ``value`` on ``device`` (read-only): ``torch.where(mask, t, scalar(...))``
+    without wrapping a Python number into a new tensor on every call. Not cached while a CUDA
+    graph is being captured (see ``arange``)."""
+    key = (device, dtype, value)
+    t = _SCALARS.get(key)
+    if t is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.full((), value, dtype=dtype, device=device)
+        with torch.inference_mode(False):
+            t = torch.full((), value, dtype=dtype, device=device)
+        _SCALARS[key] = t
+    return t
+
+
+def ones(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[n]`` ones of ``dtype`` as a stride-0 view of a cached scalar (read-only)."""
+    return scalar(1, dtype, device).expand(n)
+
+
+_CACHED: dict[tuple, torch.Tensor] = {}
+_MAX_CACHED = 256
+
+
+def cached(key: tuple, device: torch.device, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """A read-only device constant kept across calls: ``make()`` once per ``(key, device)``.
+
+    For index tables that depend only on shapes (a few per dispatcher); the cache is dropped
+    whole when it holds ``_MAX_CACHED`` entries. Nothing is kept while a CUDA graph is being
+    captured (a tensor made there holds its values only after a replay).
+    """
+    full_key = (device, *key)
+    t = _CACHED.get(full_key)
+    if t is not None:
+        return t
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return make()
+    with torch.inference_mode(False):
+        t = make()
+    if len(_CACHED) >= _MAX_CACHED:
+        _CACHED.clear()
+    _CACHED[full_key] = t
+    return t
