@@ -11,6 +11,11 @@ drops), bf16 rows. Variants, timed interleaved (one repetition of each per round
 - ``exact``: ``permute(x, idx, E)`` (one host sync) then ``unpermute(perm.x, perm)``.
 - ``static``: the same with ``num_out_rows = T*k`` (no host sync).
 - ``exact+probs``: ``permute(..., topk_probs=p)`` then ``unpermute(..., probs=perm.probs)``.
+- ``exact+probs out=``: the same with ``permute(..., out=buf)`` into a preallocated ``buf``.
+
+On CPU ``permute`` lends its output from the process's output pool (``flexdispatch._memory``):
+each repetition drops the previous one's result, so its memory is reused (no page faults), as in
+a training loop that drops a step's activations before the next one.
 
 Run:  .venv/bin/python benchmarks/bench_permute.py [--device cuda] [--reps 15] [--threads N]
 """
@@ -86,12 +91,19 @@ def main(argv: list[str] | None = None) -> None:
         perm = permute(x, idx, E, topk_probs=probs)
         unpermute(perm.x, perm, probs=perm.probs)
 
+    buf = torch.empty(T * k, H, dtype=torch.bfloat16, device=device)
+
+    def exact_probs_out() -> None:
+        perm = permute(x, idx, E, topk_probs=probs, out=buf)
+        unpermute(perm.x, perm, probs=perm.probs)
+
     variants: dict[str, Callable[[], None]] = {
         "copy_ x2 (baseline)": copy2,
         "clone x2": clone2,
         "permute+unpermute exact": exact,
         "permute+unpermute static": static,
         "permute+unpermute exact+probs": exact_probs,
+        "permute+unpermute exact+probs out=": exact_probs_out,
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
     for rep in range(args.warmup + args.reps):
@@ -107,11 +119,17 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.reps} interleaved reps (median), torch {torch.__version__}"
     )
     print()
-    print("| variant | median ms | vs copy_ x2 | GB/s (2 x read+write of [T*k,H]) |")
-    print("|---|---:|---:|---:|")
+    print(
+        "| variant | median ms | vs copy_ x2 | copies' share of its time | "
+        "GB/s (2 x read+write of [T*k,H]) |"
+    )
+    print("|---|---:|---:|---:|---:|")
     for name, ts in times.items():
         med = statistics.median(ts)
-        print(f"| {name} | {med * 1e3:.2f} | {med / base:.2f}x | {moved / med / 1e9:.1f} |")
+        print(
+            f"| {name} | {med * 1e3:.2f} | {med / base:.2f}x | {base / med:.2f} | "
+            f"{moved / med / 1e9:.1f} |"
+        )
     print()
     cmd = " ".join(["python", "benchmarks/bench_permute.py", *(argv or sys.argv[1:])])
     print(f"command: {cmd}")

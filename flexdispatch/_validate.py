@@ -11,6 +11,7 @@ from the tensor's device (tests force it to drive the CUDA path on CPU).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 
@@ -23,6 +24,7 @@ __all__ = [
     "check_ids_in_range",
     "check_finite",
     "defer_value_checks",
+    "cuda_code_path",
     "check_dispatch_values",
     "count_bad_values",
     "BAD_VALUE_SLOTS",
@@ -129,6 +131,13 @@ def nonfinite_message(name: str, count: int, *, past: bool = False) -> str:
     return f"{name} {held} {count} NaN/inf value(s){since}: {fix}"
 
 
+def cuda_code_path(device: torch.device) -> bool:
+    """Whether the hot path takes its CUDA branch on ``device`` (no host reads of values,
+    synchronous collectives, no CPU memory reuse): True on CUDA. The op-count benchmark
+    (``benchmarks/bench_ops.py``) and tests force it to run that branch on CPU."""
+    return device.type == "cuda"
+
+
 def defer_value_checks(device: torch.device) -> bool:
     """Whether value checks on ``device`` must be deferred (counted on the device, read at a safe
     point) because an immediate one would sync the host: True on CUDA, False on CPU."""
@@ -139,37 +148,55 @@ def check_dispatch_values(
     topk_idx: torch.Tensor, num_experts: int, x: torch.Tensor, topk_probs: torch.Tensor
 ) -> None:
     """Raise ValueError for expert ids outside ``[-1, E)`` or NaN/inf in ``x`` / ``topk_probs``
-    (reads values: free on CPU, a host sync on CUDA)."""
-    check_ids_in_range(
-        "topk_idx",
-        topk_idx,
-        num_experts,
-        hint=(
-            f"; the dispatcher was built for num_experts={num_experts}: give the router and the "
-            f"dispatcher the same expert count"
-        ),
-    )
-    for name, t in (("x", x), ("topk_probs", topk_probs)):
-        if t.numel() and not bool(torch.isfinite(t).all()):
-            raise ValueError(nonfinite_message(name, int((~torch.isfinite(t)).sum().item())))
+    (reads values: free on CPU, a host sync on CUDA).
+
+    Cheap on the good path: one ``aminmax`` of the ids and one fp32 sum per float tensor (a
+    sum is finite unless some value is NaN/inf or the sum overflows); only then do the exact
+    checks run, which name the bad values.
+    """
+    if topk_idx.numel():
+        lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()
+        if lo < -1 or hi >= num_experts:
+            check_ids_in_range(
+                "topk_idx",
+                topk_idx,
+                num_experts,
+                hint=(
+                    f"; the dispatcher was built for num_experts={num_experts}: give the router "
+                    f"and the dispatcher the same expert count"
+                ),
+            )
+    named = [(name, t) for name, t in (("x", x), ("topk_probs", topk_probs)) if t.numel()]
+    sums = torch.stack([t.sum(dtype=torch.float32) for _, t in named]).tolist() if named else []
+    for (name, t), total in zip(named, sums, strict=True):
+        if not math.isfinite(total):
+            bad = int((~torch.isfinite(t)).sum().item())
+            if bad:  # else a finite sum overflowed: nothing to report
+                raise ValueError(nonfinite_message(name, bad))
+
+
+def _count_nonfinite(t: torch.Tensor) -> torch.Tensor:
+    """0-dim int64 number of NaN/inf values: ``t - t`` is NaN exactly there (3 ops)."""
+    return torch.isnan(t - t).sum(dtype=torch.int64)
 
 
 def count_bad_values(
     topk_idx: torch.Tensor, num_experts: int, x: torch.Tensor, topk_probs: torch.Tensor
 ) -> torch.Tensor:
     """Sync-free ``[5]`` int64 device vector: ids outside ``[-1, E)``, NaN/inf values in ``x``,
-    NaN/inf values in ``topk_probs`` (``BAD_VALUE_SLOTS``), then the largest bad id (int64 min
-    when none) and the smallest bad id (int64 max when none)."""
+    NaN/inf values in ``topk_probs`` (``BAD_VALUE_SLOTS``), then the largest and the smallest
+    id (int64 min / max when there is none). When the first count is not zero, the largest id
+    is the highest bad one if it is ``>= E`` and the smallest the lowest bad one if it is
+    ``< -1`` (``bad_ids_message`` names only those)."""
     device = topk_idx.device
-    bad = (topk_idx < -1) | (topk_idx >= num_experts)
     parts = [
-        bad.sum(dtype=torch.int64),
-        (~torch.isfinite(x)).sum(dtype=torch.int64).to(device),
-        (~torch.isfinite(topk_probs)).sum(dtype=torch.int64),
+        topk_idx.clamp(-1, num_experts - 1).ne(topk_idx).sum(dtype=torch.int64),
+        _count_nonfinite(x).to(device),
+        _count_nonfinite(topk_probs),
     ]
     if topk_idx.numel():
-        parts.append(torch.where(bad, topk_idx, _INT64.min).amax())
-        parts.append(torch.where(bad, topk_idx, _INT64.max).amin())
+        lo, hi = torch.aminmax(topk_idx)
+        parts += [hi, lo]
     else:
         parts.append(torch.full((), _INT64.min, dtype=torch.int64, device=device))
         parts.append(torch.full((), _INT64.max, dtype=torch.int64, device=device))

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx, once_differentiable
 
+from flexdispatch import _memory
 from flexdispatch._validate import check_ids_in_range, check_tensor, checks_enabled
 from flexdispatch.types import Permutation
 
@@ -28,6 +29,12 @@ __all__ = ["permute", "unpermute"]
 # large, as the caching allocator makes temporaries cheap and every chunk costs kernel launches.
 _BACKWARD_CHUNK_ELEMENTS = 1 << 20
 _BACKWARD_CHUNK_ELEMENTS_CUDA = 1 << 28
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """``torch.promote_types(dtype, torch.float32)`` for a float dtype, without a dispatcher call
+    (under a ``TorchDispatchMode`` ``promote_types`` is an op of its own)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _bag_sum(
@@ -56,17 +63,21 @@ def _bag_sum(
     return F.embedding_bag(indices, src.detach(), offsets, mode="sum", per_sample_weights=weights)
 
 
-def _token_bags(row_token: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _token_bags(
+    row_token: torch.Tensor, num_tokens: int, *, dense: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows grouped by source token: ``(rows [N] int64, offsets [T + 1] int64)`` for ``_bag_sum``.
 
     Rows of one token keep their permutation (expert-major) order; padding rows (token ``-1``) go
     to the spare last bag and are redirected to row 0 so that summing them costs no bandwidth.
+    ``dense``: every row is real (no ``-1``), which saves the redirect.
     """
-    key = torch.where(row_token >= 0, row_token, num_tokens)
+    # NOTE: ``-1 mod (T + 1) == T``: padding rows sort last, behind every real token.
+    key = row_token if dense else row_token.remainder(num_tokens + 1)
     sorted_key, rows = torch.sort(key, stable=True)
-    bounds = torch.arange(num_tokens + 1, dtype=torch.int64, device=row_token.device)
-    offsets = torch.searchsorted(sorted_key, bounds)
-    rows = torch.where(sorted_key < num_tokens, rows, 0)
+    offsets = torch.searchsorted(sorted_key, _memory.arange(num_tokens + 1, row_token.device))
+    if not dense:
+        rows.masked_fill_(sorted_key == num_tokens, 0)
     return rows, offsets
 
 
@@ -75,57 +86,81 @@ def _sum_by_token(
     row_token: torch.Tensor,
     num_tokens: int,
     probs_N: torch.Tensor | None = None,
+    *,
+    dense: bool = False,
 ) -> torch.Tensor:
     """``out[t] = sum of probs_N[r] * rows_NH[r] over r with row_token[r] == t``: ``[T, H]``.
 
     Accumulates in fp32 (or wider) and returns the rows' dtype. ``probs_N`` (``[N]``, any float
     dtype; None = all ones) is applied inside the bag sum, so no ``[N, H]`` temporary is made.
+    ``dense``: ``row_token`` holds no ``-1`` (an exact permutation with ``align == 1``).
     """
-    rows, offsets = _token_bags(row_token, num_tokens)
+    rows, offsets = _token_bags(row_token, num_tokens, dense=dense)
     if probs_N is None:
         return _bag_sum(rows_NH, rows, offsets)[:num_tokens]
     dtype = rows_NH.dtype
-    w = probs_N.to(torch.promote_types(probs_N.dtype, torch.float32)).index_select(0, rows)
+    w = probs_N.to(_acc_dtype(probs_N.dtype)).index_select(0, rows)
     if dtype.itemsize >= 4:
         return _bag_sum(rows_NH, rows, offsets, w.to(dtype))[:num_tokens]
     # NOTE: a 16-bit weight would round probs to 8 (bf16) or 11 (fp16) bits. Each row enters its
     # bag twice instead, weighted by the high and the low part of the prob: the fp32 products
     # are exact and the pair carries ~16 bits, while the second read of a row hits the cache.
-    hi = w.to(dtype)
-    lo = (w - hi.to(w.dtype)).to(dtype)
-    rows2 = rows.repeat_interleave(2)
-    w2 = torch.stack([hi, lo], dim=1).reshape(-1)
+    # ``w - w.to(dtype)`` promotes to w's dtype: the same value as ``w - hi.to(w.dtype)``.
+    lo = w - w.to(dtype)
+    w2 = torch.stack([w, lo], dim=1).to(dtype).reshape(-1)  # (hi, lo) per entry
+    rows2 = torch.stack([rows, rows], dim=1).reshape(-1)
     return _bag_sum(rows_NH, rows2, offsets * 2, w2)[:num_tokens]
 
 
-def _gather_by_token(src_TH: torch.Tensor, row_token: torch.Tensor) -> torch.Tensor:
-    """``out[r] = src_TH[row_token[r]]``, zero where ``row_token[r] == -1``: ``[N, H]``."""
-    if src_TH.shape[0] == 0:
-        return src_TH.new_zeros(row_token.shape[0], src_TH.shape[1])
-    out = src_TH.index_select(0, row_token.clamp(min=0))
-    return out.masked_fill_((row_token < 0).unsqueeze(1), 0)
+def _gather_by_token(
+    src_TH: torch.Tensor,
+    row_token: torch.Tensor,
+    *,
+    dense: bool = False,
+    padded: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out[r] = src_TH[row_token[r]]``, zero where ``row_token[r] == -1``: ``[N, H]``.
+
+    ``dense``: ``row_token`` holds no ``-1`` (one gather, nothing to zero). ``padded``:
+    ``src_TH`` is ``[T + 1, H]`` with a zero last row already (callers that gather in chunks).
+    ``out``: an ``[N, H]`` buffer of ``src_TH``'s dtype to write into, or None for a new tensor.
+    """
+    if out is None:
+        out = torch.empty(
+            (row_token.shape[0], src_TH.shape[1]), dtype=src_TH.dtype, device=src_TH.device
+        )
+    if dense:
+        return torch.index_select(src_TH, 0, row_token, out=out)
+    # NOTE: a zero row appended to the source (T rows more to copy) serves the padding rows
+    # (``-1 mod (T + 1) == T``), instead of a masking pass over all N output rows.
+    T = src_TH.shape[0] - int(padded)
+    src = src_TH if padded else torch.cat([src_TH, src_TH.new_zeros(1, src_TH.shape[1])])
+    return torch.index_select(src, 0, row_token.remainder(T + 1), out=out)
 
 
 class _PermuteRows(torch.autograd.Function):
-    """``x [T, H] -> rows [N, H]`` through precomputed bags of 0 or 1 token each."""
+    """``x [T, H] -> rows [N, H]``: row ``r`` is ``x[row_token[r]]``, zero where it is ``-1``."""
 
     @staticmethod
     def forward(
         ctx: FunctionCtx,
         x: torch.Tensor,
-        bag_tokens: torch.Tensor,
-        bag_offsets: torch.Tensor,
         row_token: torch.Tensor,
+        dense: bool,
+        out: list[torch.Tensor],
     ) -> torch.Tensor:
         ctx.save_for_backward(row_token)
         ctx.num_tokens = x.shape[0]
-        return _bag_sum(x, bag_tokens, bag_offsets)[: row_token.shape[0]]
+        ctx.dense = dense
+        # NOTE: ``out`` travels in a list so that autograd does not take it for an input.
+        return _gather_by_token(x.detach(), row_token, dense=dense, out=out[0])
 
     @staticmethod
     @once_differentiable
     def backward(ctx: FunctionCtx, grad_NH: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (row_token,) = ctx.saved_tensors
-        grad_TH = _sum_by_token(grad_NH.contiguous(), row_token, ctx.num_tokens)
+        grad_TH = _sum_by_token(grad_NH.contiguous(), row_token, ctx.num_tokens, dense=ctx.dense)
         return grad_TH, None, None, None
 
 
@@ -140,9 +175,11 @@ class _UnpermuteRows(torch.autograd.Function):
         probs: torch.Tensor | None,
         row_token: torch.Tensor,
         num_tokens: int,
+        dense: bool,
     ) -> torch.Tensor:
         ctx.save_for_backward(y if probs is not None else None, probs, row_token)
-        return _sum_by_token(y, row_token, num_tokens, probs)
+        ctx.dense = dense
+        return _sum_by_token(y, row_token, num_tokens, probs, dense=dense)
 
     @staticmethod
     @once_differentiable
@@ -150,18 +187,22 @@ class _UnpermuteRows(torch.autograd.Function):
         y, probs, row_token = ctx.saved_tensors
         grad_TH = grad_TH.contiguous()
         if probs is None:
-            return _gather_by_token(grad_TH, row_token), None, None, None
+            return _gather_by_token(grad_TH, row_token, dense=ctx.dense), None, None, None, None
         need_y, need_probs = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        acc = torch.promote_types(torch.promote_types(y.dtype, probs.dtype), torch.float32)
+        acc = _acc_dtype(torch.promote_types(y.dtype, probs.dtype))
         N, H = y.shape
         grad_y = torch.empty_like(y) if need_y else None
         grad_probs = torch.empty(N, dtype=acc, device=y.device) if need_probs else None
         # NOTE: chunks of rows keep the fp32 temporaries small (and in cache) instead of [N, H].
         elements = _BACKWARD_CHUNK_ELEMENTS_CUDA if y.is_cuda else _BACKWARD_CHUNK_ELEMENTS
         chunk = max(1, elements // max(H, 1))
+        if not ctx.dense:
+            grad_TH = torch.cat([grad_TH, grad_TH.new_zeros(1, H)])  # the padding rows' zero row
         for start in range(0, N, chunk):
             rows = slice(start, start + chunk)
-            grad_CH = _gather_by_token(grad_TH, row_token[rows]).to(acc)  # 0 on padding rows
+            grad_CH = _gather_by_token(
+                grad_TH, row_token[rows], dense=ctx.dense, padded=not ctx.dense
+            ).to(acc)  # 0 on padding rows
             if grad_y is not None:
                 grad_y[rows] = grad_CH * probs[rows].to(acc).unsqueeze(1)
             if grad_probs is not None:
@@ -169,7 +210,7 @@ class _UnpermuteRows(torch.autograd.Function):
                 grad_probs[rows] = torch.where(row_token[rows] >= 0, dot_C, 0)
         if grad_probs is not None:
             grad_probs = grad_probs.to(probs.dtype)
-        return grad_y, grad_probs, None, None
+        return grad_y, grad_probs, None, None, None
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -198,6 +239,7 @@ def permute(
     num_out_rows: int | None = None,
     num_rows: int | None = None,
     checks: bool | None = None,
+    out: torch.Tensor | None = None,
 ) -> Permutation:
     """Copy each token once per valid top-k slot into rows grouped expert-major.
 
@@ -223,6 +265,11 @@ def permute(
             ``DispatchResult.num_recv_pairs`` with ``align == 1``): no host sync. Trusted; with
             value checks on it is compared with the device count. Exclusive with ``num_out_rows``.
         checks: run the host-syncing id-range check (default: ``FLEXDISPATCH_CHECKS``).
+        out: an ``[N, H]`` contiguous buffer of ``x``'s dtype and device to write the rows into
+            (``perm.x`` is then ``out``), e.g. one kept across steps; must not require grad. None:
+            a new tensor, on CPU from the process's output pool (``flexdispatch._memory``), which
+            lends the memory of an earlier output again once nothing refers to it, sparing the
+            page faults of a fresh allocation.
 
     Returns:
         ``Permutation`` with ``x`` ``[N, H]`` in ``x``'s dtype, ``probs`` ``[N]`` float32 (float64
@@ -272,14 +319,64 @@ def permute(
 
     device = x.device
     num_pairs = T * k
+    k_safe = max(k, 1)
     # Pairs (token, slot) in flat token-major order p = t*k + s; a stable sort by expert makes
-    # the order expert-major, then token, then slot. Invalid pairs sort last under key E.
-    idx_P = topk_idx.reshape(-1)
-    key_P = torch.where((idx_P >= 0) & (idx_P < num_experts), idx_P, num_experts)
+    # the order expert-major, then token, then slot. Invalid pairs sort last under key E: ids
+    # are clamped to [-1, E] and ``-1 mod (E + 1) == E``.
+    key_P = topk_idx.reshape(-1).clamp(-1, num_experts).remainder_(num_experts + 1)
     sorted_key_P, order_P = torch.sort(key_P, stable=True)
-    experts = torch.arange(num_experts + 1, dtype=torch.int64, device=device)
-    bounds_E1 = torch.searchsorted(sorted_key_P, experts)  # segment starts; [E] = valid pairs
-    counts_E = bounds_E1[1:] - bounds_E1[:-1]
+    # segment starts; [E] = valid pairs
+    bounds_E1 = torch.searchsorted(sorted_key_P, _memory.arange(num_experts + 1, device))
+    counts_E = bounds_E1.diff()
+
+    if align == 1:
+        # Rows are the sorted pairs themselves: row r is sorted pair r (real while r < valid).
+        padded_E = counts_E
+        if num_out_rows is not None:
+            num_rows = num_out_rows
+        elif num_rows is None:
+            num_rows = int(bounds_E1[-1].item())  # NOTE: exact mode's one host sync.
+        elif do_checks and num_rows != int(bounds_E1[-1].item()):
+            raise ValueError(
+                f"num_rows={num_rows} but the routing holds {int(bounds_E1[-1].item())} rows: "
+                f"pass the exact count (or None to count on the device, one host sync)"
+            )
+        dense = num_out_rows is None
+        if dense:
+            order_N = order_P[:num_rows]
+            row_token = torch.div(order_N, k_safe, rounding_mode="floor")
+            row_slot = order_N.remainder(k_safe)
+        else:
+            # static: the sorted pairs, invalid ones and a tail past T*k as -1
+            pad_P = sorted_key_P == num_experts
+            row_token = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
+            row_slot = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
+            torch.div(order_P, k_safe, rounding_mode="floor", out=row_token[:num_pairs])
+            torch.remainder(order_P, k_safe, out=row_slot[:num_pairs])
+            row_token[:num_pairs].masked_fill_(pad_P, -1)
+            row_slot[:num_pairs].masked_fill_(pad_P, -1)
+        x_N = _PermuteRows.apply(x.contiguous(), row_token, dense, [_rows_out(out, x, num_rows)])
+        probs_N = None
+        if topk_probs is not None:
+            acc = _acc_dtype(topk_probs.dtype)
+            if dense:
+                probs_N = topk_probs.reshape(-1).index_select(0, order_N).to(acc)
+            else:
+                probs_P = topk_probs.reshape(-1).index_select(0, order_P).to(acc)
+                probs_P = probs_P.masked_fill_(pad_P, 0)
+                tail = probs_P.new_zeros(num_rows - num_pairs)
+                probs_N = torch.cat([probs_P, tail]) if num_rows > num_pairs else probs_P
+        return Permutation(
+            x=x_N,
+            probs=probs_N,
+            tokens_per_expert=counts_E,
+            padded_tokens_per_expert=padded_E,
+            row_token=row_token,
+            row_slot=row_slot,
+            num_tokens=T,
+            dense=dense,
+        )
+
     padded_E = (counts_E + (align - 1)) // align * align
     pad_end_E = torch.cumsum(padded_E, 0)
     pad_start_E1 = torch.cat([pad_end_E.new_zeros(1), pad_end_E])
@@ -299,23 +396,16 @@ def permute(
     counts_E1 = torch.cat([counts_E, counts_E.new_zeros(1)])
     rank_N = rows_N - pad_start_E1[seg_N]
     real_N = rank_N < counts_E1[seg_N]
-    # Bag of row r = the valid sorted pairs before it and its own pair if it is real.
-    offsets_N = bounds_E1[seg_N] + torch.minimum(rank_N, counts_E1[seg_N])
-    offsets_N1 = torch.cat([offsets_N, bounds_E1[-1:]])
     pos_N = torch.where(real_N, bounds_E1[seg_N] + rank_N, num_pairs)
     order_P1 = torch.cat([order_P, order_P.new_full((1,), -1)])
     pair_N = order_P1[pos_N]  # -1 on padding
-    k_safe = max(k, 1)
     row_token = torch.where(real_N, torch.div(pair_N, k_safe, rounding_mode="floor"), -1)
     row_slot = torch.where(real_N, pair_N % k_safe, -1)
-
-    valid_sorted_P = sorted_key_P < num_experts
-    bag_tokens_P = torch.where(valid_sorted_P, torch.div(order_P, k_safe, rounding_mode="floor"), 0)
-    x_N = _PermuteRows.apply(x.contiguous(), bag_tokens_P, offsets_N1, row_token)
+    x_N = _PermuteRows.apply(x.contiguous(), row_token, False, [_rows_out(out, x, num_rows)])
 
     probs_N = None
     if topk_probs is not None:
-        acc = torch.promote_types(topk_probs.dtype, torch.float32)
+        acc = _acc_dtype(topk_probs.dtype)
         probs_P = topk_probs.reshape(-1).to(acc).index_select(0, order_P)
         probs_P1 = torch.cat([probs_P, probs_P.new_zeros(1)])
         probs_N = probs_P1.index_select(0, pos_N)
@@ -329,6 +419,24 @@ def permute(
         row_slot=row_slot,
         num_tokens=T,
     )
+
+
+def _rows_out(out: torch.Tensor | None, x: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The ``[N, H]`` buffer ``permute`` writes: ``out`` (checked) or a new one (CPU: pooled)."""
+    shape = (num_rows, x.shape[1])
+    if out is None:
+        return _memory.output_empty(shape, x.dtype, x.device)
+    if tuple(out.shape) != shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(
+            f"out must be a {list(shape)} {str(x.dtype).replace('torch.', '')} tensor on "
+            f"{x.device} (N rows of the permutation, x's hidden size and dtype), got "
+            f"{list(out.shape)} {str(out.dtype).replace('torch.', '')} on {out.device}"
+        )
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    if out.requires_grad:
+        raise ValueError("out must not require grad (permute writes into it)")
+    return out
 
 
 def unpermute(
@@ -374,4 +482,4 @@ def unpermute(
                 f"probs has shape {tuple(probs.shape)} but y has {y.shape[0]} rows: pass one "
                 f"weight per row, e.g. perm.probs"
             )
-    return _UnpermuteRows.apply(y.contiguous(), probs, row_token, perm.num_tokens)
+    return _UnpermuteRows.apply(y.contiguous(), probs, row_token, perm.num_tokens, perm.dense)

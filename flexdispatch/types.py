@@ -84,10 +84,13 @@ class Permutation:
         probs: ``[N]`` float32 prob of each row (0 on padding), or None when no probs were given.
         tokens_per_expert: ``[num_experts]`` int64 real rows per expert (padding excluded).
         padded_tokens_per_expert: ``[num_experts]`` int64 rows per expert segment including the
-            padding to a multiple of ``align`` (equal to ``tokens_per_expert`` when ``align == 1``).
+            padding to a multiple of ``align`` (the same tensor as ``tokens_per_expert`` when
+            ``align == 1``).
         row_token: ``[N]`` int64 source token of each row, ``-1`` on padding rows.
         row_slot: ``[N]`` int64 source top-k slot of each row, ``-1`` on padding rows.
         num_tokens: T, the number of source tokens (rows of ``unpermute``'s output).
+        dense: True when every row is real (exact size with ``align == 1``: no padding row, no
+            ``-1`` in ``row_token``), which lets ``unpermute`` skip the padding bookkeeping.
     """
 
     x: torch.Tensor
@@ -97,6 +100,7 @@ class Permutation:
     row_token: torch.Tensor
     row_slot: torch.Tensor
     num_tokens: int
+    dense: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from flexdispatch._validate import is_capturing
 from flexdispatch.distributed import all_gather_int64
 
 __all__ = ["DTYPE_CODES", "check_agreement", "exchange_counts", "recv_pairs"]
@@ -52,12 +53,34 @@ def exchange_counts(
     L = ranks_per_node
     per_rank = mask_TR.sum(0, dtype=torch.int64)
     per_node = mask_TR.view(T, R // L, L).any(-1).sum(0, dtype=torch.int64)
-    # NOTE: filled with scalars on the device (a host-to-device copy would block on CUDA).
-    info = torch.empty(4, dtype=torch.int64, device=mask_TR.device)
-    for i, value in enumerate((hidden, topk, DTYPE_CODES[dtype], T)):
-        info[i] = value
+    info = _info(mask_TR.device, (hidden, topk, DTYPE_CODES[dtype], T))
     vec = torch.cat([per_rank, per_node, info, pairs_R.to(torch.int64)])
     return all_gather_int64(vec, group, name="all_gather (dispatch count exchange)")
+
+
+_INFOS: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+_MAX_INFOS = 64
+
+
+def _info(device: torch.device, values: tuple[int, ...]) -> torch.Tensor:
+    """``[4]`` int64 ``(H, k, dtype code, T)`` on ``device``, kept across calls (read-only).
+
+    NOTE: filled with scalars on the device (a host-to-device copy would block on CUDA); a
+    dispatch with the same shapes as an earlier one reuses that tensor (no launch at all). Not
+    kept while a CUDA graph is being captured (values written there exist only on replay).
+    """
+    key = (device, values)
+    info = _INFOS.get(key)
+    if info is not None:
+        return info
+    info = torch.empty(len(values), dtype=torch.int64, device=device)
+    for i, value in enumerate(values):
+        info[i] = value
+    if not is_capturing():
+        if len(_INFOS) >= _MAX_INFOS:
+            _INFOS.clear()
+        _INFOS[key] = info
+    return info
 
 
 def check_agreement(Gh: list[list[int]], *, num_ranks: int, num_nodes: int) -> None:

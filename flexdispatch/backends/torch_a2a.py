@@ -27,9 +27,10 @@ Combine sends the rows back along the same hops and sums them per token. The sum
 order — first over the ranks of each node (in rank order), then over nodes — so flat and
 hierarchical combine give bit-identical results, and every ``index_add_`` has unique indices
 (deterministic on CUDA too). The first term of each node's sum is a gather (a zero row where that
-rank sent nothing) rather than an add into zeros; the first two terms may swap (``a + b == b + a``
-exactly), so that this rank's own rows are added straight from where they lie (on CUDA) or
-gathered first while the peers' rows are still travelling (on CPU).
+rank sent nothing) rather than an add into zeros, except on CPU when this rank's own rows come
+first: they are added into zeros (``0 + a == a`` up to the sign of a zero) while the peers' rows
+are still travelling. The first two terms may swap (``a + b == b + a`` exactly), so that this
+rank's own rows are added straight from where they lie.
 
 Rows a rank sends to itself skip the collective (split 0 to itself) whenever they sit at one end
 of both buffers (always for R = 2): dispatch gathers them straight into the receive buffer while
@@ -60,7 +61,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from flexdispatch._validate import checks_enabled, is_capturing
+from flexdispatch._validate import checks_enabled, cuda_code_path, is_capturing
 from flexdispatch.backends import torch_hier
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import (
@@ -79,7 +80,10 @@ from flexdispatch.backends.torch_hops import (
     row_of_input,
 )
 from flexdispatch.backends.torch_rows import (
+    _bin_counts,
+    expert_key,
     gather_rows,
+    local_lut,
 )
 from flexdispatch.distributed import (
     collective_guard,
@@ -130,6 +134,7 @@ class TorchA2ABackend(DispatchBackend):
         self._required_w: torch.Tensor | None = None
         # NOTE: reusable CPU buffers for rows that never leave a call (see ``scratch``).
         self._scratch: dict[str, torch.Tensor] = {}
+        self._luts: dict[torch.device, torch.Tensor] = {}
         ok, reason = self.supports_world(self.num_ranks, ranks_per_node)
         if not ok:
             raise ValueError(reason)
@@ -231,9 +236,9 @@ class TorchA2ABackend(DispatchBackend):
             key: names the buffer; two buffers alive at the same time need different keys.
             shape: any shape; ``dtype``, ``device``: those of the result.
         """
-        if device.type != "cpu":
+        if device.type != "cpu" or cuda_code_path(device):
             return torch.empty(shape, dtype=dtype, device=device)
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         buf = self._scratch.get(key)
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(nbytes, dtype=torch.uint8)
@@ -249,7 +254,7 @@ class TorchA2ABackend(DispatchBackend):
         output again once the caller has dropped every reference to it (no page faults); on other
         devices it is ``torch.empty`` (the caching allocator already reuses memory).
         """
-        if device.type == "cpu":
+        if device.type == "cpu" and not cuda_code_path(device):
             return OUTPUT_POOL.empty(shape, dtype)
         return torch.empty(shape, dtype=dtype, device=device)
 
@@ -281,8 +286,10 @@ class TorchA2ABackend(DispatchBackend):
         *,
         async_op: bool = False,
         what: str = "all_to_all_single (rows)",
+        spare_fill: int = 0,
     ) -> tuple[torch.Tensor, dist.Work | None]:
-        """``all_to_all``'s body; with ``async_op`` also the work to wait on (None when done)."""
+        """``all_to_all``'s body; with ``async_op`` also the work to wait on (None when done).
+        ``spare_fill``: the value of the spare row (0, or the dropped id of flat metadata)."""
         B = sum(recv_splits)
         shape = (B + int(spare_row), *send.shape[1:])
         if scratch_key is None:
@@ -290,7 +297,7 @@ class TorchA2ABackend(DispatchBackend):
         else:
             out = self.scratch(scratch_key, shape, send.dtype, send.device)
         if spare_row:
-            out[B].zero_()
+            out[B].fill_(spare_fill) if spare_fill else out[B].zero_()
         if not is_distributed(self.group):
             out[:B].copy_(send)
             return out, None
@@ -327,7 +334,7 @@ class TorchA2ABackend(DispatchBackend):
         own = self.self_block(hop.send_splits, hop.recv_splits)
         if own is None:
             send = self.scratch("send", (hop.num_send, *width), rows.dtype, rows.device)
-            gather_rows(rows, hop.send_index, hop.send_valid, zero_invalid=False, out=send)
+            gather_rows(rows, *hop.gather_args(), zero_invalid=False, out=send)
             out = self.all_to_all(
                 send, hop.send_splits, hop.recv_splits, spare_row=spare_row, scratch_key=scratch_key
             )
@@ -345,27 +352,14 @@ class TorchA2ABackend(DispatchBackend):
             out = self.scratch(scratch_key, shape, rows.dtype, rows.device)
         if spare_row:
             out[B].zero_()
-        keep = slice(hi, S) if lo == 0 else slice(0, lo)
-        valid = hop.send_valid
+        keep = (hi, S) if lo == 0 else (0, lo)
         send = self.scratch("send", (S - (hi - lo), *width), rows.dtype, rows.device)
-        gather_rows(
-            rows,
-            hop.send_index[keep],
-            None if valid is None else valid[keep],
-            zero_invalid=False,
-            out=send,
-        )
+        gather_rows(rows, *hop.gather_args(*keep), zero_invalid=False, out=send)
         recv = out[rhi:B] if rlo == 0 else out[:rlo]
         work = self.start_all_to_all(recv, send, hop.send_splits, hop.recv_splits)
         if during is not None:
             during()
-        gather_rows(
-            rows,
-            hop.send_index[lo:hi],
-            None if valid is None else valid[lo:hi],
-            zero_invalid=False,
-            out=out[rlo:rhi],
-        )
+        gather_rows(rows, *hop.gather_args(lo, hi), zero_invalid=False, out=out[rlo:rhi])
         self.wait_all_to_all(work)
         return out
 
@@ -377,8 +371,11 @@ class TorchA2ABackend(DispatchBackend):
         *,
         spare_row: bool = False,
         scratch_key: str | None = None,
+        meta_spare: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows (``run_hop_rows``) and then their metadata (``run_hop_meta``) along ``hop``.
+
+        ``meta_spare``: the value of the metadata's spare row (``spare_row``).
 
         ``make_meta`` builds the ``[num_send, 2k]`` int32 metadata while the rows are still on
         their way (CPU) or right after them. On CPU the metadata then starts at once
@@ -395,22 +392,22 @@ class TorchA2ABackend(DispatchBackend):
 
         def during() -> None:
             meta = make_meta()
-            if meta.is_cuda or not is_distributed(self.group):
+            if cuda_code_path(meta.device) or not is_distributed(self.group):
                 got.append((meta, None))
                 return
-            got.append(self.start_meta(hop, meta, spare_row=spare_row))
+            got.append(self.start_meta(hop, meta, spare_row=spare_row, spare_fill=meta_spare))
 
         out = self.run_hop_rows(
             hop, rows, spare_row=spare_row, scratch_key=scratch_key, during=during
         )
         meta, work = got[0]
         if work is None:
-            return out, self.run_hop_meta(hop, meta, spare_row=spare_row)
+            return out, self.run_hop_meta(hop, meta, spare_row=spare_row, spare_fill=meta_spare)
         self.wait_all_to_all(work, what="all_to_all_single (metadata)")
         return out, meta
 
     def start_meta(
-        self, hop: Hop, meta: torch.Tensor, *, spare_row: bool
+        self, hop: Hop, meta: torch.Tensor, *, spare_row: bool, spare_fill: int = 0
     ) -> tuple[torch.Tensor, dist.Work | None]:
         """Start (``async_op``, CPU only) the metadata of ``hop``; ``(receive buffer, work)``.
 
@@ -426,6 +423,7 @@ class TorchA2ABackend(DispatchBackend):
             None,
             async_op=True,
             what="all_to_all_single (metadata)",
+            spare_fill=spare_fill,
         )
 
     def self_block(
@@ -471,7 +469,7 @@ class TorchA2ABackend(DispatchBackend):
         """
         send_l, recv_l = list(send_splits), list(recv_splits)
         send_l[self.rank] = recv_l[self.rank] = 0
-        is_async = not out.is_cuda
+        is_async = not cuda_code_path(out.device)
         with collective_guard("all_to_all_single (rows)", self.group):
             work = dist.all_to_all_single(
                 out, send, recv_l, send_l, group=self.group, async_op=is_async
@@ -488,11 +486,20 @@ class TorchA2ABackend(DispatchBackend):
             work.wait()
 
     def run_hop_meta(
-        self, hop: Hop, meta: torch.Tensor, *, spare_row: bool = False
+        self, hop: Hop, meta: torch.Tensor, *, spare_row: bool = False, spare_fill: int = 0
     ) -> torch.Tensor:
         """Send ``[num_send, 2k]`` int32 metadata (already in send order) along ``hop``."""
         self.account(hop.send_splits, meta.shape[1] * meta.element_size())
-        return self.all_to_all(meta, hop.send_splits, hop.recv_splits, spare_row=spare_row)
+        out, _ = self._all_to_all(
+            meta,
+            hop.send_splits,
+            hop.recv_splits,
+            spare_row,
+            None,
+            what="all_to_all_single (metadata)",
+            spare_fill=spare_fill,
+        )
+        return out
 
     def reduce_hop(self, hop: Hop, back_in: torch.Tensor) -> torch.Tensor:
         """Send ``[num_recv, X]`` rows back along ``hop`` and sum them into ``[num_in, X]``."""
@@ -505,12 +512,13 @@ class TorchA2ABackend(DispatchBackend):
             back = self.all_to_all(
                 back_in, hop.recv_splits, hop.send_splits, spare_row=True, scratch_key="back"
             )
+            spare_zeroed = True
         else:
             # my own rows skip the collective: read straight from ``back_in``
             lo, hi, rlo, rhi = own
             S, B = hop.num_send, hop.num_recv
             back = self.scratch("back", (S + 1, *width), back_in.dtype, back_in.device)
-            back[S].zero_()
+            spare_zeroed = False  # NOTE: zeroed only if a gather below reads it
             peers_in = back_in[rhi:B] if rlo == 0 else back_in[:rlo]
             peers_out = back[hi:S] if lo == 0 else back[:lo]
             work = self.start_all_to_all(peers_out, peers_in, hop.recv_splits, hop.send_splits)
@@ -533,7 +541,10 @@ class TorchA2ABackend(DispatchBackend):
                 # CPU, peers' rows still travelling: start the sum from my own rows meanwhile
                 # (``a + b == b + a`` exactly, so my rows may come first of the first two terms)
                 present.remove(me)
-                part = self.gather_own(hop, mine, offsets[me], offsets[me + 1], rows_out)
+                # NOTE: a sum from zeros (2 ops) rather than a gather that must zero the tokens
+                # I did not receive (7 ops); it runs while the peers' rows travel.
+                part = self.output((rows_out, *width), back.dtype, back.device).zero_()
+                part.index_add_(0, hop.send_index[offsets[me] : offsets[me + 1]], mine)
                 self.wait_all_to_all(work)
                 work = None
                 for r in present:
@@ -553,6 +564,9 @@ class TorchA2ABackend(DispatchBackend):
             # added to zeros: ``0 + a == a``, so the sums are the same and one pass is saved
             lo, hi = offsets[present[0]], offsets[present[0] + 1]
             first = row_of_input(hop, lo, hi, rows_out, base=lo, missing=spare)
+            if not spare_zeroed:
+                back[spare].zero_()
+                spare_zeroed = True
             if work is not None:
                 self.wait_all_to_all(work)
                 work = None
@@ -571,23 +585,16 @@ class TorchA2ABackend(DispatchBackend):
             return self.output((hop.num_in, *width), back.dtype, back.device).zero_()
         return first_rows(out, hop.num_in)
 
-    def gather_own(
-        self, hop: Hop, mine: torch.Tensor, lo: int, hi: int, rows_out: int
-    ) -> torch.Tensor:
-        """``[rows_out, X]`` with my own returning rows at their input rows, zero elsewhere.
-
-        CPU only (reads the zero rows' positions on the host). ``mine`` holds send rows
-        ``[lo, hi)`` of ``hop`` (my rows to myself); padding rows among them land in the dummy
-        row ``rows_out - 1`` (worst-case mode) or past it.
-        """
-        n = hi - lo
-        first = row_of_input(hop, lo, hi, rows_out, base=0, missing=n)
-        part = self.output((rows_out, *mine.shape[1:]), mine.dtype, mine.device)
-        torch.index_select(mine, 0, first.clamp(max=n - 1), out=part)
-        absent = (first == n).nonzero().squeeze(1)
-        if absent.numel():
-            part.index_fill_(0, absent, 0)
-        return part
+    def local_lut(self, device: torch.device) -> torch.Tensor:
+        """``torch_rows.local_lut`` of this rank's experts, built once per device (read-only)."""
+        lut = self._luts.get(device)
+        if lut is None:
+            lut = local_lut(
+                self.rank * self.num_local_experts, self.num_local_experts, self.num_experts, device
+            )
+            if not is_capturing():  # NOTE: made inside a capture it holds values only on replay
+                self._luts[device] = lut
+        return lut
 
     def record_overflow(self, required_w: torch.Tensor) -> None:
         """Remember (on the device) the largest W a worst-case dispatch needed."""
@@ -619,11 +626,11 @@ class TorchA2ABackend(DispatchBackend):
         T, H = x.shape
         k = topk_idx.shape[1]
         R, e = self.num_ranks, self.num_local_experts
-        # NOTE: ids outside [0, E) count as -1, as in get_dispatch_layout (never an OOB index).
-        valid_TK = (topk_idx >= 0) & (topk_idx < self.num_experts)
-        rank_TK = torch.where(valid_TK, topk_idx // e, R)
-        pairs_R1 = torch.zeros(R + 1, dtype=torch.int64, device=x.device)
-        pairs_R1.scatter_add_(0, rank_TK.reshape(-1), torch.ones_like(rank_TK).reshape(-1))
+        # NOTE: ids outside [0, E) count as -1, as in get_dispatch_layout (never an OOB index):
+        # they become the key E, which lands on the spare rank R.
+        key_TK = expert_key(topk_idx, self.num_experts)
+        rank_TK = torch.div(key_TK, e, rounding_mode="floor")
+        pairs_R1 = _bin_counts(rank_TK.view(-1), R + 1)
         if layout is not None:
             mask_TR = layout.is_token_in_rank
         else:
@@ -633,7 +640,8 @@ class TorchA2ABackend(DispatchBackend):
         G = self.exchange_counts(mask_TR, H, k, x.dtype, pairs_R1[:R])
         pending = self.start_host_counts(G)
         plan = torch_hier.dispatch_hier if self.hierarchical else dispatch_flat
-        result = plan(self, x, topk_idx, topk_probs, mask_TR, G, pending)
+        ids = key_TK if not self.hierarchical else topk_idx
+        result = plan(self, x, ids, topk_probs, mask_TR, G, pending)
         self.stats.rows_received += result.recv_x.shape[0]
         if not self.worst_case and pending is not None:
             Gh = pending.wait()  # NOTE: already on the host (the dispatch's one sync)
@@ -650,7 +658,7 @@ class TorchA2ABackend(DispatchBackend):
         """
         if not self.worst_case:
             return PendingCounts(self, G, counter="host_syncs")
-        if not G.is_cuda:
+        if not cuda_code_path(G.device):
             return PendingCounts(self, G, counter=None)
         if checks_enabled(self.checks) and not is_capturing():
             return PendingCounts(self, G, counter="check_syncs")

@@ -12,11 +12,12 @@ from flexdispatch.backends.torch_hops import (
     finish,
 )
 from flexdispatch.backends.torch_rows import (
-    compaction,
+    flat_compaction,
     gather_rows,
     overflow_message,
-    pack_token_meta,
+    pack_key_meta,
     round_up,
+    send_rows,
     slot_positions,
 )
 from flexdispatch.types import DispatchResult
@@ -30,19 +31,24 @@ __all__ = ["dispatch_flat"]
 def dispatch_flat(
     be: TorchA2ABackend,
     x: torch.Tensor,
-    topk_idx: torch.Tensor,
+    key_TK: torch.Tensor,
     topk_probs: torch.Tensor,
     mask_TR: torch.Tensor,
     G: torch.Tensor,
     pending: PendingCounts | None,
 ) -> DispatchResult:
-    """One hop straight to the ranks that hold the experts (see the module docstring)."""
+    """One hop straight to the ranks that hold the experts (see the module docstring).
+
+    ``key_TK``: ``[T, k]`` ``torch_rows.expert_key`` ids (``E`` = dropped).
+    """
     T, H = x.shape
-    k = topk_idx.shape[1]
+    k = key_TK.shape[1]
     R, e, me, W = be.num_ranks, be.num_local_experts, be.rank, be.num_worst_tokens
     device = x.device
     cap = W // R if be.worst_case else None
-    send_index, send_valid = slot_positions(mask_TR, cap)
+    send_valid = None
+    if cap is not None:
+        send_index, send_valid = slot_positions(mask_TR, cap)
     Gh = pending.wait() if pending is not None else None
     if cap is not None:
         if Gh is not None:
@@ -58,7 +64,7 @@ def dispatch_flat(
             raise RuntimeError("internal error: dropless dispatch without host counts")
         send_splits = tuple(Gh[me][:R])
         recv_splits = tuple(Gh[s][me] for s in range(R))
-        send_index = send_index[: sum(send_splits)]
+        send_index = send_rows(mask_TR, sum(send_splits))
     hop = Hop(
         send_index=send_index,
         send_valid=send_valid,
@@ -66,6 +72,8 @@ def dispatch_flat(
         recv_splits=recv_splits,
         num_in=T,
         reduce_groups=be.node_groups(),
+        # NOTE: one clamp for every gather of the dispatch (padding rows -> some real row)
+        gather_index=send_index.clamp(max=T - 1) if send_valid is not None and T else None,
     )
     be.stats.rows_sent += hop.num_send
     spare = cap is not None
@@ -73,17 +81,20 @@ def dispatch_flat(
     def make_meta() -> torch.Tensor:
         # NOTE: global ids travel; each receiver keeps its own (``finish``). Padding rows carry
         # arbitrary rows: the compaction never returns them.
-        meta_TK = pack_token_meta(topk_idx, topk_probs, be.num_experts)
-        return gather_rows(meta_TK, send_index, send_valid, zero_invalid=False)
+        meta_TK = pack_key_meta(key_TK, topk_probs)
+        return gather_rows(meta_TK, *hop.gather_args(), zero_invalid=False)
 
     recv_x, recv_meta = be.run_hop(
-        hop, x, make_meta, spare_row=spare, scratch_key="recv0" if spare else None
+        hop,
+        x,
+        make_meta,
+        spare_row=spare,
+        scratch_key="recv0" if spare else None,
+        meta_spare=be.num_experts,  # the dropped id: the compaction's dummy row is no pair
     )
     maps = None
     if cap is not None:
-        sizes = G[:, me].clamp(max=cap).to(device)
-        starts = torch.arange(R, device=device, dtype=torch.int64) * cap
-        maps = compaction(sizes, starts, W, W)
+        maps = flat_compaction(G[:, me].clamp(max=cap).to(device), cap)
     return finish(
         be,
         hop_list=(hop,),

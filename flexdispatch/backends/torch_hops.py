@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from flexdispatch import _memory
 from flexdispatch.backends.torch_rows import (
     count_local,
     unpack_local,
@@ -38,6 +39,9 @@ class Hop:
         num_in: rows of the hop's input (T for the first hop).
         reduce_groups: peers whose returning rows are summed together first (the ranks of one
             node, in rank order); the groups are then added in order.
+        gather_index: ``[S]`` int64 ``send_index`` with padding rows pointing at row 0..num_in-1
+            (arbitrary real rows: no receiver returns them), or None: gathers then need no
+            clamp of their own.
     """
 
     send_index: torch.Tensor
@@ -46,6 +50,17 @@ class Hop:
     recv_splits: tuple[int, ...]
     num_in: int
     reduce_groups: tuple[tuple[int, ...], ...]
+    gather_index: torch.Tensor | None = None
+
+    def gather_args(self, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, ...]:
+        """``(index, valid)`` for ``gather_rows`` of send rows ``[lo, hi)``: ``gather_index``
+        (every entry a real row, so nothing to clamp) when set, else ``send_index`` with
+        ``send_valid``."""
+        sl = slice(lo, hi)
+        if self.gather_index is not None:
+            return self.gather_index[sl], None
+        valid = None if self.send_valid is None else self.send_valid[sl]
+        return self.send_index[sl], valid
 
     @property
     def num_send(self) -> int:
@@ -139,23 +154,35 @@ def finish(
     """Apply the output compaction (if any) and build the result and its handle.
 
     With ``maps``, ``recv_x`` / ``recv_meta`` carry the zero spare row (``spare_row=True``).
-    ``local_lo``: the metadata holds global ids (``pack_token_meta``) and this rank's experts
-    start at ``local_lo``; None: the ids are local already (``pack_meta`` after ``localize``).
+    ``local_lo``: the metadata holds ``expert_key`` ids (``pack_key_meta``; its spare row holds
+    the dropped id E) and this rank's experts start at ``local_lo``; None: the ids are local
+    already (``pack_meta`` after ``localize``).
     """
     out_index = out_valid = in_index = None
     if maps is not None:
-        out_index, out_valid, in_index, _ = maps
+        out_index, out_valid, in_index, in_valid = maps
         num_out = out_index.shape[0]
-        in_index = in_index.clamp(max=max(num_out - 1, 0))
+        if in_valid is not None:  # None: ``flat_compaction``'s in_index is in range already
+            in_index = in_index.clamp(max=max(num_out - 1, 0))
         rows = be.output((num_out, *recv_x.shape[1:]), recv_x.dtype, recv_x.device)
         recv_x = torch.index_select(recv_x, 0, out_index, out=rows)
         recv_meta = recv_meta.index_select(0, out_index)
     if local_lo is None:
         ids, probs = unpack_meta(recv_meta, k)
+        if out_valid is not None:
+            ids.masked_fill_(~out_valid[:, None], -1)
+        counts = count_local(ids, be.num_local_experts)
     else:
-        ids, probs = unpack_local(recv_meta, k, local_lo, be.num_local_experts, be.num_experts)
-    if out_valid is not None:
-        ids.masked_fill_(~out_valid[:, None], -1)
+        # NOTE: the compaction's tail reads the spare row, which holds the dropped id: no mask.
+        ids, probs, counts = unpack_local(
+            recv_meta,
+            k,
+            local_lo,
+            be.num_local_experts,
+            be.num_experts,
+            lut=be.local_lut(recv_meta.device),
+            counts=True,
+        )
     state = TorchDispatchState(
         hops=hop_list,
         out_index=out_index,
@@ -170,7 +197,7 @@ def finish(
         recv_x=recv_x,
         recv_topk_idx=ids,
         recv_topk_probs=probs,
-        num_recv_tokens_per_expert=count_local(ids, be.num_local_experts),
+        num_recv_tokens_per_expert=counts,
         handle=handle,
     )
 
@@ -198,11 +225,13 @@ def row_of_input(
     """
     index = hop.send_index[lo:hi]
     device = index.device
-    rows_from = torch.arange(base, base + hi - lo, device=device, dtype=torch.int64)
+    n = hi - lo
+    rows_from = _memory.arange(base + n, device)[base:]
     size = rows_out
     if hop.send_valid is not None:
-        size += hi - lo
-        index = torch.where(hop.send_valid[lo:hi], index, rows_out + rows_from - base)
+        size += n
+        spare = _memory.arange(rows_out + n, device)[rows_out:]
+        index = torch.where(hop.send_valid[lo:hi], index, spare)
     first = torch.full((size,), missing, dtype=torch.int64, device=device)
     first.scatter_(0, index, rows_from)
     return first[:rows_out]

@@ -15,13 +15,21 @@ import math
 
 import torch
 
+from flexdispatch import _memory
+from flexdispatch._validate import cuda_code_path
+
 __all__ = [
     "gather_rows",
     "slot_positions",
+    "send_rows",
     "compaction",
+    "flat_compaction",
     "pack_meta",
     "unpack_meta",
     "pack_token_meta",
+    "pack_key_meta",
+    "expert_key",
+    "local_lut",
     "unpack_local",
     "localize",
     "count_local",
@@ -88,17 +96,14 @@ def slot_positions(
     """
     n, P = mask_NP.shape
     device = mask_NP.device
+    if cap is not None:
+        return _capped_slots(mask_NP, cap)
     m_PN = mask_NP.t().to(torch.int64)
     pos_PN = m_PN.cumsum(1) - 1
-    if cap is None:
-        counts_P = m_PN.sum(1)
-        offs_P = counts_P.cumsum(0) - counts_P
-        keep_PN = mask_NP.t()
-        size = P * n
-    else:
-        offs_P = torch.arange(P, device=device, dtype=torch.int64) * cap
-        keep_PN = mask_NP.t() & (pos_PN < cap)
-        size = P * cap
+    counts_P = m_PN.sum(1)
+    offs_P = counts_P.cumsum(0) - counts_P
+    keep_PN = mask_NP.t()
+    size = P * n
     # NOTE: rows that are not sent scatter into unique spare slots past ``size``, so every scatter
     # index is unique (deterministic) and nothing is written out of bounds.
     spare_PN = size + torch.arange(P * n, device=device, dtype=torch.int64).view(P, n)
@@ -106,10 +111,63 @@ def slot_positions(
     buf = torch.full((size + P * n,), n, dtype=torch.int64, device=device)
     rows_PN = torch.arange(n, device=device, dtype=torch.int64).expand(P, n)
     buf.scatter_(0, slot_PN.reshape(-1), rows_PN.reshape(-1))
+    return buf[:size], None
+
+
+def _capped_slots(mask_NP: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``slot_positions`` with ``cap`` rows per participant, in 7 ops (index tables cached)."""
+    n, P = mask_NP.shape
+    device = mask_NP.device
+    size = P * cap
+    i64 = torch.int64
+    # slot of the j-th row (1-based count c) for participant p: p * cap + c - 1; everything in
+    # the [n, P] layout of the mask (the scatter's order does not matter: its indices are unique)
+    base_1P = _memory.cached(
+        ("slot_base", P, cap), device, lambda: (torch.arange(P, device=device) * cap - 1)[None]
+    )
+    # NOTE: rows that are not sent scatter into unique spare slots past ``size``, so every scatter
+    # index is unique (deterministic) and nothing is written out of bounds.
+    spare_NP = _memory.cached(
+        ("slot_spare", P, n, cap),
+        device,
+        lambda: torch.arange(size, size + P * n, device=device, dtype=i64).view(n, P),
+    )
+    rows_NP = _memory.cached(
+        ("slot_rows", P, n),
+        device,
+        lambda: torch.arange(n, device=device, dtype=i64).repeat_interleave(P),
+    )
+    count_NP = mask_NP.cumsum(0, dtype=i64)
+    keep_NP = mask_NP & (count_NP <= cap)
+    slot_NP = torch.where(keep_NP, count_NP + base_1P, spare_NP)
+    buf = torch.full((size + P * n,), n, dtype=i64, device=device)
+    buf.scatter_(0, slot_NP.reshape(-1), rows_NP)  # NOTE: no copy unless a transposed mask
     send_index = buf[:size]
-    if cap is None:
-        return send_index, None
     return send_index, send_index < n
+
+
+def flat_compaction(
+    sizes_R: torch.Tensor, cap: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``compaction`` of a flat worst-case receive buffer: ``R`` blocks of ``cap`` rows whose
+    first ``sizes_R[r]`` rows are real, into ``W = R * cap`` output rows (one
+    ``nonzero_static``, no host sync). The returned ``in_index`` already points every row that
+    is not returned at some returned row (or 0), and ``in_valid`` is None."""
+    R = sizes_R.numel()
+    W = R * cap
+    device = sizes_R.device
+    col = _memory.cached(("cap_cols", cap), device, lambda: torch.arange(cap, device=device))
+    real_W = (col < sizes_R[:, None]).view(-1)
+    out_index = torch.nonzero_static(real_W, size=W, fill_value=W)[:, 0]
+    in_index = real_W.cumsum(0, dtype=torch.int64).sub_(1).clamp_(min=0)
+    return out_index, out_index < W, in_index, None  # type: ignore[return-value]
+
+
+def send_rows(mask_NP: torch.Tensor, num_send: int) -> torch.Tensor:
+    """Dropless send rows of one hop: ``[S]`` int64 input row of each send row, destination-major
+    then input-row order (``slot_positions(mask_NP, None)[0][:S]``), with ``S = num_send`` known
+    on the host. One ``nonzero_static`` (no host sync on CUDA either)."""
+    return torch.nonzero_static(mask_NP.t(), size=num_send)[:, 1].contiguous()
 
 
 def compaction(
@@ -152,33 +210,73 @@ def unpack_meta(meta: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     return meta[:, :k].to(torch.int64), meta[:, k:].view(torch.float32).contiguous()
 
 
-def pack_token_meta(ids_TK: torch.Tensor, probs_TK: torch.Tensor, num_ids: int) -> torch.Tensor:
-    """``[T, 2k]`` int32 metadata of every input row, global ids (``pack_meta`` layout).
+def expert_key(ids_TK: torch.Tensor, num_ids: int) -> torch.Tensor:
+    """``[T, k]`` int64: the id where it lies in ``[0, num_ids)``, else ``num_ids`` (dropped).
 
-    Ids outside ``[0, num_ids)`` become -1 first (never a valid id after the int32 cast). The
-    rows are gathered into send order with one index_select and localized by the receiver
-    (``unpack_local``), which needs only its own first id, not one per row.
+    Two ops: ids are clamped to ``[-1, num_ids]`` and ``-1 mod (num_ids + 1) == num_ids``.
     """
-    ok = (ids_TK >= 0) & (ids_TK < num_ids)
-    return pack_meta(torch.where(ok, ids_TK, -1), probs_TK)
+    return ids_TK.clamp(-1, num_ids).remainder_(num_ids + 1)
+
+
+def pack_key_meta(key_TK: torch.Tensor, probs_TK: torch.Tensor) -> torch.Tensor:
+    """``[T, 2k]`` int32 metadata of every input row from ``expert_key`` ids (``pack_meta``
+    layout, ``num_ids`` meaning dropped). The rows are gathered into send order with one
+    index_select and localized by the receiver (``unpack_local``), which needs only its own
+    first id, not one per row."""
+    return pack_meta(key_TK, probs_TK)
+
+
+def pack_token_meta(ids_TK: torch.Tensor, probs_TK: torch.Tensor, num_ids: int) -> torch.Tensor:
+    """``pack_key_meta(expert_key(ids_TK, num_ids), probs_TK)``: ids outside ``[0, num_ids)``
+    become ``num_ids`` first (never a valid id after the int32 cast)."""
+    return pack_key_meta(expert_key(ids_TK, num_ids), probs_TK)
+
+
+def local_lut(lo: int, width: int, num_ids: int, device: torch.device) -> torch.Tensor:
+    """``[num_ids + 1]`` int64: ``id - lo + 1`` for ids in ``[lo, lo + width)``, else 0 (also
+    for the dropped id ``num_ids``). Built once per backend (``unpack_local``'s table)."""
+    lut = torch.zeros(num_ids + 1, dtype=torch.int64, device=device)
+    lut[lo : lo + width] = torch.arange(1, width + 1, dtype=torch.int64, device=device)
+    return lut
 
 
 def unpack_local(
-    meta: torch.Tensor, k: int, lo: int, width: int, num_ids: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Receiver side of ``pack_token_meta``: keep the slots whose id lies in ``[lo, lo + width)``.
+    meta: torch.Tensor,
+    k: int,
+    lo: int,
+    width: int,
+    num_ids: int,
+    *,
+    lut: torch.Tensor | None = None,
+    counts: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Receiver side of ``pack_key_meta``: keep the slots whose id lies in ``[lo, lo + width)``.
 
-    The ids (all in ``[-1, num_ids)`` after ``pack_token_meta``) are mapped through a
-    ``[num_ids + 1]`` lookup table: one gather instead of compares, masks and a cast.
+    The ids (all in ``[0, num_ids]`` after ``expert_key``) are mapped through the
+    ``local_lut`` table (pass it to build it once): one gather instead of compares and masks.
 
     Returns:
-        ``(ids [B, k] int64 as id - lo or -1, probs [B, k] float32, 0 where the id is -1)``.
+        ``(ids [B, k] int64 as id - lo or -1, probs [B, k] float32, 0 where the id is -1)``,
+        and with ``counts`` also ``[width]`` int64 pairs per local id (``count_local``).
     """
-    B = meta.shape[0]
-    lut = torch.full((num_ids + 1,), -1, dtype=torch.int64, device=meta.device)
-    lut[1 + lo : 1 + lo + width] = torch.arange(width, dtype=torch.int64, device=meta.device)
-    ids = lut.index_select(0, (meta[:, :k] + 1).reshape(-1)).view(B, k)
-    return ids, torch.where(ids >= 0, meta[:, k:].view(torch.float32), 0.0)
+    if lut is None:
+        lut = local_lut(lo, width, num_ids, meta.device)
+    shifted = lut[meta[:, :k]]  # id - lo + 1, 0 = not mine
+    ids = shifted - 1
+    zero = _memory.scalar(0.0, torch.float32, meta.device)
+    probs = torch.where(shifted > 0, meta[:, k:].view(torch.float32), zero)
+    if not counts:
+        return ids, probs
+    return ids, probs, _bin_counts(shifted.view(-1), width + 1)[1:]
+
+
+def _bin_counts(values: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n]`` int64 occurrences of each value of ``values`` (all in ``[0, n)``)."""
+    if not cuda_code_path(values.device):
+        return torch.bincount(values, minlength=n)  # 3x faster than scatter_add_ on CPU
+    # NOTE: not torch.bincount, which reads the maximum on the host on CUDA.
+    out = torch.zeros(n, dtype=torch.int64, device=values.device)
+    return out.scatter_add_(0, values, _memory.ones(values.numel(), torch.int64, values.device))
 
 
 def localize(
@@ -213,14 +311,8 @@ def localize(
 
 def count_local(ids_MK: torch.Tensor, num_local: int) -> torch.Tensor:
     """``[e]`` int64 number of ``(row, slot)`` pairs per local expert id (-1 ignored)."""
-    if ids_MK.device.type == "cpu":
-        # ids are in [-1, num_local): shifted by one they index the bins directly (3x faster)
-        return torch.bincount(ids_MK.reshape(-1) + 1, minlength=num_local + 1)[1 : num_local + 1]
-    safe = torch.where(ids_MK >= 0, ids_MK, num_local).reshape(-1)
-    # NOTE: not torch.bincount, which reads the maximum on the host on CUDA.
-    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=ids_MK.device)
-    counts.scatter_add_(0, safe, torch.ones_like(safe))
-    return counts[:num_local]
+    # ids are in [-1, num_local): shifted by one they index the bins directly
+    return _bin_counts(ids_MK.reshape(-1) + 1, num_local + 1)[1 : num_local + 1]
 
 
 def round_up(value: torch.Tensor, multiple: int) -> torch.Tensor:

@@ -522,3 +522,106 @@ def test_num_rows_skips_the_host_sync(monkeypatch):
         permute(x, idx, 5, num_rows=n, num_out_rows=30)
     with pytest.raises(ValueError, match="num_rows"):
         permute(x, idx, 5, num_rows=-1)
+
+
+# --------------------------------------------------------------------------- memory and op count
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_out_buffer_receives_the_rows(static):
+    x = torch.randn(12, 16, requires_grad=True)
+    idx = torch.randint(-1, 6, (12, 3))
+    probs = torch.rand(12, 3)
+    kw = {"num_out_rows": 36} if static else {}
+    want = permute(x, idx, 6, topk_probs=probs, **kw)
+    buf = torch.full(tuple(want.x.shape), float("nan"))
+    got = permute(x, idx, 6, topk_probs=probs, out=buf, **kw)
+    assert got.x.data_ptr() == buf.data_ptr()
+    assert torch.equal(got.x, want.x) and torch.equal(got.row_token, want.row_token)
+    # gradients flow through the rows written into ``out``
+    (got.x * torch.arange(got.x.shape[0]).unsqueeze(1)).sum().backward()
+    g1 = x.grad.clone()
+    x.grad = None
+    (want.x * torch.arange(want.x.shape[0]).unsqueeze(1)).sum().backward()
+    assert torch.equal(g1, x.grad)
+
+
+def test_out_buffer_is_checked():
+    x = torch.randn(4, 8)
+    idx = torch.tensor([[0, 1], [1, 2], [2, -1], [0, 0]])
+    with pytest.raises(ValueError, match=r"out must be a \[7, 8\] float32"):
+        permute(x, idx, 3, out=torch.empty(8, 8))
+    with pytest.raises(ValueError, match="out must be a"):
+        permute(x, idx, 3, out=torch.empty(7, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous"):
+        permute(x, idx, 3, out=torch.empty(8, 7).t())
+    with pytest.raises(ValueError, match="require grad"):
+        permute(x, idx, 3, out=torch.empty(7, 8, requires_grad=True))
+
+
+def test_cpu_rows_come_from_the_output_pool_and_are_never_overwritten_while_held():
+    from flexdispatch._memory import MIN_BYTES, OUTPUT_POOL
+
+    if not OUTPUT_POOL.enabled:
+        pytest.skip("this torch has no storage use count: nothing is pooled")
+    H = 256
+    T = MIN_BYTES // (H * 4) + 1  # x rows (k = 1) just above the pool's threshold
+    x = torch.randn(T, H)
+    idx = torch.zeros(T, 1, dtype=torch.int64)
+    first = permute(x, idx, 1)
+    ptr = first.x.data_ptr()
+    held = first.x.clone()
+    second = permute(x * 2, idx, 1)  # ``first`` still holds its rows: new memory
+    assert second.x.data_ptr() != ptr
+    assert torch.equal(first.x, held)
+    del first, held
+    reused = OUTPUT_POOL.reused
+    third = permute(x * 3, idx, 1)
+    assert third.x.data_ptr() == ptr  # the dropped output's memory is lent again
+    assert OUTPUT_POOL.reused == reused + 1
+    assert torch.equal(third.x, x * 3)
+
+
+def test_arange_cache_grows_and_is_not_written():
+    from flexdispatch import _memory
+
+    a = _memory.arange(5, torch.device("cpu"))
+    assert torch.equal(a, torch.arange(5))
+    b = _memory.arange(1000, torch.device("cpu"))
+    assert torch.equal(b, torch.arange(1000))
+    assert torch.equal(_memory.arange(3, torch.device("cpu")), torch.arange(3))
+    with torch.inference_mode():
+        c = _memory.arange(5000, torch.device("cpu"))
+    assert not c.is_inference() and torch.equal(c, torch.arange(5000))
+
+
+def _count_ops(fn):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def test_permute_unpermute_op_count():
+    """Non-view ATen ops of exact permute + weighted unpermute (the issue-13 shape, smaller H):
+    71 before the lean path; each one is a kernel launch on a GPU."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 64, generator=g).bfloat16()
+    idx = torch.rand(512, 64, generator=g).argsort(1)[:, :8].contiguous()
+    probs = torch.rand(512, 8, generator=g)
+
+    def run():
+        perm = permute(x, idx, 64, topk_probs=probs)
+        unpermute(perm.x, perm, probs=perm.probs)
+
+    run()
+    assert _count_ops(run) <= 25

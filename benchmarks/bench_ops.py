@@ -1,0 +1,202 @@
+"""Count the device operations of one call: non-view ATen ops seen by a ``TorchDispatchMode``.
+
+Every non-view ATen op of the hot path is a kernel launch on a GPU (a few µs of CPU each, on the
+critical path in eager training and decode), so their number per call is the figure to keep low.
+Counted: every op the mode sees whose schema is not a view (``OpOverload.is_view``), including
+allocations (``empty``), host reads (``_local_scalar_dense``) and the collectives
+(``c10d.*``); views, reshapes and slicing are free and not counted. Ops that a kernel calls
+internally (below the Python dispatch key) are not seen.
+
+Shapes (issue 13): 2 gloo ranks, T=512, E=64, top-8 (uniform random, distinct experts per
+token), H=256 bf16, fp32 probs. One warm-up call, then one counted call (rank 0's count; both
+ranks run the same code).
+
+Rows:
+
+- ``dispatch + combine``: ``FlexDispatcher.dispatch`` then ``combine`` (forward only), torch
+  backend, flat, dropless and worst-case (``W = R*T``); hierarchical with ``LOCAL_WORLD_SIZE=1``
+  (2 nodes of one rank) as well.
+- ``permute + unpermute``: ``permute(x, idx, E, topk_probs=p)`` then
+  ``unpermute(perm.x, perm, probs=perm.probs)`` (exact size, one process).
+
+Code paths: ``cpu`` is what runs on CPU. ``cuda (forced)`` runs the CUDA branch of every
+device-dependent choice on CPU: ``flexdispatch._validate.cuda_code_path`` and
+``defer_value_checks`` are forced to True (value checks counted on the device, no CPU memory
+reuse, synchronous collectives, ``scatter_add_`` instead of ``bincount``). The one CUDA-only
+piece that cannot run on CPU is the dropless count copy into pinned host memory on a side stream
+(``torch_hops.PendingCounts``): ``empty(pin_memory=True)`` + ``copy_`` = 2 ops, added by hand to
+the dropless rows of that column (streams and events are not ATen ops).
+
+Run:  PYTHONPATH=. .venv/bin/python benchmarks/bench_ops.py [--by-op]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+T, E, K, H = 512, 64, 8, 256
+PINNED_COPY_OPS = 2  # CUDA dropless only: empty(pin_memory=True) + copy_(non_blocking=True)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts non-view ATen ops by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if not func.is_view:
+            self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+
+def force_cuda_path() -> None:
+    """Make every device-dependent branch of flexdispatch take its CUDA side (on CPU)."""
+    from flexdispatch import _validate
+
+    def yes(device: torch.device) -> bool:
+        return True
+
+    _validate.defer_value_checks = yes
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("flexdispatch") and hasattr(mod, "cuda_code_path"):
+            mod.cuda_code_path = yes
+
+
+def _inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    idx = torch.rand(T, E, generator=g).argsort(1)[:, :K].contiguous()
+    probs = torch.rand(T, K, generator=g)
+    return x, idx, probs
+
+
+def _dispatch_ops(worst: bool, hierarchical: bool, cuda: bool) -> dict[str, Any]:
+    from flexdispatch import DispatchConfig, FlexDispatcher
+
+    if cuda:
+        force_cuda_path()
+    R = dist.get_world_size()
+    x, idx, probs = _inputs(dist.get_rank())
+    cfg = DispatchConfig(
+        backend="torch", num_worst_tokens=R * T if worst else 0, hierarchical=hierarchical
+    )
+    d = FlexDispatcher(cfg, num_experts=E)
+    res = d.dispatch(x, idx, probs)
+    d.combine(res.recv_x, res.handle)
+    with OpCounter() as cd:
+        res = d.dispatch(x, idx, probs)
+    with OpCounter() as cc:
+        d.combine(res.recv_x, res.handle)
+    return {"dispatch": dict(cd.ops), "combine": dict(cc.ops)}
+
+
+def _permute_ops(cuda: bool) -> dict[str, Any]:
+    from flexdispatch import permute, unpermute
+
+    if cuda:
+        force_cuda_path()
+    x, idx, probs = _inputs(0)
+
+    def run() -> None:
+        perm = permute(x, idx, E, topk_probs=probs)
+        unpermute(perm.x, perm, probs=perm.probs)
+
+    run()
+    with OpCounter() as c:
+        run()
+    return {"permute+unpermute": dict(c.ops)}
+
+
+def _rank0(worst: bool, hierarchical: bool, cuda: bool) -> dict[str, Any]:
+    from flexdispatch.launch import spawn_group
+
+    env = {"LOCAL_WORLD_SIZE": "1"} if hierarchical else None
+    return spawn_group(
+        _dispatch_ops,
+        2,
+        args=(worst, hierarchical, cuda),
+        ranks_per_node=1 if hierarchical else 2,
+        env=env,
+        timeout_s=300,
+    )[0]
+
+
+def _permute_in_child(cuda: bool) -> dict[str, Any]:
+    from flexdispatch.launch import spawn_group
+
+    return spawn_group(_permute_ops, 1, args=(cuda,), timeout_s=300)[0]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--by-op", action="store_true", help="also list the ops of each row")
+    args = parser.parse_args(argv)
+    rows: list[tuple[str, dict[str, dict[str, int]]]] = []
+    for label, worst, hier in (
+        ("torch flat dropless", False, False),
+        ("torch flat worst-case (W=R*T)", True, False),
+        ("torch hierarchical dropless", False, True),
+        ("torch hierarchical worst-case", True, True),
+    ):
+        per = {"cpu": _rank0(worst, hier, False), "cuda": _rank0(worst, hier, True)}
+        rows.append((label, per))
+    per_p = {"cpu": _permute_in_child(False), "cuda": _permute_in_child(True)}
+
+    print(f"T={T} E={E} k={K} H={H} bf16, 2 gloo ranks, torch {torch.__version__}")
+    print("non-view ATen ops per call (rank 0)")
+    print()
+    print(
+        "| call | mode | cpu: dispatch | cpu: combine | cpu: total | cuda (forced): dispatch "
+        "| cuda: combine | cuda: total |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for label, per in rows:
+        cells = []
+        for path in ("cpu", "cuda"):
+            dsp = sum(per[path]["dispatch"].values())
+            cmb = sum(per[path]["combine"].values())
+            extra = PINNED_COPY_OPS if path == "cuda" and "dropless" in label else 0
+            cells += [f"{dsp + extra}", f"{cmb}", f"**{dsp + cmb + extra}**"]
+        print(f"| dispatch + combine | {label} | " + " | ".join(cells) + " |")
+    pc = sum(per_p["cpu"]["permute+unpermute"].values())
+    pg = sum(per_p["cuda"]["permute+unpermute"].values())
+    print(f"| permute + unpermute | exact, with probs | | | **{pc}** | | | **{pg}** |")
+    if "dropless" in " ".join(r[0] for r in rows):
+        print()
+        print(
+            f"cuda (forced) dropless rows include {PINNED_COPY_OPS} ops added by hand for the "
+            "pinned count copy (see the docstring)."
+        )
+    if args.by_op:
+        for label, per in rows:
+            for path in ("cpu", "cuda"):
+                for what in ("dispatch", "combine"):
+                    ops = per[path][what]
+                    print(f"\n{label} / {path} / {what}: {sum(ops.values())}")
+                    for op, n in sorted(ops.items(), key=lambda kv: (-kv[1], kv[0])):
+                        print(f"  {n:3d}  {op}")
+        for path in ("cpu", "cuda"):
+            ops = per_p[path]["permute+unpermute"]
+            print(f"\npermute + unpermute / {path}: {sum(ops.values())}")
+            for op, n in sorted(ops.items(), key=lambda kv: (-kv[1], kv[0])):
+                print(f"  {n:3d}  {op}")
+    print()
+    cmd = " ".join(["python", "benchmarks/bench_ops.py", *(argv or sys.argv[1:])])
+    print(f"command: {cmd}")
+
+
+if __name__ == "__main__":
+    main()
