@@ -198,8 +198,13 @@ def test_layout_kernel_and_no_extra_collectives(R: int, L: int) -> None:
         assert out["dropless"] == 0, out  # nothing beyond DeepEP's own kernels
         assert out.get("worst", 0) == 0, out
         assert out["checks"] == 1, out  # checks on: the one agreement all-gather
+        # DeepEP's own work per dispatch + combine: its layout kernel, one dispatch, one combine;
+        # their collectives are the runtime's (notify + rows; rows back; internode: two hops)
         kernels = out["kernels"]
-        assert sum(v for n, v in kernels.items() if "dispatch" in n) >= 1, kernels
+        where = "intranode" if L == R else "internode"
+        want = {"get_dispatch_layout": 1, f"{where}_dispatch": 1, f"{where}_combine": 1}
+        assert {n: v for n, v in kernels.items() if n != "collectives"} == want, kernels
+        assert kernels["collectives"] == (3 if L == R else 5), kernels
 
 
 # --------------------------------------------------------------------- worst-case overflow
