@@ -500,6 +500,39 @@ class Runtime(LowLatencyKernels):
             event,
         )
 
+    def _check_combine_rows(
+        self,
+        x: torch.Tensor,
+        rows: int,
+        topk_weights: torch.Tensor | None,
+        biases: tuple[torch.Tensor | None, ...],
+        T: int,
+    ) -> int:
+        """Combine's row, weight and bias asserts (both kernels); returns the weights' width."""
+        rel, H = self.release, x.size(1)
+        limits.host_assert(rows == x.size(0), "combine.rows", rel)
+        limits.host_assert((H * x.element_size()) % 16 == 0, "combine.row_int4", rel)
+        limits.host_assert(x.dtype in _SWITCH_TYPES_COMBINE, "combine.dtype", rel, f"{x.dtype}")
+        k = 0
+        if topk_weights is not None:
+            limits.host_assert(
+                topk_weights.dim() == 2
+                and topk_weights.is_contiguous()
+                and topk_weights.size(0) == x.size(0)
+                and topk_weights.dtype == torch.float32,
+                "combine.weights",
+                rel,
+            )
+            k = topk_weights.size(1)
+        for b in biases:
+            if b is not None:
+                limits.host_assert(
+                    tuple(b.shape) == (T, H) and b.dtype == x.dtype and b.is_contiguous(),
+                    "combine.bias",
+                    rel,
+                )
+        return k
+
     def intranode_combine(
         self,
         x: torch.Tensor,
@@ -531,28 +564,8 @@ class Runtime(LowLatencyKernels):
             "combine.handle",
             rel,
         )
-        limits.host_assert(src_idx.size(0) == x.size(0), "combine.rows", rel)
-        limits.host_assert((x.size(1) * x.element_size()) % 16 == 0, "combine.row_int4", rel)
-        limits.host_assert(x.dtype in _SWITCH_TYPES_COMBINE, "combine.dtype", rel, f"{x.dtype}")
         T, H = send_head.size(0), x.size(1)
-        k = 0
-        if topk_weights is not None:
-            limits.host_assert(
-                topk_weights.dim() == 2
-                and topk_weights.is_contiguous()
-                and topk_weights.size(0) == x.size(0)
-                and topk_weights.dtype == torch.float32,
-                "combine.weights",
-                rel,
-            )
-            k = topk_weights.size(1)
-        for b in (bias_0, bias_1):
-            if b is not None:
-                limits.host_assert(
-                    tuple(b.shape) == (T, H) and b.dtype == x.dtype and b.is_contiguous(),
-                    "combine.bias",
-                    rel,
-                )
+        k = self._check_combine_rows(x, src_idx.size(0), topk_weights, (bias_0, bias_1), T)
         limits.host_assert(self.num_nvl_bytes >= C * R * 4 * 2, "combine.nvl_bytes", rel)
         self._check_launch()
         limits.device_trap(
@@ -871,25 +884,7 @@ class Runtime(LowLatencyKernels):
             "combine.handle",
             rel,
         )
-        limits.host_assert((H * x.element_size()) % 16 == 0, "combine.row_int4", rel)
-        limits.host_assert(x.dtype in _SWITCH_TYPES_COMBINE, "combine.dtype", rel, f"{x.dtype}")
-        limits.host_assert(src_meta.size(0) == x.size(0), "combine.rows", rel)
-        k = 0
-        if topk_weights is not None:
-            limits.host_assert(
-                topk_weights.dim() == 2
-                and topk_weights.is_contiguous()
-                and topk_weights.size(0) == x.size(0)
-                and topk_weights.dtype == torch.float32,
-                "combine.weights",
-                rel,
-            )
-            k = topk_weights.size(1)
-        for b in (bias_0, bias_1):
-            if b is not None:
-                limits.host_assert(
-                    tuple(b.shape) == (T, H) and b.dtype == x.dtype, "combine.bias", rel
-                )
+        k = self._check_combine_rows(x, src_meta.size(0), topk_weights, (bias_0, bias_1), T)
         self._check_launch()
         self._check_internode(config, combine=True)
         hidden_int4 = H * x.element_size() // 16
