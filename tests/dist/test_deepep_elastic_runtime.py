@@ -111,6 +111,13 @@ def semantics_worker(rank: int, R: int) -> dict[str, Any]:
         and h.topk_idx is not mine.idx
         and ev.event is None
     )
+    # slots: rank * M + slot at the first top-k lane of each destination rank, -1 elsewhere
+    dest = torch.where(mine.idx >= 0, mine.idx // e, -1)
+    first = [[d >= 0 and d not in row[:j] for j, d in enumerate(row)] for row in dest.tolist()]
+    slots = h.dst_buffer_slot_idx
+    out["slots"] = (slots >= 0).tolist() == first and bool(
+        ((slots[slots >= 0] >= rank * M) & (slots[slots >= 0] < rank * M + M)).all()
+    )
     # num_sms = 0: DeepEP's own SM model over the loader's device stand-in
     out["auto_sms"] = go(num_sms=0)[3].num_sms > 0
     # combine: unweighted sum over the receiving ranks, one bf16 rounding; weights back per slot
@@ -210,7 +217,11 @@ def semantics_worker(rank: int, R: int) -> dict[str, Any]:
         and torch.equal(r8.view(torch.uint8), ref8.to(torch.float8_e4m3fn).view(torch.uint8))
         and torch.equal(rsf, refsf)
     )
+    rt.emu_reset_counters()
+    buf.barrier()
+    out["barrier"] = rt.emu_counters() == {"elastic_barrier": 1, "collectives": 1}
     buf.destroy()
+    out["destroyed"] = buf.runtime is None
     return out
 
 

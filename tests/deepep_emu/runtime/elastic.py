@@ -21,8 +21,9 @@ What the kernels do, as DeepEP does it (direct mode: one scale-out rank, R scale
   ``do_zero_padding``; ``recv_topk_idx`` None, ``recv_topk_weights [N]``.
 - ``recv_src_metadata [num_recv_tokens, k + 2]`` int32: ``src_rank * M + token``, ``src_rank * k
   + first local slot``, then (expand only; uninitialised otherwise) the expanded row of each slot
-  or -1. ``dst_buffer_slot_idx [T, k]`` int32: ``dst_rank * M + slot`` at the first slot of each
-  destination rank, -1 elsewhere (its exact meaning is opaque to callers).
+  or -1. ``dst_buffer_slot_idx [T, k]`` int32: ``rank * M + slot`` (this sender's region of the
+  destination's receive buffer, I/dispatch.cuh:344-349) at the first slot of each destination
+  rank, -1 elsewhere; slots are in token order here, atomic order on a GPU.
 - ``do_cpu_sync=True``: exact sizes and the aligned per-expert count list. ``False``: ``R * M``
   rows (expand: ``align(R * M * min(k, e) + (a - 1) * e, a)``), tails uninitialised
   (``transport.garbage``), an empty list; the true sizes live in the psum tensors.
@@ -427,7 +428,7 @@ class ElasticRuntime:
                     first[:, j] = (dest[:, j : j + 1] != dest[:, :j]).all(1)
                 for d in range(R):
                     pos = torch.full((T,), -1, dtype=torch.int64)
-                    pos[sel_parts[d]] = d * M + torch.arange(sel_parts[d].numel())
+                    pos[sel_parts[d]] = me * M + torch.arange(sel_parts[d].numel())
                     hit = first & (dest == d)
                     slots[hit] = pos.view(T, 1).expand(T, k)[hit].to(torch.int32)
                 cloned = topk_idx.clone() if do_handle_copy else None
