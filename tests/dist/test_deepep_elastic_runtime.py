@@ -322,3 +322,53 @@ def test_elastic_limits_fire_with_their_citation() -> None:
                 assert "GPU would have trapped" in msg, (key, msg)
             else:
                 assert "Assertion error" in msg, (key, msg)
+
+
+# --------------------------------------------------------------------- two emulated nodes
+def nodes_worker(rank: int, R: int, L: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from tests.deepep_emu.load import load_deep_ep
+
+    deep_ep = load_deep_ep(nvl_peers=L, release="2.1.0")
+    group = dist.group.WORLD
+    E = 2 * R
+    inputs = all_inputs(13, R=R, E=E, k=K, H=H, dtype=torch.bfloat16, exact=False)
+    mine = inputs[rank]
+    ref = ref_dispatch(inputs, rank, E)
+    out: dict[str, Any] = {}
+    out["hybrid"] = _error(
+        lambda: deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=M, hidden=H)
+    )
+    # direct mode over RDMA + NVLink: the send buffers count in the size (buffer.hpp:596-627)
+    hint = deep_ep.ElasticBuffer.get_buffer_size_hint(group, 512, H, K, allow_hybrid_mode=False)
+    tok_d = _a(H * 2, 32) + _a(K * 8 + (1 + K) * 4, 32)
+    tok_c = _a(H * 2, 32) + _a(K * 8, 32)
+    want = max(512 * tok_d + R * 512 * tok_d, R * 512 * tok_c + min(R, K) * 512 * tok_c)
+    out["hint"] = hint == _a(want, 2 << 20)
+    buf = deep_ep.ElasticBuffer(
+        group, num_max_tokens_per_rank=M, hidden=H, num_topk=K, allow_hybrid_mode=False
+    )
+    out["domains"] = (buf.num_scaleout_ranks, buf.num_scaleup_ranks) == (1, R) and (
+        buf.num_rdma_ranks,
+        buf.num_nvlink_ranks,
+    ) == (R // L, L)
+    recv_x, recv_idx, _, h, _ = buf.dispatch(
+        mine.x, topk_idx=mine.idx, num_experts=E, num_sms=NUM_SMS
+    )
+    out["rows"] = torch.equal(recv_x, ref.x) and torch.equal(recv_idx, ref.idx)
+    combined, cw, _ = buf.combine(recv_x, h)
+    e = E // R
+    dests = torch.tensor([len({i // e for i in r if i >= 0}) for r in mine.idx.tolist()])
+    want_c = (mine.x.float() * dests.view(-1, 1)).to(torch.bfloat16)
+    out["combine"] = torch.equal(combined, want_c) and cw is None
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_elastic_direct_mode_across_two_emulated_nodes() -> None:
+    for out in run_group(nodes_worker, 4, 2, timeout=100):
+        # hybrid mode (allow_hybrid_mode=True across nodes) is not emulated: a clear refusal
+        assert out["hybrid"].startswith("NotImplementedError") and "hybrid" in out["hybrid"], out
+        assert out["hint"] and out["domains"] and out["rows"] and out["combine"], out
