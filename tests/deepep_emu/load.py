@@ -22,6 +22,24 @@ One patch, applied only to the loaded ``legacy`` module: ``check_nvlink_connecti
 that records ``group`` for the emulated ``_C.Buffer`` that ``Buffer.__init__`` builds next — the
 compiled runtime gets only ``rank`` and ``num_ranks``, and the emulation needs the group to move
 rows over gloo.
+
+Release ``"2.1.0"`` also loads DeepEP V2, ``deep_ep/buffers/elastic.py`` (with the
+``deep_ep.utils`` modules it imports: ``comm``, ``math``, ``semantic``), unchanged, and exports
+``ElasticBuffer``, ``EPHandle``, ``get_physical_domain_size`` and ``get_logical_domain_size``
+(over ``runtime.elastic``; release ``"1.2.1"`` has no V2 and exports none of them). The NCCL
+communicator needs no patch: on a gloo group ``utils/comm.py`` takes its fallback (one
+``all_gather_object`` of ``_C.get_local_nccl_unique_id()``, then ``_C.create_nccl_comm``).
+Patches, applied only to the loaded ``elastic`` module's namespace:
+
+- ``check_nvlink_connections(group)``: records ``group`` as for ``legacy`` (elastic.py:320 calls
+  it just before ``_C.ElasticBuffer``);
+- ``torch``: a proxy module that forwards every name to ``torch`` except ``cuda``, whose
+  ``synchronize`` is a no-op (``ElasticBuffer.__init__`` calls it around its barrier,
+  elastic.py:365-367) and whose ``get_device_properties`` describes the emulated device
+  (132 SMs, 80 GiB: ``get_theoretical_num_sms``, elastic.py:816); other ``torch.cuda`` names are
+  the real ones;
+- ``get_nvlink_gbs`` / ``get_rdma_gbs`` / ``check_fast_rdma_atomic_support``: constants (450 GB/s,
+  50 GB/s, False) instead of running ``nvidia-smi`` / ``ibstat``.
 """
 
 from __future__ import annotations
@@ -32,6 +50,8 @@ import sys
 import types
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from tests.deepep_emu.runtime.module import make_runtime_module
 
@@ -53,6 +73,33 @@ def wheel_dir() -> Path:
     if not (path / "buffers" / "legacy.py").is_file():
         raise ModuleNotFoundError(f"{path} has no buffers/legacy.py: is {WHEEL} installed whole?")
     return path
+
+
+def _torch_proxy() -> types.ModuleType:
+    """``torch`` for the loaded ``elastic`` module: ``cuda.synchronize`` is a no-op and
+    ``cuda.get_device_properties`` describes the emulated device; everything else is torch's."""
+    from tests.deepep_emu.runtime.elastic import DEVICE_SMS
+
+    props = types.SimpleNamespace(
+        name="emulated NVIDIA H800",
+        multi_processor_count=DEVICE_SMS,
+        total_memory=80 * 1024**3,
+    )
+
+    class _Cuda(types.ModuleType):
+        def __getattr__(self, name: str) -> Any:
+            return getattr(torch.cuda, name)
+
+    class _Torch(types.ModuleType):
+        def __getattr__(self, name: str) -> Any:
+            return getattr(torch, name)
+
+    cuda = _Cuda("torch.cuda (emulated device)")
+    cuda.synchronize = lambda *a, **kw: None
+    cuda.get_device_properties = lambda *a, **kw: props
+    proxy = _Torch("torch (emulated device)")
+    proxy.cuda = cuda
+    return proxy
 
 
 def load_deep_ep(nvl_peers: int = 8, release: str = "2.1.0") -> types.ModuleType:
@@ -77,9 +124,13 @@ def load_deep_ep(nvl_peers: int = 8, release: str = "2.1.0") -> types.ModuleType
     sys.modules["deep_ep"] = pkg
     sys.modules["deep_ep._C"] = runtime
     pkg._C = runtime
+    elastic = envs = None
     try:
         legacy = importlib.import_module("deep_ep.buffers.legacy")
         event = importlib.import_module("deep_ep.utils.event")
+        if release == "2.1.0":
+            elastic = importlib.import_module("deep_ep.buffers.elastic")
+            envs = importlib.import_module("deep_ep.utils.envs")
     finally:
         for n in [n for n in sys.modules if n == "deep_ep" or n.startswith("deep_ep.")]:
             del sys.modules[n]
@@ -101,5 +152,16 @@ def load_deep_ep(nvl_peers: int = 8, release: str = "2.1.0") -> types.ModuleType
     pkg.EMULATED_RELEASE = release
     pkg.NUM_MAX_NVL_PEERS = nvl_peers
     pkg.num_max_nvl_peers = lambda: nvl_peers
+    if elastic is not None and envs is not None:
+        elastic.check_nvlink_connections = check_nvlink_connections
+        elastic.torch = _torch_proxy()
+        elastic.get_nvlink_gbs = lambda *a, **kw: 450.0
+        elastic.get_rdma_gbs = lambda *a, **kw: 50.0
+        elastic.check_fast_rdma_atomic_support = lambda *a, **kw: False
+        pkg.ElasticBuffer = elastic.ElasticBuffer
+        pkg.EPHandle = elastic.EPHandle
+        pkg.get_physical_domain_size = envs.get_physical_domain_size
+        pkg.get_logical_domain_size = envs.get_logical_domain_size
+        pkg.elastic = elastic
     _CACHE[key] = pkg
     return pkg

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from . import limits, transport
+from . import elastic, limits, transport
 from .config import EventHandle, low_latency_rdma_size_hint, make_config_class
 from .normal import Runtime
 
@@ -45,6 +45,8 @@ def make_runtime_module(release: str, nvl_peers: int) -> types.ModuleType:
     mod.get_low_latency_rdma_size_hint = low_latency_rdma_size_hint
     mod.is_sm90_compiled = lambda: True
     mod.init_jit = lambda *args: None
+    if release == "2.1.0":  # DeepEP V2 exists from 2.x on
+        elastic.install(mod)
     # emulator-only accounting (not in DeepEP): which collectives are the runtime's own
     mod.emu_in_runtime = transport.in_runtime
     mod.emu_counters = transport.counters

@@ -26,6 +26,7 @@ __all__ = [
     "exchange",
     "exchange_known",
     "garbage",
+    "barrier",
     "kernel",
     "in_runtime",
     "counters",
@@ -130,6 +131,13 @@ def exchange(
     got = exchange_counts(torch.tensor(list(send_counts), dtype=torch.int64).view(R, 1), group)
     recv_counts = [int(c) for c in got.view(-1).tolist()]
     return exchange_known(send, send_counts, recv_counts, group), recv_counts
+
+
+def barrier(group: dist.ProcessGroup) -> None:
+    """A barrier of the emulated runtime (one collective)."""
+    assert in_runtime()
+    _collective()
+    dist.barrier(group=group)
 
 
 def garbage(
