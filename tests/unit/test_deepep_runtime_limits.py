@@ -136,3 +136,27 @@ def test_every_limit_is_documented() -> None:
     doc = (Path(__file__).resolve().parents[2] / "docs" / "deepep.md").read_text()
     missing = [lid for lid in limits.LIMITS if f"`{lid}`" not in doc]
     assert not missing, f"docs/deepep.md does not list: {missing}"
+
+
+def test_container_recipes_pin_what_the_tests_use() -> None:
+    # the CUDA 13 recipe installs the same DeepEP wheel the test set-up installs --no-deps, with the
+    # CUDA 13 torch that wheel pins; the CUDA 12 recipe builds the v1.2.1 tag the limits name
+    import re
+    from importlib import metadata
+    from pathlib import Path
+
+    from tests.deepep_emu.load import WHEEL
+
+    root = Path(__file__).resolve().parents[2]
+    sgl = (root / "docker" / "Dockerfile.sgl-deep-ep").read_text()
+    version = WHEEL.split("==")[1]
+    assert f"ARG SGL_DEEP_EP_VERSION={version}" in sgl
+    assert '--no-deps "$deepep_wheel"' in (root / "scripts" / "setup.sh").read_text()
+    assert f'deepep_wheel="{WHEEL}"' in (root / "scripts" / "setup.sh").read_text()
+    pinned = [r for r in metadata.requires("sgl-deep-ep") or [] if r.startswith("torch")]
+    assert pinned, "sgl-deep-ep declares its torch pin"
+    want = re.search(r"torch==([0-9.]+)", pinned[0])
+    assert want and f"ARG TORCH_VERSION={want.group(1)}" in sgl, (pinned, "Dockerfile.sgl-deep-ep")
+    assert "whl/cu130" in sgl and "cuda:13." in sgl
+    v1 = (root / "Dockerfile").read_text()
+    assert "ARG DEEPEP_REF=v1.2.1" in v1 and "cuda:12." in v1
