@@ -161,7 +161,8 @@ class DispatchConfig(_Strict):
     num_max_dispatch_tokens_per_rank: int = Field(
         128,
         gt=0,
-        description="Decode: the most tokens a rank dispatches per call (DeepEP: at most 1024).",
+        description="Decode: the most tokens a rank dispatches per call (DeepEP: at most 1024); "
+        "deepep_api='elastic': the most tokens a rank dispatches (dropless).",
     )
     use_fp8: bool = Field(
         False, description="DeepEP low-latency dispatch casts rows to fp8 (per-128-channel scales)."
@@ -183,6 +184,13 @@ class DispatchConfig(_Strict):
     )
     deepep_num_sms: int | None = Field(
         None, gt=0, description="DeepEP Buffer.set_num_sms (even; process-wide in DeepEP)."
+    )
+    deepep_api: Literal["auto", "legacy", "elastic"] = Field(
+        "auto",
+        description="DeepEP API: 'legacy' (V1 deep_ep.Buffer), 'elastic' (V2 "
+        "deep_ep.ElasticBuffer, DeepEP 2.1.0+; dropless dispatch takes at most "
+        "num_max_dispatch_tokens_per_rank tokens per rank) or 'auto' (legacy for now: the V2 "
+        "path is opt-in)",
     )
 
     @model_validator(mode="after")
@@ -222,7 +230,9 @@ class DispatchConfig(_Strict):
         if self.backend != "deepep":
             return
         L = num_ranks if ranks_per_node is None else ranks_per_node
-        ok, why = deepep_limits.check_topology(num_ranks, L, num_worst_tokens=self.num_worst_tokens)
+        # NOTE: DeepEP's V2 (elastic) path takes worst-case mode across nodes too
+        W = 0 if self.deepep_api == "elastic" else self.num_worst_tokens
+        ok, why = deepep_limits.check_topology(num_ranks, L, num_worst_tokens=W)
         if not ok:
             extra = " (cuda_graph=True needs it)" if self.cuda_graph else ""
             raise ValueError(f"backend='deepep' cannot run here{extra}: {why}")

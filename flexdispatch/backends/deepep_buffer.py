@@ -32,7 +32,14 @@ import torch.distributed as dist
 
 from flexdispatch.backends import deepep_sizing as sizing
 
-__all__ = ["SharedBuffer", "acquire", "live_buffers"]
+__all__ = [
+    "ElasticSize",
+    "SharedBuffer",
+    "SharedElasticBuffer",
+    "acquire",
+    "acquire_elastic",
+    "live_buffers",
+]
 
 _LOCK = threading.Lock()
 _BUFFERS: dict[tuple[int, int], SharedBuffer] = {}
@@ -133,4 +140,115 @@ def acquire(deep_ep: ModuleType, group: Any, user: int) -> SharedBuffer:
 def live_buffers() -> int:
     """Shared buffers alive in this process (for tests and ``doctor``)."""
     with _LOCK:
-        return sum(1 for b in _BUFFERS.values() if b.buffer is not None)
+        v1 = sum(1 for b in _BUFFERS.values() if b.buffer is not None)
+        return v1 + sum(1 for b in _ELASTIC.values() if b.buffer is not None)
+
+
+# --------------------------------------------------------------------- DeepEP V2 (ElasticBuffer)
+_ELASTIC: dict[tuple[int, int], SharedElasticBuffer] = {}
+
+
+@dataclass(frozen=True)
+class ElasticSize:
+    """What an ``ElasticBuffer`` was sized for: M tokens per rank, H bf16 columns, k top-k."""
+
+    num_max_tokens_per_rank: int
+    hidden: int
+    num_topk: int
+
+    def union(self, other: ElasticSize) -> ElasticSize:
+        return ElasticSize(
+            max(self.num_max_tokens_per_rank, other.num_max_tokens_per_rank),
+            max(self.hidden, other.hidden),
+            max(self.num_topk, other.num_topk),
+        )
+
+
+@dataclass(eq=False)
+class SharedElasticBuffer:
+    """The ``deep_ep.ElasticBuffer`` of one ``(deep_ep module, group)`` pair in this process.
+
+    The V2 counterpart of ``SharedBuffer``: sized with ``ElasticBuffer.get_buffer_size_hint`` for
+    the union of what its users asked for (direct mode, ``allow_hybrid_mode=False``), rebuilt —
+    collectively, at the same call on every rank — only when a call needs more bytes, destroyed
+    when its last user closes.
+
+    Attributes:
+        deep_ep: the module whose ``ElasticBuffer`` is used.
+        group: the process group.
+        users: ids of the backends that joined and have not closed.
+        buffer: the live ``ElasticBuffer`` or None.
+        size: what it was sized for.
+        num_bytes: its byte count (the size hint).
+        allocations: buffers built so far (statistics).
+    """
+
+    deep_ep: ModuleType
+    group: Any
+    users: set[int] = field(default_factory=set)
+    buffer: Any = None
+    size: ElasticSize | None = None
+    num_bytes: int = 0
+    allocations: int = 0
+
+    def ensure(self, need: ElasticSize) -> Any:
+        """The live buffer, (re)built collectively when ``need`` needs more bytes."""
+        new = need if self.size is None else self.size.union(need)
+        if self.buffer is not None and new == self.size:
+            return self.buffer
+        cls = self.deep_ep.ElasticBuffer
+        num_bytes = cls.get_buffer_size_hint(
+            self.group,
+            new.num_max_tokens_per_rank,
+            new.hidden,
+            new.num_topk,
+            False,  # use_fp8_dispatch: a bf16-sized buffer also holds fp8 rows
+            False,  # allow_hybrid_mode: direct mode
+            True,  # allow_multiple_reduction
+        )
+        self.size = new
+        if self.buffer is not None and num_bytes <= self.num_bytes:
+            return self.buffer
+        self._destroy()
+        self.buffer = cls(
+            self.group,
+            num_bytes=num_bytes,
+            num_max_tokens_per_rank=new.num_max_tokens_per_rank,
+            hidden=new.hidden,
+            num_topk=new.num_topk,
+            allow_hybrid_mode=False,
+            allow_multiple_reduction=True,
+            explicitly_destroy=True,
+        )
+        self.num_bytes = num_bytes
+        self.allocations += 1
+        return self.buffer
+
+    def _destroy(self) -> None:
+        if self.buffer is not None:
+            self.buffer.destroy()
+            self.buffer = None
+
+    def leave(self, user: int) -> None:
+        """``user`` closes; the buffer is destroyed when nobody uses it any more."""
+        with _LOCK:
+            self.users.discard(user)
+            if self.users:
+                return
+            key = _key(self.deep_ep, self.group)
+            if _ELASTIC.get(key) is self:
+                del _ELASTIC[key]
+        self._destroy()
+        self.size, self.num_bytes = None, 0
+
+
+def acquire_elastic(deep_ep: ModuleType, group: Any, user: int) -> SharedElasticBuffer:
+    """Join the shared ``ElasticBuffer`` of ``(deep_ep, group)`` (created empty on first use)."""
+    group = group if group is not None else dist.group.WORLD
+    with _LOCK:
+        key = _key(deep_ep, group)
+        shared = _ELASTIC.get(key)
+        if shared is None:
+            shared = _ELASTIC[key] = SharedElasticBuffer(deep_ep=deep_ep, group=group)
+        shared.users.add(user)
+        return shared

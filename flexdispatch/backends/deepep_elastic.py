@@ -1,0 +1,399 @@
+"""The ``deepep`` backend over DeepEP V2 (``deep_ep.ElasticBuffer``), behind the dispatch contract.
+
+Shape letters (ARCHITECTURE.md): T tokens on this rank · H hidden · E experts in total · R ranks ·
+e = E / R local experts · k top-k · M = ``num_max_tokens_per_rank`` · W worst-case rows ·
+X any row width · Xw wire width (bf16 columns).
+
+Selected with ``DispatchConfig.deepep_api="elastic"`` (opt-in in this release: ``"auto"`` still runs
+the V1 ``deep_ep.Buffer`` path of ``deepep.py``). How the contract maps onto ``ElasticBuffer``:
+
+- **Direct mode only** (``allow_hybrid_mode=False``): one logical scale-up domain of R ranks, inside
+  a node and across nodes, non-expand layout (``do_expand=False``): one row per (token,
+  destination rank), in (source rank, token) order, ids local (``0..e-1``) or ``-1``.
+- **One buffer per process and group** (``deepep_buffer.SharedElasticBuffer``), sized with
+  ``ElasticBuffer.get_buffer_size_hint`` for the largest (M, Xw, k) seen.
+- Rows travel as bf16 bit views (``deepep_sizing.WireFormat``), padded to the 32-byte rows the
+  V2 token layout takes; combine rows are padded to a multiple of 256 bf16 columns (the V2
+  combine kernel's rule). fp8 ``(x, scales)`` tuples pass through.
+- **Dropless** (``num_worst_tokens=0``): ``do_cpu_sync=True`` with
+  ``M = DispatchConfig.num_max_dispatch_tokens_per_rank``, a bound every rank shares (the buffer is
+  sized for it); DeepEP's CPU wait for the counts is the one host sync (counted). A rank with
+  more than M tokens raises, naming the field to raise.
+- **Worst-case** (``num_worst_tokens = W``, W a multiple of R): ``do_cpu_sync=False`` with
+  ``M = W / R``: DeepEP returns ``R * M = W`` rows, the first ones equal to the dropless rows; the
+  real row count is ``psum_num_recv_tokens_per_scaleup_rank[-1]`` on the device, from which the
+  tails of rows, ids and weights are masked (zero / -1 / 0) without a host sync. Each rank owns
+  M receive slots on every rank, so a rank with ``T > W / R`` tokens could overflow: it raises
+  before any collective, naming the numbers. Intranode and across nodes alike.
+- Weights: V2 returns the sender's weights in every slot; the contract wants 0 where the id is
+  not local, so they are masked.
+- **Combine**: V2 sums unweighted, as the contract wants, in bf16 (wider fp32/fp16 rows are
+  reduced in bf16: use bf16 activations). fp32/fp16 rows of at most 32 columns (the probs
+  gradient, narrow test rows) are summed exactly in fp32 through combine's ``topk_weights``
+  channel, one combine per column (``_combine_fp32``).
+- **Cached dispatch** (the backward of combine) re-sends along the ``EPHandle``: no host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from flexdispatch.backends import deepep_buffer
+from flexdispatch.backends import deepep_sizing as sizing
+from flexdispatch.backends.base import Capability, DispatchBackend
+from flexdispatch.backends.deepep_support import load_deep_ep, nvl_peers
+from flexdispatch.distributed import group_rank, group_size
+from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, DispatchStats
+
+__all__ = ["DeepEPElasticBackend", "ElasticDispatchState", "elastic_available"]
+
+DEFAULT_NUM_SMS = 20  # V1 Buffer.num_sms; passed explicitly (num_sms=0 runs DeepEP's SM model)
+_DISPATCH_COL_MULTIPLE = 16  # 32-byte token rows (layout.cuh:198)
+_COMBINE_COL_MULTIPLE = 256  # combine hidden % 256 (impls/combine.cuh:109)
+_NARROW_FP32_COLUMNS = sizing.MAX_TOPK  # fp32 rows this narrow are summed exactly
+
+
+def elastic_available(module: ModuleType | None) -> Capability:
+    """Whether ``module`` offers DeepEP's V2 API (``deep_ep.ElasticBuffer``)."""
+    if module is None:
+        return False, "deep_ep does not import"
+    if getattr(module, "ElasticBuffer", None) is None:
+        version = getattr(module, "__version__", "?")
+        return False, (
+            f"deep_ep {version} has no ElasticBuffer (DeepEP's V2 API, 2.1.0+): install "
+            "sgl-deep-ep / DeepEP 2.1.0, or set deepep_api='legacy'"
+        )
+    return True, "deep_ep.ElasticBuffer exists"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ElasticDispatchState:
+    """The V2 path's part of a ``DispatchHandle``.
+
+    Attributes:
+        handle: DeepEP's ``EPHandle``.
+        wire: the wire format of the dispatched rows.
+        local: ``[rows, k]`` bool, the received slots holding a local expert.
+        valid: ``[W]`` bool real rows in worst-case mode, else None.
+        recv_scales: ``[rows, H / 128]`` float32 scales of an fp8 dispatch, else None.
+    """
+
+    handle: Any
+    wire: sizing.WireFormat
+    local: torch.Tensor
+    valid: torch.Tensor | None
+    recv_scales: torch.Tensor | None
+
+
+def _pad_cols(w: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = -w.shape[1] % multiple
+    return F.pad(w, (0, pad)) if pad else w.contiguous()
+
+
+class DeepEPElasticBackend(DispatchBackend):
+    """Dispatch/combine over ``deep_ep.ElasticBuffer`` (direct mode, non-expand layout).
+
+    Args:
+        group: the process group (None = WORLD); NCCL on CUDA.
+        num_experts: E, divisible by R.
+        ranks_per_node: L as launched.
+        num_worst_tokens: W (0 = dropless), a multiple of R; intranode and internode.
+        hierarchical: accepted; DeepEP routes across nodes itself.
+        checks: accepted (host-syncing checks of the V1 path are not run here yet).
+        stats: counters to add to.
+        num_sms: SMs per kernel (default 20), passed explicitly to every call.
+        num_max_tokens_per_rank: M for dropless dispatch, shared by every rank.
+        _deep_ep: a ``deep_ep`` module to use instead of importing one (tests: the emulator).
+
+    Raises:
+        ValueError: no ``ElasticBuffer``, W not a multiple of R, E not divisible by R.
+    """
+
+    name = "deepep"
+    api = "elastic"
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        *,
+        num_experts: int,
+        ranks_per_node: int,
+        num_worst_tokens: int = 0,
+        hierarchical: bool = False,
+        checks: bool | None = None,
+        stats: DispatchStats | None = None,
+        num_sms: int | None = None,
+        num_max_tokens_per_rank: int = 128,
+        _deep_ep: ModuleType | None = None,
+    ) -> None:
+        module = _deep_ep
+        if module is None:
+            module, why = load_deep_ep()
+            if module is None:
+                raise ValueError(f"deepep backend not available: {why}")
+        ok, why = elastic_available(module)
+        if not ok:
+            raise ValueError(f"deepep_api='elastic' cannot run: {why}")
+        self.group = group if group is not None else dist.group.WORLD
+        self.num_ranks = R = group_size(group)
+        self.rank = group_rank(group)
+        self.ranks_per_node = ranks_per_node
+        self.num_experts = num_experts
+        if num_experts % R:
+            raise ValueError(f"num_experts={num_experts} is not divisible by R={R}")
+        if num_worst_tokens % R:
+            raise ValueError(
+                f"num_worst_tokens={num_worst_tokens} must be a multiple of R={R} on the elastic "
+                f"path (it becomes num_max_tokens_per_rank = W / R)"
+            )
+        if num_max_tokens_per_rank <= 0:
+            raise ValueError(
+                f"num_max_tokens_per_rank must be positive, got {num_max_tokens_per_rank}"
+            )
+        self.num_worst_tokens = num_worst_tokens
+        self.hierarchical = hierarchical
+        self.checks = checks
+        self._stats = stats if stats is not None else DispatchStats()
+        self.num_sms = DEFAULT_NUM_SMS if num_sms is None else num_sms
+        if self.num_sms <= 0:
+            raise ValueError(f"deepep num_sms must be positive, got {self.num_sms}")
+        self.num_max_tokens_per_rank = (
+            num_worst_tokens // R if num_worst_tokens else num_max_tokens_per_rank
+        )
+        self.deep_ep = module
+        self.topk_idx_dtype: torch.dtype = getattr(module, "topk_idx_t", torch.int64)
+        self._shared = deepep_buffer.acquire_elastic(module, self.group, id(self))
+        self._closed = False
+
+    # ----------------------------------------------------------------- capabilities
+    @property
+    def worst_case(self) -> bool:
+        return self.num_worst_tokens > 0
+
+    def supports_worst_case(self) -> Capability:
+        return True, (
+            "deepep elastic: num_worst_tokens = W -> do_cpu_sync=False with "
+            "num_max_tokens_per_rank = W / R (intranode and internode), tails masked on the device"
+        )
+
+    def supports_cuda_graph(self) -> Capability:
+        if not self.worst_case:
+            return False, (
+                "DeepEP's dropless elastic dispatch waits on the CPU for the receive counts: set "
+                "num_worst_tokens for a capturable dispatch"
+            )
+        return True, "deepep elastic worst-case dispatch: static shapes, no host sync"
+
+    def supports_hierarchical(self) -> Capability:
+        return True, "deepep elastic: DeepEP routes across nodes itself"
+
+    def supports_world(self, num_ranks: int, ranks_per_node: int) -> Capability:
+        peers = min(nvl_peers(self.deep_ep), num_ranks)
+        if num_ranks % peers:
+            return False, f"R={num_ranks} is not a multiple of DeepEP's NVLink domain {peers}"
+        return True, f"deepep elastic direct mode over {num_ranks // peers} NVLink domain(s)"
+
+    @property
+    def stats(self) -> DispatchStats:
+        return self._stats
+
+    @stats.setter
+    def stats(self, value: DispatchStats) -> None:
+        self._stats = value
+
+    # ----------------------------------------------------------------- helpers
+    def _buffer(self, hidden: int, topk: int) -> Any:
+        if self._closed:
+            raise RuntimeError("this deepep backend was closed")
+        before = self._shared.allocations
+        need = deepep_buffer.ElasticSize(self.num_max_tokens_per_rank, hidden, max(topk, 1))
+        buffer = self._shared.ensure(need)
+        if self._shared.allocations != before:
+            extra = self._stats.extra
+            extra["deepep_buffer_allocations"] = extra.get("deepep_buffer_allocations", 0) + 1
+        return buffer
+
+    def _check_tokens(self, T: int) -> None:
+        """A rank may dispatch at most M tokens (its receive slots on every rank)."""
+        M, R = self.num_max_tokens_per_rank, self.num_ranks
+        if T <= M:
+            return
+        if self.worst_case:
+            W = self.num_worst_tokens
+            raise ValueError(
+                f"rank {self.rank} dispatches {T} tokens but num_worst_tokens W={W} allows W/R = "
+                f"{W}/{R} = {M} per rank on DeepEP's elastic path (num_max_tokens_per_rank = W/R): "
+                f"raise DispatchConfig.num_worst_tokens to at least {T * R}"
+            )
+        raise ValueError(
+            f"rank {self.rank} dispatches {T} tokens but DeepEP's elastic dispatch takes at most "
+            f"num_max_tokens_per_rank = {M} per rank: raise "
+            f"DispatchConfig.num_max_dispatch_tokens_per_rank to at least {T} (on every rank)"
+        )
+
+    # ----------------------------------------------------------------- dispatch
+    def dispatch(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+        layout: DispatchLayout | None = None,
+    ) -> DispatchResult:
+        """``ElasticBuffer.dispatch`` mapped to the contract (see the module docstring).
+
+        ``layout`` is ignored: V2 computes its layout inside the dispatch kernel.
+        """
+        scales = None
+        if isinstance(x, tuple):
+            x, scales = x
+            if x.dtype != torch.float8_e4m3fn or x.shape[1] % 32:
+                raise ValueError(
+                    "an (x, scales) tuple must hold float8_e4m3fn rows whose hidden size is a "
+                    f"multiple of 32, got {x.dtype} with H={x.shape[1]}"
+                )
+            wire = sizing.WireFormat(dtype=x.dtype, width=x.shape[1], wire_width=x.shape[1] // 2)
+        else:
+            wire = sizing.WireFormat.of(x.dtype, x.shape[1])
+        T, X = x.shape
+        k = topk_idx.shape[1]
+        if k > sizing.MAX_TOPK:
+            raise ValueError(
+                f"DeepEP's elastic kernels take at most {sizing.MAX_TOPK} experts per token, "
+                f"got k={k}: use backend='torch' for wider top-k"
+            )
+        self._check_tokens(T)
+        e = self.num_local_experts
+        if scales is not None:
+            send: Any = (x.contiguous(), scales.contiguous())
+            hidden = wire.wire_width
+        else:
+            w = _pad_cols(wire.send(x), _DISPATCH_COL_MULTIPLE)
+            send, hidden = w, w.shape[1]
+        buffer = self._buffer(max(hidden, _COMBINE_COL_MULTIPLE), k)
+        idx = (
+            topk_idx if topk_idx.dtype == self.topk_idx_dtype else topk_idx.to(self.topk_idx_dtype)
+        )
+        probs = topk_probs if topk_probs.dtype == torch.float32 else topk_probs.float()
+        recv, recv_idx, recv_w, handle, _ = buffer.dispatch(
+            send,
+            topk_idx=idx.contiguous(),
+            topk_weights=probs.contiguous(),
+            num_experts=self.num_experts,
+            num_max_tokens_per_rank=self.num_max_tokens_per_rank,
+            expert_alignment=1,
+            num_sms=self.num_sms,
+            do_cpu_sync=not self.worst_case,
+            do_expand=False,
+        )
+        recv_scales = None
+        if scales is not None:
+            recv, recv_scales = recv
+        recv_idx = recv_idx.to(torch.int64)
+        valid = None
+        pairs = None
+        if self.worst_case:
+            n = handle.psum_num_recv_tokens_per_scaleup_rank[-1].to(torch.int64)
+            valid = torch.arange(recv.shape[0], device=recv.device) < n
+            recv_idx = torch.where(valid[:, None], recv_idx, -1)
+            masked = sizing.mask_worst_case(recv, recv_idx, recv_w, e)
+            recv, recv_idx, recv_w, counts = (
+                masked.recv_x,
+                masked.recv_topk_idx,
+                masked.recv_topk_probs,
+                masked.num_recv_tokens_per_expert,
+            )
+            if recv_scales is not None:
+                recv_scales = sizing.zero_invalid_rows(recv_scales, valid)
+        else:
+            self._stats.host_syncs += 1  # DeepEP's CPU wait for the receive counts
+            count_list = handle.num_recv_tokens_per_expert_list
+            pairs = int(sum(count_list))
+            counts = torch.tensor(count_list, dtype=torch.int64, device=recv_idx.device)
+            recv_w = torch.where(recv_idx >= 0, recv_w.float(), 0.0)
+            self._stats.rows_received += int(handle.num_recv_tokens)
+        state = ElasticDispatchState(
+            handle=handle, wire=wire, local=recv_idx >= 0, valid=valid, recv_scales=recv_scales
+        )
+        recv_x = recv if scales is not None else wire.recv(recv)
+        return DispatchResult(
+            recv_x=recv_x,
+            recv_topk_idx=recv_idx,
+            recv_topk_probs=recv_w,
+            num_recv_tokens_per_expert=counts,
+            handle=DispatchHandle(
+                backend=self.name,
+                num_tokens=T,
+                hidden=X,
+                num_recv_rows=recv.shape[0],
+                state=state,
+            ),
+            num_recv_pairs=pairs,
+        )
+
+    # ----------------------------------------------------------------- combine
+    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Unweighted sum over the receiving ranks (see the module docstring for precision)."""
+        state: ElasticDispatchState = handle.state
+        h = state.handle
+        X = y.shape[1]
+        k = state.local.shape[1]
+        if y.dtype in (torch.float32, torch.float16) and X <= _NARROW_FP32_COLUMNS:
+            return self._combine_fp32(y, state)
+        yb = y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16)
+        part = _pad_cols(yb, _COMBINE_COL_MULTIPLE)
+        buffer = self._buffer(part.shape[1], k)
+        out, _, _ = buffer.combine(part, h, num_sms=self.num_sms)
+        out = out[:, :X]
+        return out if out.dtype == y.dtype else out.to(y.dtype)
+
+    def _combine_fp32(self, y: torch.Tensor, state: ElasticDispatchState) -> torch.Tensor:
+        """Exact fp32 sum of narrow rows through combine's fp32 ``topk_weights`` channel.
+
+        That channel returns, in each top-k slot of a source token, the value sent by the rank
+        holding the slot's expert (0 for ``-1`` slots). Each receiving rank puts column ``c`` of
+        its row in its first local slot and 0 elsewhere, so the slots of a token sum (in fp32)
+        to the unweighted sum over the receiving ranks. One combine per column.
+        """
+        h, local = state.handle, state.local
+        rows, X = y.shape
+        k = local.shape[1]
+        buffer = self._buffer(_COMBINE_COL_MULTIPLE, k)
+        first = F.one_hot(local.to(torch.int8).argmax(1), k).bool() & local
+        dummy = torch.zeros(rows, _COMBINE_COL_MULTIPLE, dtype=torch.bfloat16, device=y.device)
+        yf = y.float()
+        cols = []
+        for c in range(X):
+            weights = torch.where(first, yf[:, c : c + 1], 0.0).contiguous()
+            _, out_w, _ = buffer.combine(dummy, h, topk_weights=weights, num_sms=self.num_sms)
+            cols.append(out_w.sum(1))
+        T = self._num_tokens(h)
+        out = torch.stack(cols, 1) if cols else torch.zeros(T, 0, device=y.device)
+        return out.to(y.dtype)
+
+    @staticmethod
+    def _num_tokens(h: Any) -> int:
+        return int(h.topk_idx.shape[0])
+
+    def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Re-send ``[T, X]`` rows along a dispatch's ``EPHandle`` (no host sync)."""
+        state: ElasticDispatchState = handle.state
+        h = state.handle
+        wire = sizing.WireFormat.of(x.dtype, x.shape[1])
+        w = _pad_cols(wire.send(x), _DISPATCH_COL_MULTIPLE)
+        buffer = self._buffer(max(w.shape[1], _COMBINE_COL_MULTIPLE), state.local.shape[1])
+        got, *_ = buffer.dispatch(w, handle=h, do_expand=h.do_expand, num_sms=h.num_sms)
+        if state.valid is not None:
+            got = sizing.zero_invalid_rows(got, state.valid)
+        return wire.recv(got)
+
+    def close(self) -> None:
+        """Leave the shared ``ElasticBuffer``."""
+        if not self._closed:
+            self._closed = True
+            self._shared.leave(id(self))

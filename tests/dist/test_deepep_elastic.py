@@ -1,0 +1,241 @@
+"""The deepep backend's V2 path (``deepep_api="elastic"``, ``deep_ep.ElasticBuffer``) under the
+dispatch contract, on DeepEP's own ``elastic.py`` over the emulated runtime.
+
+Shape letters (ARCHITECTURE.md): T tokens · H hidden · E experts · R ranks · e = E / R · k top-k ·
+L ranks per node · M received rows · W worst-case rows.
+
+R = 2 on one node and R = 4 as two emulated nodes of 2 (``load_deep_ep(nvl_peers=2)``): the
+shared contract checks (``test_contract._check_dispatch``) in dropless and worst-case mode —
+worst-case runs across nodes too, which the V1 path refuses —, combine equal to the reference,
+bf16 and wide rows, autograd equal to the local reference, and the selection rule for
+``deepep_api``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.dist.harness import run_group
+from tests.dist.reference import CASES, all_inputs, expert_fn, ref_combine, ref_dispatch
+from tests.dist.test_contract import E_PER_RANK, H, K, _check_dispatch
+
+
+def _raises(fn: Any) -> str:
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def _emu(R: int, L: int, release: str = "2.1.0") -> Any:
+    from tests.deepep_emu.load import load_deep_ep
+
+    return load_deep_ep(nvl_peers=L if L < R else 8, release=release)
+
+
+def _make(R: int, L: int, W: int = 0, **kw: Any) -> Any:
+    from flexdispatch import DispatchConfig, FlexDispatcher
+
+    cfg = DispatchConfig(
+        backend="deepep", deepep_api="elastic", ranks_per_node=L, num_worst_tokens=W, **kw
+    )
+    return FlexDispatcher(cfg, num_experts=E_PER_RANK * R, _deep_ep=_emu(R, L))
+
+
+def _worst(inputs: list[Any]) -> int:
+    """W = R * the most tokens any rank has: W / R bounds every rank's tokens."""
+    R = len(inputs)
+    return R * max(max(inp.x.shape[0] for inp in inputs), 1)
+
+
+# --------------------------------------------------------------------- contract
+def contract_worker(rank: int, R: int, L: int, seed: int) -> dict[str, Any]:
+    from flexdispatch.backends.deepep_elastic import DeepEPElasticBackend
+
+    E = E_PER_RANK * R
+    kw = {"R": R, "E": E, "k": K, "H": H}
+    report: dict[str, Any] = {"checked": 0}
+    for case in CASES:
+        inputs = all_inputs(seed, case=case, **kw)
+        mine = inputs[rank]
+        ref = ref_dispatch(inputs, rank, E)
+        ref_out = ref_combine(mine, E, R)
+        W = _worst(inputs)
+        noisy = all_inputs(seed + 1, case=case, exact=False, **kw)
+        seen = {}
+        for worst in (False, True):
+            where = f"rank {rank} {case} {'worst' if worst else 'dropless'}"
+            d = _make(R, L, W if worst else 0)
+            assert isinstance(d.backend, DeepEPElasticBackend), where
+            res = d.dispatch(mine.x, mine.idx, mine.probs)
+            _check_dispatch(res, ref, W if worst else 0, where)
+            out = d.combine(expert_fn(res.recv_x, res.recv_topk_probs, rank), res.handle)
+            assert out.shape == mine.x.shape and out.dtype == mine.x.dtype, where
+            torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=0, msg=where)
+            assert d.stats.host_syncs == (0 if worst else 1), f"{where}: {d.stats}"
+            if not worst:
+                assert d.stats.rows_received == ref.x.shape[0], where
+            nx = noisy[rank]
+            r2 = d.dispatch(nx.x, nx.idx, nx.probs)
+            y2 = torch.sin(r2.recv_x) * 1.37 + r2.recv_x * r2.recv_topk_probs.sum(1, keepdim=True)
+            o2 = d.combine(y2, r2.handle)
+            M2 = ref_dispatch(noisy, rank, E).x.shape[0]
+            seen[worst] = (r2.recv_x[:M2], r2.recv_topk_idx[:M2], r2.recv_topk_probs[:M2], o2)
+            d.close()
+            report["checked"] += 1
+        for a, b in zip(seen[False], seen[True], strict=True):
+            assert torch.equal(a, b), f"rank {rank} {case}: worst-case prefix differs"
+    report["bf16"] = bf16_and_wide(rank, R, L, seed)
+    report["autograd"] = autograd(rank, R, L, seed)
+    return report
+
+
+def bf16_and_wide(rank: int, R: int, L: int, seed: int) -> int:
+    """bf16 rows move bit for bit; rows wider than 256 columns are padded for combine."""
+    E = E_PER_RANK * R
+    checked = 0
+    for width in (H, 300):
+        kw = {"R": R, "E": E, "k": K, "H": width}
+        inputs = all_inputs(seed, exact=False, dtype=torch.bfloat16, **kw)
+        mine = inputs[rank]
+        ref = ref_dispatch(inputs, rank, E)
+        W = _worst(inputs)
+        for worst in (False, True):
+            where = f"rank {rank} bf16 H={width} {'worst' if worst else 'dropless'}"
+            d = _make(R, L, W if worst else 0)
+            res = d.dispatch(mine.x, mine.idx, mine.probs)
+            M = ref.x.shape[0]
+            assert res.recv_x.shape == (W if worst else M, width), where
+            assert torch.equal(res.recv_x[:M], ref.x) and torch.equal(
+                res.recv_topk_idx[:M], ref.idx
+            )
+            out = d.combine(res.recv_x, res.handle)
+            assert out.dtype == torch.bfloat16 and out.shape == mine.x.shape, where
+            n_dest = torch.tensor(
+                [len({i // E_PER_RANK for i in row if i >= 0}) for row in mine.idx.tolist()],
+                dtype=torch.float32,
+            )
+            want = mine.x.float() * n_dest[:, None]
+            torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=1e-2, msg=where)
+            d.close()
+            checked += 1
+    return checked
+
+
+def autograd(rank: int, R: int, L: int, seed: int) -> int:
+    """Grads of x and probs through dispatch -> experts -> combine equal the local reference."""
+    E = E_PER_RANK * R
+    kw = {"R": R, "E": E, "k": K, "H": H}
+    checked = 0
+    for case in ("random", "empty_rank"):
+        inputs = all_inputs(seed, case=case, exact=False, **kw)
+        mine = inputs[rank]
+        W = _worst(inputs)
+        w_out = torch.randn(mine.x.shape, generator=torch.Generator().manual_seed(rank))
+        xr = mine.x.clone().requires_grad_()
+        pr = mine.probs.clone().requires_grad_()
+        ref_loss = (ref_combine(mine, E, R, x=xr, probs=pr) * w_out).sum()
+        if ref_loss.requires_grad:
+            ref_loss.backward()
+        ref_gx = xr.grad if xr.grad is not None else torch.zeros_like(xr)
+        ref_gp = pr.grad if pr.grad is not None else torch.zeros_like(pr)
+        for worst in (False, True):
+            where = f"rank {rank} {case} autograd {'worst' if worst else 'dropless'}"
+            d = _make(R, L, W if worst else 0)
+            x = mine.x.clone().requires_grad_()
+            p = mine.probs.clone().requires_grad_()
+            res = d.dispatch(x, mine.idx, p)
+            out = d.combine(expert_fn(res.recv_x, res.recv_topk_probs, rank), res.handle)
+            (out * w_out).sum().backward()
+            assert x.grad is not None and p.grad is not None, where
+            torch.testing.assert_close(x.grad, ref_gx, rtol=1e-5, atol=1e-5, msg=where)
+            torch.testing.assert_close(p.grad, ref_gp, rtol=1e-5, atol=1e-5, msg=where)
+            assert bool((p.grad[mine.idx < 0] == 0).all()), f"{where}: grad at -1 slots"
+            assert d.stats.host_syncs == (0 if worst else 1), f"{where}: {d.stats}"
+            d.close()
+            checked += 1
+    return checked
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("R", "L"), [(2, 2), (4, 2)], ids=["R2-intranode", "R4-two-nodes"])
+def test_elastic_contract(R: int, L: int) -> None:
+    for report in run_group(contract_worker, R, L, 1234, timeout=280):
+        assert report["checked"] == 2 * len(CASES), report
+        assert report["bf16"] == 4 and report["autograd"] == 4, report
+
+
+# --------------------------------------------------------------------- selection and refusals
+def selection_worker(rank: int, R: int) -> dict[str, Any]:
+    from flexdispatch import DispatchConfig, FlexDispatcher
+    from flexdispatch.backends.deepep import DeepEPBackend
+    from flexdispatch.backends.deepep_elastic import DeepEPElasticBackend
+
+    E = E_PER_RANK * R
+    v2, v1 = _emu(R, R), _emu(R, R, release="1.2.1")
+    out: dict[str, Any] = {}
+
+    def pick(cfg: DispatchConfig, module: Any) -> tuple[str, str, str]:
+        d = FlexDispatcher(cfg, num_experts=E, _deep_ep=module)
+        kind = {DeepEPBackend: "legacy", DeepEPElasticBackend: "elastic"}.get(
+            type(d.backend), d.backend_name
+        )
+        d.close()
+        return kind, d.backend_reason, d.backend_name
+
+    out["auto"] = pick(DispatchConfig(backend="deepep"), v2)
+    out["auto_auto"] = pick(DispatchConfig(), v2)
+    out["legacy"] = pick(DispatchConfig(backend="deepep", deepep_api="legacy"), v2)
+    out["elastic"] = pick(DispatchConfig(backend="deepep", deepep_api="elastic"), v2)
+    out["auto_elastic"] = pick(DispatchConfig(deepep_api="elastic"), v2)
+    out["elastic_v1"] = _raises(
+        lambda: pick(DispatchConfig(backend="deepep", deepep_api="elastic"), v1)
+    )
+    out["auto_elastic_v1"] = pick(DispatchConfig(deepep_api="elastic"), v1)
+    out["elastic_ll"] = _raises(
+        lambda: pick(DispatchConfig(backend="deepep", deepep_api="elastic", mode="low_latency"), v2)
+    )
+    # the over-W/R refusal: every rank has more than W / R = 2 tokens, so every rank raises
+    inputs = all_inputs(5, R=R, E=E, k=K, H=H)
+    mine = inputs[rank]
+    d = _make(R, R, 2 * R)
+    out["over_w"] = _raises(lambda: d.dispatch(mine.x, mine.idx, mine.probs))
+    out["over_w_T"] = mine.x.shape[0]
+    d.close()
+    d = _make(R, R, num_max_dispatch_tokens_per_rank=2)
+    out["over_m"] = _raises(lambda: d.dispatch(mine.x, mine.idx, mine.probs))
+    d.close()
+    out["odd_w"] = _raises(lambda: _make(R, R, 2 * R + 1))
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_elastic_selection_and_refusals() -> None:
+    R = 2
+    for out in run_group(selection_worker, R, timeout=100):
+        for key in ("auto", "auto_auto", "legacy"):
+            kind, reason, _ = out[key]
+            assert kind == "legacy", (key, out[key])
+            assert "legacy deep_ep.Buffer" in reason, (key, reason)
+        assert "opt-in" in out["auto"][1] and "deepep_api='elastic'" in out["auto"][1]
+        assert "deepep_api='legacy'" in out["legacy"][1]
+        for key in ("elastic", "auto_elastic"):
+            kind, reason, _ = out[key]
+            assert kind == "elastic" and "ElasticBuffer" in reason, (key, reason)
+        assert "ElasticBuffer" in out["elastic_v1"] and "deepep_api='legacy'" in out["elastic_v1"]
+        kind, reason, name = out["auto_elastic_v1"]
+        assert name == "torch" and "ElasticBuffer" in reason, out["auto_elastic_v1"]
+        assert "mode='normal'" in out["elastic_ll"], out["elastic_ll"]
+        T = out["over_w_T"]
+        msg = out["over_w"]
+        assert f"{T} tokens" in msg and "W=4" in msg and "= 2 per rank" in msg, msg
+        assert f"at least {T * R}" in msg, msg
+        assert "num_max_dispatch_tokens_per_rank" in out["over_m"], out["over_m"]
+        assert f"at least {T}" in out["over_m"], out["over_m"]
+        assert "multiple of R=2" in out["odd_w"], out["odd_w"]
