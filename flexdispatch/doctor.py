@@ -24,7 +24,8 @@ needs no cluster.
 - ``nccl``: ``available`` (``dist.is_nccl_available()``), ``version`` ("2.21.5" or null),
   ``reason``. ``gloo``: ``available``.
 - ``deep_ep``: ``importable``, ``usable`` (imports and flexdispatch has its backend), ``reason``
-  (the exact import error when it fails), ``version``, ``path``, ``emulator`` (the test emulator).
+  (the exact import error when it fails), ``version``, ``path``, ``emulator`` (the test emulator),
+  ``elastic`` (it has DeepEP V2's ``ElasticBuffer``).
 - ``nvshmem``: ``nvshmem4py`` {``importable``, ``version``, ``error``}, ``initialised`` (always
   false: the doctor never initialises NVSHMEM), ``status`` (``"not installed"``,
   ``"import failed: ..."`` or ``"importable, not initialised"``), ``library_path`` (the
@@ -36,7 +37,9 @@ needs no cluster.
   (L), ``nodes`` (N), ``world_size_source`` / ``ranks_per_node_source`` (``"argument"``, the
   environment variable, ``"gpus"`` or ``"default"``), ``hidden`` (H or null), ``backend`` (what
   would run, or null when the request cannot be honoured), ``ok``, ``reason``, ``checks``:
-  {``deepep``: [...], ``torch``: [...]}, each a list of ``{name, ok, detail}``.
+  {``deepep``: [...], ``torch``: [...]}, each a list of ``{name, ok, detail}``; ``deepep_api``:
+  {``requested`` (auto | legacy | elastic), ``api`` (``"legacy"`` / ``"elastic"`` when deepep
+  would run, else null), ``reason``} (``deepep_api_choice``).
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ __all__ = [
 
 SCHEMA = "flexdispatch.doctor/1"
 BACKEND_CHOICES = ("auto", "torch", "deepep")
+DEEPEP_API_CHOICES = ("auto", "legacy", "elastic")
 _ROW_ELEMENT_SIZE = 2  # bf16 activations, the dtype DeepEP moves natively
 
 
@@ -326,6 +330,48 @@ def would_select(
     )
 
 
+def deepep_api_choice(
+    requested: str, *, backend: str | None, elastic: bool | None
+) -> dict[str, Any]:
+    """Which DeepEP API (``DispatchConfig.deepep_api``) the deepep backend would run, and why.
+
+    The rule of ``flexdispatch.backends.select_backend``: ``"auto"`` runs the legacy V1
+    ``deep_ep.Buffer`` (the V2 path is opt-in for now), ``"elastic"`` needs
+    ``deep_ep.ElasticBuffer``.
+
+    Args:
+        requested: ``"auto"``, ``"legacy"`` or ``"elastic"``.
+        backend: the backend that would run (``would_select``), or None.
+        elastic: the importable ``deep_ep`` has ``ElasticBuffer`` (None: it does not import).
+    """
+    if requested not in DEEPEP_API_CHOICES:
+        raise ValueError(
+            f"deepep_api must be one of {', '.join(DEEPEP_API_CHOICES)}, got {requested!r}"
+        )
+    if requested == "elastic":
+        api: str | None = "elastic" if elastic else None
+        reason = (
+            "deepep_api='elastic': DeepEP V2 deep_ep.ElasticBuffer"
+            if elastic
+            else "deepep_api='elastic' needs deep_ep.ElasticBuffer (DeepEP 2.1.0+), "
+            + ("absent here" if elastic is False else "and deep_ep does not import")
+        )
+    elif requested == "legacy":
+        api, reason = "legacy", "deepep_api='legacy': DeepEP V1 deep_ep.Buffer"
+    else:
+        api = "legacy"
+        reason = (
+            "deepep_api='auto': DeepEP V1 deep_ep.Buffer (the V2 ElasticBuffer path is opt-in "
+            "for now: set deepep_api='elastic'"
+            + ("; this deep_ep has no ElasticBuffer" if elastic is False else "")
+            + ")"
+        )
+    if backend != "deepep":
+        api = None
+        reason = f"deepep does not run ({reason})"
+    return {"requested": requested, "api": api, "reason": reason}
+
+
 # --------------------------------------------------------------------------- probes
 
 
@@ -388,6 +434,7 @@ def run_doctor(
     ranks_per_node: int | None = None,
     backend: str = "auto",
     hidden: int | None = None,
+    deepep_api: str = "auto",
 ) -> dict[str, Any]:
     """Probe everything and decide the backend; the JSON-ready report (keys in the module doc).
 
@@ -405,10 +452,21 @@ def run_doctor(
     selection = choice.as_dict()
     selection["world_size_source"] = r_src
     selection["ranks_per_node_source"] = l_src
+    elastic = bool(deep.get("elastic")) if deep["importable"] else None
+    api = deepep_api_choice(deepep_api, backend=choice.backend, elastic=elastic)
+    ok = choice.ok
+    if deepep_api == "elastic" and not elastic and choice.backend == "deepep":
+        # select_backend: backend='deepep' raises, 'auto' falls back to torch
+        if backend == "deepep":
+            ok = False
+            selection.update(backend=None, ok=False, reason=f"deepep backend: {api['reason']}")
+        else:
+            selection.update(backend="torch", reason=f"auto: torch fallback ({api['reason']})")
+    selection["deepep_api"] = api
     return {
         "schema": SCHEMA,
         "flexdispatch_version": flexdispatch.__version__,
-        "ok": choice.ok,
+        "ok": ok,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "platform": {
             "python": platform.python_version(),

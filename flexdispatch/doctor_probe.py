@@ -131,8 +131,10 @@ def probe_deep_ep() -> dict[str, Any]:
         "version": None,
         "path": None,
         "emulator": False,
+        "elastic": False,
     }
     if module is not None:
+        out["elastic"] = getattr(module, "ElasticBuffer", None) is not None
         out["version"] = getattr(module, "__version__", None) or _dist_version("deep_ep", "deep-ep")
         out["path"] = getattr(module, "__file__", None)
         out["emulator"] = getattr(module, "IS_EMULATOR", False) is True

@@ -59,6 +59,11 @@ def format_report(report: dict[str, Any]) -> str:
         + f": {s['backend'] or 'NOT USABLE'}"
     )
     lines.append(f"           {s['reason']}")
+    api = s.get("deepep_api")
+    if api is not None:
+        lines.append(
+            f"deepep_api requested {api['requested']!r}: {api['api'] or '-'} ({api['reason']})"
+        )
     for name in ("deepep", "torch"):
         for chk in s["checks"][name]:
             lines.append(f"  {name:<7} {_mark(chk['ok'])}{chk['name']}: {chk['detail']}")

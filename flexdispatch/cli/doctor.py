@@ -25,7 +25,7 @@ __all__ = ["register", "run"]
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``doctor`` sub-command to ``sub``."""
-    from flexdispatch.doctor import BACKEND_CHOICES
+    from flexdispatch.doctor import BACKEND_CHOICES, DEEPEP_API_CHOICES
 
     p = sub.add_parser(
         "doctor",
@@ -50,6 +50,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--hidden", type=int, default=None, help="H, to check DeepEP's row-size rule (bf16 rows)"
     )
+    p.add_argument(
+        "--deepep-api",
+        default="auto",
+        choices=DEEPEP_API_CHOICES,
+        help="DispatchConfig.deepep_api: which DeepEP API (V1 legacy / V2 elastic) to report on",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
 
@@ -63,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         ranks_per_node=args.ranks_per_node,
         backend=args.backend,
         hidden=args.hidden,
+        deepep_api=args.deepep_api,
     )
     if args.json:
         print(json.dumps(report, indent=2))

@@ -94,3 +94,14 @@ def test_load_config_errors(tmp_path):
         load_config(bad)
     with pytest.raises(ValueError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_deepep_api_field_and_worst_case_across_nodes_on_the_elastic_path():
+    assert DispatchConfig().deepep_api == "auto"
+    with pytest.raises(ValidationError):
+        DispatchConfig(deepep_api="v3")
+    legacy = DispatchConfig(backend="deepep", num_worst_tokens=32)
+    with pytest.raises(ValueError, match="intranode only"):
+        legacy.check_world(16, 8)
+    # DeepEP V2 takes num_worst_tokens across nodes (do_cpu_sync=False)
+    DispatchConfig(backend="deepep", num_worst_tokens=32, deepep_api="elastic").check_world(16, 8)

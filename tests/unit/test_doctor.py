@@ -392,3 +392,33 @@ def test_cli_json_and_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main(["doctor", "--world-size", "6", "--ranks-per-node", "4"]) == 2
     assert "not a multiple of ranks per node 4" in capsys.readouterr().err
+
+
+def test_deepep_api_choice_says_which_deepep_api_runs() -> None:
+    from flexdispatch.doctor import deepep_api_choice
+
+    auto = deepep_api_choice("auto", backend="deepep", elastic=True)
+    assert auto["api"] == "legacy" and "opt-in" in auto["reason"]
+    assert (
+        "no ElasticBuffer" in deepep_api_choice("auto", backend="deepep", elastic=False)["reason"]
+    )
+    assert deepep_api_choice("legacy", backend="deepep", elastic=True)["api"] == "legacy"
+    v2 = deepep_api_choice("elastic", backend="deepep", elastic=True)
+    assert v2["api"] == "elastic" and "ElasticBuffer" in v2["reason"]
+    missing = deepep_api_choice("elastic", backend="deepep", elastic=False)
+    assert missing["api"] is None and "absent here" in missing["reason"]
+    gone = deepep_api_choice("elastic", backend="deepep", elastic=None)
+    assert "does not import" in gone["reason"]
+    torch_runs = deepep_api_choice("elastic", backend="torch", elastic=True)
+    assert torch_runs["api"] is None and "deepep does not run" in torch_runs["reason"]
+    with pytest.raises(ValueError, match="deepep_api must be one of"):
+        deepep_api_choice("v3", backend="deepep", elastic=True)
+
+
+def test_cli_reports_the_deepep_api(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["doctor", "--json", "--world-size", "2", "--ranks-per-node", "2"]
+    assert main([*args, "--deepep-api", "elastic"]) == 0
+    api = json.loads(capsys.readouterr().out)["selection"]["deepep_api"]
+    assert api["requested"] == "elastic" and "ElasticBuffer" in api["reason"]
+    main(["doctor", "--world-size", "2", "--ranks-per-node", "2"])
+    assert "deepep_api requested 'auto'" in capsys.readouterr().out
