@@ -306,3 +306,62 @@ def test_moe_layer_on_the_elastic_path_across_two_emulated_nodes() -> None:
         for c in cases:
             assert c["backend"] == "DeepEPElasticBackend", c
             assert c["out"] < 2e-2 and c["grad_x"] < 2e-2 and c["grad_router"] < 3e-2, c
+
+
+# --------------------------------------------------------------------- buffer and fp8
+def buffer_fp8_worker(rank: int, R: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from flexdispatch.backends import deepep_buffer
+
+    E, width = E_PER_RANK * R, 256
+    emu = _emu(R, R)
+    inputs = all_inputs(7, R=R, E=E, k=K, H=width, dtype=torch.bfloat16, exact=False)
+    mine = inputs[rank]
+    ref = ref_dispatch(inputs, rank, E)
+    M = ref.x.shape[0]
+    out: dict[str, Any] = {}
+    a, b = _make(R, R), _make(R, R)
+    ra = a.dispatch(mine.x, mine.idx, mine.probs)
+    rb = b.dispatch(mine.x, mine.idx, mine.probs)
+    shared = a.backend._shared
+    hint = emu.ElasticBuffer.get_buffer_size_hint(dist.group.WORLD, 128, width, K, False, False)
+    out["shared"] = (
+        shared is b.backend._shared
+        and shared.buffer is not None
+        and shared.num_bytes == shared.buffer.num_bytes == hint
+        and deepep_buffer.live_buffers() == 1
+        and torch.equal(ra.recv_x, rb.recv_x)
+    )
+    # fp8 (x, scales) pass through: the same bytes and scales land where the bf16 rows land
+    x8 = mine.x.float().clamp(-400, 400).to(torch.float8_e4m3fn)
+    g = torch.Generator().manual_seed(1000 + rank)
+    sf = torch.rand(x8.shape[0], width // 128, generator=g)
+    res = a.backend.dispatch((x8, sf), mine.idx, mine.probs)
+    ref8 = torch.stack([inputs[s].x[t].float().clamp(-400, 400) for s, t in ref.sources])
+    sfs = {}
+    for s in range(R):
+        gs = torch.Generator().manual_seed(1000 + s)
+        sfs[s] = torch.rand(inputs[s].x.shape[0], width // 128, generator=gs)
+    refsf = torch.stack([sfs[s][t] for s, t in ref.sources])
+    out["fp8"] = (
+        res.recv_x.dtype == torch.float8_e4m3fn
+        and torch.equal(
+            res.recv_x[:M].view(torch.uint8), ref8.to(torch.float8_e4m3fn).view(torch.uint8)
+        )
+        and torch.equal(res.handle.state.recv_scales[:M], refsf)
+        and torch.equal(res.recv_topk_idx, ref.idx)
+    )
+    a.close()
+    out["live_after_one"] = deepep_buffer.live_buffers()
+    b.close()
+    out["live_after_both"] = deepep_buffer.live_buffers()
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_elastic_buffer_is_shared_and_fp8_passes_through() -> None:
+    for out in run_group(buffer_fp8_worker, 2, timeout=100):
+        assert out["shared"] and out["fp8"], out
+        assert out["live_after_one"] == 1 and out["live_after_both"] == 0, out
