@@ -44,11 +44,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from flexdispatch._validate import checks_enabled, is_capturing
 from flexdispatch.backends import deepep_buffer
 from flexdispatch.backends import deepep_sizing as sizing
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.deepep_support import load_deep_ep, nvl_peers
-from flexdispatch.distributed import group_rank, group_size
+from flexdispatch.distributed import all_gather_int64, collective_device, group_rank, group_size
 from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, DispatchStats
 
 __all__ = ["DeepEPElasticBackend", "ElasticDispatchState", "elastic_available"]
@@ -105,7 +106,9 @@ class DeepEPElasticBackend(DispatchBackend):
         ranks_per_node: L as launched.
         num_worst_tokens: W (0 = dropless), a multiple of R; intranode and internode.
         hierarchical: accepted; DeepEP routes across nodes itself.
-        checks: accepted (host-syncing checks of the V1 path are not run here yet).
+        checks: one small all-gather of every rank's token count before the dispatch, so that a
+            rank over M makes every rank raise (the V1 path's shape-agreement checks are not run
+            here yet).
         stats: counters to add to.
         num_sms: SMs per kernel (default 20), passed explicitly to every call.
         num_max_tokens_per_rank: M for dropless dispatch, shared by every rank.
@@ -219,20 +222,32 @@ class DeepEPElasticBackend(DispatchBackend):
             extra["deepep_buffer_allocations"] = extra.get("deepep_buffer_allocations", 0) + 1
         return buffer
 
-    def _check_tokens(self, T: int) -> None:
-        """A rank may dispatch at most M tokens (its receive slots on every rank)."""
+    def _check_tokens(self, T: int, device: torch.device) -> None:
+        """A rank may dispatch at most M tokens (its receive slots on every rank).
+
+        With checks on, one small all-gather first makes every rank raise for the worst rank;
+        with checks off only the rank with too many tokens raises (before any collective).
+        """
         M, R = self.num_max_tokens_per_rank, self.num_ranks
+        rank = self.rank
+        if checks_enabled(self.checks) and not is_capturing():
+            mine = torch.tensor([T], dtype=torch.int64, device=collective_device(self.group))
+            counts = all_gather_int64(mine, self.group, name="elastic token count").flatten()
+            if device.type == "cuda":
+                self._stats.extra["check_syncs"] = self._stats.extra.get("check_syncs", 0) + 1
+            worst = int(counts.argmax())
+            T, rank = int(counts[worst]), worst
         if T <= M:
             return
         if self.worst_case:
             W = self.num_worst_tokens
             raise ValueError(
-                f"rank {self.rank} dispatches {T} tokens but num_worst_tokens W={W} allows W/R = "
+                f"rank {rank} dispatches {T} tokens but num_worst_tokens W={W} allows W/R = "
                 f"{W}/{R} = {M} per rank on DeepEP's elastic path (num_max_tokens_per_rank = W/R): "
                 f"raise DispatchConfig.num_worst_tokens to at least {T * R}"
             )
         raise ValueError(
-            f"rank {self.rank} dispatches {T} tokens but DeepEP's elastic dispatch takes at most "
+            f"rank {rank} dispatches {T} tokens but DeepEP's elastic dispatch takes at most "
             f"num_max_tokens_per_rank = {M} per rank: raise "
             f"DispatchConfig.num_max_dispatch_tokens_per_rank to at least {T} (on every rank)"
         )
@@ -267,7 +282,7 @@ class DeepEPElasticBackend(DispatchBackend):
                 f"DeepEP's elastic kernels take at most {sizing.MAX_TOPK} experts per token, "
                 f"got k={k}: use backend='torch' for wider top-k"
             )
-        self._check_tokens(T)
+        self._check_tokens(T, x.device)
         e = self.num_local_experts
         if scales is not None:
             send: Any = (x.contiguous(), scales.contiguous())

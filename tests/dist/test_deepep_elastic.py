@@ -211,6 +211,12 @@ def selection_worker(rank: int, R: int) -> dict[str, Any]:
     out["over_m"] = _raises(lambda: d.dispatch(mine.x, mine.idx, mine.probs))
     d.close()
     out["odd_w"] = _raises(lambda: _make(R, R, 2 * R + 1))
+    # checks on: only the last rank is over W / R, and every rank raises naming it
+    W = R * inputs[0].x.shape[0]
+    d = _make(R, R, W, checks=True)
+    out["over_w_checks"] = _raises(lambda: d.dispatch(mine.x, mine.idx, mine.probs))
+    out["last_T"] = inputs[-1].x.shape[0]
+    d.close()
     return out
 
 
@@ -239,6 +245,8 @@ def test_elastic_selection_and_refusals() -> None:
         assert "num_max_dispatch_tokens_per_rank" in out["over_m"], out["over_m"]
         assert f"at least {T}" in out["over_m"], out["over_m"]
         assert "multiple of R=2" in out["odd_w"], out["odd_w"]
+        msg = out["over_w_checks"]
+        assert f"rank {R - 1} dispatches {out['last_T']} tokens" in msg, msg
 
 
 # --------------------------------------------------------------------- MoELayer end to end
