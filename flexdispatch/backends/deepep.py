@@ -537,25 +537,10 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
             ValueError: with checks on, ranks disagree on shapes or a worst-case overflow (on
                 every rank); a row DeepEP cannot take.
         """
-        scales = None
-        if isinstance(x, tuple):
-            x, scales = x
-            if x.dtype != torch.float8_e4m3fn or x.shape[1] % 16:
-                raise ValueError(
-                    "an (x, scales) tuple must hold float8_e4m3fn rows whose hidden size is a "
-                    f"multiple of 16, got {x.dtype} with H={x.shape[1]}"
-                )
-            wire = sizing.WireFormat(dtype=x.dtype, width=x.shape[1], wire_width=x.shape[1] // 2)
-        else:
-            wire = sizing.WireFormat.of(x.dtype, x.shape[1])
+        x, scales, wire = sizing.split_rows(x, fp8_multiple=16)
         T, X = x.shape
         k = topk_idx.shape[1]
-        if k > sizing.MAX_TOPK:
-            raise ValueError(
-                f"DeepEP's normal kernels take at most {sizing.MAX_TOPK} experts per token "
-                f"(num_topk <= 32 in intranode.cu / internode.cu, a device assert), got k={k}: "
-                "use backend='torch' for wider top-k"
-            )
+        sizing.check_topk(k, "normal kernels (num_topk <= 32 in intranode.cu / internode.cu)")
         e = self.num_local_experts
         num_scales = 0 if scales is None else scales.shape[1]
         chunks = self._dispatch_chunks(wire.wire_width, num_scales=num_scales, topk=k)

@@ -264,24 +264,10 @@ class DeepEPElasticBackend(DispatchBackend):
 
         ``layout`` is ignored: V2 computes its layout inside the dispatch kernel.
         """
-        scales = None
-        if isinstance(x, tuple):
-            x, scales = x
-            if x.dtype != torch.float8_e4m3fn or x.shape[1] % 32:
-                raise ValueError(
-                    "an (x, scales) tuple must hold float8_e4m3fn rows whose hidden size is a "
-                    f"multiple of 32, got {x.dtype} with H={x.shape[1]}"
-                )
-            wire = sizing.WireFormat(dtype=x.dtype, width=x.shape[1], wire_width=x.shape[1] // 2)
-        else:
-            wire = sizing.WireFormat.of(x.dtype, x.shape[1])
+        x, scales, wire = sizing.split_rows(x, fp8_multiple=32)
         T, X = x.shape
         k = topk_idx.shape[1]
-        if k > sizing.MAX_TOPK:
-            raise ValueError(
-                f"DeepEP's elastic kernels take at most {sizing.MAX_TOPK} experts per token, "
-                f"got k={k}: use backend='torch' for wider top-k"
-            )
+        sizing.check_topk(k, "elastic kernels")
         self._check_tokens(T, x.device)
         e = self.num_local_experts
         if scales is not None:

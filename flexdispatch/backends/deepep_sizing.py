@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -286,6 +287,32 @@ class WireFormat:
         if not v.is_contiguous() or (v.storage_offset() * 2) % elem:
             v = v.clone(memory_format=torch.contiguous_format)
         return v.view(self.dtype)
+
+
+def split_rows(
+    x: Any, *, fp8_multiple: int
+) -> tuple[torch.Tensor, torch.Tensor | None, WireFormat]:
+    """``(rows, scales or None, wire format)`` of a dispatch input: a tensor, or DeepEP's
+    ``(float8_e4m3fn [T, H], scales)`` tuple whose H must be a multiple of ``fp8_multiple``."""
+    if not isinstance(x, tuple):
+        return x, None, WireFormat.of(x.dtype, x.shape[1])
+    rows, scales = x
+    if rows.dtype != torch.float8_e4m3fn or rows.shape[1] % fp8_multiple:
+        raise ValueError(
+            "an (x, scales) tuple must hold float8_e4m3fn rows whose hidden size is a "
+            f"multiple of {fp8_multiple}, got {rows.dtype} with H={rows.shape[1]}"
+        )
+    wire = WireFormat(dtype=rows.dtype, width=rows.shape[1], wire_width=rows.shape[1] // 2)
+    return rows, scales, wire
+
+
+def check_topk(k: int, kernels: str) -> None:
+    """DeepEP's dispatch kernels take at most ``MAX_TOPK`` experts per token (a device assert)."""
+    if k > MAX_TOPK:
+        raise ValueError(
+            f"DeepEP's {kernels} take at most {MAX_TOPK} experts per token (a device assert), "
+            f"got k={k}: use backend='torch' for wider top-k"
+        )
 
 
 # --------------------------------------------------------------------- sync-free tensor helpers
