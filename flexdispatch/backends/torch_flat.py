@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from flexdispatch.backends.torch_hops import (
+    A2AHost,
     Hop,
     PendingCounts,
     finish,
@@ -22,14 +21,11 @@ from flexdispatch.backends.torch_rows import (
 )
 from flexdispatch.types import DispatchResult
 
-if TYPE_CHECKING:
-    from flexdispatch.backends.torch_a2a import TorchA2ABackend
-
 __all__ = ["dispatch_flat"]
 
 
 def dispatch_flat(
-    be: TorchA2ABackend,
+    be: A2AHost,
     x: torch.Tensor,
     key_TK: torch.Tensor,
     topk_probs: torch.Tensor,

@@ -21,11 +21,9 @@ outside the hop (no sub-groups are created). Worst-case mode pads hop 1 to ``W /
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from flexdispatch.backends.torch_hops import Hop, PendingCounts, finish
+from flexdispatch.backends.torch_hops import A2AHost, Hop, PendingCounts, finish
 from flexdispatch.backends.torch_rows import (
     compaction,
     gather_rows,
@@ -39,13 +37,10 @@ from flexdispatch.backends.torch_rows import (
 )
 from flexdispatch.types import DispatchResult
 
-if TYPE_CHECKING:
-    from flexdispatch.backends.torch_a2a import TorchA2ABackend
-
 __all__ = ["dispatch_hier"]
 
 
-def _check_overflow_host(be: TorchA2ABackend, Gh: list[list[int]]) -> None:
+def _check_overflow_host(be: A2AHost, Gh: list[list[int]]) -> None:
     """Raise (on every rank: all hold ``Gh``) when a hop's cap would be exceeded."""
     R, L, N, W = be.num_ranks, be.ranks_per_node, be.num_nodes, be.num_worst_tokens
     cap1, cap2 = W // N, W // L
@@ -67,7 +62,7 @@ def _check_overflow_host(be: TorchA2ABackend, Gh: list[list[int]]) -> None:
         raise ValueError(overflow_message(what, need, cap2, W, L, R))
 
 
-def _required_w(be: TorchA2ABackend, G: torch.Tensor) -> torch.Tensor:
+def _required_w(be: A2AHost, G: torch.Tensor) -> torch.Tensor:
     """Device-side smallest W (a multiple of R) that no hop would overflow."""
     R, L, N = be.num_ranks, be.ranks_per_node, be.num_nodes
     need1 = G[:, R : R + N].max() * N
@@ -78,7 +73,7 @@ def _required_w(be: TorchA2ABackend, G: torch.Tensor) -> torch.Tensor:
 
 
 def dispatch_hier(
-    be: TorchA2ABackend,
+    be: A2AHost,
     x: torch.Tensor,
     topk_idx: torch.Tensor,
     topk_probs: torch.Tensor,

@@ -8,7 +8,7 @@ dispatch keeps for its combine (``TorchDispatchState``), the host copy of the co
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
@@ -20,10 +20,39 @@ from flexdispatch.backends.torch_rows import (
 )
 from flexdispatch.types import DispatchHandle, DispatchResult
 
-if TYPE_CHECKING:
-    from flexdispatch.backends.torch_a2a import TorchA2ABackend
+__all__ = [
+    "A2AHost",
+    "Hop",
+    "TorchDispatchState",
+    "PendingCounts",
+    "finish",
+    "first_rows",
+    "row_of_input",
+]
 
-__all__ = ["Hop", "TorchDispatchState", "PendingCounts", "finish", "first_rows", "row_of_input"]
+
+class A2AHost(Protocol):
+    """What the flat / hierarchical / hop helpers use of the torch backend (``TorchA2ABackend``
+    satisfies it); a protocol, so that the helpers below the backend never import it."""
+
+    num_ranks: int
+    rank: int
+    ranks_per_node: int
+    num_experts: int
+    num_worst_tokens: int
+    stats: Any
+
+    @property
+    def num_nodes(self) -> int: ...
+    @property
+    def num_local_experts(self) -> int: ...
+    @property
+    def worst_case(self) -> bool: ...
+    def node_groups(self) -> tuple[tuple[int, ...], ...]: ...
+    def local_lut(self, device: Any) -> Any: ...
+    def record_overflow(self, required_w: Any) -> None: ...
+    def output(self, *args: Any, **kwargs: Any) -> Any: ...
+    def run_hop(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,7 +137,7 @@ class PendingCounts:
         counter: ``"host_syncs"``, ``"check_syncs"`` (``stats.extra``) or None (not counted).
     """
 
-    def __init__(self, backend: TorchA2ABackend, G: torch.Tensor, *, counter: str | None) -> None:
+    def __init__(self, backend: A2AHost, G: torch.Tensor, *, counter: str | None) -> None:
         self._backend = backend
         self._counter = counter
         self._values: list[list[int]] | None = None
@@ -140,7 +169,7 @@ class PendingCounts:
 
 
 def finish(
-    be: TorchA2ABackend,
+    be: A2AHost,
     *,
     hop_list: tuple[Hop, ...],
     recv_x: torch.Tensor,
