@@ -107,21 +107,31 @@ class SharedBuffer:
         return self.buffer
 
     def _destroy(self) -> None:
-        if self.buffer is not None:
-            self.buffer.destroy()
-            self.buffer = None
+        _destroy(self)
 
     def leave(self, user: int) -> None:
         """``user`` closes; the buffer is destroyed when nobody uses it any more."""
-        with _LOCK:
-            self.users.discard(user)
-            if self.users:
-                return
-            key = _key(self.deep_ep, self.group)
-            if _BUFFERS.get(key) is self:
-                del _BUFFERS[key]
-        self._destroy()
-        self.size = None
+        if _leave(self, _BUFFERS, user):
+            self.size = None
+
+
+def _destroy(shared: Any) -> None:
+    if shared.buffer is not None:
+        shared.buffer.destroy()
+        shared.buffer = None
+
+
+def _leave(shared: Any, registry: dict, user: int) -> bool:
+    """Drop ``user``; the last one out unregisters and destroys the buffer (returns True)."""
+    with _LOCK:
+        shared.users.discard(user)
+        if shared.users:
+            return False
+        key = _key(shared.deep_ep, shared.group)
+        if registry.get(key) is shared:
+            del registry[key]
+    _destroy(shared)
+    return True
 
 
 def _key(deep_ep: ModuleType, group: Any) -> tuple[int, int]:
@@ -228,21 +238,12 @@ class SharedElasticBuffer:
         return self.buffer
 
     def _destroy(self) -> None:
-        if self.buffer is not None:
-            self.buffer.destroy()
-            self.buffer = None
+        _destroy(self)
 
     def leave(self, user: int) -> None:
         """``user`` closes; the buffer is destroyed when nobody uses it any more."""
-        with _LOCK:
-            self.users.discard(user)
-            if self.users:
-                return
-            key = _key(self.deep_ep, self.group)
-            if _ELASTIC.get(key) is self:
-                del _ELASTIC[key]
-        self._destroy()
-        self.size, self.num_bytes = None, 0
+        if _leave(self, _ELASTIC, user):
+            self.size, self.num_bytes = None, 0
 
 
 def acquire_elastic(deep_ep: ModuleType, group: Any, user: int) -> SharedElasticBuffer:
