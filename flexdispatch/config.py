@@ -175,7 +175,8 @@ class DispatchConfig(_Strict):
     cuda_graph: bool = Field(
         False,
         description="The dispatch will be captured in a CUDA graph: refused unless it can be "
-        "(num_worst_tokens > 0 or mode='low_latency'; DeepEP worst-case mode intranode only).",
+        "(num_worst_tokens > 0 or mode='low_latency'; DeepEP V1 worst-case mode intranode only, "
+        "V2 (deepep_api 'auto'/'elastic', DeepEP 2.1.0+) across nodes too).",
     )
     deepep_async_finish: bool = Field(
         False,
@@ -189,8 +190,9 @@ class DispatchConfig(_Strict):
         "auto",
         description="DeepEP API: 'legacy' (V1 deep_ep.Buffer), 'elastic' (V2 "
         "deep_ep.ElasticBuffer, DeepEP 2.1.0+; dropless dispatch takes at most "
-        "num_max_dispatch_tokens_per_rank tokens per rank) or 'auto' (legacy for now: the V2 "
-        "path is opt-in)",
+        "num_max_dispatch_tokens_per_rank tokens per rank, worst-case at most W / R) or 'auto' "
+        "(V2 where every rank has it, in worst-case mode or with "
+        "num_max_dispatch_tokens_per_rank set; else V1)",
     )
 
     @model_validator(mode="after")
@@ -230,8 +232,9 @@ class DispatchConfig(_Strict):
         if self.backend != "deepep":
             return
         L = num_ranks if ranks_per_node is None else ranks_per_node
-        # NOTE: DeepEP's V2 (elastic) path takes worst-case mode across nodes too
-        W = 0 if self.deepep_api == "elastic" else self.num_worst_tokens
+        # NOTE: DeepEP's V2 (elastic) path takes worst-case mode across nodes too; 'auto' runs V2
+        # in worst-case mode where deep_ep has ElasticBuffer (backend selection raises otherwise)
+        W = self.num_worst_tokens if self.deepep_api == "legacy" else 0
         ok, why = deepep_limits.check_topology(num_ranks, L, num_worst_tokens=W)
         if not ok:
             extra = " (cuda_graph=True needs it)" if self.cuda_graph else ""

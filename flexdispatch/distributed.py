@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ __all__ = [
     "resolve_ranks_per_node",
     "all_gather_int64",
     "all_reduce_min_flag",
+    "all_reduce_min_flags",
     "stable_hash",
     "check_fingerprint",
 ]
@@ -191,12 +192,20 @@ def all_gather_int64(
 
 def all_reduce_min_flag(flag: bool, group: dist.ProcessGroup | None = None) -> bool:
     """True only when ``flag`` is True on every rank (one small MIN all-reduce)."""
+    return all_reduce_min_flags([flag], group)[0]
+
+
+def all_reduce_min_flags(
+    flags: Sequence[bool], group: dist.ProcessGroup | None = None
+) -> tuple[bool, ...]:
+    """Each flag True only when it is True on every rank (one small MIN all-reduce for all)."""
     if not is_distributed(group):
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=collective_device(group))
+        return tuple(bool(f) for f in flags)
+    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int64)
+    t = t.to(collective_device(group))
     with collective_guard("all_reduce (backend selection)", group):
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return bool(t.item())
+    return tuple(bool(v) for v in t.tolist())
 
 
 def stable_hash(value: object) -> int:

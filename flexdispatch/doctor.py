@@ -331,18 +331,23 @@ def would_select(
 
 
 def deepep_api_choice(
-    requested: str, *, backend: str | None, elastic: bool | None
+    requested: str,
+    *,
+    backend: str | None,
+    elastic: bool | None,
+    num_worst_tokens: int = 0,
 ) -> dict[str, Any]:
     """Which DeepEP API (``DispatchConfig.deepep_api``) the deepep backend would run, and why.
 
-    The rule of ``flexdispatch.backends.select_backend``: ``"auto"`` runs the legacy V1
-    ``deep_ep.Buffer`` (the V2 path is opt-in for now), ``"elastic"`` needs
-    ``deep_ep.ElasticBuffer``.
+    The rule of ``flexdispatch.backends.select_backend``: ``"auto"`` runs V2
+    (``deep_ep.ElasticBuffer``) where it exists in worst-case mode (``num_worst_tokens > 0``),
+    else V1 ``deep_ep.Buffer`` (``auto_deepep_api``); ``"elastic"`` needs ``ElasticBuffer``.
 
     Args:
         requested: ``"auto"``, ``"legacy"`` or ``"elastic"``.
         backend: the backend that would run (``would_select``), or None.
         elastic: the importable ``deep_ep`` has ``ElasticBuffer`` (None: it does not import).
+        num_worst_tokens: W of the dispatch to report on (0 = dropless).
     """
     if requested not in DEEPEP_API_CHOICES:
         raise ValueError(
@@ -359,13 +364,18 @@ def deepep_api_choice(
     elif requested == "legacy":
         api, reason = "legacy", "deepep_api='legacy': DeepEP V1 deep_ep.Buffer"
     else:
-        api = "legacy"
-        reason = (
-            "deepep_api='auto': DeepEP V1 deep_ep.Buffer (the V2 ElasticBuffer path is opt-in "
-            "for now: set deepep_api='elastic'"
-            + ("; this deep_ep has no ElasticBuffer" if elastic is False else "")
-            + ")"
+        from flexdispatch.backends import auto_deepep_api
+        from flexdispatch.config import DispatchConfig
+
+        has = (
+            (True, "deep_ep.ElasticBuffer exists")
+            if elastic
+            else (False, "this deep_ep has no ElasticBuffer" if elastic is False else "no deep_ep")
         )
+        cfg = DispatchConfig(num_worst_tokens=num_worst_tokens)
+        api, why = auto_deepep_api(cfg, has, (True, ""))
+        name = "V2 deep_ep.ElasticBuffer" if api == "elastic" else "V1 deep_ep.Buffer"
+        reason = f"deepep_api='auto': DeepEP {name} ({why})"
     if backend != "deepep":
         api = None
         reason = f"deepep does not run ({reason})"
@@ -435,6 +445,7 @@ def run_doctor(
     backend: str = "auto",
     hidden: int | None = None,
     deepep_api: str = "auto",
+    num_worst_tokens: int = 0,
 ) -> dict[str, Any]:
     """Probe everything and decide the backend; the JSON-ready report (keys in the module doc).
 
@@ -453,7 +464,9 @@ def run_doctor(
     selection["world_size_source"] = r_src
     selection["ranks_per_node_source"] = l_src
     elastic = bool(deep.get("elastic")) if deep["importable"] else None
-    api = deepep_api_choice(deepep_api, backend=choice.backend, elastic=elastic)
+    api = deepep_api_choice(
+        deepep_api, backend=choice.backend, elastic=elastic, num_worst_tokens=num_worst_tokens
+    )
     ok = choice.ok
     if deepep_api == "elastic" and not elastic and choice.backend == "deepep":
         # select_backend: backend='deepep' raises, 'auto' falls back to torch

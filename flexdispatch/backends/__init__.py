@@ -2,13 +2,20 @@
 
 Shape letters (ARCHITECTURE.md): R ranks · L ranks per node · E experts in total.
 
-``select_backend`` turns ``DispatchConfig.backend`` into a backend object and a reason. Every rank
-must reach the same decision, so a choice that depends on local facts (can ``deep_ep`` be imported
-here?) is agreed with one small MIN all-reduce over a "can use" flag.
+``select_backend`` turns ``DispatchConfig.backend`` (and ``deepep_api``) into a backend object and
+a reason. Every rank must reach the same decision, so a choice that depends on local facts (can
+``deep_ep`` be imported here? has it ``ElasticBuffer``?) is agreed with one small MIN all-reduce
+over "can use" flags.
 
 ``auto`` picks ``deepep`` only when ``deep_ep`` imports, the group is NCCL on CUDA, DeepEP supports
-the topology (and the worst-case request: intranode only) and, in low-latency mode with a known
-``hidden_size``, the hidden size — on every rank; otherwise ``torch``, with the reason.
+the topology (and the worst-case request: V1 intranode only, V2 across nodes too) and, in
+low-latency mode with a known ``hidden_size``, the hidden size — on every rank; otherwise
+``torch``, with the reason.
+
+``deepep_api='auto'`` runs DeepEP V2 (``ElasticBuffer``) where every rank has it and its static
+bound is known — worst-case mode (``M = W / R``) or dropless with
+``num_max_dispatch_tokens_per_rank`` set — and V1 (``Buffer``) otherwise: low-latency mode,
+``deepep_async_finish``, dropless with no per-rank token bound (``auto_deepep_api``).
 """
 
 from __future__ import annotations
@@ -21,12 +28,13 @@ import torch.distributed as dist
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.deepep_support import deepep_support, load_deep_ep
 from flexdispatch.config import DispatchConfig
-from flexdispatch.distributed import all_reduce_min_flag
+from flexdispatch.distributed import all_reduce_min_flag, all_reduce_min_flags, group_size
 from flexdispatch.types import DispatchStats
 
 __all__ = [
     "Capability",
     "DispatchBackend",
+    "auto_deepep_api",
     "BACKENDS",
     "deepep_available",
     "make_torch_backend",
@@ -157,20 +165,14 @@ def _elastic_support(
     )
     if not ok:
         return False, why
+    W, R = config.num_worst_tokens, group_size(group)
+    if W % R:
+        return False, f"num_worst_tokens={W} is not a multiple of R={R} (V2 takes M = W / R)"
     module = deep_ep if deep_ep is not None else load_deep_ep()[0]
     has, reason = elastic_available(module)
     if not has:
         return False, reason
     return True, f"{why}; {reason}"
-
-
-def _api_note(config: DispatchConfig) -> str:
-    if config.deepep_api == "legacy":
-        return "DeepEP API: legacy deep_ep.Buffer (deepep_api='legacy')"
-    return (
-        "DeepEP API: legacy deep_ep.Buffer (deepep_api='auto': the V2 ElasticBuffer path is "
-        "opt-in for now, set deepep_api='elastic')"
-    )
 
 
 BACKENDS: dict[str, BackendFactory] = {"torch": make_torch_backend, "deepep": make_deepep_backend}
@@ -192,10 +194,11 @@ def select_backend(
     stats: DispatchStats,
     deep_ep: ModuleType | None = None,
 ) -> tuple[DispatchBackend, str]:
-    """Pick and build the backend named by ``config.backend``.
+    """Pick and build the backend named by ``config.backend`` (and the DeepEP API).
 
     Args:
-        config: the dispatch config (``backend`` is ``"auto"``, ``"torch"`` or ``"deepep"``).
+        config: the dispatch config (``backend`` is ``"auto"``, ``"torch"`` or ``"deepep"``;
+            ``deepep_api`` is ``"auto"``, ``"legacy"`` or ``"elastic"``).
         group: the process group (None = WORLD, or a world of one).
         num_experts: E.
         ranks_per_node: L (already resolved).
@@ -204,7 +207,7 @@ def select_backend(
             emulator in ``tests/deepep_emu``).
 
     Returns:
-        ``(backend, reason)``; the reason says why this backend was chosen.
+        ``(backend, reason)``; the reason says why this backend (and DeepEP API) was chosen.
 
     Raises:
         ValueError: ``backend="deepep"`` cannot be honoured (the message says why).
@@ -212,9 +215,7 @@ def select_backend(
     kwargs = {"num_experts": num_experts, "ranks_per_node": ranks_per_node, "stats": stats}
     if config.backend == "torch":
         return make_torch_backend(config, group, **kwargs), "backend='torch' requested"
-    if config.deepep_api == "elastic":
-        return _select_elastic(config, group, deep_ep=deep_ep, **kwargs)
-    ok, why = deepep_support(
+    legacy = deepep_support(
         group=group,
         num_experts=num_experts,
         ranks_per_node=ranks_per_node,
@@ -224,47 +225,93 @@ def select_backend(
         num_max_dispatch_tokens_per_rank=config.num_max_dispatch_tokens_per_rank,
         deep_ep=deep_ep,
     )
-    if config.backend == "deepep":
-        if not ok:
-            raise ValueError(f"deepep backend not available: {why}; use backend='torch' or 'auto'")
-        backend = make_deepep_backend(config, group, **kwargs, _deep_ep=deep_ep)
-        return backend, f"backend='deepep' requested ({why}); {_api_note(config)}"
-    # NOTE: usability is a local fact (imports, devices); every rank must choose alike.
-    if all_reduce_min_flag(ok, group):
-        backend = make_deepep_backend(config, group, **kwargs, _deep_ep=deep_ep)
-        return backend, f"auto: deepep on every rank ({why}); {_api_note(config)}"
-    if ok:
-        why = "deep_ep is usable here but not on every rank"
-    return make_torch_backend(config, group, **kwargs), f"auto: torch fallback ({why})"
-
-
-def _select_elastic(
-    config: DispatchConfig,
-    group: dist.ProcessGroup | None,
-    *,
-    num_experts: int,
-    ranks_per_node: int,
-    stats: DispatchStats,
-    deep_ep: ModuleType | None,
-) -> tuple[DispatchBackend, str]:
-    """``select_backend`` with ``deepep_api='elastic'``: the V2 path, or (auto) torch."""
-    kwargs = {"num_experts": num_experts, "ranks_per_node": ranks_per_node, "stats": stats}
-    ok, why = _elastic_support(
+    if config.deepep_api == "legacy":
+        note = "DeepEP API: legacy deep_ep.Buffer (deepep_api='legacy')"
+        return _build(config, group, "legacy", legacy, note, kwargs, deep_ep)
+    elastic = _elastic_support(
         config, group, num_experts=num_experts, ranks_per_node=ranks_per_node, deep_ep=deep_ep
     )
-    api = "DeepEP API: elastic deep_ep.ElasticBuffer (deepep_api='elastic' requested)"
+    if config.deepep_api == "elastic":
+        note = "DeepEP API: elastic deep_ep.ElasticBuffer (deepep_api='elastic' requested)"
+        return _build(config, group, "elastic", elastic, note, kwargs, deep_ep)
+    api, why = auto_deepep_api(config, elastic, legacy)
+    # NOTE: every rank must run the same API: V2 only where every rank would pick it.
+    want, ok_v2, ok_v1 = all_reduce_min_flags([api == "elastic", elastic[0], legacy[0]], group)
+    if api == "elastic" and not want:
+        api, why = "legacy", "V2 is not the choice of every rank"
+    name = "elastic deep_ep.ElasticBuffer" if api == "elastic" else "legacy deep_ep.Buffer"
+    note = f"DeepEP API: {name} (deepep_api='auto': {why})"
+    support = elastic if api == "elastic" else legacy
+    everywhere = ok_v2 if api == "elastic" else ok_v1
+    return _build(config, group, api, support, note, kwargs, deep_ep, everywhere=everywhere)
+
+
+def _build(
+    config: DispatchConfig,
+    group: dist.ProcessGroup | None,
+    api: str,
+    support: Capability,
+    note: str,
+    kwargs: dict,
+    deep_ep: ModuleType | None,
+    *,
+    everywhere: bool | None = None,
+) -> tuple[DispatchBackend, str]:
+    """Build the deepep backend of ``api`` (or, with ``backend='auto'``, torch when it cannot
+    serve every rank). ``everywhere``: the support already agreed across ranks (None: agree here
+    with one small all-reduce when ``backend='auto'``)."""
+    ok, why = support
+    make = make_deepep_elastic_backend if api == "elastic" else make_deepep_backend
+    what = "deepep backend" + (" with deepep_api='elastic'" if api == "elastic" else "")
     if config.backend == "deepep":
         if not ok:
+            alt = "deepep_api='legacy', " if api == "elastic" else ""
+            raise ValueError(f"{what} not available: {why}; use {alt}backend='torch' or 'auto'")
+        if everywhere is False:
             raise ValueError(
-                f"deepep backend with deepep_api='elastic' not available: {why}; use "
-                "deepep_api='legacy', backend='torch' or 'auto'"
+                f"{what} is usable here ({why}) but not on every rank; use backend='auto'"
             )
-        backend = make_deepep_elastic_backend(config, group, **kwargs, _deep_ep=deep_ep)
-        return backend, f"backend='deepep' requested ({why}); {api}"
-    if all_reduce_min_flag(ok, group):
-        backend = make_deepep_elastic_backend(config, group, **kwargs, _deep_ep=deep_ep)
-        return backend, f"auto: deepep on every rank ({why}); {api}"
+        return make(config, group, **kwargs, _deep_ep=deep_ep), (
+            f"backend='deepep' requested ({why}); {note}"
+        )
+    if everywhere is None:
+        everywhere = all_reduce_min_flag(ok, group)
+    if everywhere:
+        return make(config, group, **kwargs, _deep_ep=deep_ep), (
+            f"auto: deepep on every rank ({why}); {note}"
+        )
     if ok:
-        why = "deep_ep.ElasticBuffer is usable here but not on every rank"
-    reason = f"auto: torch fallback (deepep_api='elastic': {why})"
-    return make_torch_backend(config, group, **kwargs), reason
+        module = "deep_ep.ElasticBuffer" if api == "elastic" else "deep_ep"
+        why = f"{module} is usable here but not on every rank"
+    prefix = "deepep_api='elastic': " if config.deepep_api == "elastic" else ""
+    return make_torch_backend(config, group, **kwargs), f"auto: torch fallback ({prefix}{why})"
+
+
+def auto_deepep_api(
+    config: DispatchConfig, elastic: Capability, legacy: Capability
+) -> tuple[str, str]:
+    """``deepep_api='auto'``: which DeepEP API suits this config here (local answer), and why.
+
+    V2 (``ElasticBuffer``) runs where it exists and its static bound is known: worst-case mode
+    (``M = W / R``, static shapes without a host sync, intranode and across nodes) or a dropless
+    dispatch with ``num_max_dispatch_tokens_per_rank`` set. V1 keeps low-latency mode,
+    ``deepep_async_finish`` and dropless dispatch with no per-rank token bound (V1 takes any T).
+    """
+    if config.mode != "normal":
+        return "legacy", "low-latency kernels are DeepEP V1's"
+    if config.deepep_async_finish:
+        return "legacy", "deepep_async_finish runs on V1's communication stream"
+    ok, why = elastic
+    if not ok:
+        return "legacy", f"V2 cannot run: {why}"
+    if config.num_worst_tokens:
+        if not legacy[0]:
+            return "elastic", "worst-case mode: V2 static shapes (V1 cannot: " + legacy[1] + ")"
+        return "elastic", "worst-case mode: V2 static shapes with M = W / R, no host sync"
+    if "num_max_dispatch_tokens_per_rank" in config.model_fields_set:
+        M = config.num_max_dispatch_tokens_per_rank
+        return "elastic", f"dropless with num_max_dispatch_tokens_per_rank={M} set"
+    return "legacy", (
+        "dropless with no per-rank token bound: V1 takes any T (set "
+        "num_max_dispatch_tokens_per_rank or deepep_api='elastic' for V2)"
+    )

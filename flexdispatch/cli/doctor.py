@@ -56,6 +56,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=DEEPEP_API_CHOICES,
         help="DispatchConfig.deepep_api: which DeepEP API (V1 legacy / V2 elastic) to report on",
     )
+    p.add_argument(
+        "--num-worst-tokens",
+        type=int,
+        default=0,
+        help="DispatchConfig.num_worst_tokens W of the dispatch to report on (deepep_api='auto' "
+        "runs DeepEP V2 in worst-case mode where deep_ep has ElasticBuffer)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
 
@@ -70,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         backend=args.backend,
         hidden=args.hidden,
         deepep_api=args.deepep_api,
+        num_worst_tokens=args.num_worst_tokens,
     )
     if args.json:
         print(json.dumps(report, indent=2))

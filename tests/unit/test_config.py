@@ -100,8 +100,13 @@ def test_deepep_api_field_and_worst_case_across_nodes_on_the_elastic_path():
     assert DispatchConfig().deepep_api == "auto"
     with pytest.raises(ValidationError):
         DispatchConfig(deepep_api="v3")
-    legacy = DispatchConfig(backend="deepep", num_worst_tokens=32)
-    with pytest.raises(ValueError, match="intranode only"):
+    legacy = DispatchConfig(backend="deepep", num_worst_tokens=32, deepep_api="legacy")
+    with pytest.raises(ValueError, match="intranode only on its V1 Buffer"):
         legacy.check_world(16, 8)
-    # DeepEP V2 takes num_worst_tokens across nodes (do_cpu_sync=False)
+    # DeepEP V2 takes num_worst_tokens across nodes (do_cpu_sync=False); 'auto' runs V2 there
     DispatchConfig(backend="deepep", num_worst_tokens=32, deepep_api="elastic").check_world(16, 8)
+    DispatchConfig(backend="deepep", num_worst_tokens=32).check_world(16, 8)
+    graphs = {"backend": "deepep", "num_worst_tokens": 32, "cuda_graph": True}
+    DispatchConfig(**graphs).check_world(16, 8)
+    with pytest.raises(ValueError, match=r"cuda_graph=True needs it.*deepep_api='elastic'"):
+        DispatchConfig(**graphs, deepep_api="legacy").check_world(16, 8)

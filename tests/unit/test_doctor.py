@@ -398,7 +398,11 @@ def test_deepep_api_choice_says_which_deepep_api_runs() -> None:
     from flexdispatch.doctor import deepep_api_choice
 
     auto = deepep_api_choice("auto", backend="deepep", elastic=True)
-    assert auto["api"] == "legacy" and "opt-in" in auto["reason"]
+    assert auto["api"] == "legacy" and "no per-rank token bound" in auto["reason"]
+    worst = deepep_api_choice("auto", backend="deepep", elastic=True, num_worst_tokens=64)
+    assert worst["api"] == "elastic" and "M = W / R" in worst["reason"], worst
+    worst_v1 = deepep_api_choice("auto", backend="deepep", elastic=False, num_worst_tokens=64)
+    assert worst_v1["api"] == "legacy" and "no ElasticBuffer" in worst_v1["reason"], worst_v1
     assert (
         "no ElasticBuffer" in deepep_api_choice("auto", backend="deepep", elastic=False)["reason"]
     )
