@@ -23,6 +23,7 @@ _EXPORTS: dict[str, str] = {
     "DispatchLayout": "flexdispatch.types",
     "Permutation": "flexdispatch.types",
     "DispatchResult": "flexdispatch.types",
+    "ExpandedDispatchResult": "flexdispatch.types",
     "DispatchHandle": "flexdispatch.types",
     "DispatchStats": "flexdispatch.types",
     # routing

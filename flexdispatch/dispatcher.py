@@ -45,7 +45,13 @@ from flexdispatch.distributed import (
     group_size,
     resolve_ranks_per_node,
 )
-from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, DispatchStats
+from flexdispatch.types import (
+    DispatchHandle,
+    DispatchLayout,
+    DispatchResult,
+    DispatchStats,
+    ExpandedDispatchResult,
+)
 
 __all__ = ["FlexDispatcher"]
 
@@ -115,6 +121,58 @@ class _Dispatch(torch.autograd.Function):
             masked = torch.where(recv_idx >= 0, grad_probs.to(torch.float32), 0.0)
             dp = backend.combine(masked, handle)
         return None, None, dx, None, dp
+
+
+class _DispatchExpanded(torch.autograd.Function):
+    """``dispatch_expanded``, differentiable in ``x`` and ``topk_probs``."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        backend: DispatchBackend,
+        x: Rows,
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
+        res = backend.dispatch_expanded(x, topk_idx, topk_probs)
+        ctx.backend = backend
+        ctx.handle = res.handle
+        ctx.x_dtype = x[0].dtype if isinstance(x, tuple) else x.dtype
+        ctx.device = res.recv_x.device
+        frozen = [res.tokens_per_expert]
+        if isinstance(x, tuple):  # fp8 pass-through: forward-only rows
+            frozen.append(res.recv_x)
+        ctx.mark_non_differentiable(*frozen)
+        return res.recv_x, res.recv_probs, res.tokens_per_expert, res.handle
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any,
+        grad_x: torch.Tensor | None,
+        grad_probs: torch.Tensor | None,
+        _grad_counts: Any,
+        _grad_handle: Any,
+    ) -> tuple[None, torch.Tensor | None, None, torch.Tensor | None]:
+        backend: DispatchBackend = ctx.backend
+        handle: DispatchHandle = ctx.handle
+        N = handle.num_recv_rows
+        dx = dp = None
+        want_x, want_p = ctx.needs_input_grad[1], ctx.needs_input_grad[3]
+        device = ctx.device
+        # NOTE: every rank must run the same collectives; a missing gradient becomes zeros.
+        if want_x and grad_x is None:
+            grad_x = torch.zeros(N, handle.hidden, dtype=ctx.x_dtype, device=device)
+        if want_p:
+            if grad_probs is None:
+                grad_probs = torch.zeros(N, dtype=torch.float32, device=device)
+            dx, dp = backend.combine_slot_weights(
+                grad_x.contiguous() if want_x and grad_x is not None else None,
+                grad_probs.to(torch.float32),
+                handle,
+            )
+        elif want_x and grad_x is not None:
+            dx = backend.combine(grad_x.contiguous(), handle)
+        return None, dx, None, dp
 
 
 class _Combine(torch.autograd.Function):
@@ -430,6 +488,36 @@ class FlexDispatcher:
             num_recv_tokens_per_expert=counts,
             handle=handle,
             num_recv_pairs=pairs,
+        )
+
+    def dispatch_expanded(
+        self, x: Rows, topk_idx: torch.Tensor, topk_probs: torch.Tensor
+    ) -> ExpandedDispatchResult:
+        """Dispatch into one row per (token, local expert), grouped by local expert.
+
+        What ``GroupedExperts`` consumes directly (``experts(res.recv_x, res.tokens_per_expert,
+        res.recv_probs)``), with no ``permute`` / ``unpermute``: ``combine(y, res.handle)`` sums
+        every row of a token on every rank (so weight the rows first, as ``GroupedExperts``
+        does with ``probs``). Only backends with ``supports_expanded()`` (DeepEP V2,
+        ``deepep_api`` ``'elastic'`` or ``'auto'``) run it; the others raise ``ValueError``.
+        Inputs and errors as ``dispatch``.
+
+        Returns:
+            ``ExpandedDispatchResult``: ``recv_x [N, H]``, ``recv_probs [N]`` float32,
+            ``tokens_per_expert [e]`` int64 device tensor, the handle. In worst-case mode N is
+            static (DeepEP: ``R * (W / R) * min(k, e)``) and rows past the real ones are zero.
+        """
+        ok, why = self._backend.supports_expanded()
+        if not ok:
+            raise ValueError(f"dispatch_expanded is not available: {why}")
+        self._check_inputs(x, topk_idx, topk_probs, None)
+        rows = (x[0].contiguous(), x[1].contiguous()) if isinstance(x, tuple) else x.contiguous()
+        recv_x, recv_probs, counts, handle = _DispatchExpanded.apply(
+            self._backend, rows, topk_idx.contiguous(), topk_probs.contiguous()
+        )
+        self._stats.dispatch_calls += 1
+        return ExpandedDispatchResult(
+            recv_x=recv_x, recv_probs=recv_probs, tokens_per_expert=counts, handle=handle
         )
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

@@ -5,9 +5,11 @@ k top-k · M rows received by this rank · W worst-case rows.
 
 The forward path (ARCHITECTURE.md): ``hidden [.., H]`` → router → ``[T, k]`` ids/probs →
 dispatch → ``recv_x [M, H]`` → permute by local expert → grouped experts (probs applied inside) →
-unpermute (sum per received row) → combine → ``[T, H]``, plus the shared experts (when the
-config has them) run locally on all ``T`` tokens and added after the combine. The communication
-belongs to the dispatcher, the math to the experts; this class only wires them.
+unpermute (sum per received row) → combine → ``[T, H]`` (on DeepEP V2 the dispatch delivers the
+rows grouped by local expert, ``dispatch_expanded``, and the permute / unpermute steps vanish),
+plus the shared experts (when the config has them) run locally on all ``T`` tokens and added
+after the combine. The communication belongs to the dispatcher, the math to the experts; this
+class only wires them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from flexdispatch.distributed import check_fingerprint
 from flexdispatch.experts import GroupedExperts, SharedExperts
 from flexdispatch.permutation import permute, unpermute
 from flexdispatch.routing import TopKRouter
-from flexdispatch.types import DispatchResult, RoutingResult
+from flexdispatch.types import DispatchResult, ExpandedDispatchResult, RoutingResult
 
 __all__ = ["MoELayer", "MoEOutput"]
 
@@ -41,14 +43,15 @@ class MoEOutput:
             gradient of ``output``; report it, do not add it), or None.
         z_loss: the router's z-loss (same rules), or None.
         routing: the routing decision of this rank's tokens.
-        dispatch: the dispatch result (received rows and the handle), for inspection.
+        dispatch: the dispatch result (received rows and the handle), for inspection: an
+            ``ExpandedDispatchResult`` when the layer runs ``dispatch_expanded`` (``expanded``).
     """
 
     output: torch.Tensor
     aux_loss: torch.Tensor | None
     z_loss: torch.Tensor | None
     routing: RoutingResult
-    dispatch: DispatchResult
+    dispatch: DispatchResult | ExpandedDispatchResult
 
 
 class MoELayer(nn.Module):
@@ -167,6 +170,12 @@ class MoELayer(nn.Module):
         return c.shared_expert_ffn_hidden_size or c.num_shared_experts * c.ffn_hidden_size
 
     @property
+    def expanded(self) -> bool:
+        """The dispatcher delivers rows grouped by local expert (``dispatch_expanded``, DeepEP
+        V2), so the layer skips ``permute`` / ``unpermute``."""
+        return self.dispatcher.backend.supports_expanded()[0]
+
+    @property
     def backend_name(self) -> str:
         return self.dispatcher.backend_name
 
@@ -202,6 +211,21 @@ class MoELayer(nn.Module):
         routing = self.router(
             hidden, token_ids=token_ids, checks=self.config.dispatch.checks or None
         )
+        if self.expanded:
+            # NOTE: rows arrive grouped by local expert (DeepEP V2 do_expand): no permute.
+            exp = self.dispatcher.dispatch_expanded(x_TH, routing.topk_idx, routing.topk_probs)
+            shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH)
+            y = self.experts(exp.recv_x, exp.tokens_per_expert, exp.recv_probs)
+            out_TH = self.dispatcher.combine(y, exp.handle)
+            if shared_TH is not None:
+                out_TH = out_TH + shared_TH
+            return MoEOutput(
+                output=out_TH.reshape(hidden.shape),
+                aux_loss=routing.aux_loss,
+                z_loss=routing.z_loss,
+                routing=routing,
+                dispatch=exp,
+            )
         res = self.dispatcher.dispatch(x_TH, routing.topk_idx, routing.topk_probs)
         # NOTE: issued between dispatch and combine (see the class docstring on overlap).
         shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH)

@@ -23,6 +23,7 @@ __all__ = [
     "DispatchStats",
     "ExpertMajorHandle",
     "ExpertMajorResult",
+    "ExpandedDispatchResult",
 ]
 
 
@@ -147,6 +148,27 @@ class DispatchResult:
     num_recv_tokens_per_expert: torch.Tensor
     handle: DispatchHandle
     num_recv_pairs: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpandedDispatchResult:
+    """What ``FlexDispatcher.dispatch_expanded`` returns: one row per (token, local expert),
+    grouped by local expert — what ``GroupedExperts`` consumes, with no ``permute``.
+
+    Attributes:
+        recv_x: ``[N, H]`` rows; local expert ``j`` owns rows ``[sum(c[:j]), sum(c[:j+1]))`` with
+            ``c = tokens_per_expert``; inside a segment the order is the backend's (DeepEP: not
+            token order). In worst-case mode N is static and rows past ``sum(c)`` are zero.
+        recv_probs: ``[N]`` float32 routing weight of each row (0 past ``sum(c)``).
+        tokens_per_expert: ``[e]`` int64 device tensor, the segment sizes.
+        handle: what ``combine`` needs (``combine`` takes ``[N, H]`` rows and sums, per source
+            token, every row of it on every rank).
+    """
+
+    recv_x: torch.Tensor
+    recv_probs: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    handle: DispatchHandle
 
 
 @dataclass(kw_only=True)

@@ -16,7 +16,13 @@ import abc
 
 import torch
 
-from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, DispatchStats
+from flexdispatch.types import (
+    DispatchHandle,
+    DispatchLayout,
+    DispatchResult,
+    DispatchStats,
+    ExpandedDispatchResult,
+)
 
 __all__ = ["Capability", "DispatchBackend"]
 
@@ -114,6 +120,29 @@ class DispatchBackend(abc.ABC):
             ``[M, X]`` (``[W, X]`` in worst-case mode, zero past the real rows), in the order of
             the handle's ``dispatch``.
         """
+
+    # ----------------------------------------------------------------- expanded (optional)
+    def supports_expanded(self) -> Capability:
+        """``dispatch_expanded``: rows per (token, local expert), grouped by expert."""
+        return False, f"the {self.name} backend returns one row per (token, rank): use permute"
+
+    def dispatch_expanded(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_probs: torch.Tensor
+    ) -> ExpandedDispatchResult:
+        """Dispatch into the expert-major layout of ``ExpandedDispatchResult`` (no permute).
+
+        ``combine`` / ``cached_dispatch`` take the returned handle like any other; the backward
+        of the routing weights goes through ``combine_slot_weights``.
+        """
+        raise NotImplementedError(self.supports_expanded()[1])
+
+    def combine_slot_weights(
+        self, y: torch.Tensor | None, w: torch.Tensor, handle: DispatchHandle
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The backward of ``dispatch_expanded``: ``(combine(y), [T, k] float32)`` where slot
+        ``j`` of token ``t`` gets ``w`` of the row it was expanded into (0 for a slot sent
+        nowhere); ``y`` None skips the rows."""
+        raise NotImplementedError(self.supports_expanded()[1])
 
     def check_overflow(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Raise if a worst-case dispatch overflowed since construction (may sync the host)."""

@@ -4,12 +4,18 @@ Shape letters (ARCHITECTURE.md): T tokens on this rank · H hidden · E experts 
 e = E / R local experts · k top-k · M = ``num_max_tokens_per_rank`` · W worst-case rows ·
 X any row width · Xw wire width (bf16 columns).
 
-Selected with ``DispatchConfig.deepep_api="elastic"`` (opt-in in this release: ``"auto"`` still runs
-the V1 ``deep_ep.Buffer`` path of ``deepep.py``). How the contract maps onto ``ElasticBuffer``:
+Selected with ``DispatchConfig.deepep_api="elastic"``, and by ``"auto"`` where every rank has
+``ElasticBuffer`` in worst-case mode or with ``num_max_dispatch_tokens_per_rank`` set
+(``backends.auto_deepep_api``). How the contract maps onto ``ElasticBuffer``:
 
 - **Direct mode only** (``allow_hybrid_mode=False``): one logical scale-up domain of R ranks, inside
-  a node and across nodes, non-expand layout (``do_expand=False``): one row per (token,
-  destination rank), in (source rank, token) order, ids local (``0..e-1``) or ``-1``.
+  a node and across nodes. ``dispatch``: non-expand layout (``do_expand=False``), one row per
+  (token, destination rank), in (source rank, token) order, ids local (``0..e-1``) or ``-1``.
+- **Expanded** (``dispatch_expanded``, what ``MoELayer`` runs here): ``do_expand=True`` with
+  ``expert_alignment=1``, one row per (token, local expert) grouped by expert, the row's weight
+  ``[N]``; ``combine`` sums a token's rows on each rank and then across ranks (one bf16 rounding
+  per rank, DeepEP's ``allow_multiple_reduction``); the weights' gradient comes back through
+  combine's fp32 weights channel (``combine_slot_weights``).
 - **One buffer per process and group** (``deepep_buffer.SharedElasticBuffer``), sized with
   ``ElasticBuffer.get_buffer_size_hint`` for the largest (M, Xw, k) seen.
 - Rows travel as bf16 bit views (``deepep_sizing.WireFormat``), padded to the 32-byte rows the
@@ -50,7 +56,13 @@ from flexdispatch.backends import deepep_sizing as sizing
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.deepep_support import load_deep_ep, nvl_peers
 from flexdispatch.distributed import all_gather_int64, collective_device, group_rank, group_size
-from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, DispatchStats
+from flexdispatch.types import (
+    DispatchHandle,
+    DispatchLayout,
+    DispatchResult,
+    DispatchStats,
+    ExpandedDispatchResult,
+)
 
 __all__ = ["DeepEPElasticBackend", "ElasticDispatchState", "elastic_available"]
 
@@ -80,16 +92,42 @@ class ElasticDispatchState:
     Attributes:
         handle: DeepEP's ``EPHandle``.
         wire: the wire format of the dispatched rows.
-        local: ``[rows, k]`` bool, the received slots holding a local expert.
-        valid: ``[W]`` bool real rows in worst-case mode, else None.
+        topk: k.
+        local: ``[rows, k]`` bool, the received slots holding a local expert (None expanded).
+        valid: ``[rows]`` bool real rows in worst-case mode, else None.
         recv_scales: ``[rows, H / 128]`` float32 scales of an fp8 dispatch, else None.
+        order: ``[rows]`` int64, DeepEP's row of each returned row (non-expand), else None.
     """
 
     handle: Any
     wire: sizing.WireFormat
-    local: torch.Tensor
+    topk: int
+    local: torch.Tensor | None
     valid: torch.Tensor | None
     recv_scales: torch.Tensor | None
+    order: torch.Tensor | None = None
+
+    def to_deepep(self, y: torch.Tensor) -> torch.Tensor:
+        """Rows in the contract's order back to DeepEP's receive order (``y[i]`` was DeepEP's
+        row ``order[i]``)."""
+        if self.order is None:
+            return y
+        return torch.empty_like(y).index_copy_(0, self.order, y)
+
+
+def _token_order(handle: Any, rows: int, used: torch.Tensor | None) -> torch.Tensor:
+    """The permutation putting DeepEP's received rows in (source rank, source token) order.
+
+    DeepEP fills a sender's receive slots in ``atomicAdd`` order (I/dispatch.cuh:344-349), not
+    token order; ``recv_src_metadata[:, 0] = src_rank * M + token`` is the contract's order key
+    (the sort DeepEP's own ``deterministic=True`` epilogue does, here without its host-syncing
+    boolean indexing). Rows past ``used`` (worst-case tails, uninitialised) sort last.
+    """
+    key = handle.recv_src_metadata[:rows, 0]
+    if used is not None:
+        live = torch.arange(rows, device=key.device) < used
+        key = torch.where(live, key, torch.iinfo(key.dtype).max)
+    return torch.argsort(key)
 
 
 def _pad_cols(w: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -244,7 +282,8 @@ class DeepEPElasticBackend(DispatchBackend):
             raise ValueError(
                 f"rank {rank} dispatches {T} tokens but num_worst_tokens W={W} allows W/R = "
                 f"{W}/{R} = {M} per rank on DeepEP's elastic path (num_max_tokens_per_rank = W/R): "
-                f"raise DispatchConfig.num_worst_tokens to at least {T * R}"
+                f"raise DispatchConfig.num_worst_tokens to at least {T * R} (or, intranode, "
+                f"deepep_api='legacy': V1 caps W / R rows per destination instead)"
             )
         raise ValueError(
             f"rank {rank} dispatches {T} tokens but DeepEP's elastic dispatch takes at most "
@@ -253,26 +292,23 @@ class DeepEPElasticBackend(DispatchBackend):
         )
 
     # ----------------------------------------------------------------- dispatch
-    def dispatch(
+    def _launch(
         self,
         x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         topk_idx: torch.Tensor,
         topk_probs: torch.Tensor,
-        layout: DispatchLayout | None = None,
-    ) -> DispatchResult:
-        """``ElasticBuffer.dispatch`` mapped to the contract (see the module docstring).
-
-        ``layout`` is ignored: V2 computes its layout inside the dispatch kernel.
-        """
+        expand: bool,
+    ) -> tuple[Any, ...]:
+        """Checks, padding and the one ``ElasticBuffer.dispatch`` call of both layouts."""
         x, scales, wire = sizing.split_rows(x, fp8_multiple=32)
         T, X = x.shape
         k = topk_idx.shape[1]
         sizing.check_topk(k, "elastic kernels")
         self._check_tokens(T, x.device)
-        e = self.num_local_experts
         if scales is not None:
             send: Any = (x.contiguous(), scales.contiguous())
-            hidden = wire.wire_width
+            # NOTE: the buffer is sized as bf16 rows: X bf16 columns hold X fp8 bytes + scales
+            hidden = X
         else:
             w = _pad_cols(wire.send(x), _DISPATCH_COL_MULTIPLE)
             send, hidden = w, w.shape[1]
@@ -290,16 +326,38 @@ class DeepEPElasticBackend(DispatchBackend):
             expert_alignment=1,
             num_sms=self.num_sms,
             do_cpu_sync=not self.worst_case,
-            do_expand=False,
+            do_expand=expand,
         )
         recv_scales = None
         if scales is not None:
             recv, recv_scales = recv
-        recv_idx = recv_idx.to(torch.int64)
+        return recv, recv_idx, recv_w, handle, recv_scales, wire, scales is not None, T, X, k
+
+    def dispatch(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+        layout: DispatchLayout | None = None,
+    ) -> DispatchResult:
+        """``ElasticBuffer.dispatch`` mapped to the contract (see the module docstring).
+
+        ``layout`` is ignored: V2 computes its layout inside the dispatch kernel.
+        """
+        recv, recv_idx, recv_w, handle, recv_scales, wire, fp8, T, X, k = self._launch(
+            x, topk_idx, topk_probs, expand=False
+        )
+        e = self.num_local_experts
         valid = None
         pairs = None
+        n = None
         if self.worst_case:
             n = handle.psum_num_recv_tokens_per_scaleup_rank[-1].to(torch.int64)
+        order = _token_order(handle, recv.shape[0], n)
+        recv, recv_idx, recv_w = recv[order], recv_idx[order].to(torch.int64), recv_w[order]
+        if recv_scales is not None:
+            recv_scales = recv_scales[order]
+        if n is not None:
             valid = torch.arange(recv.shape[0], device=recv.device) < n
             recv_idx = torch.where(valid[:, None], recv_idx, -1)
             masked = sizing.mask_worst_case(recv, recv_idx, recv_w, e)
@@ -319,9 +377,15 @@ class DeepEPElasticBackend(DispatchBackend):
             recv_w = torch.where(recv_idx >= 0, recv_w.float(), 0.0)
             self._stats.rows_received += int(handle.num_recv_tokens)
         state = ElasticDispatchState(
-            handle=handle, wire=wire, local=recv_idx >= 0, valid=valid, recv_scales=recv_scales
+            handle=handle,
+            wire=wire,
+            topk=k,
+            local=recv_idx >= 0,
+            valid=valid,
+            recv_scales=recv_scales,
+            order=order,
         )
-        recv_x = recv if scales is not None else wire.recv(recv)
+        recv_x = recv if fp8 else wire.recv(recv)
         return DispatchResult(
             recv_x=recv_x,
             recv_topk_idx=recv_idx,
@@ -337,14 +401,89 @@ class DeepEPElasticBackend(DispatchBackend):
             num_recv_pairs=pairs,
         )
 
+    # ----------------------------------------------------------------- expanded
+    def supports_expanded(self) -> Capability:
+        return True, "deepep elastic: do_expand=True, rows grouped by local expert"
+
+    def dispatch_expanded(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+    ) -> ExpandedDispatchResult:
+        """``ElasticBuffer.dispatch(do_expand=True, expert_alignment=1)``: one row per (token,
+        local expert), expert ``j``'s rows contiguous after expert ``j - 1``'s.
+
+        Dropless: the exact row count and per-expert sizes from DeepEP's one CPU wait.
+        Worst-case: DeepEP's static ``align(R * M * min(k, e), 1)`` rows; the used extent is
+        ``psum_num_recv_tokens_per_expert[-1]`` on the device, past which rows and weights
+        (uninitialised in DeepEP) are zeroed without a host sync.
+        """
+        recv, _, recv_w, handle, recv_scales, wire, fp8, T, X, k = self._launch(
+            x, topk_idx, topk_probs, expand=True
+        )
+        N = recv.shape[0]
+        valid = None
+        if self.worst_case:
+            counts = handle.num_unaligned_recv_tokens_per_expert.to(torch.int64)
+            used = handle.psum_num_recv_tokens_per_expert[-1].to(torch.int64)
+            valid = torch.arange(N, device=recv.device) < used
+            recv = sizing.zero_invalid_rows(recv, valid)
+            recv_w = torch.where(valid, recv_w, 0.0)
+            if recv_scales is not None:
+                recv_scales = sizing.zero_invalid_rows(recv_scales, valid)
+        else:
+            self._stats.host_syncs += 1  # DeepEP's CPU wait for the receive counts
+            counts = torch.tensor(
+                handle.num_recv_tokens_per_expert_list, dtype=torch.int64, device=recv.device
+            )
+            self._stats.rows_received += int(handle.num_recv_tokens)
+        state = ElasticDispatchState(
+            handle=handle, wire=wire, topk=k, local=None, valid=valid, recv_scales=recv_scales
+        )
+        return ExpandedDispatchResult(
+            recv_x=recv if fp8 else wire.recv(recv),
+            recv_probs=recv_w.float(),
+            tokens_per_expert=counts,
+            handle=DispatchHandle(
+                backend=self.name, num_tokens=T, hidden=X, num_recv_rows=N, state=state
+            ),
+        )
+
+    def combine_slot_weights(
+        self, y: torch.Tensor | None, w: torch.Tensor, handle: DispatchHandle
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Combine ``y`` (or a dummy) with ``w`` ``[N]`` in combine's fp32 weights channel, which
+        returns ``[T, k]``: each slot the weight of the row it was expanded into."""
+        state: ElasticDispatchState = handle.state
+        h = state.handle
+        w = w.float().contiguous()
+        wide = y is not None and not self._narrow(y)
+        if wide:
+            assert y is not None
+            part = _pad_cols(y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16), 256)
+        else:
+            part = torch.zeros(
+                w.shape[0], _COMBINE_COL_MULTIPLE, dtype=torch.bfloat16, device=w.device
+            )
+        buffer = self._buffer(part.shape[1], state.topk)
+        out, out_w, _ = buffer.combine(part, h, topk_weights=w, num_sms=self.num_sms)
+        if y is None:
+            return None, out_w
+        if not wide:
+            return self.combine(y, handle), out_w
+        out = out[:, : y.shape[1]]
+        return (out if out.dtype == y.dtype else out.to(y.dtype)), out_w
+
     # ----------------------------------------------------------------- combine
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Unweighted sum over the receiving ranks (see the module docstring for precision)."""
         state: ElasticDispatchState = handle.state
         h = state.handle
         X = y.shape[1]
-        k = state.local.shape[1]
-        if y.dtype in (torch.float32, torch.float16) and X <= _NARROW_FP32_COLUMNS:
+        k = state.topk
+        y = state.to_deepep(y)
+        if self._narrow(y):
             return self._combine_fp32(y, state)
         yb = y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16)
         part = _pad_cols(yb, _COMBINE_COL_MULTIPLE)
@@ -353,24 +492,34 @@ class DeepEPElasticBackend(DispatchBackend):
         out = out[:, :X]
         return out if out.dtype == y.dtype else out.to(y.dtype)
 
+    @staticmethod
+    def _narrow(y: torch.Tensor) -> bool:
+        return y.dtype in (torch.float32, torch.float16) and y.shape[1] <= _NARROW_FP32_COLUMNS
+
     def _combine_fp32(self, y: torch.Tensor, state: ElasticDispatchState) -> torch.Tensor:
         """Exact fp32 sum of narrow rows through combine's fp32 ``topk_weights`` channel.
 
         That channel returns, in each top-k slot of a source token, the value sent by the rank
         holding the slot's expert (0 for ``-1`` slots). Each receiving rank puts column ``c`` of
-        its row in its first local slot and 0 elsewhere, so the slots of a token sum (in fp32)
-        to the unweighted sum over the receiving ranks. One combine per column.
+        its row in its first local slot and 0 elsewhere (expanded: each row is one slot), so the
+        slots of a token sum (in fp32) to the unweighted sum over the receiving ranks. One
+        combine per column.
         """
-        h, local = state.handle, state.local
+        h, k = state.handle, state.topk
+        local = None if state.local is None else state.to_deepep(state.local)
         rows, X = y.shape
-        k = local.shape[1]
         buffer = self._buffer(_COMBINE_COL_MULTIPLE, k)
-        first = F.one_hot(local.to(torch.int8).argmax(1), k).bool() & local
+        first = None if local is None else F.one_hot(local.to(torch.int8).argmax(1), k).bool()
+        if first is not None and local is not None:
+            first &= local
         dummy = torch.zeros(rows, _COMBINE_COL_MULTIPLE, dtype=torch.bfloat16, device=y.device)
         yf = y.float()
         cols = []
         for c in range(X):
-            weights = torch.where(first, yf[:, c : c + 1], 0.0).contiguous()
+            if first is None:
+                weights = yf[:, c].contiguous()
+            else:
+                weights = torch.where(first, yf[:, c : c + 1], 0.0).contiguous()
             _, out_w, _ = buffer.combine(dummy, h, topk_weights=weights, num_sms=self.num_sms)
             cols.append(out_w.sum(1))
         T = self._num_tokens(h)
@@ -387,8 +536,10 @@ class DeepEPElasticBackend(DispatchBackend):
         h = state.handle
         wire = sizing.WireFormat.of(x.dtype, x.shape[1])
         w = _pad_cols(wire.send(x), _DISPATCH_COL_MULTIPLE)
-        buffer = self._buffer(max(w.shape[1], _COMBINE_COL_MULTIPLE), state.local.shape[1])
+        buffer = self._buffer(max(w.shape[1], _COMBINE_COL_MULTIPLE), state.topk)
         got, *_ = buffer.dispatch(w, handle=h, do_expand=h.do_expand, num_sms=h.num_sms)
+        if state.order is not None:
+            got = got[state.order]
         if state.valid is not None:
             got = sizing.zero_invalid_rows(got, state.valid)
         return wire.recv(got)

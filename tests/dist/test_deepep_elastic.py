@@ -197,6 +197,18 @@ def selection_worker(rank: int, R: int) -> dict[str, Any]:
         lambda: pick(DispatchConfig(backend="deepep", deepep_api="elastic"), v1)
     )
     out["auto_elastic_v1"] = pick(DispatchConfig(deepep_api="elastic"), v1)
+    worst = {"backend": "deepep", "num_worst_tokens": 4 * R}
+    out["auto_worst"] = pick(DispatchConfig(**worst), v2)
+    out["auto_worst_auto"] = pick(DispatchConfig(num_worst_tokens=4 * R), v2)
+    out["auto_worst_v1"] = pick(DispatchConfig(**worst), v1)
+    out["auto_bound"] = pick(
+        DispatchConfig(backend="deepep", num_max_dispatch_tokens_per_rank=64), v2
+    )
+    out["auto_ll"] = pick(DispatchConfig(backend="deepep", mode="low_latency"), v2)
+    out["auto_async"] = pick(DispatchConfig(**worst, deepep_async_finish=True), v2)
+    out["auto_odd_w"] = pick(DispatchConfig(backend="deepep", num_worst_tokens=4 * R + 1), v2)
+    # a rank without ElasticBuffer makes every rank run V1
+    out["auto_split"] = pick(DispatchConfig(**worst), v2 if rank == 0 else v1)
     out["elastic_ll"] = _raises(
         lambda: pick(DispatchConfig(backend="deepep", deepep_api="elastic", mode="low_latency"), v2)
     )
@@ -229,7 +241,24 @@ def test_elastic_selection_and_refusals() -> None:
             kind, reason, _ = out[key]
             assert kind == "legacy", (key, out[key])
             assert "legacy deep_ep.Buffer" in reason, (key, reason)
-        assert "opt-in" in out["auto"][1] and "deepep_api='elastic'" in out["auto"][1]
+        assert "no per-rank token bound" in out["auto"][1], out["auto"]
+        assert "deepep_api='elastic'" in out["auto"][1], out["auto"]
+        for key in ("auto_worst", "auto_worst_auto", "auto_bound"):
+            kind, reason, _ = out[key]
+            assert kind == "elastic" and "deepep_api='auto'" in reason, (key, reason)
+        assert "M = W / R" in out["auto_worst"][1], out["auto_worst"]
+        assert "num_max_dispatch_tokens_per_rank=64 set" in out["auto_bound"][1]
+        for key, why in (
+            ("auto_worst_v1", "no ElasticBuffer"),
+            ("auto_ll", "low-latency"),
+            ("auto_async", "deepep_async_finish"),
+            ("auto_odd_w", "not a multiple of R=2"),
+        ):
+            kind, reason, _ = out[key]
+            assert kind == "legacy" and why in reason, (key, reason)
+        kind, reason, _ = out["auto_split"]  # rank 0 has V2, rank 1 does not
+        assert kind == "legacy", out["auto_split"]
+        assert "not the choice of every rank" in reason or "no ElasticBuffer" in reason, reason
         assert "deepep_api='legacy'" in out["legacy"][1]
         for key in ("elastic", "auto_elastic"):
             kind, reason, _ = out[key]
@@ -269,7 +298,8 @@ def moe_worker(rank: int, R: int, L: int) -> list[dict[str, Any]]:
             dispatch = cfg.dispatch.model_copy(
                 update={
                     "backend": backend,
-                    "deepep_api": "elastic",
+                    # NOTE: worst-case on 'auto': V2 is what auto runs there (across nodes too)
+                    "deepep_api": "auto" if W else "elastic",
                     "ranks_per_node": L,
                     "num_worst_tokens": W,
                 }
@@ -287,6 +317,9 @@ def moe_worker(rank: int, R: int, L: int) -> list[dict[str, Any]]:
                 x.grad.float(),
                 layer.router.weight.grad.float(),
                 type(layer.dispatcher.backend).__name__,
+                layer.experts.w2.grad.float(),
+                type(res.dispatch).__name__,
+                tuple(res.dispatch.recv_x.shape),
             )
             layer.dispatcher.close()
         d, t = got["deepep"], got["torch"]
@@ -301,6 +334,9 @@ def moe_worker(rank: int, R: int, L: int) -> list[dict[str, Any]]:
                 "out": rel(d[0], t[0]),
                 "grad_x": rel(d[1], t[1]),
                 "grad_router": rel(d[2], t[2]),
+                "grad_w2": rel(d[4], t[4]),
+                "result": (d[5], t[5]),
+                "rows": d[6],
             }
         )
     return out
@@ -308,12 +344,19 @@ def moe_worker(rank: int, R: int, L: int) -> list[dict[str, Any]]:
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-def test_moe_layer_on_the_elastic_path_across_two_emulated_nodes() -> None:
-    # V2 combines in bf16, so the layers agree with the torch backend to bf16 precision
-    for cases in run_group(moe_worker, 4, 2, timeout=280):
+@pytest.mark.parametrize("R,L", [(2, 2), (4, 2)], ids=["intranode-R2", "2-nodes-of-2"])
+def test_moe_layer_on_the_elastic_path(R: int, L: int) -> None:
+    # V2 combines in bf16, so the layers agree with the torch backend to bf16 precision; the V2
+    # layer runs dispatch_expanded (rows grouped by local expert, no permute / unpermute)
+    T, k, e = 4, 4, 16 // R  # tiny_cpu: 16 experts, top-4
+    for cases in run_group(moe_worker, R, L, timeout=280):
         for c in cases:
             assert c["backend"] == "DeepEPElasticBackend", c
+            assert c["result"] == ("ExpandedDispatchResult", "DispatchResult"), c
             assert c["out"] < 2e-2 and c["grad_x"] < 2e-2 and c["grad_router"] < 3e-2, c
+            assert c["grad_w2"] < 2e-2, c
+            if c["case"][2]:  # worst-case: DeepEP's static R * M * min(k, e) rows
+                assert c["rows"][0] == R * T * min(k, e), c
 
 
 # --------------------------------------------------------------------- buffer and fp8
@@ -364,6 +407,13 @@ def buffer_fp8_worker(rank: int, R: int) -> dict[str, Any]:
     out["live_after_one"] = deepep_buffer.live_buffers()
     b.close()
     out["live_after_both"] = deepep_buffer.live_buffers()
+    # an fp8 dispatch on a fresh buffer: sized for the fp8 bytes plus the scales (H=7168,
+    # M=4096 is where sizing the H/2 bf16 wire columns would be too small by the scales)
+    c = _make(R, R, num_max_dispatch_tokens_per_rank=4096)
+    wide = torch.ones(2, 7168).to(torch.float8_e4m3fn)
+    got = c.backend.dispatch((wide, torch.ones(2, 7168 // 128)), mine.idx[:2], mine.probs[:2])
+    out["fp8_fresh"] = got.recv_x.shape[1] == 7168
+    c.close()
     return out
 
 
@@ -371,5 +421,5 @@ def buffer_fp8_worker(rank: int, R: int) -> dict[str, Any]:
 @pytest.mark.timeout(120)
 def test_elastic_buffer_is_shared_and_fp8_passes_through() -> None:
     for out in run_group(buffer_fp8_worker, 2, timeout=100):
-        assert out["shared"] and out["fp8"], out
+        assert out["shared"] and out["fp8"] and out["fp8_fresh"], out
         assert out["live_after_one"] == 1 and out["live_after_both"] == 0, out

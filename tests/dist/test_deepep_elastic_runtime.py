@@ -60,7 +60,11 @@ def semantics_worker(rank: int, R: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from tests.deepep_emu.load import load_deep_ep
+    from tests.deepep_emu.runtime import elastic as emulated
 
+    # NOTE: token order inside each source group for the exact comparisons below; the
+    # atomic (shuffled) slot order DeepEP has on a GPU is checked at the end
+    emulated.ATOMIC_ORDER = False
     deep_ep = load_deep_ep(release="2.1.0")
     group = dist.group.WORLD
     E = 2 * R
@@ -217,6 +221,24 @@ def semantics_worker(rank: int, R: int) -> dict[str, Any]:
         and torch.equal(r8.view(torch.uint8), ref8.to(torch.float8_e4m3fn).view(torch.uint8))
         and torch.equal(rsf, refsf)
     )
+    # atomic slot order (as on a GPU): the same rows, shuffled inside each source group; the
+    # metadata key src_rank * M + token sorts them back; a cached dispatch keeps the order
+    emulated.ATOMIC_ORDER = True
+    sx, sidx, _, sh, _ = go()
+    key = sh.recv_src_metadata[:, 0].long()
+    srt = torch.argsort(key)
+    again = buf.dispatch(mine.x, handle=sh, num_sms=NUM_SMS)[0]
+    groups = torch.diff(sh.psum_num_recv_tokens_per_scaleup_rank.long(), prepend=key.new_zeros(1))
+    src_of = torch.repeat_interleave(torch.arange(R), groups)
+    out["atomic_order"] = (
+        torch.equal(sx[srt], recv_x)
+        and torch.equal(sidx[srt], recv_idx)
+        and torch.equal(key // M, src_of)  # still grouped by source rank
+        and torch.equal(again, sx)
+    )
+    out["atomic_shuffled"] = bool((key != key.sort().values).any()) or n < 3
+    ssy = torch.sin(sx.float()).to(torch.bfloat16)
+    out["atomic_combine"] = torch.equal(buf.combine(ssy, sh)[0], combined)
     rt.emu_reset_counters()
     buf.barrier()
     out["barrier"] = rt.emu_counters() == {"elastic_barrier": 1, "collectives": 1}
@@ -330,6 +352,9 @@ def nodes_worker(rank: int, R: int, L: int) -> dict[str, Any]:
 
     from tests.deepep_emu.load import load_deep_ep
 
+    from tests.deepep_emu.runtime import elastic as emulated
+
+    emulated.ATOMIC_ORDER = False  # token order inside each source group (exact comparisons)
     deep_ep = load_deep_ep(nvl_peers=L, release="2.1.0")
     group = dist.group.WORLD
     E = 2 * R

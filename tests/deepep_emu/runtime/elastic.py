@@ -13,8 +13,9 @@ GPU as the host assert "NVCC compilation failed", so it is a host limit here).
 What the kernels do, as DeepEP does it (direct mode: one scale-out rank, R scale-up ranks):
 
 - dispatch sends one row per (token, destination rank), whatever the number of its experts
-  there. Non-expand: ``recv_x [n, H]`` grouped by source rank (rank order, token order inside:
-  DeepEP's order inside a group is atomic, the emulator's is the deterministic one),
+  there. Non-expand: ``recv_x [n, H]`` grouped by source rank (rank order; inside a group the
+  order of the sender's receive slots, which DeepEP assigns atomically and the emulator shuffles,
+  ``ATOMIC_ORDER``),
   ``recv_topk_idx`` local ids or -1, ``recv_topk_weights`` the sender's row unchanged.
   Expand: one row per (token, local expert), expert ``i`` at ``[start_i, start_i + count_i)``
   with ``start_i = sum_{j<i} align(count_j, a)``; padding uninitialised unless
@@ -23,7 +24,7 @@ What the kernels do, as DeepEP does it (direct mode: one scale-out rank, R scale
   + first local slot``, then (expand only; uninitialised otherwise) the expanded row of each slot
   or -1. ``dst_buffer_slot_idx [T, k]`` int32: ``rank * M + slot`` (this sender's region of the
   destination's receive buffer, I/dispatch.cuh:344-349) at the first slot of each destination
-  rank, -1 elsewhere; slots are in token order here, atomic order on a GPU.
+  rank, -1 elsewhere; slots in the shuffled order of the rows.
 - ``do_cpu_sync=True``: exact sizes and the aligned per-expert count list. ``False``: ``R * M``
   rows (expand: ``align(R * M * min(k, e) + (a - 1) * e, a)``), tails uninitialised
   (``transport.garbage``), an empty list; the true sizes live in the psum tensors.
@@ -59,6 +60,7 @@ __all__ = [
 ALIGNMENT = 2 * 1024 * 1024  # symmetric::kNumAlignmentBytes (symmetric.hpp:16)
 DEVICE_SMS = 132  # the emulated device (an H800/H100 SXM)
 _MAX_CHANNELS = 1280  # ElasticBuffer::kNumMaxChannels (buffer.hpp:57-59)
+ATOMIC_ORDER = True  # receive slots in a shuffled (atomic-like) order, as on a GPU
 
 
 def _a(x: int, b: int = 32) -> int:
@@ -142,6 +144,7 @@ class ElasticRuntime:
         explicitly_destroy: bool,
     ) -> None:
         self.release: str = module.EMULATED_RELEASE
+        self.calls = 0
         group = module.pending_group
         module.pending_group = None
         if group is None:
@@ -187,6 +190,32 @@ class ElasticRuntime:
         raise NotImplementedError("the emulated runtime has no CUDA streams")
 
     # ----------------------------------------------------------------- dispatch
+    def _slot_order(
+        self,
+        parts: list[torch.Tensor],
+        dest: torch.Tensor,
+        cached_slots: torch.Tensor | None,
+        M: int,
+    ) -> list[torch.Tensor]:
+        """The order of each destination's tokens in its receive slots.
+
+        DeepEP assigns a sender's slots at a destination with ``atomicAdd`` across warps
+        (I/dispatch.cuh:344-349): not token order. The emulator shuffles each destination's
+        tokens (seeded by rank and call number, so runs repeat) unless ``ATOMIC_ORDER`` is off;
+        a cached dispatch reuses the handle's slots, so it keeps the first dispatch's order.
+        """
+        if cached_slots is not None:
+            out = []
+            for d, part in enumerate(parts):
+                pos = torch.where(dest == d, cached_slots.to(torch.int64), -1).amax(1)
+                out.append(part[torch.argsort(pos[part])])
+            return out
+        if not ATOMIC_ORDER:
+            return parts
+        self.calls += 1
+        g = torch.Generator().manual_seed(7919 * self.calls + self.rank)
+        return [p[torch.randperm(p.numel(), generator=g)] for p in parts]
+
     def dispatch(
         self,
         x: torch.Tensor,
@@ -295,6 +324,7 @@ class ElasticRuntime:
             rows = valid.nonzero()[:, 0]
             in_rank[rows, dest[valid]] = True
             sel_parts = [in_rank[:, d].nonzero().flatten() for d in range(R)]
+            sel_parts = self._slot_order(sel_parts, dest, cached_dst_buffer_slot_idx, M)
             send_counts = [int(s.numel()) for s in sel_parts]
             sel = torch.cat(sel_parts) if sel_parts else torch.zeros(0, dtype=torch.int64)
             src = (me * M + sel).to(torch.int32).view(-1, 1)
