@@ -11,7 +11,8 @@ Usage::
 
 It simulates the preset's routing on synthetic logits (``flexdispatch.planner.plan_cluster``) and
 reports load, bytes per link class for the flat / hierarchical / DeepEP transports, estimated
-times, DeepEP buffer hints and worst-case W suggestions. The default output is a compact table;
+times, DeepEP buffer hints (V1 ``Buffer``; V2 ``ElasticBuffer`` as ``deepep_api='elastic'`` would
+size it) and worst-case W suggestions. The default output is a compact table;
 ``--plot`` writes a rank x rank traffic heatmap and expert-load bars (needs
 ``pip install 'flexdispatch[plot]'``).
 
@@ -36,13 +37,24 @@ times, DeepEP buffer hints and worst-case W suggestions. The default output is a
     ``nvlink_bytes``, ``rdma_bytes``, ``nvlink_recv_bytes``, ``rdma_recv_bytes`` (each
     ``{min, mean, max, imbalance}`` over ranks), ``total_nvlink_bytes``, ``total_rdma_bytes``,
     ``time_us`` (slowest rank).
-  - ``worst_case``: ``observed_max_recv_rows``, ``deepep_w``, ``deepep_test_w``,
-    ``torch_flat_w``, ``torch_hier_w``.
+  - ``worst_case``: ``observed_max_recv_rows``, ``deepep_w`` (V1, intranode only),
+    ``deepep_test_w``, ``torch_flat_w``, ``torch_hier_w``, ``deepep_v2_w`` (V2, ``T * R``:
+    ``W / R`` must hold each rank's T tokens; intranode and across nodes).
 - ``deepep``: ``supported``, ``reason``, ``num_sms``, ``hidden_bytes``, ``dispatch_config`` /
   ``combine_config`` (``[num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv]`` or null),
   ``num_nvl_bytes``, ``nvl_bytes_dispatch``, ``nvl_bytes_combine``, ``num_rdma_bytes``,
   ``rdma_bytes_dispatch``, ``rdma_bytes_combine`` (null without a tuned config), ``low_latency``
-  {``max_tokens_per_rank``, ``rdma_bytes``}.
+  {``max_tokens_per_rank``, ``rdma_bytes``}, and ``elastic``: DeepEP V2
+  (``ElasticBuffer.get_buffer_size_hint``) as flexdispatch's ``deepep_api='elastic'`` path sizes
+  it: ``supported``, ``reason``, ``mode`` (``direct``), ``use_fp8_dispatch`` (false: a bf16-sized
+  buffer), ``allow_hybrid_mode`` (false), ``allow_multiple_reduction`` (true); the domains
+  ``num_rdma_ranks`` x ``num_nvl_ranks`` (physical: NVLink domains of L ranks) and
+  ``num_scaleout_ranks`` x ``num_scaleup_ranks`` (logical, direct: 1 x R), ``scaleup_nvlink``
+  (one NVLink domain); ``num_topk``, ``elem_size``, ``dispatch_hidden`` / ``combine_hidden`` /
+  ``hidden`` (bf16 columns; the buffer is sized for the larger), ``dispatch_token_bytes``,
+  ``combine_token_bytes``; ``dropless`` {``num_max_tokens_per_rank`` (= T), ``num_bytes``,
+  ``dispatch_bytes``, ``combine_bytes``} and ``worst_case`` {``num_worst_tokens`` (= T * R),
+  the same four at ``M = W / R``}.
 """
 
 from __future__ import annotations
@@ -67,7 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="simulate a preset's routing on a cluster: load, bytes per link, buffer sizes",
         description="Simulate routing at cluster scale (one process, no GPU) and report load, "
         "NVLink/RDMA bytes per rank for flat, hierarchical and DeepEP transports, estimated "
-        "times, DeepEP buffer hints and worst-case W.",
+        "times, DeepEP buffer hints (V1 Buffer and V2 ElasticBuffer) and worst-case W.",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help="preset name (see `flexdispatch presets`)")
@@ -100,7 +112,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--dtype",
         choices=sorted(_DTYPE_BYTES),
         default="bf16",
-        help="dtype of the rows the torch backend moves (default bf16)",
+        help="dtype of the rows the torch backend and the DeepEP V2 path move (default bf16)",
     )
     p.add_argument("--num-sms", type=int, default=20, help="DeepEP Buffer.num_sms (default 20)")
     p.add_argument(

@@ -6,7 +6,8 @@ W worst-case rows.
 
 - ``accounting``: per-source row counts (``count_source_rows``), rows per rank and link class
   for the flat and hierarchical transports (``link_rows``), row sizes (torch, DeepEP).
-- ``deepep``: DeepEP's buffer-size hints and tuned configs, reimplemented.
+- ``deepep``: DeepEP's buffer-size hints and tuned configs, reimplemented (V1 ``Buffer`` and V2
+  ``ElasticBuffer``).
 - ``plan``: ``plan_cluster`` (synthetic routing at cluster scale → ``ClusterPlan``).
 - ``results``: the frozen result types (``ClusterPlan``, ``VariantPlan``, ...).
 - ``report``: the human table (``format_plan``) and the plot (``plot_plan``, needs matplotlib).
@@ -26,10 +27,16 @@ from flexdispatch.planner.accounting import (
 )
 from flexdispatch.planner.deepep import (
     DeepEPConfig,
+    DeepEPElasticHints,
     DeepEPHints,
+    ElasticBufferSize,
     combine_config,
+    deepep_elastic_hints,
     deepep_hints,
     dispatch_config,
+    elastic_buffer_size,
+    elastic_buffer_size_hint,
+    elastic_hidden,
     low_latency_rdma_size_hint,
 )
 from flexdispatch.planner.plan import (
@@ -65,6 +72,12 @@ __all__ = [
     "combine_config",
     "deepep_hints",
     "low_latency_rdma_size_hint",
+    "ElasticBufferSize",
+    "DeepEPElasticHints",
+    "elastic_buffer_size",
+    "elastic_buffer_size_hint",
+    "elastic_hidden",
+    "deepep_elastic_hints",
     "Stat",
     "DirectionTraffic",
     "ModeTraffic",

@@ -16,6 +16,12 @@ Sources (DeepEP, read for the arithmetic only):
 - ``csrc/kernels/configs.cuh``: ``NUM_MAX_NVL_PEERS = 8``, ``NUM_MAX_RDMA_PEERS = 20``,
   ``NUM_BUFFER_ALIGNMENT_BYTES = 128``; ``topk_idx_t`` is int64; ``internode.cu``
   ``get_source_meta_bytes()`` is 8 (two ints).
+- DeepEP 2.1.0 (commit ``dd758caf``), V2: ``csrc/elastic/buffer.hpp``
+  ``ElasticBuffer::get_dispatch_buffer_size`` / ``get_combine_buffer_size`` /
+  ``calculate_buffer_size`` (``kNumMaxChannels = 8 * 160``; 2 MiB alignment, ``symmetric.hpp``)
+  and ``deep_ep/include/deep_ep/common/layout.cuh`` (``TokenLayout``: 32-byte TMA-aligned parts,
+  ``num_hidden_bytes % 32 == 0``; ``BufferLayout``: ranks x tokens x token bytes;
+  ``WorkspaceLayout``: at most 1024 ranks, 2048 experts, 256 experts per rank).
 """
 
 from __future__ import annotations
@@ -35,6 +41,14 @@ __all__ = [
     "deepep_hints",
     "DEEPEP_DEFAULT_NUM_SMS",
     "DEEPEP_MAX_NVL_PEERS",
+    "ELASTIC_ALIGNMENT_BYTES",
+    "ELASTIC_MAX_TOPK",
+    "ElasticBufferSize",
+    "DeepEPElasticHints",
+    "elastic_buffer_size",
+    "elastic_buffer_size_hint",
+    "elastic_hidden",
+    "deepep_elastic_hints",
 ]
 
 DEEPEP_DEFAULT_NUM_SMS = 20
@@ -323,4 +337,301 @@ def deepep_hints(
         num_rdma_bytes=None if rdma_d is None or rdma_c is None else max(rdma_d, rdma_c),
         ll_max_tokens=ll_max_tokens,
         ll_rdma_bytes=low_latency_rdma_size_hint(ll_max_tokens, hidden, num_ranks, num_experts),
+    )
+
+
+# --------------------------------------------------------------------- DeepEP V2 (ElasticBuffer)
+ELASTIC_ALIGNMENT_BYTES = 2 * 1024 * 1024
+"""``symmetric::kNumAlignmentBytes``: an ``ElasticBuffer`` is a multiple of 2 MiB."""
+ELASTIC_MAX_TOPK = 32
+"""The V2 kernels' ``kNumTopk <= 32``; also the k the size hint assumes for ``num_topk=0``."""
+_ELASTIC_MAX_CHANNELS = 8 * 160  # kNumMaxChannelsPerSM * kNumMaxSMs = kNumMaxChannels
+_ELASTIC_TMA_ALIGN = 32  # ptx::kNumTMAAlignBytes: every part of a token slot
+_ELASTIC_MAX_RANKS = 1024  # WorkspaceLayout::kNumMaxRanks
+_ELASTIC_MAX_EXPERTS = 2048  # WorkspaceLayout::kNumMaxExperts
+_ELASTIC_MAX_LOCAL_EXPERTS = 256  # WorkspaceLayout::kNumMaxExpertsPerRank
+# flexdispatch's V2 path (backends/deepep_elastic.py): dispatch rows padded to 16 bf16 columns,
+# combine rows to a multiple of 256, and never fewer than 256 columns asked of the buffer.
+_V2_DISPATCH_COLS = 16
+_V2_COMBINE_COLS = 256
+
+
+@dataclass(frozen=True, kw_only=True)
+class ElasticBufferSize:
+    """``ElasticBuffer.get_buffer_size_hint`` and the parts it is the maximum of.
+
+    Attributes:
+        num_rdma_ranks / num_nvl_ranks: physical domains (``get_physical_domain_size``): NVLink
+            domains, and ranks in each.
+        num_scaleout_ranks / num_scaleup_ranks: logical domains (``get_logical_domain_size``):
+            hybrid mode ``(num_rdma_ranks, num_nvl_ranks)``, direct mode ``(1, R)``.
+        scaleup_nvlink: the scale-up domain is one NVLink domain (direct mode: one node).
+        num_max_tokens_per_rank: M.
+        hidden: the hidden size passed (elements of the dispatch dtype).
+        num_topk: the k the sizes assume (32 when 0 was passed).
+        dispatch_token_bytes / combine_token_bytes: bytes of one token slot.
+        dispatch_bytes / combine_bytes: the dispatch and combine buffer layouts.
+        num_bytes: ``max(dispatch_bytes, combine_bytes)`` rounded up to 2 MiB (the hint).
+    """
+
+    num_rdma_ranks: int
+    num_nvl_ranks: int
+    num_scaleout_ranks: int
+    num_scaleup_ranks: int
+    scaleup_nvlink: bool
+    num_max_tokens_per_rank: int
+    hidden: int
+    num_topk: int
+    dispatch_token_bytes: int
+    combine_token_bytes: int
+    dispatch_bytes: int
+    combine_bytes: int
+    num_bytes: int
+
+
+def elastic_buffer_size(
+    *,
+    num_ranks: int,
+    num_nvl_ranks: int,
+    num_max_tokens_per_rank: int,
+    hidden: int,
+    num_topk: int,
+    use_fp8_dispatch: bool = False,
+    allow_hybrid_mode: bool = False,
+    allow_multiple_reduction: bool = True,
+) -> ElasticBufferSize:
+    """``ElasticBuffer.get_buffer_size_hint`` (``ElasticBuffer::calculate_buffer_size``), in parts.
+
+    With ``a(x)`` = x rounded up to 32 bytes, ``elem`` = 1 (fp8) or 2 (bf16), ``s`` =
+    ``ceil(H / 32)`` scale packs for fp8 (else 0), a dispatch slot is
+    ``a(H * elem) + a(4s) + a(8k + 4(1 + k))`` bytes and a combine slot ``a(2H) + a(8k)``.
+    Direct mode (one scale-out domain; ``nvl`` = the scale-up domain is the NVLink domain,
+    ``amr`` = ``allow_multiple_reduction``)::
+
+        dispatch = ((0 if nvl else 1) + R) * M * slot_d
+        combine  = (0 if nvl else R) * M * (1 if amr else k) * slot_c
+                   + (min(R, k) if amr else k) * M * slot_c
+
+    Hybrid mode (``SO`` scale-out x ``SU`` scale-up ranks, ``SO > 1``; ``C = 1280`` channels)::
+
+        dispatch = SU * SO * M * slot_d + M * slot_d + SO * (M + C) * slot_d
+        combine  = (min(SU, k) if amr else k) * SO * M * slot_c
+                   + (min(SO, k) if amr else k) * M * slot_c
+                   + (1 if amr else k) * SO * (M + C) * slot_c
+
+    The hint is ``max(dispatch, combine)`` rounded up to 2 MiB.
+
+    Args:
+        num_ranks: R, ranks of the group.
+        num_nvl_ranks: ranks of one NVLink domain (what NCCL reports; the planner's L), capped
+            at R; R must be a multiple of it.
+        num_max_tokens_per_rank: M > 0.
+        hidden: H > 0, in elements of the dispatch dtype (bf16 columns unless fp8).
+        num_topk: k >= 0 (0: size for 32).
+        use_fp8_dispatch / allow_hybrid_mode / allow_multiple_reduction: as DeepEP's.
+
+    Raises:
+        ValueError: where DeepEP's host asserts fail (M or H not positive, ``4 * ceil(H / 32) > H``,
+            ``H * elem`` not a multiple of 32, R not a multiple of the NVLink domain).
+    """
+    R, M, H = num_ranks, num_max_tokens_per_rank, hidden
+    if M <= 0 or H <= 0:
+        raise ValueError(f"num_max_tokens_per_rank and hidden must be positive, got M={M}, H={H}")
+    if -(-H // 32) * _FLOAT > H:
+        raise ValueError(f"hidden={H} is too small: DeepEP needs ceil(H / 32) * 4 <= H")
+    if num_topk < 0:
+        raise ValueError(f"num_topk must be >= 0, got {num_topk}")
+    if R < 1 or num_nvl_ranks < 1:
+        raise ValueError(f"num_ranks and num_nvl_ranks must be >= 1, got {R}, {num_nvl_ranks}")
+    k = ELASTIC_MAX_TOPK if num_topk == 0 else num_topk
+    nvl = min(num_nvl_ranks, R)
+    if R % nvl:
+        raise ValueError(f"num_ranks={R} is not a multiple of the NVLink domain of {nvl} ranks")
+    rdma = R // nvl
+    SO, SU = (rdma, nvl) if allow_hybrid_mode else (1, R)
+    nvlink = nvl == SU  # is_scaleup_nvlink
+    elem = 1 if use_fp8_dispatch else 2
+    packs = -(-H // 32) if use_fp8_dispatch else 0
+    if (H * elem) % _ELASTIC_TMA_ALIGN:
+        raise ValueError(
+            f"hidden={H} x {elem} B = {H * elem} bytes is not a multiple of "
+            f"{_ELASTIC_TMA_ALIGN} (DeepEP's token layout: bf16 H % 16, fp8 H % 32)"
+        )
+    a = _ELASTIC_TMA_ALIGN
+    slot_d = (
+        _round_up(H * elem, a) + _round_up(packs * _FLOAT, a) + _round_up(k * 8 + (1 + k) * 4, a)
+    )
+    slot_c = _round_up(H * 2, a) + _round_up(k * 8, a)
+    amr = allow_multiple_reduction
+    if SO == 1:
+        dispatch = ((0 if nvlink else 1) + R) * M * slot_d
+        combine = (0 if nvlink else R) * M * (1 if amr else k) * slot_c
+        combine += (min(R, k) if amr else k) * M * slot_c
+    else:
+        C = _ELASTIC_MAX_CHANNELS
+        dispatch = SU * (SO * M) * slot_d + M * slot_d + SO * (M + C) * slot_d
+        combine = (min(SU, k) if amr else k) * (SO * M) * slot_c
+        combine += (min(SO, k) if amr else k) * M * slot_c
+        combine += (1 if amr else k) * (SO * (M + C)) * slot_c
+    return ElasticBufferSize(
+        num_rdma_ranks=rdma,
+        num_nvl_ranks=nvl,
+        num_scaleout_ranks=SO,
+        num_scaleup_ranks=SU,
+        scaleup_nvlink=nvlink,
+        num_max_tokens_per_rank=M,
+        hidden=H,
+        num_topk=k,
+        dispatch_token_bytes=slot_d,
+        combine_token_bytes=slot_c,
+        dispatch_bytes=dispatch,
+        combine_bytes=combine,
+        num_bytes=_round_up(max(dispatch, combine), ELASTIC_ALIGNMENT_BYTES),
+    )
+
+
+def elastic_buffer_size_hint(
+    *,
+    num_ranks: int,
+    num_nvl_ranks: int,
+    num_max_tokens_per_rank: int,
+    hidden: int,
+    num_topk: int,
+    use_fp8_dispatch: bool = False,
+    allow_hybrid_mode: bool = False,
+    allow_multiple_reduction: bool = True,
+) -> int:
+    """Bytes ``ElasticBuffer.get_buffer_size_hint`` returns (see ``elastic_buffer_size``)."""
+    return elastic_buffer_size(
+        num_ranks=num_ranks,
+        num_nvl_ranks=num_nvl_ranks,
+        num_max_tokens_per_rank=num_max_tokens_per_rank,
+        hidden=hidden,
+        num_topk=num_topk,
+        use_fp8_dispatch=use_fp8_dispatch,
+        allow_hybrid_mode=allow_hybrid_mode,
+        allow_multiple_reduction=allow_multiple_reduction,
+    ).num_bytes
+
+
+def elastic_hidden(hidden: int, elem_size: int) -> tuple[int, int]:
+    """``(dispatch, combine)`` hidden, in bf16 columns, that flexdispatch's V2 path sizes for.
+
+    What ``backends/deepep_elastic.py`` asks its shared buffer for with ``[T, H]`` rows:
+
+    - dispatch (and cached dispatch) of rows of 2 or 4 bytes: their bf16 bit view, ``H * elem /
+      2`` columns rounded up to 8 (``WireFormat``) and then to 16 (32-byte token rows), at least
+      256; ``elem_size=1`` stands for an fp8 ``(x, scales)`` tuple: ``H / 2`` columns (its bytes
+      in bf16 columns; H a multiple of 32), at least 256;
+    - combine: rows cast to bf16, padded to a multiple of 256 columns (narrow fp32 rows take the
+      exact path, which also asks for 256).
+
+    The shared buffer is sized for the larger of the two once a layer has dispatched and combined
+    (it keeps the union of what its calls asked for).
+    """
+    if hidden <= 0:
+        raise ValueError(f"hidden must be positive, got {hidden}")
+    if elem_size == 1:
+        if hidden % 32:
+            raise ValueError(f"fp8 (x, scales) rows need H % 32 == 0 on the V2 path, got {hidden}")
+        dispatch = hidden // 2
+    elif elem_size in (2, 4):
+        wire = _round_up(hidden * elem_size // 2, 8)
+        dispatch = _round_up(wire, _V2_DISPATCH_COLS)
+    else:
+        raise ValueError(f"elem_size must be 1 (fp8 tuple), 2 or 4 bytes, got {elem_size}")
+    return max(dispatch, _V2_COMBINE_COLS), _round_up(hidden, _V2_COMBINE_COLS)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepEPElasticHints:
+    """What flexdispatch's V2 path (``deepep_api='elastic'``) would allocate for a cluster shape.
+
+    Direct mode (``allow_hybrid_mode=False``), ``allow_multiple_reduction=True``, a bf16-sized
+    buffer (``use_fp8_dispatch=False``), hidden = ``max(dispatch_hidden, combine_hidden)``.
+
+    Attributes:
+        supported: the V2 kernels accept this shape.
+        reason: why not (empty when supported).
+        elem_size: bytes per element of the dispatched rows (1: fp8 ``(x, scales)`` tuples).
+        dispatch_hidden / combine_hidden / hidden: bf16 columns (``elastic_hidden``).
+        dropless: the hint at ``M = T`` (``num_max_dispatch_tokens_per_rank`` must be >= T).
+        worst_case_w: the smallest ``num_worst_tokens`` the V2 path takes: ``T * R``
+            (``M = W / R`` receive slots per source rank must hold each rank's T tokens).
+        worst_case: the hint at ``M = worst_case_w / R`` (= T: the dropless figure).
+    """
+
+    supported: bool
+    reason: str
+    elem_size: int
+    dispatch_hidden: int
+    combine_hidden: int
+    hidden: int
+    dropless: ElasticBufferSize
+    worst_case_w: int
+    worst_case: ElasticBufferSize
+
+
+def _elastic_reason(
+    num_experts: int, num_ranks: int, topk: int, hidden: int, elem_size: int
+) -> str:
+    if topk > ELASTIC_MAX_TOPK:
+        return f"V2 kernels take at most {ELASTIC_MAX_TOPK} experts per token, not k={topk}"
+    if num_ranks > _ELASTIC_MAX_RANKS:
+        return f"V2 takes at most {_ELASTIC_MAX_RANKS} ranks, not {num_ranks}"
+    if num_experts > _ELASTIC_MAX_EXPERTS:
+        return f"V2 takes at most {_ELASTIC_MAX_EXPERTS} experts, not E={num_experts}"
+    if num_experts // num_ranks > _ELASTIC_MAX_LOCAL_EXPERTS:
+        return (
+            f"V2 takes at most {_ELASTIC_MAX_LOCAL_EXPERTS} experts per rank, not "
+            f"e={num_experts // num_ranks}"
+        )
+    if elem_size == 1 and hidden % 32:
+        return f"fp8 (x, scales) rows need H % 32 == 0, not H={hidden}"
+    return ""
+
+
+def deepep_elastic_hints(
+    *,
+    hidden: int,
+    num_experts: int,
+    num_ranks: int,
+    ranks_per_node: int,
+    topk: int,
+    tokens: int,
+    elem_size: int = 2,
+) -> DeepEPElasticHints:
+    """The V2 buffer flexdispatch would build for T ``tokens`` per rank (see the class)."""
+    if tokens <= 0 or topk <= 0:
+        raise ValueError(f"tokens and topk must be positive, got {tokens}, {topk}")
+    reason = _elastic_reason(num_experts, num_ranks, topk, hidden, elem_size)
+    # NOTE: fp8 rows with H % 32 != 0 are refused (reason); the sizes pad H to 32 regardless.
+    fp8_pad = elem_size == 1 and hidden % 32
+    d_hidden, c_hidden = elastic_hidden(_round_up(hidden, 32) if fp8_pad else hidden, elem_size)
+    H = max(d_hidden, c_hidden)
+
+    def size(M: int) -> ElasticBufferSize:
+        return elastic_buffer_size(
+            num_ranks=num_ranks,
+            num_nvl_ranks=ranks_per_node,
+            num_max_tokens_per_rank=M,
+            hidden=H,
+            num_topk=topk,
+            use_fp8_dispatch=False,
+            allow_hybrid_mode=False,
+            allow_multiple_reduction=True,
+        )
+
+    W = tokens * num_ranks
+    dropless = size(tokens)
+    return DeepEPElasticHints(
+        supported=not reason,
+        reason=reason,
+        elem_size=elem_size,
+        dispatch_hidden=d_hidden,
+        combine_hidden=c_hidden,
+        hidden=H,
+        dropless=dropless,
+        worst_case_w=W,
+        worst_case=size(W // num_ranks),
     )

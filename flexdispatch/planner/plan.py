@@ -20,7 +20,9 @@ What ``plan_cluster`` does, in one process and without a GPU:
 3. Counting per block of source ranks (``accounting.count_rows_batched``): only ``[R, R]``,
    ``[R, N]`` and ``[E]`` counts are kept, never a ``[T_total, R]`` mask.
 4. Pricing: ``flat`` and ``hierarchical`` with the torch backend's row format and
-   ``deepep`` with DeepEP's (FP8 dispatch, BF16 combine); DeepEP buffer hints; worst-case W.
+   ``deepep`` with DeepEP's (FP8 dispatch, BF16 combine); DeepEP buffer hints (V1 ``Buffer``
+   and the V2 ``ElasticBuffer`` that flexdispatch's ``deepep_api='elastic'`` path would build);
+   worst-case W.
 
 Time model (per direction): a link class moves ``max(bytes sent, bytes received)`` of a rank at
 its bandwidth (defaults from DeepEP's published H800 numbers: NVLink 155 GB/s, RDMA 50 GB/s per
@@ -48,7 +50,11 @@ from flexdispatch.planner.accounting import (
     link_rows,
     torch_row_format,
 )
-from flexdispatch.planner.deepep import DEEPEP_DEFAULT_NUM_SMS, deepep_hints
+from flexdispatch.planner.deepep import (
+    DEEPEP_DEFAULT_NUM_SMS,
+    deepep_elastic_hints,
+    deepep_hints,
+)
 from flexdispatch.planner.results import (
     ClusterPlan,
     DirectionTraffic,
@@ -264,6 +270,7 @@ def _worst_case(C: torch.Tensor, D: torch.Tensor, T: int, L: int) -> WorstCase:
         deepep_test_w=T * R,
         torch_flat_w=flat,
         torch_hier_w=math.ceil(hier / R) * R,
+        deepep_v2_w=T * R,
     )
 
 
@@ -322,7 +329,8 @@ def plan_cluster(
         tokens: T, tokens per rank.
         skew: >= 0, strength of the expert-popularity offset added to the logits.
         seed: seeds the popularity ranking and every rank's logits.
-        elem_size: bytes per element of the dispatched rows in the torch backend (bf16: 2).
+        elem_size: bytes per element of the dispatched rows in the torch backend (bf16: 2) and
+            on DeepEP's V2 path (bf16 bit views; 1 = fp8 ``(x, scales)`` tuples there).
         nvlink_gbps / rdma_gbps: per-rank link bandwidths of the time model.
         num_sms: DeepEP ``Buffer.num_sms`` for the buffer hints.
         ll_max_tokens: low-latency ``num_max_dispatch_tokens_per_rank`` for its hint.
@@ -441,6 +449,15 @@ def plan_cluster(
         num_sms=num_sms,
         ll_max_tokens=ll_max_tokens,
     )
+    elastic = deepep_elastic_hints(
+        hidden=H,
+        num_experts=E,
+        num_ranks=R,
+        ranks_per_node=L,
+        topk=k,
+        tokens=T,
+        elem_size=elem_size,
+    )
     return ClusterPlan(
         preset=cfg.name,
         num_experts=E,
@@ -456,6 +473,7 @@ def plan_cluster(
         rdma_gbps=float(rdma_gbps),
         variants=tuple(plans),
         deepep=hints,
+        deepep_elastic=elastic,
         wall_s=time.perf_counter() - start,
         notes=tuple(notes),
     )

@@ -109,6 +109,18 @@ def _variant_details(plan: ClusterPlan, v: VariantPlan, top: int) -> list[str]:
         f"torch flat W >= {w.torch_flat_w:,}; torch hierarchical W >= {w.torch_hier_w:,} "
         f"(add headroom)"
     )
+    T = plan.tokens_per_rank
+    v1_per_rank = w.deepep_w // plan.num_ranks
+    v1 = (
+        f"; V1's W = {w.deepep_w:,} gives W/R = {v1_per_rank:,} < T: refused"
+        if v1_per_rank < T
+        else ""
+    )
+    lines.append(
+        f"  DeepEP V2 (deepep_api='elastic') worst-case W >= T*R = {w.deepep_v2_w:,} "
+        f"(W/R = {T:,} slots per source rank must hold its T tokens; intranode and across "
+        f"nodes{v1})"
+    )
     return lines
 
 
@@ -136,6 +148,29 @@ def _deepep_lines(plan: ClusterPlan) -> list[str]:
     return lines
 
 
+def _elastic_lines(plan: ClusterPlan) -> list[str]:
+    v2 = plan.deepep_elastic
+    s, w = v2.dropless, v2.worst_case
+    links = "one NVLink domain" if s.scaleup_nvlink else "not one NVLink domain: RDMA too"
+    lines = [
+        "DeepEP V2 buffer (ElasticBuffer.get_buffer_size_hint as deepep_api='elastic' sizes it: "
+        "direct mode, multiple reduction, bf16-sized)",
+        f"  domains: physical {s.num_rdma_ranks} x {s.num_nvl_ranks} (NVLink domains x ranks), "
+        f"logical {s.num_scaleout_ranks} scale-out x {s.num_scaleup_ranks} scale-up ({links}); "
+        f"hidden = {v2.hidden} bf16 columns (dispatch {v2.dispatch_hidden}, combine "
+        f"{v2.combine_hidden}), k = {s.num_topk}",
+        f"  dropless (M = num_max_dispatch_tokens_per_rank = T = {s.num_max_tokens_per_rank:,}): "
+        f"num_bytes = {s.num_bytes:,} ({format_bytes(s.num_bytes)}; dispatch "
+        f"{s.dispatch_bytes:,}, combine {s.combine_bytes:,})",
+        f"  worst-case (num_worst_tokens = T*R = {v2.worst_case_w:,}, M = W/R = "
+        f"{w.num_max_tokens_per_rank:,}; intranode and across nodes, unlike V1): num_bytes = "
+        f"{w.num_bytes:,} ({format_bytes(w.num_bytes)})",
+    ]
+    if not v2.supported:
+        lines.append(f"  V2 kernels do not fit this shape: {v2.reason}")
+    return lines
+
+
 def format_plan(plan: ClusterPlan, *, top: int = 5) -> str:
     """The compact human report printed by ``flexdispatch plan`` (no per-rank rows)."""
     head = [
@@ -151,6 +186,7 @@ def format_plan(plan: ClusterPlan, *, top: int = 5) -> str:
         if v.same_as is None:
             blocks.append(_variant_details(plan, v, top))
     blocks.append(_deepep_lines(plan))
+    blocks.append(_elastic_lines(plan))
     if plan.notes:
         blocks.append(["Notes", *(f"  {n}" for n in plan.notes)])
     return "\n\n".join("\n".join(b) for b in blocks) + "\n"

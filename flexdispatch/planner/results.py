@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from flexdispatch.planner.accounting import LinkRows, RowFormat
-from flexdispatch.planner.deepep import DeepEPHints
+from flexdispatch.planner.deepep import DeepEPElasticHints, DeepEPHints, ElasticBufferSize
 
 __all__ = ["Stat", "DirectionTraffic", "ModeTraffic", "WorstCase", "VariantPlan", "ClusterPlan"]
 
@@ -108,6 +108,9 @@ class WorstCase:
         torch_flat_w: smallest W the torch backend's flat mode accepts (``W / R`` rows per peer).
         torch_hier_w: same for its hierarchical mode (``W / N`` per node in hop 1, ``W / L`` per
             peer in hop 2), rounded up to a multiple of R.
+        deepep_v2_w: smallest W DeepEP V2 (``deepep_api='elastic'``) takes: ``T * R``, whatever
+            the routing (``M = W / R`` receive slots per source rank must hold its T tokens);
+            intranode and across nodes.
     """
 
     observed_max_recv_rows: int
@@ -115,6 +118,7 @@ class WorstCase:
     deepep_test_w: int
     torch_flat_w: int
     torch_hier_w: int
+    deepep_v2_w: int
 
     def as_dict(self) -> dict[str, int]:
         return {
@@ -123,6 +127,7 @@ class WorstCase:
             "deepep_test_w": self.deepep_test_w,
             "torch_flat_w": self.torch_flat_w,
             "torch_hier_w": self.torch_hier_w,
+            "deepep_v2_w": self.deepep_v2_w,
         }
 
 
@@ -222,6 +227,7 @@ class ClusterPlan:
     rdma_gbps: float
     variants: tuple[VariantPlan, ...]
     deepep: DeepEPHints
+    deepep_elastic: DeepEPElasticHints
     wall_s: float
     notes: tuple[str, ...]
 
@@ -282,8 +288,44 @@ class ClusterPlan:
                     "max_tokens_per_rank": d.ll_max_tokens,
                     "rdma_bytes": d.ll_rdma_bytes,
                 },
+                "elastic": _elastic_dict(self.deepep_elastic),
             },
         }
+
+
+def _elastic_size_dict(s: ElasticBufferSize) -> dict[str, int]:
+    return {
+        "num_max_tokens_per_rank": s.num_max_tokens_per_rank,
+        "num_bytes": s.num_bytes,
+        "dispatch_bytes": s.dispatch_bytes,
+        "combine_bytes": s.combine_bytes,
+    }
+
+
+def _elastic_dict(v2: DeepEPElasticHints) -> dict[str, Any]:
+    s = v2.dropless
+    return {
+        "supported": v2.supported,
+        "reason": v2.reason,
+        "mode": "direct",
+        "use_fp8_dispatch": False,
+        "allow_hybrid_mode": False,
+        "allow_multiple_reduction": True,
+        "num_rdma_ranks": s.num_rdma_ranks,
+        "num_nvl_ranks": s.num_nvl_ranks,
+        "num_scaleout_ranks": s.num_scaleout_ranks,
+        "num_scaleup_ranks": s.num_scaleup_ranks,
+        "scaleup_nvlink": s.scaleup_nvlink,
+        "num_topk": s.num_topk,
+        "elem_size": v2.elem_size,
+        "dispatch_hidden": v2.dispatch_hidden,
+        "combine_hidden": v2.combine_hidden,
+        "hidden": v2.hidden,
+        "dispatch_token_bytes": s.dispatch_token_bytes,
+        "combine_token_bytes": s.combine_token_bytes,
+        "dropless": _elastic_size_dict(v2.dropless),
+        "worst_case": {"num_worst_tokens": v2.worst_case_w, **_elastic_size_dict(v2.worst_case)},
+    }
 
 
 def _top(values: tuple[int, ...], n: int) -> list[tuple[int, int]]:

@@ -62,14 +62,37 @@ def test_json_has_the_documented_keys(capsys: pytest.CaptureFixture[str]) -> Non
         "total_nvlink_bytes", "total_rdma_bytes", "time_us",
     }  # fmt: skip
     assert set(v["worst_case"]) == {
-        "observed_max_recv_rows", "deepep_w", "deepep_test_w", "torch_flat_w", "torch_hier_w"
+        "observed_max_recv_rows", "deepep_w", "deepep_test_w", "torch_flat_w", "torch_hier_w",
+        "deepep_v2_w",
     }  # fmt: skip
+    assert v["worst_case"]["deepep_v2_w"] == 64 * 4  # T * R
     assert set(doc["deepep"]) == {
         "supported", "reason", "num_sms", "hidden_bytes", "dispatch_config", "combine_config",
         "num_nvl_bytes", "nvl_bytes_dispatch", "nvl_bytes_combine", "num_rdma_bytes",
-        "rdma_bytes_dispatch", "rdma_bytes_combine", "low_latency",
+        "rdma_bytes_dispatch", "rdma_bytes_combine", "low_latency", "elastic",
     }  # fmt: skip
     assert doc["deepep"]["supported"] is False  # 2 nodes x 2 ranks: DeepEP wants 8 per node
+    v2 = doc["deepep"]["elastic"]
+    assert set(v2) == {
+        "supported", "reason", "mode", "use_fp8_dispatch", "allow_hybrid_mode",
+        "allow_multiple_reduction", "num_rdma_ranks", "num_nvl_ranks", "num_scaleout_ranks",
+        "num_scaleup_ranks", "scaleup_nvlink", "num_topk", "elem_size", "dispatch_hidden",
+        "combine_hidden", "hidden", "dispatch_token_bytes", "combine_token_bytes", "dropless",
+        "worst_case",
+    }  # fmt: skip
+    assert v2["supported"] is True and v2["reason"] == ""  # V2 takes 2 nodes of 2
+    assert (v2["mode"], v2["use_fp8_dispatch"], v2["allow_hybrid_mode"]) == ("direct", False, False)
+    assert v2["allow_multiple_reduction"] is True
+    assert (v2["num_rdma_ranks"], v2["num_nvl_ranks"]) == (2, 2)
+    assert v2["num_scaleout_ranks"] == 1 and v2["num_scaleup_ranks"] == 4  # direct: 1 x R
+    assert v2["scaleup_nvlink"] is False  # R = 4 spans two NVLink domains
+    sizes = {"num_max_tokens_per_rank", "num_bytes", "dispatch_bytes", "combine_bytes"}
+    assert set(v2["dropless"]) == sizes
+    assert set(v2["worst_case"]) == sizes | {"num_worst_tokens"}
+    assert v2["dropless"]["num_max_tokens_per_rank"] == 64
+    w2 = v2["worst_case"]
+    assert (w2["num_worst_tokens"], w2["num_max_tokens_per_rank"]) == (256, 64)  # W = T*R, M = T
+    assert v2["dropless"]["num_bytes"] % (2 << 20) == 0 and v2["dropless"]["num_bytes"] > 0
     # Load and traffic agree: hierarchical RDMA rows are the rows entering the 2 nodes.
     rows_in = round(v["load"]["node_rdma_rows_in"]["mean"] * 2)
     assert t["dispatch"]["total_rdma_bytes"] == rows_in * t["dispatch_row_bytes"] > 0
@@ -82,8 +105,15 @@ def test_human_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "NVLink 100 GB/s, RDMA 25 GB/s" in out
     assert "rows of 4 B/elem" in out
     for text in ("Load per routing variant", "hierarchical", "deepep", "worst-case W",
-                 "DeepEP buffers", "hottest experts"):  # fmt: skip
+                 "DeepEP buffers", "hottest experts", "(intranode only;"):  # fmt: skip
         assert text in out
+    # DeepEP V2: the buffer block and a worst-case line per variant, across nodes.
+    assert "DeepEP V2 buffer (ElasticBuffer.get_buffer_size_hint" in out
+    assert "logical 1 scale-out x 4 scale-up" in out
+    assert "DeepEP V2 (deepep_api='elastic') worst-case W >= T*R = 256" in out
+    assert "intranode and across nodes" in out
+    # fp32 rows: 2H bf16 columns dispatched (tiny_cpu H = 64 -> 128, at least 256), combine 256
+    assert "hidden = 256 bf16 columns (dispatch 256, combine 256)" in out
     assert len(out.splitlines()) < 60  # a summary, not one row per rank
 
 

@@ -19,9 +19,12 @@ from flexdispatch.planner import (
     combine_config,
     count_rows_batched,
     count_source_rows,
+    deepep_elastic_hints,
     deepep_hints,
     deepep_row_format,
     dispatch_config,
+    elastic_buffer_size,
+    format_plan,
     link_rows,
     low_latency_rdma_size_hint,
     node_limited_group_topk,
@@ -288,6 +291,7 @@ def check_plan_consistency(plan: ClusterPlan) -> None:
             )
         assert v.worst_case.observed_max_recv_rows == max(v.recv_rows)
         assert v.worst_case.deepep_w % R == 0 and v.worst_case.torch_hier_w % R == 0
+        assert v.worst_case.deepep_v2_w == T * R == plan.deepep_elastic.worst_case_w
 
 
 def test_small_plan_is_consistent_and_deterministic() -> None:
@@ -403,6 +407,38 @@ def test_single_node_deepep_uses_intranode_rows() -> None:
     assert deepep.row_format == deepep_row_format(hidden=256, topk=4, internode=False)
     assert sum(deepep.dispatch.rdma_bytes) == 0 and sum(v.mode("flat").dispatch.rdma_bytes) == 0
     assert plan.deepep.supported and plan.deepep.num_rdma_bytes == 0
+    v2 = plan.deepep_elastic.dropless
+    assert v2.scaleup_nvlink and (v2.num_rdma_ranks, v2.num_scaleup_ranks) == (1, 4)
+
+
+def test_plan_carries_the_v2_buffer_flexdispatch_would_build() -> None:
+    # 2 nodes x 4 ranks, H = 256 bf16, k = 4, T = 48: the V2 path pads combine rows to 256 columns
+    # and asks at least 256 for dispatch, so hidden = 256; direct mode over 2 NVLink domains of 4.
+    plan = plan_cluster(tiny_moe(), nodes=2, ranks_per_node=4, tokens=48, variants=("preset",))
+    v2 = plan.deepep_elastic
+    assert v2 == deepep_elastic_hints(
+        hidden=256, num_experts=16, num_ranks=8, ranks_per_node=4, topk=4, tokens=48
+    )
+    assert (v2.dispatch_hidden, v2.combine_hidden, v2.hidden) == (256, 256, 256)
+    assert v2.dropless == elastic_buffer_size(
+        num_ranks=8, num_nvl_ranks=4, num_max_tokens_per_rank=48, hidden=256, num_topk=4
+    )
+    # slots: a(512) + a(4 * 8 + 5 * 4 = 52) = 576 and a(512) + a(32) = 544;
+    # dispatch (1 + 8) * 48 * 576 = 248,832; combine 8 * 48 * 544 + 4 * 48 * 544 = 313,344
+    assert (v2.dropless.dispatch_bytes, v2.dropless.combine_bytes) == (248_832, 313_344)
+    assert v2.dropless.num_bytes == 2 * 1024 * 1024
+    assert (v2.dropless.num_rdma_ranks, v2.dropless.num_nvl_ranks) == (2, 4)
+    assert not v2.dropless.scaleup_nvlink
+    assert v2.worst_case_w == 48 * 8 and v2.worst_case.num_max_tokens_per_rank == 48
+    assert plan.as_dict()["deepep"]["elastic"]["dropless"]["num_bytes"] == 2 * 1024 * 1024
+    assert plan.variant("preset").worst_case.as_dict()["deepep_v2_w"] == 48 * 8
+    text = format_plan(plan)
+    assert "DeepEP V2 buffer (ElasticBuffer.get_buffer_size_hint" in text
+    assert "physical 2 x 4 (NVLink domains x ranks), logical 1 scale-out x 8 scale-up" in text
+    assert "dropless (M = num_max_dispatch_tokens_per_rank = T = 48): num_bytes = 2,097,152" in text
+    assert "worst-case (num_worst_tokens = T*R = 384, M = W/R = 48; intranode and across" in text
+    assert "DeepEP V2 (deepep_api='elastic') worst-case W >= T*R = 384" in text
+    assert "(intranode only; its test uses T*R = 384)" in text  # the V1 line is unchanged
 
 
 @pytest.mark.timeout(120)
@@ -417,6 +453,7 @@ def test_ep256_plan_finishes() -> None:
     assert int(v.rows_SN.sum(1).max()) <= 16 * 4096
     check_plan_consistency(plan)
     assert not plan.deepep.supported and "20 nodes" in plan.deepep.reason
+    assert plan.deepep_elastic.supported  # V2 has no 20-node limit
     assert plan.wall_s < 60
 
 
