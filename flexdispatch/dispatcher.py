@@ -252,6 +252,10 @@ class FlexDispatcher:
             ok, why = self._backend.supports_worst_case()
             if not ok:
                 raise ValueError(f"num_worst_tokens not supported: {why}")
+        if config.cuda_graph:
+            ok, why = self._backend.supports_cuda_graph()
+            if not ok:
+                raise ValueError(f"cuda_graph=True not supported: {why}")
         self.num_experts = num_experts
 
     # ----------------------------------------------------------------- properties

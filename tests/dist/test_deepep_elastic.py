@@ -359,6 +359,57 @@ def test_moe_layer_on_the_elastic_path(R: int, L: int) -> None:
                 assert c["rows"][0] == R * T * min(k, e), c
 
 
+# --------------------------------------------------------------------- CUDA-graph config
+def graph_config_worker(rank: int, R: int, L: int) -> dict[str, Any]:
+    from flexdispatch.config import load_config
+    from flexdispatch.moe import MoELayer
+
+    deep_ep = _emu(R, L)
+    T = 4
+    cfg = load_config("tiny_cpu").model_copy(update={"hidden_size": 256, "ffn_hidden_size": 32})
+    out: dict[str, Any] = {}
+    for api in ("auto", "legacy"):
+        dispatch = cfg.dispatch.model_copy(
+            update={
+                "backend": "deepep",
+                "deepep_api": api,
+                "ranks_per_node": L,
+                "num_worst_tokens": R * T,
+                "cuda_graph": True,
+            }
+        )
+        c = cfg.model_copy(update={"dispatch": dispatch})
+        try:
+            layer = MoELayer(c, seed=3, dtype=torch.bfloat16, _deep_ep=deep_ep)
+        except ValueError as exc:
+            out[api] = f"ValueError: {exc}"
+            continue
+        x = torch.randn(T, 256, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+        res = layer(x)
+        stats = layer.dispatcher.stats
+        out[api] = {
+            "backend": type(layer.dispatcher.backend).__name__,
+            "expanded": layer.expanded,
+            "host_syncs": stats.host_syncs,
+            "rows": tuple(res.dispatch.recv_x.shape),
+            "finite": bool(torch.isfinite(res.output.float()).all()),
+        }
+        layer.dispatcher.close()
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_cuda_graph_config_across_two_emulated_nodes_runs_on_v2_only() -> None:
+    # cuda_graph=True across nodes: accepted on V2 (static shapes, no host sync), refused on V1
+    for out in run_group(graph_config_worker, 4, 2, timeout=100):
+        v2 = out["auto"]
+        assert isinstance(v2, dict) and v2["backend"] == "DeepEPElasticBackend", out
+        assert v2["expanded"] and v2["host_syncs"] == 0 and v2["finite"], v2
+        assert v2["rows"] == (4 * 4 * 4, 256), v2  # R * (W / R) * min(k, e) rows, static
+        assert "intranode only on its V1 Buffer" in out["legacy"], out["legacy"]
+
+
 # --------------------------------------------------------------------- buffer and fp8
 def buffer_fp8_worker(rank: int, R: int) -> dict[str, Any]:
     import torch.distributed as dist

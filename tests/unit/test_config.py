@@ -110,3 +110,14 @@ def test_deepep_api_field_and_worst_case_across_nodes_on_the_elastic_path():
     DispatchConfig(**graphs).check_world(16, 8)
     with pytest.raises(ValueError, match=r"cuda_graph=True needs it.*deepep_api='elastic'"):
         DispatchConfig(**graphs, deepep_api="legacy").check_world(16, 8)
+    # the same through MoEConfig: 2 nodes of 8 with cuda_graph=True on V2, refused on V1
+    layer = load_config("tiny_cpu")
+    for api, ok in (("auto", True), ("elastic", True), ("legacy", False)):
+        cfg = layer.model_copy(
+            update={"dispatch": DispatchConfig(**graphs, deepep_api=api, ranks_per_node=8)}
+        )
+        if ok:
+            cfg.check_world(16, 8)
+        else:
+            with pytest.raises(ValueError, match="cuda_graph=True needs it"):
+                cfg.check_world(16, 8)
