@@ -9,7 +9,8 @@
 # worst-case step captured in a CUDA graph and replayed equal to eager; no host sync
 # (torch.cuda.set_sync_debug_mode("error")) in worst-case dispatch/combine, routing, layout,
 # static permute and the deepep masking helpers;
-# the DeepEP GPU tests (skipped with the reason unless deep_ep imports and >= 2 GPUs); routing and
+# the DeepEP GPU tests, V1 and V2 (ElasticBuffer: contract, MoELayer, CUDA-graph capture/replay;
+# skipped with the reason unless deep_ep imports, has ElasticBuffer, and >= 2 GPUs); routing and
 # permute throughput as a fraction of a device copy of the same bytes.
 set -uo pipefail
 
@@ -96,6 +97,7 @@ finally:
 print("no host sync in: " + ", ".join(names))
 EOF
 run deepep_gpu 280 "$py" -m pytest tests/gpu/test_deepep_gpu.py -q -rs -p no:cacheprovider
+run deepep_elastic_gpu 240 "$py" -m pytest tests/gpu/test_deepep_elastic_gpu.py -q -rs -p no:cacheprovider
 run throughput 120 "$py" - <<'EOF'
 import statistics
 import time

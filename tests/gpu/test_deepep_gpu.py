@@ -85,7 +85,11 @@ def contract_worker() -> dict[str, Any]:
             w = W + 8 if worst else 0
             ds = {
                 b: FlexDispatcher(
-                    DispatchConfig(backend=b, num_worst_tokens=w * (R if b == "torch" else 1)),
+                    DispatchConfig(
+                        backend=b,
+                        num_worst_tokens=w * (R if b == "torch" else 1),
+                        deepep_api="legacy",  # V1 here; V2: test_deepep_elastic_gpu.py
+                    ),
                     num_experts=E,
                 )
                 for b in ("deepep", "torch")
@@ -185,7 +189,10 @@ def limits_worker() -> dict[str, Any]:
     idx = torch.rand(T, E, generator=g).argsort(1)[:, :k].to(dev)
     probs = torch.rand(T, k, generator=g).to(dev)
     report: dict[str, Any] = {"rows_equal": [], "combine_err": 0.0}
-    ds = {b: FlexDispatcher(DispatchConfig(backend=b), num_experts=E) for b in ("deepep", "torch")}
+    ds = {
+        b: FlexDispatcher(DispatchConfig(backend=b, deepep_api="legacy"), num_experts=E)
+        for b in ("deepep", "torch")
+    }
     deep = ds["deepep"]
     # DeepEP's layout kernel and flexdispatch's pure-torch layout agree
     buf = deep.backend._ensure_buffer(deep.backend._required_size(512))
@@ -215,7 +222,7 @@ def limits_worker() -> dict[str, Any]:
                 ds["torch"].backend.combine(res["torch"].recv_topk_probs, res["torch"].handle),
             ),
         )
-    other = FlexDispatcher(DispatchConfig(backend="deepep"), num_experts=E)
+    other = FlexDispatcher(DispatchConfig(backend="deepep", deepep_api="legacy"), num_experts=E)
     other.dispatch(torch.randn(T, 256, device=dev, dtype=torch.bfloat16), idx, probs)
     report["live_buffers"] = deepep_buffer.live_buffers()
     for d in (*ds.values(), other):
