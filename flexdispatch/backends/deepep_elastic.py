@@ -130,6 +130,10 @@ def _token_order(handle: Any, rows: int, used: torch.Tensor | None) -> torch.Ten
     return torch.argsort(key)
 
 
+def _a32(n: int) -> int:
+    return -(-n // 32) * 32
+
+
 def _pad_cols(w: torch.Tensor, multiple: int) -> torch.Tensor:
     pad = -w.shape[1] % multiple
     return F.pad(w, (0, pad)) if pad else w.contiguous()
@@ -210,6 +214,7 @@ class DeepEPElasticBackend(DispatchBackend):
         self.deep_ep = module
         self.topk_idx_dtype: torch.dtype = getattr(module, "topk_idx_t", torch.int64)
         self._shared = deepep_buffer.acquire_elastic(module, self.group, id(self))
+        self._pending: list[tuple[str, Any, int]] = []  # traffic not yet in stats
         self._closed = False
 
     # ----------------------------------------------------------------- capabilities
@@ -242,11 +247,67 @@ class DeepEPElasticBackend(DispatchBackend):
 
     @property
     def stats(self) -> DispatchStats:
+        """Cumulative counters (the traffic of past calls folded in first)."""
+        self.flush_stats()
         return self._stats
 
     @stats.setter
     def stats(self, value: DispatchStats) -> None:
         self._stats = value
+
+    # ----------------------------------------------------------------- statistics
+    def _account(self, kind: str, h: Any, row_bytes: int) -> None:
+        """Record a call's traffic; computed from the ``EPHandle`` when ``stats`` is read (no
+        device op and no host read on the hot path)."""
+        self._pending.append((kind, h, row_bytes))
+        if len(self._pending) >= 256:
+            self.flush_stats()
+
+    def flush_stats(self) -> None:
+        """Add the traffic of the recorded calls to ``stats`` (reads the handles on the host).
+
+        Direct mode sends every row straight to its rank: a dispatch sends one row per (token,
+        destination rank) — the ``dst_buffer_slot_idx >= 0`` entries, at each destination's
+        first top-k slot — and a combine one row back per received row (expanded rows are summed
+        on their rank first), to the source ranks of ``psum_num_recv_tokens_per_scaleup_rank``.
+        Bytes are DeepEP's token layouts; rows to this rank itself are not counted as traffic.
+        """
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        s, R, L, me = self._stats, self.num_ranks, self.ranks_per_node, self.rank
+        node = torch.arange(R) // L
+        same = (node == me // L) & (torch.arange(R) != me)
+        other = node != me // L
+        for kind, h, row_bytes in pending:
+            if kind == "combine":
+                ps = h.psum_num_recv_tokens_per_scaleup_rank.to(torch.int64).cpu()
+                rows = torch.diff(ps, prepend=ps.new_zeros(1))
+            else:
+                rows = self._sent_rows(h)
+            s.bytes_sent_intra_node += int(rows[same].sum()) * row_bytes
+            s.bytes_sent_inter_node += int(rows[other].sum()) * row_bytes
+            if kind == "dispatch":
+                ps = h.psum_num_recv_tokens_per_scaleup_rank.to(torch.int64)
+                s.rows_sent += int(rows.sum())
+                s.rows_received += int(ps[-1])
+
+    def _sent_rows(self, h: Any) -> torch.Tensor:
+        """``[R]`` rows one dispatch sent to each rank (on the host)."""
+        idx = h.topk_idx.to(torch.int64).cpu()
+        first = h.dst_buffer_slot_idx.cpu() >= 0
+        dest = torch.where(idx >= 0, idx // self.num_local_experts, 0)
+        return torch.bincount(dest[first], minlength=self.num_ranks)
+
+    @staticmethod
+    def _dispatch_row_bytes(row_bytes: int, scales: int, k: int) -> int:
+        """``TokenLayout`` bytes of a dispatched row: the row, the scales, ids and weights."""
+        return _a32(row_bytes) + _a32(4 * scales) + _a32(8 * k + 4 * (1 + k))
+
+    @staticmethod
+    def _combine_row_bytes(columns: int, k: int) -> int:
+        """``TokenLayout`` bytes of a combined row: bf16 columns and the weights channel."""
+        return _a32(2 * columns) + _a32(8 * k)
 
     # ----------------------------------------------------------------- helpers
     def _buffer(self, hidden: int, topk: int) -> Any:
@@ -331,6 +392,10 @@ class DeepEPElasticBackend(DispatchBackend):
         recv_scales = None
         if scales is not None:
             recv, recv_scales = recv
+            row = self._dispatch_row_bytes(x.shape[1] * x.element_size(), scales.shape[1], k)
+        else:
+            row = self._dispatch_row_bytes(2 * hidden, 0, k)
+        self._account("dispatch", handle, row)
         return recv, recv_idx, recv_w, handle, recv_scales, wire, scales is not None, T, X, k
 
     def dispatch(
@@ -375,7 +440,6 @@ class DeepEPElasticBackend(DispatchBackend):
             pairs = int(sum(count_list))
             counts = torch.tensor(count_list, dtype=torch.int64, device=recv_idx.device)
             recv_w = torch.where(recv_idx >= 0, recv_w.float(), 0.0)
-            self._stats.rows_received += int(handle.num_recv_tokens)
         state = ElasticDispatchState(
             handle=handle,
             wire=wire,
@@ -437,7 +501,6 @@ class DeepEPElasticBackend(DispatchBackend):
             counts = torch.tensor(
                 handle.num_recv_tokens_per_expert_list, dtype=torch.int64, device=recv.device
             )
-            self._stats.rows_received += int(handle.num_recv_tokens)
         state = ElasticDispatchState(
             handle=handle, wire=wire, topk=k, local=None, valid=valid, recv_scales=recv_scales
         )
@@ -468,6 +531,7 @@ class DeepEPElasticBackend(DispatchBackend):
             )
         buffer = self._buffer(part.shape[1], state.topk)
         out, out_w, _ = buffer.combine(part, h, topk_weights=w, num_sms=self.num_sms)
+        self._account("combine", h, self._combine_row_bytes(part.shape[1], state.topk))
         if y is None:
             return None, out_w
         if not wide:
@@ -489,6 +553,7 @@ class DeepEPElasticBackend(DispatchBackend):
         part = _pad_cols(yb, _COMBINE_COL_MULTIPLE)
         buffer = self._buffer(part.shape[1], k)
         out, _, _ = buffer.combine(part, h, num_sms=self.num_sms)
+        self._account("combine", h, self._combine_row_bytes(part.shape[1], k))
         out = out[:, :X]
         return out if out.dtype == y.dtype else out.to(y.dtype)
 
@@ -521,6 +586,7 @@ class DeepEPElasticBackend(DispatchBackend):
             else:
                 weights = torch.where(first, yf[:, c : c + 1], 0.0).contiguous()
             _, out_w, _ = buffer.combine(dummy, h, topk_weights=weights, num_sms=self.num_sms)
+            self._account("combine", h, self._combine_row_bytes(dummy.shape[1], k))
             cols.append(out_w.sum(1))
         T = self._num_tokens(h)
         out = torch.stack(cols, 1) if cols else torch.zeros(T, 0, device=y.device)
@@ -538,6 +604,7 @@ class DeepEPElasticBackend(DispatchBackend):
         w = _pad_cols(wire.send(x), _DISPATCH_COL_MULTIPLE)
         buffer = self._buffer(max(w.shape[1], _COMBINE_COL_MULTIPLE), state.topk)
         got, *_ = buffer.dispatch(w, handle=h, do_expand=h.do_expand, num_sms=h.num_sms)
+        self._account("cached", h, self._dispatch_row_bytes(2 * w.shape[1], 0, state.topk))
         if state.order is not None:
             got = got[state.order]
         if state.valid is not None:
@@ -545,7 +612,8 @@ class DeepEPElasticBackend(DispatchBackend):
         return wire.recv(got)
 
     def close(self) -> None:
-        """Leave the shared ``ElasticBuffer``."""
+        """Leave the shared ``ElasticBuffer`` (the recorded traffic is folded into ``stats``)."""
         if not self._closed:
+            self.flush_stats()
             self._closed = True
             self._shared.leave(id(self))
