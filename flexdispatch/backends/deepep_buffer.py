@@ -17,8 +17,8 @@ its next call needs, and leaves on ``close()``. The buffer is
   kernels (``num_rc_per_pe >= e``) — see ``deepep_rules``,
 - destroyed when its last user closes.
 
-``SharedElasticBuffer`` is the same for DeepEP V2's ``deep_ep.ElasticBuffer`` (the opt-in
-``deepep_api="elastic"`` path), sized with ``ElasticBuffer.get_buffer_size_hint``.
+``SharedElasticBuffer`` is the same for DeepEP V2's ``deep_ep.ElasticBuffer`` (the
+``deepep_api`` ``"elastic"`` / ``"auto"`` path), sized with ``ElasticBuffer.get_buffer_size_hint``.
 
 ``generation`` counts reallocations: a low-latency result lives in the buffer's memory, so a result
 from an older generation is gone.
