@@ -19,7 +19,11 @@ are part of the count: on CPU they read the values (``--where`` names their line
 ``_validate.py``), on CUDA they are counted on the device instead (``--cuda-path`` runs that
 code on CPU to count its ops).
 
-Run: ``.venv/bin/python benchmarks/bench_deepep_ops.py [--cuda-path] [--checks] [--where]``
+``--api elastic`` counts the V2 path (``deep_ep.ElasticBuffer``; the emulated ``_C.ElasticBuffer``
+methods stand for DeepEP's kernels) and its expanded layout (``dispatch_expanded`` + ``combine``).
+
+Run: ``.venv/bin/python benchmarks/bench_deepep_ops.py [--api legacy|elastic] [--cuda-path]
+[--checks] [--where]``
 """
 
 from __future__ import annotations
@@ -102,7 +106,14 @@ def _wrap_runtime(runtime_cls: type, skip: list[int]) -> None:
 
 
 def _worker(
-    rank: int, R: int, port: int, checks: bool, where: bool, cuda_path: bool, queue: Any
+    rank: int,
+    R: int,
+    port: int,
+    checks: bool,
+    where: bool,
+    cuda_path: bool,
+    api: str,
+    queue: Any,
 ) -> None:
     import torch.distributed as dist
 
@@ -111,6 +122,7 @@ def _worker(
     torch.set_num_threads(1)
     from flexdispatch import DispatchConfig, FlexDispatcher
     from tests.deepep_emu.load import load_deep_ep
+    from tests.deepep_emu.runtime.elastic import ElasticRuntime
     from tests.deepep_emu.runtime.normal import Runtime
 
     if cuda_path:
@@ -120,23 +132,35 @@ def _worker(
         _validate.defer_value_checks = lambda device: True
     skip = [0]
     _wrap_runtime(Runtime, skip)
+    _wrap_runtime(ElasticRuntime, skip)
     deep_ep = load_deep_ep()
     g = torch.Generator().manual_seed(rank)
     idx = torch.rand(T, E, generator=g).argsort(1)[:, :K].contiguous()
     probs = torch.rand(T, K, generator=g)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     out: dict[str, dict[str, int]] = {}
-    for mode, W in (("dropless", 0), ("worst-case", R * T)):
-        d = FlexDispatcher(
-            DispatchConfig(backend="deepep", ranks_per_node=R, num_worst_tokens=W, checks=checks),
-            num_experts=E,
-            _deep_ep=deep_ep,
+    modes: list[tuple[str, int, bool]] = [("dropless", 0, False), ("worst-case", R * T, False)]
+    if api == "elastic":
+        modes += [("dropless, expanded", 0, True), ("worst-case, expanded", R * T, True)]
+    for mode, W, expanded in modes:
+        cfg = DispatchConfig(
+            backend="deepep",
+            deepep_api=api,
+            ranks_per_node=R,
+            num_worst_tokens=W,
+            checks=checks,
+            num_max_dispatch_tokens_per_rank=T,
         )
+        d = FlexDispatcher(cfg, num_experts=E, _deep_ep=deep_ep)
         for step in range(2):  # the first call sizes the shared buffer
             counter = _Count(skip)
             with counter:
-                res = d.dispatch(x, idx, probs)
-                d.combine(res.recv_x, res.handle)
+                if expanded:
+                    rx = d.dispatch_expanded(x, idx, probs)
+                    d.combine(rx.recv_x, rx.handle)
+                else:
+                    res = d.dispatch(x, idx, probs)
+                    d.combine(res.recv_x, res.handle)
             if step == 1:
                 out[mode] = {"|".join(key): n for key, n in counter.ops.items()}
         d.close()
@@ -157,6 +181,13 @@ def main() -> None:
         action="store_true",
         help="run the dispatcher's value checks the CUDA way (counted on the device)",
     )
+    ap.add_argument(
+        "--api",
+        choices=("legacy", "elastic"),
+        default="legacy",
+        help="DispatchConfig.deepep_api: V1 Buffer (default) or V2 ElasticBuffer (also counts "
+        "dispatch_expanded + combine)",
+    )
     args = ap.parse_args()
     R = 2
     with socket.socket() as s:
@@ -166,7 +197,8 @@ def main() -> None:
     queue = ctx.Queue()
     procs = [
         ctx.Process(
-            target=_worker, args=(r, R, port, args.checks, args.where, args.cuda_path, queue)
+            target=_worker,
+            args=(r, R, port, args.checks, args.where, args.cuda_path, args.api, queue),
         )
         for r in range(R)
     ]
@@ -175,7 +207,10 @@ def main() -> None:
     results = dict(queue.get(timeout=300) for _ in procs)
     for p in procs:
         p.join(timeout=60)
-    print(f"deepep ops per dispatch + combine, R={R} T={T} E={E} k={K} H={H} bf16, rank 0")
+    print(
+        f"deepep ({args.api}) ops per dispatch + combine, R={R} T={T} E={E} k={K} H={H} bf16, "
+        f"rank 0"
+    )
     checks = "on" if args.checks else "off"
     values = "CUDA path (on the device)" if args.cuda_path else "CPU path (read on the host)"
     print(f"checks={checks}; dispatcher value checks: {values}")

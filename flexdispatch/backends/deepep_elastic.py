@@ -115,19 +115,26 @@ class ElasticDispatchState:
         return torch.empty_like(y).index_copy_(0, self.order, y)
 
 
-def _token_order(handle: Any, rows: int, used: torch.Tensor | None) -> torch.Tensor:
+def _token_order(
+    handle: Any, rows: int, used: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The permutation putting DeepEP's received rows in (source rank, source token) order.
 
     DeepEP fills a sender's receive slots in ``atomicAdd`` order (I/dispatch.cuh:344-349), not
     token order; ``recv_src_metadata[:, 0] = src_rank * M + token`` is the contract's order key
     (the sort DeepEP's own ``deterministic=True`` epilogue does, here without its host-syncing
     boolean indexing). Rows past ``used`` (worst-case tails, uninitialised) sort last.
+
+    Returns:
+        ``(order, live)``: ``live`` the ``[rows]`` bool ``arange < used`` (None dropless), which
+        marks the real rows before and after the sort alike.
     """
     key = handle.recv_src_metadata[:rows, 0]
+    live = None
     if used is not None:
         live = torch.arange(rows, device=key.device) < used
         key = torch.where(live, key, torch.iinfo(key.dtype).max)
-    return torch.argsort(key)
+    return torch.argsort(key), live
 
 
 def _a32(n: int) -> int:
@@ -418,33 +425,32 @@ class DeepEPElasticBackend(DispatchBackend):
         n = None
         if self.worst_case:
             n = handle.psum_num_recv_tokens_per_scaleup_rank[-1].to(torch.int64)
-        order = _token_order(handle, recv.shape[0], n)
+        order, live = _token_order(handle, recv.shape[0], n)
         recv, recv_idx, recv_w = recv[order], recv_idx[order].to(torch.int64), recv_w[order]
         if recv_scales is not None:
             recv_scales = recv_scales[order]
-        if n is not None:
-            valid = torch.arange(recv.shape[0], device=recv.device) < n
-            recv_idx = torch.where(valid[:, None], recv_idx, -1)
-            masked = sizing.mask_worst_case(recv, recv_idx, recv_w, e)
-            recv, recv_idx, recv_w, counts = (
-                masked.recv_x,
-                masked.recv_topk_idx,
-                masked.recv_topk_probs,
-                masked.num_recv_tokens_per_expert,
-            )
+        local = recv_idx >= 0
+        if live is not None:
+            # NOTE: the real rows sort first, so `live` (arange < n) also marks them after the
+            # sort; DeepEP's tails are uninitialised (ids and weights too)
+            valid = live
+            local &= live[:, None]
+            recv_idx = torch.where(local, recv_idx, -1)
+            recv = sizing.zero_invalid_rows(recv, live)
+            counts = sizing.count_valid(recv_idx.reshape(-1), local.reshape(-1), e)
             if recv_scales is not None:
-                recv_scales = sizing.zero_invalid_rows(recv_scales, valid)
+                recv_scales = sizing.zero_invalid_rows(recv_scales, live)
         else:
             self._stats.host_syncs += 1  # DeepEP's CPU wait for the receive counts
             count_list = handle.num_recv_tokens_per_expert_list
             pairs = int(sum(count_list))
             counts = torch.tensor(count_list, dtype=torch.int64, device=recv_idx.device)
-            recv_w = torch.where(recv_idx >= 0, recv_w.float(), 0.0)
+        recv_w = torch.where(local, recv_w.float(), 0.0)
         state = ElasticDispatchState(
             handle=handle,
             wire=wire,
             topk=k,
-            local=recv_idx >= 0,
+            local=local,
             valid=valid,
             recv_scales=recv_scales,
             order=order,

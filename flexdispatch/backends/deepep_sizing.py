@@ -50,6 +50,7 @@ __all__ = [
     "LOW_LATENCY_MAX_TOKENS_PER_RANK",
     "BufferSize",
     "MaskedWorstCase",
+    "count_valid",
     "WireFormat",
     "align_bytes",
     "hidden_bytes",
@@ -353,10 +354,10 @@ def count_local_experts(recv_topk_idx: torch.Tensor, num_local_experts: int) -> 
     if num_local_experts <= 0:
         raise ValueError(f"num_local_experts must be positive, got {num_local_experts}")
     ids = recv_topk_idx.reshape(-1).to(torch.int64)
-    return _count_valid(ids, (ids >= 0) & (ids < num_local_experts), num_local_experts)
+    return count_valid(ids, (ids >= 0) & (ids < num_local_experts), num_local_experts)
 
 
-def _count_valid(ids: torch.Tensor, valid: torch.Tensor, e: int) -> torch.Tensor:
+def count_valid(ids: torch.Tensor, valid: torch.Tensor, e: int) -> torch.Tensor:
     """``[e]`` int64: how often each id in ``[0, e)`` appears where ``valid`` (4 device ops)."""
     counts = torch.zeros(e, dtype=torch.int64, device=ids.device)
     # NOTE: invalid slots add 0 at index 0 (clamped), so no spare bucket is needed
@@ -409,9 +410,7 @@ def mask_worst_case(
         recv_x=zero_invalid_rows(recv_x, valid),
         recv_topk_idx=idx,
         recv_topk_probs=probs,
-        num_recv_tokens_per_expert=_count_valid(
-            idx.reshape(-1), has.reshape(-1), num_local_experts
-        ),
+        num_recv_tokens_per_expert=count_valid(idx.reshape(-1), has.reshape(-1), num_local_experts),
         valid=valid,
     )
 
