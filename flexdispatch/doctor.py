@@ -370,7 +370,12 @@ def deepep_api_choice(
         has = (
             (True, "deep_ep.ElasticBuffer exists")
             if elastic
-            else (False, "this deep_ep has no ElasticBuffer" if elastic is False else "no deep_ep")
+            else (
+                False,
+                "this deep_ep has no ElasticBuffer"
+                if elastic is False
+                else "deep_ep does not import",
+            )
         )
         cfg = DispatchConfig(num_worst_tokens=num_worst_tokens)
         api, why = auto_deepep_api(cfg, has, (True, ""))
