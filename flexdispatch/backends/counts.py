@@ -87,8 +87,9 @@ def check_agreement(Gh: list[list[int]], *, num_ranks: int, num_nodes: int) -> N
     """Raise the same ValueError on every rank when H, k or the dtype differ across ranks.
 
     Args:
-        Gh: the host copy of ``G`` (``[R][2R + N + 4]`` ints).
-        num_ranks: R.
+        Gh: the host copy of ``G`` (``[R][2R + N + 4]`` ints); or, with ``num_ranks`` and
+            ``num_nodes`` 0, rows that start with ``[H, k, dtype code]``.
+        num_ranks: R (the columns before H: R + N).
         num_nodes: N.
     """
     base = num_ranks + num_nodes

@@ -54,6 +54,7 @@ from flexdispatch._validate import checks_enabled, is_capturing
 from flexdispatch.backends import deepep_buffer
 from flexdispatch.backends import deepep_sizing as sizing
 from flexdispatch.backends.base import Capability, DispatchBackend
+from flexdispatch.backends.counts import DTYPE_CODES, check_agreement
 from flexdispatch.backends.deepep_support import load_deep_ep, nvl_peers
 from flexdispatch.distributed import all_gather_int64, collective_device, group_rank, group_size
 from flexdispatch.types import (
@@ -155,9 +156,9 @@ class DeepEPElasticBackend(DispatchBackend):
         ranks_per_node: L as launched.
         num_worst_tokens: W (0 = dropless), a multiple of R; intranode and internode.
         hierarchical: accepted; DeepEP routes across nodes itself.
-        checks: one small all-gather of every rank's token count before the dispatch, so that a
-            rank over M makes every rank raise (the V1 path's shape-agreement checks are not run
-            here yet).
+        checks: one small all-gather of every rank's token count and row shape (H, k, dtype)
+            before the dispatch, so that a rank over M, or ranks that disagree on the shape, make
+            every rank raise.
         stats: counters to add to.
         num_sms: SMs per kernel (default 20), passed explicitly to every call.
         num_max_tokens_per_rank: M for dropless dispatch, shared by every rank.
@@ -328,21 +329,33 @@ class DeepEPElasticBackend(DispatchBackend):
             extra["deepep_buffer_allocations"] = extra.get("deepep_buffer_allocations", 0) + 1
         return buffer
 
-    def _check_tokens(self, T: int, device: torch.device) -> None:
+    def _check_tokens(
+        self, T: int, device: torch.device, shape: tuple[int, int, torch.dtype] | None = None
+    ) -> None:
         """A rank may dispatch at most M tokens (its receive slots on every rank).
 
-        With checks on, one small all-gather first makes every rank raise for the worst rank;
-        with checks off only the rank with too many tokens raises (before any collective).
+        With checks on, one small all-gather of ``[T, X, k, dtype]`` first makes every rank
+        raise for the worst rank, and for ranks that disagree on the row shape (``shape`` =
+        ``(X, k, dtype)``); with checks off only the rank with too many tokens raises (before any
+        collective).
         """
         M, R = self.num_max_tokens_per_rank, self.num_ranks
         rank = self.rank
         if checks_enabled(self.checks) and not is_capturing():
-            mine = torch.tensor([T], dtype=torch.int64, device=collective_device(self.group))
-            counts = all_gather_int64(mine, self.group, name="elastic token count").flatten()
+            X, k, dtype = shape if shape is not None else (0, 0, torch.bfloat16)
+            mine = torch.tensor(
+                [T, X, k, DTYPE_CODES.get(dtype, -1)],
+                dtype=torch.int64,
+                device=collective_device(self.group),
+            )
+            rows = all_gather_int64(mine, self.group, name="elastic token count").view(R, 4)
             if device.type == "cuda":
                 self._stats.extra["check_syncs"] = self._stats.extra.get("check_syncs", 0) + 1
-            worst = int(counts.argmax())
-            T, rank = int(counts[worst]), worst
+            Gh = rows.tolist()
+            check_agreement([r[1:] for r in Gh], num_ranks=0, num_nodes=0)
+            counts = [r[0] for r in Gh]
+            rank = max(range(R), key=counts.__getitem__)
+            T = counts[rank]
         if T <= M:
             return
         if self.worst_case:
@@ -372,7 +385,7 @@ class DeepEPElasticBackend(DispatchBackend):
         T, X = x.shape
         k = topk_idx.shape[1]
         sizing.check_topk(k, "elastic kernels")
-        self._check_tokens(T, x.device)
+        self._check_tokens(T, x.device, (X, k, x.dtype))
         if scales is not None:
             send: Any = (x.contiguous(), scales.contiguous())
             # NOTE: the buffer is sized as bf16 rows: X bf16 columns hold X fp8 bytes + scales

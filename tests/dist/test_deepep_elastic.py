@@ -227,6 +227,9 @@ def selection_worker(rank: int, R: int) -> dict[str, Any]:
     W = R * inputs[0].x.shape[0]
     d = _make(R, R, W, checks=True)
     out["over_w_checks"] = _raises(lambda: d.dispatch(mine.x, mine.idx, mine.probs))
+    # checks on: ranks dispatching rows of different widths all raise, naming every rank's H
+    wide = torch.zeros(mine.x.shape[0], H + 16 * rank, dtype=mine.x.dtype)
+    out["shape_checks"] = _raises(lambda: d.dispatch(wide, mine.idx, mine.probs))
     out["last_T"] = inputs[-1].x.shape[0]
     d.close()
     return out
@@ -274,6 +277,9 @@ def test_elastic_selection_and_refusals() -> None:
         assert "num_max_dispatch_tokens_per_rank" in out["over_m"], out["over_m"]
         assert f"at least {T}" in out["over_m"], out["over_m"]
         assert "multiple of R=2" in out["odd_w"], out["odd_w"]
+        msg = out["shape_checks"]
+        assert "ranks disagree on the hidden size" in msg, msg
+        assert f"rank 0={H}" in msg and f"rank 1={H + 16}" in msg, msg
         msg = out["over_w_checks"]
         assert f"rank {R - 1} dispatches {out['last_T']} tokens" in msg, msg
 
