@@ -26,10 +26,11 @@ How a dispatch runs (works on gloo and NCCL):
 Combine sends the rows back along the same hops and sums them per token. The sum runs in a fixed
 order — first over the ranks of each node (in rank order), then over nodes — so flat and
 hierarchical combine give bit-identical results, and every ``index_add_`` has unique indices
-(deterministic on CUDA too). The first term of each node's sum is a gather (a zero row where that
-rank sent nothing) rather than an add into zeros, except on CPU when this rank's own rows come
+(deterministic on CUDA too). On CPU the first term of each node's sum is a gather (a zero row
+where that rank sent nothing) rather than an add into zeros, except when this rank's own rows come
 first: they are added into zeros (``0 + a == a`` up to the sign of a zero) while the peers' rows
-are still travelling. The first two terms may swap (``a + b == b + a`` exactly), so that this
+are still travelling. On CUDA every node's sum starts from zeros (no inverse map to build: two
+launches fewer per node). The first two terms may swap (``a + b == b + a`` exactly), so that this
 rank's own rows are added straight from where they lie.
 
 Rows a rank sends to itself skip the collective (split 0 to itself) whenever they sit at one end
@@ -509,8 +510,10 @@ class TorchA2ABackend(DispatchBackend):
         work: dist.Work | None = None
         mine: torch.Tensor | None = None  # my own returning rows, read from ``back_in``
         if own is None:
+            # NOTE: the zero spare row is read only by the CPU branch's gather below
+            spare_row = not cuda_code_path(back_in.device)
             back = self.all_to_all(
-                back_in, hop.recv_splits, hop.send_splits, spare_row=True, scratch_key="back"
+                back_in, hop.recv_splits, hop.send_splits, spare_row=spare_row, scratch_key="back"
             )
             spare_zeroed = True
         else:
@@ -533,9 +536,25 @@ class TorchA2ABackend(DispatchBackend):
         padded = hop.send_valid is not None
         rows_out = hop.num_in + padded
         me = self.rank
+        cuda = cuda_code_path(back.device)
         for members in hop.reduce_groups:
             present = [r for r in members if offsets[r + 1] > offsets[r]]
             if not present:
+                continue
+            if cuda:
+                # CUDA: every group's sum starts from zeros (one ``zeros`` + one ``index_add_`` per
+                # peer): no inverse map (``full`` + ``scatter_``) and no zero spare row to write.
+                # ``0 + a == a`` up to the sign of a zero, as on CPU; my rows may swap with the
+                # first peer's (``a + b == b + a`` exactly), later terms keep their order.
+                if mine is not None and me in present[:2]:
+                    present.remove(me)
+                    present.insert(0, me)
+                part = torch.zeros((rows_out, *width), dtype=back.dtype, device=back.device)
+                for r in present:
+                    lo, hi = offsets[r], offsets[r + 1]
+                    src = mine if r == me and mine is not None else back[lo:hi]
+                    part.index_add_(0, hop.send_index[lo:hi], src)
+                out = part if out is None else out.add_(part)
                 continue
             if work is not None and me in present[:2]:
                 # CPU, peers' rows still travelling: start the sum from my own rows meanwhile
