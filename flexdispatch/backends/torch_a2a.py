@@ -34,9 +34,10 @@ launches fewer per node). The first two terms may swap (``a + b == b + a`` exact
 rank's own rows are added straight from where they lie.
 
 Rows a rank sends to itself skip the collective (split 0 to itself) whenever they sit at one end
-of both buffers (always for R = 2): dispatch gathers them straight into the receive buffer while
-the peers' rows travel (``async_op`` on CPU; on CUDA the stream order overlaps them), and combine
-reads them from the rows it was given. This changes no byte on the wire. In flat mode the
+of both buffers (always for R = 2): on CPU dispatch gathers them straight into the receive buffer
+while the peers' rows travel (``async_op``; on CUDA, where the collective is issued synchronously
+and nothing would overlap, they go through it: one gather instead of two), and combine reads them
+from the rows it was given. This changes no byte on the wire. In flat mode the
 metadata carries global expert ids and each receiver keeps its own (one offset, ``rank * e``).
 
 On CPU, buffers that never leave a call (send buffers, padded receive buffers, returning rows)
@@ -332,7 +333,13 @@ class TorchA2ABackend(DispatchBackend):
         """
         width = rows.shape[1:]
         self.account(hop.send_splits, math.prod(width) * rows.element_size())
-        own = self.self_block(hop.send_splits, hop.recv_splits)
+        # NOTE: on CUDA my own rows go through the collective too: issued synchronously, it
+        # would not overlap with their gather anyway, and one gather is one launch fewer.
+        own = (
+            None
+            if cuda_code_path(rows.device)
+            else self.self_block(hop.send_splits, hop.recv_splits)
+        )
         if own is None:
             send = self.scratch("send", (hop.num_send, *width), rows.dtype, rows.device)
             gather_rows(rows, *hop.gather_args(), zero_invalid=False, out=send)
