@@ -7,7 +7,8 @@ W worst-case rows · S rows one rank sends in one hop · P peers one hop sends t
 How a dispatch runs (works on gloo and NCCL):
 
 1. Count exchange: one ``all_gather_into_tensor`` of a ``[2R + N + 4]`` int64 vector per rank
-   (rows for every rank, rows for every node, H, k, dtype code, T, pairs for every rank). Every
+   (rows for every rank, rows for every node (hierarchical mode; zeros in flat mode), H, k, dtype
+   code, T, pairs for every rank). Every
    rank then holds the
    ``[R, 2R + N + 4]`` matrix ``G`` and can raise the same error on every rank: mismatching
    H / k / dtype, or a worst-case overflow.
@@ -205,6 +206,7 @@ class TorchA2ABackend(DispatchBackend):
             ranks_per_node=self.ranks_per_node,
             group=self.group,
             pairs_R=pairs_R,
+            per_node=self.hierarchical,  # NOTE: only the hierarchical plan reads them
         )
 
     def check_agreement(self, Gh: list[list[int]]) -> None:
