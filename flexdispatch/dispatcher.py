@@ -178,6 +178,7 @@ class FlexDispatcher:
         fields["ranks_per_node (resolved)"] = L
         check_fingerprint(fields, group)
         self._stats = DispatchStats()
+        self._bad_log = _validate.BadValueLog()  # device counts of bad inputs, not yet folded
         self._backend, self.backend_reason = select_backend(
             config,
             group,
@@ -359,10 +360,11 @@ class FlexDispatcher:
 
         Checks on (or CPU, where reading values costs no sync): raise now. CUDA without checks
         (or while capturing a graph): count them on the device into
-        ``stats.pending_bad_values``; ``check_overflow`` raises naming them. Under CUDA-graph
-        capture the counter accumulates across replays when it already exists (one eager
-        dispatch before capturing, as warm-up does); created inside the capture it holds the
-        latest replay's counts.
+        ``stats.pending_bad_values`` (``_validate.BadValueLog``: after the first dispatch, kept
+        without a launch and folded in at the check); ``check_overflow`` raises naming them.
+        Under CUDA-graph capture the counter accumulates across replays when it already exists
+        (one eager dispatch before capturing, as warm-up does); created inside the capture it
+        holds the latest replay's counts.
         """
         E = self.num_experts
         if checks_enabled(self.config.checks or None) or not _validate.defer_value_checks(
@@ -370,15 +372,7 @@ class FlexDispatcher:
         ):
             _validate.check_dispatch_values(topk_idx, E, values, topk_probs)
             return
-        counts = _validate.count_bad_values(topk_idx, E, values, topk_probs)
-        acc = self._stats.pending_bad_values
-        if acc is None:
-            self._stats.pending_bad_values = counts
-            return
-        n = len(BAD_VALUE_SLOTS)
-        acc[:n].add_(counts[:n])
-        torch.maximum(acc[n], counts[n], out=acc[n])
-        torch.minimum(acc[n + 1], counts[n + 1], out=acc[n + 1])
+        self._bad_log.add(self._stats, _validate.count_bad_parts(topk_idx, E, values, topk_probs))
 
     # ----------------------------------------------------------------- public API
     def dispatch(
@@ -506,6 +500,7 @@ class FlexDispatcher:
 
     def _fold_bad_values(self) -> None:
         """Move the device counts of bad inputs into ``stats.extra`` (one host sync)."""
+        self._bad_log.fold(self._stats)
         acc = self.stats.pending_bad_values
         if acc is None:
             return
