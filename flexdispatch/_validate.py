@@ -184,15 +184,23 @@ def _count_nonfinite(t: torch.Tensor) -> torch.Tensor:
 
 
 def count_bad_parts(
-    topk_idx: torch.Tensor, num_experts: int, x: torch.Tensor, topk_probs: torch.Tensor
+    topk_idx: torch.Tensor,
+    num_experts: int,
+    x: torch.Tensor,
+    topk_probs: torch.Tensor,
+    *,
+    count_ids: bool = True,
 ) -> tuple[torch.Tensor, ...]:
-    """``count_bad_values`` as five 0-dim int64 device tensors (not stacked)."""
+    """``count_bad_values`` as five 0-dim int64 device tensors (not stacked); with
+    ``count_ids=False`` the last four only (the caller has the count of bad ids already: the
+    torch backend's pair counts hold it, ``TorchA2ABackend.bad_ids``)."""
     device = topk_idx.device
     parts = [
-        topk_idx.clamp(-1, num_experts - 1).ne(topk_idx).sum(dtype=torch.int64),
         _count_nonfinite(x).to(device),
         _count_nonfinite(topk_probs),
     ]
+    if count_ids:
+        parts.insert(0, topk_idx.clamp(-1, num_experts - 1).ne(topk_idx).sum(dtype=torch.int64))
     if topk_idx.numel():
         lo, hi = torch.aminmax(topk_idx)
         parts += [hi, lo]

@@ -179,6 +179,7 @@ class FlexDispatcher:
         check_fingerprint(fields, group)
         self._stats = DispatchStats()
         self._bad_log = _validate.BadValueLog()  # device counts of bad inputs, not yet folded
+        self._deferred_parts: tuple[torch.Tensor, ...] | None = None
         self._backend, self.backend_reason = select_backend(
             config,
             group,
@@ -372,7 +373,14 @@ class FlexDispatcher:
         ):
             _validate.check_dispatch_values(topk_idx, E, values, topk_probs)
             return
-        self._bad_log.add(self._stats, _validate.count_bad_parts(topk_idx, E, values, topk_probs))
+        # NOTE: a backend that counts the bad ids itself (``bad_ids``, the torch backend's pair
+        # counts) gives them after its dispatch (``dispatch`` adds the parts then)
+        own = getattr(self._backend, "counts_bad_ids", False)
+        parts = _validate.count_bad_parts(topk_idx, E, values, topk_probs, count_ids=not own)
+        if own:
+            self._deferred_parts = parts
+            return
+        self._bad_log.add(self._stats, parts)
 
     # ----------------------------------------------------------------- public API
     def dispatch(
@@ -411,11 +419,16 @@ class FlexDispatcher:
             flexdispatch.distributed.CollectiveError: a peer rank failed (raised, exited, was
             killed) or did not join within the process-group timeout (docs/errors.md).
         """
+        self._deferred_parts = None
         self._check_inputs(x, topk_idx, topk_probs, layout)
         rows = (x[0].contiguous(), x[1].contiguous()) if isinstance(x, tuple) else x.contiguous()
         recv_x, recv_idx, recv_probs, counts, handle, pairs = _Dispatch.apply(
             self._backend, layout, rows, topk_idx.contiguous(), topk_probs.contiguous()
         )
+        if self._deferred_parts is not None:
+            parts = (self._backend.bad_ids, *self._deferred_parts)  # type: ignore[attr-defined]
+            self._bad_log.add(self._stats, parts)
+            self._deferred_parts = None
         self._stats.dispatch_calls += 1
         return DispatchResult(
             recv_x=recv_x,

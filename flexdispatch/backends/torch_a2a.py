@@ -64,6 +64,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from flexdispatch import _memory
 from flexdispatch._validate import checks_enabled, cuda_code_path, is_capturing
 from flexdispatch.backends import torch_hier
 from flexdispatch.backends.base import Capability, DispatchBackend
@@ -84,9 +85,10 @@ from flexdispatch.backends.torch_hops import (
 )
 from flexdispatch.backends.torch_rows import (
     _bin_counts,
-    expert_key,
+    clamp_ids,
     gather_rows,
     local_lut,
+    rank_lut,
 )
 from flexdispatch.distributed import (
     collective_guard,
@@ -113,6 +115,9 @@ class TorchA2ABackend(DispatchBackend):
     """
 
     name = "torch"
+    counts_bad_ids = True
+    """``dispatch`` counts the ids outside ``[-1, E)`` into ``bad_ids`` (0-dim int64 device
+    tensor, from the pair counts at no cost) for the dispatcher's deferred value check."""
 
     def __init__(
         self,
@@ -126,6 +131,7 @@ class TorchA2ABackend(DispatchBackend):
         stats: DispatchStats | None = None,
     ) -> None:
         self.group = group
+        self.bad_ids: torch.Tensor | None = None  # the last dispatch's, see ``counts_bad_ids``
         self.num_ranks = group_size(group)
         self.rank = group_rank(group)
         self.ranks_per_node = ranks_per_node
@@ -613,6 +619,11 @@ class TorchA2ABackend(DispatchBackend):
             return self.output((hop.num_in, *width), back.dtype, back.device).zero_()
         return first_rows(out, hop.num_in)
 
+    def rank_lut(self, device: torch.device) -> torch.Tensor:
+        """``torch_rows.rank_lut`` of this group, built once per device (read-only)."""
+        e, E = self.num_local_experts, self.num_experts
+        return _memory.cached(("rank_lut", e, E), device, lambda: rank_lut(e, E, device))
+
     def local_lut(self, device: torch.device) -> torch.Tensor:
         """``torch_rows.local_lut`` of this rank's experts, built once per device (read-only)."""
         lut = self._luts.get(device)
@@ -653,19 +664,21 @@ class TorchA2ABackend(DispatchBackend):
 
         T, H = x.shape
         k = topk_idx.shape[1]
-        R, e = self.num_ranks, self.num_local_experts
-        # NOTE: ids outside [0, E) count as -1, as in get_dispatch_layout (never an OOB index):
-        # they become the key E, which lands on the spare rank R.
-        key_TK = expert_key(topk_idx, self.num_experts)
-        rank_TK = torch.div(key_TK, e, rounding_mode="floor")
-        pairs_R1 = _bin_counts(rank_TK.view(-1), R + 1)
+        R = self.num_ranks
+        # NOTE: ids outside [-1, E) count as -1, as in get_dispatch_layout (never an OOB index):
+        # clamped to -2 or E, they land on the spare rank R (-1 on R + 1), so the pair counts
+        # count them too (``bad_ids``: the dispatcher's deferred value check reads it).
+        key_TK = clamp_ids(topk_idx, self.num_experts)
+        rank_TK = self.rank_lut(x.device)[key_TK]
+        pairs_R2 = _bin_counts(rank_TK.view(-1), R + 2)
+        self.bad_ids = pairs_R2[R]
         if layout is not None:
             mask_TR = layout.is_token_in_rank
         else:
-            mask_TR = torch.zeros(T, R + 1, dtype=torch.bool, device=x.device)
+            mask_TR = torch.zeros(T, R + 2, dtype=torch.bool, device=x.device)
             mask_TR.scatter_(1, rank_TK, True)
             mask_TR = mask_TR[:, :R]
-        G = self.exchange_counts(mask_TR, H, k, x.dtype, pairs_R1[:R])
+        G = self.exchange_counts(mask_TR, H, k, x.dtype, pairs_R2[:R])
         pending = self.start_host_counts(G)
         plan = torch_hier.dispatch_hier if self.hierarchical else dispatch_flat
         ids = key_TK if not self.hierarchical else topk_idx

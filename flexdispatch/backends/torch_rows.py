@@ -29,6 +29,8 @@ __all__ = [
     "pack_token_meta",
     "pack_key_meta",
     "expert_key",
+    "clamp_ids",
+    "rank_lut",
     "local_lut",
     "unpack_local",
     "localize",
@@ -232,10 +234,30 @@ def pack_token_meta(ids_TK: torch.Tensor, probs_TK: torch.Tensor, num_ids: int) 
     return pack_key_meta(expert_key(ids_TK, num_ids), probs_TK)
 
 
+def clamp_ids(ids_TK: torch.Tensor, num_ids: int) -> torch.Tensor:
+    """``[T, k]`` int64 ids clamped to ``[-2, num_ids]`` (one op): ``-1`` stays (dropped),
+    every id outside ``[-1, num_ids)`` becomes ``-2`` or ``num_ids`` (bad, dropped too). The
+    tables below read them with negative indices wrapping (``rank_lut``, ``local_lut``)."""
+    return ids_TK.clamp(-2, num_ids)
+
+
+def rank_lut(width: int, num_ids: int, device: torch.device) -> torch.Tensor:
+    """``[num_ids + 3]`` int64 table from ``clamp_ids`` ids (negative ones wrap) to a rank:
+    ``id // width`` for ids in ``[0, num_ids)``, ``R = num_ids // width`` for the bad ids
+    (``num_ids`` and ``-2``), ``R + 1`` for ``-1``. Counting the ranks then counts the bad ids
+    too (bin ``R``), at no cost."""
+    R = num_ids // width
+    lut = torch.full((num_ids + 3,), R, dtype=torch.int64, device=device)
+    lut[:num_ids] = torch.arange(num_ids, device=device) // width
+    lut[num_ids + 2] = R + 1
+    return lut
+
+
 def local_lut(lo: int, width: int, num_ids: int, device: torch.device) -> torch.Tensor:
-    """``[num_ids + 1]`` int64: ``id - lo + 1`` for ids in ``[lo, lo + width)``, else 0 (also
-    for the dropped id ``num_ids``). Built once per backend (``unpack_local``'s table)."""
-    lut = torch.zeros(num_ids + 1, dtype=torch.int64, device=device)
+    """``[num_ids + 3]`` int64: ``id - lo + 1`` for ids in ``[lo, lo + width)``, else 0 (also
+    for the dropped id ``num_ids`` and, wrapping, for ``clamp_ids``'s ``-1`` and ``-2``). Built
+    once per backend (``unpack_local``'s table)."""
+    lut = torch.zeros(num_ids + 3, dtype=torch.int64, device=device)
     lut[lo : lo + width] = torch.arange(1, width + 1, dtype=torch.int64, device=device)
     return lut
 
@@ -252,7 +274,8 @@ def unpack_local(
 ) -> tuple[torch.Tensor, ...]:
     """Receiver side of ``pack_key_meta``: keep the slots whose id lies in ``[lo, lo + width)``.
 
-    The ids (all in ``[0, num_ids]`` after ``expert_key``) are mapped through the
+    The ids (all in ``[0, num_ids]`` after ``expert_key``, or ``[-2, num_ids]`` after
+    ``clamp_ids``) are mapped through the
     ``local_lut`` table (pass it to build it once): one gather instead of compares and masks.
 
     Returns:
