@@ -349,8 +349,11 @@ class TorchA2ABackend(DispatchBackend):
             else self.self_block(hop.send_splits, hop.recv_splits)
         )
         if own is None:
-            send = self.scratch("send", (hop.num_send, *width), rows.dtype, rows.device)
-            gather_rows(rows, *hop.gather_args(), zero_invalid=False, out=send)
+            if cuda_code_path(rows.device):  # NOTE: no scratch there: the gather allocates
+                send = gather_rows(rows, *hop.gather_args(), zero_invalid=False)
+            else:
+                send = self.scratch("send", (hop.num_send, *width), rows.dtype, rows.device)
+                gather_rows(rows, *hop.gather_args(), zero_invalid=False, out=send)
             out = self.all_to_all(
                 send, hop.send_splits, hop.recv_splits, spare_row=spare_row, scratch_key=scratch_key
             )
