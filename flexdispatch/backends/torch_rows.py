@@ -154,7 +154,8 @@ def flat_compaction(
     """``compaction`` of a flat worst-case receive buffer: ``R`` blocks of ``cap`` rows whose
     first ``sizes_R[r]`` rows are real, into ``W = R * cap`` output rows (one
     ``nonzero_static``, no host sync). The returned ``in_index`` already points every row that
-    is not returned at some returned row (or 0), and ``in_valid`` is None."""
+    is not returned at some returned row (or 0); ``out_valid`` and ``in_valid`` are None (the
+    tail reads the spare row, which needs no mask)."""
     R = sizes_R.numel()
     W = R * cap
     device = sizes_R.device
@@ -162,7 +163,7 @@ def flat_compaction(
     real_W = (col < sizes_R[:, None]).view(-1)
     out_index = torch.nonzero_static(real_W, size=W, fill_value=W)[:, 0]
     in_index = real_W.cumsum(0, dtype=torch.int64).sub_(1).clamp_(min=0)
-    return out_index, out_index < W, in_index, None  # type: ignore[return-value]
+    return out_index, None, in_index, None  # type: ignore[return-value]
 
 
 def send_rows(mask_NP: torch.Tensor, num_send: int) -> torch.Tensor:
