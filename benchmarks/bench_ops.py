@@ -24,7 +24,8 @@ device-dependent choice on CPU: ``flexdispatch._validate.cuda_code_path`` and
 ``defer_value_checks`` are forced to True (value checks counted on the device, no CPU memory
 reuse, synchronous collectives, ``scatter_add_`` instead of ``bincount``). The one CUDA-only
 piece that cannot run on CPU is the dropless count copy into pinned host memory on a side stream
-(``torch_hops.PendingCounts``): ``empty(pin_memory=True)`` + ``copy_`` = 2 ops, added by hand to
+(``torch_hops.PendingCounts``): ``copy_`` into the backend's pinned buffer (allocated by the first
+call only, with ``empty(pin_memory=True)``) = 1 op, added by hand to
 the dropless rows of that column (streams and events are not ATen ops).
 
 Run:  PYTHONPATH=. .venv/bin/python benchmarks/bench_ops.py [--by-op [--where]] [--rows flat]
@@ -46,7 +47,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 T, E, K, H = 512, 64, 8, 256
-PINNED_COPY_OPS = 2  # CUDA dropless only: empty(pin_memory=True) + copy_(non_blocking=True)
+PINNED_COPY_OPS = 1  # CUDA dropless only: copy_(non_blocking=True) into the kept pinned buffer
 
 
 class OpCounter(TorchDispatchMode):

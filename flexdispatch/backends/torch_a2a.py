@@ -131,6 +131,9 @@ class TorchA2ABackend(DispatchBackend):
         stats: DispatchStats | None = None,
     ) -> None:
         self.group = group
+        self.pinned_counts: tuple[torch.Tensor, torch.cuda.Event | None] | None = (
+            None  # PendingCounts
+        )
         self.bad_ids: torch.Tensor | None = None  # the last dispatch's, see ``counts_bad_ids``
         self.num_ranks = group_size(group)
         self.rank = group_rank(group)

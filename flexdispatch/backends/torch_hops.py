@@ -41,6 +41,7 @@ class A2AHost(Protocol):
     num_experts: int
     num_worst_tokens: int
     stats: Any
+    pinned_counts: Any  # (pinned host buffer, event of the last copy into it) or None
 
     @property
     def num_nodes(self) -> int: ...
@@ -126,7 +127,8 @@ class TorchDispatchState:
 class PendingCounts:
     """The gathered counts ``G`` on their way to the host.
 
-    On CUDA the copy goes into pinned memory on a side stream as soon as ``G`` exists, and
+    On CUDA the copy goes into pinned memory (one buffer per backend, reused) on a side stream
+    as soon as ``G`` exists, and
     ``wait()`` blocks on its event only when the host values are needed (just before the rows
     move). ``wait()`` also checks that the ranks agree on H, k and dtype, and raises the same
     error on every rank when they do not.
@@ -144,7 +146,16 @@ class PendingCounts:
         self._event: torch.cuda.Event | None = None
         self._host = G
         if G.is_cuda and torch.cuda.is_available():
-            self._host = torch.empty(G.shape, dtype=G.dtype, pin_memory=True)
+            # NOTE: the pinned buffer is the backend's, reused by every dispatch of that shape
+            # (one launch fewer): the last copy into it was waited on before that dispatch
+            # returned, unless the dispatch raised in between (then it is waited on here).
+            kept = backend.pinned_counts
+            if kept is not None and kept[0].shape == G.shape:
+                self._host, last = kept
+                if last is not None:
+                    last.synchronize()
+            else:
+                self._host = torch.empty(G.shape, dtype=G.dtype, pin_memory=True)
             side = torch.cuda.Stream(device=G.device)
             side.wait_stream(torch.cuda.current_stream(G.device))
             with torch.cuda.stream(side):
@@ -152,6 +163,7 @@ class PendingCounts:
                 self._event = torch.cuda.Event()
                 self._event.record(side)
             G.record_stream(side)
+            backend.pinned_counts = (self._host, self._event)
 
     def wait(self) -> list[list[int]]:
         """Host values of ``G`` (``[R][2R + N + 4]`` ints), after the cross-rank agreement check."""
