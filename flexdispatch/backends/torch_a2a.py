@@ -144,6 +144,7 @@ class TorchA2ABackend(DispatchBackend):
         self.checks = checks
         self.stats = stats if stats is not None else DispatchStats()
         self._required_w: torch.Tensor | None = None
+        self._overflow_scale = 1  # ``record_overflow``
         # NOTE: reusable CPU buffers for rows that never leave a call (see ``scratch``).
         self._scratch: dict[str, torch.Tensor] = {}
         self._luts: dict[torch.device, torch.Tensor] = {}
@@ -554,7 +555,7 @@ class TorchA2ABackend(DispatchBackend):
         width = back.shape[1:]
         spare = back.shape[0] - 1  # the zero row
         # NOTE: dropless hops have no padding, hence no dummy row.
-        padded = hop.send_valid is not None
+        padded = hop.is_padded
         rows_out = hop.num_in + padded
         me = self.rank
         cuda = cuda_code_path(back.device)
@@ -641,8 +642,11 @@ class TorchA2ABackend(DispatchBackend):
                 self._luts[device] = lut
         return lut
 
-    def record_overflow(self, required_w: torch.Tensor) -> None:
-        """Remember (on the device) the largest W a worst-case dispatch needed."""
+    def record_overflow(self, required_w: torch.Tensor, scale: int = 1) -> None:
+        """Remember (on the device) the largest W a worst-case dispatch needed: ``scale *
+        required_w`` (the multiplication waits for the check; one backend always passes the same
+        ``scale``)."""
+        self._overflow_scale = scale
         if self._required_w is None:
             self._required_w = torch.zeros((), dtype=torch.int64, device=required_w.device)
         self._required_w = torch.maximum(self._required_w, required_w)
@@ -650,7 +654,7 @@ class TorchA2ABackend(DispatchBackend):
     def check_overflow(self) -> None:
         if self._required_w is None:
             return
-        need = int(self._required_w.item())
+        need = int(self._required_w.item()) * self._overflow_scale
         W, R = self.num_worst_tokens, self.num_ranks
         if need > W:
             raise ValueError(
@@ -717,10 +721,13 @@ class TorchA2ABackend(DispatchBackend):
         if state.in_index is not None:
             # NOTE: buffer rows that were never returned (padding) get arbitrary rows of y; they
             # travel back into the senders' dummy rows, which are cut off.
-            rows = self.scratch(
-                "combine", (state.in_index.shape[0], *y.shape[1:]), y.dtype, y.device
-            )
-            torch.index_select(y, 0, state.in_index, out=rows)
+            if cuda_code_path(y.device):  # NOTE: scratch is torch.empty there
+                rows = y.index_select(0, state.in_index)
+            else:
+                rows = self.scratch(
+                    "combine", (state.in_index.shape[0], *y.shape[1:]), y.dtype, y.device
+                )
+                torch.index_select(y, 0, state.in_index, out=rows)
         for hop in reversed(state.hops):
             rows = self.reduce_hop(hop, rows)
         return rows

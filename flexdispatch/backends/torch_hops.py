@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from flexdispatch import _memory
+from flexdispatch._validate import cuda_code_path
 from flexdispatch.backends.torch_rows import (
     count_local,
     unpack_local,
@@ -51,7 +52,7 @@ class A2AHost(Protocol):
     def worst_case(self) -> bool: ...
     def node_groups(self) -> tuple[tuple[int, ...], ...]: ...
     def local_lut(self, device: Any) -> Any: ...
-    def record_overflow(self, required_w: Any) -> None: ...
+    def record_overflow(self, required_w: Any, scale: int = 1) -> None: ...
     def output(self, *args: Any, **kwargs: Any) -> Any: ...
     def run_hop(self, *args: Any, **kwargs: Any) -> Any: ...
 
@@ -72,6 +73,8 @@ class Hop:
         gather_index: ``[S]`` int64 ``send_index`` with padding rows pointing at row 0..num_in-1
             (arbitrary real rows: no receiver returns them), or None: gathers then need no
             clamp of their own.
+        padded: the hop has padding rows even though ``send_valid`` is None (the flat CUDA
+            path, which never reads it: ``send_index < num_in`` where needed).
     """
 
     send_index: torch.Tensor
@@ -81,6 +84,7 @@ class Hop:
     num_in: int
     reduce_groups: tuple[tuple[int, ...], ...]
     gather_index: torch.Tensor | None = None
+    padded: bool = False
 
     def gather_args(self, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, ...]:
         """``(index, valid)`` for ``gather_rows`` of send rows ``[lo, hi)``: ``gather_index``
@@ -91,6 +95,17 @@ class Hop:
             return self.gather_index[sl], None
         valid = None if self.send_valid is None else self.send_valid[sl]
         return self.send_index[sl], valid
+
+    @property
+    def is_padded(self) -> bool:
+        """Whether some send rows are padding (``send_index == num_in`` there)."""
+        return self.padded or self.send_valid is not None
+
+    def valid(self, lo: int, hi: int) -> torch.Tensor | None:
+        """``[hi - lo]`` bool, False on the padding rows among send rows ``[lo, hi)``, or None."""
+        if self.send_valid is not None:
+            return self.send_valid[lo:hi]
+        return self.send_index[lo:hi] < self.num_in if self.padded else None
 
     @property
     def num_send(self) -> int:
@@ -205,8 +220,11 @@ def finish(
         num_out = out_index.shape[0]
         if in_valid is not None:  # None: ``flat_compaction``'s in_index is in range already
             in_index = in_index.clamp(max=max(num_out - 1, 0))
-        rows = be.output((num_out, *recv_x.shape[1:]), recv_x.dtype, recv_x.device)
-        recv_x = torch.index_select(recv_x, 0, out_index, out=rows)
+        if cuda_code_path(recv_x.device):  # NOTE: ``output`` is torch.empty there
+            recv_x = recv_x.index_select(0, out_index)
+        else:
+            rows = be.output((num_out, *recv_x.shape[1:]), recv_x.dtype, recv_x.device)
+            recv_x = torch.index_select(recv_x, 0, out_index, out=rows)
         recv_meta = recv_meta.index_select(0, out_index)
     if local_lo is None:
         ids, probs = unpack_meta(recv_meta, k)
@@ -269,10 +287,11 @@ def row_of_input(
     n = hi - lo
     rows_from = _memory.arange(base + n, device)[base:]
     size = rows_out
-    if hop.send_valid is not None:
+    valid = hop.valid(lo, hi)
+    if valid is not None:
         size += n
         spare = _memory.arange(rows_out + n, device)[rows_out:]
-        index = torch.where(hop.send_valid[lo:hi], index, spare)
+        index = torch.where(valid, index, spare)
     first = torch.full((size,), missing, dtype=torch.int64, device=device)
     first.scatter_(0, index, rows_from)
     return first[:rows_out]
