@@ -24,10 +24,14 @@ device-dependent choice on CPU: ``flexdispatch._validate.cuda_code_path`` and
 ``defer_value_checks`` are forced to True (value checks counted on the device, no CPU memory
 reuse, synchronous collectives, ``scatter_add_`` instead of ``bincount``). The one CUDA-only
 piece that cannot run on CPU is the dropless count copy into pinned host memory on a side stream
-(``torch_hops.PendingCounts``): ``empty(pin_memory=True)`` + ``copy_`` = 2 ops, added by hand to
+(``torch_hops.PendingCounts``): ``copy_`` into the backend's pinned buffer (allocated by the first
+call only, with ``empty(pin_memory=True)``) = 1 op, added by hand to
 the dropless rows of that column (streams and events are not ATen ops).
 
-Run:  PYTHONPATH=. .venv/bin/python benchmarks/bench_ops.py [--by-op]
+Run:  PYTHONPATH=. .venv/bin/python benchmarks/bench_ops.py [--by-op [--where]] [--rows flat]
+
+``--where`` splits each op by the flexdispatch source line that issued it (slow: it walks the
+stack on every op); ``--rows TEXT`` keeps the rows whose label contains TEXT.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
+import traceback
 from typing import Any
 
 import torch
@@ -42,19 +47,25 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 T, E, K, H = 512, 64, 8, 256
-PINNED_COPY_OPS = 2  # CUDA dropless only: empty(pin_memory=True) + copy_(non_blocking=True)
+PINNED_COPY_OPS = 1  # CUDA dropless only: copy_(non_blocking=True) into the kept pinned buffer
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts non-view ATen ops by name."""
+    """Counts non-view ATen ops by name (with ``where``: by name and issuing flexdispatch line)."""
 
-    def __init__(self) -> None:
+    def __init__(self, where: bool = False) -> None:
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
+        self.where = where
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if not func.is_view:
-            self.ops[str(func)] += 1
+            name = str(func)
+            if self.where:
+                frames = [f for f in traceback.extract_stack() if "/flexdispatch/" in f.filename]
+                last = frames[-1] if frames else None
+                name += f" @ {last.filename.split('/')[-1]}:{last.lineno}" if last else " @ ?"
+            self.ops[name] += 1
         return func(*args, **(kwargs or {}))
 
     @property
@@ -83,7 +94,7 @@ def _inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, idx, probs
 
 
-def _dispatch_ops(worst: bool, hierarchical: bool, cuda: bool) -> dict[str, Any]:
+def _dispatch_ops(worst: bool, hierarchical: bool, cuda: bool, where: bool) -> dict[str, Any]:
     from flexdispatch import DispatchConfig, FlexDispatcher
 
     if cuda:
@@ -96,14 +107,14 @@ def _dispatch_ops(worst: bool, hierarchical: bool, cuda: bool) -> dict[str, Any]
     d = FlexDispatcher(cfg, num_experts=E)
     res = d.dispatch(x, idx, probs)
     d.combine(res.recv_x, res.handle)
-    with OpCounter() as cd:
+    with OpCounter(where) as cd:
         res = d.dispatch(x, idx, probs)
-    with OpCounter() as cc:
+    with OpCounter(where) as cc:
         d.combine(res.recv_x, res.handle)
     return {"dispatch": dict(cd.ops), "combine": dict(cc.ops)}
 
 
-def _permute_ops(cuda: bool) -> dict[str, Any]:
+def _permute_ops(cuda: bool, where: bool) -> dict[str, Any]:
     from flexdispatch import permute, unpermute
 
     if cuda:
@@ -115,45 +126,54 @@ def _permute_ops(cuda: bool) -> dict[str, Any]:
         unpermute(perm.x, perm, probs=perm.probs)
 
     run()
-    with OpCounter() as c:
+    with OpCounter(where) as c:
         run()
     return {"permute+unpermute": dict(c.ops)}
 
 
-def _rank0(worst: bool, hierarchical: bool, cuda: bool) -> dict[str, Any]:
+def _rank0(worst: bool, hierarchical: bool, cuda: bool, where: bool) -> dict[str, Any]:
     from flexdispatch.launch import spawn_group
 
     env = {"LOCAL_WORLD_SIZE": "1"} if hierarchical else None
     return spawn_group(
         _dispatch_ops,
         2,
-        args=(worst, hierarchical, cuda),
+        args=(worst, hierarchical, cuda, where),
         ranks_per_node=1 if hierarchical else 2,
         env=env,
         timeout_s=300,
     )[0]
 
 
-def _permute_in_child(cuda: bool) -> dict[str, Any]:
+def _permute_in_child(cuda: bool, where: bool) -> dict[str, Any]:
     from flexdispatch.launch import spawn_group
 
-    return spawn_group(_permute_ops, 1, args=(cuda,), timeout_s=300)[0]
+    return spawn_group(_permute_ops, 1, args=(cuda, where), timeout_s=300)[0]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--by-op", action="store_true", help="also list the ops of each row")
+    parser.add_argument(
+        "--where", action="store_true", help="with --by-op: name the flexdispatch line of each op"
+    )
+    parser.add_argument(
+        "--rows", default="", help="only the rows whose label contains this text (e.g. flat)"
+    )
     args = parser.parse_args(argv)
     rows: list[tuple[str, dict[str, dict[str, int]]]] = []
+    w = args.where
     for label, worst, hier in (
         ("torch flat dropless", False, False),
         ("torch flat worst-case (W=R*T)", True, False),
         ("torch hierarchical dropless", False, True),
         ("torch hierarchical worst-case", True, True),
     ):
-        per = {"cpu": _rank0(worst, hier, False), "cuda": _rank0(worst, hier, True)}
+        if args.rows not in label:
+            continue
+        per = {"cpu": _rank0(worst, hier, False, w), "cuda": _rank0(worst, hier, True, w)}
         rows.append((label, per))
-    per_p = {"cpu": _permute_in_child(False), "cuda": _permute_in_child(True)}
+    per_p = {"cpu": _permute_in_child(False, w), "cuda": _permute_in_child(True, w)}
 
     print(f"T={T} E={E} k={K} H={H} bf16, 2 gloo ranks, torch {torch.__version__}")
     print("non-view ATen ops per call (rank 0)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -27,6 +28,8 @@ __all__ = [
     "cuda_code_path",
     "check_dispatch_values",
     "count_bad_values",
+    "count_bad_parts",
+    "BadValueLog",
     "BAD_VALUE_SLOTS",
     "bad_ids_message",
     "nonfinite_message",
@@ -180,6 +183,33 @@ def _count_nonfinite(t: torch.Tensor) -> torch.Tensor:
     return torch.isnan(t - t).sum(dtype=torch.int64)
 
 
+def count_bad_parts(
+    topk_idx: torch.Tensor,
+    num_experts: int,
+    x: torch.Tensor,
+    topk_probs: torch.Tensor,
+    *,
+    count_ids: bool = True,
+) -> tuple[torch.Tensor, ...]:
+    """``count_bad_values`` as five 0-dim int64 device tensors (not stacked); with
+    ``count_ids=False`` the last four only (the caller has the count of bad ids already: the
+    torch backend's pair counts hold it, ``TorchA2ABackend.bad_ids``)."""
+    device = topk_idx.device
+    parts = [
+        _count_nonfinite(x).to(device),
+        _count_nonfinite(topk_probs),
+    ]
+    if count_ids:
+        parts.insert(0, topk_idx.clamp(-1, num_experts - 1).ne(topk_idx).sum(dtype=torch.int64))
+    if topk_idx.numel():
+        lo, hi = torch.aminmax(topk_idx)
+        parts += [hi, lo]
+    else:
+        parts.append(torch.full((), _INT64.min, dtype=torch.int64, device=device))
+        parts.append(torch.full((), _INT64.max, dtype=torch.int64, device=device))
+    return tuple(parts)
+
+
 def count_bad_values(
     topk_idx: torch.Tensor, num_experts: int, x: torch.Tensor, topk_probs: torch.Tensor
 ) -> torch.Tensor:
@@ -188,19 +218,66 @@ def count_bad_values(
     id (int64 min / max when there is none). When the first count is not zero, the largest id
     is the highest bad one if it is ``>= E`` and the smallest the lowest bad one if it is
     ``< -1`` (``bad_ids_message`` names only those)."""
-    device = topk_idx.device
-    parts = [
-        topk_idx.clamp(-1, num_experts - 1).ne(topk_idx).sum(dtype=torch.int64),
-        _count_nonfinite(x).to(device),
-        _count_nonfinite(topk_probs),
-    ]
-    if topk_idx.numel():
-        lo, hi = torch.aminmax(topk_idx)
-        parts += [hi, lo]
-    else:
-        parts.append(torch.full((), _INT64.min, dtype=torch.int64, device=device))
-        parts.append(torch.full((), _INT64.max, dtype=torch.int64, device=device))
-    return torch.stack(parts)
+    return torch.stack(count_bad_parts(topk_idx, num_experts, x, topk_probs))
+
+
+def _fold_vectors(vectors: torch.Tensor) -> torch.Tensor:
+    """``[n, 5]`` ``count_bad_values`` vectors -> one: counts summed, largest id max, smallest
+    id min."""
+    n = len(BAD_VALUE_SLOTS)
+    return torch.cat(
+        [vectors[:, :n].sum(0), vectors[:, n : n + 1].amax(0), vectors[:, n + 1 :].amin(0)]
+    )
+
+
+class BadValueLog:
+    """Accumulates the device counts of bad dispatch inputs into ``stats.pending_bad_values``
+    without a launch per dispatch.
+
+    The first dispatch's ``count_bad_parts`` become ``stats.pending_bad_values`` (one stack);
+    later ones are only kept (a list of 0-dim device tensors, no launch) and folded into it on
+    the device every ``max_kept`` dispatches (a few launches, once) and before the counts are
+    read (``fold``, at the safe point, which syncs anyway). While a CUDA graph is being captured
+    they are added in place instead (``add_`` / ``maximum`` / ``minimum``: a kept list would
+    hold one replay's tensors, replays must accumulate).
+    """
+
+    def __init__(self, max_kept: int = 64) -> None:
+        self.max_kept = max_kept
+        self._kept: list[tuple[torch.Tensor, ...]] = []
+
+    def add(self, stats: Any, parts: tuple[torch.Tensor, ...]) -> None:
+        """Count one dispatch's ``count_bad_parts`` into ``stats.pending_bad_values``."""
+        acc = stats.pending_bad_values
+        if acc is None:
+            stats.pending_bad_values = torch.stack(parts)
+            return
+        if not is_capturing():
+            self._kept.append(parts)  # NOTE: no launch; folded later
+            if len(self._kept) >= self.max_kept:
+                self.fold(stats)
+            return
+        # NOTE: the kept counts stay out of the graph (folded eagerly later, into ``acc`` in place)
+        counts = torch.stack(parts)
+        n = len(BAD_VALUE_SLOTS)
+        acc[:n].add_(counts[:n])
+        torch.maximum(acc[n], counts[n], out=acc[n])
+        torch.minimum(acc[n + 1], counts[n + 1], out=acc[n + 1])
+
+    def fold(self, stats: Any) -> None:
+        """Fold the kept counts into ``stats.pending_bad_values`` (on the device, no sync; in
+        place, so that a captured graph keeps writing into the same tensor)."""
+        if not self._kept:
+            return
+        acc = stats.pending_bad_values
+        flat = [t for parts in self._kept for t in parts]
+        self._kept.clear()
+        rows = torch.stack(flat if acc is None else [*acc.unbind(), *flat])
+        folded = _fold_vectors(rows.view(-1, len(BAD_VALUE_SLOTS) + 2))
+        if acc is None:
+            stats.pending_bad_values = folded
+        else:
+            acc.copy_(folded)
 
 
 def check_finite(name: str, value: torch.Tensor) -> None:

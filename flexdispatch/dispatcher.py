@@ -236,6 +236,8 @@ class FlexDispatcher:
         fields["ranks_per_node (resolved)"] = L
         check_fingerprint(fields, group)
         self._stats = DispatchStats()
+        self._bad_log = _validate.BadValueLog()  # device counts of bad inputs, not yet folded
+        self._deferred_parts: tuple[torch.Tensor, ...] | None = None
         self._backend, self.backend_reason = select_backend(
             config,
             group,
@@ -421,10 +423,11 @@ class FlexDispatcher:
 
         Checks on (or CPU, where reading values costs no sync): raise now. CUDA without checks
         (or while capturing a graph): count them on the device into
-        ``stats.pending_bad_values``; ``check_overflow`` raises naming them. Under CUDA-graph
-        capture the counter accumulates across replays when it already exists (one eager
-        dispatch before capturing, as warm-up does); created inside the capture it holds the
-        latest replay's counts.
+        ``stats.pending_bad_values`` (``_validate.BadValueLog``: after the first dispatch, kept
+        without a launch and folded in at the check); ``check_overflow`` raises naming them.
+        Under CUDA-graph capture the counter accumulates across replays when it already exists
+        (one eager dispatch before capturing, as warm-up does); created inside the capture it
+        holds the latest replay's counts.
         """
         E = self.num_experts
         if checks_enabled(self.config.checks or None) or not _validate.defer_value_checks(
@@ -432,15 +435,14 @@ class FlexDispatcher:
         ):
             _validate.check_dispatch_values(topk_idx, E, values, topk_probs)
             return
-        counts = _validate.count_bad_values(topk_idx, E, values, topk_probs)
-        acc = self._stats.pending_bad_values
-        if acc is None:
-            self._stats.pending_bad_values = counts
+        # NOTE: a backend that counts the bad ids itself (``bad_ids``, the torch backend's pair
+        # counts) gives them after its dispatch (``dispatch`` adds the parts then)
+        own = getattr(self._backend, "counts_bad_ids", False)
+        parts = _validate.count_bad_parts(topk_idx, E, values, topk_probs, count_ids=not own)
+        if own:
+            self._deferred_parts = parts
             return
-        n = len(BAD_VALUE_SLOTS)
-        acc[:n].add_(counts[:n])
-        torch.maximum(acc[n], counts[n], out=acc[n])
-        torch.minimum(acc[n + 1], counts[n + 1], out=acc[n + 1])
+        self._bad_log.add(self._stats, parts)
 
     # ----------------------------------------------------------------- public API
     def dispatch(
@@ -479,11 +481,16 @@ class FlexDispatcher:
             flexdispatch.distributed.CollectiveError: a peer rank failed (raised, exited, was
             killed) or did not join within the process-group timeout (docs/errors.md).
         """
+        self._deferred_parts = None
         self._check_inputs(x, topk_idx, topk_probs, layout)
         rows = (x[0].contiguous(), x[1].contiguous()) if isinstance(x, tuple) else x.contiguous()
         recv_x, recv_idx, recv_probs, counts, handle, pairs = _Dispatch.apply(
             self._backend, layout, rows, topk_idx.contiguous(), topk_probs.contiguous()
         )
+        if self._deferred_parts is not None:
+            parts = (self._backend.bad_ids, *self._deferred_parts)  # type: ignore[attr-defined]
+            self._bad_log.add(self._stats, parts)
+            self._deferred_parts = None
         self._stats.dispatch_calls += 1
         return DispatchResult(
             recv_x=recv_x,
@@ -598,6 +605,7 @@ class FlexDispatcher:
 
     def _fold_bad_values(self) -> None:
         """Move the device counts of bad inputs into ``stats.extra`` (one host sync)."""
+        self._bad_log.fold(self._stats)
         acc = self.stats.pending_bad_values
         if acc is None:
             return

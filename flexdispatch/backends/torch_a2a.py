@@ -7,7 +7,8 @@ W worst-case rows · S rows one rank sends in one hop · P peers one hop sends t
 How a dispatch runs (works on gloo and NCCL):
 
 1. Count exchange: one ``all_gather_into_tensor`` of a ``[2R + N + 4]`` int64 vector per rank
-   (rows for every rank, rows for every node, H, k, dtype code, T, pairs for every rank). Every
+   (rows for every rank, rows for every node (hierarchical mode; zeros in flat mode), H, k, dtype
+   code, T, pairs for every rank). Every
    rank then holds the
    ``[R, 2R + N + 4]`` matrix ``G`` and can raise the same error on every rank: mismatching
    H / k / dtype, or a worst-case overflow.
@@ -26,16 +27,18 @@ How a dispatch runs (works on gloo and NCCL):
 Combine sends the rows back along the same hops and sums them per token. The sum runs in a fixed
 order — first over the ranks of each node (in rank order), then over nodes — so flat and
 hierarchical combine give bit-identical results, and every ``index_add_`` has unique indices
-(deterministic on CUDA too). The first term of each node's sum is a gather (a zero row where that
-rank sent nothing) rather than an add into zeros, except on CPU when this rank's own rows come
+(deterministic on CUDA too). On CPU the first term of each node's sum is a gather (a zero row
+where that rank sent nothing) rather than an add into zeros, except when this rank's own rows come
 first: they are added into zeros (``0 + a == a`` up to the sign of a zero) while the peers' rows
-are still travelling. The first two terms may swap (``a + b == b + a`` exactly), so that this
+are still travelling. On CUDA every node's sum starts from zeros (no inverse map to build: two
+launches fewer per node). The first two terms may swap (``a + b == b + a`` exactly), so that this
 rank's own rows are added straight from where they lie.
 
 Rows a rank sends to itself skip the collective (split 0 to itself) whenever they sit at one end
-of both buffers (always for R = 2): dispatch gathers them straight into the receive buffer while
-the peers' rows travel (``async_op`` on CPU; on CUDA the stream order overlaps them), and combine
-reads them from the rows it was given. This changes no byte on the wire. In flat mode the
+of both buffers (always for R = 2): on CPU dispatch gathers them straight into the receive buffer
+while the peers' rows travel (``async_op``; on CUDA, where the collective is issued synchronously
+and nothing would overlap, they go through it: one gather instead of two), and combine reads them
+from the rows it was given. This changes no byte on the wire. In flat mode the
 metadata carries global expert ids and each receiver keeps its own (one offset, ``rank * e``).
 
 On CPU, buffers that never leave a call (send buffers, padded receive buffers, returning rows)
@@ -61,6 +64,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from flexdispatch import _memory
 from flexdispatch._validate import checks_enabled, cuda_code_path, is_capturing
 from flexdispatch.backends import torch_hier
 from flexdispatch.backends.base import Capability, DispatchBackend
@@ -81,9 +85,10 @@ from flexdispatch.backends.torch_hops import (
 )
 from flexdispatch.backends.torch_rows import (
     _bin_counts,
-    expert_key,
+    clamp_ids,
     gather_rows,
     local_lut,
+    rank_lut,
 )
 from flexdispatch.distributed import (
     collective_guard,
@@ -110,6 +115,9 @@ class TorchA2ABackend(DispatchBackend):
     """
 
     name = "torch"
+    counts_bad_ids = True
+    """``dispatch`` counts the ids outside ``[-1, E)`` into ``bad_ids`` (0-dim int64 device
+    tensor, from the pair counts at no cost) for the dispatcher's deferred value check."""
 
     def __init__(
         self,
@@ -123,6 +131,10 @@ class TorchA2ABackend(DispatchBackend):
         stats: DispatchStats | None = None,
     ) -> None:
         self.group = group
+        self.pinned_counts: tuple[torch.Tensor, torch.cuda.Event | None] | None = (
+            None  # PendingCounts
+        )
+        self.bad_ids: torch.Tensor | None = None  # the last dispatch's, see ``counts_bad_ids``
         self.num_ranks = group_size(group)
         self.rank = group_rank(group)
         self.ranks_per_node = ranks_per_node
@@ -132,6 +144,7 @@ class TorchA2ABackend(DispatchBackend):
         self.checks = checks
         self.stats = stats if stats is not None else DispatchStats()
         self._required_w: torch.Tensor | None = None
+        self._overflow_scale = 1  # ``record_overflow``
         # NOTE: reusable CPU buffers for rows that never leave a call (see ``scratch``).
         self._scratch: dict[str, torch.Tensor] = {}
         self._luts: dict[torch.device, torch.Tensor] = {}
@@ -203,6 +216,7 @@ class TorchA2ABackend(DispatchBackend):
             ranks_per_node=self.ranks_per_node,
             group=self.group,
             pairs_R=pairs_R,
+            per_node=self.hierarchical,  # NOTE: only the hierarchical plan reads them
         )
 
     def check_agreement(self, Gh: list[list[int]]) -> None:
@@ -331,10 +345,19 @@ class TorchA2ABackend(DispatchBackend):
         """
         width = rows.shape[1:]
         self.account(hop.send_splits, math.prod(width) * rows.element_size())
-        own = self.self_block(hop.send_splits, hop.recv_splits)
+        # NOTE: on CUDA my own rows go through the collective too: issued synchronously, it
+        # would not overlap with their gather anyway, and one gather is one launch fewer.
+        own = (
+            None
+            if cuda_code_path(rows.device)
+            else self.self_block(hop.send_splits, hop.recv_splits)
+        )
         if own is None:
-            send = self.scratch("send", (hop.num_send, *width), rows.dtype, rows.device)
-            gather_rows(rows, *hop.gather_args(), zero_invalid=False, out=send)
+            if cuda_code_path(rows.device):  # NOTE: no scratch there: the gather allocates
+                send = gather_rows(rows, *hop.gather_args(), zero_invalid=False)
+            else:
+                send = self.scratch("send", (hop.num_send, *width), rows.dtype, rows.device)
+                gather_rows(rows, *hop.gather_args(), zero_invalid=False, out=send)
             out = self.all_to_all(
                 send, hop.send_splits, hop.recv_splits, spare_row=spare_row, scratch_key=scratch_key
             )
@@ -509,8 +532,10 @@ class TorchA2ABackend(DispatchBackend):
         work: dist.Work | None = None
         mine: torch.Tensor | None = None  # my own returning rows, read from ``back_in``
         if own is None:
+            # NOTE: the zero spare row is read only by the CPU branch's gather below
+            spare_row = not cuda_code_path(back_in.device)
             back = self.all_to_all(
-                back_in, hop.recv_splits, hop.send_splits, spare_row=True, scratch_key="back"
+                back_in, hop.recv_splits, hop.send_splits, spare_row=spare_row, scratch_key="back"
             )
             spare_zeroed = True
         else:
@@ -530,12 +555,28 @@ class TorchA2ABackend(DispatchBackend):
         width = back.shape[1:]
         spare = back.shape[0] - 1  # the zero row
         # NOTE: dropless hops have no padding, hence no dummy row.
-        padded = hop.send_valid is not None
+        padded = hop.is_padded
         rows_out = hop.num_in + padded
         me = self.rank
+        cuda = cuda_code_path(back.device)
         for members in hop.reduce_groups:
             present = [r for r in members if offsets[r + 1] > offsets[r]]
             if not present:
+                continue
+            if cuda:
+                # CUDA: every group's sum starts from zeros (one ``zeros`` + one ``index_add_`` per
+                # peer): no inverse map (``full`` + ``scatter_``) and no zero spare row to write.
+                # ``0 + a == a`` up to the sign of a zero, as on CPU; my rows may swap with the
+                # first peer's (``a + b == b + a`` exactly), later terms keep their order.
+                if mine is not None and me in present[:2]:
+                    present.remove(me)
+                    present.insert(0, me)
+                part = torch.zeros((rows_out, *width), dtype=back.dtype, device=back.device)
+                for r in present:
+                    lo, hi = offsets[r], offsets[r + 1]
+                    src = mine if r == me and mine is not None else back[lo:hi]
+                    part.index_add_(0, hop.send_index[lo:hi], src)
+                out = part if out is None else out.add_(part)
                 continue
             if work is not None and me in present[:2]:
                 # CPU, peers' rows still travelling: start the sum from my own rows meanwhile
@@ -585,6 +626,11 @@ class TorchA2ABackend(DispatchBackend):
             return self.output((hop.num_in, *width), back.dtype, back.device).zero_()
         return first_rows(out, hop.num_in)
 
+    def rank_lut(self, device: torch.device) -> torch.Tensor:
+        """``torch_rows.rank_lut`` of this group, built once per device (read-only)."""
+        e, E = self.num_local_experts, self.num_experts
+        return _memory.cached(("rank_lut", e, E), device, lambda: rank_lut(e, E, device))
+
     def local_lut(self, device: torch.device) -> torch.Tensor:
         """``torch_rows.local_lut`` of this rank's experts, built once per device (read-only)."""
         lut = self._luts.get(device)
@@ -596,8 +642,11 @@ class TorchA2ABackend(DispatchBackend):
                 self._luts[device] = lut
         return lut
 
-    def record_overflow(self, required_w: torch.Tensor) -> None:
-        """Remember (on the device) the largest W a worst-case dispatch needed."""
+    def record_overflow(self, required_w: torch.Tensor, scale: int = 1) -> None:
+        """Remember (on the device) the largest W a worst-case dispatch needed: ``scale *
+        required_w`` (the multiplication waits for the check; one backend always passes the same
+        ``scale``)."""
+        self._overflow_scale = scale
         if self._required_w is None:
             self._required_w = torch.zeros((), dtype=torch.int64, device=required_w.device)
         self._required_w = torch.maximum(self._required_w, required_w)
@@ -605,7 +654,7 @@ class TorchA2ABackend(DispatchBackend):
     def check_overflow(self) -> None:
         if self._required_w is None:
             return
-        need = int(self._required_w.item())
+        need = int(self._required_w.item()) * self._overflow_scale
         W, R = self.num_worst_tokens, self.num_ranks
         if need > W:
             raise ValueError(
@@ -625,19 +674,21 @@ class TorchA2ABackend(DispatchBackend):
 
         T, H = x.shape
         k = topk_idx.shape[1]
-        R, e = self.num_ranks, self.num_local_experts
-        # NOTE: ids outside [0, E) count as -1, as in get_dispatch_layout (never an OOB index):
-        # they become the key E, which lands on the spare rank R.
-        key_TK = expert_key(topk_idx, self.num_experts)
-        rank_TK = torch.div(key_TK, e, rounding_mode="floor")
-        pairs_R1 = _bin_counts(rank_TK.view(-1), R + 1)
+        R = self.num_ranks
+        # NOTE: ids outside [-1, E) count as -1, as in get_dispatch_layout (never an OOB index):
+        # clamped to -2 or E, they land on the spare rank R (-1 on R + 1), so the pair counts
+        # count them too (``bad_ids``: the dispatcher's deferred value check reads it).
+        key_TK = clamp_ids(topk_idx, self.num_experts)
+        rank_TK = self.rank_lut(x.device)[key_TK]
+        pairs_R2 = _bin_counts(rank_TK.view(-1), R + 2)
+        self.bad_ids = pairs_R2[R]
         if layout is not None:
             mask_TR = layout.is_token_in_rank
         else:
-            mask_TR = torch.zeros(T, R + 1, dtype=torch.bool, device=x.device)
+            mask_TR = torch.zeros(T, R + 2, dtype=torch.bool, device=x.device)
             mask_TR.scatter_(1, rank_TK, True)
             mask_TR = mask_TR[:, :R]
-        G = self.exchange_counts(mask_TR, H, k, x.dtype, pairs_R1[:R])
+        G = self.exchange_counts(mask_TR, H, k, x.dtype, pairs_R2[:R])
         pending = self.start_host_counts(G)
         plan = torch_hier.dispatch_hier if self.hierarchical else dispatch_flat
         ids = key_TK if not self.hierarchical else topk_idx
@@ -670,10 +721,13 @@ class TorchA2ABackend(DispatchBackend):
         if state.in_index is not None:
             # NOTE: buffer rows that were never returned (padding) get arbitrary rows of y; they
             # travel back into the senders' dummy rows, which are cut off.
-            rows = self.scratch(
-                "combine", (state.in_index.shape[0], *y.shape[1:]), y.dtype, y.device
-            )
-            torch.index_select(y, 0, state.in_index, out=rows)
+            if cuda_code_path(y.device):  # NOTE: scratch is torch.empty there
+                rows = y.index_select(0, state.in_index)
+            else:
+                rows = self.scratch(
+                    "combine", (state.in_index.shape[0], *y.shape[1:]), y.dtype, y.device
+                )
+                torch.index_select(y, 0, state.in_index, out=rows)
         for hop in reversed(state.hops):
             rows = self.reduce_hop(hop, rows)
         return rows

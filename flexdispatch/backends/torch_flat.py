@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from flexdispatch._validate import cuda_code_path
 from flexdispatch.backends.torch_hops import (
     A2AHost,
     Hop,
@@ -15,7 +16,6 @@ from flexdispatch.backends.torch_rows import (
     gather_rows,
     overflow_message,
     pack_key_meta,
-    round_up,
     send_rows,
     slot_positions,
 )
@@ -44,7 +44,9 @@ def dispatch_flat(
     cap = W // R if be.worst_case else None
     send_valid = None
     if cap is not None:
-        send_index, send_valid = slot_positions(mask_TR, cap)
+        # NOTE: the CUDA path never reads send_valid (``Hop.padded``, ``gather_index``)
+        need_valid = not (cuda_code_path(device) and T)
+        send_index, send_valid = slot_positions(mask_TR, cap, valid=need_valid)
     Gh = pending.wait() if pending is not None else None
     if cap is not None:
         if Gh is not None:
@@ -53,7 +55,8 @@ def dispatch_flat(
                 what = f"rank {worst[1]} sending to rank {worst[2]}"
                 raise ValueError(overflow_message(what, worst[0], cap, W, R, R))
         else:
-            be.record_overflow(round_up(G[:, :R].max() * R, R))
+            # NOTE: W = R times the largest count (a multiple of R already: no round_up)
+            be.record_overflow(G[:, :R].max(), scale=R)
         send_splits = recv_splits = (cap,) * R
     else:
         if Gh is None:
@@ -69,7 +72,8 @@ def dispatch_flat(
         num_in=T,
         reduce_groups=be.node_groups(),
         # NOTE: one clamp for every gather of the dispatch (padding rows -> some real row)
-        gather_index=send_index.clamp(max=T - 1) if send_valid is not None and T else None,
+        gather_index=send_index.clamp(max=T - 1) if cap is not None and T else None,
+        padded=cap is not None,
     )
     be.stats.rows_sent += hop.num_send
     spare = cap is not None

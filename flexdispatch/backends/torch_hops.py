@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from flexdispatch import _memory
+from flexdispatch._validate import cuda_code_path
 from flexdispatch.backends.torch_rows import (
     count_local,
     unpack_local,
@@ -41,6 +42,7 @@ class A2AHost(Protocol):
     num_experts: int
     num_worst_tokens: int
     stats: Any
+    pinned_counts: Any  # (pinned host buffer, event of the last copy into it) or None
 
     @property
     def num_nodes(self) -> int: ...
@@ -50,7 +52,7 @@ class A2AHost(Protocol):
     def worst_case(self) -> bool: ...
     def node_groups(self) -> tuple[tuple[int, ...], ...]: ...
     def local_lut(self, device: Any) -> Any: ...
-    def record_overflow(self, required_w: Any) -> None: ...
+    def record_overflow(self, required_w: Any, scale: int = 1) -> None: ...
     def output(self, *args: Any, **kwargs: Any) -> Any: ...
     def run_hop(self, *args: Any, **kwargs: Any) -> Any: ...
 
@@ -71,6 +73,8 @@ class Hop:
         gather_index: ``[S]`` int64 ``send_index`` with padding rows pointing at row 0..num_in-1
             (arbitrary real rows: no receiver returns them), or None: gathers then need no
             clamp of their own.
+        padded: the hop has padding rows even though ``send_valid`` is None (the flat CUDA
+            path, which never reads it: ``send_index < num_in`` where needed).
     """
 
     send_index: torch.Tensor
@@ -80,6 +84,7 @@ class Hop:
     num_in: int
     reduce_groups: tuple[tuple[int, ...], ...]
     gather_index: torch.Tensor | None = None
+    padded: bool = False
 
     def gather_args(self, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, ...]:
         """``(index, valid)`` for ``gather_rows`` of send rows ``[lo, hi)``: ``gather_index``
@@ -90,6 +95,17 @@ class Hop:
             return self.gather_index[sl], None
         valid = None if self.send_valid is None else self.send_valid[sl]
         return self.send_index[sl], valid
+
+    @property
+    def is_padded(self) -> bool:
+        """Whether some send rows are padding (``send_index == num_in`` there)."""
+        return self.padded or self.send_valid is not None
+
+    def valid(self, lo: int, hi: int) -> torch.Tensor | None:
+        """``[hi - lo]`` bool, False on the padding rows among send rows ``[lo, hi)``, or None."""
+        if self.send_valid is not None:
+            return self.send_valid[lo:hi]
+        return self.send_index[lo:hi] < self.num_in if self.padded else None
 
     @property
     def num_send(self) -> int:
@@ -126,7 +142,8 @@ class TorchDispatchState:
 class PendingCounts:
     """The gathered counts ``G`` on their way to the host.
 
-    On CUDA the copy goes into pinned memory on a side stream as soon as ``G`` exists, and
+    On CUDA the copy goes into pinned memory (one buffer per backend, reused) on a side stream
+    as soon as ``G`` exists, and
     ``wait()`` blocks on its event only when the host values are needed (just before the rows
     move). ``wait()`` also checks that the ranks agree on H, k and dtype, and raises the same
     error on every rank when they do not.
@@ -144,7 +161,16 @@ class PendingCounts:
         self._event: torch.cuda.Event | None = None
         self._host = G
         if G.is_cuda and torch.cuda.is_available():
-            self._host = torch.empty(G.shape, dtype=G.dtype, pin_memory=True)
+            # NOTE: the pinned buffer is the backend's, reused by every dispatch of that shape
+            # (one launch fewer): the last copy into it was waited on before that dispatch
+            # returned, unless the dispatch raised in between (then it is waited on here).
+            kept = backend.pinned_counts
+            if kept is not None and kept[0].shape == G.shape:
+                self._host, last = kept
+                if last is not None:
+                    last.synchronize()
+            else:
+                self._host = torch.empty(G.shape, dtype=G.dtype, pin_memory=True)
             side = torch.cuda.Stream(device=G.device)
             side.wait_stream(torch.cuda.current_stream(G.device))
             with torch.cuda.stream(side):
@@ -152,6 +178,7 @@ class PendingCounts:
                 self._event = torch.cuda.Event()
                 self._event.record(side)
             G.record_stream(side)
+            backend.pinned_counts = (self._host, self._event)
 
     def wait(self) -> list[list[int]]:
         """Host values of ``G`` (``[R][2R + N + 4]`` ints), after the cross-rank agreement check."""
@@ -193,8 +220,11 @@ def finish(
         num_out = out_index.shape[0]
         if in_valid is not None:  # None: ``flat_compaction``'s in_index is in range already
             in_index = in_index.clamp(max=max(num_out - 1, 0))
-        rows = be.output((num_out, *recv_x.shape[1:]), recv_x.dtype, recv_x.device)
-        recv_x = torch.index_select(recv_x, 0, out_index, out=rows)
+        if cuda_code_path(recv_x.device):  # NOTE: ``output`` is torch.empty there
+            recv_x = recv_x.index_select(0, out_index)
+        else:
+            rows = be.output((num_out, *recv_x.shape[1:]), recv_x.dtype, recv_x.device)
+            recv_x = torch.index_select(recv_x, 0, out_index, out=rows)
         recv_meta = recv_meta.index_select(0, out_index)
     if local_lo is None:
         ids, probs = unpack_meta(recv_meta, k)
@@ -257,10 +287,11 @@ def row_of_input(
     n = hi - lo
     rows_from = _memory.arange(base + n, device)[base:]
     size = rows_out
-    if hop.send_valid is not None:
+    valid = hop.valid(lo, hi)
+    if valid is not None:
         size += n
         spare = _memory.arange(rows_out + n, device)[rows_out:]
-        index = torch.where(hop.send_valid[lo:hi], index, spare)
+        index = torch.where(valid, index, spare)
     first = torch.full((size,), missing, dtype=torch.int64, device=device)
     first.scatter_(0, index, rows_from)
     return first[:rows_out]

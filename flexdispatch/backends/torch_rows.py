@@ -29,6 +29,8 @@ __all__ = [
     "pack_token_meta",
     "pack_key_meta",
     "expert_key",
+    "clamp_ids",
+    "rank_lut",
     "local_lut",
     "unpack_local",
     "localize",
@@ -79,7 +81,7 @@ def gather_rows(
 
 
 def slot_positions(
-    mask_NP: torch.Tensor, cap: int | None
+    mask_NP: torch.Tensor, cap: int | None, *, valid: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Send rows of one hop, destination-major then input-row order, without a host sync.
 
@@ -87,6 +89,8 @@ def slot_positions(
         mask_NP: ``[n, P]`` bool, input row ``i`` goes to participant ``p`` (P in peer order).
         cap: rows per participant (worst-case padding; rows past it are dropped), or None for
             dropless (participants packed back to back).
+        valid: build ``send_valid`` (worst-case); False returns None there (a caller that
+            never reads it saves the compare).
 
     Returns:
         ``(send_index, send_valid)``. Worst-case: ``send_index`` ``[P * cap]`` int64 with the dummy
@@ -97,7 +101,8 @@ def slot_positions(
     n, P = mask_NP.shape
     device = mask_NP.device
     if cap is not None:
-        return _capped_slots(mask_NP, cap)
+        send_index = _capped_slots(mask_NP, cap)
+        return send_index, (send_index < n) if valid else None
     m_PN = mask_NP.t().to(torch.int64)
     pos_PN = m_PN.cumsum(1) - 1
     counts_P = m_PN.sum(1)
@@ -114,8 +119,9 @@ def slot_positions(
     return buf[:size], None
 
 
-def _capped_slots(mask_NP: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``slot_positions`` with ``cap`` rows per participant, in 7 ops (index tables cached)."""
+def _capped_slots(mask_NP: torch.Tensor, cap: int) -> torch.Tensor:
+    """``slot_positions``'s send index with ``cap`` rows per participant, in 6 ops (index tables
+    cached)."""
     n, P = mask_NP.shape
     device = mask_NP.device
     size = P * cap
@@ -142,8 +148,7 @@ def _capped_slots(mask_NP: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.
     slot_NP = torch.where(keep_NP, count_NP + base_1P, spare_NP)
     buf = torch.full((size + P * n,), n, dtype=i64, device=device)
     buf.scatter_(0, slot_NP.reshape(-1), rows_NP)  # NOTE: no copy unless a transposed mask
-    send_index = buf[:size]
-    return send_index, send_index < n
+    return buf[:size]
 
 
 def flat_compaction(
@@ -152,7 +157,8 @@ def flat_compaction(
     """``compaction`` of a flat worst-case receive buffer: ``R`` blocks of ``cap`` rows whose
     first ``sizes_R[r]`` rows are real, into ``W = R * cap`` output rows (one
     ``nonzero_static``, no host sync). The returned ``in_index`` already points every row that
-    is not returned at some returned row (or 0), and ``in_valid`` is None."""
+    is not returned at some returned row (or 0); ``out_valid`` and ``in_valid`` are None (the
+    tail reads the spare row, which needs no mask)."""
     R = sizes_R.numel()
     W = R * cap
     device = sizes_R.device
@@ -160,7 +166,7 @@ def flat_compaction(
     real_W = (col < sizes_R[:, None]).view(-1)
     out_index = torch.nonzero_static(real_W, size=W, fill_value=W)[:, 0]
     in_index = real_W.cumsum(0, dtype=torch.int64).sub_(1).clamp_(min=0)
-    return out_index, out_index < W, in_index, None  # type: ignore[return-value]
+    return out_index, None, in_index, None  # type: ignore[return-value]
 
 
 def send_rows(mask_NP: torch.Tensor, num_send: int) -> torch.Tensor:
@@ -232,10 +238,30 @@ def pack_token_meta(ids_TK: torch.Tensor, probs_TK: torch.Tensor, num_ids: int) 
     return pack_key_meta(expert_key(ids_TK, num_ids), probs_TK)
 
 
+def clamp_ids(ids_TK: torch.Tensor, num_ids: int) -> torch.Tensor:
+    """``[T, k]`` int64 ids clamped to ``[-2, num_ids]`` (one op): ``-1`` stays (dropped),
+    every id outside ``[-1, num_ids)`` becomes ``-2`` or ``num_ids`` (bad, dropped too). The
+    tables below read them with negative indices wrapping (``rank_lut``, ``local_lut``)."""
+    return ids_TK.clamp(-2, num_ids)
+
+
+def rank_lut(width: int, num_ids: int, device: torch.device) -> torch.Tensor:
+    """``[num_ids + 3]`` int64 table from ``clamp_ids`` ids (negative ones wrap) to a rank:
+    ``id // width`` for ids in ``[0, num_ids)``, ``R = num_ids // width`` for the bad ids
+    (``num_ids`` and ``-2``), ``R + 1`` for ``-1``. Counting the ranks then counts the bad ids
+    too (bin ``R``), at no cost."""
+    R = num_ids // width
+    lut = torch.full((num_ids + 3,), R, dtype=torch.int64, device=device)
+    lut[:num_ids] = torch.arange(num_ids, device=device) // width
+    lut[num_ids + 2] = R + 1
+    return lut
+
+
 def local_lut(lo: int, width: int, num_ids: int, device: torch.device) -> torch.Tensor:
-    """``[num_ids + 1]`` int64: ``id - lo + 1`` for ids in ``[lo, lo + width)``, else 0 (also
-    for the dropped id ``num_ids``). Built once per backend (``unpack_local``'s table)."""
-    lut = torch.zeros(num_ids + 1, dtype=torch.int64, device=device)
+    """``[num_ids + 3]`` int64: ``id - lo + 1`` for ids in ``[lo, lo + width)``, else 0 (also
+    for the dropped id ``num_ids`` and, wrapping, for ``clamp_ids``'s ``-1`` and ``-2``). Built
+    once per backend (``unpack_local``'s table)."""
+    lut = torch.zeros(num_ids + 3, dtype=torch.int64, device=device)
     lut[lo : lo + width] = torch.arange(1, width + 1, dtype=torch.int64, device=device)
     return lut
 
@@ -252,7 +278,8 @@ def unpack_local(
 ) -> tuple[torch.Tensor, ...]:
     """Receiver side of ``pack_key_meta``: keep the slots whose id lies in ``[lo, lo + width)``.
 
-    The ids (all in ``[0, num_ids]`` after ``expert_key``) are mapped through the
+    The ids (all in ``[0, num_ids]`` after ``expert_key``, or ``[-2, num_ids]`` after
+    ``clamp_ids``) are mapped through the
     ``local_lut`` table (pass it to build it once): one gather instead of compares and masks.
 
     Returns:

@@ -281,3 +281,20 @@ def cpu_worker(rank: int, world: int) -> str:
 def test_two_ranks_cpu_path_raises_in_dispatch() -> None:
     for msg in run_group(cpu_worker, R2, timeout=90):
         assert msg.startswith(f"topk_idx holds 1 id(s) outside [-1, {E}) (first: {2 * E})"), msg
+
+
+def test_bad_value_log_folds_what_it_kept() -> None:
+    from flexdispatch.types import DispatchStats
+
+    stats = DispatchStats()
+    log = _validate.BadValueLog(max_kept=3)
+    rows = [[1, 0, 2, 9, -3], [0, 0, 0, 5, 0], [2, 1, 0, 12, -1], [0, 4, 0, 3, -7], [1, 0, 1, 8, 2]]
+    for i, row in enumerate(rows):
+        log.add(stats, tuple(torch.tensor(v) for v in row))
+        if i == 0:
+            first = stats.pending_bad_values
+    assert stats.pending_bad_values is first  # folded in place (a captured graph keeps it)
+    log.fold(stats)
+    assert stats.pending_bad_values.tolist() == [4, 5, 3, 12, -7]
+    log.fold(stats)  # nothing kept: unchanged
+    assert stats.pending_bad_values.tolist() == [4, 5, 3, 12, -7]
