@@ -211,24 +211,30 @@ class MoELayer(nn.Module):
         routing = self.router(
             hidden, token_ids=token_ids, checks=self.config.dispatch.checks or None
         )
+        res: DispatchResult | ExpandedDispatchResult
         if self.expanded:
             # NOTE: rows arrive grouped by local expert (DeepEP V2 do_expand): no permute.
-            exp = self.dispatcher.dispatch_expanded(x_TH, routing.topk_idx, routing.topk_probs)
+            res = self.dispatcher.dispatch_expanded(x_TH, routing.topk_idx, routing.topk_probs)
             shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH)
-            y = self.experts(exp.recv_x, exp.tokens_per_expert, exp.recv_probs)
-            out_TH = self.dispatcher.combine(y, exp.handle)
-            if shared_TH is not None:
-                out_TH = out_TH + shared_TH
-            return MoEOutput(
-                output=out_TH.reshape(hidden.shape),
-                aux_loss=routing.aux_loss,
-                z_loss=routing.z_loss,
-                routing=routing,
-                dispatch=exp,
-            )
-        res = self.dispatcher.dispatch(x_TH, routing.topk_idx, routing.topk_probs)
-        # NOTE: issued between dispatch and combine (see the class docstring on overlap).
-        shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH)
+            y = self.experts(res.recv_x, res.tokens_per_expert, res.recv_probs)
+            out_TH = self.dispatcher.combine(y, res.handle)
+        else:
+            res = self.dispatcher.dispatch(x_TH, routing.topk_idx, routing.topk_probs)
+            # NOTE: issued between dispatch and combine (see the class docstring on overlap).
+            shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH)
+            out_TH = self._routed(res)
+        if shared_TH is not None:
+            out_TH = out_TH + shared_TH
+        return MoEOutput(
+            output=out_TH.reshape(hidden.shape),
+            aux_loss=routing.aux_loss,
+            z_loss=routing.z_loss,
+            routing=routing,
+            dispatch=res,
+        )
+
+    def _routed(self, res: DispatchResult) -> torch.Tensor:
+        """permute -> grouped experts -> unpermute -> combine of one dispatch result."""
         M, k = res.recv_topk_idx.shape
         e = self.num_local_experts
         static_rows = None
@@ -245,14 +251,4 @@ class MoELayer(nn.Module):
             num_rows=None if static_rows is not None else res.num_recv_pairs,
         )
         y = self.experts(perm.x, perm.padded_tokens_per_expert, perm.probs)
-        rows_MH = unpermute(y, perm)
-        out_TH = self.dispatcher.combine(rows_MH, res.handle)
-        if shared_TH is not None:
-            out_TH = out_TH + shared_TH
-        return MoEOutput(
-            output=out_TH.reshape(hidden.shape),
-            aux_loss=routing.aux_loss,
-            z_loss=routing.z_loss,
-            routing=routing,
-            dispatch=res,
-        )
+        return self.dispatcher.combine(unpermute(y, perm), res.handle)
