@@ -15,8 +15,7 @@ import torch
 import torch.distributed as dist
 
 from flexdispatch._validate import cuda_code_path
-from flexdispatch.backends.torch_hops import Hop
-from flexdispatch.backends.torch_rows import first_rows, row_of_input
+from flexdispatch.backends.torch_hops import Hop, first_rows, row_of_input
 
 __all__ = ["reduce_hop"]
 
