@@ -196,6 +196,39 @@ def test_group_rules_differ():
     assert set(by_max[0].tolist()) == {0, 1} and set(by_sum[0].tolist()) == {2, 3}
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("ties", [False, True])
+def test_group_top_sum_equals_topk_sum(n, ties):
+    # ``_top_sum`` takes up to 4 values per group by repeated max on CPU (a short-dim topk is slow
+    # there): the group scores must be topk's, a repeated maximum counted as often as it occurs.
+    from flexdispatch.routing.topk import _top_sum
+
+    torch.manual_seed(n)
+    x = torch.randn(257, 6, 8)
+    if ties:
+        x = (x * 2).round() / 2  # few distinct values: every group holds repeated maxima
+    got = _top_sum(x, n)
+    want = x.topk(n, dim=-1).values.sum(-1)
+    assert got.shape == want.shape == (257, 6)
+    if n <= 2:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(("k", "groups", "kept"), [(3, 4, 1), (4, 4, 1), (8, 4, 2), (6, 2, 1)])
+def test_group_limited_larger_group_topk_matches_reference(k, groups, kept):
+    # topk // group_topk of 3, 4 and 4 values per group: the repeated-max path beyond top-2
+    logits = torch.randn(T_REF, E_REF) * 2
+    kw = {"topk": k, "score_function": "sigmoid", "num_groups": groups, "group_topk": kept}
+    res = topk_routing(logits, **kw)
+    want = [
+        ref_route_token(row.double().tolist(), k=k, fn="sigmoid", groups=(groups, kept, "sum_topk"))
+        for row in logits
+    ]
+    _assert_matches(_as_dicts(res.topk_idx, res.topk_probs), want)
+
+
 # ----------------------------------------------------------------------------- capacity
 
 
