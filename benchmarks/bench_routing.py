@@ -17,7 +17,7 @@ checked to choose the same expert set for every token (printed as "agreement").
 megatron-core is an optional, benchmark-only dependency. Install it into the venv with::
 
     .venv/bin/pip install numpy packaging
-    .venv/bin/pip install --ignore-requires-python megatron-core==0.19.2
+    .venv/bin/pip install --ignore-requires-python --no-deps megatron-core==0.19.2
 
 Without it the script says so, times flexdispatch alone and exits 0.
 
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megatron-core is not importable ({reason}); timing flexdispatch only.")
         print(
             "Install it: .venv/bin/pip install numpy packaging && .venv/bin/pip install "
-            "--ignore-requires-python megatron-core==0.19.2"
+            "--ignore-requires-python --no-deps megatron-core==0.19.2"
         )
     else:
         print(f"reference: {reason}")

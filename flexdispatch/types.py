@@ -189,6 +189,9 @@ class DispatchStats:
         pending_bad_values: device-side ``[5]`` int64 counters of bad dispatch inputs not yet
             read (CUDA without checks: ids outside ``[-1, E)``, NaN/inf in ``x`` and in
             ``topk_probs``, largest and smallest bad id), or None before the first such count.
+            It may lag: after the first dispatch the counts are kept unsummed
+            (``_validate.BadValueLog``, no launch per dispatch) and folded into this tensor every
+            64 dispatches and at ``check_overflow()``, so read the counts there, not here.
             Not part of ``as_dict`` (reading it syncs); ``check_overflow`` folds it into ``extra``.
     """
 
