@@ -26,6 +26,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.gpu.common import gpu_world, rel_err, to_device
+
 
 def _reason() -> str:
     try:
@@ -45,20 +47,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(_REASON), reason=_REASON 
 K, H, E_PER_RANK = 4, 256, 4
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    d = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
-    return d / max(b.float().abs().max().item() if b.numel() else 0.0, 1e-30)
-
-
-def _world() -> int:
-    n = torch.cuda.device_count()
-    return 8 if n >= 8 else 4 if n >= 4 else 2
-
-
-def _to(inp: Any, dev: torch.device) -> Any:
-    return type(inp)(x=inp.x.to(dev), idx=inp.idx.to(dev), probs=inp.probs.to(dev))
-
-
 def contract_worker() -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -72,7 +60,7 @@ def contract_worker() -> dict[str, Any]:
     report: dict[str, Any] = {"checked": 0, "combine_err": 0.0}
     for case in CASES:
         inputs = all_inputs(7, case=case, R=R, E=E, k=K, H=H, dtype=torch.bfloat16, exact=False)
-        mine = _to(inputs[rank], dev)
+        mine = to_device(inputs[rank], dev)
         ref = ref_dispatch(inputs, rank, E)
         M = ref.x.shape[0]
         T = max(max(i.x.shape[0] for i in inputs), 1)
@@ -103,7 +91,9 @@ def contract_worker() -> dict[str, Any]:
                 assert bool((r.recv_x[M:] == 0).all()), f"{where}: garbage tail left"
                 assert bool((r.recv_topk_idx[M:] == -1).all()), where
             outs = {b: ds[b].combine(res[b].recv_x, res[b].handle) for b in ds}
-            report["combine_err"] = max(report["combine_err"], _rel(outs["deepep"], outs["torch"]))
+            report["combine_err"] = max(
+                report["combine_err"], rel_err(outs["deepep"], outs["torch"])
+            )
             assert ds["deepep"].stats.host_syncs == (0 if worst else 1), where
             for d in ds.values():
                 d.close()
@@ -149,9 +139,9 @@ def moe_worker() -> dict[str, Any]:
         d, t = got["deepep"], got["torch"]
         out[W] = {
             "expanded": d[3],
-            "out": _rel(d[0], t[0]),
-            "grad_x": _rel(d[1], t[1]),
-            "grad_w1": _rel(d[2], t[2]),
+            "out": rel_err(d[0], t[0]),
+            "grad_x": rel_err(d[1], t[1]),
+            "grad_w1": rel_err(d[2], t[2]),
         }
     return out
 
@@ -188,7 +178,7 @@ def graph_worker() -> dict[str, Any]:
         torch.cuda.synchronize()
         with torch.no_grad():
             eager = layer(nx).output
-        errs[seed] = _rel(out, eager)
+        errs[seed] = rel_err(out, eager)
     layer.dispatcher.check_overflow()
     moved = layer.dispatcher.stats.host_syncs - syncs
     layer.dispatcher.close()
@@ -198,7 +188,7 @@ def graph_worker() -> dict[str, Any]:
 def _run(fn: Any) -> list[Any]:
     from flexdispatch.launch import spawn_group
 
-    return spawn_group(fn, _world(), backend="nccl", timeout_s=200)
+    return spawn_group(fn, gpu_world(), backend="nccl", timeout_s=200)
 
 
 @pytest.mark.timeout(240)

@@ -28,6 +28,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.gpu.common import gpu_world, rel_err, to_device
+
 
 def _deep_ep_reason() -> str:
     try:
@@ -45,24 +47,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(_REASON), reason=_REASON 
 K, H, E_PER_RANK = 4, 256, 4
 
 
-def _maxabs(t: torch.Tensor) -> float:
-    return t.abs().max().item() if t.numel() else 0.0
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max |a - b| relative to max |b| (0 for empty tensors)."""
-    return _maxabs(a.float() - b.float()) / max(_maxabs(b.float()), 1e-30)
-
-
-def _world() -> int:
-    n = torch.cuda.device_count()
-    return 8 if n >= 8 else 4 if n >= 4 else 2
-
-
-def _to(inp: Any, dev: torch.device) -> Any:
-    return type(inp)(x=inp.x.to(dev), idx=inp.idx.to(dev), probs=inp.probs.to(dev))
-
-
 def contract_worker() -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -76,7 +60,7 @@ def contract_worker() -> dict[str, Any]:
     report: dict[str, Any] = {"checked": 0, "combine_err": 0.0, "grad_err": 0.0}
     for case in CASES:
         inputs = all_inputs(7, case=case, R=R, E=E, k=K, H=H, dtype=torch.bfloat16, exact=False)
-        mine = _to(inputs[rank], dev)
+        mine = to_device(inputs[rank], dev)
         ref = ref_dispatch(inputs, rank, E)
         M = ref.x.shape[0]
         W = max(ref_dispatch(inputs, g, E).x.shape[0] for g in range(R))  # most rows received
@@ -112,7 +96,7 @@ def contract_worker() -> dict[str, Any]:
             t = res["torch"]
             assert torch.equal(r.recv_x[:M], t.recv_x[:M]), f"{where}: deepep != torch rows"
             outs = {b: ds[b].combine(res[b].recv_x, res[b].handle) for b in ds}
-            err = _rel(outs["deepep"], outs["torch"])
+            err = rel_err(outs["deepep"], outs["torch"])
             report["combine_err"] = max(report["combine_err"], err)
             assert ds["deepep"].stats.host_syncs == (0 if worst else 1), where
             # autograd: grads of x and probs agree with the torch backend's
@@ -125,7 +109,7 @@ def contract_worker() -> dict[str, Any]:
                 d.combine(y, rr.handle).float().sum().backward()
                 grads[b] = (x.grad.float(), p.grad.float())
             for a, b in zip(grads["deepep"], grads["torch"], strict=True):
-                report["grad_err"] = max(report["grad_err"], _rel(a, b))
+                report["grad_err"] = max(report["grad_err"], rel_err(a, b))
             for d in ds.values():
                 d.close()
             report["checked"] += 1
@@ -169,8 +153,8 @@ def low_latency_worker() -> dict[str, Any]:
     return {
         "skip": "",
         "same_counts": same_counts,
-        "err_ll": _rel(out_ll, ref),
-        "err_torch": _rel(out_t, ref),
+        "err_ll": rel_err(out_ll, ref),
+        "err_torch": rel_err(out_t, ref),
     }
 
 
@@ -211,13 +195,13 @@ def limits_worker() -> dict[str, Any]:
         res = {b: d.dispatch(x, idx, probs) for b, d in ds.items()}
         report["rows_equal"].append(bool(torch.equal(res["deepep"].recv_x, res["torch"].recv_x)))
         outs = {b: ds[b].combine(res[b].recv_x, res[b].handle) for b in ds}
-        report["combine_err"] = max(report["combine_err"], _rel(outs["deepep"], outs["torch"]))
+        report["combine_err"] = max(report["combine_err"], rel_err(outs["deepep"], outs["torch"]))
         # the probs gradient path: an fp32 combine of k columns, summed exactly
         narrow = deep.backend.combine(res["deepep"].recv_topk_probs, res["deepep"].handle)
         report.setdefault("narrow_err", 0.0)
         report["narrow_err"] = max(
             report["narrow_err"],
-            _rel(
+            rel_err(
                 narrow,
                 ds["torch"].backend.combine(res["torch"].recv_topk_probs, res["torch"].handle),
             ),
@@ -234,7 +218,7 @@ def limits_worker() -> dict[str, Any]:
 def _run(fn: Any) -> list[Any]:
     from flexdispatch.launch import spawn_group
 
-    return spawn_group(fn, _world(), backend="nccl", timeout_s=280)
+    return spawn_group(fn, gpu_world(), backend="nccl", timeout_s=280)
 
 
 @pytest.mark.timeout(300)
