@@ -392,6 +392,7 @@ def test_routing_properties(T, G, per_group, g_seed, k_seed, fn, pre, rule, scal
         {"score_function": "sigmoid", "num_groups": 4, "group_topk": 2, "scaling_factor": 2.5},
         {"score_function": "sqrtsoftplus"},
         {"score_function": "softmax"},
+        {"score_function": "softmax", "num_groups": 4, "group_topk": 2},
         {"score_function": "softmax", "use_pre_softmax": True},
         {"score_function": "softmax", "use_pre_softmax": True, "normalize_topk": True},
     ],
