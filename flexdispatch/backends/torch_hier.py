@@ -29,7 +29,6 @@ from flexdispatch.backends.torch_rows import (
     gather_rows,
     overflow_message,
     pack_key_meta,
-    round_up,
     send_rows,
     slot_positions,
 )
@@ -60,14 +59,24 @@ def _check_overflow_host(be: A2AHost, Gh: list[list[int]]) -> None:
         raise ValueError(overflow_message(what, need, cap2, W, L, R))
 
 
+def _ceil_div(value: torch.Tensor, d: int) -> torch.Tensor:
+    """Device-side ``ceil(value / d)`` (int64; no op for ``d = 1``)."""
+    return value if d == 1 else torch.div(value + (d - 1), d, rounding_mode="floor")
+
+
 def _required_w(be: A2AHost, G: torch.Tensor) -> torch.Tensor:
-    """Device-side smallest W (a multiple of R) that no hop would overflow."""
+    """Device-side smallest ``W / R`` (``W`` a multiple of R) that no hop would overflow
+    (``record_overflow`` multiplies by R when it checks).
+
+    Hop 1 needs ``W / N >= need1`` and hop 2 ``W / L >= need2``; with ``R = N * L`` that is
+    ``W / R >= ceil(need1 / L)`` and ``ceil(need2 / N)`` (the same W as rounding
+    ``max(N * need1, L * need2)`` up to a multiple of R, in fewer ops).
+    """
     R, L, N = be.num_ranks, be.ranks_per_node, be.num_nodes
-    need1 = G[:, R : R + N].max() * N
+    need1 = G[:, R : R + N].max()
     # NOTE: forwarded rows (n_f, l) -> g: sum over source nodes n of C[(n, l), g].
-    fwd_LR = G[:, :R].reshape(N, L, R).sum(0)
-    need2 = fwd_LR.max() * L
-    return round_up(torch.maximum(need1, need2), R)
+    need2 = G[:, :R].reshape(N, L, R).sum(0).max()
+    return torch.maximum(_ceil_div(need1, L), _ceil_div(need2, N))
 
 
 def _node_lut(n: int, L: int, e: int, E: int, device: torch.device) -> torch.Tensor:
@@ -196,7 +205,7 @@ def dispatch_hier(
         if Gh is not None:
             _check_overflow_host(be, Gh)
         else:
-            be.record_overflow(_required_w(be, G))
+            be.record_overflow(_required_w(be, G), scale=R)
         for n in range(N):
             send1[n * L + l_me] = recv1[n * L + l_me] = cap1
     else:
