@@ -6,9 +6,10 @@ W worst-case rows · M1 rows a forwarder receives in the first hop.
 
 Rank ``g = n * L + l`` is local rank ``l`` of node ``n``. A token of source rank ``(n_s, l_s)``
 goes, in hop 1, once to every node ``n`` that holds one of its experts — to the *forwarder*
-``(n, l_s)``, the rank with the same local index — carrying its global expert ids (only those on
-node ``n``; others ``-1``) and probs. In hop 2 each forwarder sends every row to the ranks of its
-node that hold one of the row's experts, with local ids, like flat mode. Rows from forwarder ``l``
+``(n, l_s)``, the rank with the same local index — carrying all its expert ids (``clamp_ids``,
+global) and probs; a forwarder reads only the ids on its node. In hop 2 each forwarder sends every
+row to the ranks of its node that hold one of the row's experts, the metadata unchanged; each
+receiver keeps its own ids, like flat mode. Rows from forwarder ``l``
 arrive grouped by source node; the receiver reorders the blocks to (source rank, token) order, so
 the result equals flat mode bit for bit. Combine reverses this: each forwarder sums the rows of its
 node's ranks (in rank order) and sends one row per token back across the node boundary; the source
