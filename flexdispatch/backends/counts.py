@@ -57,7 +57,10 @@ def exchange_counts(
     per_rank = mask_TR.sum(0, dtype=torch.int64)
     values = (hidden, topk, DTYPE_CODES[dtype], T)
     if per_node:
-        nodes_N = mask_TR.view(T, R // L, L).any(-1).sum(0, dtype=torch.int64)
+        # NOTE: with one rank per node the rows per node are the rows per rank (no launch)
+        nodes_N = (
+            per_rank if L == 1 else mask_TR.view(T, R // L, L).any(-1).sum(0, dtype=torch.int64)
+        )
         parts = [per_rank, nodes_N, _info(mask_TR.device, values)]
     else:  # NOTE: the N zeros ride in the cached info vector (no launch)
         parts = [per_rank, _info(mask_TR.device, (0,) * (R // L) + values)]

@@ -593,8 +593,7 @@ class TorchA2ABackend(DispatchBackend):
         G = self.exchange_counts(mask_TR, H, k, x.dtype, pairs_R2[:R])
         pending = self.start_host_counts(G)
         plan = torch_hier.dispatch_hier if self.hierarchical else dispatch_flat
-        ids = key_TK if not self.hierarchical else topk_idx
-        result = plan(self, x, ids, topk_probs, mask_TR, G, pending)
+        result = plan(self, x, key_TK, topk_probs, mask_TR, G, pending)
         self.stats.rows_received += result.recv_x.shape[0]
         if not self.worst_case and pending is not None:
             Gh = pending.wait()  # NOTE: already on the host (the dispatch's one sync)

@@ -7,7 +7,8 @@ instead of ``bincount``, synchronous collectives, no CPU buffer reuse, the gathe
 value checks counted on the device. Its results must equal the slow reference exactly, like
 the CPU branch's. The op counts (non-view ATen ops, ``benchmarks/bench_ops.py``) are held under
 ceilings: on both branches at most half of what they were before the lean path (78 dropless /
-118 worst-case), held at the counts reached.
+118 worst-case), held at the counts reached; hierarchical mode (4 ranks, 2 nodes) is held at the
+counts it reached.
 """
 
 from __future__ import annotations
@@ -98,5 +99,12 @@ def test_flat_paths_match_the_reference_and_stay_lean(worst: bool, cuda: bool) -
 
 
 @pytest.mark.parametrize("worst", [False, True], ids=["dropless", "worst"])
-def test_hierarchical_cuda_path_matches_the_reference(worst: bool) -> None:
-    run_group(_worker, 4, worst, True, True, env={"LOCAL_WORLD_SIZE": "2"})
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu-path", "cuda-path"])
+def test_hierarchical_paths_match_the_reference_and_stay_lean(worst: bool, cuda: bool) -> None:
+    got = run_group(_worker, 4, worst, cuda, True, env={"LOCAL_WORLD_SIZE": "2"})
+    # 4 ranks on 2 nodes (L = 2: hop 2 forwards and the receiver reorders its blocks). Measured
+    # 2026-12-03 (E=16 k=4 H=8 T=24), the largest count over the ranks: 65 / 99 (cpu) and
+    # 64 / 103 (cuda), down from 162 / 165 and 161 / 171 before hierarchical mode took flat
+    # mode's metadata path.
+    ceiling = (103 if worst else 64) if cuda else (99 if worst else 65)
+    assert all(g["ops"] <= ceiling for g in got), [g["ops"] for g in got]
