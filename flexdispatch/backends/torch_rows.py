@@ -22,7 +22,6 @@ __all__ = [
     "gather_rows",
     "slot_positions",
     "send_rows",
-    "compaction",
     "flat_compaction",
     "pack_meta",
     "unpack_meta",
@@ -35,8 +34,6 @@ __all__ = [
     "unpack_local",
     "localize",
     "count_local",
-    "split_owner",
-    "round_up",
     "overflow_message",
 ]
 
@@ -176,36 +173,6 @@ def send_rows(mask_NP: torch.Tensor, num_send: int) -> torch.Tensor:
     return torch.nonzero_static(mask_NP.t(), size=num_send)[:, 1].contiguous()
 
 
-def compaction(
-    sizes_B: torch.Tensor, starts_B: torch.Tensor, num_out: int, num_buf: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Device-side gather maps that concatenate blocks of a receive buffer in a chosen order.
-
-    Args:
-        sizes_B: ``[B]`` int64 rows of each block, in output order.
-        starts_B: ``[B]`` int64 first buffer row of each block.
-        num_out: rows of the output (M, or W with a zero tail).
-        num_buf: rows of the receive buffer.
-
-    Returns:
-        ``(out_index [num_out], out_valid [num_out], in_index [num_buf], in_valid [num_buf])``:
-        buffer row of each output row (dummy ``num_buf`` on the tail) and its inverse (dummy
-        ``num_out`` on buffer rows that are not returned).
-    """
-    device = sizes_B.device
-    ends_B = sizes_B.cumsum(0)
-    first_B = ends_B - sizes_B
-    m = torch.arange(num_out, device=device, dtype=torch.int64)
-    b = torch.searchsorted(ends_B, m, right=True).clamp_(max=sizes_B.numel() - 1)
-    out_valid = m < ends_B[-1]
-    out_index = torch.where(out_valid, starts_B[b] + m - first_B[b], num_buf)
-    spare = num_buf + m
-    tmp = torch.full((num_buf + num_out,), num_out, dtype=torch.int64, device=device)
-    tmp.scatter_(0, torch.where(out_valid, out_index, spare), m)
-    in_index = tmp[:num_buf]
-    return out_index, out_valid, in_index, in_index < num_out
-
-
 def pack_meta(ids_SK: torch.Tensor, probs_SK: torch.Tensor) -> torch.Tensor:
     """``[S, 2k]`` int32: ids (int32) beside the fp32 bits of the probs."""
     return torch.cat([ids_SK.to(torch.int32), probs_SK.to(torch.float32).view(torch.int32)], 1)
@@ -340,23 +307,6 @@ def count_local(ids_MK: torch.Tensor, num_local: int) -> torch.Tensor:
     """``[e]`` int64 number of ``(row, slot)`` pairs per local expert id (-1 ignored)."""
     # ids are in [-1, num_local): shifted by one they index the bins directly
     return _bin_counts(ids_MK.reshape(-1) + 1, num_local + 1)[1 : num_local + 1]
-
-
-def round_up(value: torch.Tensor, multiple: int) -> torch.Tensor:
-    """Device-side ``ceil(value / multiple) * multiple`` (int64)."""
-    return torch.div(value + multiple - 1, multiple, rounding_mode="floor") * multiple
-
-
-def split_owner(counts_P: torch.Tensor, total: int) -> torch.Tensor:
-    """``[total]`` int64 participant index of each row of a buffer packed by ``counts_P``.
-
-    Args:
-        counts_P: ``[P]`` int64 device tensor, rows per participant (summing to ``total``).
-        total: S, host-known.
-    """
-    P = counts_P.numel()
-    arange = torch.arange(P, device=counts_P.device)
-    return torch.repeat_interleave(arange, counts_P, output_size=total)
 
 
 def overflow_message(what: str, needed: int, cap: int, W: int, divisor: int, R: int) -> str:
