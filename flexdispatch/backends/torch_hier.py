@@ -97,12 +97,11 @@ def _spare_slots(size: int, fill: int, base: int, device: torch.device) -> torch
     return (i - fill).remainder_(size).add_(base)
 
 
-def _dropless_maps(
-    C: list[list[int]], device: torch.device
-) -> tuple[torch.Tensor, None, torch.Tensor, None]:
-    """``compaction`` maps of a dropless hop-2 buffer of blocks ``[forwarder l][source node n]``
-    into source-rank order ``(n, l)``; ``C[n][l]`` rows per block, known on the host: one ``cat``
-    of slices of a cached ``arange`` per direction (every buffer row is returned)."""
+def _dropless_maps(C: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out_index, in_index)`` maps of a dropless hop-2 buffer of blocks
+    ``[forwarder l][source node n]`` into source-rank order ``(n, l)``; ``C[n][l]`` rows per
+    block, known on the host: one ``cat`` of slices of a cached ``arange`` per direction (every
+    buffer row is returned)."""
     N, L = len(C), len(C[0])
     B = sum(map(sum, C))
     ar = _memory.arange(B, device)
@@ -122,17 +121,18 @@ def _dropless_maps(
     in_index = torch.cat(
         [ar[out_start[n][l] : out_start[n][l] + C[n][l]] for l in range(L) for n in range(N)]
     )
-    return out_index, None, in_index, None
+    return out_index, in_index
 
 
-def _worst_maps(C_NL: torch.Tensor, cap: int) -> tuple[torch.Tensor, None, torch.Tensor, None]:
-    """``compaction`` maps of a worst-case hop-2 buffer (``L`` blocks of ``cap`` rows, block
-    ``l`` holding the rows of source nodes ``n = 0..N-1`` back to back, ``C_NL[n, l]`` each) into
-    ``W = L * cap`` rows in source-rank order ``(n, l)``, real rows first (tail: the spare row
-    ``W``). No host sync: the output blocks are laid out as a ``[N * L, cap + 1]`` grid whose
-    first ``size`` columns of each row are real, compacted by one ``nonzero_static``; the extra
-    column is never real (the fill of that ``nonzero_static``). ``in_index`` points buffer rows
-    that are not returned at output row 0 (their values end in the senders' dummy rows)."""
+def _worst_maps(C_NL: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out_index, in_index)`` maps of a worst-case hop-2 buffer (``L`` blocks of ``cap``
+    rows, block ``l`` holding the rows of source nodes ``n = 0..N-1`` back to back,
+    ``C_NL[n, l]`` each) into ``W = L * cap`` rows in source-rank order ``(n, l)``, real rows
+    first (tail: the spare row ``W``). No host sync: the output blocks are laid out as a
+    ``[N * L, cap + 1]`` grid whose first ``size`` columns of each row are real, compacted by one
+    ``nonzero_static``; the extra column is never real (the fill of that ``nonzero_static``).
+    ``in_index`` points buffer rows that are not returned at output row 0 (their values end in
+    the senders' dummy rows)."""
     N, L = C_NL.shape
     device = C_NL.device
     B = L * cap
@@ -166,7 +166,7 @@ def _worst_maps(C_NL: torch.Tensor, cap: int) -> tuple[torch.Tensor, None, torch
     tmp = torch.ones(B + size, dtype=i64, device=device)
     tmp.scatter_(0, vals, pos)  # NOTE: ``vals`` are unique (spare slots past B)
     in_index = tmp[:B] - 1
-    return out_index, None, in_index, None
+    return out_index, in_index
 
 
 def dispatch_hier(

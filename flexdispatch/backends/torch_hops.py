@@ -14,11 +14,7 @@ import torch
 
 from flexdispatch import _memory
 from flexdispatch._validate import cuda_code_path
-from flexdispatch.backends.torch_rows import (
-    count_local,
-    unpack_local,
-    unpack_meta,
-)
+from flexdispatch.backends.torch_rows import unpack_local
 from flexdispatch.types import DispatchHandle, DispatchResult
 
 __all__ = [
@@ -125,7 +121,6 @@ class TorchDispatchState:
         out_index: ``[M]`` int64 row of the last hop's output for each returned row (dummy =
             that output's row count: the zero spare row), or None when the last hop's output is
             returned as is.
-        out_valid: ``[M]`` bool, False on the worst-case tail; None with ``out_index``.
         in_index: ``[B]`` int64 returned row for each row of the last hop's output, the inverse
             of ``out_index`` used by combine; rows that are not returned point at an arbitrary
             returned row (their values end in the senders' dummy rows).
@@ -134,7 +129,6 @@ class TorchDispatchState:
 
     hops: tuple[Hop, ...]
     out_index: torch.Tensor | None
-    out_valid: torch.Tensor | None
     in_index: torch.Tensor | None
     worst_case: bool
 
@@ -201,51 +195,42 @@ def finish(
     hop_list: tuple[Hop, ...],
     recv_x: torch.Tensor,
     recv_meta: torch.Tensor,
-    maps: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    maps: tuple[torch.Tensor, torch.Tensor] | None,
     T: int,
     H: int,
     k: int,
-    local_lo: int | None = None,
+    local_lo: int,
 ) -> DispatchResult:
     """Apply the output compaction (if any) and build the result and its handle.
 
-    With ``maps``, ``recv_x`` / ``recv_meta`` carry the zero spare row (``spare_row=True``).
-    ``local_lo``: the metadata holds ``expert_key`` ids (``pack_key_meta``; its spare row holds
-    the dropped id E) and this rank's experts start at ``local_lo``; None: the ids are local
-    already (``pack_meta`` after ``localize``).
+    ``maps``: ``(out_index, in_index)`` of the compaction, or None (the last hop's output is
+    returned as is); with it, ``recv_x`` / ``recv_meta`` carry the zero spare row
+    (``spare_row=True``). The metadata holds ``expert_key`` ids (``pack_key_meta``; its spare row
+    holds the dropped id E) and this rank's experts start at ``local_lo``.
     """
-    out_index = out_valid = in_index = None
+    out_index = in_index = None
     if maps is not None:
-        out_index, out_valid, in_index, in_valid = maps
+        out_index, in_index = maps
         num_out = out_index.shape[0]
-        if in_valid is not None:  # None: ``flat_compaction``'s in_index is in range already
-            in_index = in_index.clamp(max=max(num_out - 1, 0))
         if cuda_code_path(recv_x.device):  # NOTE: ``output`` is torch.empty there
             recv_x = recv_x.index_select(0, out_index)
         else:
             rows = be.output((num_out, *recv_x.shape[1:]), recv_x.dtype, recv_x.device)
             recv_x = torch.index_select(recv_x, 0, out_index, out=rows)
         recv_meta = recv_meta.index_select(0, out_index)
-    if local_lo is None:
-        ids, probs = unpack_meta(recv_meta, k)
-        if out_valid is not None:
-            ids.masked_fill_(~out_valid[:, None], -1)
-        counts = count_local(ids, be.num_local_experts)
-    else:
-        # NOTE: the compaction's tail reads the spare row, which holds the dropped id: no mask.
-        ids, probs, counts = unpack_local(
-            recv_meta,
-            k,
-            local_lo,
-            be.num_local_experts,
-            be.num_experts,
-            lut=be.local_lut(recv_meta.device),
-            counts=True,
-        )
+    # NOTE: the compaction's tail reads the spare row, which holds the dropped id: no mask.
+    ids, probs, counts = unpack_local(
+        recv_meta,
+        k,
+        local_lo,
+        be.num_local_experts,
+        be.num_experts,
+        lut=be.local_lut(recv_meta.device),
+        counts=True,
+    )
     state = TorchDispatchState(
         hops=hop_list,
         out_index=out_index,
-        out_valid=out_valid,
         in_index=in_index,
         worst_case=be.worst_case,
     )

@@ -24,7 +24,6 @@ __all__ = [
     "send_rows",
     "flat_compaction",
     "pack_meta",
-    "unpack_meta",
     "pack_token_meta",
     "pack_key_meta",
     "expert_key",
@@ -32,8 +31,6 @@ __all__ = [
     "rank_lut",
     "local_lut",
     "unpack_local",
-    "localize",
-    "count_local",
     "overflow_message",
 ]
 
@@ -148,14 +145,12 @@ def _capped_slots(mask_NP: torch.Tensor, cap: int) -> torch.Tensor:
     return buf[:size]
 
 
-def flat_compaction(
-    sizes_R: torch.Tensor, cap: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``compaction`` of a flat worst-case receive buffer: ``R`` blocks of ``cap`` rows whose
-    first ``sizes_R[r]`` rows are real, into ``W = R * cap`` output rows (one
-    ``nonzero_static``, no host sync). The returned ``in_index`` already points every row that
-    is not returned at some returned row (or 0); ``out_valid`` and ``in_valid`` are None (the
-    tail reads the spare row, which needs no mask)."""
+def flat_compaction(sizes_R: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out_index, in_index)``: the compaction of a flat worst-case receive buffer, ``R`` blocks
+    of ``cap`` rows whose first ``sizes_R[r]`` rows are real, into ``W = R * cap`` output rows
+    (one ``nonzero_static``, no host sync; the tail reads the spare row, which holds the dropped
+    id and needs no mask). ``in_index`` points every row that is not returned at some returned
+    row (or 0)."""
     R = sizes_R.numel()
     W = R * cap
     device = sizes_R.device
@@ -163,7 +158,7 @@ def flat_compaction(
     real_W = (col < sizes_R[:, None]).view(-1)
     out_index = torch.nonzero_static(real_W, size=W, fill_value=W)[:, 0]
     in_index = real_W.cumsum(0, dtype=torch.int64).sub_(1).clamp_(min=0)
-    return out_index, None, in_index, None  # type: ignore[return-value]
+    return out_index, in_index
 
 
 def send_rows(mask_NP: torch.Tensor, num_send: int) -> torch.Tensor:
@@ -176,11 +171,6 @@ def send_rows(mask_NP: torch.Tensor, num_send: int) -> torch.Tensor:
 def pack_meta(ids_SK: torch.Tensor, probs_SK: torch.Tensor) -> torch.Tensor:
     """``[S, 2k]`` int32: ids (int32) beside the fp32 bits of the probs."""
     return torch.cat([ids_SK.to(torch.int32), probs_SK.to(torch.float32).view(torch.int32)], 1)
-
-
-def unpack_meta(meta: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of ``pack_meta``: ``(ids [S, k] int64, probs [S, k] float32)``."""
-    return meta[:, :k].to(torch.int64), meta[:, k:].view(torch.float32).contiguous()
 
 
 def expert_key(ids_TK: torch.Tensor, num_ids: int) -> torch.Tensor:
@@ -251,7 +241,7 @@ def unpack_local(
 
     Returns:
         ``(ids [B, k] int64 as id - lo or -1, probs [B, k] float32, 0 where the id is -1)``,
-        and with ``counts`` also ``[width]`` int64 pairs per local id (``count_local``).
+        and with ``counts`` also ``[width]`` int64 pairs per local id.
     """
     if lut is None:
         lut = local_lut(lo, width, num_ids, meta.device)
@@ -271,42 +261,6 @@ def _bin_counts(values: torch.Tensor, n: int) -> torch.Tensor:
     # NOTE: not torch.bincount, which reads the maximum on the host on CUDA.
     out = torch.zeros(n, dtype=torch.int64, device=values.device)
     return out.scatter_add_(0, values, _memory.ones(values.numel(), torch.int64, values.device))
-
-
-def localize(
-    ids_SK: torch.Tensor,
-    probs_SK: torch.Tensor,
-    lo_S: torch.Tensor,
-    width: int,
-    valid_S: torch.Tensor | None,
-    *,
-    keep_global: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keep the slots whose id lies in ``[lo, lo + width)`` of each row; the rest become -1 / 0.
-
-    Args:
-        ids_SK: ``[S, k]`` int64 global ids (-1 = none).
-        probs_SK: ``[S, k]`` float32.
-        lo_S: ``[S]`` int64 first id owned by each row's destination.
-        width: ids owned by a destination (e for a rank, e * L for a node).
-        valid_S: ``[S]`` bool (False on padding rows) or None.
-        keep_global: keep global ids instead of ``id - lo``.
-
-    Returns:
-        ``(ids [S, k] int64, probs [S, k] float32)``.
-    """
-    rel = ids_SK - lo_S[:, None]
-    keep = (ids_SK >= 0) & (rel >= 0) & (rel < width)
-    if valid_S is not None:
-        keep &= valid_S[:, None]
-    out_ids = torch.where(keep, ids_SK if keep_global else rel, -1)
-    return out_ids, torch.where(keep, probs_SK, 0.0)
-
-
-def count_local(ids_MK: torch.Tensor, num_local: int) -> torch.Tensor:
-    """``[e]`` int64 number of ``(row, slot)`` pairs per local expert id (-1 ignored)."""
-    # ids are in [-1, num_local): shifted by one they index the bins directly
-    return _bin_counts(ids_MK.reshape(-1) + 1, num_local + 1)[1 : num_local + 1]
 
 
 def overflow_message(what: str, needed: int, cap: int, W: int, divisor: int, R: int) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexdispatch.backends.torch_rows import localize, pack_token_meta, unpack_local
+from flexdispatch.backends.torch_rows import pack_token_meta, unpack_local
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -21,9 +21,17 @@ def test_receiver_side_localize_matches_sender_side(rank: int) -> None:
     ids[1] = torch.tensor([2**31, -(2**32) + rank * e, rank * e])
     probs = torch.rand(64, 3, generator=g)
     got_ids, got_probs = unpack_local(pack_token_meta(ids, probs, E), 3, rank * e, e, E)
-    clean = torch.where((ids >= 0) & (ids < E), ids, -1)
-    lo = torch.full((64,), rank * e)
-    want_ids, want_probs = localize(clean, probs, lo, e, None)
+    # the sender-side rule, one slot at a time: ids of this rank's experts become local, the
+    # rest -1 with prob 0
+    lo = rank * e
+    keep = [[0 <= v - lo < e and 0 <= v < E for v in row] for row in ids.tolist()]
+    want_ids = torch.tensor(
+        [
+            [v - lo if kp else -1 for v, kp in zip(r, ks, strict=True)]
+            for r, ks in zip(ids.tolist(), keep, strict=True)
+        ]
+    )
+    want_probs = torch.where(torch.tensor(keep), probs, 0.0)
     assert got_ids.dtype == torch.int64 and got_probs.dtype == torch.float32
     assert torch.equal(got_ids, want_ids)
     assert torch.equal(got_probs, want_probs)  # fp32 bits travel unchanged
