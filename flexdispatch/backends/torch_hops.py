@@ -211,11 +211,10 @@ def finish(
     out_index = in_index = None
     if maps is not None:
         out_index, in_index = maps
-        num_out = out_index.shape[0]
         if cuda_code_path(recv_x.device):  # NOTE: ``output`` is torch.empty there
             recv_x = recv_x.index_select(0, out_index)
         else:
-            rows = be.output((num_out, *recv_x.shape[1:]), recv_x.dtype, recv_x.device)
+            rows = be.output((out_index.shape[0], *recv_x.shape[1:]), recv_x.dtype, recv_x.device)
             recv_x = torch.index_select(recv_x, 0, out_index, out=rows)
         recv_meta = recv_meta.index_select(0, out_index)
     # NOTE: the compaction's tail reads the spare row, which holds the dropped id: no mask.
