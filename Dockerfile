@@ -53,7 +53,7 @@ RUN stubs=$(mktemp -d) \
     && LD_LIBRARY_PATH="${stubs}:${LD_LIBRARY_PATH:-}" python3 -c "\
 import deep_ep, flexdispatch; \
 from flexdispatch.backends import deepep_available; \
-from flexdispatch.backends.deepep_support import deepep_support; \
+from flexdispatch.backends.deepep.support import deepep_support; \
 print('deep_ep', deep_ep.__file__, 'flexdispatch', flexdispatch.__version__); \
 print('deepep_available:', deepep_available()); \
 print('auto selection here:', deepep_support(group=None, num_experts=256, ranks_per_node=8))" \

@@ -11,7 +11,7 @@ arrives twice — and the combine is *weighted* by the routing probs:
 ``out[t] = sum_j probs[t, j] * y[expert(t, j), slot(t, j)]``.
 
 - On the ``deepep`` backend in ``mode="low_latency"`` this is DeepEP's ``low_latency_dispatch`` /
-  ``low_latency_combine`` (see ``backends/deepep.py``).
+  ``low_latency_combine`` (see ``backends/deepep/v1.py``).
 - On any other backend it is the worst-case (``num_worst_tokens``) dispatch followed by
   ``to_expert_major`` and, on the way back, ``from_expert_major`` + the ordinary combine. Both are
   gathers/scatters with device-side indices (no host sync).

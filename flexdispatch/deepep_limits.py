@@ -1,7 +1,7 @@
 """DeepEP's fixed limits and topology rule, as a leaf module (no torch, no backend import), so that
 ``config.py`` can validate a ``DispatchConfig`` without importing a backend. The per-release
 kernel limits (row bytes, local experts, node counts of each DeepEP release) are in
-``backends/deepep_rules.py``; the buffer sizing in ``backends/deepep_sizing.py``, which re-exports
+``backends/deepep/rules.py``; the buffer sizing in ``backends/deepep/sizing.py``, which re-exports
 these names.
 """
 

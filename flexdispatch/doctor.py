@@ -7,7 +7,7 @@ Everything here runs in one process, without a process group, and never raises f
 broken optional dependency: each probe turns a failure into text. ``would_select`` answers "what
 would ``backend=auto`` choose for R ranks with L per node on machines like this one" from the
 local facts (``HostFacts``) and the rule backend selection applies (``deepep_support_checks`` in
-``flexdispatch.backends.deepep_support``, plus the row-size rule of ``deepep_sizing``), so it
+``flexdispatch.backends.deepep.support``, plus the row-size rule of ``deepep_sizing``), so it
 needs no cluster.
 
 ``run_doctor`` returns one JSON-ready dict with these stable keys (schema
@@ -195,8 +195,8 @@ def deepep_checks(
         Checks named ``import``, ``cuda``, ``nccl``, ``gpus``, ``topology`` and, with ``hidden``,
         ``row_bytes``.
     """
-    from flexdispatch.backends.deepep_sizing import check_row_bytes
-    from flexdispatch.backends.deepep_support import deepep_support_checks
+    from flexdispatch.backends.deepep.sizing import check_row_bytes
+    from flexdispatch.backends.deepep.support import deepep_support_checks
 
     R, L = world_size, ranks_per_node
     cuda = Check(

@@ -9,11 +9,11 @@ Three transports are modelled, each with a dispatch direction and a mirrored com
 
 - **flat** (ARCHITECTURE.md contract point 1): source ``s`` sends one row per (token, destination
   rank) straight to that rank. ``C[s, g]`` = tokens of ``s`` with an expert on ``g``.
-- **hierarchical** (``torch_hier.py``): hop 1 sends one row per (token, destination node) to the
-  *forwarder* with the source's local index on that node (``D[s, n]`` rows, inter-node unless
+- **hierarchical** (``backends/torch/hier.py``): hop 1 sends a row per (token, destination node) to
+  the *forwarder* with the source's local index on that node (``D[s, n]`` rows, inter-node unless
   ``n`` is the source's node, where the forwarder is the source itself); hop 2 forwards inside the
-  node, forwarder ``(n, l)`` sending ``F[(n, l), g] = sum over source nodes of C[(n_s, l), g]``
-  rows to each rank ``g`` of node ``n``. Combine sends the same rows back along the same hops.
+  node, forwarder ``(n, l)`` sending ``F[(n, l), g] = sum over source nodes of C[(n_s, l), g]`` rows
+  to each rank ``g`` of node ``n``. Combine sends the same rows back along the same hops.
 - **deepep** uses the hierarchical pattern across nodes (DeepEP's internode kernels forward through
   the rank with the same GPU index) and the flat pattern inside one node (intranode kernels).
 
@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 # torch backend: one int32 expert id + one fp32 prob per top-k slot travel beside every row
-# (torch_a2a.py, ``_META_BYTES_PER_SLOT``).
+# (backends/torch/a2a.py, ``_META_BYTES_PER_SLOT``).
 TORCH_META_BYTES_PER_SLOT = 8
 # DeepEP internode ``SourceMeta``: ``int src_rdma_rank, is_token_in_nvl_rank_bits``.
 _DEEPEP_SOURCE_META_BYTES = 8
@@ -265,7 +265,7 @@ def link_rows(
 
 
 def torch_row_format(*, hidden: int, topk: int, elem_size: int) -> RowFormat:
-    """Row sizes of the torch backend (``torch_a2a.py``): rows keep their dtype.
+    """Row sizes of the torch backend (``backends/torch/a2a.py``): rows keep their dtype.
 
     Dispatch: ``H * elem_size`` plus ``8 * k`` bytes of metadata (int32 id + fp32 prob per slot);
     combine: ``H * elem_size``.

@@ -65,7 +65,7 @@ run sync_debug_ops 90 "$py" - <<'EOF'
 import torch
 
 from flexdispatch import get_dispatch_layout, permute, topk_routing, unpermute
-from flexdispatch.backends import deepep_sizing as S
+from flexdispatch.backends.deepep import sizing as S
 from flexdispatch.decode import expert_major_maps, from_expert_major, to_expert_major
 
 dev = torch.device("cuda")

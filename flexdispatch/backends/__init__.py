@@ -26,7 +26,7 @@ from types import ModuleType
 import torch.distributed as dist
 
 from flexdispatch.backends.base import Capability, DispatchBackend
-from flexdispatch.backends.deepep_support import deepep_support, load_deep_ep
+from flexdispatch.backends.deepep.support import deepep_support, load_deep_ep
 from flexdispatch.config import DispatchConfig
 from flexdispatch.distributed import all_reduce_min_flag, all_reduce_min_flags, group_size
 from flexdispatch.types import DispatchStats
@@ -55,7 +55,7 @@ def make_torch_backend(
     stats: DispatchStats,
 ) -> DispatchBackend:
     """Build the ``torch`` (``all_to_all_single``) backend from a config."""
-    from flexdispatch.backends.torch_a2a import TorchA2ABackend
+    from flexdispatch.backends.torch.a2a import TorchA2ABackend
 
     return TorchA2ABackend(
         group,
@@ -91,7 +91,7 @@ def make_deepep_backend(
     Raises:
         ValueError: DeepEP cannot serve this group (with the reason).
     """
-    from flexdispatch.backends.deepep import DeepEPBackend
+    from flexdispatch.backends.deepep.v1 import DeepEPBackend
 
     return DeepEPBackend(
         group,
@@ -124,7 +124,7 @@ def make_deepep_elastic_backend(
     Raises:
         ValueError: DeepEP V2 cannot serve this group (with the reason).
     """
-    from flexdispatch.backends.deepep_elastic import DeepEPElasticBackend
+    from flexdispatch.backends.deepep.elastic import DeepEPElasticBackend
 
     return DeepEPElasticBackend(
         group,
@@ -150,7 +150,7 @@ def _elastic_support(
 ) -> Capability:
     """Whether the V2 path can serve this group here (local answer): DeepEP's topology rules
     (worst-case mode allowed across nodes), normal mode, and ``deep_ep.ElasticBuffer``."""
-    from flexdispatch.backends.deepep_elastic import elastic_available
+    from flexdispatch.backends.deepep.elastic import elastic_available
 
     if config.mode != "normal":
         return False, "deepep_api='elastic' runs mode='normal' only (low-latency: use 'legacy')"

@@ -350,7 +350,7 @@ _ELASTIC_TMA_ALIGN = 32  # ptx::kNumTMAAlignBytes: every part of a token slot
 _ELASTIC_MAX_RANKS = 1024  # WorkspaceLayout::kNumMaxRanks
 _ELASTIC_MAX_EXPERTS = 2048  # WorkspaceLayout::kNumMaxExperts
 _ELASTIC_MAX_LOCAL_EXPERTS = 256  # WorkspaceLayout::kNumMaxExpertsPerRank
-# flexdispatch's V2 path (backends/deepep_elastic.py): dispatch rows padded to 16 bf16 columns,
+# flexdispatch's V2 path (backends/deepep/elastic.py): dispatch rows padded to 16 bf16 columns,
 # combine rows to a multiple of 256, and never fewer than 256 columns asked of the buffer.
 _V2_DISPATCH_COLS = 16
 _V2_COMBINE_COLS = 256
@@ -517,7 +517,7 @@ def elastic_buffer_size_hint(
 def elastic_hidden(hidden: int, elem_size: int) -> tuple[int, int]:
     """``(dispatch, combine)`` hidden, in bf16 columns, that flexdispatch's V2 path sizes for.
 
-    What ``backends/deepep_elastic.py`` asks its shared buffer for with ``[T, H]`` rows:
+    What ``backends/deepep/elastic.py`` asks its shared buffer for with ``[T, H]`` rows:
 
     - dispatch (and cached dispatch) of rows of 2 or 4 bytes: their bf16 bit view, ``H * elem /
       2`` columns rounded up to 8 (``WireFormat``) and then to 16 (32-byte token rows), at least

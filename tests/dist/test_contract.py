@@ -7,7 +7,7 @@ One spawned group per (backend, topology) runs every mode (flat / hierarchical Ã
 worst-case) and every case inside the worker; each rank knows the answer without communication
 (``reference.py``). ``BACKENDS_UNDER_TEST`` is the list to extend.
 
-``deepep-emulated`` is the real ``deepep`` adapter (``flexdispatch/backends/deepep.py``) on top of
+``deepep-emulated`` is the real ``deepep`` adapter (``flexdispatch/backends/deepep/v1.py``) on top of
 the DeepEP emulator in ``tests/deepep_emu`` (passed through ``FlexDispatcher``'s private
 ``_deep_ep`` hook). It runs where DeepEP runs: one node of 2 or 4 ranks, and two emulated nodes of
 2 ranks (the emulator's NVLink domain shrunk to 2), where worst-case mode must be refused. Its
@@ -141,7 +141,7 @@ def _expected_deepep_bytes(
     SourceMeta, int32 ids and fp32 weights, aligned to 16 bytes. Narrow fp32 combines ride the
     fp32 weights channel beside a dummy row of one combine multiple.
     """
-    from flexdispatch.backends.deepep_rules import rules_for
+    from flexdispatch.backends.deepep.rules import rules_for
 
     R = len(inputs)
     e = E_PER_RANK

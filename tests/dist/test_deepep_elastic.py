@@ -54,7 +54,7 @@ def _worst(inputs: list[Any]) -> int:
 
 # --------------------------------------------------------------------- contract
 def contract_worker(rank: int, R: int, L: int, seed: int) -> dict[str, Any]:
-    from flexdispatch.backends.deepep_elastic import DeepEPElasticBackend
+    from flexdispatch.backends.deepep.elastic import DeepEPElasticBackend
 
     E = E_PER_RANK * R
     kw = {"R": R, "E": E, "k": K, "H": H}
@@ -173,8 +173,8 @@ def test_elastic_contract(R: int, L: int) -> None:
 # --------------------------------------------------------------------- selection and refusals
 def selection_worker(rank: int, R: int) -> dict[str, Any]:
     from flexdispatch import DispatchConfig, FlexDispatcher
-    from flexdispatch.backends.deepep import DeepEPBackend
-    from flexdispatch.backends.deepep_elastic import DeepEPElasticBackend
+    from flexdispatch.backends.deepep.v1 import DeepEPBackend
+    from flexdispatch.backends.deepep.elastic import DeepEPElasticBackend
 
     E = E_PER_RANK * R
     v2, v1 = _emu(R, R), _emu(R, R, release="1.2.1")
@@ -482,7 +482,7 @@ def test_cuda_graph_config_across_two_emulated_nodes_runs_on_v2_only() -> None:
 def buffer_fp8_worker(rank: int, R: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from flexdispatch.backends import deepep_buffer
+    from flexdispatch.backends.deepep import buffer as deepep_buffer
 
     E, width = E_PER_RANK * R, 256
     emu = _emu(R, R)

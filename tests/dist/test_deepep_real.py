@@ -249,7 +249,7 @@ def test_worst_case_overflow_is_capped_and_reported() -> None:
 
 # --------------------------------------------------------------------- QPs, shared buffer
 def buffer_worker(rank: int, R: int, L: int) -> dict[str, Any]:
-    from flexdispatch.backends import deepep_buffer
+    from flexdispatch.backends.deepep import buffer as deepep_buffer
 
     deep_ep = _load("1.2.1", nvl_peers=L)
     E, k, H = 2 * R, 2, 64

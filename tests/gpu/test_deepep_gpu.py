@@ -162,7 +162,7 @@ def limits_worker() -> dict[str, Any]:
     import torch.distributed as dist
 
     from flexdispatch import DispatchConfig, FlexDispatcher, get_dispatch_layout
-    from flexdispatch.backends import deepep_buffer
+    from flexdispatch.backends.deepep import buffer as deepep_buffer
 
     rank, R = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)

@@ -1,4 +1,4 @@
-"""Pure helpers of the DeepEP backend (flexdispatch/backends/deepep_sizing.py), on the CPU.
+"""Pure helpers of the DeepEP backend (flexdispatch/backends/deepep/sizing.py), on the CPU.
 
 Shape letters (ARCHITECTURE.md): R ranks · L ranks per node · N nodes · H hidden · E experts ·
 e = E / R · k top-k · W worst-case rows.
@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flexdispatch.backends import deepep_sizing as S
+from flexdispatch.backends.deepep import sizing as S
 from tests.deepep_emu.load import load_deep_ep
 
 emu = load_deep_ep()

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from flexdispatch.backends import deepep_rules as rules
+from flexdispatch.backends.deepep import rules
 
 
 @pytest.mark.parametrize("release", rules.RELEASES)

@@ -14,7 +14,7 @@ import types
 
 import pytest
 
-from flexdispatch.backends.deepep_support import deepep_support_for
+from flexdispatch.backends.deepep.support import deepep_support_for
 
 
 def _module(release: str, nvl_peers: int = 8) -> types.SimpleNamespace:

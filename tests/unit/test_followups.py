@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from flexdispatch.backends.deepep_support import (
+from flexdispatch.backends.deepep.support import (
     deepep_support,
     deepep_support_checks,
     deepep_support_for,
@@ -36,7 +36,7 @@ from flexdispatch.planner.deepep import (
 from tests.conftest import TEST_DEVICE_ENV, resolve_test_device
 from tests.dist.harness import run_group
 
-support = importlib.import_module("flexdispatch.backends.deepep_support")  # the module itself
+support = importlib.import_module("flexdispatch.backends.deepep.support")  # the module itself
 LL_HIDDEN = (2048, 2560, 4096, 5120, 6144, 7168, 8192)  # DeepEP v1.2.1 SWITCH_HIDDEN
 
 

@@ -183,8 +183,8 @@ def test_bad_arguments_are_named(kw: dict[str, Any], match: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("H", [8, 16, 100, 256, 300, 2048, 7168])
 def test_elastic_hidden_mirrors_the_backend(dtype: torch.dtype, H: int) -> None:
-    from flexdispatch.backends import deepep_elastic as v2
-    from flexdispatch.backends import deepep_sizing as sizing
+    from flexdispatch.backends.deepep import elastic as v2
+    from flexdispatch.backends.deepep import sizing
 
     x = torch.zeros(3, H, dtype=dtype)
     _, _, wire = sizing.split_rows(x, fp8_multiple=32)
@@ -199,8 +199,8 @@ def test_elastic_hidden_mirrors_the_backend(dtype: torch.dtype, H: int) -> None:
 
 @pytest.mark.parametrize("H", [32, 256, 2048, 7168])
 def test_elastic_hidden_of_fp8_tuples(H: int) -> None:
-    from flexdispatch.backends import deepep_elastic as v2
-    from flexdispatch.backends import deepep_sizing as sizing
+    from flexdispatch.backends.deepep import elastic as v2
+    from flexdispatch.backends.deepep import sizing
 
     x8 = torch.zeros(2, H, dtype=torch.float8_e4m3fn)
     _, _, wire = sizing.split_rows((x8, torch.ones(2, max(H // 128, 1))), fp8_multiple=32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexdispatch.backends.torch_rows import pack_token_meta, unpack_local
+from flexdispatch.backends.torch.rows import pack_token_meta, unpack_local
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -18,7 +18,7 @@ How a dispatch runs (works on gloo and NCCL):
    ``stats.extra["check_syncs"]``); on CPU it is read directly (no device to sync with).
 3. One *hop* = one ``all_to_all_single`` of the rows plus one of an int32 ``[S, 2k]`` metadata
    block (``topk_idx`` as int32 beside the fp32 bits of the probs). Rows keep their dtype (bf16
-   stays bf16). Flat mode is one hop; hierarchical mode is two (see ``torch_hier.py``). Both use
+   stays bf16). Flat mode is one hop; hierarchical mode is two (see ``hier.py``). Both use
    the dispatcher's own group: ranks outside a hop get zero-sized splits, so no sub-groups exist.
 4. Worst-case mode pads every hop to ``cap`` rows per peer on the device (``W / R`` flat) and
    compacts the received rows on the device so the real rows come first, in (source rank, source
@@ -47,9 +47,9 @@ page-faulted on every call. Tensors handed to the caller come from ``cpu_pool.OU
 which lends an earlier output's memory again only once nothing refers to it any more.
 
 The code is split by concern: this module holds the backend class (counts, hops, combine,
-stats); ``torch_flat.py`` the flat dispatch plan; ``torch_hier.py`` the hierarchical one;
-``torch_hops.py`` what both plans share (``Hop``, the dispatch state, the host count copy and the
-row plumbing that finishes a dispatch); ``torch_rows.py`` the row and metadata kernels.
+stats); ``flat.py`` the flat dispatch plan; ``hier.py`` the hierarchical one;
+``hops.py`` what both plans share (``Hop``, the dispatch state, the host count copy and the
+row plumbing that finishes a dispatch); ``rows.py`` the row and metadata kernels.
 
 Every collective runs inside ``collective_guard``: a peer that fails, exits or times out turns
 into a ``flexdispatch.distributed.CollectiveError`` on this rank, naming the collective.
@@ -66,7 +66,6 @@ import torch.distributed as dist
 
 from flexdispatch import _memory
 from flexdispatch._validate import checks_enabled, cuda_code_path, is_capturing
-from flexdispatch.backends import torch_hier
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import (
     DTYPE_CODES,
@@ -75,14 +74,15 @@ from flexdispatch.backends.counts import (
     recv_pairs,
 )
 from flexdispatch.backends.cpu_pool import OUTPUT_POOL
-from flexdispatch.backends.torch_flat import dispatch_flat
-from flexdispatch.backends.torch_hops import (
+from flexdispatch.backends.torch import hier as torch_hier
+from flexdispatch.backends.torch.flat import dispatch_flat
+from flexdispatch.backends.torch.hops import (
     Hop,
     PendingCounts,
     TorchDispatchState,
 )
-from flexdispatch.backends.torch_reduce import reduce_hop
-from flexdispatch.backends.torch_rows import (
+from flexdispatch.backends.torch.reduce import reduce_hop
+from flexdispatch.backends.torch.rows import (
     _bin_counts,
     clamp_ids,
     gather_rows,

@@ -1,8 +1,8 @@
 """Hops of the ``torch`` backend: what one ``all_to_all_single`` moved (``Hop``), what a
 dispatch keeps for its combine (``TorchDispatchState``), the host copy of the count matrix
 (``PendingCounts``), and the row plumbing shared by the flat and hierarchical plans (``finish``,
-``first_rows``, ``row_of_input``). ``torch_a2a.py`` holds the backend class; ``torch_flat.py`` and
-``torch_hier.py`` the two dispatch plans.
+``first_rows``, ``row_of_input``). ``a2a.py`` holds the backend class; ``flat.py`` and
+``hier.py`` the two dispatch plans.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from flexdispatch import _memory
 from flexdispatch._validate import cuda_code_path
-from flexdispatch.backends.torch_rows import unpack_local
+from flexdispatch.backends.torch.rows import unpack_local
 from flexdispatch.types import DispatchHandle, DispatchResult
 
 __all__ = [

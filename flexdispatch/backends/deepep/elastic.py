@@ -51,11 +51,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from flexdispatch._validate import checks_enabled, is_capturing
-from flexdispatch.backends import deepep_buffer
-from flexdispatch.backends import deepep_sizing as sizing
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import DTYPE_CODES, check_agreement
-from flexdispatch.backends.deepep_support import load_deep_ep, nvl_peers
+from flexdispatch.backends.deepep import buffer as deepep_buffer
+from flexdispatch.backends.deepep import sizing
+from flexdispatch.backends.deepep.support import load_deep_ep, nvl_peers
 from flexdispatch.distributed import all_gather_int64, collective_device, group_rank, group_size
 from flexdispatch.types import (
     DispatchHandle,

@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 
 from flexdispatch._validate import cuda_code_path
-from flexdispatch.backends.torch_hops import (
+from flexdispatch.backends.torch.hops import (
     A2AHost,
     Hop,
     PendingCounts,
     finish,
 )
-from flexdispatch.backends.torch_rows import (
+from flexdispatch.backends.torch.rows import (
     flat_compaction,
     gather_rows,
     overflow_message,

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from flexdispatch import _memory
-from flexdispatch.backends.torch_hops import A2AHost, Hop, PendingCounts, finish
-from flexdispatch.backends.torch_rows import (
+from flexdispatch.backends.torch.hops import A2AHost, Hop, PendingCounts, finish
+from flexdispatch.backends.torch.rows import (
     gather_rows,
     overflow_message,
     pack_key_meta,

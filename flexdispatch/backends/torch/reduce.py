@@ -2,7 +2,7 @@
 
 Shape letters (ARCHITECTURE.md): R ranks · X row width · S rows a hop sends · B rows it receives.
 
-Kept apart from ``torch_a2a.py`` (the backend) so that each module stays one concern: this is
+Kept apart from ``a2a.py`` (the backend) so that each module stays one concern: this is
 the reduction's order of arithmetic (docs/determinism.md), the CPU and CUDA branches side by side.
 """
 
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from flexdispatch._validate import cuda_code_path
-from flexdispatch.backends.torch_hops import Hop, first_rows, row_of_input
+from flexdispatch.backends.torch.hops import Hop, first_rows, row_of_input
 
 __all__ = ["reduce_hop"]
 

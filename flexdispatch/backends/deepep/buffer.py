@@ -33,7 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from flexdispatch.backends import deepep_sizing as sizing
+from flexdispatch.backends.deepep import sizing
 
 __all__ = [
     "ElasticSize",

@@ -58,13 +58,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from flexdispatch._validate import checks_enabled, is_capturing
-from flexdispatch.backends import deepep_buffer
-from flexdispatch.backends import deepep_rules as rules
-from flexdispatch.backends import deepep_sizing as sizing
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import check_agreement, exchange_counts
-from flexdispatch.backends.deepep_ll import LowLatencyMixin
-from flexdispatch.backends.deepep_support import deepep_support, load_deep_ep, nvl_peers
+from flexdispatch.backends.deepep import buffer as deepep_buffer
+from flexdispatch.backends.deepep import rules, sizing
+from flexdispatch.backends.deepep.ll import LowLatencyMixin
+from flexdispatch.backends.deepep.support import deepep_support, load_deep_ep, nvl_peers
 from flexdispatch.distributed import group_rank, group_size
 from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, DispatchStats
 
@@ -508,7 +507,7 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
             self._stats.extra["check_syncs"] = self._stats.extra.get("check_syncs", 0) + 1
         check_agreement(Gh, num_ranks=self.num_ranks, num_nodes=self.num_nodes)
         if self.worst_case:
-            from flexdispatch.backends.torch_rows import overflow_message
+            from flexdispatch.backends.torch.rows import overflow_message
 
             R, W = self.num_ranks, self.num_worst_tokens
             worst = max((Gh[s][g], s, g) for s in range(R) for g in range(R))

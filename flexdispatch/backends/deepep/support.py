@@ -16,9 +16,8 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
-from flexdispatch.backends import deepep_rules as rules
-from flexdispatch.backends import deepep_sizing as sizing
 from flexdispatch.backends.base import Capability
+from flexdispatch.backends.deepep import rules, sizing
 from flexdispatch.distributed import group_size, is_distributed
 
 __all__ = [

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from flexdispatch.backends import deepep_sizing as sizing
+from flexdispatch.backends.deepep import sizing
 from flexdispatch.types import DispatchStats, ExpertMajorHandle, ExpertMajorResult
 
 __all__ = ["LowLatencyMixin"]
