@@ -1,0 +1,577 @@
+"""What every Hugging Face family importer shares: the transformers config classes' defaults,
+key aliases, typed reads of a config mapping (``_Keys``), and the router / aux-loss / groups /
+shared-expert pieces (``flexdispatch.importers`` has the family table)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+_GATED_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu"}
+
+# Defaults of the transformers config classes (transformers 5.23.0, ``configuration_<type>.py``)
+# for the keys the importer reads; a key absent from a config.json takes this value and is listed
+# in ``source["defaulted"]``. ``None`` marks a key without a default (the import then fails).
+# ``scoring_func``/``topk_method`` are not attributes of the V3-style classes: their modeling code
+# always runs sigmoid + selection bias (noaux_tc), so those are the defaults.
+_V3_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 7168,
+    "moe_intermediate_size": 2048,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "n_group": 8,
+    "topk_group": 4,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+}
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": {
+        "hidden_size": 4096,
+        "moe_intermediate_size": 1407,
+        "n_routed_experts": 64,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": None,
+        "n_group": None,
+        "topk_group": None,
+        "topk_method": "greedy",
+        "scoring_func": "softmax",
+        "norm_topk_prob": False,
+        "routed_scaling_factor": 1.0,
+        "first_k_dense_replace": 0,
+        "hidden_act": "silu",
+    },
+    "deepseek_v3": _V3_DEFAULTS,
+    # Kimi-K2 ships model_type kimi_k2 with DeepSeek-V3's architecture (transformers' Kimi-K2.5
+    # config maps a kimi_k2 text config onto deepseek_v3), so it takes V3's defaults.
+    "kimi_k2": _V3_DEFAULTS,
+    "deepseek_v32": _V3_DEFAULTS,
+    "glm_moe_dsa": {
+        **_V3_DEFAULTS,
+        "hidden_size": 6144,
+        "n_group": 1,
+        "topk_group": 1,
+    },
+    "glm4_moe": {
+        **_V3_DEFAULTS,
+        "hidden_size": 4096,
+        "moe_intermediate_size": 1408,
+        "n_routed_experts": 128,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.0,
+        "first_k_dense_replace": 1,
+    },
+    "deepseek_v4": {
+        "hidden_size": 4096,
+        "moe_intermediate_size": 2048,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 6,
+        "scoring_func": "sqrtsoftplus",
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.5,
+        "swiglu_limit": 10.0,
+        "num_hash_layers": 3,
+        "hidden_act": "silu",
+    },
+    # DeepSeek-MoE 16B (remote code, model_type "deepseek"; not in transformers): the defaults
+    # of its DeepseekConfig. E, k and the expert size have none there.
+    "deepseek": {
+        "hidden_size": 4096,
+        "moe_intermediate_size": 1407,
+        "n_routed_experts": None,
+        "n_shared_experts": 0,
+        "num_experts_per_tok": None,
+        "scoring_func": "softmax",
+        "topk_method": "greedy",
+        "norm_topk_prob": False,
+        "first_k_dense_replace": 0,
+        "hidden_act": "silu",
+    },
+    "dots1": {
+        **_V3_DEFAULTS,
+        "hidden_size": 4608,
+        "moe_intermediate_size": 1408,
+        "n_routed_experts": None,
+        "n_shared_experts": None,
+        "num_experts_per_tok": None,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 0,
+        "norm_topk_prob": False,
+        "routed_scaling_factor": 1.0,
+    },
+    "glm4_moe_lite": {
+        **_V3_DEFAULTS,
+        "hidden_size": 2048,
+        "moe_intermediate_size": 1536,
+        "n_routed_experts": 64,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 4,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.8,
+        "first_k_dense_replace": None,
+    },
+    "olmoe": {
+        "hidden_size": 2048,
+        "intermediate_size": 2048,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": False,
+        "hidden_act": "silu",
+    },
+    "qwen3_vl_moe_text": {
+        "hidden_size": 2048,
+        "moe_intermediate_size": 1408,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "decoder_sparse_step": 1,
+        "hidden_act": "silu",
+    },
+    "granitemoe": {
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "hidden_act": "silu",
+    },
+    "mixtral": {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "router_jitter_noise": 0.0,
+        "hidden_act": "silu",
+    },
+    "qwen3_moe": {
+        "hidden_size": 2048,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "hidden_act": "silu",
+    },
+    "qwen2_moe": {
+        "hidden_size": 2048,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "hidden_act": "silu",
+    },
+    "qwen3_next": {
+        "hidden_size": 2048,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "hidden_act": "silu",
+    },
+    "qwen3_5_moe_text": {
+        "hidden_size": 2048,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "hidden_act": "silu",
+    },
+    "llama4_text": {
+        "hidden_size": 5120,
+        "intermediate_size": 8192,
+        "num_local_experts": 16,
+        "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 1,
+        "hidden_act": "silu",
+    },
+    "minimax_m2": {
+        "hidden_size": 3072,
+        "intermediate_size": 1536,
+        "num_local_experts": 256,
+        "num_experts_per_tok": 8,
+        "router_jitter_noise": 0.0,
+        "scoring_func": "sigmoid",
+        "use_routing_bias": True,
+        "hidden_act": "silu",
+    },
+    "gpt_oss": {
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 4,
+        "swiglu_limit": 7.0,
+        "swiglu_alpha": 1.702,
+        "hidden_act": "silu",
+    },
+    "nemotron_h": {
+        "hidden_size": 4096,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "moe_intermediate_size": 7688,
+        "moe_shared_expert_intermediate_size": 7688,
+        "moe_latent_size": None,
+        "num_experts_per_tok": 2,
+        "routed_scaling_factor": 1.0,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "mlp_hidden_act": "relu2",
+    },
+}
+
+
+# Alternative spellings of a key (the config class's ``attribute_map``, both ways): transformers
+# 5.x saves e.g. a Qwen3-MoE config's ``num_experts`` as ``num_local_experts``.
+def _both_ways(**pairs: str) -> dict[str, str]:
+    return {**pairs, **{v: k for k, v in pairs.items()}}
+
+
+_LOCAL = _both_ways(num_local_experts="num_experts")
+_ROUTED = _both_ways(n_routed_experts="num_local_experts")
+_ALIASES: dict[str, dict[str, str]] = {
+    "mixtral": _LOCAL,
+    "qwen3_moe": _LOCAL,
+    "minimax_m2": _LOCAL,
+    "gpt_oss": _LOCAL,
+    "deepseek_v2": _both_ways(n_routed_experts="num_experts"),
+    "deepseek_v3": _ROUTED,
+    "kimi_k2": _ROUTED,
+    "deepseek_v32": _ROUTED,
+    "glm4_moe": _ROUTED,
+    "glm_moe_dsa": _ROUTED,
+    "nemotron_h": _ROUTED,
+    "dots1": _ROUTED,
+    "glm4_moe_lite": _ROUTED,
+    "olmoe": _LOCAL,
+    "qwen3_vl_moe_text": _LOCAL,
+    "deepseek_v4": {**_ROUTED, **_both_ways(moe_intermediate_size="intermediate_size")},
+}
+
+# Keys that are not attributes of the family's config class: the modeling code hard-codes them,
+# and the default is what it runs.
+_V3_FIXED = frozenset({"topk_method", "scoring_func"})
+_FIXED_IN_MODELING: dict[str, frozenset[str]] = {
+    "deepseek_v2": frozenset({"scoring_func"}),
+    "deepseek_v3": _V3_FIXED,
+    "kimi_k2": _V3_FIXED,
+    "deepseek_v32": _V3_FIXED,
+    "glm_moe_dsa": _V3_FIXED,
+    "glm4_moe": _V3_FIXED,
+    "glm4_moe_lite": _V3_FIXED,
+    "dots1": _V3_FIXED,
+    "deepseek_v4": frozenset({"topk_method"}),
+    "minimax_m2": frozenset({"scoring_func", "use_routing_bias"}),
+}
+
+_DEFAULTS_FROM = {
+    "kimi_k2": "the transformers deepseek_v3 config class (Kimi-K2 is DeepSeek-V3's architecture)",
+    "deepseek": "DeepSeek-MoE's own DeepseekConfig (remote code; no transformers class)",
+}
+
+# Composite (multimodal) configs whose MoE text model is the ``text_config`` mapping, with the
+# text model_type the config class assumes when ``text_config`` carries none.
+_NESTED = {
+    "kimi_k25": "deepseek_v3",
+    "llama4": "llama4_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+    "qwen3_vl_moe": "qwen3_vl_moe_text",
+}
+
+
+class _Keys:
+    """Typed reads of one config mapping; absent keys take the family's defaults (recorded)."""
+
+    def __init__(self, cfg: Mapping[str, Any], mt: str, prefix: str = "") -> None:
+        self.cfg, self.mt, self.prefix = cfg, mt, prefix
+        self.defaults = _DEFAULTS.get(mt, {})
+        self.defaulted: list[str] = []
+
+    def name(self, key: str) -> str:
+        return f"{self.prefix}{key}"
+
+    def raw(self, key: str) -> Any:
+        alias = _ALIASES.get(self.mt, {}).get(key)
+        here = key in self.cfg and self.cfg[key] is not None
+        if alias is not None and alias in self.cfg and self.cfg[alias] is not None:
+            if here and self.cfg[key] != self.cfg[alias]:
+                raise ValueError(
+                    f"{self.mt} config has {self.name(key)}={self.cfg[key]!r} and its alias "
+                    f"{self.name(alias)}={self.cfg[alias]!r}: they must agree"
+                )
+            if not here:
+                return self.cfg[alias]
+        if here:
+            return self.cfg[key]
+        if self.defaults.get(key) is not None:
+            value = self.defaults[key]
+            fixed = key in _FIXED_IN_MODELING.get(self.mt, ())
+            note = " (fixed by the modeling code)" if fixed else ""
+            self.defaulted.append(f"{self.name(key)}={json.dumps(value)}{note}")
+            return value
+        raise ValueError(
+            f"{self.mt} config lacks {self.name(key)!r} and the architecture has no default "
+            f"for it: add it (see the model's config.json)"
+        )
+
+    def has(self, key: str) -> bool:
+        alias = _ALIASES.get(self.mt, {}).get(key)
+        return any(
+            name in self.cfg and self.cfg[name] is not None for name in (key, alias) if name
+        ) or (self.defaults.get(key) is not None)
+
+    def int(self, key: str) -> int:
+        value = self.raw(key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(
+                f"{self.mt} config: {self.name(key)} must be an integer, got {value!r} "
+                f"({type(value).__name__})"
+            )
+        return value
+
+    def opt_int(self, key: str) -> int | None:
+        return self.int(key) if self.has(key) else None
+
+    def float(self, key: str) -> float:
+        value = self.raw(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(
+                f"{self.mt} config: {self.name(key)} must be a number, got {value!r} "
+                f"({type(value).__name__})"
+            )
+        return float(value)
+
+    def bool(self, key: str) -> bool:
+        value = self.raw(key)
+        if not isinstance(value, bool):
+            raise ValueError(
+                f"{self.mt} config: {self.name(key)} must be true or false, got {value!r} "
+                f"({type(value).__name__})"
+            )
+        return value
+
+    def str(self, key: str) -> str:
+        value = self.raw(key)
+        if not isinstance(value, str):
+            raise ValueError(
+                f"{self.mt} config: {self.name(key)} must be a string, got {value!r} "
+                f"({type(value).__name__})"
+            )
+        return value
+
+
+def _read_hf(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
+    if isinstance(config, Mapping):
+        return dict(config)
+    if not isinstance(config, (str, Path)):
+        raise TypeError(
+            f"config must be a dict, or the path of a config.json or of its directory, got "
+            f"{type(config).__name__}"
+        )
+    path = Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"config file {path} does not exist: pass a config.json or its folder")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"config file {path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _activation(k: _Keys) -> str:
+    act = k.str("hidden_act")
+    if act not in _GATED_ACTIVATIONS:
+        raise ValueError(
+            f"{k.mt} config has {k.name('hidden_act')}={act!r}; the gated expert MLPs of this "
+            f"family use {' or '.join(_GATED_ACTIVATIONS)} (SwiGLU)"
+        )
+    return _GATED_ACTIVATIONS[act]
+
+
+def _aux(cfg: Mapping[str, Any], source: dict[str, str]) -> dict[str, Any]:
+    """Map aux-loss coefficients (DeepSeek ``aux_loss_alpha``/``seq_aux``, HF
+    ``router_aux_loss_coef``) when present and positive (never defaulted: the transformers
+    models add the loss only when asked to, ``output_router_logits``)."""
+    for key in ("aux_loss_alpha", "router_aux_loss_coef"):
+        value = cfg.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"{key} must be a number, got {value!r} ({type(value).__name__})")
+    if cfg.get("aux_loss_alpha"):
+        kind = "seq_aux_loss" if cfg.get("seq_aux") else "aux_loss"
+        source["aux_loss"] = (
+            f"aux_loss_alpha={cfg['aux_loss_alpha']}, seq_aux={bool(cfg.get('seq_aux'))} -> "
+            f"{kind} (DeepSeek's sequence-wise loss is Megatron's formula per sequence)"
+        )
+        return {"aux_loss_type": kind, "aux_loss_coeff": float(cfg["aux_loss_alpha"])}
+    if cfg.get("router_aux_loss_coef"):
+        source["aux_loss"] = (
+            f"router_aux_loss_coef={cfg['router_aux_loss_coef']} -> aux_loss with the same "
+            f"coefficient; HF sums its switch loss over the k slots (k x Megatron's per-layer "
+            f"value) over all layers' tokens at once, Megatron per layer"
+        )
+        return {"aux_loss_type": "aux_loss", "aux_loss_coeff": float(cfg["router_aux_loss_coef"])}
+    return {}
+
+
+def _groups(k: _Keys, E: int, topk: int, rule: str, source: dict[str, str]) -> dict[str, Any]:
+    """Group-limited routing from ``n_group``/``topk_group``; nothing when every group is kept."""
+    G = k.opt_int("n_group") or 1
+    g = k.opt_int("topk_group") or G
+    if G <= 1 or g >= G:
+        return {}
+    if E % G:
+        raise ValueError(f"{k.mt}: {E} experts do not split into n_group={G} groups")
+    if rule == "sum_top2" and topk // g != 2:
+        raise ValueError(
+            f"{k.mt} ranks groups by the sum of their top-2 scores but Megatron's rule sums the "
+            f"top num_experts_per_tok // topk_group = {topk}//{g} = {topk // g}: flexdispatch "
+            f"can represent this model only when that quotient is 2"
+        )
+    per_node = E // G
+    source["groups"] = f"{G} groups of {per_node} experts, {g} kept per token, ranked by " + (
+        "the max score (group_limited_greedy)" if rule == "max" else "the sum of the top-2"
+    )
+    return {"num_groups": G, "group_topk": g, "group_score": "max" if rule == "max" else "sum_topk"}
+
+
+def _shared(k: _Keys, F: int, source: dict[str, str]) -> dict[str, Any]:
+    n = k.int("n_shared_experts") if k.has("n_shared_experts") else 0
+    if not n:
+        return {}
+    source["shared_experts"] = (
+        f"{n} shared expert(s), one MLP of moe_intermediate_size x n_shared_experts = {F} x {n}"
+        f" = {F * n} (as the reference code builds it)"
+    )
+    return {"num_shared_experts": n, "shared_expert_ffn_hidden_size": F * n}
+
+
+def _layer_pattern(cfg: Mapping[str, Any], keys: tuple[str, ...], source: dict[str, str]) -> None:
+    """Record the dense/MoE layer pattern keys that are present (importer metadata)."""
+    found = {key: cfg[key] for key in ("num_hidden_layers", *keys) if key in cfg}
+    if any(key in cfg for key in keys):
+        source["moe_layers"] = ", ".join(f"{key}={json.dumps(v)}" for key, v in found.items())
+
+
+def _deepseek(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[str, Any]:
+    """The DeepSeek gate family: V2 (softmax, optional max-groups), V3 and its relatives
+    (sigmoid, selection bias, top-2-sum groups), V4 (sqrtsoftplus, hash layers), DeepSeek-MoE."""
+    mt = k.mt
+    E = k.int("n_routed_experts")
+    topk = k.int("num_experts_per_tok")
+    F = k.int("moe_intermediate_size")
+    scoring = k.str("scoring_func")
+    method = k.str("topk_method")
+    norm = k.bool("norm_topk_prob")
+    scale = k.float("routed_scaling_factor") if mt != "deepseek" else 1.0
+    if scoring not in ("softmax", "sigmoid", "sqrtsoftplus"):
+        raise ValueError(f"{mt} scoring_func={scoring!r} is not supported")
+    router: dict[str, Any] = {"num_experts": E, "topk": topk, "score_function": scoring}
+    if method == "group_limited_greedy":
+        router.update(_groups(k, E, topk, "max", source))
+    elif method == "noaux_tc":
+        router.update(_groups(k, E, topk, "sum_top2", source))
+        if scoring == "softmax":
+            raise ValueError(f"{mt} topk_method=noaux_tc with softmax scores is not supported")
+        router["enable_expert_bias"] = True
+    elif method != "greedy":
+        raise ValueError(
+            f"{mt} topk_method={method!r} is not supported: use greedy, group_limited_greedy or "
+            f"noaux_tc"
+        )
+    if scoring == "softmax":
+        router["use_pre_softmax"] = True  # softmax over all E, then top-k
+    router["normalize_topk"] = norm
+    if mt == "deepseek_v2" and norm and topk > 1:
+        # NOTE: DeepSeek-V2's reference code scales only the branch that does not renormalise.
+        source["scaling"] = (
+            "norm_topk_prob=true: V2 code renormalises and does not scale (DeepSeek's own "
+            "modeling code; transformers 5.23's DeepseekV2 gate ignores norm_topk_prob and "
+            "always scales - every published V2 config has norm_topk_prob=false, where both agree)"
+        )
+    elif scale != 1.0:
+        router["scaling_factor"] = scale
+    router.update(_aux(cfg, source))
+    source["routing"] = (
+        f"topk_method={method}, scoring_func={scoring}, norm_topk_prob={str(norm).lower()}"
+        + (f", routed_scaling_factor={scale}" if mt != "deepseek" else "")
+    )
+    if k.has("first_k_dense_replace"):
+        k.int("first_k_dense_replace")  # typed, and listed as defaulted when absent
+    _layer_pattern(cfg, ("first_k_dense_replace", "moe_layer_freq", "mlp_layer_types"), source)
+    if "first_k_dense_replace" not in cfg and k.has("first_k_dense_replace"):
+        note = f"first_k_dense_replace={k.int('first_k_dense_replace')} (default)"
+        source["moe_layers"] = f"{source['moe_layers']}, {note}" if "moe_layers" in source else note
+    out: dict[str, Any] = {
+        "hidden_size": k.int("hidden_size"),
+        "ffn_hidden_size": F,
+        "activation": _activation(k),
+        "router": router,
+    }
+    if mt == "deepseek_v4":
+        types = cfg.get("mlp_layer_types")
+        if isinstance(types, list) and "num_hash_layers" not in cfg:
+            n_hash = sum(1 for t in types if t == "hash_moe")
+        else:
+            n_hash = k.int("num_hash_layers")
+        source["num_hash_layers"] = str(n_hash)
+        if n_hash:
+            source["hash_layers"] = (
+                f"the first {n_hash} MoE layers pick experts from a per-token-id table "
+                f"(tid2eid, stored with the checkpoint) instead of the gate, with weights = the "
+                f"gate's sqrtsoftplus scores there, renormalised, x scaling; see "
+                f"hash_layer_router_config (pass the checkpoint table to hash_routing(table=) "
+                f"to match its experts exactly)"
+            )
+        out["swiglu_limit"] = k.float("swiglu_limit")
+        if not norm:
+            raise ValueError(
+                "deepseek_v4 norm_topk_prob=false: the transformers DeepSeek-V4 gate always "
+                "renormalises the k weights, so this config does not describe that model"
+            )
+        n_shared = k.int("n_shared_experts")
+        if n_shared != 1:
+            raise ValueError(
+                f"deepseek_v4 n_shared_experts={n_shared}: the transformers DeepSeek-V4 block "
+                f"always builds exactly one shared MLP of moe_intermediate_size"
+            )
+    out.update(_shared(k, F, source))
+    return out
+
+
+def _softmax_router(
+    k: _Keys, E: int, topk: int, norm: bool, source: dict[str, str]
+) -> dict[str, Any]:
+    """Softmax over all E, top-k, renormalised or not (Mixtral / Qwen gates)."""
+    router: dict[str, Any] = {"num_experts": E, "topk": topk, "score_function": "softmax"}
+    if not norm:
+        router.update(use_pre_softmax=True, normalize_topk=False)
+    source["routing"] = (
+        "softmax over all experts, top-k, renormalise = post-softmax top-k"
+        if norm
+        else "softmax over all experts, top-k, no renormalisation = pre-softmax top-k"
+    )
+    return router
+
+
+def _no_jitter(k: _Keys) -> None:
+    if k.has("router_jitter_noise") and k.float("router_jitter_noise") > 0:
+        raise ValueError(
+            f"{k.mt} config has router_jitter_noise={k.cfg['router_jitter_noise']}: the training-"
+            f"time multiplicative noise on the router input is not supported by flexdispatch"
+        )

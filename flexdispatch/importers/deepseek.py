@@ -1,0 +1,170 @@
+"""DeepSeek-family importers: DeepSeek-MoE, V2, V3 (and its relatives: Kimi-K2, GLM-4.5 MoE,
+dots1, DeepSeek-V3.2), V4, and Nemotron-H, whose routing is DeepSeek-V3's."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from flexdispatch.importers._keys import (
+    _activation,
+    _aux,
+    _groups,
+    _Keys,
+    _layer_pattern,
+    _shared,
+)
+
+
+def _deepseek(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[str, Any]:
+    """The DeepSeek gate family: V2 (softmax, optional max-groups), V3 and its relatives
+    (sigmoid, selection bias, top-2-sum groups), V4 (sqrtsoftplus, hash layers), DeepSeek-MoE."""
+    mt = k.mt
+    E = k.int("n_routed_experts")
+    topk = k.int("num_experts_per_tok")
+    F = k.int("moe_intermediate_size")
+    scoring = k.str("scoring_func")
+    method = k.str("topk_method")
+    norm = k.bool("norm_topk_prob")
+    scale = k.float("routed_scaling_factor") if mt != "deepseek" else 1.0
+    if scoring not in ("softmax", "sigmoid", "sqrtsoftplus"):
+        raise ValueError(f"{mt} scoring_func={scoring!r} is not supported")
+    router: dict[str, Any] = {"num_experts": E, "topk": topk, "score_function": scoring}
+    if method == "group_limited_greedy":
+        router.update(_groups(k, E, topk, "max", source))
+    elif method == "noaux_tc":
+        router.update(_groups(k, E, topk, "sum_top2", source))
+        if scoring == "softmax":
+            raise ValueError(f"{mt} topk_method=noaux_tc with softmax scores is not supported")
+        router["enable_expert_bias"] = True
+    elif method != "greedy":
+        raise ValueError(
+            f"{mt} topk_method={method!r} is not supported: use greedy, group_limited_greedy or "
+            f"noaux_tc"
+        )
+    if scoring == "softmax":
+        router["use_pre_softmax"] = True  # softmax over all E, then top-k
+    router["normalize_topk"] = norm
+    if mt == "deepseek_v2" and norm and topk > 1:
+        # NOTE: DeepSeek-V2's reference code scales only the branch that does not renormalise.
+        source["scaling"] = (
+            "norm_topk_prob=true: V2 code renormalises and does not scale (DeepSeek's own "
+            "modeling code; transformers 5.23's DeepseekV2 gate ignores norm_topk_prob and "
+            "always scales - every published V2 config has norm_topk_prob=false, where both agree)"
+        )
+    elif scale != 1.0:
+        router["scaling_factor"] = scale
+    router.update(_aux(cfg, source))
+    source["routing"] = (
+        f"topk_method={method}, scoring_func={scoring}, norm_topk_prob={str(norm).lower()}"
+        + (f", routed_scaling_factor={scale}" if mt != "deepseek" else "")
+    )
+    if k.has("first_k_dense_replace"):
+        k.int("first_k_dense_replace")  # typed, and listed as defaulted when absent
+    _layer_pattern(cfg, ("first_k_dense_replace", "moe_layer_freq", "mlp_layer_types"), source)
+    if "first_k_dense_replace" not in cfg and k.has("first_k_dense_replace"):
+        note = f"first_k_dense_replace={k.int('first_k_dense_replace')} (default)"
+        source["moe_layers"] = f"{source['moe_layers']}, {note}" if "moe_layers" in source else note
+    out: dict[str, Any] = {
+        "hidden_size": k.int("hidden_size"),
+        "ffn_hidden_size": F,
+        "activation": _activation(k),
+        "router": router,
+    }
+    if mt == "deepseek_v4":
+        types = cfg.get("mlp_layer_types")
+        if isinstance(types, list) and "num_hash_layers" not in cfg:
+            n_hash = sum(1 for t in types if t == "hash_moe")
+        else:
+            n_hash = k.int("num_hash_layers")
+        source["num_hash_layers"] = str(n_hash)
+        if n_hash:
+            source["hash_layers"] = (
+                f"the first {n_hash} MoE layers pick experts from a per-token-id table "
+                f"(tid2eid, stored with the checkpoint) instead of the gate, with weights = the "
+                f"gate's sqrtsoftplus scores there, renormalised, x scaling; see "
+                f"hash_layer_router_config (pass the checkpoint table to hash_routing(table=) "
+                f"to match its experts exactly)"
+            )
+        out["swiglu_limit"] = k.float("swiglu_limit")
+        if not norm:
+            raise ValueError(
+                "deepseek_v4 norm_topk_prob=false: the transformers DeepSeek-V4 gate always "
+                "renormalises the k weights, so this config does not describe that model"
+            )
+        n_shared = k.int("n_shared_experts")
+        if n_shared != 1:
+            raise ValueError(
+                f"deepseek_v4 n_shared_experts={n_shared}: the transformers DeepSeek-V4 block "
+                f"always builds exactly one shared MLP of moe_intermediate_size"
+            )
+    out.update(_shared(k, F, source))
+    return out
+
+
+def _v3_style(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[str, Any]:
+    """DeepSeek-V3 relatives without ``topk_method``/``scoring_func`` (their gate is fixed)."""
+    for key, want in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
+        if key in cfg and cfg[key] not in (None, want):
+            raise ValueError(
+                f"{k.mt} config has {k.name(key)}={cfg[key]!r}, but its transformers gate "
+                f"always runs {want}"
+            )
+    return _deepseek(cfg, k, source)
+
+
+def _nemotron_h(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[str, Any]:
+    if k.has("moe_latent_size"):
+        raise ValueError(
+            f"nemotron_h moe_latent_size={k.cfg['moe_latent_size']}: its experts run in a "
+            f"projected latent space, which flexdispatch cannot express"
+        )
+    act = k.str("mlp_hidden_act")
+    if act != "relu2":
+        raise ValueError(f"nemotron_h mlp_hidden_act={act!r}: supported is relu2 (non-gated)")
+    E, topk = k.int("n_routed_experts"), k.int("num_experts_per_tok")
+    router: dict[str, Any] = {
+        "num_experts": E,
+        "topk": topk,
+        "score_function": "sigmoid",
+        "enable_expert_bias": True,
+        "normalize_topk": k.bool("norm_topk_prob"),
+    }
+    router.update(_groups(k, E, topk, "sum_top2", source))
+    scale = k.float("routed_scaling_factor")
+    if scale != 1.0:
+        router["scaling_factor"] = scale
+    router.update(_aux(cfg, source))
+    source["routing"] = (
+        f"sigmoid, e_score_correction_bias for selection, norm_topk_prob="
+        f"{str(router['normalize_topk']).lower()}, routed_scaling_factor={scale}"
+    )
+    out: dict[str, Any] = {
+        "hidden_size": k.int("hidden_size"),
+        "ffn_hidden_size": k.int("moe_intermediate_size"),
+        "activation": "relu2",
+        "router": router,
+    }
+    if cfg.get("mlp_bias"):
+        raise ValueError(
+            "nemotron_h mlp_bias=true: its shared MLP then has biases but its routed experts "
+            "do not, which one MoEConfig cannot express"
+        )
+    n = k.int("n_shared_experts")
+    if n > 1:
+        raise ValueError(
+            f"nemotron_h n_shared_experts={n}: its block builds one shared MLP of "
+            f"moe_shared_expert_intermediate_size, whatever n_shared_experts says"
+        )
+    # NOTE: the transformers block builds the shared MLP whatever n_shared_experts is.
+    S = k.int("moe_shared_expert_intermediate_size")
+    out.update(num_shared_experts=1, shared_expert_ffn_hidden_size=S)
+    source["shared_experts"] = (
+        f"one relu2 shared MLP of moe_shared_expert_intermediate_size={S} (the block always "
+        f"builds it; n_shared_experts={n})"
+    )
+    pattern = cfg.get("hybrid_override_pattern") or cfg.get("layers_block_type")
+    if pattern is not None:
+        source["moe_layers"] = f"layer pattern (E = MoE): {json.dumps(pattern)}"
+    return out
