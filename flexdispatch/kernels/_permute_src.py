@@ -3,7 +3,9 @@
 Shape letters: T tokens · H hidden · E experts · k top-k · N rows · P = T*k pairs. Imported only
 when ``triton`` imports. One program per output row (``permute_rows``, ``gather_rows``) or per
 token (``sum_rows``), looping over H in ``BLOCK_H`` chunks. No atomics: every output element is
-written by one program, and sums run in a fixed order, so the results are deterministic.
+written by one program, and sums run in a fixed order, so the results are deterministic. H is a
+constexpr (one compiled kernel per hidden size, which a model fixes): the loop over it then has
+known bounds, and Triton 3.6's interpreter cannot loop over a runtime scalar under NumPy 2.
 
 Rounding to bfloat16 (OUT_BF16) is done by hand, round-to-nearest-even on the fp32 bits: the
 compiled ``.to(tl.bfloat16)`` rounds so, but Triton's interpreter truncates, and the tests
@@ -27,12 +29,12 @@ def permute_rows(
     bounds_ptr,
     counts_ptr,
     pad_end_ptr,
-    H,
     K,
     E,
     ALIGN1: tl.constexpr,
     HAS_PROBS: tl.constexpr,
     STEPS: tl.constexpr,
+    H: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     """Row ``r`` of the permutation: find its (token, slot) pair, write the maps, copy the row.
@@ -90,11 +92,11 @@ def gather_rows(
     w_ptr,
     y_ptr,
     dot_ptr,
-    H,
     WEIGHTED: tl.constexpr,
     DOT: tl.constexpr,
     ACC: tl.constexpr,
     OUT_BF16: tl.constexpr,
+    H: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     """``out[r] = w[r] * src[row_token[r]]`` (``w = 1`` unless WEIGHTED), 0 where the token is
@@ -140,12 +142,12 @@ def sum_rows(
     pair_rows_ptr,
     w_ptr,
     out_ptr,
-    H,
     K: tl.constexpr,
     K_PAD: tl.constexpr,
     WEIGHTED: tl.constexpr,
     ACC: tl.constexpr,
     OUT_BF16: tl.constexpr,
+    H: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     """``out[t] = sum of w[r] * src[r]`` over the rows ``r`` of token ``t`` (``pair_rows[t]``,

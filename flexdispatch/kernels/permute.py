@@ -61,12 +61,12 @@ def _sum_rows(
             pair_rows_TK,
             src_NH if w_N is None else w_N,
             out_TH,
-            H,
             K=k,
             K_PAD=next_pow2(k),
             WEIGHTED=w_N is not None,
             ACC=_acc(acc_dtype),
             OUT_BF16=out_dtype == torch.bfloat16,
+            H=H,
             BLOCK_H=_block_h(H, src_NH.dtype),
         )
     return out_TH
@@ -95,11 +95,11 @@ def _gather_rows(
             src_TH if w_N is None else w_N,
             src_TH if y_NH is None else y_NH,
             out_NH if dot_N is None else dot_N,
-            H,
             WEIGHTED=w_N is not None,
             DOT=y_NH is not None,
             ACC=_acc(acc_dtype),
             OUT_BF16=out_dtype == torch.bfloat16,
+            H=H,
             BLOCK_H=_block_h(H, src_TH.dtype),
         )
     return out_NH, dot_N
@@ -172,12 +172,12 @@ def _permute_forward(
             bounds_E1,
             counts_E,
             counts_E if pad_end_E is None else pad_end_E,
-            H,
             max(k, 1),
             E,
             ALIGN1=pad_end_E is None,
             HAS_PROBS=probs_TK is not None,
             STEPS=max(1, (E + 1).bit_length()),
+            H=H,
             BLOCK_H=_block_h(H, x_TH.dtype),
         )
     return out_NH, row_token_N, row_slot_N, pair_rows_TK, probs_N

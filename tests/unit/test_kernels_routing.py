@@ -180,6 +180,7 @@ def test_ties_lower_expert_id_first_on_both_paths(fn, pre, groups, bias, dev):
         s = torch.sigmoid(x) if fn == "sigmoid" else torch.nn.functional.softplus(x).sqrt()
         sel = s if bias_E is None else s + bias_E
     want = _ref_idx(sel, k, groups)
+    assert a.topk_idx.is_contiguous() and a.topk_probs.is_contiguous()
     assert torch.equal(a.topk_idx.cpu(), want)
     assert torch.equal(b.topk_idx.cpu(), want)
     torch.testing.assert_close(a.topk_probs, b.topk_probs, rtol=2e-6, atol=2e-7)
