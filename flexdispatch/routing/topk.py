@@ -468,13 +468,12 @@ def _use_triton(impl: str, logits: torch.Tensor) -> bool:
     """``impl`` resolved for these logits (``"auto"`` keeps float64 on the torch path)."""
     if impl == "auto" and logits.dtype == torch.float64:
         return False
-    use = resolve_impl(impl, logits.device, what="topk_routing")
-    if use and logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if impl == "triton" and logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(
             f"topk_routing: impl='triton' takes float32/bfloat16/float16 logits, got "
             f"{logits.dtype}: pass impl='torch' (or 'auto') for {logits.dtype}"
         )
-    return use
+    return resolve_impl(impl, logits.device, what="topk_routing")
 
 
 def _finish(
