@@ -22,6 +22,11 @@ def dev(device):
     from flexdispatch.kernels import interpreting
 
     if device.type == "cpu" and not interpreting():
+        if torch.cuda.is_available():
+            pytest.skip(
+                "a CUDA machine runs the kernel tests compiled, on CUDA tensors: "
+                "FLEXDISPATCH_TEST_DEVICE=cuda (Triton's interpreter stays off there)"
+            )
         pytest.fail(
             "the kernel tests on CPU need Triton's interpreter: TRITON_INTERPRET=1 before triton "
             "is first imported (tests/unit/conftest.py sets it unless CUDA is available)"
