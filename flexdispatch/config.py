@@ -72,6 +72,12 @@ class RouterConfig(_Strict):
     router_bias: bool = Field(
         False, description="The gating Linear(H, E) has a bias added to the logits (gpt-oss)."
     )
+    impl: Literal["auto", "torch", "triton"] = Field(
+        "auto",
+        description="topk_routing's implementation: 'auto' = the fused Triton kernel on CUDA "
+        "when triton imports (torch otherwise), 'torch', or 'triton' (CUDA; CPU only under "
+        "TRITON_INTERPRET=1). See docs/kernels.md.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RouterConfig:
@@ -285,6 +291,12 @@ class MoEConfig(_Strict):
             "Multiply the routing weight into the expert's input instead of its output "
             "(Llama-4; top-1 only)."
         ),
+    )
+    impl: Literal["auto", "torch", "triton"] = Field(
+        "auto",
+        description="The layer's permute/unpermute implementation: 'auto' = Triton kernels on "
+        "CUDA when triton imports (torch otherwise), 'torch', or 'triton'; the router's own is "
+        "router.impl. See docs/kernels.md.",
     )
     router: RouterConfig
     dispatch: DispatchConfig = DispatchConfig()

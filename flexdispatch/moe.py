@@ -249,6 +249,7 @@ class MoELayer(nn.Module):
             num_out_rows=static_rows,
             # NOTE: dropless backends report the pair count they got with the dispatch's one sync.
             num_rows=None if static_rows is not None else res.num_recv_pairs,
+            impl=self.config.impl,
         )
         y = self.experts(perm.x, perm.padded_tokens_per_expert, perm.probs)
-        return self.dispatcher.combine(unpermute(y, perm), res.handle)
+        return self.dispatcher.combine(unpermute(y, perm, impl=self.config.impl), res.handle)

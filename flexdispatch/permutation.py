@@ -11,6 +11,12 @@ CUDA, padding needs no separate zeroing pass, and the forward makes no ``[N, H]`
 with or without probs (they are per-entry weights of the bag sum). Gradients are the adjoint
 operations, written out (a bag sum per token for ``permute``, a row gather for ``unpermute``)
 rather than left to atomic scatter-adds.
+
+``impl="triton"`` (and ``"auto"`` on CUDA tensors when ``triton`` imports) moves the rows with
+the kernels of ``flexdispatch.kernels.permute`` instead: the same stable expert sort (a torch
+op), then one kernel that writes every row with its maps and prob, and one that sums each
+token's rows in fp32 in the same (ascending row) order; same rows, maps and probs bit for bit,
+sums to fp32 rounding (docs/determinism.md).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from flexdispatch import _memory
 from flexdispatch._validate import check_ids_in_range, check_tensor, checks_enabled
+from flexdispatch.kernels import resolve_impl
 from flexdispatch.types import Permutation
 
 __all__ = ["permute", "unpermute"]
@@ -240,6 +247,7 @@ def permute(
     num_rows: int | None = None,
     checks: bool | None = None,
     out: torch.Tensor | None = None,
+    impl: str = "auto",
 ) -> Permutation:
     """Copy each token once per valid top-k slot into rows grouped expert-major.
 
@@ -270,6 +278,9 @@ def permute(
             a new tensor, on CPU from the process's output pool (``flexdispatch._memory``), which
             lends the memory of an earlier output again once nothing refers to it, sparing the
             page faults of a fresh allocation.
+        impl: ``"auto"`` (Triton kernels on CUDA tensors when ``triton`` imports, else torch),
+            ``"torch"`` or ``"triton"`` (also on CPU tensors under ``TRITON_INTERPRET=1``). The
+            Triton permutation also carries ``pair_rows``, which its ``unpermute`` needs.
 
     Returns:
         ``Permutation`` with ``x`` ``[N, H]`` in ``x``'s dtype, ``probs`` ``[N]`` float32 (float64
@@ -316,6 +327,10 @@ def permute(
     do_checks = checks_enabled(checks)
     if do_checks:
         check_ids_in_range("topk_idx", topk_idx, num_experts)
+    if impl != "torch" and resolve_impl(impl, x.device, what="permute"):
+        return _permute_triton(
+            x, topk_idx, num_experts, topk_probs, align, num_out_rows, num_rows, do_checks, out
+        )
 
     device = x.device
     num_pairs = T * k
@@ -421,6 +436,66 @@ def permute(
     )
 
 
+def _permute_triton(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    num_experts: int,
+    topk_probs: torch.Tensor | None,
+    align: int,
+    num_out_rows: int | None,
+    num_rows: int | None,
+    do_checks: bool,
+    out: torch.Tensor | None,
+) -> Permutation:
+    """``permute`` with the Triton kernels (arguments already checked)."""
+    from flexdispatch.kernels.permute import permute_rows
+
+    T, k = topk_idx.shape
+    device = x.device
+    # NOTE: the same stable expert sort as the torch path (invalid pairs last under key E).
+    key_P = topk_idx.reshape(-1).clamp(-1, num_experts).remainder_(num_experts + 1)
+    sorted_key_P, order_P = torch.sort(key_P, stable=True)
+    bounds_E1 = torch.searchsorted(sorted_key_P, _memory.arange(num_experts + 1, device))
+    counts_E = bounds_E1.diff()
+    if align == 1:
+        padded_E, pad_end_E, total = counts_E, None, bounds_E1[-1]
+    else:
+        padded_E = (counts_E + (align - 1)) // align * align
+        pad_end_E = torch.cumsum(padded_E, 0)
+        total = pad_end_E[-1]
+    if num_out_rows is not None:
+        num_rows = num_out_rows
+    elif num_rows is None:
+        num_rows = int(total.item())  # NOTE: exact mode's one host sync.
+    elif do_checks and num_rows != int(total.item()):
+        raise ValueError(
+            f"num_rows={num_rows} but the routing holds {int(total.item())} rows: pass the exact "
+            f"count (or None to count on the device, one host sync)"
+        )
+    x_N, row_token, row_slot, pair_rows, probs_N = permute_rows(
+        x.contiguous(),
+        None if topk_probs is None else topk_probs.contiguous(),
+        order_P=order_P,
+        bounds_E1=bounds_E1,
+        counts_E=counts_E,
+        pad_end_E=pad_end_E,
+        k=k,
+        num_rows=num_rows,
+        out_NH=_rows_out(out, x, num_rows),
+    )
+    return Permutation(
+        x=x_N,
+        probs=probs_N,
+        tokens_per_expert=counts_E,
+        padded_tokens_per_expert=padded_E,
+        row_token=row_token,
+        row_slot=row_slot,
+        num_tokens=T,
+        dense=num_out_rows is None and align == 1,
+        pair_rows=pair_rows,
+    )
+
+
 def _rows_out(out: torch.Tensor | None, x: torch.Tensor, num_rows: int) -> torch.Tensor:
     """The ``[N, H]`` buffer ``permute`` writes: ``out`` (checked) or a new one (CPU: pooled)."""
     shape = (num_rows, x.shape[1])
@@ -440,7 +515,11 @@ def _rows_out(out: torch.Tensor | None, x: torch.Tensor, num_rows: int) -> torch
 
 
 def unpermute(
-    y: torch.Tensor, perm: Permutation, *, probs: torch.Tensor | None = None
+    y: torch.Tensor,
+    perm: Permutation,
+    *,
+    probs: torch.Tensor | None = None,
+    impl: str = "auto",
 ) -> torch.Tensor:
     """Sum each source token's rows back into place (the adjoint of ``permute``).
 
@@ -451,6 +530,9 @@ def unpermute(
         y: ``[N, H]`` float rows in ``perm``'s row order (e.g. expert outputs of ``perm.x``).
         perm: the ``Permutation`` that ``permute`` returned.
         probs: ``[N]`` float weight per row (typically ``perm.probs``), or None for a plain sum.
+        impl: ``"auto"`` (the Triton kernel on CUDA tensors when ``triton`` imports and ``perm``
+            came from the Triton ``permute``, else torch), ``"torch"`` or ``"triton"`` (needs a
+            ``perm`` from ``permute(impl="triton")``; on CPU tensors under ``TRITON_INTERPRET=1``).
 
     Returns:
         ``[T, H]`` in ``y``'s dtype. Accumulated in fp32 (float64 for float64 inputs);
@@ -481,5 +563,15 @@ def unpermute(
             raise ValueError(
                 f"probs has shape {tuple(probs.shape)} but y has {y.shape[0]} rows: pass one "
                 f"weight per row, e.g. perm.probs"
+            )
+    if impl != "torch" and resolve_impl(impl, y.device, what="unpermute"):
+        if perm.pair_rows is not None:
+            from flexdispatch.kernels.permute import unpermute_rows
+
+            return unpermute_rows(y.contiguous(), probs, row_token, perm.pair_rows)
+        if impl == "triton":
+            raise ValueError(
+                "unpermute: impl='triton' sums by perm.pair_rows, which only permute(impl="
+                "'triton') records: permute with impl='triton' too, or unpermute with impl='torch'"
             )
     return _UnpermuteRows.apply(y.contiguous(), probs, row_token, perm.num_tokens, perm.dense)

@@ -92,6 +92,9 @@ class Permutation:
         num_tokens: T, the number of source tokens (rows of ``unpermute``'s output).
         dense: True when every row is real (exact size with ``align == 1``: no padding row, no
             ``-1`` in ``row_token``), which lets ``unpermute`` skip the padding bookkeeping.
+        pair_rows: ``[T, k]`` int64 row of each ``(token, slot)`` pair, ``-1`` where the pair
+            has no row; set by ``permute(impl="triton")`` (its ``unpermute`` sums by it), None
+            from the torch path.
     """
 
     x: torch.Tensor
@@ -102,6 +105,7 @@ class Permutation:
     row_slot: torch.Tensor
     num_tokens: int
     dense: bool = False
+    pair_rows: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,7 +22,10 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 #: matches; prefixes are dotted names below ``flexdispatch``.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("types and configs", ("_validate", "_memory", "types", "deepep_limits", "config", "traffic")),
-    ("routing, layout, permutation", ("routing", "layout", "permutation", "distributed")),
+    (
+        "routing, layout, permutation",
+        ("routing", "layout", "permutation", "distributed", "kernels"),
+    ),
     ("backends", ("backends",)),
     ("dispatcher", ("dispatcher", "decode")),
     ("model", ("experts", "reference", "moe", "importers")),

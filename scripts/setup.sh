@@ -6,6 +6,9 @@
 #                       (default: torch==2.13.0, the CPU build on these machines);
 #                       "none" never installs torch (bring your own)
 #   FLEXDISPATCH_EXTRAS extras to install (default: test,dev,plot)
+#   FLEXDISPATCH_TRITON pip requirement for triton when the test extra is installed and no
+#                       triton is importable (default: triton==3.9.0; the kernel tests run it
+#                       under its interpreter on CPU); "none" never installs one
 #
 # A machine that already has torch (a GPU box, a container image) keeps it: the environment is
 # created with --system-site-packages when the system Python imports torch, and torch is installed
@@ -14,6 +17,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${FLEXDISPATCH_VENV:-$root/.venv}
 torch_req=${FLEXDISPATCH_TORCH:-torch==2.13.0}
+triton_req=${FLEXDISPATCH_TRITON:-triton==3.9.0}
 extras=${FLEXDISPATCH_EXTRAS:-test,dev,plot}
 py=${PYTHON:-python3}
 
@@ -37,6 +41,19 @@ if ! "$vpy" -c 'import torch' >/dev/null 2>&1; then
   echo "[setup] installing $torch_req" >&2
   "$vpy" -m pip install "${pip_q[@]}" "$torch_req"
 fi
+
+# Triton for the kernel tests (tests/unit/test_kernels_*.py run the kernels under Triton's
+# interpreter on CPU). A GPU machine's torch brings its own triton, pinned to it: that one is kept
+# (installed before the extras, so that the test extra's unpinned "triton>=3.6" is satisfied and
+# pip replaces nothing).
+case ",$extras," in
+  *,test,*)
+    if [ "$triton_req" != "none" ] && ! "$vpy" -c 'import triton' >/dev/null 2>&1; then
+      echo "[setup] installing $triton_req" >&2
+      "$vpy" -m pip install "${pip_q[@]}" "$triton_req"
+    fi
+    ;;
+esac
 
 # Reinstall only when pyproject.toml changed since the last install.
 stamp="$venv/.flexdispatch-installed"

@@ -242,6 +242,7 @@ class TopKRouter(nn.Module):
             capacity_factor=cfg.capacity_factor,
             drop_policy=cfg.drop_policy,
             checks=checks,
+            impl=cfg.impl,
         )
 
         if self.training and self.local_tokens_per_expert is not None:

@@ -8,7 +8,17 @@ The semantics are Megatron-Core's ``topk_routing_with_score_function`` (REFERENC
 "Routing"), extended by two switches that published models need: the group score rule
 (``group_score``) and an override of the renormalisation (``normalize_topk``). The output is
 ``[T, k]`` from the start (never a ``[T, E]`` routing map), and nothing here synchronises with
-the host: every branch is decided from shapes and arguments, never from tensor values.
+a device: every branch on a GPU is decided from shapes and arguments, never from tensor values
+(on CPU, where there is no device to wait for, rows with tied scores take a slower exact path).
+
+Tie rule (every top-k here: the experts, the groups, on every device, and the Triton kernel of
+``flexdispatch.kernels.routing``): the chosen experts come in descending order of their
+selection score; equal scores are ordered (and cut at the k-th place) by the lower expert id
+first; ``-0.0`` equals ``+0.0``; NaN ranks above every number (torch.topk's rule) and NaNs are
+equal among themselves. ``torch.topk`` promises nothing about ties, so the torch path enforces
+the rule: on CPU a top-(k+1) finds the rows where a tie touches the first k places and only those
+rows are re-ranked by a stable sort; on other devices the top-k runs over integer keys that order
+like the scores and then by id.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import math
 import torch
 
 from flexdispatch._validate import check_finite, check_tensor, checks_enabled
+from flexdispatch.kernels import resolve_impl
 from flexdispatch.types import RoutingResult
 
 __all__ = ["topk_routing", "expert_capacity", "SCORE_FUNCTIONS", "DROP_POLICIES", "GROUP_SCORES"]
@@ -122,6 +133,75 @@ def _validate(
         )
 
 
+_KEY32_NAN = 2**31 - 1
+_KEY64_MASKED = -(2**63)
+
+
+def _order_keys(sel_TE: torch.Tensor, mask_TE: torch.Tensor | None) -> torch.Tensor:
+    """``[T, E]`` int64 keys that order like the fp32 ``sel_TE`` (the tie rule above), then by
+    the lower id; experts outside ``mask_TE`` get the smallest key (below ``-inf``)."""
+    E = sel_TE.shape[-1]
+    bits = torch.where(sel_TE == 0, 0.0, sel_TE).view(torch.int32)
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = key.masked_fill(torch.isnan(sel_TE), _KEY32_NAN).to(torch.int64) * E
+    key = key + torch.arange(E - 1, -1, -1, device=sel_TE.device)
+    if mask_TE is not None:
+        key = key.masked_fill(~mask_TE, _KEY64_MASKED)
+    return key
+
+
+def _topk(
+    sel_TE: torch.Tensor, k: int, mask_TE: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(sel_TE, k)`` under the module's tie rule: ``(values [T, k], ids [T, k])``.
+
+    ``mask_TE`` (non-CPU only): ``[T, E]`` bool, the eligible experts (the others are never
+    chosen while an eligible one is left, even a ``-inf`` one).
+    """
+    if sel_TE.device.type == "cpu":
+        return _topk_cpu(sel_TE, k)
+    return _topk_keyed(sel_TE, k, mask_TE)
+
+
+def _topk_cpu(sel_TE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU: a top-(k+1); rows where a tie touches the first k places are re-ranked by a stable
+    sort. There is no device to wait for, so the check costs one small reduction."""
+    n = sel_TE.shape[-1]
+    kk = min(k + 1, n)
+    vals_TK, idx_TK = torch.topk(sel_TE, kk, dim=-1)
+    if kk > 1 and vals_TK.shape[0]:
+        # NOTE: the first kk values must fall strictly: a tie gives a step of 0, a NaN (sorted
+        # first) a NaN step, which max() propagates; only such rows are re-ranked. One diff and
+        # one max: the cheapest check found (35 against 60 us for gt + min at T=4096, k=8).
+        steps_TK = torch.diff(vals_TK, dim=-1)
+        if not bool(steps_TK.max() < 0):
+            rows = (~(steps_TK < 0)).any(dim=-1).nonzero().squeeze(1)
+            fixed = torch.sort(sel_TE[rows], dim=-1, descending=True, stable=True)
+            vals_TK[rows] = fixed.values[:, :kk]
+            idx_TK[rows] = fixed.indices[:, :kk]
+    if kk == k:
+        return vals_TK, idx_TK
+    # NOTE: the values stay a view (their users make new tensors); the ids are handed on.
+    return vals_TK[:, :k], idx_TK[:, :k].contiguous()
+
+
+def _topk_keyed(
+    sel_TE: torch.Tensor, k: int, mask_TE: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Any device, no value read on the host: the top-k of integer keys (fp32), or stable sorts
+    (fp64, rare off the CPU)."""
+    if sel_TE.dtype == torch.float32:
+        idx_TK = torch.topk(_order_keys(sel_TE, mask_TE), k, dim=-1).indices
+        return sel_TE.gather(1, idx_TK), idx_TK
+    order_TE = torch.sort(sel_TE, dim=-1, descending=True, stable=True).indices
+    if mask_TE is not None:
+        # the ineligible experts moved last, keeping the order of the rest
+        ok_TE = mask_TE.gather(1, order_TE).to(torch.int8)
+        order_TE = order_TE.gather(1, torch.sort(ok_TE, dim=-1, descending=True, stable=True)[1])
+    idx_TK = order_TE[:, :k].contiguous()
+    return sel_TE.gather(1, idx_TK), idx_TK
+
+
 def _select(
     sel_TE: torch.Tensor,
     topk: int,
@@ -134,7 +214,7 @@ def _select(
     Returns ``(values [T, k], indices [T, k] int64)``.
     """
     if num_groups is None or group_topk is None:
-        return torch.topk(sel_TE, k=topk, dim=-1)
+        return _topk(sel_TE, topk)
     T, E = sel_TE.shape
     grouped_TGX = sel_TE.view(T, num_groups, E // num_groups)
     # Group scores only pick indices: no gradient flows through them.
@@ -142,21 +222,25 @@ def _select(
         group_scores_TG = grouped_TGX.detach().amax(dim=-1)
     else:
         group_scores_TG = _top_sum(grouped_TGX.detach(), topk // group_topk)
-    keep_groups_Tg = torch.topk(group_scores_TG, k=group_topk, dim=-1, sorted=False).indices
+    keep_groups_Tg = _topk(group_scores_TG, group_topk)[1]
     if sel_TE.device.type == "cpu":
-        # CPU: the top-k runs over the kept groups' columns only (gathered in expert order), which
-        # costs less than masking the others to -inf and ranking all E (5.1 against 6.7 ms at
-        # DeepSeek-V3's shape, 1 thread). On CUDA the mask is fewer launches.
+        # CPU: the top-k runs over the kept groups' scores only (gathered group by group in
+        # ascending group order, so a lower position is a lower id), which costs less than
+        # masking the others to -inf and ranking all E (5.1 against 6.7 ms at DeepSeek-V3's
+        # shape, 1 thread); the ids are rebuilt for the k chosen only. On CUDA the mask is
+        # fewer launches.
+        # NOTE: one row copy per kept group (index_select of [T*G, X] rows) moves the scores
+        # 5x faster than a gather by expert column (161 against 786 us at that shape).
         X = E // num_groups
-        cols_TC = keep_groups_Tg.sort(dim=-1).values.unsqueeze(-1) * X
-        cols_TC = (cols_TC + torch.arange(X, device=sel_TE.device)).reshape(T, group_topk * X)
-        vals_TK, at_TK = torch.topk(sel_TE.gather(1, cols_TC), k=topk, dim=-1)
-        return vals_TK, cols_TC.gather(1, at_TK)
+        kept_Tg = keep_groups_Tg.sort(dim=-1).values
+        rows_P = torch.arange(T, device=sel_TE.device).unsqueeze(1) * num_groups + kept_Tg
+        kept_TC = sel_TE.reshape(T * num_groups, X).index_select(0, rows_P.reshape(-1))
+        vals_TK, at_TK = _topk(kept_TC.view(T, group_topk * X), topk)
+        return vals_TK, kept_Tg.gather(1, at_TK // X) * X + at_TK % X
     group_mask_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool)
     group_mask_TG.scatter_(1, keep_groups_Tg, True)
     expert_mask_TE = group_mask_TG.unsqueeze(-1).expand_as(grouped_TGX).reshape(T, E)
-    masked_TE = sel_TE.masked_fill(~expert_mask_TE, float("-inf"))
-    return torch.topk(masked_TE, k=topk, dim=-1)
+    return _topk(sel_TE, topk, expert_mask_TE)
 
 
 # The most values per group that ``_top_sum`` takes by repeated max on CPU (beyond it, topk).
@@ -231,6 +315,7 @@ def topk_routing(
     capacity_factor: float | None = None,
     drop_policy: str = "probs",
     checks: bool | None = None,
+    impl: str = "auto",
 ) -> RoutingResult:
     """Route each token to its top-k experts (Megatron-Core semantics), without a host sync.
 
@@ -274,6 +359,12 @@ def topk_routing(
         drop_policy: ``"probs"`` or ``"position"``.
         checks: run value checks (NaN/inf logits), which sync with the host; None reads
             ``FLEXDISPATCH_CHECKS``.
+        impl: ``"auto"`` (the fused Triton kernel on CUDA tensors when ``triton`` imports and
+            the logits are not float64, else torch), ``"torch"`` or ``"triton"`` (also on CPU
+            tensors under ``TRITON_INTERPRET=1``; fp32/bf16/fp16 logits). Both give the same
+            experts in the same order (the tie rule above; scores that differ only by fp32
+            rounding between the two can pick differently) and the same probs to fp32 rounding;
+            capacity dropping runs in torch after either. See docs/kernels.md.
 
     Returns:
         RoutingResult with ``topk_idx`` ``[T, k]`` int64 (``-1`` = dropped), ``topk_probs``
@@ -283,8 +374,8 @@ def topk_routing(
 
     Raises:
         TypeError: ``logits`` / ``expert_bias`` is not a floating tensor.
-        ValueError: a bad shape or argument (the message names it), or NaN/inf logits when
-            checks are enabled.
+        ValueError: a bad shape or argument (the message names it), NaN/inf logits when
+            checks are enabled, or ``impl="triton"`` where it cannot run.
     """
     _validate(
         logits,
@@ -304,7 +395,26 @@ def topk_routing(
         if expert_bias is not None:
             check_finite("expert_bias", expert_bias)
 
-    T, E = logits.shape
+    E = logits.shape[1]
+    if impl != "torch" and _use_triton(impl, logits):
+        from flexdispatch.kernels.routing import route, route_plan
+
+        plan = route_plan(
+            E,
+            topk,
+            score_function,
+            use_pre_softmax,
+            num_groups,
+            group_topk,
+            group_score,
+            normalize_topk,
+            scaling_factor,
+            expert_bias is not None,
+        )
+        logits_TE = logits if logits.stride(-1) == 1 else logits.contiguous()
+        idx_TK, probs_TK = route(logits_TE, expert_bias, plan)
+        return _finish(idx_TK, probs_TK, E, topk, capacity_factor, drop_policy)
+
     x_TE = logits if logits.dtype == torch.float64 else logits.float()
 
     if score_function == "softmax":
@@ -317,7 +427,7 @@ def topk_routing(
             if normalize_topk is False:
                 probs_TK = torch.softmax(x_TE, dim=-1).gather(1, idx_TK)
             else:
-                probs_TK = torch.softmax(vals_TK, dim=-1)
+                probs_TK = _softmax_k(vals_TK)
             normalize = False  # already sums to 1, or explicitly not renormalised
     else:
         if score_function == "sigmoid":
@@ -338,8 +448,46 @@ def topk_routing(
         probs_TK = probs_TK * scaling_factor
     if probs_TK.dtype != torch.float64:
         probs_TK = probs_TK.float()
+    return _finish(idx_TK, probs_TK, E, topk, capacity_factor, drop_policy)
 
-    device = logits.device
+
+def _softmax_k(vals_TK: torch.Tensor) -> torch.Tensor:
+    """``torch.softmax(vals_TK, dim=-1)`` over the k chosen logits, ``[T, k]`` contiguous.
+
+    On CPU torch's softmax over a last dim that is not a multiple of 8 runs a scalar loop per
+    row (k = 2: 237 against 50 us at T = 4096, 1 thread, with the transposes), so there it runs
+    over dim 0 of the transposed ``[k, T]``, which vectorises across the tokens. The same
+    formula; the rounding may differ in the last bit.
+    """
+    if vals_TK.device.type == "cpu" and vals_TK.shape[-1] % 8:
+        return torch.softmax(vals_TK.t().contiguous(), dim=0).t().contiguous()
+    return torch.softmax(vals_TK, dim=-1)
+
+
+def _use_triton(impl: str, logits: torch.Tensor) -> bool:
+    """``impl`` resolved for these logits (``"auto"`` keeps float64 on the torch path)."""
+    if impl == "auto" and logits.dtype == torch.float64:
+        return False
+    if impl == "triton" and logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"topk_routing: impl='triton' takes float32/bfloat16/float16 logits, got "
+            f"{logits.dtype}: pass impl='torch' (or 'auto') for {logits.dtype}"
+        )
+    return resolve_impl(impl, logits.device, what="topk_routing")
+
+
+def _finish(
+    idx_TK: torch.Tensor,
+    probs_TK: torch.Tensor,
+    E: int,
+    topk: int,
+    capacity_factor: float | None,
+    drop_policy: str,
+) -> RoutingResult:
+    """Capacity dropping (when it can drop anything) and the per-expert counts."""
+    probs_TK = probs_TK.contiguous()  # NOTE: the CPU top-k hands on a view of its values
+    T = idx_TK.shape[0]
+    device = idx_TK.device
     if capacity_factor is not None and expert_capacity(T, E, topk, capacity_factor) < T:
         capacity = expert_capacity(T, E, topk, capacity_factor)
         keep_TK = _capacity_keep(idx_TK, probs_TK, E, capacity, drop_policy)
@@ -350,9 +498,13 @@ def topk_routing(
         probs_TK = torch.where(keep_TK, probs_TK, torch.zeros_like(probs_TK))
     else:
         # capacity >= T can never be exceeded: each token holds an expert at most once.
-        tokens_per_expert_E = torch.zeros(E, dtype=torch.int64, device=device)
         flat_idx_P = idx_TK.reshape(-1)
-        tokens_per_expert_E.scatter_add_(0, flat_idx_P, torch.ones_like(flat_idx_P))
+        if device.type == "cpu":
+            # NOTE: one op on CPU (on CUDA bincount reads its max on the host: not there)
+            tokens_per_expert_E = torch.bincount(flat_idx_P, minlength=E)
+        else:
+            tokens_per_expert_E = torch.zeros(E, dtype=torch.int64, device=device)
+            tokens_per_expert_E.scatter_add_(0, flat_idx_P, torch.ones_like(flat_idx_P))
         num_dropped = torch.zeros((), dtype=torch.int64, device=device)
 
     return RoutingResult(

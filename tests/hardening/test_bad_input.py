@@ -75,6 +75,11 @@ def _moe_cfg(**dispatch: Any) -> MoEConfig:
     )
 
 
+def _unpermute_impl(impl: str) -> torch.Tensor:
+    perm = permute(_x(), _idx(), E)
+    return unpermute(perm.x, perm, impl=impl)
+
+
 def _disp(**kw: Any) -> FlexDispatcher:
     return FlexDispatcher(DispatchConfig(**kw), num_experts=E)
 
@@ -140,6 +145,8 @@ ERRORS: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
      r"topk\n  Input should be less than or equal to 32"),
     ("RouterConfig/unknown-field", lambda t: RouterConfig(num_experts=4, topk=1, top_k=2),
      ValueError, r"top_k\n  Extra inputs are not permitted"),
+    ("RouterConfig/unknown-impl", lambda t: _router_cfg(impl="cuda"), ValueError,
+     r"impl\n  Input should be 'auto', 'torch' or 'triton'"),
     ("RouterConfig/groups-not-dividing", lambda t: _router_cfg(num_groups=3, group_topk=1),
      ValueError, r"num_experts=8 is not divisible by num_groups=3"),
     ("RouterConfig/group-without-topk", lambda t: _router_cfg(num_groups=2), ValueError,
@@ -202,6 +209,8 @@ ERRORS: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
      r"expert_bias is not applied with score_function='softmax'"),
     ("topk_routing/bad-capacity", lambda t: topk_routing(_logits(), topk=K, capacity_factor=0),
      ValueError, r"capacity_factor must be a positive number or None, got 0"),
+    ("topk_routing/unknown-impl", lambda t: topk_routing(_logits(), topk=K, impl="cuda"),
+     ValueError, r"topk_routing: impl must be one of auto, torch, triton, got 'cuda'"),
     ("topk_routing/bad-score-function",
      lambda t: topk_routing(_logits(), topk=K, score_function="tanh"), ValueError,
      r"score_function must be one of softmax, sigmoid, sqrtsoftplus, got 'tanh'"),
@@ -261,6 +270,10 @@ ERRORS: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
      r"num_experts must be an int, got float"),
     ("permute/zero-align", lambda t: permute(_x(), _idx(), E, align=0), ValueError,
      r"align must be >= 1, got 0"),
+    ("permute/unknown-impl", lambda t: permute(_x(), _idx(), E, impl="cuda"), ValueError,
+     r"permute: impl must be one of auto, torch, triton, got 'cuda'"),
+    ("unpermute/unknown-impl", lambda t: _unpermute_impl("cuda"), ValueError,
+     r"unpermute: impl must be one of auto, torch, triton, got 'cuda'"),
     ("permute/static-rows-too-few", lambda t: permute(_x(), _idx(), E, align=2, num_out_rows=9),
      ValueError, r"num_out_rows=9 is below the static bound .* = 5\*2 \+ 8\*1 = 18"),
     ("permute/out-of-range-checked", lambda t: permute(_x(), _out_of_range(), E, checks=True),
