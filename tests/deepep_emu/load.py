@@ -40,6 +40,9 @@ Patches, applied only to the loaded ``elastic`` module's namespace:
   the real ones;
 - ``get_nvlink_gbs`` / ``get_rdma_gbs`` / ``check_fast_rdma_atomic_support``: constants (450 GB/s,
   50 GB/s, False) instead of running ``nvidia-smi`` / ``ibstat``.
+
+Release ``"2.5.0"`` is DeepEP V2.5 from its own wheel (``sgl-deep-ep-v25``, package
+``deep_ep_v25``: ``EPBuffer``, no ``Buffer`` / ``ElasticBuffer``), assembled by ``load_v25.py``.
 """
 
 from __future__ import annotations
@@ -108,8 +111,13 @@ def load_deep_ep(nvl_peers: int = 8, release: str = "2.1.0") -> types.ModuleType
     Args:
         nvl_peers: ranks of one emulated NVLink domain (8 as in DeepEP; tests use 2 so that 4
             ranks make 2 nodes).
-        release: whose kernel limits the runtime enforces: ``"1.2.1"`` or ``"2.1.0"``.
+        release: whose kernel limits the runtime enforces: ``"1.2.1"`` or ``"2.1.0"`` (the
+            ``deep_ep`` package), or ``"2.5.0"`` (the ``deep_ep_v25`` package, ``load_v25``).
     """
+    if release == "2.5.0":
+        from tests.deepep_emu.load_v25 import load_v25
+
+        return load_v25(nvl_peers)
     key = (nvl_peers, release)
     if key in _CACHE:
         return _CACHE[key]
