@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("types and configs", ("_validate", "_memory", "types", "deepep_limits", "config", "traffic")),
     ("routing, layout, permutation", ("routing", "layout", "permutation", "distributed")),
     ("backends", ("backends",)),
-    ("dispatcher", ("dispatcher", "decode")),
+    ("dispatcher", ("dispatcher", "dispatch_overlap", "decode")),
     ("model", ("experts", "reference", "moe", "importers")),
     (
         "tools and command line",
@@ -33,6 +33,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "doctor",
             "doctor_probe",
             "doctor_report",
+            "doctor_v25",
             "bench",
             "launch",
             "cli",
