@@ -151,3 +151,30 @@ def test_config_takes_the_ep_api_and_its_fields() -> None:
     with pytest.raises(ValueError, match="expert_alignment"):
         DispatchConfig(expert_alignment=0)
 
+
+def test_v25_container_recipe_and_setup_pin_what_the_tests_use() -> None:
+    # the V2.5 image installs the wheel the test set-up installs, --no-deps, over the CUDA 13
+    # torch it pins, with what DeepEP 2.5 needs at run time: nvcc >= 13.1, g++ (C++20), NCCL
+    import re
+    from importlib import metadata
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    recipe = (root / "docker" / "Dockerfile.deepep-v25").read_text()
+    setup = (root / "scripts" / "setup.sh").read_text()
+    version = ep_limits.WHEEL.split("==")[1]
+    assert f"ARG SGL_DEEP_EP_V25_VERSION={version}" in recipe
+    assert f'deepep_v25_wheel="{ep_limits.WHEEL}"' in setup
+    assert '--no-deps "$deepep_v25_wheel"' in setup
+    installs = [ln for ln in recipe.splitlines() if "pip install" in ln and "deep-ep" in ln]
+    assert len(installs) == 2 and all("--no-deps" in ln for ln in installs), installs
+    m = re.search(r"cuda:(\d+)\.(\d+)\.\d+-cudnn-devel", recipe)
+    assert m and (int(m.group(1)), int(m.group(2))) >= (13, 1), "a CUDA 13.1+ devel base (nvcc)"
+    nccl = re.search(r"ARG NCCL_VERSION=(\d+)\.(\d+)\.(\d+)", recipe)
+    assert nccl and tuple(map(int, nccl.groups())) >= (2, 32, 3)
+    assert " g++ " in recipe and "infiniband-diags" in recipe
+    if _WHEEL:
+        pinned = [r for r in metadata.requires("sgl-deep-ep-v25") or [] if r.startswith("torch")]
+        want = re.search(r"torch==([0-9.]+)", pinned[0]) if pinned else None
+        assert want and f"ARG TORCH_VERSION={want.group(1)}" in recipe, pinned
+    assert "whl/cu130" in recipe
