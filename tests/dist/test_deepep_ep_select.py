@@ -224,7 +224,7 @@ def features(rank: int, R: int) -> dict[str, Any]:
         [
             int(((mine_idx := inp.idx) // e == rank).logical_and(mine_idx >= 0).any(1).sum())
             for inp in inputs
-        ]  # fmt: skip
+        ]
     )
     pad_ok = True
     got = torch.zeros(e, dtype=torch.int64)

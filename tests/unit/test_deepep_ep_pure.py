@@ -35,9 +35,10 @@ def test_every_v25_citation_is_the_line_of_the_installed_wheel() -> None:
     lid, kind, text, needle, path, line = rows[0]
     ep_limits.EP_ROWS[0] = (lid, kind, text, needle, path, line + 1)
     try:
-        assert ep_limits.verify_wheel() == [f"{lid} {path}:{line + 1}: " + repr(
-            (ep_limits.wheel_root() / path).read_text().splitlines()[line].strip()
-        )]  # fmt: skip
+        assert ep_limits.verify_wheel() == [
+            f"{lid} {path}:{line + 1}: "
+            + repr((ep_limits.wheel_root() / path).read_text().splitlines()[line].strip())
+        ]
     finally:
         ep_limits.EP_ROWS[:] = rows
 
@@ -58,8 +59,19 @@ def test_v25_limits_join_the_registry_for_their_release_only() -> None:
 
 def test_token_buckets_are_powers_of_two_from_16() -> None:
     got = {n: token_bucket(n) for n in (1, 15, 16, 17, 32, 33, 100, 128, 129, 4096, 4097)}
-    assert got == {1: 16, 15: 16, 16: 16, 17: 32, 32: 32, 33: 64, 100: 128, 128: 128,
-                   129: 256, 4096: 4096, 4097: 8192}  # fmt: skip
+    assert got == {
+        1: 16,
+        15: 16,
+        16: 16,
+        17: 32,
+        32: 32,
+        33: 64,
+        100: 128,
+        128: 128,
+        129: 256,
+        4096: 4096,
+        4097: 8192,
+    }
     assert len({token_bucket(n) for n in range(1, 513)}) == 6  # 16 .. 512
     with pytest.raises(ValueError, match="positive"):
         token_bucket(0)

@@ -69,8 +69,16 @@ def test_a_machine_that_has_everything_passes(tmp_path: Path) -> None:
     lib = root / "lib" / "libnccl.so.2"
     maps = f"7f00-7f01 r-xp 0 00:00 1 {lib}\n"
     got = _probe(tmp_path, env={"EP_NCCL_ROOT_DIR": str(root)}, maps=maps, nccl_loaded=(2, 32, 3))
-    assert set(got) == {"wheel", "torch_cuda", "nvcc", "cxx20", "nccl", "nccl_loaded", "ibstat",
-                        "nvidia-smi"}  # fmt: skip
+    assert set(got) == {
+        "wheel",
+        "torch_cuda",
+        "nvcc",
+        "cxx20",
+        "nccl",
+        "nccl_loaded",
+        "ibstat",
+        "nvidia-smi",
+    }
     failing = {k: c for k, c in got.items() if not c["ok"] and k != "wheel"}
     assert not failing, failing
     assert got["nvcc"]["detail"] == "/usr/bin/nvcc: CUDA 13.1" and got["nccl"]["fix"] == ""
@@ -114,8 +122,9 @@ def test_nccl_too_old_missing_or_not_the_one_loaded(tmp_path: Path) -> None:
     new = _nccl(tmp_path / "new", (2, 32, 6), lib=b"v2.32.6")
     other = tmp_path / "torch_libnccl.so.2"
     other.write_bytes(b"v2.27.7")
-    got = _probe(tmp_path, env={"EP_NCCL_ROOT_DIR": str(new)},
-                 maps=f"a-b r-xp 0 0 1 {other}\n")["nccl_loaded"]  # fmt: skip
+    got = _probe(tmp_path, env={"EP_NCCL_ROOT_DIR": str(new)}, maps=f"a-b r-xp 0 0 1 {other}\n")[
+        "nccl_loaded"
+    ]
     assert not got["ok"] and str(other) in got["detail"] and "EP_SUPPRESS_NCCL_CHECK" in got["fix"]
     got = _probe(tmp_path, env={"EP_NCCL_ROOT_DIR": str(new)}, nccl_loaded=(2, 27, 7))
     assert not got["nccl_loaded"]["ok"] and "(2.27.7)" in got["nccl_loaded"]["detail"]
@@ -154,8 +163,23 @@ def test_run_doctor_with_ep_applies_v25_rules(capsys: pytest.CaptureFixture[str]
     text = format_report(rep)
     assert "deepep gen V1 deep_ep.Buffer NO" in text and "V2.5 deep_ep_v25.EPBuffer NO" in text
     assert "  v2.5    " in text and "nvcc" in text
-    assert main(["doctor", "--json", "--deepep-api", "ep", "--backend", "deepep",
-                 "--world-size", "2", "--ranks-per-node", "2"]) == 1  # fmt: skip
+    assert (
+        main(
+            [
+                "doctor",
+                "--json",
+                "--deepep-api",
+                "ep",
+                "--backend",
+                "deepep",
+                "--world-size",
+                "2",
+                "--ranks-per-node",
+                "2",
+            ]
+        )
+        == 1
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["selection"]["deepep_api"]["requested"] == "ep" and not out["ok"]
     assert {c["name"] for c in out["deep_ep_v25"]} >= {"nvcc", "cxx20", "nccl", "nccl_loaded"}
