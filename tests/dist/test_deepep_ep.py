@@ -193,8 +193,11 @@ def moe(rank: int, R: int, L: int) -> list[dict[str, Any]]:
 
     emu_ep.EPRuntime.combine = spy  # type: ignore[method-assign]
     T, out = 4, []
-    for hidden, dtype, W in ((256, torch.bfloat16, 0), (300, torch.float32, 0),
-                             (256, torch.bfloat16, R * T)):
+    for hidden, dtype, W in (
+        (256, torch.bfloat16, 0),
+        (300, torch.float32, 0),
+        (256, torch.bfloat16, R * T),
+    ):
         cfg = load_config("tiny_cpu").model_copy(
             update={"hidden_size": hidden, "ffn_hidden_size": 32, "num_shared_experts": 1}
         )
@@ -236,13 +239,15 @@ def moe(rank: int, R: int, L: int) -> list[dict[str, Any]]:
         def rel(a: torch.Tensor, b: torch.Tensor) -> float:
             return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
-        out.append({
-            "case": (hidden, str(dtype), W),
-            "rel": [rel(d[i], t[i]) for i in range(5)],
-            "result": d[5],
-            "fused": d[6],
-            "syncs": d[7],
-        })
+        out.append(
+            {
+                "case": (hidden, str(dtype), W),
+                "rel": [rel(d[i], t[i]) for i in range(5)],
+                "result": d[5],
+                "fused": d[6],
+                "syncs": d[7],
+            }
+        )
     emu_ep.EPRuntime.combine = real  # type: ignore[method-assign]
     out.append(bias_fusion(rank, R, L))
     return out
@@ -317,3 +322,58 @@ def test_ep_contract(R: int, L: int, full: bool) -> None:
             assert c["syncs"] == (0 if c["case"][2] else 1), c
         assert fusion["exact"][0] and fusion["exact"][2], fusion
         assert fusion["random"][1] < 2**-7 and fusion["random"][2], fusion
+
+
+# --------------------------------------------------------------------- 16 ranks, 2 nodes of 8
+def layer16(rank: int, R: int) -> dict[str, Any]:
+    """``MoELayer`` (tiny: H = 256 bf16, 16 experts, top-4, a shared expert) on 2 emulated
+    nodes of 8, worst-case (static shapes, hybrid mode), forward and backward against torch."""
+    from flexdispatch.config import load_config
+    from flexdispatch.moe import MoELayer
+
+    T, L = 3, 8
+    cfg = load_config("tiny_cpu").model_copy(
+        update={"hidden_size": 256, "ffn_hidden_size": 16, "num_shared_experts": 1}
+    )
+    got = {}
+    for backend in ("deepep", "torch"):
+        dispatch = cfg.dispatch.model_copy(
+            update={
+                "backend": backend,
+                # NOTE: "ep", not "auto": MoELayer checks V1's topology rules under "auto" with
+                # L = R (audit N1, another helper's fix)
+                "deepep_api": "ep",
+                "ranks_per_node": L,
+                "num_worst_tokens": R * T,
+            }
+        )
+        c = cfg.model_copy(update={"dispatch": dispatch})
+        kw = {"_deep_ep": _emu(L)} if backend == "deepep" else {}
+        layer = MoELayer(c, seed=7, dtype=torch.bfloat16, **kw)
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(T, 256, generator=g).to(torch.bfloat16).requires_grad_(True)
+        out = layer(x).output
+        (out.float() * torch.randn(T, 256, generator=g)).sum().backward()
+        b = layer.dispatcher.backend
+        got[backend] = (
+            out.detach().float(),
+            x.grad.float(),
+            layer.router.weight.grad.float(),
+            getattr(b, "hybrid", None),
+            layer.dispatcher.stats.host_syncs,
+        )
+        layer.dispatcher.close()
+    d, t = got["deepep"], got["torch"]
+    rel = [
+        float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+        for a, b in zip(d[:3], t[:3], strict=True)
+    ]
+    return {"rel": rel, "hybrid": d[3], "syncs": d[4]}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_ep_layer_on_16_ranks_as_two_nodes_of_8() -> None:
+    for out in run_group(layer16, 16, timeout=280):
+        assert out["hybrid"] is True and out["syncs"] == 0, out
+        assert max(out["rel"]) < 3e-2, out
