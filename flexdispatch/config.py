@@ -192,13 +192,25 @@ class DispatchConfig(_Strict):
     deepep_num_sms: int | None = Field(
         None, gt=0, description="DeepEP Buffer.set_num_sms (even; process-wide in DeepEP)."
     )
-    deepep_api: Literal["auto", "legacy", "elastic"] = Field(
+    deepep_api: Literal["auto", "legacy", "elastic", "ep"] = Field(
         "auto",
         description="DeepEP API: 'legacy' (V1 deep_ep.Buffer), 'elastic' (V2 "
         "deep_ep.ElasticBuffer, DeepEP 2.1.0+; dropless dispatch takes at most "
-        "num_max_dispatch_tokens_per_rank tokens per rank, worst-case at most W / R) or 'auto' "
-        "(V2 where every rank has it, in worst-case mode or with "
-        "num_max_dispatch_tokens_per_rank set; else V1)",
+        "num_max_dispatch_tokens_per_rank tokens per rank, worst-case at most W / R), 'ep' "
+        "(DeepEP 2.5 deep_ep_v25.EPBuffer, same bounds) or 'auto' (V2.5, else V2, where every "
+        "rank has it, in worst-case mode or with num_max_dispatch_tokens_per_rank set; else V1)",
+    )
+    deepep_hybrid: bool | None = Field(
+        None,
+        description="deepep_api='ep' across nodes: True = DeepEP 2.5 hybrid mode (one RDMA row "
+        "per destination node, forwarded over NVLink), False = direct mode, None = hybrid where "
+        "its limits hold.",
+    )
+    expert_alignment: int = Field(
+        1,
+        gt=0,
+        description="dispatch_expanded on DeepEP 2.5: each local expert's rows padded (with zero "
+        "rows) to a multiple of this, e.g. for grouped GEMMs that need aligned segments.",
     )
 
     @model_validator(mode="after")
@@ -235,8 +247,8 @@ class DispatchConfig(_Strict):
         Catches at set-up what would otherwise fail at the first dispatch or at graph capture:
         DeepEP's rank-count rules and its intranode-only worst-case (CUDA-graph) mode.
         """
-        if self.backend != "deepep":
-            return
+        if self.backend != "deepep" or self.deepep_api == "ep":
+            return  # NOTE: DeepEP 2.5 has rules of its own, applied at selection (ep_rules)
         L = num_ranks if ranks_per_node is None else ranks_per_node
         # NOTE: DeepEP's V2 (elastic) path takes worst-case mode across nodes too; 'auto' runs V2
         # in worst-case mode where deep_ep has ElasticBuffer (backend selection raises otherwise)

@@ -39,6 +39,7 @@ from flexdispatch._validate import (
 from flexdispatch.backends import select_backend
 from flexdispatch.backends.base import DispatchBackend
 from flexdispatch.config import DispatchConfig
+from flexdispatch.dispatch_overlap import PendingDispatch, combine_with_bias, warmup
 from flexdispatch.distributed import (
     check_fingerprint,
     collective_device,
@@ -53,7 +54,7 @@ from flexdispatch.types import (
     ExpandedDispatchResult,
 )
 
-__all__ = ["FlexDispatcher"]
+__all__ = ["FlexDispatcher", "PendingDispatch"]
 
 _ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_SCALE_BLOCK = 128  # DeepEP: one float32 scale per 128 channels of an fp8 row
@@ -124,17 +125,22 @@ class _Dispatch(torch.autograd.Function):
 
 
 class _DispatchExpanded(torch.autograd.Function):
-    """``dispatch_expanded``, differentiable in ``x`` and ``topk_probs``."""
+    """``dispatch_expanded``, differentiable in ``x`` and ``topk_probs``; with ``pending`` (a
+    ``launch_expanded`` in flight) the forward only finishes it."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
         backend: DispatchBackend,
+        pending: Any,
         x: Rows,
         topk_idx: torch.Tensor,
         topk_probs: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
-        res = backend.dispatch_expanded(x, topk_idx, topk_probs)
+        if pending is not None:
+            res = backend.finish_expanded(pending)  # type: ignore[attr-defined]
+        else:
+            res = backend.dispatch_expanded(x, topk_idx, topk_probs)
         ctx.backend = backend
         ctx.handle = res.handle
         ctx.x_dtype = x[0].dtype if isinstance(x, tuple) else x.dtype
@@ -152,12 +158,12 @@ class _DispatchExpanded(torch.autograd.Function):
         grad_probs: torch.Tensor | None,
         _grad_counts: Any,
         _grad_handle: Any,
-    ) -> tuple[None, torch.Tensor | None, None, torch.Tensor | None]:
+    ) -> tuple[None, None, torch.Tensor | None, None, torch.Tensor | None]:
         backend: DispatchBackend = ctx.backend
         handle: DispatchHandle = ctx.handle
         N = handle.num_recv_rows
         dx = dp = None
-        want_x, want_p = ctx.needs_input_grad[1], ctx.needs_input_grad[3]
+        want_x, want_p = ctx.needs_input_grad[2], ctx.needs_input_grad[4]
         device = ctx.device
         # NOTE: every rank must run the same collectives; a missing gradient becomes zeros.
         if want_x and grad_x is None:
@@ -172,7 +178,7 @@ class _DispatchExpanded(torch.autograd.Function):
             )
         elif want_x and grad_x is not None:
             dx = backend.combine(grad_x.contiguous(), handle)
-        return None, dx, None, dp
+        return None, None, dx, None, dp
 
 
 class _Combine(torch.autograd.Function):
@@ -509,8 +515,9 @@ class FlexDispatcher:
         What ``GroupedExperts`` consumes directly (``experts(res.recv_x, res.tokens_per_expert,
         res.recv_probs)``), with no ``permute`` / ``unpermute``: ``combine(y, res.handle)`` sums
         every row of a token on every rank (so weight the rows first, as ``GroupedExperts``
-        does with ``probs``). Only backends with ``supports_expanded()`` (DeepEP V2,
-        ``deepep_api`` ``'elastic'`` or ``'auto'``) run it; the others raise ``ValueError``.
+        does with ``probs``). Only backends with ``supports_expanded()`` (DeepEP V2 / V2.5,
+        ``deepep_api`` ``'elastic'``, ``'ep'`` or ``'auto'``) run it; the others raise
+        ``ValueError``.
         Inputs and errors as ``dispatch``.
 
         Returns:
@@ -518,30 +525,59 @@ class FlexDispatcher:
             ``tokens_per_expert [e]`` int64 device tensor, the handle. In worst-case mode N is
             static (DeepEP: ``R * (W / R) * min(k, e)``) and rows past the real ones are zero.
         """
+        return self._start_expanded(x, topk_idx, topk_probs, overlap=False).wait()
+
+    def dispatch_expanded_start(
+        self, x: Rows, topk_idx: torch.Tensor, topk_probs: torch.Tensor
+    ) -> PendingDispatch:
+        """``dispatch_expanded`` in two halves: issued now, its result at ``.wait()`` (called
+        on every rank). On DeepEP 2.5 the rows are in flight in between (``defer_epilogue``),
+        so work issued there (``MoELayer``'s shared experts) overlaps the dispatch; elsewhere the
+        dispatch finishes here. Inputs, errors and result as ``dispatch_expanded``."""
+        return self._start_expanded(x, topk_idx, topk_probs, overlap=True)
+
+    def _start_expanded(
+        self, x: Rows, topk_idx: torch.Tensor, topk_probs: torch.Tensor, *, overlap: bool
+    ) -> PendingDispatch:
         ok, why = self._backend.supports_expanded()
         if not ok:
             raise ValueError(f"dispatch_expanded is not available: {why}")
         self._check_inputs(x, topk_idx, topk_probs, None)
         rows = (x[0].contiguous(), x[1].contiguous()) if isinstance(x, tuple) else x.contiguous()
-        recv_x, recv_probs, counts, handle = _DispatchExpanded.apply(
-            self._backend, rows, topk_idx.contiguous(), topk_probs.contiguous()
-        )
-        self._stats.dispatch_calls += 1
-        return ExpandedDispatchResult(
-            recv_x=recv_x, recv_probs=recv_probs, tokens_per_expert=counts, handle=handle
-        )
+        args = (rows, topk_idx.contiguous(), topk_probs.contiguous())
+        pending = None
+        if overlap and self._backend.supports_overlap()[0]:
+            with torch.no_grad():
+                pending = self._backend.launch_expanded(*args)  # type: ignore[attr-defined]
 
-    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        def finish() -> ExpandedDispatchResult:
+            recv_x, recv_probs, counts, handle = _DispatchExpanded.apply(
+                self._backend, pending, *args
+            )
+            self._stats.dispatch_calls += 1
+            return ExpandedDispatchResult(
+                recv_x=recv_x, recv_probs=recv_probs, tokens_per_expert=counts, handle=handle
+            )
+
+        return PendingDispatch(finish)
+
+    def combine(
+        self, y: torch.Tensor, handle: DispatchHandle, *, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Send expert outputs back and sum them per source token (unweighted).
 
         Args:
             y: ``[M, H]`` floating rows in the order ``dispatch`` returned (``[W, H]`` in
                 worst-case mode; the tail rows are ignored).
             handle: ``DispatchResult.handle`` of that dispatch.
+            bias: optional ``[T, H]`` rows of y's dtype added to the result (a layer's shared
+                experts). DeepEP 2.5 adds a bf16 bias inside its reduction, before the one
+                rounding (``supports_combine_bias``); elsewhere it is added after the combine.
+                Differentiable (its gradient is the output's).
 
         Returns:
             ``[T, H]`` with y's dtype: for each token the sum over the ranks that received it of
-            their row; zero for tokens sent nowhere.
+            their row (plus ``bias``); zero (``bias``) for tokens sent nowhere.
 
         Raises:
             TypeError / ValueError: a foreign handle or a malformed ``y`` (before any collective).
@@ -558,9 +594,33 @@ class FlexDispatcher:
                 f"y must have shape [{handle.num_recv_rows}, {handle.hidden}] (the rows dispatch "
                 f"returned), got {tuple(y.shape)}"
             )
-        out = _Combine.apply(self._backend, handle, y.contiguous())
+        if bias is not None:
+            self._check_device("bias", bias)
+            out = combine_with_bias(self._backend, handle, y.contiguous(), bias, _Combine.apply)
+        else:
+            out = _Combine.apply(self._backend, handle, y.contiguous())
         self._stats.combine_calls += 1
         return out
+
+    def warmup(
+        self,
+        hidden_size: int,
+        topk: int,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        expanded: bool | None = None,
+        backward: bool = True,
+    ) -> None:
+        """Run every kernel a step of these shapes uses once, with no tokens (collective).
+
+        DeepEP 2.5 compiles each kernel at its first use, and sizes its buffer and agrees on its
+        SM count at the first dispatch: none of that can happen inside a CUDA-graph capture, so
+        call this on every rank first (elsewhere it is a cheap empty step). ``expanded``:
+        ``dispatch_expanded`` (True), ``dispatch`` (False) or both (None); ``backward`` also
+        the backward kernels; ``dtype`` sets the row width on the wire
+        (``dispatch_overlap.warmup``).
+        """
+        warmup(self, hidden_size, topk, dtype=dtype, expanded=expanded, backward=backward)
 
     def check_overflow(self) -> None:
         """Raise ``ValueError`` if a dispatch since construction dropped something: bad inputs

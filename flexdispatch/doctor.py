@@ -26,6 +26,12 @@ needs no cluster.
 - ``deep_ep``: ``importable``, ``usable`` (imports and flexdispatch has its backend), ``reason``
   (the exact import error when it fails), ``version``, ``path``, ``emulator`` (the test emulator),
   ``elastic`` (it has DeepEP V2's ``ElasticBuffer``).
+- ``deep_ep_generations``: {``v1``, ``v2``, ``v25``}, each {``ok``, ``api`` (``deep_ep.Buffer``,
+  ``deep_ep.ElasticBuffer``, ``deep_ep_v25.EPBuffer``), ``reason``}; ``v25`` also ``version`` and
+  ``wheel`` (``doctor_v25.probe_generations``).
+- ``deep_ep_v25``: DeepEP 2.5's run-time needs, a list of {``name`` (``wheel``, ``torch_cuda``,
+  ``nvcc``, ``cxx20``, ``nccl``, ``nccl_loaded``, ``ibstat``, ``nvidia-smi``), ``ok``,
+  ``detail``, ``fix``, ``level`` (``"error"`` / ``"warning"``)} (``doctor_v25.probe_v25_runtime``).
 - ``nvshmem``: ``nvshmem4py`` {``importable``, ``version``, ``error``}, ``initialised`` (always
   false: the doctor never initialises NVSHMEM), ``status`` (``"not installed"``,
   ``"import failed: ..."`` or ``"importable, not initialised"``), ``library_path`` (the
@@ -38,12 +44,14 @@ needs no cluster.
   environment variable, ``"gpus"`` or ``"default"``), ``hidden`` (H or null), ``backend`` (what
   would run, or null when the request cannot be honoured), ``ok``, ``reason``, ``checks``:
   {``deepep``: [...], ``torch``: [...]}, each a list of ``{name, ok, detail}``; ``deepep_api``:
-  {``requested`` (auto | legacy | elastic), ``api`` (``"legacy"`` / ``"elastic"`` when deepep
-  would run, else null), ``reason``} (``deepep_api_choice``).
+  {``requested`` (auto | legacy | elastic | ep), ``api`` (``"legacy"`` / ``"elastic"`` / ``"ep"``
+  when deepep would run, else null), ``reason``} (``deepep_api_choice``; with ``ep``, or ``auto``
+  where DeepEP 2.5 imports, DeepEP 2.5's own rules decide the selection).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import platform
@@ -64,6 +72,7 @@ from flexdispatch.doctor_probe import (
     probe_nvshmem,
 )
 from flexdispatch.doctor_report import format_report
+from flexdispatch.doctor_v25 import ep_selection, probe_generations, probe_v25_runtime
 
 __all__ = [
     "SCHEMA",
@@ -87,7 +96,7 @@ __all__ = [
 
 SCHEMA = "flexdispatch.doctor/1"
 BACKEND_CHOICES = ("auto", "torch", "deepep")
-DEEPEP_API_CHOICES = ("auto", "legacy", "elastic")
+DEEPEP_API_CHOICES = ("auto", "legacy", "elastic", "ep")
 _ROW_ELEMENT_SIZE = 2  # bf16 activations, the dtype DeepEP moves natively
 
 
@@ -336,6 +345,7 @@ def deepep_api_choice(
     backend: str | None,
     elastic: bool | None,
     num_worst_tokens: int = 0,
+    ep: bool | None = None,
 ) -> dict[str, Any]:
     """Which DeepEP API (``DispatchConfig.deepep_api``) the deepep backend would run, and why.
 
@@ -348,6 +358,7 @@ def deepep_api_choice(
         backend: the backend that would run (``would_select``), or None.
         elastic: the importable ``deep_ep`` has ``ElasticBuffer`` (None: it does not import).
         num_worst_tokens: W of the dispatch to report on (0 = dropless).
+        ep: DeepEP 2.5 (``deep_ep_v25.EPBuffer``) imports here (None: not asked).
     """
     if requested not in DEEPEP_API_CHOICES:
         raise ValueError(
@@ -360,6 +371,14 @@ def deepep_api_choice(
             if elastic
             else "deepep_api='elastic' needs deep_ep.ElasticBuffer (DeepEP 2.1.0+), "
             + ("absent here" if elastic is False else "and deep_ep does not import")
+        )
+    elif requested == "ep":
+        api = "ep" if ep else None
+        reason = (
+            "deepep_api='ep': DeepEP 2.5 deep_ep_v25.EPBuffer"
+            if ep
+            else "deepep_api='ep' needs deep_ep_v25.EPBuffer (pip install --no-deps "
+            "sgl-deep-ep-v25), which does not import here"
         )
     elif requested == "legacy":
         api, reason = "legacy", "deepep_api='legacy': DeepEP V1 deep_ep.Buffer"
@@ -378,8 +397,13 @@ def deepep_api_choice(
             )
         )
         cfg = DispatchConfig(num_worst_tokens=num_worst_tokens)
-        api, why = auto_deepep_api(cfg, has, (True, ""))
-        name = "V2 deep_ep.ElasticBuffer" if api == "elastic" else "V1 deep_ep.Buffer"
+        v25 = (True, "deep_ep_v25.EPBuffer exists") if ep else None
+        api, why = auto_deepep_api(cfg, has, (backend == "deepep", ""), v25)
+        name = {
+            "ep": "V2.5 deep_ep_v25.EPBuffer",
+            "elastic": "V2 deep_ep.ElasticBuffer",
+            "legacy": "V1 deep_ep.Buffer",
+        }[api]
         reason = f"deepep_api='auto': DeepEP {name} ({why})"
     if backend != "deepep":
         api = None
@@ -469,8 +493,25 @@ def run_doctor(
     selection["world_size_source"] = r_src
     selection["ranks_per_node_source"] = l_src
     elastic = bool(deep.get("elastic")) if deep["importable"] else None
+    gens = probe_generations(deep)
+    ep_ok = bool(gens["v25"]["ok"])
+    if deepep_api == "ep" or (
+        deepep_api == "auto" and ep_ok and (num_worst_tokens or choice.backend != "deepep")
+    ):
+        # NOTE: DeepEP 2.5's own rules decide (ep_rules), not V1's topology rules
+        ep_backend, ep_why, ep_checks = ep_selection(
+            backend, R, L, facts, gens["v25"], num_worst_tokens
+        )
+        if backend != "torch" and (deepep_api == "ep" or ep_backend == "deepep"):
+            choice = dataclasses.replace(choice, backend=ep_backend, ok=ep_backend is not None)
+            selection.update(backend=ep_backend, ok=ep_backend is not None, reason=ep_why)
+            selection["checks"]["deepep"] = ep_checks
     api = deepep_api_choice(
-        deepep_api, backend=choice.backend, elastic=elastic, num_worst_tokens=num_worst_tokens
+        deepep_api,
+        backend=choice.backend,
+        elastic=elastic,
+        num_worst_tokens=num_worst_tokens,
+        ep=ep_ok,
     )
     ok = choice.ok
     if deepep_api == "elastic" and not elastic and choice.backend == "deepep":
@@ -505,6 +546,8 @@ def run_doctor(
         "nccl": nccl,
         "gloo": {"available": facts.gloo_available},
         "deep_ep": deep,
+        "deep_ep_generations": gens,
+        "deep_ep_v25": probe_v25_runtime(),
         "nvshmem": probe_nvshmem(),
         "launcher": probe_launcher(),
         "selection": selection,

@@ -41,6 +41,21 @@ def format_report(report: dict[str, Any]) -> str:
             " [test emulator]" if d["emulator"] else ""
         )
     lines.append(f"deep_ep    {_mark(d['usable'])}{detail}")
+    gens = report.get("deep_ep_generations")
+    if gens:
+        lines.append(
+            "deepep gen "
+            + ", ".join(
+                f"{name} {g['api']} {'ok' if g['ok'] else 'NO'}"
+                for name, g in (("V1", gens["v1"]), ("V2", gens["v2"]), ("V2.5", gens["v25"]))
+            )
+        )
+        if not gens["v25"]["ok"]:
+            lines.append(f"           V2.5: {gens['v25']['reason']}")
+    for chk in report.get("deep_ep_v25", []):
+        mark = _mark(chk["ok"]) if chk["ok"] or chk["level"] == "error" else "warn "
+        fix = f" — fix: {chk['fix']}" if chk["fix"] else ""
+        lines.append(f"  v2.5    {mark}{chk['name']}: {chk['detail']}{fix}")
     nv = report["nvshmem"]
     lines.append(
         f"nvshmem    {_mark(nv['nvshmem4py']['importable'])}nvshmem4py {nv['status']}"

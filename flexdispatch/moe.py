@@ -5,11 +5,11 @@ k top-k · M rows received by this rank · W worst-case rows.
 
 The forward path (ARCHITECTURE.md): ``hidden [.., H]`` → router → ``[T, k]`` ids/probs →
 dispatch → ``recv_x [M, H]`` → permute by local expert → grouped experts (probs applied inside) →
-unpermute (sum per received row) → combine → ``[T, H]`` (on DeepEP V2 the dispatch delivers the
-rows grouped by local expert, ``dispatch_expanded``, and the permute / unpermute steps vanish),
-plus the shared experts (when the config has them) run locally on all ``T`` tokens and added
-after the combine. The communication belongs to the dispatcher, the math to the experts; this
-class only wires them.
+unpermute (sum per received row) → combine → ``[T, H]`` (on DeepEP V2 / V2.5 the dispatch
+delivers the rows grouped by local expert, ``dispatch_expanded``, and the permute / unpermute
+steps vanish), plus the shared experts (when the config has them) run locally on all ``T``
+tokens and added by the combine (``bias``; inside DeepEP 2.5's reduction). The communication
+belongs to the dispatcher, the math to the experts; this class only wires them.
 """
 
 from __future__ import annotations
@@ -74,13 +74,17 @@ class MoELayer(nn.Module):
     of ``F = shared_expert_ffn_hidden_size`` (default ``num_shared_experts * ffn_hidden_size``)
     with the layer's activation and no bias, replicated on every rank (its gradients are this
     rank's tokens' share, like the router's), gated by ``sigmoid(x @ gate_weight.T)`` when
-    ``shared_expert_gate``. ``output = combine(routed) + shared(x)``.
+    ``shared_expert_gate``. ``output = combine(routed) + shared(x)``: the shared output is the
+    combine's ``bias``, which DeepEP 2.5 adds inside its reduction (bf16 rows: one rounding of
+    the sum, no separate add); other backends add it after the combine.
 
-    Overlap: the shared MLP is issued after ``dispatch`` returns and before the routed experts
-    and ``combine``, so that a dispatch still in flight would overlap it. With the backends
-    shipped today nothing actually overlaps: the torch backends finish their all-to-all before
-    ``dispatch`` returns, and DeepEP's ``async_finish`` makes the compute stream wait on the
-    dispatch event inside ``dispatch``.
+    Overlap: the shared MLP is issued after the dispatch is issued and before the routed experts
+    and ``combine``. On DeepEP 2.5 (``dispatch_expanded_start``, DeepEP's ``defer_epilogue``)
+    the rows are still in flight then, so the MLP overlaps the dispatch. The torch backends
+    finish their all-to-all before ``dispatch`` returns, and DeepEP V1's ``async_finish`` makes
+    the compute stream wait on the dispatch event inside ``dispatch``: nothing overlaps there.
+    Before capturing the layer in a CUDA graph, call ``warmup()`` (DeepEP 2.5 compiles its
+    kernels at first use).
 
     Args:
         config: the layer configuration.
@@ -213,18 +217,20 @@ class MoELayer(nn.Module):
         )
         res: DispatchResult | ExpandedDispatchResult
         if self.expanded:
-            # NOTE: rows arrive grouped by local expert (DeepEP V2 do_expand): no permute.
-            res = self.dispatcher.dispatch_expanded(x_TH, routing.topk_idx, routing.topk_probs)
+            # NOTE: rows arrive grouped by local expert (DeepEP V2 / V2.5 do_expand): no permute;
+            # on V2.5 the shared experts run while the rows are in flight (defer_epilogue).
+            pending = self.dispatcher.dispatch_expanded_start(
+                x_TH, routing.topk_idx, routing.topk_probs
+            )
             shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH)
+            res = pending.wait()
             y = self.experts(res.recv_x, res.tokens_per_expert, res.recv_probs)
-            out_TH = self.dispatcher.combine(y, res.handle)
+            out_TH = self.dispatcher.combine(y, res.handle, bias=shared_TH)
         else:
             res = self.dispatcher.dispatch(x_TH, routing.topk_idx, routing.topk_probs)
             # NOTE: issued between dispatch and combine (see the class docstring on overlap).
             shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH)
-            out_TH = self._routed(res)
-        if shared_TH is not None:
-            out_TH = out_TH + shared_TH
+            out_TH = self._routed(res, shared_TH)
         return MoEOutput(
             output=out_TH.reshape(hidden.shape),
             aux_loss=routing.aux_loss,
@@ -233,8 +239,20 @@ class MoELayer(nn.Module):
             dispatch=res,
         )
 
-    def _routed(self, res: DispatchResult) -> torch.Tensor:
-        """permute -> grouped experts -> unpermute -> combine of one dispatch result."""
+    def warmup(self, *, backward: bool = True) -> None:
+        """Run every dispatch / combine kernel of this layer once with no tokens, on every rank
+        (``FlexDispatcher.warmup``): DeepEP 2.5 compiles its kernels at first use, which a
+        CUDA-graph capture cannot contain. Call it before capturing."""
+        self.dispatcher.warmup(
+            self.config.hidden_size,
+            self.config.router.topk,
+            dtype=self.experts.w1.dtype,
+            expanded=self.expanded,
+            backward=backward,
+        )
+
+    def _routed(self, res: DispatchResult, shared: torch.Tensor | None = None) -> torch.Tensor:
+        """permute -> grouped experts -> unpermute -> combine (+ ``shared``) of one dispatch."""
         M, k = res.recv_topk_idx.shape
         e = self.num_local_experts
         static_rows = None
@@ -252,4 +270,6 @@ class MoELayer(nn.Module):
             impl=self.config.impl,
         )
         y = self.experts(perm.x, perm.padded_tokens_per_expert, perm.probs)
-        return self.dispatcher.combine(unpermute(y, perm, impl=self.config.impl), res.handle)
+        return self.dispatcher.combine(
+            unpermute(y, perm, impl=self.config.impl), res.handle, bias=shared
+        )

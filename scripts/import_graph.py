@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("routing", "layout", "permutation", "distributed", "kernels"),
     ),
     ("backends", ("backends",)),
-    ("dispatcher", ("dispatcher", "decode")),
+    ("dispatcher", ("dispatcher", "dispatch_overlap", "decode")),
     ("model", ("experts", "reference", "moe", "importers")),
     (
         "tools and command line",
@@ -36,6 +36,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "doctor",
             "doctor_probe",
             "doctor_report",
+            "doctor_v25",
             "bench",
             "launch",
             "cli",

@@ -68,6 +68,7 @@ fi
 # runtime): SGLang's DeepEP 2.1.0 wheel, always --no-deps (its dependencies pin a CUDA torch).
 # Skipped where another deep_ep (a source build on a GPU box) is importable or findable.
 deepep_wheel="sgl-deep-ep==0.1.2.post1"
+deepep_v25_wheel="sgl-deep-ep-v25==0.1.0rc0"
 case ",$extras," in
   *,test,*)
     if ! "$vpy" -m pip show -q sgl-deep-ep >/dev/null 2>&1; then
@@ -76,6 +77,16 @@ case ",$extras," in
         "$vpy" -m pip install "${pip_q[@]}" --no-deps "$deepep_wheel"
       else
         echo "[setup] a deep_ep is already installed; not installing $deepep_wheel" >&2
+      fi
+    fi
+    # DeepEP 2.5's Python layer and C++/CUDA source (package deep_ep_v25, beside deep_ep):
+    # tests/deepep_emu/load_v25.py runs its EPBuffer over an emulated runtime. --no-deps always.
+    if ! "$vpy" -m pip show -q sgl-deep-ep-v25 >/dev/null 2>&1; then
+      if "$vpy" -c 'import importlib.util, sys; sys.exit(0 if importlib.util.find_spec("deep_ep_v25") is None else 1)'; then
+        echo "[setup] installing $deepep_v25_wheel (--no-deps)" >&2
+        "$vpy" -m pip install "${pip_q[@]}" --no-deps "$deepep_v25_wheel"
+      else
+        echo "[setup] a deep_ep_v25 is already installed; not installing $deepep_v25_wheel" >&2
       fi
     fi
     ;;

@@ -15,7 +15,9 @@ low-latency mode with a known ``hidden_size``, the hidden size — on every rank
 ``deepep_api='auto'`` runs DeepEP V2 (``ElasticBuffer``) where every rank has it and its static
 bound is known — worst-case mode (``M = W / R``) or dropless with
 ``num_max_dispatch_tokens_per_rank`` set — and V1 (``Buffer``) otherwise: low-latency mode,
-``deepep_async_finish``, dropless with no per-rank token bound (``auto_deepep_api``).
+``deepep_async_finish``, dropless with no per-rank token bound (``auto_deepep_api``). DeepEP 2.5
+(``deep_ep_v25.EPBuffer``, ``deepep_api='ep'``) comes first where every rank has it, under the
+same bound rule (and also unbounded where V1 cannot run); the same one all-reduce agrees on it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ __all__ = [
     "make_torch_backend",
     "make_deepep_backend",
     "make_deepep_elastic_backend",
+    "make_deepep_ep_backend",
     "select_backend",
 ]
 
@@ -140,6 +143,76 @@ def make_deepep_elastic_backend(
     )
 
 
+def make_deepep_ep_backend(
+    config: DispatchConfig,
+    group: dist.ProcessGroup | None,
+    *,
+    num_experts: int,
+    ranks_per_node: int,
+    stats: DispatchStats,
+    _deep_ep: ModuleType | None = None,
+) -> DispatchBackend:
+    """Build the ``deepep`` backend's DeepEP 2.5 path (``deep_ep_v25.EPBuffer``) from a config.
+
+    Raises:
+        ValueError: DeepEP 2.5 cannot serve this group (with the reason).
+    """
+    from flexdispatch.backends.deepep.ep import DeepEPEPBackend
+
+    return DeepEPEPBackend(
+        group,
+        num_experts=num_experts,
+        ranks_per_node=ranks_per_node,
+        num_worst_tokens=config.num_worst_tokens,
+        hierarchical=config.hierarchical,
+        checks=config.checks or None,
+        stats=stats,
+        num_sms=config.deepep_num_sms,
+        num_max_tokens_per_rank=config.num_max_dispatch_tokens_per_rank,
+        hybrid=config.deepep_hybrid,
+        expert_alignment=config.expert_alignment,
+        _deep_ep=_deep_ep,
+    )
+
+
+def _ep_support(
+    config: DispatchConfig,
+    group: dist.ProcessGroup | None,
+    *,
+    num_experts: int,
+    ranks_per_node: int,
+    module: ModuleType | None,
+    hooked: bool,
+) -> Capability:
+    """Whether DeepEP 2.5 can serve this group here (local answer; ``ep_support.ep_rules``)."""
+    from flexdispatch.backends.deepep.ep_support import ep_available, ep_rules, load_deep_ep_v25
+    from flexdispatch.backends.deepep.support import group_is_nccl_on_cuda, is_emulator, nvl_peers
+
+    if config.mode != "normal":
+        return False, "deepep_api='ep': DeepEP 2.5 has no low-latency kernels (use 'legacy')"
+    why = "no deep_ep_v25 module given (test hook)"
+    if not hooked:
+        module, why = load_deep_ep_v25()
+    ok, why = ep_available(module, why)
+    if not ok or module is None:
+        return False, why
+    L = ranks_per_node
+    if is_emulator(module):
+        L = nvl_peers(module)
+    else:
+        ok, nccl = group_is_nccl_on_cuda(group)
+        if not ok:
+            return False, nccl
+    ok, rule, _ = ep_rules(
+        group_size(group),
+        L,
+        num_experts,
+        hybrid=config.deepep_hybrid,
+        num_worst_tokens=config.num_worst_tokens,
+    )
+    return ok, (f"{why}; {rule}" if ok else rule)
+
+
 def _elastic_support(
     config: DispatchConfig,
     group: dist.ProcessGroup | None,
@@ -215,35 +288,68 @@ def select_backend(
     kwargs = {"num_experts": num_experts, "ranks_per_node": ranks_per_node, "stats": stats}
     if config.backend == "torch":
         return make_torch_backend(config, group, **kwargs), "backend='torch' requested"
-    legacy = deepep_support(
-        group=group,
-        num_experts=num_experts,
-        ranks_per_node=ranks_per_node,
-        num_worst_tokens=config.num_worst_tokens,
-        mode=config.mode,
-        hidden_size=config.hidden_size,
-        num_max_dispatch_tokens_per_rank=config.num_max_dispatch_tokens_per_rank,
-        deep_ep=deep_ep,
-    )
+    from flexdispatch.backends.deepep.ep_support import split_hook
+
+    deep_ep, v25, hooked = split_hook(deep_ep)
+    ep = (False, "deepep_api excludes DeepEP 2.5")
+    if config.deepep_api in ("ep", "auto"):
+        ep = _ep_support(
+            config,
+            group,
+            num_experts=num_experts,
+            ranks_per_node=ranks_per_node,
+            module=v25,
+            hooked=hooked,
+        )
+    if config.deepep_api == "ep":
+        note = "DeepEP API: ep deep_ep_v25.EPBuffer (deepep_api='ep' requested)"
+        return _build(config, group, "ep", ep, note, kwargs, v25)
+    if hooked and deep_ep is None:
+        legacy = (False, "no deep_ep module given (test hook)")
+    else:
+        legacy = deepep_support(
+            group=group,
+            num_experts=num_experts,
+            ranks_per_node=ranks_per_node,
+            num_worst_tokens=config.num_worst_tokens,
+            mode=config.mode,
+            hidden_size=config.hidden_size,
+            num_max_dispatch_tokens_per_rank=config.num_max_dispatch_tokens_per_rank,
+            deep_ep=deep_ep,
+        )
     if config.deepep_api == "legacy":
         note = "DeepEP API: legacy deep_ep.Buffer (deepep_api='legacy')"
         return _build(config, group, "legacy", legacy, note, kwargs, deep_ep)
-    elastic = _elastic_support(
-        config, group, num_experts=num_experts, ranks_per_node=ranks_per_node, deep_ep=deep_ep
-    )
+    if hooked and deep_ep is None:
+        elastic = (False, "no deep_ep module given (test hook)")
+    else:
+        elastic = _elastic_support(
+            config, group, num_experts=num_experts, ranks_per_node=ranks_per_node, deep_ep=deep_ep
+        )
     if config.deepep_api == "elastic":
         note = "DeepEP API: elastic deep_ep.ElasticBuffer (deepep_api='elastic' requested)"
         return _build(config, group, "elastic", elastic, note, kwargs, deep_ep)
-    api, why = auto_deepep_api(config, elastic, legacy)
-    # NOTE: every rank must run the same API: V2 only where every rank would pick it.
-    want, ok_v2, ok_v1 = all_reduce_min_flags([api == "elastic", elastic[0], legacy[0]], group)
+    api, why = auto_deepep_api(config, elastic, legacy, ep)
+    alt, alt_why = auto_deepep_api(config, elastic, legacy) if api == "ep" else (api, why)
+    # NOTE: every rank must run the same API: V2.5 / V2 only where every rank would pick it
+    # (the choice without V2.5 is agreed in the same all-reduce).
+    want_ep, ok_ep, want, ok_v2, ok_v1 = all_reduce_min_flags(
+        [api == "ep", ep[0], alt == "elastic", elastic[0], legacy[0]], group
+    )
+    if api == "ep" and not want_ep:
+        api, why = alt, f"DeepEP 2.5 is not the choice of every rank; {alt_why}"
     if api == "elastic" and not want:
         api, why = "legacy", "V2 is not the choice of every rank"
-    name = "elastic deep_ep.ElasticBuffer" if api == "elastic" else "legacy deep_ep.Buffer"
+    name = {
+        "ep": "ep deep_ep_v25.EPBuffer",
+        "elastic": "elastic deep_ep.ElasticBuffer",
+        "legacy": "legacy deep_ep.Buffer",
+    }[api]
     note = f"DeepEP API: {name} (deepep_api='auto': {why})"
-    support = elastic if api == "elastic" else legacy
-    everywhere = ok_v2 if api == "elastic" else ok_v1
-    return _build(config, group, api, support, note, kwargs, deep_ep, everywhere=everywhere)
+    support = {"ep": ep, "elastic": elastic, "legacy": legacy}[api]
+    everywhere = {"ep": ok_ep, "elastic": ok_v2, "legacy": ok_v1}[api]
+    module = v25 if api == "ep" else deep_ep
+    return _build(config, group, api, support, note, kwargs, module, everywhere=everywhere)
 
 
 def _build(
@@ -261,11 +367,16 @@ def _build(
     serve every rank). ``everywhere``: the support already agreed across ranks (None: agree here
     with one small all-reduce when ``backend='auto'``)."""
     ok, why = support
-    make = make_deepep_elastic_backend if api == "elastic" else make_deepep_backend
-    what = "deepep backend" + (" with deepep_api='elastic'" if api == "elastic" else "")
+    make = {
+        "ep": make_deepep_ep_backend,
+        "elastic": make_deepep_elastic_backend,
+        "legacy": make_deepep_backend,
+    }[api]
+    what = "deepep backend" + (f" with deepep_api={api!r}" if api != "legacy" else "")
     if config.backend == "deepep":
         if not ok:
-            alt = "deepep_api='legacy', " if api == "elastic" else ""
+            alt = {"ep": "deepep_api='elastic' / 'legacy', ", "elastic": "deepep_api='legacy', "}
+            alt = alt.get(api, "")
             raise ValueError(f"{what} not available: {why}; use {alt}backend='torch' or 'auto'")
         if everywhere is False:
             raise ValueError(
@@ -281,26 +392,48 @@ def _build(
             f"auto: deepep on every rank ({why}); {note}"
         )
     if ok:
-        module = "deep_ep.ElasticBuffer" if api == "elastic" else "deep_ep"
+        module = {"ep": "deep_ep_v25.EPBuffer", "elastic": "deep_ep.ElasticBuffer"}.get(
+            api, "deep_ep"
+        )
         why = f"{module} is usable here but not on every rank"
-    prefix = "deepep_api='elastic': " if config.deepep_api == "elastic" else ""
+    prefix = f"deepep_api={config.deepep_api!r}: " if config.deepep_api != "auto" else ""
+    if config.deepep_api == "legacy":
+        prefix = ""
     return make_torch_backend(config, group, **kwargs), f"auto: torch fallback ({prefix}{why})"
 
 
 def auto_deepep_api(
-    config: DispatchConfig, elastic: Capability, legacy: Capability
+    config: DispatchConfig,
+    elastic: Capability,
+    legacy: Capability,
+    ep: Capability | None = None,
 ) -> tuple[str, str]:
     """``deepep_api='auto'``: which DeepEP API suits this config here (local answer), and why.
 
-    V2 (``ElasticBuffer``) runs where it exists and its static bound is known: worst-case mode
-    (``M = W / R``, static shapes without a host sync, intranode and across nodes) or a dropless
-    dispatch with ``num_max_dispatch_tokens_per_rank`` set. V1 keeps low-latency mode,
-    ``deepep_async_finish`` and dropless dispatch with no per-rank token bound (V1 takes any T).
+    DeepEP 2.5 (``ep``: ``deep_ep_v25.EPBuffer``) first, where it exists and its static bound is
+    known (as V2's below) or V1 cannot run here. V2 (``ElasticBuffer``) runs where it exists and
+    its static bound is known: worst-case mode (``M = W / R``, static shapes without a host sync,
+    intranode and across nodes) or a dropless dispatch with ``num_max_dispatch_tokens_per_rank``
+    set. V1 keeps low-latency mode, ``deepep_async_finish`` and dropless dispatch with no
+    per-rank token bound (V1 takes any T).
     """
     if config.mode != "normal":
         return "legacy", "low-latency kernels are DeepEP V1's"
     if config.deepep_async_finish:
         return "legacy", "deepep_async_finish runs on V1's communication stream"
+    bound = "num_max_dispatch_tokens_per_rank" in config.model_fields_set
+    if ep is not None and ep[0]:
+        if config.num_worst_tokens:
+            return "ep", "worst-case mode: DeepEP 2.5 static shapes, no host sync"
+        if bound:
+            M = config.num_max_dispatch_tokens_per_rank
+            return "ep", f"DeepEP 2.5, dropless with num_max_dispatch_tokens_per_rank={M} set"
+        if not legacy[0]:
+            M = config.num_max_dispatch_tokens_per_rank
+            return "ep", (
+                f"DeepEP 2.5, dropless with at most num_max_dispatch_tokens_per_rank={M} tokens "
+                f"per rank (V1 cannot run: {legacy[1]})"
+            )
     ok, why = elastic
     if not ok:
         return "legacy", f"V2 cannot run: {why}"
@@ -313,5 +446,5 @@ def auto_deepep_api(
         return "elastic", f"dropless with num_max_dispatch_tokens_per_rank={M} set"
     return "legacy", (
         "dropless with no per-rank token bound: V1 takes any T (set "
-        "num_max_dispatch_tokens_per_rank or deepep_api='elastic' for V2)"
+        "num_max_dispatch_tokens_per_rank, or deepep_api='elastic' / 'ep' for V2 / V2.5)"
     )

@@ -144,6 +144,22 @@ class DispatchBackend(abc.ABC):
         nowhere); ``y`` None skips the rows."""
         raise NotImplementedError(self.supports_expanded()[1])
 
+    # ----------------------------------------------------------------- DeepEP 2.5 (optional)
+    def supports_combine_bias(self, dtype: torch.dtype) -> Capability:
+        """``combine_bias``: a ``[T, X]`` bias added inside the combine's reduction."""
+        return False, f"the {self.name} backend adds a bias after combine"
+
+    def combine_bias(
+        self, y: torch.Tensor, handle: DispatchHandle, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``combine(y, handle) + bias``, the bias added inside the reduction (one rounding)."""
+        out = self.combine(y, handle)
+        return out if bias is None else out + bias
+
+    def supports_overlap(self) -> Capability:
+        """``launch_expanded`` / ``finish_expanded``: a dispatch that returns before its rows."""
+        return False, f"the {self.name} backend finishes a dispatch before returning"
+
     def check_overflow(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Raise if a worst-case dispatch overflowed since construction (may sync the host)."""
 

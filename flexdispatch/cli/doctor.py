@@ -8,8 +8,10 @@ Usage::
         [--backend auto|torch|deepep] [--hidden H]
 
 Reports torch, CUDA, NCCL, gloo, the GPUs, whether ``deep_ep`` imports (with the exact error when
-it does not), NVSHMEM through nvshmem4py (imported, never initialised), the launcher's
-environment, and what ``--backend`` would run for R ranks with L per node and why. Exits 0 when
+it does not), which DeepEP generations import (V1, V2, V2.5) and DeepEP 2.5's run-time needs
+(nvcc, a C++20 compiler, NCCL, ibstat / nvidia-smi, each with its fix), NVSHMEM through
+nvshmem4py (imported, never initialised), the launcher's environment, and what ``--backend``
+would run for R ranks with L per node and why. Exits 0 when
 the requested backend can work, 1 when it cannot, 2 on bad arguments. ``--json`` prints the report
 of ``flexdispatch.doctor.run_doctor`` (schema ``flexdispatch.doctor/1``; the keys are listed in
 that module's docstring and in docs/cli.md).
@@ -54,7 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--deepep-api",
         default="auto",
         choices=DEEPEP_API_CHOICES,
-        help="DispatchConfig.deepep_api: which DeepEP API (V1 legacy / V2 elastic) to report on",
+        help="DispatchConfig.deepep_api: which DeepEP API (V1 legacy / V2 elastic / V2.5 ep) to "
+        "report on",
     )
     p.add_argument(
         "--num-worst-tokens",

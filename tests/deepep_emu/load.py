@@ -40,6 +40,12 @@ Patches, applied only to the loaded ``elastic`` module's namespace:
   the real ones;
 - ``get_nvlink_gbs`` / ``get_rdma_gbs`` / ``check_fast_rdma_atomic_support``: constants (450 GB/s,
   50 GB/s, False) instead of running ``nvidia-smi`` / ``ibstat``.
+
+While the wheel's files execute, ``torch.compile`` is an identity decorator (``load_v25.
+eager_torch_compile``): ``utils/math.py`` decorates two fp8 cast helpers, unused here, with it.
+
+Release ``"2.5.0"`` is DeepEP V2.5 from its own wheel (``sgl-deep-ep-v25``, package
+``deep_ep_v25``: ``EPBuffer``, no ``Buffer`` / ``ElasticBuffer``), assembled by ``load_v25.py``.
 """
 
 from __future__ import annotations
@@ -108,8 +114,13 @@ def load_deep_ep(nvl_peers: int = 8, release: str = "2.1.0") -> types.ModuleType
     Args:
         nvl_peers: ranks of one emulated NVLink domain (8 as in DeepEP; tests use 2 so that 4
             ranks make 2 nodes).
-        release: whose kernel limits the runtime enforces: ``"1.2.1"`` or ``"2.1.0"``.
+        release: whose kernel limits the runtime enforces: ``"1.2.1"`` or ``"2.1.0"`` (the
+            ``deep_ep`` package), or ``"2.5.0"`` (the ``deep_ep_v25`` package, ``load_v25``).
     """
+    if release == "2.5.0":
+        from tests.deepep_emu.load_v25 import load_v25
+
+        return load_v25(nvl_peers)
     key = (nvl_peers, release)
     if key in _CACHE:
         return _CACHE[key]
@@ -125,12 +136,17 @@ def load_deep_ep(nvl_peers: int = 8, release: str = "2.1.0") -> types.ModuleType
     sys.modules["deep_ep._C"] = runtime
     pkg._C = runtime
     elastic = envs = None
+    from tests.deepep_emu.load_v25 import eager_torch_compile
+
+    # NOTE: utils/math.py decorates two unused fp8 helpers with torch.compile: importing
+    # TorchDynamo for them cost ~3-6 s per process (load_v25.eager_torch_compile)
     try:
-        legacy = importlib.import_module("deep_ep.buffers.legacy")
-        event = importlib.import_module("deep_ep.utils.event")
-        if release == "2.1.0":
-            elastic = importlib.import_module("deep_ep.buffers.elastic")
-            envs = importlib.import_module("deep_ep.utils.envs")
+        with eager_torch_compile():
+            legacy = importlib.import_module("deep_ep.buffers.legacy")
+            event = importlib.import_module("deep_ep.utils.event")
+            if release == "2.1.0":
+                elastic = importlib.import_module("deep_ep.buffers.elastic")
+                envs = importlib.import_module("deep_ep.utils.envs")
     finally:
         for n in [n for n in sys.modules if n == "deep_ep" or n.startswith("deep_ep.")]:
             del sys.modules[n]

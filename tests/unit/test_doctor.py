@@ -334,6 +334,8 @@ def test_probe_nvshmem(tmp_path: Path, fresh_modules) -> None:
 # --------------------------------------------------------------------------- the report and CLI
 
 TOP_KEYS = {
+    "deep_ep_generations",
+    "deep_ep_v25",
     "schema",
     "flexdispatch_version",
     "ok",

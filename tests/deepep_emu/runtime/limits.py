@@ -24,6 +24,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from . import ep_limits
+
 __all__ = [
     "COMMITS",
     "LIMITS",
@@ -38,6 +40,7 @@ __all__ = [
 COMMITS = {
     "1.2.1": "9af0e0d0e74f3577af1979c9b9e1ac2cad0104ee",
     "2.1.0": "dd758caf451848bd150e1046af3d0a73e5fff38d",
+    ep_limits.RELEASE: ep_limits.WHEEL,  # DeepEP 2.5 (EPBuffer): the wheel's own source
 }
 
 
@@ -55,7 +58,9 @@ class Limit:
         if not self.sources:
             return f"not checked anywhere in DeepEP {release}; the emulator reports the hazard"
         path, line = self.sources[release]
-        return f"{path}:{line} @ {COMMITS[release][:12]} (DeepEP {release})"
+        ref = COMMITS[release]
+        ref = ref if "==" in ref else ref[:12]  # a commit, or the wheel that ships the source
+        return f"{path}:{line} @ {ref} (DeepEP {release})"
 
 
 def _L(id: str, kind: str, text: str, needle: str, sources: dict) -> Limit:
@@ -837,6 +842,8 @@ _ALL = [
         {"1.2.1": ("deep_ep/buffer.py", 541), "2.1.0": ("deep_ep/buffers/legacy.py", 564)},
     ),
 ]
+# DeepEP 2.5 (``EPBuffer``), cited in the sgl-deep-ep-v25 wheel's source (``ep_limits``)
+_ALL += [_L(i, k, t, n, {ep_limits.RELEASE: (p, ln)}) for i, k, t, n, p, ln in ep_limits.EP_ROWS]
 LIMITS: dict[str, Limit] = {lim.id: lim for lim in _ALL}
 
 
@@ -883,6 +890,8 @@ def _verify(repo: str) -> int:
     misses = 0
     for lim in LIMITS.values():
         for release, (path, line) in lim.sources.items():
+            if release == ep_limits.RELEASE:  # checked against the wheel: ep_limits.verify_wheel
+                continue
             key = (release, path)
             if key not in files:
                 text = subprocess.run(

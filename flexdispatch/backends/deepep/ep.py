@@ -1,0 +1,679 @@
+"""The ``deepep`` backend over DeepEP 2.5 (``deep_ep_v25.EPBuffer``), behind the dispatch contract.
+
+Shape letters (ARCHITECTURE.md): T tokens on this rank · H hidden · E experts in total · R ranks ·
+e = E / R local experts · k top-k · L ranks per NVLink domain · N = R / L nodes · W worst-case
+rows · M = ``num_max_tokens_per_rank`` as compiled (a ``token_bucket``) · X any row width.
+
+Selected with ``DispatchConfig.deepep_api="ep"``, and by ``"auto"`` where every rank has DeepEP 2.5
+(``backends.auto_deepep_api``). How the contract maps onto ``EPBuffer``:
+
+- **Modes**: one NVLink domain, or across nodes in hybrid mode (``allow_hybrid_mode``: one RDMA
+  row per destination node, forwarded over NVLink; ``DispatchConfig.deepep_hybrid``) or direct
+  mode (every rank one hop away). ``dispatch``: one row per (token, destination rank), sorted
+  back to (source rank, token) order by ``recv_src_metadata[:, 0]`` (DeepEP fills slots in
+  ``atomicAdd`` order); ids local or -1; weights zeroed where the id is not local.
+- **Expanded** (``dispatch_expanded``, what ``MoELayer`` runs): ``do_expand=True``, one row per
+  (token, local expert) grouped by expert, each segment padded to ``expert_alignment`` rows that
+  DeepEP zeroes itself (``do_zero_padding``); combine sums a token's rows on each rank (one bf16
+  rounding, ``allow_multiple_reduction``) and across ranks.
+- **Static shapes**: ``num_max_tokens_per_rank`` is a JIT template argument, so it is bucketed
+  (``token_bucket``): dropless ``M = bucket(num_max_dispatch_tokens_per_rank)``, worst-case
+  ``M = bucket(W / R)``. A rank may send at most ``W / R`` (dropless: the configured bound)
+  tokens, which keeps every receive within the contract's W rows; DeepEP's ``R * M`` rows are cut
+  back to W after the sort (expanded: ``R * (W / R) * min(k, e)`` rows, aligned).
+- **Dropless**: ``do_cpu_sync=True``, DeepEP's CPU wait is the one host sync. **Worst-case**:
+  ``do_cpu_sync=False``, no host sync, inside a node and across nodes; rows past the real ones
+  are masked on the device.
+- **JIT**: each kernel template compiles at first use; ``ep_buffer.KernelRegistry`` knows which
+  ran, and a first use inside a CUDA-graph capture raises with the fix
+  (``FlexDispatcher.warmup``).
+- **Combine**: V2.5's unweighted bf16 sum (rows padded to 256 columns), optionally plus a
+  ``bias`` added before its one rounding (the shared experts' output: ``combine_bias``); narrow
+  fp32/fp16 rows (<= 32 columns, the probs gradient) are summed exactly in fp32 through combine's
+  ``topk_weights`` channel, one combine per column.
+- **Overlap**: ``launch_expanded`` issues the dispatch with ``defer_epilogue`` (the receive
+  epilogue and, dropless, the CPU wait run at ``finish_expanded``), so the layer can compute its
+  shared experts while the rows are in flight.
+- **SMs / QPs**: DeepEP 2.5's bandwidth model picks both (``get_theoretical_num_sms``, agreed
+  across ranks once; ``get_theoretical_num_qps``) unless ``deepep_num_sms`` is set.
+- **Ids**: ids >= E and repeated ids never reach a kernel (``ep_rows.guard_ids``).
+- **Statistics**: rows and bytes per link class accumulate on the device (``ep_rows.
+  traffic_rows``) and are read when ``stats`` is read (no host read on the hot path).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flexdispatch._validate import checks_enabled, is_capturing
+from flexdispatch.backends.base import Capability, DispatchBackend
+from flexdispatch.backends.counts import DTYPE_CODES, check_agreement
+from flexdispatch.backends.deepep import sizing
+from flexdispatch.backends.deepep.ep_buffer import EPSize, acquire_ep, kernel_key, kernels_of
+from flexdispatch.backends.deepep.ep_rows import (
+    EPDispatchState,
+    EPTraffic,
+    PendingExpanded,
+    combine_row_bytes,
+    dispatch_row_bytes,
+    guard_ids,
+    pad_cols,
+    token_order,
+    traffic_rows,
+)
+from flexdispatch.backends.deepep.ep_support import (
+    ep_available,
+    ep_rules,
+    load_deep_ep_v25,
+    token_bucket,
+)
+from flexdispatch.distributed import all_gather_int64, collective_device, group_rank, group_size
+from flexdispatch.types import (
+    DispatchHandle,
+    DispatchLayout,
+    DispatchResult,
+    DispatchStats,
+    ExpandedDispatchResult,
+)
+
+__all__ = ["DeepEPEPBackend", "EPDispatchState", "PendingExpanded"]
+
+_DISPATCH_COLS = 16  # 32-byte token rows (layout/ep/token.cuh:29)
+_COMBINE_COLS = 256  # combine hidden % 256 (impls/ep/combine.cuh:110)
+_NARROW = sizing.MAX_TOPK  # fp32 rows this narrow are summed exactly
+
+
+class DeepEPEPBackend(DispatchBackend):
+    """Dispatch/combine over ``deep_ep_v25.EPBuffer`` (DeepEP 2.5).
+
+    Args:
+        group: the process group (None = WORLD); NCCL on CUDA.
+        num_experts: E, divisible by R.
+        ranks_per_node: L as launched (the emulator's NVLink domain in tests).
+        num_worst_tokens: W (0 = dropless), a multiple of R.
+        hierarchical: accepted; DeepEP routes across nodes itself (hybrid mode).
+        checks: one small all-gather of every rank's token count and row shape before the
+            dispatch, so that any rank over its bound (or a shape mismatch) raises everywhere.
+        stats: counters to add to.
+        num_sms: SMs per kernel (None: DeepEP 2.5's bandwidth model, agreed across ranks).
+        num_max_tokens_per_rank: the dropless per-rank token bound (bucketed for the JIT).
+        hybrid: True hybrid mode across nodes, False direct mode, None hybrid where it fits.
+        expert_alignment: each expert's rows in ``dispatch_expanded`` padded to a multiple.
+        _deep_ep: a ``deep_ep_v25`` module to use instead of importing it (tests: the emulator).
+
+    Raises:
+        ValueError: no DeepEP 2.5, or a world / W / E its rules refuse (the reason named).
+    """
+
+    name = "deepep"
+    api = "ep"
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        *,
+        num_experts: int,
+        ranks_per_node: int,
+        num_worst_tokens: int = 0,
+        hierarchical: bool = False,
+        checks: bool | None = None,
+        stats: DispatchStats | None = None,
+        num_sms: int | None = None,
+        num_max_tokens_per_rank: int = 128,
+        hybrid: bool | None = None,
+        expert_alignment: int = 1,
+        _deep_ep: ModuleType | None = None,
+    ) -> None:
+        module, why = (_deep_ep, "given") if _deep_ep is not None else load_deep_ep_v25()
+        ok, why = ep_available(module, why)
+        if not ok or module is None:
+            raise ValueError(f"deepep_api='ep' cannot run: {why}")
+        self.group = group if group is not None else dist.group.WORLD
+        self.num_ranks = R = group_size(group)
+        self.rank = group_rank(group)
+        self.ranks_per_node = ranks_per_node
+        self.num_experts = num_experts
+        _, nvl = (1, R) if R == 1 else module.get_physical_domain_size(self.group)
+        ok, why, self.hybrid = ep_rules(
+            R, nvl, num_experts, hybrid=hybrid, num_worst_tokens=num_worst_tokens
+        )
+        if not ok:
+            raise ValueError(f"deepep_api='ep' cannot run: {why}")
+        if num_max_tokens_per_rank <= 0 or expert_alignment <= 0:
+            raise ValueError(
+                f"num_max_tokens_per_rank ({num_max_tokens_per_rank}) and expert_alignment "
+                f"({expert_alignment}) must be positive"
+            )
+        if num_sms is not None and num_sms <= 0:
+            raise ValueError(f"deepep num_sms must be positive, got {num_sms}")
+        self.mode = why
+        self.nvl = nvl
+        self.num_worst_tokens = num_worst_tokens
+        self.hierarchical = hierarchical
+        self.checks = checks
+        self._stats = stats if stats is not None else DispatchStats()
+        self.num_sms = num_sms
+        self.max_tokens = num_worst_tokens // R if num_worst_tokens else num_max_tokens_per_rank
+        self.num_max_tokens_per_rank = token_bucket(self.max_tokens)
+        self.expert_alignment = expert_alignment
+        self.deep_ep = module
+        self.topk_idx_dtype: torch.dtype = getattr(module, "topk_idx_t", torch.int64)
+        self._shared = acquire_ep(module, self.group, self.hybrid, id(self))
+        self._kernels = kernels_of(module)
+        self._traffic: EPTraffic | None = None
+        self._dev: torch.Tensor | None = None  # [rows sent, rows received, NVLink B, RDMA B]
+        self._closed = False
+
+    # ----------------------------------------------------------------- capabilities
+    @property
+    def worst_case(self) -> bool:
+        return self.num_worst_tokens > 0
+
+    def supports_worst_case(self) -> Capability:
+        return True, (
+            "deepep ep (DeepEP 2.5): num_worst_tokens = W -> do_cpu_sync=False with "
+            "num_max_tokens_per_rank = bucket(W / R), intranode and across nodes"
+        )
+
+    def supports_cuda_graph(self) -> Capability:
+        if not self.worst_case:
+            return False, (
+                "DeepEP 2.5's dropless dispatch waits on the CPU for the receive counts: set "
+                "num_worst_tokens for a capturable dispatch"
+            )
+        return True, "deepep ep worst-case dispatch: static shapes, no host sync (warmup() first)"
+
+    def supports_hierarchical(self) -> Capability:
+        return True, f"deepep ep: {self.mode}"
+
+    def supports_world(self, num_ranks: int, ranks_per_node: int) -> Capability:
+        ok, why, _ = ep_rules(num_ranks, self.nvl, self.num_experts)
+        return ok, why
+
+    def supports_expanded(self) -> Capability:
+        return True, "deepep ep: do_expand=True, rows grouped by local expert"
+
+    def supports_combine_bias(self, dtype: torch.dtype) -> Capability:
+        if dtype != torch.bfloat16:
+            return False, f"DeepEP 2.5 adds a bias to bf16 rows only, not {dtype}"
+        return True, "DeepEP 2.5 combine adds the bias before its one bf16 rounding"
+
+    def supports_overlap(self) -> Capability:
+        return True, "DeepEP 2.5 defer_epilogue: the receive epilogue runs at finish_expanded"
+
+    @property
+    def stats(self) -> DispatchStats:
+        """Cumulative counters (the device counters read first)."""
+        self.flush_stats()
+        return self._stats
+
+    @stats.setter
+    def stats(self, value: DispatchStats) -> None:
+        self._stats = value
+
+    # ----------------------------------------------------------------- statistics
+    def flush_stats(self) -> None:
+        """Add the device counters to ``stats`` (one small host read)."""
+        if self._dev is None:
+            return
+        sent, received, intra, inter = self._dev.tolist()
+        self._dev.zero_()
+        s = self._stats
+        s.rows_sent += sent
+        s.rows_received += received
+        s.bytes_sent_intra_node += intra
+        s.bytes_sent_inter_node += inter
+
+    def _count(self, device: torch.device, vals: list[torch.Tensor | int]) -> None:
+        if self._dev is None:
+            self._dev = torch.zeros(4, dtype=torch.int64, device=device)
+        parts = [v if isinstance(v, torch.Tensor) else torch.tensor(v, device=device) for v in vals]
+        self._dev += torch.stack([p.to(torch.int64).reshape(()) for p in parts])
+
+    def _traffic_rows(self, idx: torch.Tensor) -> torch.Tensor:
+        if self._traffic is None or self._traffic.intra.device != idx.device:
+            self._traffic = EPTraffic.of(
+                self.rank, self.num_ranks, min(self.nvl, self.num_ranks), self.hybrid, idx.device
+            )
+        return traffic_rows(idx, self.num_local_experts, self._traffic)
+
+    # ----------------------------------------------------------------- helpers
+    def _buffer(self, hidden: int, topk: int) -> Any:
+        if self._closed:
+            raise RuntimeError("this deepep backend was closed")
+        before = self._shared.allocations
+        buffer = self._shared.ensure(EPSize(self.num_max_tokens_per_rank, hidden, max(topk, 1)))
+        if self._shared.allocations != before:
+            extra = self._stats.extra
+            extra["deepep_buffer_allocations"] = extra.get("deepep_buffer_allocations", 0) + 1
+        return buffer
+
+    def _sms(self, k: int) -> int:
+        if self.num_sms is not None:
+            return self.num_sms
+        return self._shared.num_sms(self.num_experts, k)
+
+    def _run(self, key: tuple, what: str, fn: Any) -> Any:
+        """Run one DeepEP call whose kernels are ``key``: refused inside a capture when new."""
+        self._kernels.check(key, what)
+        out = fn()
+        self._kernels.add(key)
+        return out
+
+    def _check_tokens(self, T: int, device: torch.device, shape: tuple) -> None:
+        """A rank may dispatch at most ``W / R`` (dropless: the configured bound) tokens; with
+        checks on, one all-gather of ``[T, X, k, dtype]`` makes every rank raise alike."""
+        M, R, rank = self.max_tokens, self.num_ranks, self.rank
+        if checks_enabled(self.checks) and not is_capturing():
+            X, k, dtype = shape
+            mine = torch.tensor(
+                [T, X, k, DTYPE_CODES.get(dtype, -1)],
+                dtype=torch.int64,
+                device=collective_device(self.group),
+            )
+            rows = all_gather_int64(mine, self.group, name="ep token count").view(R, 4).tolist()
+            if device.type == "cuda":
+                self._stats.extra["check_syncs"] = self._stats.extra.get("check_syncs", 0) + 1
+            check_agreement([r[1:] for r in rows], num_ranks=0, num_nodes=0)
+            rank = max(range(R), key=lambda r: rows[r][0])
+            T = rows[rank][0]
+        if T <= M:
+            return
+        if self.worst_case:
+            W = self.num_worst_tokens
+            raise ValueError(
+                f"rank {rank} dispatches {T} tokens but num_worst_tokens W={W} allows W/R = "
+                f"{W}/{R} = {M} per rank on DeepEP 2.5 (each rank owns W / R receive slots on "
+                f"every rank): raise DispatchConfig.num_worst_tokens to at least {T * R}"
+            )
+        raise ValueError(
+            f"rank {rank} dispatches {T} tokens but DeepEP 2.5's dropless dispatch takes at most "
+            f"num_max_dispatch_tokens_per_rank = {M} per rank: raise "
+            f"DispatchConfig.num_max_dispatch_tokens_per_rank to at least {T} (on every rank)"
+        )
+
+    # ----------------------------------------------------------------- dispatch
+    def _launch(
+        self,
+        x: Any,
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+        *,
+        expand: bool,
+        defer: bool = False,
+    ) -> tuple:
+        """Checks, padding and the one ``EPBuffer.dispatch`` call of both layouts."""
+        x, scales, wire = sizing.split_rows(x, fp8_multiple=32)
+        T, X = x.shape
+        k = topk_idx.shape[1]
+        sizing.check_topk(k, "DeepEP 2.5 kernels")
+        self._check_tokens(T, x.device, (X, k, x.dtype))
+        raise_now = checks_enabled(self.checks) or x.device.type == "cpu"
+        idx = guard_ids(topk_idx.to(torch.int64), self.num_experts, raise_now=raise_now)
+        if scales is not None:
+            send: Any = (x.contiguous(), scales.contiguous())
+            hidden, row = X, dispatch_row_bytes(X, scales.shape[1], k)
+        else:
+            w = pad_cols(wire.send(x), _DISPATCH_COLS)
+            send, hidden, row = w, w.shape[1], dispatch_row_bytes(2 * w.shape[1], 0, k)
+        # NOTE: sized for the combine of these rows too (bf16, padded to 256 columns)
+        buffer = self._buffer(max(hidden, -(-X // _COMBINE_COLS) * _COMBINE_COLS), k)
+        sms = self._sms(k)
+        if self.topk_idx_dtype != torch.int64:
+            idx = idx.to(self.topk_idx_dtype)
+        probs = topk_probs if topk_probs.dtype == torch.float32 else topk_probs.float()
+        align = self.expert_alignment if expand else 1
+        key = kernel_key(
+            "dispatch",
+            M=self.num_max_tokens_per_rank,
+            hidden=hidden,
+            fp8=scales is not None,
+            k=k,
+            E=self.num_experts,
+            sync=not self.worst_case,
+            expand=expand,
+            align=align,
+            sms=sms,
+            hybrid=self.hybrid,
+        )
+        traffic = self._traffic_rows(idx)
+        out = self._run(
+            key,
+            "dispatch",
+            lambda: buffer.dispatch(
+                send,
+                topk_idx=idx.contiguous(),
+                topk_weights=probs.contiguous(),
+                num_experts=self.num_experts,
+                num_max_tokens_per_rank=self.num_max_tokens_per_rank,
+                expert_alignment=align,
+                num_sms=sms,
+                do_cpu_sync=not self.worst_case,
+                do_expand=expand,
+                do_zero_padding=expand and align > 1,
+                async_with_compute_stream=defer,
+                defer_epilogue=defer,
+            ),
+        )
+        return out, wire, scales is not None, T, X, k, sms, traffic, row
+
+    def _account_dispatch(self, handle: Any, traffic: torch.Tensor, row: int) -> None:
+        received = handle.psum_num_recv_tokens_per_scaleup_rank[-1]
+        self._count(traffic.device, [traffic[0], received, traffic[1] * row, traffic[2] * row])
+
+    def dispatch(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+        layout: DispatchLayout | None = None,
+    ) -> DispatchResult:
+        """``EPBuffer.dispatch`` mapped to the contract (module docstring); ``layout`` is
+        ignored (V2.5 computes its layout inside the dispatch kernel)."""
+        out, wire, fp8, T, X, k, sms, traffic, row = self._launch(
+            x, topk_idx, topk_probs, expand=False
+        )
+        recv, recv_idx, recv_w, handle, _ = out
+        recv_scales = None
+        if fp8:
+            recv, recv_scales = recv
+        self._account_dispatch(handle, traffic, row)
+        rows, e = recv.shape[0], self.num_local_experts
+        valid = pairs = None
+        if self.worst_case:
+            W = self.num_worst_tokens
+            n = handle.psum_num_recv_tokens_per_scaleup_rank[-1].to(torch.int64)
+            order = token_order(handle, rows, n, W)
+            valid = torch.arange(W, device=recv.device) < n
+        else:
+            order = token_order(handle, rows, None, rows)
+        recv, recv_idx, recv_w = recv[order], recv_idx[order].to(torch.int64), recv_w[order]
+        if recv_scales is not None:
+            recv_scales = recv_scales[order]
+        local = recv_idx >= 0
+        if valid is not None:
+            local &= valid[:, None]
+            recv_idx = torch.where(local, recv_idx, -1)
+            recv = sizing.zero_invalid_rows(recv, valid)
+            counts = sizing.count_valid(recv_idx.reshape(-1), local.reshape(-1), e)
+            if recv_scales is not None:
+                recv_scales = sizing.zero_invalid_rows(recv_scales, valid)
+        else:
+            self._stats.host_syncs += 1  # DeepEP's CPU wait for the receive counts
+            count_list = handle.num_recv_tokens_per_expert_list
+            pairs = int(sum(count_list))
+            counts = torch.tensor(count_list, dtype=torch.int64, device=recv_idx.device)
+        recv_w = torch.where(local, recv_w.float(), 0.0)
+        state = EPDispatchState(
+            handle=handle,
+            wire=wire,
+            topk=k,
+            sms=sms,
+            rows=rows,
+            order=order,
+            local=local,
+            valid=valid,
+            recv_scales=recv_scales,
+            traffic=traffic,
+        )
+        return DispatchResult(
+            recv_x=recv if fp8 else wire.recv(recv),
+            recv_topk_idx=recv_idx,
+            recv_topk_probs=recv_w,
+            num_recv_tokens_per_expert=counts,
+            handle=DispatchHandle(
+                backend=self.name, num_tokens=T, hidden=X, num_recv_rows=recv.shape[0], state=state
+            ),
+            num_recv_pairs=pairs,
+        )
+
+    # ----------------------------------------------------------------- expanded
+    def launch_expanded(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+    ) -> PendingExpanded:
+        """Issue ``dispatch_expanded`` with DeepEP's ``defer_epilogue``: the kernel runs (on
+        DeepEP's stream), the receive epilogue (and, dropless, the CPU wait) at ``finish``."""
+        out, wire, fp8, T, X, k, sms, traffic, row = self._launch(
+            x, topk_idx, topk_probs, expand=True, defer=True
+        )
+        return PendingExpanded(out, wire, fp8, T, X, k, sms, traffic, row)
+
+    def finish_expanded(self, p: PendingExpanded) -> ExpandedDispatchResult:
+        """Wait for a ``launch_expanded`` and build its result."""
+        recv, _, recv_w, handle = p.event.current_stream_wait()
+        return self._expanded(recv, recv_w, handle, p)
+
+    def dispatch_expanded(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+    ) -> ExpandedDispatchResult:
+        """``EPBuffer.dispatch(do_expand=True)``: one row per (token, local expert), expert
+        ``j``'s segment (padded to ``expert_alignment`` with zero rows) after expert ``j - 1``'s.
+
+        Dropless: DeepEP's exact rows and segment sizes (its one CPU wait). Worst-case: the
+        static ``align(R * (W / R) * min(k, e) + (a - 1) * e, a)`` rows, zero past the segments.
+        """
+        out, wire, fp8, T, X, k, sms, traffic, row = self._launch(
+            x, topk_idx, topk_probs, expand=True
+        )
+        recv, _, recv_w, handle, _ = out
+        pending = PendingExpanded(None, wire, fp8, T, X, k, sms, traffic, row)
+        return self._expanded(recv, recv_w, handle, pending)
+
+    def _expanded(
+        self, recv: Any, recv_w: torch.Tensor, handle: Any, p: PendingExpanded
+    ) -> ExpandedDispatchResult:
+        recv_scales = None
+        if p.fp8:
+            recv, recv_scales = recv
+        self._account_dispatch(handle, p.traffic, p.row_bytes)
+        a, e = self.expert_alignment, self.num_local_experts
+        valid = None
+        if self.worst_case:
+            M = self.max_tokens
+            N = -(-(self.num_ranks * M * min(p.k, e) + (a - 1) * e) // a) * a
+            recv, recv_w = recv[:N], recv_w[:N]
+            counts = handle.num_unaligned_recv_tokens_per_expert.to(torch.int64)
+            counts = (counts + a - 1) // a * a
+            valid = torch.arange(N, device=recv.device) < counts.sum()
+            recv = sizing.zero_invalid_rows(recv, valid)
+            recv_w = torch.where(valid, recv_w, 0.0)
+            if recv_scales is not None:
+                recv_scales = sizing.zero_invalid_rows(recv_scales[:N], valid)
+        else:
+            # NOTE: exact rows; the alignment gaps are zero already (do_zero_padding)
+            self._stats.host_syncs += 1  # DeepEP's CPU wait for the receive counts
+            counts = torch.tensor(
+                handle.num_recv_tokens_per_expert_list, dtype=torch.int64, device=recv.device
+            )
+        state = EPDispatchState(
+            handle=handle,
+            wire=p.wire,
+            topk=p.k,
+            sms=p.sms,
+            rows=recv.shape[0],
+            order=None,
+            local=None,
+            valid=valid,
+            recv_scales=recv_scales,
+            traffic=p.traffic,
+        )
+        return ExpandedDispatchResult(
+            recv_x=recv if p.fp8 else p.wire.recv(recv),
+            recv_probs=recv_w.float(),
+            tokens_per_expert=counts,
+            handle=DispatchHandle(
+                backend=self.name,
+                num_tokens=p.T,
+                hidden=p.X,
+                num_recv_rows=recv.shape[0],
+                state=state,
+            ),
+        )
+
+    # ----------------------------------------------------------------- combine
+    def _combine_call(
+        self,
+        part: torch.Tensor,
+        state: EPDispatchState,
+        weights: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        h, k = state.handle, state.topk
+        buffer = self._buffer(part.shape[1], k)
+        key = kernel_key(
+            "combine",
+            M=self.num_max_tokens_per_rank,
+            hidden=part.shape[1],
+            k=k,
+            E=self.num_experts,
+            expand=bool(h.do_expand),
+            sms=state.sms,
+            hybrid=self.hybrid,
+        )
+        out, out_w, _ = self._run(
+            key,
+            "combine",
+            lambda: buffer.combine(part, h, topk_weights=weights, bias=bias, num_sms=state.sms),
+        )
+        row = combine_row_bytes(part.shape[1], k)
+        t = state.traffic
+        self._count(t.device, [0, 0, t[1] * row, t[2] * row])
+        return out, out_w
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Unweighted sum over the receiving ranks (module docstring for precision)."""
+        return self.combine_bias(y, handle, None)
+
+    def combine_bias(
+        self, y: torch.Tensor, handle: DispatchHandle, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``combine(y) + bias`` with the bias added inside DeepEP's reduction (bf16 rows; one
+        rounding of the sum, where a separate add rounds twice).
+
+        Args:
+            y: ``[rows, X]`` rows as dispatched.
+            bias: ``[T, X]`` rows of ``y``'s dtype (bf16 to be fused), or None.
+        """
+        state: EPDispatchState = handle.state
+        X = y.shape[1]
+        yd = state.to_deepep(y)
+        if bias is not None and not self.supports_combine_bias(y.dtype)[0]:
+            return self.combine_bias(y, handle, None) + bias
+        if self._narrow(y):
+            out = self._combine_fp32(yd, state)
+            return out if bias is None else out + bias
+        yb = yd if yd.dtype == torch.bfloat16 else yd.to(torch.bfloat16)
+        part = pad_cols(yb, _COMBINE_COLS)
+        b = None if bias is None else pad_cols(bias, _COMBINE_COLS)
+        out, _ = self._combine_call(part, state, bias=b)
+        out = out[:, :X]
+        return out if out.dtype == y.dtype else out.to(y.dtype)
+
+    @staticmethod
+    def _narrow(y: torch.Tensor) -> bool:
+        return y.dtype in (torch.float32, torch.float16) and y.shape[1] <= _NARROW
+
+    def _combine_fp32(self, y: torch.Tensor, state: EPDispatchState) -> torch.Tensor:
+        """Exact fp32 sum of narrow rows (DeepEP's order) through combine's fp32
+        ``topk_weights`` channel: each slot returns the value the rank owning it sent, so each
+        rank puts column ``c`` in its first local slot (expanded: each row is one slot). One
+        combine per column."""
+        rows, X = y.shape
+        k = state.topk
+        first = None
+        if state.local is not None:
+            local = state.to_deepep(state.local)
+            first = torch.nn.functional.one_hot(local.to(torch.int8).argmax(1), k).bool() & local
+        dummy = torch.zeros(rows, _COMBINE_COLS, dtype=torch.bfloat16, device=y.device)
+        yf = y.float()
+        cols = []
+        for c in range(X):
+            if first is None:
+                weights = yf[:, c].contiguous()
+            else:
+                weights = torch.where(first, yf[:, c : c + 1], 0.0).contiguous()
+            _, out_w = self._combine_call(dummy, state, weights=weights)
+            assert out_w is not None
+            cols.append(out_w.sum(1))
+        T = int(state.handle.topk_idx.shape[0])
+        out = torch.stack(cols, 1) if cols else torch.zeros(T, 0, device=y.device)
+        return out.to(y.dtype)
+
+    def combine_slot_weights(
+        self, y: torch.Tensor | None, w: torch.Tensor, handle: DispatchHandle
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The backward of ``dispatch_expanded``: ``y`` (or a dummy) combined with ``w`` ``[N]``
+        in the fp32 weights channel, which returns ``[T, k]``: each slot the weight of the row it
+        was expanded into."""
+        state: EPDispatchState = handle.state
+        w = w.float().contiguous()
+        wide = y is not None and not self._narrow(y)
+        if wide:
+            assert y is not None
+            part = pad_cols(y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16), _COMBINE_COLS)
+        else:
+            part = torch.zeros(w.shape[0], _COMBINE_COLS, dtype=torch.bfloat16, device=w.device)
+        out, out_w = self._combine_call(part, state, weights=w)
+        assert out_w is not None
+        if y is None:
+            return None, out_w
+        if not wide:
+            return self.combine(y, handle), out_w
+        out = out[:, : y.shape[1]]
+        return (out if out.dtype == y.dtype else out.to(y.dtype)), out_w
+
+    def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """Re-send ``[T, X]`` rows along a dispatch's ``EPHandle`` (no host sync)."""
+        state: EPDispatchState = handle.state
+        h = state.handle
+        if x.numel() == 0:  # NOTE: an empty gradient may have stride 0 (no bit view of it)
+            x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        wire = sizing.WireFormat.of(x.dtype, x.shape[1])
+        w = pad_cols(wire.send(x), _DISPATCH_COLS)
+        buffer = self._buffer(max(w.shape[1], _COMBINE_COLS), state.topk)
+        key = kernel_key(
+            "cached",
+            M=self.num_max_tokens_per_rank,
+            hidden=w.shape[1],
+            k=state.topk,
+            E=self.num_experts,
+            expand=bool(h.do_expand),
+            align=h.expert_alignment,
+            sms=state.sms,
+            hybrid=self.hybrid,
+        )
+        got, *_ = self._run(
+            key,
+            "cached dispatch",
+            lambda: buffer.dispatch(
+                w,
+                handle=h,
+                do_expand=h.do_expand,
+                num_sms=state.sms,
+                do_zero_padding=bool(h.do_expand) and h.expert_alignment > 1,
+            ),
+        )
+        row = dispatch_row_bytes(2 * w.shape[1], 0, state.topk)
+        t = state.traffic
+        self._count(t.device, [0, 0, t[1] * row, t[2] * row])
+        got = got[state.order] if state.order is not None else got[: handle.num_recv_rows]
+        if state.valid is not None:
+            got = sizing.zero_invalid_rows(got, state.valid)
+        return wire.recv(got)
+
+    def close(self) -> None:
+        """Leave the shared ``EPBuffer`` (the device counters are folded into ``stats``)."""
+        if not self._closed:
+            self.flush_stats()
+            self._closed = True
+            self._shared.leave(id(self))

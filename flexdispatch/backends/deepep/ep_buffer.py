@@ -1,0 +1,221 @@
+"""One DeepEP 2.5 ``EPBuffer`` per process, group and mode; and what its JIT has compiled.
+
+R ranks · M = ``num_max_tokens_per_rank`` (a ``token_bucket``) · H hidden (bf16 columns) · k
+top-k · E experts.
+
+``SharedEPBuffer`` is the V2.5 counterpart of ``buffer.SharedElasticBuffer``: every ``deepep``
+backend with ``deepep_api="ep"`` on the same ``(deep_ep_v25 module, group, hybrid mode)`` joins
+one ``EPBuffer``, sized with ``EPBuffer.get_buffer_size_hint`` for the union of what its users
+asked for, rebuilt (collectively, at the same call on every rank) only when a call needs more
+bytes, destroyed when its last user closes. It also fixes the buffer's SM count: DeepEP 2.5's
+bandwidth model (``get_theoretical_num_sms``) reads ``nvidia-smi`` / ``ibstat`` on each host, so
+ranks could disagree; the first call agrees on the smallest (one MIN all-reduce per (E, k)).
+
+``KernelRegistry`` mirrors DeepJIT's per-process cache: the kernel templates (``kernel_key``)
+that have run. A call whose template is new would compile at its first use; inside a CUDA-graph
+capture that cannot work, so the backend raises first, naming the template and the fix
+(``FlexDispatcher.warmup``).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flexdispatch._validate import is_capturing
+from flexdispatch.distributed import collective_device, collective_guard, is_distributed
+
+__all__ = ["EPSize", "KernelRegistry", "SharedEPBuffer", "acquire_ep", "kernels_of", "live_ep"]
+
+_LOCK = threading.Lock()
+_BUFFERS: dict[tuple[int, int, bool], SharedEPBuffer] = {}
+_KERNELS: dict[int, KernelRegistry] = {}
+
+
+@dataclass(frozen=True)
+class EPSize:
+    """What an ``EPBuffer`` is sized for: M tokens per rank, H bf16 columns, k top-k."""
+
+    num_max_tokens_per_rank: int
+    hidden: int
+    num_topk: int
+
+    def union(self, other: EPSize) -> EPSize:
+        return EPSize(
+            max(self.num_max_tokens_per_rank, other.num_max_tokens_per_rank),
+            max(self.hidden, other.hidden),
+            max(self.num_topk, other.num_topk),
+        )
+
+
+@dataclass(eq=False)
+class KernelRegistry:
+    """The kernel templates one ``deep_ep_v25`` module has run in this process."""
+
+    seen: set[tuple] = field(default_factory=set)
+
+    def check(self, key: tuple, what: str) -> None:
+        """Raise when ``key`` has not run yet and a CUDA graph is being captured."""
+        if key in self.seen or not is_capturing():
+            return
+        raise RuntimeError(
+            f"DeepEP 2.5 would compile its {what} kernel for {describe(key)} at its first use, "
+            f"inside a CUDA-graph capture, which cannot be captured: call "
+            f"FlexDispatcher.warmup(...) (or MoELayer.warmup()) with the shapes of the captured "
+            f"step before capturing, or run one eager step first"
+        )
+
+    def add(self, key: tuple) -> None:
+        self.seen.add(key)
+
+
+def kernel_key(kind: str, **fields: Any) -> tuple:
+    """A template key: ``kind`` and the template arguments the adapter chooses, sorted."""
+    return (kind, *sorted(fields.items()))
+
+
+def describe(key: tuple) -> str:
+    return ", ".join(f"{k}={v}" for k, v in key[1:])
+
+
+def kernels_of(deep_ep: ModuleType) -> KernelRegistry:
+    """The registry of ``deep_ep`` (one per module and process, as DeepJIT's cache)."""
+    with _LOCK:
+        reg = _KERNELS.get(id(deep_ep))
+        if reg is None:
+            reg = _KERNELS[id(deep_ep)] = KernelRegistry()
+        return reg
+
+
+@dataclass(eq=False)
+class SharedEPBuffer:
+    """The ``deep_ep_v25.EPBuffer`` of one ``(module, group, hybrid)`` in this process.
+
+    Attributes:
+        deep_ep: the ``deep_ep_v25`` module.
+        group: the process group.
+        hybrid: ``allow_hybrid_mode`` of the buffer.
+        users: ids of the backends that joined and have not closed.
+        buffer: the live ``EPBuffer`` or None.
+        size: what it was sized for; ``num_bytes`` its byte count (the size hint).
+        allocations: buffers built so far (statistics).
+        sms: the agreed SM count per (E, k).
+    """
+
+    deep_ep: ModuleType
+    group: Any
+    hybrid: bool
+    users: set[int] = field(default_factory=set)
+    buffer: Any = None
+    size: EPSize | None = None
+    num_bytes: int = 0
+    allocations: int = 0
+    sms: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def ensure(self, need: EPSize) -> Any:
+        """The live buffer, (re)built collectively when ``need`` needs more bytes.
+
+        Raises:
+            RuntimeError: it would be (re)built inside a CUDA-graph capture.
+        """
+        new = need if self.size is None else self.size.union(need)
+        if self.buffer is not None and new == self.size:
+            return self.buffer
+        cls = self.deep_ep.EPBuffer
+        num_bytes = cls.get_buffer_size_hint(
+            self.group,
+            new.num_max_tokens_per_rank,
+            new.hidden,
+            new.num_topk,
+            False,  # use_fp8_dispatch: a bf16-sized buffer also holds fp8 rows and scales
+            self.hybrid,
+            True,  # allow_multiple_reduction
+        )
+        if self.buffer is not None and num_bytes <= self.num_bytes:
+            self.size = new
+            return self.buffer
+        if is_capturing():
+            raise RuntimeError(
+                f"the DeepEP 2.5 buffer would grow to {num_bytes} bytes (for "
+                f"M={new.num_max_tokens_per_rank}, H={new.hidden}, k={new.num_topk}) inside a "
+                f"CUDA-graph capture: call "
+                f"FlexDispatcher.warmup(...) with the captured shapes before capturing"
+            )
+        self._destroy()
+        self.buffer = cls(
+            self.group,
+            num_bytes=num_bytes,
+            num_max_tokens_per_rank=new.num_max_tokens_per_rank,
+            hidden=new.hidden,
+            num_topk=new.num_topk,
+            allow_hybrid_mode=self.hybrid,
+            allow_multiple_reduction=True,
+            explicitly_destroy=True,
+        )
+        self.size, self.num_bytes = new, num_bytes
+        self.allocations += 1
+        return self.buffer
+
+    def num_sms(self, num_experts: int, topk: int) -> int:
+        """DeepEP 2.5's analytic SM count for (E, k), the smallest over the ranks (agreed once)."""
+        key = (num_experts, topk)
+        if key not in self.sms:
+            if is_capturing():
+                raise RuntimeError(
+                    "the DeepEP 2.5 SM count is agreed at the first dispatch (one all-reduce), "
+                    "which cannot run inside a CUDA-graph capture: call FlexDispatcher.warmup(...) "
+                    "before capturing"
+                )
+            n = int(self.buffer.get_theoretical_num_sms(num_experts, topk))
+            if is_distributed(self.group):
+                t = torch.tensor([n], dtype=torch.int64, device=collective_device(self.group))
+                with collective_guard("all_reduce (DeepEP 2.5 SM count)", self.group):
+                    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+                n = int(t.item())
+            self.sms[key] = n
+        return self.sms[key]
+
+    def _destroy(self) -> None:
+        if self.buffer is not None:
+            self.buffer.destroy()
+            self.buffer = None
+            self.sms.clear()
+
+    def leave(self, user: int) -> None:
+        """``user`` closes; the buffer is destroyed when nobody uses it any more."""
+        with _LOCK:
+            self.users.discard(user)
+            if self.users:
+                return
+            key = _key(self.deep_ep, self.group, self.hybrid)
+            if _BUFFERS.get(key) is self:
+                del _BUFFERS[key]
+        self._destroy()
+        self.size, self.num_bytes = None, 0
+
+
+def _key(deep_ep: ModuleType, group: Any, hybrid: bool) -> tuple[int, int, bool]:
+    return id(deep_ep), id(group if group is not None else dist.group.WORLD), hybrid
+
+
+def acquire_ep(deep_ep: ModuleType, group: Any, hybrid: bool, user: int) -> SharedEPBuffer:
+    """Join the shared ``EPBuffer`` of ``(deep_ep, group, hybrid)`` (created empty first)."""
+    group = group if group is not None else dist.group.WORLD
+    with _LOCK:
+        key = _key(deep_ep, group, hybrid)
+        shared = _BUFFERS.get(key)
+        if shared is None:
+            shared = _BUFFERS[key] = SharedEPBuffer(deep_ep=deep_ep, group=group, hybrid=hybrid)
+        shared.users.add(user)
+        return shared
+
+
+def live_ep() -> int:
+    """Live DeepEP 2.5 buffers in this process (tests, ``doctor``)."""
+    with _LOCK:
+        return sum(1 for b in _BUFFERS.values() if b.buffer is not None)

@@ -1,0 +1,203 @@
+"""The DeepEP 2.5 path's handle state and pure helpers: receive order, ids, traffic, layouts.
+
+Shape letters (ARCHITECTURE.md): T tokens · E experts · R ranks · e = E / R · k top-k · L ranks
+per NVLink domain · N = R / L · n rows DeepEP returned (R * M in worst-case mode) · W rows the
+contract returns.
+
+None of these reads a device value on the host (no ``.item()``, no ``bincount``, no boolean
+indexing), so they run inside a captured CUDA graph; ``guard_ids`` only raises where the caller
+allows a host read (checks on, or CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from flexdispatch.backends.deepep import sizing
+
+__all__ = [
+    "EPDispatchState",
+    "EPTraffic",
+    "PendingExpanded",
+    "combine_row_bytes",
+    "dispatch_row_bytes",
+    "guard_ids",
+    "pad_cols",
+    "token_order",
+    "traffic_rows",
+]
+
+
+def _a(n: int, b: int) -> int:
+    return -(-n // b) * b
+
+
+def dispatch_row_bytes(row_bytes: int, scales: int, k: int) -> int:
+    """DeepEP 2.5's dispatch ``TokenLayout`` bytes of one row (layout/ep/token.cuh:17-41): the
+    row, the scales, k (id, weight) pairs and 1 + k ints of metadata, each 32-byte aligned, the
+    whole 64-byte aligned."""
+    return _a(_a(row_bytes, 32) + _a(4 * scales, 32) + _a(8 * k + 4 * (1 + k), 32), 64)
+
+
+def combine_row_bytes(columns: int, k: int) -> int:
+    """DeepEP 2.5's combine ``TokenLayout`` bytes of one row: bf16 columns and k weights."""
+    return _a(_a(2 * columns, 32) + _a(8 * k, 32), 64)
+
+
+def pad_cols(w: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``w`` zero-padded to a multiple of ``multiple`` columns (contiguous)."""
+    pad = -w.shape[1] % multiple
+    return F.pad(w, (0, pad)) if pad else w.contiguous()
+
+
+def token_order(handle: Any, rows: int, used: torch.Tensor | None, keep: int) -> torch.Tensor:
+    """``[keep]`` DeepEP rows in (source rank, source token) order.
+
+    DeepEP 2.5 fills a sender's slots in ``atomicAdd`` order (I/dispatch.cuh:340-346) and, in
+    hybrid mode, groups rows by NVLink peer; ``recv_src_metadata[:, 0] = src_rank * M + token`` is
+    the contract's key (the sort DeepEP's own ``deterministic=True`` does). Rows past ``used``
+    (worst-case tails, uninitialised) sort last, so the first ``keep`` >= ``used`` rows are the
+    real ones in order, then tails.
+    """
+    key = handle.recv_src_metadata[:rows, 0]
+    if used is not None:
+        live = torch.arange(rows, device=key.device) < used
+        key = torch.where(live, key, torch.iinfo(key.dtype).max)
+    return torch.argsort(key)[:keep]
+
+
+def guard_ids(idx: torch.Tensor, num_experts: int, *, raise_now: bool) -> torch.Tensor:
+    """Expert ids DeepEP 2.5's kernels can take: ids >= E count past shared memory
+    (``ep.expert_id_range``) and a repeated id in one token traps (``ep.duplicate_experts``).
+
+    Ids outside ``[-1, E)`` become -1 (the dispatcher has reported them, on CPU / with checks by
+    raising, on CUDA by counting). A repeated id keeps its first slot; the repeats become -1.
+    ``raise_now`` (checks on, or CPU) raises for repeats instead, naming the first token.
+
+    Returns:
+        ``[T, k]`` int64 ids, a new tensor (whether anything changed is known only on the
+        device): 2 device ops for k = 1, 6 otherwise.
+    """
+    idx = torch.where((idx < -1) | (idx >= num_experts), -1, idx)
+    if idx.shape[1] < 2:
+        return idx
+    srt, perm = idx.sort(1)
+    rep = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+    if raise_now and bool(rep.any()):
+        t = int(rep.any(1).nonzero()[0, 0])
+        raise ValueError(
+            f"topk_idx names one expert twice in {int(rep.any(1).sum())} token(s) (token {t}: "
+            f"{idx[t].tolist()}), which DeepEP 2.5's dispatch kernel traps on "
+            f"(ep.duplicate_experts): route each token to distinct experts, or use "
+            f"deepep_api='legacy' / backend='torch'"
+        )
+    dup = torch.zeros_like(idx, dtype=torch.bool).scatter_(1, perm[:, 1:], rep)
+    return torch.where(dup, -1, idx)
+
+
+@dataclass(frozen=True)
+class EPTraffic:
+    """Where one rank's rows go (per-destination weights of its ``[R]`` row counts).
+
+    Direct mode: every row goes straight to its rank (NVLink inside the node, RDMA across).
+    Hybrid mode: one RDMA row per (token, destination node) to the forwarder with this rank's
+    local index there, forwarded over NVLink to the other destination ranks of that node; this
+    rank counts the hops its tokens cause (its own and its forwarders'), so the counts over all
+    ranks add up to the traffic. Combine mirrors dispatch.
+
+    Attributes:
+        intra: ``[R]`` int64, 1 where a row to that rank makes one NVLink hop.
+        inter: ``[R]`` int64 (direct) or ``[N]`` (hybrid), 1 where it crosses nodes.
+        hybrid: the mode.
+        nodes: N; peers: L.
+    """
+
+    intra: torch.Tensor
+    inter: torch.Tensor
+    hybrid: bool
+    nodes: int
+    peers: int
+
+    @staticmethod
+    def of(rank: int, num_ranks: int, peers: int, hybrid: bool, device: Any) -> EPTraffic:
+        r = torch.arange(num_ranks, device=device)
+        node, me_node = r // peers, rank // peers
+        if hybrid:
+            intra = (r % peers != rank % peers).to(torch.int64)
+            inter = (torch.arange(num_ranks // peers, device=device) != me_node).to(torch.int64)
+        else:
+            intra = ((node == me_node) & (r != rank)).to(torch.int64)
+            inter = (node != me_node).to(torch.int64)
+        return EPTraffic(intra, inter, hybrid, num_ranks // peers, peers)
+
+
+def traffic_rows(idx: torch.Tensor, e: int, t: EPTraffic) -> torch.Tensor:
+    """``[3]`` int64 on the device: rows sent (one per token and destination rank), NVLink
+    rows, RDMA rows of one dispatch of ``idx`` ``[T, k]`` (ids in ``[-1, E)``)."""
+    T, R = idx.shape[0], t.intra.shape[0]
+    dest = torch.where(idx >= 0, idx // e, R)
+    hit = torch.zeros(T, R + 1, dtype=torch.int64, device=idx.device)
+    hit = hit.scatter_(1, dest, 1)[:, :R]
+    per_rank = hit.sum(0)
+    if t.hybrid:
+        per_node = hit.view(T, t.nodes, t.peers).amax(2).sum(0)
+        inter = (per_node * t.inter).sum()
+    else:
+        inter = (per_rank * t.inter).sum()
+    return torch.stack([per_rank.sum(), (per_rank * t.intra).sum(), inter])
+
+
+@dataclass(frozen=True, kw_only=True)
+class EPDispatchState:
+    """The DeepEP 2.5 path's part of a ``DispatchHandle``.
+
+    Attributes:
+        handle: DeepEP's ``EPHandle``.
+        wire: the wire format of the dispatched rows.
+        topk: k.
+        sms: the SM count of the dispatch (its combine and cached dispatch reuse it).
+        rows: rows DeepEP returned (``R * M`` in worst-case mode, else the received count).
+        order: ``[W or n]`` int64, DeepEP's row of each returned row (non-expand), else None.
+        local: ``[W or n, k]`` bool, the slots holding a local expert (non-expand), else None.
+        valid: ``[rows returned]`` bool, the real rows (worst-case), else None.
+        recv_scales: ``[rows, H / 128]`` float32 scales of an fp8 dispatch, else None.
+        traffic: ``[3]`` int64 device rows of the dispatch (sent, NVLink, RDMA) for combine.
+    """
+
+    handle: Any
+    wire: sizing.WireFormat
+    topk: int
+    sms: int
+    rows: int
+    order: torch.Tensor | None
+    local: torch.Tensor | None
+    valid: torch.Tensor | None
+    recv_scales: torch.Tensor | None
+    traffic: torch.Tensor
+
+    def to_deepep(self, y: torch.Tensor) -> torch.Tensor:
+        """Rows in the contract's order back to DeepEP's rows (``y[i]`` was its row
+        ``order[i]``; DeepEP's tail rows, past the real ones, are zero)."""
+        if self.order is None:
+            return y
+        out = torch.zeros(self.rows, *y.shape[1:], dtype=y.dtype, device=y.device)
+        return out.index_copy_(0, self.order, y)
+
+
+@dataclass(eq=False)
+class PendingExpanded:
+    """An expanded dispatch in flight (``launch_expanded``): its epilogue runs at ``finish``."""
+
+    event: Any
+    wire: sizing.WireFormat
+    fp8: bool
+    T: int
+    X: int
+    k: int
+    sms: int
+    traffic: torch.Tensor
+    row_bytes: int

@@ -1,0 +1,164 @@
+"""DeepEP V2.5 (``deep_ep_v25.EPBuffer``): the guarded import, the rules, the JIT buckets.
+
+Shape letters (ARCHITECTURE.md): T tokens · H hidden · E experts · R ranks · e = E / R local
+experts · k top-k · L ranks per node (the NVLink domain) · N = R / L nodes · W worst-case rows ·
+M = ``num_max_tokens_per_rank``.
+
+DeepEP 2.5 ships as its own package (SGLang's wheel ``sgl-deep-ep-v25``, ``import deep_ep_v25``)
+beside ``deep_ep`` (V1 ``Buffer`` and V2 ``ElasticBuffer``); the import is lazy, and every way it
+is known to fail (``ImportError`` from its host check, ``OSError``, ``AssertionError`` from its
+NCCL check, ``RuntimeError``) becomes a reason string. Its limits (``docs/deepep.md``, "DeepEP
+V2.5"), as ``ep_rules`` applies them before any collective:
+
+- one logical domain of R ranks (direct mode) or N nodes of L NVLink peers (hybrid mode:
+  rows cross the node boundary once per destination node and are forwarded over NVLink, like V1's
+  internode kernels), R a multiple of the NVLink domain, R <= 1024;
+- E divisible by R, E <= 2048, e <= 512 (its workspace layout);
+- hybrid mode: N <= 32, L <= 64 and L + e <= 128 (its notify warps), else direct mode;
+- k <= 32; rows of 32-byte multiples; combine rows of 256-column multiples (padded by the
+  adapter).
+
+JIT: DeepEP 2.5 compiles each kernel at its first use, and ``num_max_tokens_per_rank`` is a
+template argument. ``token_bucket`` rounds it up to a power of two (at least 16), so every
+worst-case ``W`` and every dropless bound in one bucket shares one set of kernels.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+from flexdispatch.backends.base import Capability
+
+__all__ = [
+    "EP_MAX_EXPERTS",
+    "EP_MAX_LOCAL_EXPERTS",
+    "EP_MAX_RANKS",
+    "MIN_TOKEN_BUCKET",
+    "ep_available",
+    "ep_rules",
+    "load_deep_ep_v25",
+    "split_hook",
+    "token_bucket",
+]
+
+EP_MAX_RANKS = 1024  # kNumMaxRanks (include/deep_ep/common/compiled.cuh:74)
+EP_MAX_EXPERTS = 2048  # EPSignals::kNumMaxExperts (layout/ep/workspace.cuh:10)
+EP_MAX_LOCAL_EXPERTS = 512  # EPSignals::kNumMaxExpertsPerRank (layout/ep/workspace.cuh:11)
+EP_HYBRID_MAX_NODES = 32  # hybrid_dispatch.cuh:336
+EP_HYBRID_MAX_PEERS = 64  # hybrid_combine.cuh:179
+EP_HYBRID_NOTIFY = 128  # 4 notify warps: L + e <= 128 (hybrid_dispatch.cuh:261)
+MIN_TOKEN_BUCKET = 16
+
+
+def load_deep_ep_v25() -> tuple[ModuleType | None, str]:
+    """Import ``deep_ep_v25`` (DeepEP 2.5) if it can be; never raises."""
+    try:
+        module = importlib.import_module("deep_ep_v25")
+    except (ImportError, OSError, AssertionError, RuntimeError) as exc:
+        return None, f"import deep_ep_v25 failed: {type(exc).__name__}: {exc}"
+    return module, "deep_ep_v25 imports"
+
+
+def ep_available(module: ModuleType | None, why: str = "deep_ep_v25 does not import") -> Capability:
+    """Whether ``module`` offers DeepEP 2.5's ``EPBuffer``."""
+    if module is None:
+        return False, why
+    if getattr(module, "EPBuffer", None) is None:
+        version = getattr(module, "__version__", "?")
+        return False, (
+            f"the module given as DeepEP 2.5 ({version}) has no EPBuffer: install "
+            "sgl-deep-ep-v25 (pip install --no-deps sgl-deep-ep-v25) or set deepep_api to "
+            "'elastic' / 'legacy'"
+        )
+    return True, f"deep_ep_v25.EPBuffer exists (DeepEP {getattr(module, '__version__', '?')})"
+
+
+def split_hook(hook: Any) -> tuple[ModuleType | None, ModuleType | None, bool]:
+    """The test hook ``_deep_ep`` as ``(deep_ep module, deep_ep_v25 module, hooked)``.
+
+    A module with ``EPBuffer`` and no ``Buffer`` is DeepEP 2.5; a dict may give both
+    (``{"deep_ep": ..., "deep_ep_v25": ...}``); any other module is ``deep_ep``. ``hooked`` says a
+    hook was given (then nothing real is imported for the missing one).
+    """
+    if hook is None:
+        return None, None, False
+    if isinstance(hook, dict):
+        return hook.get("deep_ep"), hook.get("deep_ep_v25"), True
+    if getattr(hook, "EPBuffer", None) is not None and getattr(hook, "Buffer", None) is None:
+        return None, hook, True
+    return hook, None, True
+
+
+def token_bucket(n: int) -> int:
+    """``num_max_tokens_per_rank`` as compiled: ``n`` rounded up to a power of two, >= 16.
+
+    DeepEP 2.5 compiles a kernel per value (a template argument); a handful of buckets serve
+    every batch size (1..16, 17..32, 33..64, ...) at most twice the memory of the exact value.
+    """
+    if n <= 0:
+        raise ValueError(f"num_max_tokens_per_rank must be positive, got {n}")
+    return max(MIN_TOKEN_BUCKET, 1 << (n - 1).bit_length())
+
+
+def ep_rules(
+    num_ranks: int,
+    nvl_peers: int,
+    num_experts: int,
+    *,
+    hybrid: bool | None = None,
+    num_worst_tokens: int = 0,
+) -> tuple[bool, str, bool]:
+    """DeepEP 2.5's topology and size rules, before any collective.
+
+    Args:
+        num_ranks: R.
+        nvl_peers: the NVLink domain (L: ranks per node as launched; the emulator's domain).
+        num_experts: E.
+        hybrid: ``DispatchConfig.deepep_hybrid``: True hybrid mode across nodes, False direct
+            mode, None hybrid where its limits hold.
+        num_worst_tokens: W (must be a multiple of R: M = W / R).
+
+    Returns:
+        ``(ok, reason, hybrid)``: whether DeepEP 2.5 can serve it, why, and the mode it runs.
+    """
+    R, E = num_ranks, num_experts
+    L = min(nvl_peers, R)
+    if R > EP_MAX_RANKS:
+        return False, f"R={R} exceeds DeepEP 2.5's {EP_MAX_RANKS} ranks", False
+    if R % L:
+        return False, f"R={R} is not a multiple of the NVLink domain L={L}", False
+    if E % R:
+        return False, f"num_experts={E} is not divisible by R={R}", False
+    if E > EP_MAX_EXPERTS:
+        return False, f"num_experts={E} exceeds DeepEP 2.5's {EP_MAX_EXPERTS} experts", False
+    e = E // R
+    if e > EP_MAX_LOCAL_EXPERTS:
+        return False, f"{e} local experts exceed DeepEP 2.5's {EP_MAX_LOCAL_EXPERTS}", False
+    if num_worst_tokens % R:
+        W = num_worst_tokens
+        return False, f"num_worst_tokens={W} is not a multiple of R={R} (M = W / R)", False
+    N = R // L
+    if N == 1:
+        return True, f"DeepEP 2.5 over one NVLink domain of {R} rank(s)", False
+    why_not = None
+    if N > EP_HYBRID_MAX_NODES:
+        why_not = f"N={N} nodes exceed hybrid mode's {EP_HYBRID_MAX_NODES}"
+    elif L > EP_HYBRID_MAX_PEERS:
+        why_not = f"L={L} NVLink peers exceed hybrid mode's {EP_HYBRID_MAX_PEERS}"
+    elif L + e > EP_HYBRID_NOTIFY:
+        why_not = f"L + e = {L} + {e} exceeds hybrid mode's {EP_HYBRID_NOTIFY} notify threads"
+    if hybrid is True and why_not:
+        return False, f"deepep_hybrid=True cannot run: {why_not} (set deepep_hybrid=False)", False
+    if hybrid is False or why_not:
+        extra = "deepep_hybrid=False" if hybrid is False else why_not
+        return True, f"DeepEP 2.5 direct mode over {N} nodes of {L} ({extra})", False
+    return (
+        True,
+        (
+            f"DeepEP 2.5 hybrid mode over {N} nodes of {L} (one RDMA row per destination node, "
+            f"forwarded over NVLink)"
+        ),
+        True,
+    )

@@ -1,0 +1,316 @@
+"""DeepEP 2.5 (``deepep_api="ep"``) beside V1 / V2: selection, refusals, JIT buckets, warm-up
+before capture, overlap (``defer_epilogue``), expert alignment, fp8 — one 2-rank gloo group.
+
+Shape letters (ARCHITECTURE.md): T tokens · H hidden · E experts · R ranks · e = E / R · k top-k ·
+L ranks per node · W worst-case rows · M = ``num_max_tokens_per_rank``.
+
+``auto`` gets both emulated packages through the test hook (``{"deep_ep": 2.1.0,
+"deep_ep_v25": 2.5.0}``), or one of them, or a different one per rank. A CUDA-graph capture is
+emulated: the adapter's ``is_capturing`` answers True and the emulated runtime's
+``emu_capture()`` makes a first-use compile an error, as on a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.dist.harness import run_group
+from tests.dist.reference import all_inputs, ref_dispatch
+from tests.dist.test_contract import E_PER_RANK, H, K
+
+
+def _raises(fn: Any, kind: type = ValueError) -> str:
+    try:
+        fn()
+    except kind as exc:
+        return str(exc)
+    return ""
+
+
+def _emus(L: int) -> tuple[Any, Any, Any]:
+    from tests.deepep_emu.load import load_deep_ep
+
+    return (
+        load_deep_ep(nvl_peers=L, release="2.5.0"),
+        load_deep_ep(nvl_peers=L, release="2.1.0"),
+        load_deep_ep(nvl_peers=L, release="1.2.1"),
+    )
+
+
+def selection(rank: int, R: int) -> dict[str, Any]:
+    from flexdispatch import DispatchConfig, FlexDispatcher
+
+    E = E_PER_RANK * R
+    v25, v2, v1 = _emus(R)
+    both = {"deep_ep": v2, "deep_ep_v25": v25}
+    out: dict[str, Any] = {}
+
+    def pick(cfg: DispatchConfig, hook: Any, E: int = E) -> tuple[str, str, str]:
+        d = FlexDispatcher(cfg, num_experts=E, _deep_ep=hook)
+        api = getattr(d.backend, "api", "legacy") if d.backend_name == "deepep" else "torch"
+        d.close()
+        return api, d.backend_reason, d.backend_name
+
+    worst = {"num_worst_tokens": 4 * R}
+    out["auto_worst"] = pick(DispatchConfig(**worst), both)
+    out["deepep_worst"] = pick(DispatchConfig(backend="deepep", **worst), both)
+    out["auto_bound"] = pick(DispatchConfig(num_max_dispatch_tokens_per_rank=64), both)
+    out["auto_unbound"] = pick(DispatchConfig(), both)
+    out["auto_ll"] = pick(DispatchConfig(mode="low_latency"), both)
+    out["auto_v2_only"] = pick(DispatchConfig(**worst), v2)
+    out["auto_v25_only"] = pick(DispatchConfig(), v25)
+    # rank 1 has no DeepEP 2.5: every rank runs V2
+    out["auto_split"] = pick(DispatchConfig(**worst), both if rank == 0 else {"deep_ep": v2})
+    out["ep"] = pick(DispatchConfig(backend="deepep", deepep_api="ep"), v25)
+    out["ep_missing"] = _raises(lambda: pick(DispatchConfig(backend="deepep", deepep_api="ep"), v1))
+    out["ep_auto_missing"] = pick(DispatchConfig(deepep_api="ep"), v1)
+    out["ep_ll"] = _raises(
+        lambda: pick(DispatchConfig(backend="deepep", deepep_api="ep", mode="low_latency"), v25)
+    )
+    out["ep_odd_w"] = _raises(
+        lambda: pick(DispatchConfig(backend="deepep", deepep_api="ep", num_worst_tokens=5), v25)
+    )
+    out["ep_experts"] = _raises(
+        lambda: pick(DispatchConfig(backend="deepep", deepep_api="ep"), v25, E=E + 1)
+    )
+    # two emulated nodes of one rank: hybrid mode needs L + e <= 128 notify threads
+    v25_nodes = _emus(1)[0]
+    big = 2 * 128
+    out["hybrid_on"] = _raises(
+        lambda: pick(
+            DispatchConfig(backend="deepep", deepep_api="ep", deepep_hybrid=True), v25_nodes, big
+        )
+    )
+    out["hybrid_auto"] = pick(DispatchConfig(backend="deepep", deepep_api="ep"), v25_nodes, big)
+    out["hybrid_small"] = pick(DispatchConfig(backend="deepep", deepep_api="ep"), v25_nodes)
+    return out
+
+
+def refusals(rank: int, R: int) -> dict[str, Any]:
+    from flexdispatch import DispatchConfig, FlexDispatcher
+
+    E = E_PER_RANK * R
+    v25 = _emus(R)[0]
+    inputs = all_inputs(5, R=R, E=E, k=K, H=H)
+    mine = inputs[rank]
+    out: dict[str, Any] = {"T": mine.x.shape[0], "last_T": inputs[-1].x.shape[0]}
+
+    def make(**kw: Any) -> Any:
+        cfg = DispatchConfig(backend="deepep", deepep_api="ep", **kw)
+        return FlexDispatcher(cfg, num_experts=E, _deep_ep=v25)
+
+    d = make(num_worst_tokens=2 * R)
+    out["over_w"] = _raises(lambda: d.dispatch(mine.x, mine.idx, mine.probs))
+    d.close()
+    d = make(num_max_dispatch_tokens_per_rank=2)
+    out["over_m"] = _raises(lambda: d.dispatch(mine.x, mine.idx, mine.probs))
+    d.close()
+    # checks on: only the last rank is over W / R, and every rank raises naming it
+    d = make(num_worst_tokens=R * inputs[0].x.shape[0], checks=True)
+    out["over_w_checks"] = _raises(lambda: d.dispatch(mine.x, mine.idx, mine.probs))
+    d.close()
+    d = make()
+    dup = mine.idx.clone()
+    dup[0, 1] = dup[0, 0] = 0  # one expert named twice in token 0 (a device trap in DeepEP)
+    out["duplicate"] = _raises(lambda: d.dispatch(mine.x, dup, mine.probs))
+    res = d.dispatch(mine.x, mine.idx, mine.probs)  # the group still works
+    out["after"] = bool(torch.equal(res.recv_x, ref_dispatch(inputs, rank, E).x))
+    d.close()
+    return out
+
+
+def jit_and_capture(rank: int, R: int) -> dict[str, Any]:
+    """Buckets: dispatchers for 14 sizes W / R = 1, 4, .., 40 compile 3 kernel sets (16, 32,
+    64), not 14; a first use inside a capture raises with the fix, after ``warmup`` nothing
+    compiles."""
+    from flexdispatch import DispatchConfig, FlexDispatcher
+    from flexdispatch.backends.deepep import ep_buffer
+
+    E = E_PER_RANK * R
+    v25 = _emus(R)[0]
+    jit = v25.runtime.emu_jit_compiles
+    out: dict[str, Any] = {}
+
+    def make(W: int) -> Any:
+        cfg = DispatchConfig(backend="deepep", deepep_api="ep", num_worst_tokens=W)
+        return FlexDispatcher(cfg, num_experts=E, _deep_ep=v25)
+
+    g = torch.Generator().manual_seed(rank)
+    before = dict(jit)
+    for per_rank in range(1, 41, 3):  # a serving run: one dispatcher per captured batch size
+        d = make(R * per_rank)
+        T = 1 + (per_rank * 7 + rank) % per_rank
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+        res = d.dispatch(torch.randn(T, H, generator=g), idx, torch.rand(T, K, generator=g))
+        d.combine(res.recv_x, res.handle)
+        d.close()
+    out["buckets"] = {k: jit[k] - before.get(k, 0) for k in jit}
+    # a first use inside a capture: the adapter refuses before DeepEP would compile
+    real = ep_buffer.is_capturing
+    ep_buffer.is_capturing = lambda: True
+    d = make(R * 100)  # bucket 128: nothing compiled for it yet
+    with v25.runtime.emu_capture():
+        out["capture_cold"] = _raises(lambda: d.dispatch_expanded(*_tiny(E, rank)), RuntimeError)
+    ep_buffer.is_capturing = real
+    d.warmup(H, K, dtype=torch.float32)
+    before = dict(jit)
+    ep_buffer.is_capturing = lambda: True
+    with v25.runtime.emu_capture():
+        x, idx, p = _tiny(E, rank)
+        x.requires_grad_()
+        res = d.dispatch_expanded(x, idx, p)
+        d.combine(res.recv_x * res.recv_probs[:, None], res.handle).sum().backward()
+        res = d.dispatch(x, idx, p)
+        d.combine(res.recv_x, res.handle).sum().backward()
+    ep_buffer.is_capturing = real
+    out["capture_warm"] = sum(jit.values()) - sum(before.values())
+    # the emulated runtime itself: a first use inside a capture is DeepJIT's error
+    buf = d.backend._shared.buffer
+    x, idx, _ = _tiny(E, rank)
+    with v25.runtime.emu_capture():
+        out["emu_capture"] = _raises(
+            lambda: buf.dispatch(
+                x, topk_idx=idx, num_experts=E, num_max_tokens_per_rank=8, num_sms=8
+            ),
+            RuntimeError,
+        )
+    d.close()
+    return out
+
+
+def _tiny(E: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(rank + 50)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(3)])
+    return torch.randn(3, H, generator=g), idx, torch.rand(3, K, generator=g)
+
+
+def features(rank: int, R: int) -> dict[str, Any]:
+    """Overlap (defer_epilogue), expert alignment with DeepEP's zero padding, fp8, SMs."""
+    from flexdispatch import DispatchConfig, FlexDispatcher
+    from tests.deepep_emu.runtime import ep as emu_ep
+
+    E, width = E_PER_RANK * R, 256
+    v25 = _emus(R)[0]
+    inputs = all_inputs(9, R=R, E=E, k=K, H=width, dtype=torch.bfloat16, exact=False)
+    mine = inputs[rank]
+    out: dict[str, Any] = {}
+    deferred: list[bool] = []
+    real = emu_ep.EPRuntime.dispatch
+
+    def spy(self: Any, *args: Any) -> Any:
+        deferred.append(bool(args[-1]))
+        return real(self, *args)
+
+    emu_ep.EPRuntime.dispatch = spy  # type: ignore[method-assign]
+    cfg = DispatchConfig(backend="deepep", deepep_api="ep", expert_alignment=8)
+    d = FlexDispatcher(cfg, num_experts=E, _deep_ep=v25)
+    a = d.dispatch_expanded(mine.x, mine.idx, mine.probs)
+    pending = d.dispatch_expanded_start(mine.x, mine.idx, mine.probs)
+    b = pending.wait()
+    emu_ep.EPRuntime.dispatch = real  # type: ignore[method-assign]
+    out["deferred"] = deferred
+    ya = d.combine(a.recv_x * a.recv_probs[:, None].to(torch.bfloat16), a.handle)
+    yb = d.combine(b.recv_x * b.recv_probs[:, None].to(torch.bfloat16), b.handle)
+    out["overlap_equal"] = bool(torch.equal(ya, yb)) and torch.equal(
+        a.tokens_per_expert, b.tokens_per_expert
+    )
+    counts = a.tokens_per_expert
+    starts = torch.cumsum(counts, 0) - counts
+    e = E // R
+    real_rows = torch.tensor(
+        [
+            int(((mine_idx := inp.idx) // e == rank).logical_and(mine_idx >= 0).any(1).sum())
+            for inp in inputs
+        ]
+    )
+    pad_ok = True
+    got = torch.zeros(e, dtype=torch.int64)
+    for j in range(e):
+        seg_p = a.recv_probs[starts[j] : starts[j] + counts[j]]
+        n = int((seg_p != 0).sum())
+        got[j] = n
+        pad_ok &= bool((a.recv_x[starts[j] + n : starts[j] + counts[j]] == 0).all())
+    want = torch.zeros(e, dtype=torch.int64)
+    for inp in inputs:
+        for row, pr in zip(inp.idx.tolist(), inp.probs.tolist(), strict=True):
+            for i, p in zip(row, pr, strict=True):
+                if i >= 0 and i // e == rank and p != 0:
+                    want[i - rank * e] += 1
+    out["aligned"] = bool((counts % 8 == 0).all()) and bool(torch.equal(got, want)) and pad_ok
+    out["real_rows"] = int(real_rows.sum())
+    # fp8 rows and scales pass through (expanded: each row lands once per local expert)
+    x8 = mine.x.float().clamp(-400, 400).to(torch.float8_e4m3fn)
+    sf = torch.rand(x8.shape[0], width // 128, generator=torch.Generator().manual_seed(rank))
+    r8 = d.dispatch((x8, sf), mine.idx, mine.probs)
+    ref = ref_dispatch(inputs, rank, E)
+    ref8 = ref.x.float().clamp(-400, 400).to(torch.float8_e4m3fn)
+    out["fp8"] = bool(torch.equal(r8.recv_x.view(torch.uint8), ref8.view(torch.uint8)))
+    # the analytic SM count, agreed by every rank, is what DeepEP's handle carries
+    out["sms"] = (d.backend._shared.sms.get((E, K)), a.handle.state.handle.num_sms)
+    d.close()
+    return out
+
+
+def worker(rank: int, R: int) -> dict[str, Any]:
+    return {
+        "selection": selection(rank, R),
+        "refusals": refusals(rank, R),
+        "jit": jit_and_capture(rank, R),
+        "features": features(rank, R),
+    }
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+def test_ep_selection_refusals_jit_and_features() -> None:
+    R = 2
+    for rank, out in enumerate(run_group(worker, R, timeout=220)):
+        s = out["selection"]
+        for key in ("auto_worst", "deepep_worst", "auto_bound", "auto_v25_only", "ep"):
+            api, reason, name = s[key]
+            assert api == "ep" and name == "deepep", (key, s[key])
+            assert "deep_ep_v25.EPBuffer" in reason, (key, reason)
+        assert "worst-case mode: DeepEP 2.5" in s["auto_worst"][1], s["auto_worst"]
+        assert "num_max_dispatch_tokens_per_rank=64 set" in s["auto_bound"][1], s["auto_bound"]
+        assert s["auto_unbound"][0] == "legacy", s["auto_unbound"]  # V1 takes any T
+        assert "'ep' for V2 / V2.5" in s["auto_unbound"][1], s["auto_unbound"]
+        assert s["auto_ll"][0] == "legacy" and "low-latency" in s["auto_ll"][1], s["auto_ll"]
+        assert s["auto_v2_only"][0] == "elastic", s["auto_v2_only"]
+        api, reason, _ = s["auto_split"]
+        assert api == "elastic", s["auto_split"]  # rank 0 has V2.5, rank 1 not
+        assert rank == 1 or "DeepEP 2.5 is not the choice of every rank" in reason, reason
+        assert "deep_ep_v25" in s["ep_missing"] and "'elastic' / 'legacy'" in s["ep_missing"]
+        assert s["ep_auto_missing"][2] == "torch", s["ep_auto_missing"]
+        assert "deepep_api='ep'" in s["ep_auto_missing"][1], s["ep_auto_missing"]
+        assert "low-latency" in s["ep_ll"], s["ep_ll"]
+        assert "not a multiple of R=2" in s["ep_odd_w"], s["ep_odd_w"]
+        assert "not divisible by R=2" in s["ep_experts"], s["ep_experts"]
+        assert "L + e = 1 + 128" in s["hybrid_on"] and "deepep_hybrid=False" in s["hybrid_on"]
+        assert "direct mode over 2 nodes" in s["hybrid_auto"][1], s["hybrid_auto"]
+        assert "hybrid mode over 2 nodes" in s["hybrid_small"][1], s["hybrid_small"]
+
+        f = out["refusals"]
+        T = f["T"]
+        assert f"{T} tokens" in f["over_w"] and "W=4" in f["over_w"], f["over_w"]
+        assert f"at least {T * R}" in f["over_w"], f["over_w"]
+        assert f"at least {T}" in f["over_m"] and "per_rank" in f["over_m"], f["over_m"]
+        assert f"rank {R - 1} dispatches {f['last_T']} tokens" in f["over_w_checks"], f
+        assert "names one expert twice" in f["duplicate"], f["duplicate"]
+        assert "ep.duplicate_experts" in f["duplicate"] and f["after"], f
+
+        j = out["jit"]
+        # 14 batch sizes, 3 buckets: each kernel compiled once per bucket, not per size
+        assert j["buckets"]["dispatch"] == 3 and j["buckets"]["combine"] == 3, j
+        assert "inside a CUDA-graph capture" in j["capture_cold"], j
+        assert "warmup" in j["capture_cold"] and "M=128" in j["capture_cold"], j
+        assert j["capture_warm"] == 0, j
+        assert "ep.jit_capture" in j["emu_capture"], j
+
+        g = out["features"]
+        assert g["deferred"] == [False, True], g
+        assert g["overlap_equal"] and g["aligned"] and g["fp8"], (rank, g)
+        sms, handle_sms = g["sms"]
+        assert sms is not None and sms == handle_sms and sms % 2 == 0 and sms >= 4, g
