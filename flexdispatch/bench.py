@@ -280,9 +280,9 @@ def make_workload(spec: BenchSpec, rank: int, device: torch.device) -> Workload:
 
 def _device() -> torch.device:
     if dist.get_backend() == "nccl" and torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        return device
+        # NOTE: whoever started this rank bound its GPU (spawn_group: cuda:rank; a launcher:
+        # cuda:LOCAL_RANK).
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
@@ -419,8 +419,14 @@ def run_under_launcher(spec: BenchSpec, *, timeout_s: float = 300.0) -> list[dic
     Returns:
         Every rank's result on rank 0, None on the other ranks.
     """
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    from flexdispatch.devices import plan_devices
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    # NOTE: refused here, before the group exists, when the local ranks outnumber the GPUs.
+    plan = plan_devices(local, ranks_hint="--nproc-per-node {gpus}")
+    if plan.uses_gpus:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(plan.backend, timeout=datetime.timedelta(seconds=timeout_s))
     try:
         spec.validate(dist.get_world_size())
         mine = bench_rank(spec)

@@ -86,6 +86,10 @@ def _worker(
     )
     torch.set_num_threads(max(1, int(env.get("FLEXDISPATCH_THREADS", "1"))))
     try:
+        if backend == "nccl":
+            # NOTE: every rank runs on this machine (simulated nodes included): rank i on
+            # cuda:i, bound before NCCL builds its communicator.
+            torch.cuda.set_device(rank)
         dist.init_process_group(
             backend,
             init_method=f"tcp://127.0.0.1:{port}",
@@ -122,7 +126,9 @@ def spawn_group(
         ranks_per_node: L, exported as ``LOCAL_WORLD_SIZE``/``LOCAL_RANK`` (default R: one node).
         timeout_s: the deadline for the whole group; past it every process is killed.
         pg_timeout_s: the process-group timeout (default ``timeout_s``).
-        backend: "gloo" (CPU) or "nccl".
+        backend: "gloo" (CPU: the ranks see no GPU, ``CUDA_VISIBLE_DEVICES=""``, unless ``env``
+            sets it) or "nccl" (rank i is bound to ``cuda:i``: all ranks run on this machine,
+            so ``world_size`` may not exceed the GPUs visible).
         env: extra environment variables for the ranks.
 
     Returns:
@@ -136,6 +142,18 @@ def spawn_group(
     L = world_size if ranks_per_node is None else ranks_per_node
     if L <= 0 or world_size % L:
         raise ValueError(f"world_size={world_size} is not a multiple of ranks_per_node={L}")
+    child_env = dict(env or {})
+    if backend == "gloo":
+        # NOTE: gloo ranks run on the CPU: with no GPU visible they create no CUDA context and
+        # take no device memory (the caller's env may still name GPUs for a CUDA-over-gloo test).
+        child_env.setdefault("CUDA_VISIBLE_DEVICES", "")
+    if backend == "nccl":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if world_size > gpus:
+            raise ValueError(
+                f"world_size={world_size} NCCL ranks but {gpus} GPU(s) visible on this machine: "
+                f"use at most {gpus} rank(s), or backend='gloo' (CPU)"
+            )
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
@@ -149,7 +167,7 @@ def spawn_group(
                 port,
                 backend,
                 pg_timeout_s or timeout_s,
-                dict(env or {}),
+                child_env,
                 fn,
                 args,
                 out,
@@ -158,8 +176,19 @@ def spawn_group(
         )
         for rank in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    # NOTE: CUDA_VISIBLE_DEVICES must be in the child's environment from its first instruction
+    # (an import calling torch.cuda.is_available() would read it before _worker runs).
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        if "CUDA_VISIBLE_DEVICES" in child_env:
+            os.environ["CUDA_VISIBLE_DEVICES"] = child_env["CUDA_VISIBLE_DEVICES"]
+        for p in procs:
+            p.start()
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s

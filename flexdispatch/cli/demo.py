@@ -1,10 +1,12 @@
 """``flexdispatch demo``: an expert-parallel MoE layer, forward and backward, checked end to end.
 
-By default it spawns a simulated group on this machine's CPUs (2 nodes × 2 ranks over gloo on
-127.0.0.1). Under ``torchrun`` it joins the group the launcher set up (NCCL on GPUs, gloo
-otherwise). Each rank runs ``MoELayer`` forward and backward in the flat and the hierarchical
-mode; the results are compared with a single-process dense reference (every rank's tokens routed
-by the same router and sent through every expert in one process), and a report is printed.
+By default it spawns a simulated group on this machine: on a GPU machine one rank per GPU over
+NCCL, else 2 nodes × 2 ranks over gloo on the CPUs (``--cpu`` forces that). Under ``torchrun``
+it joins the group the launcher set up (NCCL on GPUs, gloo otherwise). More ranks than GPUs is
+refused before any process starts (``flexdispatch.devices``). Each rank runs ``MoELayer``
+forward and backward in the flat and the hierarchical mode; the results are compared with a
+single-process dense reference (every rank's tokens routed by the same router and sent through
+every expert in one process), and a report is printed.
 
 R ranks · L ranks per node · N nodes · T tokens per rank · H hidden · E experts · e = E / R.
 """
@@ -50,8 +52,24 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="run an expert-parallel MoE layer on a simulated group and check it",
         description=__doc__.split("\n\n")[1],
     )
-    p.add_argument("--nodes", type=int, default=2, help="simulated nodes (default 2)")
-    p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        help="simulated nodes (default 2 on the CPU; on GPUs see --ranks-per-node)",
+    )
+    p.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=None,
+        help="ranks per node (default 2 on the CPU; on a GPU machine, without --nodes either: "
+        "one rank per GPU, as 2 nodes when the GPUs split evenly)",
+    )
+    p.add_argument(
+        "--cpu",
+        action="store_true",
+        help="run on gloo/CPU even when GPUs are visible (also: FLEXDISPATCH_DEVICE=cpu)",
+    )
     p.add_argument("--preset", default="tiny_cpu", help="preset name or YAML path")
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "deepep"))
     p.add_argument("--tokens", type=int, default=64, help="tokens per rank (default 64)")
@@ -142,8 +160,8 @@ def run_rank(spec: DemoSpec) -> dict[str, Any]:
     L = int(os.environ.get("LOCAL_WORLD_SIZE", R))
     device = torch.device("cpu")
     if dist.get_backend() == "nccl" and torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
+        # NOTE: bound by whoever started the rank (spawn_group: cuda:rank; torchrun: LOCAL_RANK).
+        device = torch.device("cuda", torch.cuda.current_device())
     out: dict[str, Any] = {"rank": rank, "world": R, "ranks_per_node": L, "modes": {}}
     for mode in _MODES:
         cfg = _layer_config(spec, mode, R, L)
@@ -219,7 +237,7 @@ def _grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _launcher_entry(
-    planned: tuple[DemoSpec | None, Any, str | None], timeout_s: float
+    planned: tuple[DemoSpec | None, Any, str | None], timeout_s: float, backend: str
 ) -> tuple[DemoSpec, Any, list[dict[str, Any]] | None]:
     """Under torchrun: join the launcher's group, take rank 0's plan (so that every rank runs
     the same sizes, or every rank refuses), run, gather everything on rank 0."""
@@ -227,7 +245,8 @@ def _launcher_entry(
 
     import torch.distributed as dist
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     try:
         shared: list[Any] = [planned]
@@ -423,6 +442,8 @@ def print_report(report: dict[str, Any]) -> None:
     )
     if report.get("fit_line"):
         print(report["fit_line"])
+    if report.get("devices"):
+        print(f"devices: {report['devices']['line']}")
     print(f"backend: {report['backend']} ({report['backend_reason']})")
     rows = report["rows_received_per_rank"]
     print("rows received per rank: " + "  ".join(f"r{i}={n}" for i, n in enumerate(rows)))
@@ -453,6 +474,60 @@ def print_report(report: dict[str, Any]) -> None:
         f"check vs single-process reference (output, grads of input, router, experts{shared}): "
         f"{verdict} "
         f"(max abs diff {worst:.2e}, tolerance {report['tolerance']:.0e})"
+    )
+
+
+# --------------------------------------------------------------------------- devices
+
+_CPU_HINT = "--cpu (or FLEXDISPATCH_DEVICE=cpu)"
+
+
+def _gpu_topology(gpus: int, num_experts: int) -> tuple[int, int]:
+    """(nodes, ranks per node) for one rank per GPU: the most GPUs whose count divides E, as 2
+    simulated nodes when that count is even and >= 4 (so the hierarchical mode has 2 nodes)."""
+    R = max(r for r in range(1, gpus + 1) if num_experts % r == 0)
+    return (2, R // 2) if R >= 4 and R % 2 == 0 else (1, R)
+
+
+def spawned_topology(args: argparse.Namespace, num_experts: int):
+    """(nodes, ranks per node, ``DevicePlan``) of a demo spawned on this machine.
+
+    ``--nodes``/``--ranks-per-node`` as given; when neither is given, one rank per GPU on a GPU
+    machine (``_gpu_topology``), 2 × 2 on the CPU. All R ranks run here, so R is compared with
+    the GPUs visible (``flexdispatch.devices.plan_devices``): more is refused, naming both.
+    """
+    from flexdispatch.devices import plan_devices, requested_device, visible_gpus
+
+    device = requested_device(getattr(args, "cpu", False))
+    gpus, source = visible_gpus()
+    nodes, per_node = args.nodes, args.ranks_per_node
+    if nodes is None and per_node is None and device != "cpu" and gpus > 0:
+        nodes, per_node = _gpu_topology(gpus, num_experts)
+    nodes = 2 if nodes is None else nodes
+    per_node = 2 if per_node is None else per_node
+    if nodes < 1 or per_node < 1:
+        raise ValueError(f"--nodes {nodes} --ranks-per-node {per_node}: both must be >= 1")
+    plan = plan_devices(
+        nodes * per_node,
+        device=device,
+        gpus=gpus,
+        gpus_source=source,
+        ranks_hint="--nodes 1 --ranks-per-node {gpus} (or neither)",
+        cpu_hint=_CPU_HINT,
+    )
+    return nodes, per_node, plan
+
+
+def launcher_devices(args: argparse.Namespace, local_ranks: int):
+    """The ``DevicePlan`` of this node's ``local_ranks`` torchrun ranks (refused, on every rank
+    alike, before the process group exists when they outnumber the GPUs)."""
+    from flexdispatch.devices import plan_devices, requested_device
+
+    return plan_devices(
+        local_ranks,
+        device=requested_device(getattr(args, "cpu", False)),
+        ranks_hint="--nproc-per-node {gpus} (NPROC_PER_NODE={gpus} with scripts/launch/)",
+        cpu_hint=_CPU_HINT,
     )
 
 
@@ -500,7 +575,10 @@ def run(args: argparse.Namespace) -> int:
     if under_launcher():
         world = int(os.environ["WORLD_SIZE"])
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        mismatch = (args.nodes * args.ranks_per_node, args.ranks_per_node) != (world, local)
+        mismatch = args.nodes not in (None, world // local) or args.ranks_per_node not in (
+            None,
+            local,
+        )
         if mismatch and os.environ.get("RANK") == "0":
             _progress(
                 f"under a launcher: using its {world // local} node(s) × {local} rank(s); "
@@ -512,27 +590,32 @@ def run(args: argparse.Namespace) -> int:
             planned = (spec, (plan, line), None)
         except ValueError as exc:
             planned = (None, None, str(exc))
-        _progress("joining the launcher's process group")
-        spec, (plan, line), results = _launcher_entry(planned, args.timeout)
+        devices = launcher_devices(args, local)
+        _progress(f"devices: {devices.line()}; joining the launcher's process group")
+        spec, (plan, line), results = _launcher_entry(planned, args.timeout, devices.backend)
         if results is None:
             return 0
         peaks = {"largest_rank": max((r.get("peak_rss") or 0) for r in results) or None}
     else:
-        if args.nodes < 1 or args.ranks_per_node < 1:
-            raise ValueError("--nodes and --ranks-per-node must be >= 1")
-        R = args.nodes * args.ranks_per_node
-        spec, plan, line = _plan(args, R, launcher=False, local_ranks=R)
-        _layer_config(spec, "hierarchical", R, args.ranks_per_node).check_world(
-            R, args.ranks_per_node
+        nodes, per_node, devices = spawned_topology(
+            args, load_config(args.preset).router.num_experts
         )
+        R = nodes * per_node
+        spec, plan, line = _plan(args, R, launcher=False, local_ranks=R)
+        _layer_config(spec, "hierarchical", R, per_node).check_world(R, per_node)
         _progress(line)
-        _progress(f"[1/3] spawning {R} ranks ({args.nodes} nodes × {args.ranks_per_node}, gloo)")
+        _progress(f"devices: {devices.line()}")
+        _progress(
+            f"[1/3] spawning {R} ranks ({nodes} nodes × {per_node}, {devices.backend} on "
+            f"{devices.device_type})"
+        )
         results = spawn_group(
             run_rank,
             R,
             args=(spec,),
-            ranks_per_node=args.ranks_per_node,
+            ranks_per_node=per_node,
             timeout_s=args.timeout,
+            backend=devices.backend,
         )
         _progress(f"[2/3] {R} ranks finished forward+backward in flat and hierarchical modes")
         # NOTE: the largest child includes a rank's serialisation of its results on the way back.
@@ -542,6 +625,12 @@ def run(args: argparse.Namespace) -> int:
     report = build_report(spec, results, diffs, tol=1e-4)
     peaks["this_process"] = _peak_rss("self")
     report["fit_line"] = line
+    report["devices"] = {
+        "process_group": devices.backend,
+        "device": devices.device_type,
+        "gpus_visible": devices.gpus,
+        "line": devices.line(),
+    }
     report["fit"] = {**plan.as_dict(), "measured_peak_rss": peaks}
     report["wall_s"] = round(time.perf_counter() - t0, 2)
     if args.json:

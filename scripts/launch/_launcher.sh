@@ -14,3 +14,13 @@ elif [[ -x "$venv/bin/torchrun" && "$PYTHON" == "$venv/bin/python" ]]; then
 else
   launcher=("$PYTHON" -m torch.distributed.run)
 fi
+# check_devices L: before torchrun, compare L ranks on this node with the GPUs visible here
+# (`python -m flexdispatch.devices`): refuse with one line and exit 2 when L > GPUs, unless
+# FLEXDISPATCH_DEVICE=cpu, which also hides the GPUs from the workers (gloo on the CPU).
+check_devices() {
+  PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m flexdispatch.devices --ranks "$1" \
+    || exit 2
+  if [[ "${FLEXDISPATCH_DEVICE:-}" == cpu ]]; then
+    export CUDA_VISIBLE_DEVICES=""
+  fi
+}

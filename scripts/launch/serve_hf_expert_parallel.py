@@ -11,10 +11,11 @@ Every rank loads the checkpoint from the local directory (``from_pretrained(path
 flexdispatch routes in fp32), calls ``flexdispatch.hf.expert_parallel`` so that it keeps only its
 slice of each MoE layer's experts (router, attention, embeddings and shared experts stay whole),
 and runs greedy ``generate()`` on the same prompt; the tokens move between the ranks through
-``FlexDispatcher`` (gloo on CPUs, NCCL on GPUs). Rank 0 prints which experts it holds, the
-generated token ids, the text when the directory holds a tokenizer, and the dispatcher's host
-syncs. ``--check`` also runs the unsharded model on rank 0
-and exits 1 unless it generates the same tokens.
+``FlexDispatcher`` (gloo on CPUs, NCCL on GPUs: one rank per GPU, more ranks per node than GPUs
+is refused, ``FLEXDISPATCH_DEVICE=cpu`` runs gloo on the CPU). Rank 0 prints which experts it
+holds, the generated token ids, the text when the directory holds a tokenizer, and the
+dispatcher's host syncs. ``--check`` also runs the unsharded model on rank 0 and exits 1 unless
+it generates the same tokens.
 
 The prompt is tokenised with the directory's tokenizer (``--prompt``), or given as token ids
 (``--input-ids``, for checkpoints without one). Exactly ``--max-new-tokens`` tokens are generated
@@ -88,9 +89,16 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from flexdispatch.config import DispatchConfig
+    from flexdispatch.devices import plan_devices
     from flexdispatch.hf import EPSparseMoeBlock, expert_parallel
 
-    cuda = torch.cuda.is_available()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    try:  # NOTE: before the process group: more local ranks than GPUs is refused, not a hang
+        plan = plan_devices(local, ranks_hint="--nproc-per-node {gpus}")
+    except ValueError as exc:
+        print(f"serve_hf_expert_parallel: {exc}", file=sys.stderr)
+        return 2
+    cuda = plan.uses_gpus
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else None
     if cuda:
         torch.cuda.set_device(device)

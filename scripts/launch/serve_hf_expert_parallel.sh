@@ -8,7 +8,8 @@
 # Arguments go to serve_hf_expert_parallel.py (see its docstring: --max-new-tokens, --worst-case,
 # --check). Environment as torchrun_single_node.sh: NPROC_PER_NODE (default: GPU count, else 2),
 # MASTER_PORT (static rendezvous on 127.0.0.1, else --standalone), FLEXDISPATCH_VENV, PYTHON,
-# TORCHRUN, FLEXDISPATCH_DRY_RUN=1 (print the command instead of running it).
+# TORCHRUN, FLEXDISPATCH_DRY_RUN=1 (print the command instead of running it), FLEXDISPATCH_DEVICE=cpu
+# (gloo on the CPU even with GPUs visible). More processes than GPUs is refused before torchrun.
 set -euo pipefail
 # shellcheck source=scripts/launch/_launcher.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_launcher.sh"
@@ -21,6 +22,7 @@ if [[ -n "${MASTER_PORT:-}" ]]; then
 else
   rdzv=(--standalone --nnodes 1)
 fi
+check_devices "$NPROC_PER_NODE"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 args=("${launcher[@]}" "${rdzv[@]}" --nproc-per-node "$NPROC_PER_NODE" --max-restarts 0

@@ -22,7 +22,8 @@
 #                    MASTER_ADDR:MASTER_PORT, node ranks assigned by arrival; needs RDZV_ID)
 #   RDZV_ID          job id for c10d (default flexdispatch)
 #   FLEXDISPATCH_CMD sub-command: demo (default), bench, doctor, ...
-#   FLEXDISPATCH_VENV, PYTHON, TORCHRUN, FLEXDISPATCH_DRY_RUN: as in torchrun_single_node.sh
+#   FLEXDISPATCH_VENV, PYTHON, TORCHRUN, FLEXDISPATCH_DRY_RUN, FLEXDISPATCH_DEVICE: as in
+#                    torchrun_single_node.sh (NPROC_PER_NODE > GPUs on this node is refused there)
 #
 # Communication settings (export them before this script; they reach every worker):
 #   NCCL_SOCKET_IFNAME=eth0          interface for NCCL's bootstrap / socket transport (also set
@@ -68,6 +69,7 @@ case "${RDZV_BACKEND:-static}" in
     exit 2 ;;
 esac
 cmd=${FLEXDISPATCH_CMD:-demo}
+check_devices "$NPROC_PER_NODE"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 args=("${launcher[@]}" "${rdzv[@]}" --nproc-per-node "$NPROC_PER_NODE" --max-restarts 0

@@ -18,6 +18,10 @@
 #   PYTHON            interpreter (default: the venv's python, else python3)
 #   TORCHRUN          launcher command (default: the venv's torchrun, else `$PYTHON -m torch.distributed.run`)
 #   FLEXDISPATCH_DRY_RUN=1  print the command instead of running it
+#   FLEXDISPATCH_DEVICE=cpu gloo on the CPU even with GPUs visible (they are hidden from the workers)
+#
+# Before torchrun, `python -m flexdispatch.devices` compares NPROC_PER_NODE with the GPUs visible:
+# more processes than GPUs is refused with one line (exit 2) naming both and what to pass.
 set -euo pipefail
 # shellcheck source=scripts/launch/_launcher.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_launcher.sh"
@@ -31,6 +35,7 @@ if [[ -n "${MASTER_PORT:-}" ]]; then
 else
   rdzv=(--standalone --nnodes 1)
 fi
+check_devices "$NPROC_PER_NODE"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 args=("${launcher[@]}" "${rdzv[@]}" --nproc-per-node "$NPROC_PER_NODE" --max-restarts 0

@@ -39,7 +39,10 @@ def _env() -> dict[str, str]:
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
     for k in (*launcher, "MASTER_PORT"):
         env.pop(k, None)
+    env.pop("FLEXDISPATCH_VISIBLE_GPUS", None)
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
+    # NOTE: these are CPU runs (gloo, fp32 on the host) on any machine; tests/gpu runs it on GPUs.
+    env["FLEXDISPATCH_DEVICE"] = "cpu"
     return env
 
 

@@ -48,7 +48,12 @@ _LAUNCHER_ENV = (
     "FLEXDISPATCH_DRY_RUN",
     "RDZV_BACKEND",
     "TORCHRUN",
+    "FLEXDISPATCH_DEVICE",
+    "FLEXDISPATCH_VISIBLE_GPUS",
 )
+# NOTE: the runs below are gloo runs on the CPU, whatever GPUs the machine has (the recipes hide
+# them from the workers); the dry runs fake 8 GPUs so that the device check passes everywhere.
+CPU = {"FLEXDISPATCH_DEVICE": "cpu"}
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -74,7 +79,7 @@ def _demo_summary(text: str) -> tuple[int, int, int]:
 @pytest.mark.dist
 @pytest.mark.timeout(200)
 def test_single_node_demo_under_torchrun() -> None:
-    env = _env(NPROC_PER_NODE="2", MASTER_PORT=str(free_port()))
+    env = _env(NPROC_PER_NODE="2", MASTER_PORT=str(free_port()), **CPU)
     proc = _run(["bash", str(SINGLE), *DEMO_ARGS], env)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-4000:]
@@ -86,7 +91,7 @@ def test_single_node_demo_under_torchrun() -> None:
 @pytest.mark.dist
 @pytest.mark.timeout(200)
 def test_single_node_bench_standalone() -> None:
-    env = _env(NPROC_PER_NODE="2", FLEXDISPATCH_CMD="bench")
+    env = _env(NPROC_PER_NODE="2", FLEXDISPATCH_CMD="bench", **CPU)
     args = ["--json", "--tokens", "32", "--hidden", "16", "--experts", "4", "--topk", "2"]
     proc = _run(["bash", str(SINGLE), *args, "--reps", "2", "--warmup", "0"], env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -116,6 +121,7 @@ def test_multi_node_script_two_agents() -> None:
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=port,
                 NPROC_PER_NODE="2",
+                **CPU,
             )
             for node in (0, 1)
         ],
@@ -132,7 +138,8 @@ def test_multi_node_script_two_agents() -> None:
 
 
 def _dry_run(script: Path, env: dict[str, str], *args: str) -> list[str]:
-    proc = _run(["bash", str(script), *args], {**env, "FLEXDISPATCH_DRY_RUN": "1"}, timeout=30)
+    env = {"FLEXDISPATCH_VISIBLE_GPUS": "8", **env, "FLEXDISPATCH_DRY_RUN": "1"}
+    proc = _run(["bash", str(script), *args], env, timeout=30)
     assert proc.returncode == 0, proc.stderr
     return shlex.split(proc.stdout)
 
@@ -160,6 +167,34 @@ def test_multi_node_script_options() -> None:
     assert bad.returncode == 2 and "RDZV_BACKEND must be static or c10d" in bad.stderr
     single = _dry_run(SINGLE, _env(NPROC_PER_NODE="3"))
     assert "--standalone" in single and _opt(single, "--nproc-per-node") == "3"
+
+
+@pytest.mark.timeout(120)
+def test_recipes_refuse_more_ranks_than_gpus_before_torchrun(tmp_path: Path) -> None:
+    """NPROC_PER_NODE > the GPUs visible: one line naming both and what to pass, exit 2, torchrun
+    never started; FLEXDISPATCH_DEVICE=cpu runs gloo with the GPUs hidden from the workers."""
+    fake = tmp_path / "fake_torchrun"
+    fake.write_text(
+        '#!/usr/bin/env bash\necho "CUDA_VISIBLE_DEVICES=[${CUDA_VISIBLE_DEVICES-unset}]"\n'
+    )
+    fake.chmod(0o755)
+    serve = LAUNCH / "serve_hf_expert_parallel.sh"
+    for script, extra in ((SINGLE, {}), (MULTI, {"NNODES": "1"}), (serve, {})):
+        env = _env(NPROC_PER_NODE="2", FLEXDISPATCH_VISIBLE_GPUS="1", TORCHRUN=str(fake), **extra)
+        proc = _run(["bash", str(script), "ckpt"], env, timeout=60)
+        assert proc.returncode == 2 and proc.stdout == "", (script.name, proc.stdout, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, (script.name, proc.stderr)
+        assert "2 rank(s) on this machine but only 1 GPU(s) visible" in lines[0]
+        assert "NPROC_PER_NODE=1" in lines[0] and "FLEXDISPATCH_DEVICE=cpu" in lines[0]
+        proc = _run(["bash", str(script), "ckpt"], {**env, **CPU}, timeout=60)
+        assert proc.returncode == 0, (script.name, proc.stderr)
+        assert "CUDA_VISIBLE_DEVICES=[]" in proc.stdout, (script.name, proc.stdout)
+        assert "gloo" in proc.stderr
+        fits = _run(["bash", str(script), "ckpt"], {**env, "NPROC_PER_NODE": "1"}, timeout=60)
+        assert fits.returncode == 0 and "NCCL, one rank per GPU" in fits.stderr, fits.stderr
+        kept = env.get("CUDA_VISIBLE_DEVICES", "unset")  # the GPUs are left as they were
+        assert f"CUDA_VISIBLE_DEVICES=[{kept}]" in fits.stdout, fits.stdout
 
 
 def test_slurm_batch_script(tmp_path: Path) -> None:
@@ -223,7 +258,10 @@ def test_k8s_manifest() -> None:
         script = " ".join(c["args"])
         assert "scripts/launch/torchrun_multi_node.sh" in script
         for operator_env, rank in (({"PET_NODE_RANK": "1"}, "1"), ({"RANK": "1"}, "1"), ({}, "0")):
-            run_env = _env(**env, **operator_env, FLEXDISPATCH_DRY_RUN="1")
+            gpus = str(c["resources"]["limits"]["nvidia.com/gpu"])  # the pod's GPUs
+            run_env = _env(
+                **env, **operator_env, FLEXDISPATCH_DRY_RUN="1", FLEXDISPATCH_VISIBLE_GPUS=gpus
+            )
             proc = _run([*c["command"], script], run_env, timeout=30)
             assert proc.returncode == 0, proc.stderr
             argv = shlex.split(proc.stdout)

@@ -95,6 +95,7 @@ def _serve(path: Path, *argv: str) -> subprocess.CompletedProcess:
         MASTER_PORT=str(free_port()),
         PYTHON=sys.executable,
         OMP_NUM_THREADS="1",
+        FLEXDISPATCH_DEVICE="cpu",  # 2 gloo ranks on any machine, GPUs or not
     )
     return subprocess.run(
         ["bash", str(SERVE), str(path), "--max-new-tokens", str(NEW), *argv],
