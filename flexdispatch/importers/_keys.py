@@ -291,6 +291,21 @@ _NESTED = {
 }
 
 
+# Routing keys an explicit ``null`` may not stand for: transformers keeps the null (the config
+# class's default applies only to an absent key) and its model fails or routes otherwise, so the
+# importer refuses instead of taking the default (``"num_experts_per_tok": null`` is not top-8).
+_NOT_NULL = frozenset(
+    {
+        "num_experts_per_tok",
+        "n_routed_experts",
+        "num_local_experts",
+        "num_experts",
+        "norm_topk_prob",
+        "routed_scaling_factor",
+    }
+)
+
+
 class _Keys:
     """Typed reads of one config mapping; absent keys take the family's defaults (recorded)."""
 
@@ -315,6 +330,7 @@ class _Keys:
                 return self.cfg[alias]
         if here:
             return self.cfg[key]
+        self._refuse_null(key, alias)
         if self.defaults.get(key) is not None:
             value = self.defaults[key]
             fixed = key in _FIXED_IN_MODELING.get(self.mt, ())
@@ -325,6 +341,17 @@ class _Keys:
             f"{self.mt} config lacks {self.name(key)!r} and the architecture has no default "
             f"for it: add it (see the model's config.json)"
         )
+
+    def _refuse_null(self, key: str, alias: str | None) -> None:
+        if key not in _NOT_NULL or key in _FIXED_IN_MODELING.get(self.mt, ()):
+            return
+        for name in (key, alias):
+            if name and name in self.cfg and self.cfg[name] is None:
+                raise ValueError(
+                    f"{self.mt} config has {self.name(name)}: null; a null routing key is not "
+                    f"read as the architecture's default (transformers keeps the null): set it "
+                    f"to the model's value (see the model card or its modeling code)"
+                )
 
     def has(self, key: str) -> bool:
         alias = _ALIASES.get(self.mt, {}).get(key)

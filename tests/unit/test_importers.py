@@ -540,3 +540,48 @@ def test_nested_text_config_must_be_the_families_text_model():
         moe_config_from_hf(raw)
     with pytest.raises(ValueError, match="text_config must be an object"):
         moe_config_from_hf({"model_type": "llama4", "text_config": [1]})
+
+
+# ------------------------------------------------------------------------------- explicit nulls
+
+
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_null_routing_keys_are_refused_not_defaulted(fixture):
+    """``"num_experts_per_tok": null`` (or another routing key the router needs) is refused
+    naming the key, in every family and in nested text configs, not read as the default."""
+    from flexdispatch.importers._keys import _FIXED_IN_MODELING, _NOT_NULL
+
+    raw = hf(fixture)
+    body = text(raw)
+    prefix = "text_config." if "text_config" in raw else ""
+    mt = body.get("model_type", raw["model_type"])
+    keys = sorted(k for k in _NOT_NULL & set(body) if k not in _FIXED_IN_MODELING.get(mt, ()))
+    if "num_experts_per_tok" in body:
+        assert "num_experts_per_tok" in keys
+    refused = set()
+    for key in keys:
+        nulled = {**body, key: None}
+        case = {**raw, "text_config": nulled} if prefix else nulled
+        try:
+            moe_config_from_hf(case)
+        except ValueError as exc:
+            if f"{prefix}{key}: null" in str(exc):
+                refused.add(key)
+                continue
+            # another check came first (the value is read only where the family uses it)
+            assert "null" not in str(exc), exc
+        else:
+            # the family does not read this key: importing must not depend on it
+            assert moe_config_from_hf(case).router == moe_config_from_hf(raw).router, key
+    if "num_experts_per_tok" in keys:
+        assert "num_experts_per_tok" in refused, f"{fixture}: a null top-k was not refused"
+
+
+def test_null_top_k_message():
+    with pytest.raises(ValueError) as err:
+        moe_config_from_hf({**hf("mixtral_8x7b.json"), "num_experts_per_tok": None})
+    msg = str(err.value)
+    assert "mixtral config has num_experts_per_tok: null" in msg and "set it" in msg
+    # an absent key still takes the family's default, as transformers does
+    absent = {k: v for k, v in hf("mixtral_8x7b.json").items() if k != "num_experts_per_tok"}
+    assert moe_config_from_hf(absent).router.topk == 2
