@@ -477,62 +477,16 @@ def print_report(report: dict[str, Any]) -> None:
     )
 
 
-# --------------------------------------------------------------------------- devices
-
-_CPU_HINT = "--cpu (or FLEXDISPATCH_DEVICE=cpu)"
-
-
-def _gpu_topology(gpus: int, num_experts: int) -> tuple[int, int]:
-    """(nodes, ranks per node) for one rank per GPU: the most GPUs whose count divides E, as 2
-    simulated nodes when that count is even and >= 4 (so the hierarchical mode has 2 nodes)."""
-    R = max(r for r in range(1, gpus + 1) if num_experts % r == 0)
-    return (2, R // 2) if R >= 4 and R % 2 == 0 else (1, R)
-
-
-def spawned_topology(args: argparse.Namespace, num_experts: int):
-    """(nodes, ranks per node, ``DevicePlan``) of a demo spawned on this machine.
-
-    ``--nodes``/``--ranks-per-node`` as given; when neither is given, one rank per GPU on a GPU
-    machine (``_gpu_topology``), 2 × 2 on the CPU. All R ranks run here, so R is compared with
-    the GPUs visible (``flexdispatch.devices.plan_devices``): more is refused, naming both.
-    """
-    from flexdispatch.devices import plan_devices, requested_device, visible_gpus
-
-    device = requested_device(getattr(args, "cpu", False))
-    gpus, source = visible_gpus()
-    nodes, per_node = args.nodes, args.ranks_per_node
-    if nodes is None and per_node is None and device != "cpu" and gpus > 0:
-        nodes, per_node = _gpu_topology(gpus, num_experts)
-    nodes = 2 if nodes is None else nodes
-    per_node = 2 if per_node is None else per_node
-    if nodes < 1 or per_node < 1:
-        raise ValueError(f"--nodes {nodes} --ranks-per-node {per_node}: both must be >= 1")
-    plan = plan_devices(
-        nodes * per_node,
-        device=device,
-        gpus=gpus,
-        gpus_source=source,
-        ranks_hint="--nodes 1 --ranks-per-node {gpus} (or neither)",
-        cpu_hint=_CPU_HINT,
-    )
-    return nodes, per_node, plan
-
-
-def launcher_devices(args: argparse.Namespace, local_ranks: int):
-    """The ``DevicePlan`` of this node's ``local_ranks`` torchrun ranks (refused, on every rank
-    alike, before the process group exists when they outnumber the GPUs)."""
-    from flexdispatch.devices import plan_devices, requested_device
-
-    return plan_devices(
-        local_ranks,
-        device=requested_device(getattr(args, "cpu", False)),
-        ranks_hint="--nproc-per-node {gpus} (NPROC_PER_NODE={gpus} with scripts/launch/)",
-        cpu_hint=_CPU_HINT,
-    )
-
-
-def _plan(args: argparse.Namespace, num_ranks: int, *, launcher: bool, local_ranks: int):
-    """The spec with the sizes that fit (see ``flexdispatch.cli.demo_fit``) and the plan."""
+def _plan(
+    args: argparse.Namespace,
+    num_ranks: int,
+    *,
+    launcher: bool,
+    local_ranks: int,
+    runtime: tuple[int, int | None, str] | None = None,
+):
+    """The spec with the sizes that fit (see ``flexdispatch.cli.demo_fit``) and the plan;
+    ``runtime`` is ``demo_runtime.measure_runtime``'s answer (None: the fixed allowance)."""
     from flexdispatch.cli import demo_fit
     from flexdispatch.config import load_config
 
@@ -549,6 +503,7 @@ def _plan(args: argparse.Namespace, num_ranks: int, *, launcher: bool, local_ran
         limit_reason=why,
         launcher=launcher,
         local_ranks=local_ranks,
+        runtime=demo_fit.RUNTIME_BYTES if runtime is None else runtime[0],
     )
     spec = DemoSpec(
         preset=args.preset,
@@ -565,6 +520,7 @@ def _plan(args: argparse.Namespace, num_ranks: int, *, launcher: bool, local_ran
 
 
 def run(args: argparse.Namespace) -> int:
+    from flexdispatch.cli import demo_machine
     from flexdispatch.config import load_config
     from flexdispatch.launch import spawn_group, under_launcher
 
@@ -585,23 +541,29 @@ def run(args: argparse.Namespace) -> int:
                 f"--nodes/--ranks-per-node are ignored"
             )
         planned: tuple[Any, Any, str | None]
+        devices = demo_machine.launcher_devices(args, local)
+        runtime = None
         try:
-            spec, plan, line = _plan(args, world, launcher=True, local_ranks=local)
-            planned = (spec, (plan, line), None)
+            if os.environ.get("RANK") == "0":  # NOTE: only rank 0's plan is used
+                runtime = demo_machine.measure_runtime(devices.device_type, progress=_progress)
+            spec, plan, line = _plan(args, world, launcher=True, local_ranks=local, runtime=runtime)
+            planned = (spec, (plan, line, runtime), None)
         except ValueError as exc:
             planned = (None, None, str(exc))
-        devices = launcher_devices(args, local)
         _progress(f"devices: {devices.line()}; joining the launcher's process group")
-        spec, (plan, line), results = _launcher_entry(planned, args.timeout, devices.backend)
+        spec, (plan, line, runtime), results = _launcher_entry(
+            planned, args.timeout, devices.backend
+        )
         if results is None:
             return 0
         peaks = {"largest_rank": max((r.get("peak_rss") or 0) for r in results) or None}
     else:
-        nodes, per_node, devices = spawned_topology(
+        nodes, per_node, devices = demo_machine.spawned_topology(
             args, load_config(args.preset).router.num_experts
         )
         R = nodes * per_node
-        spec, plan, line = _plan(args, R, launcher=False, local_ranks=R)
+        runtime = demo_machine.measure_runtime(devices.device_type, progress=_progress)
+        spec, plan, line = _plan(args, R, launcher=False, local_ranks=R, runtime=runtime)
         _layer_config(spec, "hierarchical", R, per_node).check_world(R, per_node)
         _progress(line)
         _progress(f"devices: {devices.line()}")
@@ -632,6 +594,9 @@ def run(args: argparse.Namespace) -> int:
         "line": devices.line(),
     }
     report["fit"] = {**plan.as_dict(), "measured_peak_rss": peaks}
+    if runtime is not None:
+        report["fit"]["runtime"] = {"allowance": runtime[0], "measured": runtime[1]}
+        report["fit"]["runtime"]["source"] = runtime[2]
     report["wall_s"] = round(time.perf_counter() - t0, 2)
     if args.json:
         print(json.dumps(report, indent=2))

@@ -12,7 +12,9 @@ experts, activation) and shrinks what must shrink, in this order, until the esti
 If it does not fit even then, the demo is refused up front with the memory it would need.
 
 The estimate (``estimate_memory``) counts what the demo actually holds, in bytes, for every
-process of the tree (R ranks and the parent): a fixed runtime per process (Python, torch, gloo),
+process of the tree (R ranks and the parent): a runtime per process (Python, torch, gloo; the demo
+measures it in a probe process, ``flexdispatch.cli.demo_runtime``, since a CUDA build of torch
+holds nearly three times a CPU build's),
 the layer's parameters and gradients, upper bounds of the activations (every rank could receive
 all R*T tokens), the results the ranks return (both modes' gradients, serialised on the way
 back), and in the parent the reference model (all E experts, weights and gradients) beside the
@@ -51,8 +53,9 @@ AVAILABLE_SHARE = 0.8
 AVAILABLE_ENV = "FLEXDISPATCH_MEMORY_AVAILABLE"
 """Overrides the detected available memory (a size such as ``6GiB``; for tests)."""
 RUNTIME_BYTES = 400 * MiB
-"""Resident memory of one demo process before its tensors: Python, torch, gloo, flexdispatch
-(measured at about 250 MiB with torch 2.13 on Linux; the rest is headroom)."""
+"""The runtime per process ``estimate_memory`` counts when not given one. ``flexdispatch demo``
+passes the measured one (``flexdispatch.cli.demo_runtime.measure_runtime``): about 250 MiB with a
+CPU build of torch 2.13, about 690 MB with a CUDA build."""
 MIN_HIDDEN, MIN_FFN = 32, 16
 
 _UNITS = {
@@ -165,6 +168,7 @@ class MemoryEstimate:
     ranks: int
     launcher: bool
     parts: dict[str, int] = field(default_factory=dict)
+    runtime: int = RUNTIME_BYTES
 
     @property
     def total(self) -> int:
@@ -181,7 +185,7 @@ class MemoryEstimate:
         return (
             f"{format_bytes(self.total)} ({self.ranks} rank(s) × {format_bytes(self.per_rank)} "
             f"+ parent {format_bytes(self.parent)}, each with "
-            f"{format_bytes(RUNTIME_BYTES)} runtime)"
+            f"{format_bytes(self.runtime)} runtime)"
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -190,7 +194,7 @@ class MemoryEstimate:
             "parent": self.parent,
             "ranks": self.ranks,
             "total": self.total,
-            "runtime_per_process": RUNTIME_BYTES,
+            "runtime_per_process": self.runtime,
             "parts": dict(self.parts),
         }
 
@@ -210,10 +214,12 @@ def estimate_memory(
     worst_case: bool,
     launcher: bool = False,
     local_ranks: int | None = None,
+    runtime: int = RUNTIME_BYTES,
 ) -> MemoryEstimate:
     """Peak bytes of ``flexdispatch demo`` running ``cfg`` (a ``MoEConfig``) on ``num_ranks``
     ranks with ``tokens`` tokens per rank (fp32 experts and rows), ``local_ranks`` of them on
-    this machine (default all).
+    this machine (default all); ``runtime`` is the resident size of one process before its
+    tensors (measured by the demo).
 
     Per rank: runtime + max(run, return) where run = the layer's parameters and gradients + the
     previous mode's results + activations, and return = the results of both modes, three times
@@ -253,7 +259,7 @@ def estimate_memory(
     if launcher:
         # all_gather_object: this rank's pickled result, then every rank's bytes and tensors.
         ret = result + 2 * result + 2 * R * result
-    per_rank = RUNTIME_BYTES + max(run, ret)
+    per_rank = runtime + max(run, ret)
 
     full = s * (E * expert + shared) + r * router + 16 * E
     ref_act = s * (8 * T * k * (H + F) + 8 * T * Fs + 6 * R * T * H) + 8 * 8 * T * E
@@ -261,7 +267,7 @@ def estimate_memory(
     # ranks' gradients concatenated and the difference taken.
     reference = 3 * full + 3 * s * E * H * F + ref_act
     held = (0 if launcher else R + 2) * result
-    parent = (0 if launcher else RUNTIME_BYTES) + held + reference
+    parent = (0 if launcher else runtime) + held + reference
     parts = {
         "params_per_rank": params_rank,
         "activations_per_rank": activations,
@@ -269,7 +275,7 @@ def estimate_memory(
         "reference": reference,
     }
     local = R if local_ranks is None else local_ranks
-    return MemoryEstimate(per_rank, parent, local, launcher, parts)
+    return MemoryEstimate(per_rank, parent, local, launcher, parts, runtime)
 
 
 # --------------------------------------------------------------------------- the fit
@@ -356,6 +362,7 @@ def fit_demo(
     limit_reason: str,
     launcher: bool = False,
     local_ranks: int | None = None,
+    runtime: int = RUNTIME_BYTES,
 ) -> FitPlan:
     """The largest sizes (see the module docstring) at which the demo's estimate fits ``limit``.
 
@@ -366,7 +373,13 @@ def fit_demo(
 
     def est(c, t: int) -> MemoryEstimate:
         return estimate_memory(
-            c, num_ranks, t, worst_case=worst_case, launcher=launcher, local_ranks=local_ranks
+            c,
+            num_ranks,
+            t,
+            worst_case=worst_case,
+            launcher=launcher,
+            local_ranks=local_ranks,
+            runtime=runtime,
         )
 
     H0 = cfg.hidden_size

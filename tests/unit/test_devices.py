@@ -12,7 +12,7 @@ import argparse
 import pytest
 
 from flexdispatch import devices
-from flexdispatch.cli import demo
+from flexdispatch.cli import demo_machine
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -130,7 +130,7 @@ def test_demo_defaults_to_one_rank_per_gpu(
     monkeypatch: pytest.MonkeyPatch, G: int, E: int, nodes: int, per_node: int, backend: str
 ) -> None:
     monkeypatch.setenv(devices.VISIBLE_GPUS_ENV, str(G))
-    got_nodes, got_per_node, plan = demo.spawned_topology(_args(), E)
+    got_nodes, got_per_node, plan = demo_machine.spawned_topology(_args(), E)
     assert (got_nodes, got_per_node, plan.backend) == (nodes, per_node, backend)
     assert E % (nodes * per_node) == 0 and plan.ranks_per_node == nodes * per_node
 
@@ -138,22 +138,24 @@ def test_demo_defaults_to_one_rank_per_gpu(
 def test_demo_explicit_topology_and_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(devices.VISIBLE_GPUS_ENV, "1")
     with pytest.raises(ValueError) as err:
-        demo.spawned_topology(_args(2, 2), 16)
+        demo_machine.spawned_topology(_args(2, 2), 16)
     msg = str(err.value)
     assert "4 rank(s) on this machine but only 1 GPU(s)" in msg
     assert "--nodes 1 --ranks-per-node 1" in msg and "--cpu" in msg
-    nodes, per_node, plan = demo.spawned_topology(_args(2, 2, cpu=True), 16)
+    nodes, per_node, plan = demo_machine.spawned_topology(_args(2, 2, cpu=True), 16)
     assert (nodes, per_node, plan.backend) == (2, 2, "gloo")
-    assert demo.spawned_topology(_args(nodes=1, cpu=True), 16)[:2] == (1, 2)
+    assert demo_machine.spawned_topology(_args(nodes=1, cpu=True), 16)[:2] == (1, 2)
     with pytest.raises(ValueError, match=r"2 rank\(s\) on this machine but only 1 GPU"):
-        demo.spawned_topology(_args(nodes=1), 16)  # the other one defaults to 2, as on the CPU
+        demo_machine.spawned_topology(
+            _args(nodes=1), 16
+        )  # the other one defaults to 2, as on the CPU
     with pytest.raises(ValueError, match="both must be >= 1"):
-        demo.spawned_topology(_args(0, 2, cpu=True), 16)
+        demo_machine.spawned_topology(_args(0, 2, cpu=True), 16)
     monkeypatch.setenv(devices.VISIBLE_GPUS_ENV, "4")
-    assert demo.launcher_devices(_args(), 4).backend == "nccl"
+    assert demo_machine.launcher_devices(_args(), 4).backend == "nccl"
     with pytest.raises(ValueError, match=r"--nproc-per-node 4 \(NPROC_PER_NODE=4"):
-        demo.launcher_devices(_args(), 8)
-    assert demo.launcher_devices(_args(cpu=True), 8).backend == "gloo"
+        demo_machine.launcher_devices(_args(), 8)
+    assert demo_machine.launcher_devices(_args(cpu=True), 8).backend == "gloo"
 
 
 def test_demo_refuses_before_spawning(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
