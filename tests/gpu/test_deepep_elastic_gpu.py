@@ -10,7 +10,9 @@ and at least two GPUs are visible. One NCCL group of R = 2, 4 or 8 GPUs of this 
 - the contract points on ``deepep_api='elastic'`` against the slow references, dropless and
   worst-case: rows, (source rank, token) order — DeepEP fills its receive slots in atomic order
   and the adapter sorts them back —, local ids, probs, device counts, the worst-case tail, host
-  syncs (1 dropless, 0 worst-case), the combine close to the torch backend's;
+  syncs (1 dropless, 0 worst-case; the spin detector of ``tests/gpu/sync_detector.py`` fires on
+  the dropless dispatch + combine and stays silent on the worst-case one), the combine close to
+  the torch backend's;
 - ``MoELayer`` on V2 (``dispatch_expanded``, no permute) forward + backward close to the torch
   backend's, bf16;
 - ``MoELayer`` with ``cuda_graph=True`` on ``deepep_api='auto'`` (V2, worst-case): one forward
@@ -52,12 +54,14 @@ def contract_worker() -> dict[str, Any]:
 
     from flexdispatch import DispatchConfig, FlexDispatcher
     from tests.dist.reference import CASES, all_inputs, ref_dispatch
+    from tests.gpu.sync_detector import cuda_detector
 
     rank, R = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     E = E_PER_RANK * R
-    report: dict[str, Any] = {"checked": 0, "combine_err": 0.0}
+    report: dict[str, Any] = {"checked": 0, "combine_err": 0.0, "synced": {}}
+    det = cuda_detector()
     for case in CASES:
         inputs = all_inputs(7, case=case, R=R, E=E, k=K, H=H, dtype=torch.bfloat16, exact=False)
         mine = to_device(inputs[rank], dev)
@@ -95,6 +99,14 @@ def contract_worker() -> dict[str, Any]:
                 report["combine_err"], rel_err(outs["deepep"], outs["torch"])
             )
             assert ds["deepep"].stats.host_syncs == (0 if worst else 1), where
+            for b, d in ds.items():  # NOTE: every rank runs the same steps (collectives)
+
+                def step(d: Any = d, m: Any = mine) -> Any:
+                    rr = d.dispatch(m.x, m.idx, m.probs)
+                    return d.combine(rr.recv_x, rr.handle)
+
+                key = f"{b} {'worst' if worst else 'dropless'}"
+                report["synced"][key] = report["synced"].get(key, False) or det.check(step).synced
             for d in ds.values():
                 d.close()
             report["checked"] += 1
@@ -198,6 +210,9 @@ def test_elastic_contract_on_gpus() -> None:
     for report in _run(contract_worker):
         assert report["checked"] == 2 * len(CASES), report
         assert report["combine_err"] < 2e-2, report
+        synced = report["synced"]
+        assert not synced["deepep worst"] and not synced["torch worst"], synced
+        assert synced["deepep dropless"] and synced["torch dropless"], synced  # the check is live
 
 
 @pytest.mark.timeout(240)

@@ -8,7 +8,9 @@ or 8 GPUs (one node) runs, per case of the shared contract inputs (``tests/dist/
 bf16 rows, moved to the GPU):
 
 - the contract points against the slow references: rows, order, local ids, probs, device counts,
-  the worst-case tail (zero / -1 / 0), host syncs (1 dropless, 0 worst-case);
+  the worst-case tail (zero / -1 / 0), host syncs (1 dropless, 0 worst-case), and the same seen
+  by the spin detector (``tests/gpu/sync_detector.py``) on dispatch + combine of both backends:
+  it fires on the dropless step and stays silent on the worst-case one;
 - ``recv_x`` of deepep equal bit for bit to the torch backend's, and the combines close (DeepEP
   sums in fp32 and rounds once; the torch backend adds bf16 rows);
 - autograd through deepep equal (to bf16 precision) to the torch backend's gradients;
@@ -52,12 +54,14 @@ def contract_worker() -> dict[str, Any]:
 
     from flexdispatch import DispatchConfig, FlexDispatcher
     from tests.dist.reference import CASES, all_inputs, ref_dispatch
+    from tests.gpu.sync_detector import cuda_detector
 
     rank, R = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     E = E_PER_RANK * R
-    report: dict[str, Any] = {"checked": 0, "combine_err": 0.0, "grad_err": 0.0}
+    report: dict[str, Any] = {"checked": 0, "combine_err": 0.0, "grad_err": 0.0, "synced": {}}
+    det = cuda_detector()
     for case in CASES:
         inputs = all_inputs(7, case=case, R=R, E=E, k=K, H=H, dtype=torch.bfloat16, exact=False)
         mine = to_device(inputs[rank], dev)
@@ -99,6 +103,14 @@ def contract_worker() -> dict[str, Any]:
             err = rel_err(outs["deepep"], outs["torch"])
             report["combine_err"] = max(report["combine_err"], err)
             assert ds["deepep"].stats.host_syncs == (0 if worst else 1), where
+            for b, d in ds.items():  # NOTE: every rank runs the same steps (collectives)
+
+                def step(d: Any = d, m: Any = mine) -> Any:
+                    rr = d.dispatch(m.x, m.idx, m.probs)
+                    return d.combine(rr.recv_x, rr.handle)
+
+                key = f"{b} {'worst' if worst else 'dropless'}"
+                report["synced"][key] = report["synced"].get(key, False) or det.check(step).synced
             # autograd: grads of x and probs agree with the torch backend's
             grads = {}
             for b, d in ds.items():
@@ -227,6 +239,9 @@ def test_deepep_contract_and_bit_equal_to_torch() -> None:
 
     for report in _run(contract_worker):
         assert report["checked"] == 2 * len(CASES)
+        synced = report["synced"]
+        assert not synced["deepep worst"] and not synced["torch worst"], synced
+        assert synced["deepep dropless"] and synced["torch dropless"], synced  # the check is live
         # relative to the largest value: bf16 rounding of sums of a few terms
         assert report["combine_err"] < 2e-2, report
         assert report["grad_err"] < 2e-2, report
