@@ -1,151 +1,231 @@
 #!/usr/bin/env bash
-# One short GPU check of flexdispatch (under 5 minutes on one GPU). Prints one summary line per
-# check ("gpu_check: <name>: PASS|FAIL|SKIP <detail>") and exits 1 if any check failed.
+# Everything GPU-relevant about flexdispatch in one go, within 6 minutes on one GPU, with what the
+# machine has (its torch, no registry): writes OUT/summary.md and one log per step in OUT.
 #
-#   scripts/gpu_check.sh            # uses .venv/bin/python, else python3
-#   FLEXDISPATCH_PYTHON=/usr/bin/python3 scripts/gpu_check.sh
+#   scripts/gpu_check.sh OUT [--wheels DIR] [--jobs N] [--dry-run]
 #
-# Checks: CUDA is there; the unit tests (with FLEXDISPATCH_TEST_DEVICE=cuda); the torch backend's
-# worst-case step captured in a CUDA graph and replayed equal to eager; no host sync
-# (torch.cuda.set_sync_debug_mode("error")) in worst-case dispatch/combine, routing, layout,
-# static permute and the deepep masking helpers;
-# the DeepEP GPU tests, V1 and V2 (ElasticBuffer: contract, MoELayer, CUDA-graph capture/replay;
-# skipped with the reason unless deep_ep imports, has ElasticBuffer, and >= 2 GPUs); routing and
-# permute throughput as a fraction of a device copy of the same bytes.
+#   OUT           folder for summary.md and the logs (created)
+#   --wheels DIR  first install the wheels in DIR with `pip install --no-index --no-deps` (e.g. the
+#                 sgl-deep-ep wheels the DeepEP emulator tests load); nothing else is installed
+#   --jobs N      pytest-xdist workers for the suites (default: CPU cores - 1, at most 15)
+#   --dry-run     print the plan (steps, time limits, commands, skips and why) and exit
+#   FLEXDISPATCH_PYTHON  interpreter (default: .venv/bin/python, else python3)
+#
+# Steps, each under its own time limit and all under one 360 s budget (a step that would start
+# past it is skipped, saying so):
+#   cuda        CUDA is there (device, torch, NCCL, transformers); without it the rest is skipped
+#   wheels      --wheels only
+#   gpu_tests   tests/gpu: the worst-case step captured in a CUDA graph, the host-sync detector on
+#               every no-sync claim (tests/gpu/test_no_host_sync.py), DeepEP on >= 2 GPUs
+#   unit_cuda   tests/unit with FLEXDISPATCH_TEST_DEVICE=cuda (the core tests on the GPU)
+#   suite       the whole suite with CUDA visible (tests/gpu aside: run above), pytest -n N
+#   bench       benchmarks/bench_gpu.py --quick (routing, permute, dispatch), if it exists
+# The DeepEP emulator tests need the sgl-deep-ep and sgl-deep-ep-v25 wheels' files: without them
+# the multi-process ones are left out of the suite (--ignore) and the summary says so; the unit
+# ones skip themselves with the reason.
+# Exit status: 0 all ran steps passed (or skipped, with the reason), 1 a step failed, 2 bad usage.
 set -uo pipefail
+
+usage() {
+    echo "usage: scripts/gpu_check.sh OUT [--wheels DIR] [--jobs N] [--dry-run]" >&2
+    [[ -n ${1:-} ]] && echo "gpu_check: $1" >&2
+    exit 2
+}
+
+out="" wheels="" jobs="" dry=0
+while [[ $# -gt 0 ]]; do
+    case $1 in
+        --wheels)
+            [[ $# -ge 2 && $2 != -* ]] || usage "--wheels needs a folder"
+            wheels=$2; shift 2 ;;
+        --jobs)
+            [[ $# -ge 2 && $2 != -* ]] || usage "--jobs needs a number"
+            jobs=$2; shift 2 ;;
+        --dry-run) dry=1; shift ;;
+        -h|--help) sed -n '2,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -*) usage "unknown option $1" ;;
+        *)
+            [[ -z $out ]] || usage "one OUT folder only (got '$out' and '$1')"
+            out=$1; shift ;;
+    esac
+done
+[[ -n $out ]] || usage "OUT (the folder for summary.md and the logs) is required"
+[[ -e $out && ! -d $out ]] && usage "OUT '$out' exists and is not a folder"
+if [[ -n $jobs && ! $jobs =~ ^[1-9][0-9]*$ ]]; then
+    usage "--jobs must be a positive integer, got '$jobs'"
+fi
+if [[ -n $wheels ]]; then
+    [[ -d $wheels ]] || usage "--wheels '$wheels' is not a folder"
+    compgen -G "$wheels/*.whl" >/dev/null || usage "--wheels '$wheels' holds no .whl file"
+fi
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 py=${FLEXDISPATCH_PYTHON:-$root/.venv/bin/python}
-if [[ ! -x $py ]]; then
-    py=$(command -v python3 || true)
+[[ -x $py ]] || py=$(command -v python3 || true)
+[[ -n $py ]] || usage "no python found (set FLEXDISPATCH_PYTHON)"
+cd "$root" || exit 2
+if [[ -z $jobs ]]; then
+    cores=$(nproc 2>/dev/null || echo 2)
+    jobs=$(( cores > 16 ? 15 : (cores > 1 ? cores - 1 : 1) ))
 fi
-if [[ -z $py ]]; then
-    echo "gpu_check: no python found (set FLEXDISPATCH_PYTHON)" >&2
-    exit 1
-fi
-cd "$root" || exit 1
-logs=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
-failed=0
 
-# run NAME SECONDS CMD...: run CMD with a deadline; its last output line is the detail.
-run() {
+BUDGET=360
+has() { "$py" -c "import $1" >/dev/null 2>&1; }
+# pytest plugins the machine may lack: then the suites run serially / without per-test timeouts.
+xdist=() timeout_opt=() notes=()
+if has xdist; then xdist=(-n "$jobs"); else notes+=("pytest-xdist absent: suites run serially"); fi
+if has pytest_timeout; then
+    timeout_opt=(--timeout 120)
+else
+    notes+=("pytest-timeout absent: no per-test timeout (step limits still apply)")
+fi
+# The DeepEP emulator tests load the sgl-deep-ep wheels' Python files.
+emu_missing=$("$py" - <<'EOF' 2>/dev/null
+import importlib.metadata as m
+miss = []
+for name in ("sgl-deep-ep", "sgl-deep-ep-v25"):
+    try:
+        m.distribution(name)
+    except m.PackageNotFoundError:
+        miss.append(name)
+print(" ".join(miss))
+EOF
+)
+ignore=()
+if [[ -n $wheels ]]; then
+    emu_missing=""  # decided after the wheels step
+fi
+emu_ignores() {
+    ignore=()
+    [[ -z $emu_missing ]] && return
+    local f
+    while IFS= read -r f; do
+        ignore+=("--ignore=$f")
+    done < <(grep -rlE --include='test_*.py' 'load_deep_ep|load_v25' tests/dist tests/hardening \
+             | sort)
+}
+emu_ignores
+
+# step NAME LIMIT CMD...: the plan (dry run) or the run; one summary row each.
+rows=() failed=0 start=$SECONDS
+step() {
     local name=$1 limit=$2
     shift 2
-    local log="$logs/$name.log" rc=0 verdict detail
-    timeout "$limit" "$@" >"$log" 2>&1 || rc=$?
-    detail=$(grep -v '^[[:space:]]*$' "$log" | tail -n 1 | cut -c1-160)
+    if [[ $dry -eq 1 ]]; then
+        local shown
+        shown=$(printf '%q ' "$@")
+        [[ "$*" == *$'\n'* ]] && shown="${shown:0:120}... (a python check)"
+        printf '%-10s <= %3ss  %s\n' "$name" "$limit" "$shown"
+        return 0
+    fi
+    local left=$(( BUDGET - (SECONDS - start) ))
+    if [[ $left -lt 10 ]]; then
+        rows+=("| $name | SKIP | 0 | no time left in the ${BUDGET} s budget |")
+        return 0
+    fi
+    (( limit > left )) && limit=$left
+    local log="$out/$name.log" rc=0 t0=$SECONDS verdict detail
+    timeout -k 10 "$limit" "$@" >"$log" 2>&1 || rc=$?
+    detail=$(grep -v '^[[:space:]]*$' "$log" | tail -n 1 | cut -c1-200 | tr '|' '/')
     if [[ $rc -eq 0 ]]; then
         verdict=PASS
-        if grep -qE '^SKIP|[0-9]+ skipped' "$log" && ! grep -qE '[0-9]+ passed' "$log"; then
+        if grep -qE '[0-9]+ skipped' "$log" && ! grep -qE '[0-9]+ passed' "$log"; then
             verdict=SKIP
         fi
+    elif [[ $rc -eq 5 ]]; then
+        verdict=SKIP detail="no tests collected: $detail"
     else
-        verdict=FAIL
-        failed=1
-        [[ $rc -eq 124 ]] && detail="timed out after ${limit}s"
-        detail="$detail (log: $log)"
+        verdict=FAIL failed=1
+        [[ $rc -eq 124 || $rc -eq 137 ]] && detail="timed out after ${limit} s: $detail"
     fi
-    echo "gpu_check: $name: $verdict $detail"
+    rows+=("| $name | $verdict | $(( SECONDS - t0 )) | $detail (log: $name.log) |")
+    echo "gpu_check: $name: $verdict ($(( SECONDS - t0 )) s) $detail"
+    return $rc
+}
+skip() {
+    if [[ $dry -eq 1 ]]; then
+        printf '%-10s SKIP   %s\n' "$1" "$2"
+    else
+        rows+=("| $1 | SKIP | 0 | $2 |")
+        echo "gpu_check: $1: SKIP $2"
+    fi
 }
 
-run cuda 60 "$py" -c '
+PYTEST=("$py" -m pytest -q -rs -p no:cacheprovider)
+run_steps() {
+    step cuda 20 "$py" -c '
 import torch
-assert torch.cuda.is_available(), "torch.cuda.is_available() is False"
-print(f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
-'
-# The core reference tests (routing, permute, layout, experts) take the `device` fixture
-# (tests/conftest.py): here they run on CUDA; the rest of tests/unit runs as on the CPU.
-run unit_tests 150 env FLEXDISPATCH_TEST_DEVICE=cuda "$py" -m pytest tests/unit -q -x \
-    -p no:cacheprovider
-run graph_capture 120 "$py" -m pytest tests/gpu/test_torch_cuda.py -q -p no:cacheprovider \
-    -k graph
-run sync_debug_dispatch 120 "$py" -m pytest tests/gpu/test_torch_cuda.py -q \
-    -p no:cacheprovider -k sync
-run sync_debug_ops 90 "$py" - <<'EOF'
-import torch
-
-from flexdispatch import get_dispatch_layout, permute, topk_routing, unpermute
-from flexdispatch.backends.deepep import sizing as S
-from flexdispatch.decode import expert_major_maps, from_expert_major, to_expert_major
-
-dev = torch.device("cuda")
-T, H, E, k, R = 4096, 1024, 64, 8, 8
-logits = torch.randn(T, E, device=dev)
-x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
-torch.cuda.synchronize()
-names = []
-torch.cuda.set_sync_debug_mode("error")
+assert torch.cuda.is_available(), f"torch.cuda.is_available() is False (torch {torch.__version__})"
+names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
 try:
-    r = topk_routing(logits, topk=k, score_function="sigmoid", num_groups=8, group_topk=4)
-    names.append("topk_routing")
-    r = topk_routing(logits, topk=k, capacity_factor=1.0)
-    names.append("capacity")
-    get_dispatch_layout(r.topk_idx, E, R)
-    names.append("layout")
-    perm = permute(x, r.topk_idx, E, topk_probs=r.topk_probs, num_out_rows=T * k)
-    unpermute(perm.x, perm, probs=perm.probs)
-    names.append("static permute")
-    idx = torch.where(r.topk_idx < E // R, r.topk_idx, -1)[:512]
-    m = S.mask_worst_case(x[:512], idx, r.topk_probs[:512], E // R)
-    names.append("deepep mask")
-    maps = expert_major_maps(m.recv_topk_idx, E // R, 512)
-    y = to_expert_major(m.recv_x, maps, 512)
-    from_expert_major(y, maps, m.recv_topk_probs)
-    names.append("decode layout")
-finally:
-    torch.cuda.set_sync_debug_mode("default")
-print("no host sync in: " + ", ".join(names))
-EOF
-run deepep_gpu 280 "$py" -m pytest tests/gpu/test_deepep_gpu.py -q -rs -p no:cacheprovider
-run deepep_elastic_gpu 240 "$py" -m pytest tests/gpu/test_deepep_elastic_gpu.py -q -rs -p no:cacheprovider
-run throughput 120 "$py" - <<'EOF'
-import statistics
-import time
+    nccl = ".".join(map(str, torch.cuda.nccl.version()))
+except Exception as exc:  # no NCCL in this build
+    nccl = f"none ({type(exc).__name__})"
+try:
+    import transformers
+    tf = transformers.__version__
+except ImportError:
+    tf = "absent"
+print(f"{torch.cuda.device_count()} GPU(s): {names}; torch {torch.__version__}, NCCL {nccl}, "
+      f"transformers {tf}")
+'
+    local cuda_rc=$?
+    if [[ -n $wheels ]]; then
+        step wheels 30 "$py" -m pip install --no-index --no-deps "$wheels"/*.whl
+        if [[ $dry -eq 0 ]]; then
+            emu_missing=$("$py" -c '
+import importlib.metadata as m
+miss = []
+for n in ("sgl-deep-ep", "sgl-deep-ep-v25"):
+    try:
+        m.distribution(n)
+    except m.PackageNotFoundError:
+        miss.append(n)
+print(" ".join(miss))' 2>/dev/null)
+            emu_ignores
+        fi
+    fi
+    if [[ $dry -eq 0 && $cuda_rc -ne 0 ]]; then
+        for s in gpu_tests unit_cuda suite bench; do skip "$s" "no CUDA (see the cuda step)"; done
+        return
+    fi
+    if [[ -n $emu_missing ]]; then
+        local why="${#ignore[@]} DeepEP emulator test files left out: $emu_missing not installed"
+        skip deepep_emu "$why (pass --wheels DIR with their wheels)"
+    fi
+    step gpu_tests 80 "${PYTEST[@]}" "${timeout_opt[@]}" tests/gpu
+    step unit_cuda 50 env FLEXDISPATCH_TEST_DEVICE=cuda "${PYTEST[@]}" "${xdist[@]}" \
+        "${timeout_opt[@]}" tests/unit
+    step suite 150 "${PYTEST[@]}" "${xdist[@]}" "${timeout_opt[@]}" "${ignore[@]}" \
+        --ignore=tests/gpu tests
+    if [[ -f benchmarks/bench_gpu.py ]]; then
+        step bench 60 "$py" benchmarks/bench_gpu.py --quick --sections routing,permute,dispatch \
+            --json "$out/bench_gpu.json"
+    else
+        skip bench "benchmarks/bench_gpu.py is not in this checkout"
+    fi
+}
 
-import torch
+if [[ $dry -eq 1 ]]; then
+    echo "gpu_check plan (python $py, --jobs $jobs, budget ${BUDGET} s, summary in $out/summary.md):"
+    for n in "${notes[@]}"; do echo "note: $n"; done
+    run_steps
+    exit 0
+fi
 
-from flexdispatch import permute, topk_routing, unpermute
-
-dev = torch.device("cuda")
-T, H, E, k = 16384, 7168, 256, 8
-
-
-def ms(fn, reps=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(out)
-
-
-logits = torch.randn(T, E, device=dev)
-x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
-r = topk_routing(logits, topk=k, score_function="sigmoid", num_groups=8, group_topk=4)
-rows = torch.empty(T * k, H, device=dev, dtype=torch.bfloat16)
-src = torch.randn(T * k, H, device=dev, dtype=torch.bfloat16)
-lsrc, ldst = logits.clone(), torch.empty_like(logits)
-t_copy_logits = ms(lambda: ldst.copy_(lsrc))
-t_route = ms(lambda: topk_routing(logits, topk=k, score_function="sigmoid", num_groups=8,
-                                  group_topk=4))
-t_copy_rows = ms(lambda: (rows.copy_(src), rows.copy_(src)))
-
-
-def permute_round():
-    p = permute(x, r.topk_idx, E, num_out_rows=T * k)
-    return unpermute(p.x, p)
-
-
-t_perm = ms(permute_round)
-gbps = 2 * T * k * H * 2 / (t_copy_rows * 1e-3) / 1e9
-print(f"T={T} H={H} E={E} k={k}: routing {t_route:.3f} ms = {t_copy_logits / t_route:.2f} of a "
-      f"logits copy; permute+unpermute {t_perm:.3f} ms = {t_copy_rows / t_perm:.2f} of 2 row "
-      f"copies ({gbps:.0f} GB/s)")
-EOF
-
-echo "gpu_check: logs in $logs"
+mkdir -p "$out" || usage "cannot create OUT '$out'"
+run_steps
+{
+    echo "# flexdispatch gpu_check"
+    echo
+    echo "$(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'),"
+    echo "python $py, --jobs $jobs, $(( SECONDS - start )) s of a ${BUDGET} s budget."
+    grep -v '^[[:space:]]*$' "$out/cuda.log" 2>/dev/null | tail -n 1 | sed 's/^/Machine: /'
+    for n in "${notes[@]}"; do echo "Note: $n."; done
+    echo
+    echo "| step | verdict | seconds | detail |"
+    echo "|---|---|---|---|"
+    printf '%s\n' "${rows[@]}"
+} >"$out/summary.md"
+echo "gpu_check: summary in $out/summary.md"
 exit "$failed"

@@ -61,7 +61,7 @@ import torch
 
 from tests.deepep_emu.runtime.module import make_runtime_module
 
-__all__ = ["load_deep_ep", "wheel_dir", "WHEEL"]
+__all__ = ["emulator_or_skip", "load_deep_ep", "wheel_dir", "WHEEL"]
 
 WHEEL = "sgl-deep-ep==0.1.2.post1"
 _CACHE: dict[tuple[int, str], types.ModuleType] = {}
@@ -106,6 +106,18 @@ def _torch_proxy() -> types.ModuleType:
     proxy = _Torch("torch (emulated device)")
     proxy.cuda = cuda
     return proxy
+
+
+def emulator_or_skip(nvl_peers: int = 8, release: str = "2.1.0") -> types.ModuleType:
+    """``load_deep_ep(nvl_peers, release)``, or skip the calling test (or, at import, its module)
+    with the reason when the wheel's files are not installed (e.g. a GPU machine without them:
+    ``scripts/gpu_check.sh --wheels DIR`` installs them)."""
+    import pytest
+
+    try:
+        return load_deep_ep(nvl_peers, release)
+    except ModuleNotFoundError as exc:
+        pytest.skip(f"DeepEP emulator unavailable: {exc}", allow_module_level=True)
 
 
 def load_deep_ep(nvl_peers: int = 8, release: str = "2.1.0") -> types.ModuleType:

@@ -142,9 +142,9 @@ def test_row_bytes_are_the_emulated_token_layouts() -> None:
 def test_the_loader_gives_the_wheels_epbuffer_and_leaves_no_import_behind() -> None:
     if not _WHEEL:
         pytest.skip(f"{ep_limits.WHEEL} is not installed (scripts/setup.sh)")
-    from tests.deepep_emu.load import load_deep_ep
+    from tests.deepep_emu.load import emulator_or_skip
 
-    pkg = load_deep_ep(nvl_peers=2, release="2.5.0")
+    pkg = emulator_or_skip(nvl_peers=2, release="2.5.0")
     assert pkg.__version__ == "2.5.0" and pkg.IS_EMULATOR and pkg.num_max_nvl_peers() == 2
     assert pkg.EPBuffer.__module__ == "deep_ep_v25.buffers.ep"
     assert pkg.ep.__file__ == str(ep_limits.wheel_root() / "buffers" / "ep.py")

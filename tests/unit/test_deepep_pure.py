@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexdispatch.backends.deepep import sizing as S
-from tests.deepep_emu.load import load_deep_ep
+from tests.deepep_emu.load import emulator_or_skip
 
-emu = load_deep_ep()
+emu = emulator_or_skip()  # NOTE: the whole module skips, with the reason, without the wheel
 
 
 # --------------------------------------------------------------------- sizing

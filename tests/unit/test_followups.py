@@ -141,9 +141,9 @@ def test_support_for_returns_the_first_failure() -> None:
 def test_support_for_imports_waives_for_the_emulator_and_reads_its_nodes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from tests.deepep_emu.load import load_deep_ep
+    from tests.deepep_emu.load import emulator_or_skip, load_deep_ep
 
-    emu = load_deep_ep()
+    emu = emulator_or_skip()
     monkeypatch.setattr(
         support, "load_deep_ep", lambda: (None, "import deep_ep failed: OSError: no libnvshmem")
     )
@@ -167,9 +167,9 @@ def test_support_for_imports_waives_for_the_emulator_and_reads_its_nodes(
 def test_group_version_is_the_group_free_rule_with_the_groups_answers() -> None:
     # no process group here: R = 1 and the NCCL answer is "not NCCL on CUDA"
     fake = _fake_deep_ep()
-    from tests.deepep_emu.load import load_deep_ep
+    from tests.deepep_emu.load import emulator_or_skip
 
-    emu = load_deep_ep()
+    emu = emulator_or_skip()
     for module in (fake, emu):
         for ranks_per_node in (1, 8):
             got = deepep_support(
@@ -265,9 +265,9 @@ def _message(fn: Any) -> str:
 
 def fp8_worker(rank: int, R: int) -> dict[str, Any]:
     from flexdispatch import DispatchConfig, FlexDispatcher
-    from tests.deepep_emu.load import load_deep_ep
+    from tests.deepep_emu.load import emulator_or_skip
 
-    emu = load_deep_ep()
+    emu = emulator_or_skip()
     E = 3 * R
     e = E // R
     d = FlexDispatcher(
@@ -408,9 +408,9 @@ def test_deepep_v1_2_1_config_tables_are_pinned() -> None:
 def test_package_tables_size_buffers_like_deepeps_config() -> None:
     # the planner's copy of the v1.2.1 tables sizes the NVLink buffer exactly as DeepEP's
     # Config::get_nvl_buffer_size_hint does (the emulated runtime's Config follows config.hpp)
-    from tests.deepep_emu.load import load_deep_ep
+    from tests.deepep_emu.load import emulator_or_skip
 
-    Config = load_deep_ep().Config
+    Config = emulator_or_skip().Config
     sms = 20
     for R in DISPATCH_CONFIGS:
         for table, ours in ((DISPATCH_CONFIGS, dispatch_config), (COMBINE_CONFIGS, combine_config)):
