@@ -63,10 +63,16 @@ class MoELayer(nn.Module):
     the sizes, the activation), ``seed`` and ``dtype`` are compared across the ranks, and every
     rank raises ``ValueError`` naming the fields that differ.
 
-    Parameters are drawn from ``seed`` so that every rank (and a single-process reference) gets
-    the same values: the router weight from ``torch.manual_seed(seed)`` (restored afterwards),
-    expert ``g`` from ``init_expert_weights(g, seed)`` (biases too with ``expert_mlp_bias``),
-    the shared experts from ``SharedExperts.reset_parameters_from_seed(seed, E)``.
+    Parameters are drawn from ``seed`` so that every rank (and a single-process reference on
+    the same device) gets the same values: the router weight from ``torch.manual_seed(seed)``
+    on the CPU (restored afterwards; ``[E, H]``, small), expert ``g`` from
+    ``init_expert_weights(g, seed, device=device)`` (biases too with ``expert_mlp_bias``), the
+    shared experts from ``SharedExperts.reset_parameters_from_seed(seed, E)``. The expert
+    weights are drawn once, on ``device``, one generator per expert (docs/build.md): a GPU
+    layer draws nothing of them on the CPU, and its values are those of the GPU's generator.
+    With ``device="meta"`` nothing is drawn (the build takes well under a second at any size);
+    ``layer.to_empty(device=...)`` then ``layer.reset_parameters_from_seed()`` materialises it
+    with the values a direct build on that device has (or load a checkpoint instead).
 
     The experts follow ``config.activation`` (with ``swiglu_limit`` / ``swiglu_alpha``),
     ``expert_mlp_bias`` and ``probs_on_input`` (routing weight multiplied into the expert
@@ -93,7 +99,7 @@ class MoELayer(nn.Module):
         seed: parameter seed (>= 0).
         dtype: dtype of the expert weights and of the rows that travel (the router keeps its own
             dtype).
-        device: device of the parameters.
+        device: device of the parameters, where they are drawn (``"meta"``: not drawn).
         _deep_ep: a ``deep_ep`` module for the dispatcher (tests: DeepEP's Python layer over the
             emulated runtime; see ``FlexDispatcher``).
     """
@@ -133,9 +139,8 @@ class MoELayer(nn.Module):
         config.check_world(R)
         e = config.router.num_experts // R
         self.num_local_experts = e
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            self.router = TopKRouter(config.router, config.hidden_size)
+        self.seed = seed
+        self.router = self._seeded_router(seed)
         self.router.to(device=device)
         self.experts = GroupedExperts(
             e,
@@ -149,8 +154,8 @@ class MoELayer(nn.Module):
             dtype=dtype,
             device=device,
             first_expert=rank * e,
+            seed=seed,
         )
-        self.experts.reset_parameters_from_seed(seed)
         self.shared_experts: SharedExperts | None = None
         if config.num_shared_experts > 0:
             self.shared_experts = SharedExperts(
@@ -162,8 +167,38 @@ class MoELayer(nn.Module):
                 gate=config.shared_expert_gate,
                 dtype=dtype,
                 device=device,
+                seed=seed,
+                expert_id=config.router.num_experts,
             )
-            self.shared_experts.reset_parameters_from_seed(seed, config.router.num_experts)
+
+    def _seeded_router(self, seed: int) -> TopKRouter:
+        """A CPU router drawn from ``torch.manual_seed(seed)`` (the global RNG restored)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return TopKRouter(self.config.router, self.config.hidden_size)
+
+    @torch.no_grad()
+    def reset_parameters_from_seed(self, seed: int | None = None) -> None:
+        """Redraw every parameter and reset every buffer from ``seed`` (default: the build's),
+        in place on the parameters' device: the values of a layer built directly there.
+
+        For a layer built on ``device="meta"``: ``layer.to_empty(device=d)`` then this. A no-op
+        on parameters still on the meta device.
+        """
+        seed = self.seed if seed is None else seed
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        fresh = self._seeded_router(seed)
+        for mine, theirs in (
+            (dict(self.router.named_parameters()), dict(fresh.named_parameters())),
+            (dict(self.router.named_buffers()), dict(fresh.named_buffers())),
+        ):
+            for name, t in mine.items():
+                if t.device.type != "meta":
+                    t.copy_(theirs[name])
+        self.experts.reset_parameters_from_seed(seed)
+        if self.shared_experts is not None:
+            self.shared_experts.reset_parameters_from_seed(seed, self.config.router.num_experts)
 
     @property
     def shared_ffn_hidden_size(self) -> int:

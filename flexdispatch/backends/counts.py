@@ -17,7 +17,7 @@ import torch.distributed as dist
 from flexdispatch._validate import is_capturing
 from flexdispatch.distributed import all_gather_int64
 
-__all__ = ["DTYPE_CODES", "check_agreement", "exchange_counts", "recv_pairs"]
+__all__ = ["DTYPE_CODES", "check_agreement", "count_vector", "exchange_counts", "recv_pairs"]
 
 DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 1,
@@ -52,6 +52,32 @@ def exchange_counts(
     Returns:
         ``G``: ``[R, 2R + N + 4]`` int64 on the collective device; row ``s`` is rank ``s``'s.
     """
+    vec = count_vector(
+        mask_TR,
+        hidden=hidden,
+        topk=topk,
+        dtype=dtype,
+        ranks_per_node=ranks_per_node,
+        pairs_R=pairs_R,
+        per_node=per_node,
+    )
+    return all_gather_int64(vec, group, name=EXCHANGE_NAME)
+
+
+EXCHANGE_NAME = "all_gather (dispatch count exchange)"
+
+
+def count_vector(
+    mask_TR: torch.Tensor,
+    *,
+    hidden: int,
+    topk: int,
+    dtype: torch.dtype,
+    ranks_per_node: int,
+    pairs_R: torch.Tensor,
+    per_node: bool = True,
+) -> torch.Tensor:
+    """This rank's ``[2R + N + 4]`` int64 row of ``exchange_counts`` (arguments as there)."""
     T, R = mask_TR.shape
     L = ranks_per_node
     per_rank = mask_TR.sum(0, dtype=torch.int64)
@@ -64,8 +90,7 @@ def exchange_counts(
         parts = [per_rank, nodes_N, _info(mask_TR.device, values)]
     else:  # NOTE: the N zeros ride in the cached info vector (no launch)
         parts = [per_rank, _info(mask_TR.device, (0,) * (R // L) + values)]
-    vec = torch.cat([*parts, pairs_R.to(torch.int64)])
-    return all_gather_int64(vec, group, name="all_gather (dispatch count exchange)")
+    return torch.cat([*parts, pairs_R.to(torch.int64)])
 
 
 _INFOS: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}

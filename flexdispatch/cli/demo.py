@@ -163,6 +163,7 @@ def run_rank(spec: DemoSpec) -> dict[str, Any]:
         # NOTE: bound by whoever started the rank (spawn_group: cuda:rank; torchrun: LOCAL_RANK).
         device = torch.device("cuda", torch.cuda.current_device())
     out: dict[str, Any] = {"rank": rank, "world": R, "ranks_per_node": L, "modes": {}}
+    out["device_type"] = device.type  # NOTE: the layers draw their experts there
     for mode in _MODES:
         cfg = _layer_config(spec, mode, R, L)
         layer = MoELayer(cfg, seed=spec.seed, device=device)
@@ -267,9 +268,10 @@ def _launcher_entry(
 # --------------------------------------------------------------------------- the reference
 
 
-def _reference_model(cfg, seed: int):
+def _reference_model(cfg, seed: int, device: str = "cpu"):
     """The router, all E experts' weights stacked (``w1`` ``[E, H, F]`` ... , None where the
-    config has none) and the shared experts, with the values every rank's ``MoELayer`` draws."""
+    config has none) and the shared experts, with the values every rank's ``MoELayer`` draws
+    (on ``device``, the ranks' device type: the weights are drawn there), on the CPU."""
     from flexdispatch.experts import SharedExperts, init_expert_weights
     from flexdispatch.routing import TopKRouter
 
@@ -287,6 +289,7 @@ def _reference_model(cfg, seed: int):
             ffn_hidden_size=cfg.ffn_hidden_size,
             activation=cfg.activation,
             bias=cfg.expert_mlp_bias,
+            device=device,
         )
         for name in ("w1", "w2", "w3", "b1", "b2", "b3"):
             t = getattr(w, name)
@@ -309,8 +312,10 @@ def _reference_model(cfg, seed: int):
             swiglu_limit=cfg.swiglu_limit,
             swiglu_alpha=cfg.swiglu_alpha,
             gate=cfg.shared_expert_gate,
-        )
-        shared.reset_parameters_from_seed(seed, E)
+            device=device,
+            seed=seed,
+            expert_id=E,
+        ).cpu()
     return router, experts, shared
 
 
@@ -326,7 +331,7 @@ def check_against_reference(spec: DemoSpec, results: list[dict[str, Any]]) -> di
     R = results[0]["world"]
     cfg = demo_config(spec)
     E, H = cfg.router.num_experts, cfg.hidden_size
-    router, experts, shared = _reference_model(cfg, spec.seed)
+    router, experts, shared = _reference_model(cfg, spec.seed, results[0].get("device_type", "cpu"))
     sp = {} if shared is None else dict(shared.named_parameters())
     x_all, g_all = global_inputs(spec, R, H)
     ids_all = global_token_ids(spec, R)

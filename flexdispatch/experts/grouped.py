@@ -10,7 +10,7 @@ from torch import nn
 from flexdispatch._validate import check_tensor, checks_enabled, is_capturing
 from flexdispatch.experts.activations import GATED_ACTIVATIONS, _check_activation, apply_activation
 from flexdispatch.experts.grouped_mm import GroupedMMSupport, _ContiguousGrad, grouped_mm_support
-from flexdispatch.experts.init import _uniform, init_expert_weights
+from flexdispatch.experts.init import _uniform, draw_into, expert_draws, expert_generator
 
 
 class GroupedExperts(nn.Module):
@@ -33,17 +33,24 @@ class GroupedExperts(nn.Module):
         probs_on_input: ``forward``'s ``probs`` scale each row's *input* (``expert(p * x)``,
             Llama-4) instead of its output.
         dtype: parameter dtype; inputs must have the same dtype.
-        device: parameter device.
+        device: parameter device; the weights are drawn there (``"meta"``: shapes only,
+            nothing drawn; materialise with ``to_empty(device=...)`` then
+            ``reset_parameters_from_seed(seed)``).
         first_expert: global id of local expert 0.
+        seed: draw the weights with ``reset_parameters_from_seed(seed)`` on ``device`` (what
+            ``MoELayer`` does); None = ``reset_parameters()`` from torch's global CPU RNG.
         use_grouped_mm: None = ``torch._grouped_mm`` when it runs without a host sync for the
             input's dtype/device (see ``grouped_mm_support``), else the loop; True = always
             grouped_mm (raises when it cannot run); False = always the loop.
 
-    Initialisation (``reset_parameters``): one stream from ``generator`` (default: the global
-    torch RNG), drawn in fp32 on the CPU in the order ``w1`` ``[e, H, F]``, ``w2`` ``[e, F, H]``,
-    ``w3`` ``[e, H, F]``, then ``b1``, ``b2``, ``b3``, uniform in ``±1/sqrt(fan_in)``.
-    ``reset_parameters_from_seed(seed)`` instead gives every expert the weights of
-    ``init_expert_weights(first_expert + j, seed)``.
+    Initialisation with ``seed`` (``reset_parameters_from_seed``): every expert gets the weights
+    of ``init_expert_weights(first_expert + j, seed, device=device)``, drawn on the parameters'
+    device by one generator per expert, straight into the parameters (fp32) or through one
+    reused fp32 buffer per shape (other dtypes): any expert split gives the same values on the
+    same device. Without it (``reset_parameters``): one stream from ``generator`` (default: the
+    global torch RNG), drawn in fp32 on the CPU in the order ``w1`` ``[e, H, F]``, ``w2``
+    ``[e, F, H]``, ``w3`` ``[e, H, F]``, then ``b1``, ``b2``, ``b3``, uniform in
+    ``±1/sqrt(fan_in)``. On ``device="meta"`` neither draws anything.
     """
 
     def __init__(
@@ -61,6 +68,7 @@ class GroupedExperts(nn.Module):
         device: torch.device | str | None = None,
         first_expert: int = 0,
         use_grouped_mm: bool | None = None,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         _check_activation(activation, swiglu_limit, swiglu_alpha)
@@ -105,7 +113,10 @@ class GroupedExperts(nn.Module):
                 self.register_parameter(name, nn.Parameter(torch.empty(*shape, **kw)))
             else:
                 self.register_parameter(name, None)
-        self.reset_parameters()
+        if seed is not None:
+            self.reset_parameters_from_seed(seed)
+        else:
+            self.reset_parameters()
 
     def extra_repr(self) -> str:
         return (
@@ -128,8 +139,11 @@ class GroupedExperts(nn.Module):
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Redraw all weights from ``generator`` (a CPU generator; default: the global RNG).
 
-        Deterministic for a given generator state, whatever the parameter device or dtype.
+        Deterministic for a given generator state, whatever the parameter device or dtype. A
+        no-op on the meta device.
         """
+        if self.w1.device.type == "meta":
+            return
         H, F_ = self.hidden_size, self.ffn_hidden_size
         for w, fan_in in zip(self._weights(), (H, F_, H), strict=False):
             w.copy_(_uniform(tuple(w.shape), 1 / math.sqrt(fan_in), generator))
@@ -139,21 +153,23 @@ class GroupedExperts(nn.Module):
 
     @torch.no_grad()
     def reset_parameters_from_seed(self, seed: int) -> None:
-        """Set local expert ``j`` to ``init_expert_weights(first_expert + j, seed)``: the same
-        values that a process holding all experts gets for that global expert."""
+        """Set local expert ``j`` to ``init_expert_weights(first_expert + j, seed)`` drawn on the
+        parameters' device: the values a process holding all experts on that device gets for
+        that global expert. A no-op on the meta device (nothing to draw)."""
+        device = self.w1.device
+        if device.type == "meta":
+            return
+        draws = expert_draws(
+            self.hidden_size,
+            self.ffn_hidden_size,
+            gated=self.w3 is not None,
+            bias=self.bias,
+        )
+        scratch: dict[tuple[int, ...], torch.Tensor] = {}
         for j, g in enumerate(self.global_expert_ids):
-            ew = init_expert_weights(
-                g,
-                seed,
-                hidden_size=self.hidden_size,
-                ffn_hidden_size=self.ffn_hidden_size,
-                activation=self.activation,
-                bias=self.bias,
-            )
-            for name in ("w1", "w2", "w3", "b1", "b2", "b3"):
-                mine, theirs = getattr(self, name), getattr(ew, name)
-                if mine is not None and theirs is not None:
-                    mine[j].copy_(theirs)
+            gen = expert_generator(g, seed, device)
+            for name, _, bound in draws:
+                draw_into(getattr(self, name)[j], bound, gen, scratch)
 
     def grouped_mm_support(self, x: torch.Tensor) -> GroupedMMSupport:
         """``grouped_mm_support`` for this module's shapes and ``x``'s dtype and device."""

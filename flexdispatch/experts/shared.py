@@ -9,7 +9,7 @@ from torch import nn
 
 from flexdispatch._validate import check_tensor
 from flexdispatch.experts.activations import GATED_ACTIVATIONS, _check_activation, apply_activation
-from flexdispatch.experts.init import _uniform, expert_seed, init_expert_weights
+from flexdispatch.experts.init import draw_into, expert_draws, expert_generator, expert_seed
 
 
 class SharedExperts(nn.Module):
@@ -21,10 +21,13 @@ class SharedExperts(nn.Module):
     a ``Linear(H, 1)`` without bias scales the output: ``y * sigmoid(x @ gate_weight.T)``
     (Qwen2-MoE's ``shared_expert_gate``); the gate is computed in fp32.
 
-    Weights come from ``reset_parameters_from_seed(seed, expert_id)``: the MLP weights are
-    ``init_expert_weights(expert_id, seed, ffn_hidden_size=F)`` (``MoELayer`` passes
-    ``expert_id = E``, the id after the routed experts, so no routed expert shares a stream) and
-    the gate weight is drawn uniform in ``±1/sqrt(H)`` from ``expert_seed(expert_id + 1, seed)``.
+    Weights come from ``reset_parameters_from_seed(seed, expert_id)`` (at construction with the
+    ``seed`` and ``expert_id`` given there), drawn on the parameters' device: the MLP weights
+    are ``init_expert_weights(expert_id, seed, ffn_hidden_size=F, device=device)``
+    (``MoELayer`` passes ``expert_id = E``, the id after the routed experts, so no routed expert
+    shares a stream) and the gate weight is drawn uniform in ``±1/sqrt(H)`` from a generator
+    on the device seeded with ``expert_seed(expert_id + 1, seed)``. Nothing is drawn on the
+    meta device.
 
     Args:
         hidden_size: H.
@@ -32,6 +35,7 @@ class SharedExperts(nn.Module):
         activation, swiglu_limit, swiglu_alpha: as ``GroupedExperts``.
         gate: add the sigmoid gate.
         dtype, device: of the parameters (inputs must match).
+        seed, expert_id: of the construction-time ``reset_parameters_from_seed``.
     """
 
     def __init__(
@@ -45,6 +49,8 @@ class SharedExperts(nn.Module):
         gate: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        seed: int = 0,
+        expert_id: int = 0,
     ) -> None:
         super().__init__()
         _check_activation(activation, swiglu_limit, swiglu_alpha)
@@ -68,7 +74,7 @@ class SharedExperts(nn.Module):
             self.gate_weight = nn.Parameter(torch.empty(1, H, **kw))
         else:
             self.register_parameter("gate_weight", None)
-        self.reset_parameters_from_seed(0, 0)
+        self.reset_parameters_from_seed(seed, expert_id)
 
     def extra_repr(self) -> str:
         return (
@@ -79,22 +85,20 @@ class SharedExperts(nn.Module):
     @torch.no_grad()
     def reset_parameters_from_seed(self, seed: int, expert_id: int) -> None:
         """Set the weights from ``seed`` and ``expert_id`` (see the class docstring)."""
-        ew = init_expert_weights(
-            expert_id,
-            seed,
-            hidden_size=self.hidden_size,
-            ffn_hidden_size=self.ffn_hidden_size,
-            activation=self.activation,
+        device = self.w1.device
+        expert_seed(expert_id + 1, seed)  # NOTE: the argument check, on meta too
+        if device.type == "meta":
+            return
+        gen = expert_generator(expert_id, seed, device)
+        draws = expert_draws(
+            self.hidden_size, self.ffn_hidden_size, gated=self.w3 is not None, bias=False
         )
-        self.w1.copy_(ew.w1)
-        self.w2.copy_(ew.w2)
-        if self.w3 is not None and ew.w3 is not None:
-            self.w3.copy_(ew.w3)
+        scratch: dict[tuple[int, ...], torch.Tensor] = {}
+        for name, _, bound in draws:
+            draw_into(getattr(self, name), bound, gen, scratch)
         if self.gate_weight is not None:
-            gen = torch.Generator().manual_seed(expert_seed(expert_id + 1, seed))
-            self.gate_weight.copy_(
-                _uniform(tuple(self.gate_weight.shape), 1 / math.sqrt(self.hidden_size), gen)
-            )
+            gen = expert_generator(expert_id + 1, seed, device)
+            draw_into(self.gate_weight, 1 / math.sqrt(self.hidden_size), gen)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` → ``[T, H]`` in ``x``'s dtype."""

@@ -69,7 +69,9 @@ from flexdispatch._validate import checks_enabled, cuda_code_path, is_capturing
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import (
     DTYPE_CODES,
+    EXCHANGE_NAME,
     check_agreement,
+    count_vector,
     exchange_counts,
     recv_pairs,
 )
@@ -590,8 +592,14 @@ class TorchA2ABackend(DispatchBackend):
             mask_TR = torch.zeros(T, R + 2, dtype=torch.bool, device=x.device)
             mask_TR.scatter_(1, rank_TK, True)
             mask_TR = mask_TR[:, :R]
-        G = self.exchange_counts(mask_TR, H, k, x.dtype, pairs_R2[:R])
-        pending = self.start_host_counts(G)
+        work = None
+        if self.hierarchical or cuda_code_path(x.device) or not is_distributed(self.group):
+            G = self.exchange_counts(mask_TR, H, k, x.dtype, pairs_R2[:R])
+        else:
+            # NOTE: CPU flat: the exchange runs (gloo, async) while the plan prepares its send
+            # rows; the plan reads G only through ``pending.wait()``, which waits for it first.
+            G, work = self.start_exchange(mask_TR, H, k, x.dtype, pairs_R2[:R])
+        pending = self.start_host_counts(G, work)
         plan = torch_hier.dispatch_hier if self.hierarchical else dispatch_flat
         result = plan(self, x, key_TK, topk_probs, mask_TR, G, pending)
         self.stats.rows_received += result.recv_x.shape[0]
@@ -601,17 +609,46 @@ class TorchA2ABackend(DispatchBackend):
             result = dataclasses.replace(result, num_recv_pairs=pairs)
         return result
 
-    def start_host_counts(self, G: torch.Tensor) -> PendingCounts | None:
+    def start_exchange(
+        self,
+        mask_TR: torch.Tensor,
+        hidden: int,
+        topk: int,
+        dtype: torch.dtype,
+        pairs_R: torch.Tensor,
+    ) -> tuple[torch.Tensor, dist.Work]:
+        """``exchange_counts`` started asynchronously (CPU, flat): ``(G, work)``; ``G`` is
+        complete once ``work`` is waited on (``PendingCounts.wait``)."""
+        vec = count_vector(
+            mask_TR,
+            hidden=hidden,
+            topk=topk,
+            dtype=dtype,
+            ranks_per_node=self.ranks_per_node,
+            pairs_R=pairs_R,
+            per_node=False,  # NOTE: flat mode never reads them
+        )
+        R = self.num_ranks
+        G = torch.empty(R, vec.numel(), dtype=torch.int64)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        with collective_guard(EXCHANGE_NAME, self.group):
+            work = gather(G.view(-1), vec, group=self.group, async_op=True)
+        return G, work
+
+    def start_host_counts(
+        self, G: torch.Tensor, work: dist.Work | None = None
+    ) -> PendingCounts | None:
         """Start the host copy of ``G`` that this mode needs, or return None (no copy at all).
+        ``work``: the async exchange still writing ``G`` (``start_exchange``).
 
         Dropless: the one host sync of the dispatch. Worst-case on CPU: read directly (no device
         to wait for, not a sync). Worst-case on CUDA: only with checks enabled and not capturing
         (counted in ``stats.extra["check_syncs"]``, never in ``host_syncs``).
         """
         if not self.worst_case:
-            return PendingCounts(self, G, counter="host_syncs")
+            return PendingCounts(self, G, counter="host_syncs", work=work)
         if not cuda_code_path(G.device):
-            return PendingCounts(self, G, counter=None)
+            return PendingCounts(self, G, counter=None, work=work)
         if checks_enabled(self.checks) and not is_capturing():
             return PendingCounts(self, G, counter="check_syncs")
         return None

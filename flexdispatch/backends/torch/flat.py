@@ -21,7 +21,24 @@ from flexdispatch.backends.torch.rows import (
 )
 from flexdispatch.types import DispatchResult
 
-__all__ = ["dispatch_flat"]
+__all__ = ["dispatch_flat", "PACK_MAX_ROW_BYTES", "packs_meta"]
+
+PACK_MAX_ROW_BYTES = 2048
+"""Rows of at most this many bytes travel with their metadata in one collective (``packs_meta``)."""
+
+
+def packs_meta(row_bytes: int) -> bool:
+    """Whether a flat hop sends each row's ``[2k]`` int32 metadata in the same collective as
+    the row (one ``all_to_all_single`` of ``[S, row_bytes + 8k]`` bytes instead of two).
+
+    For short rows the collective's fixed cost is what matters, and the packing's copies (the
+    ``[T]`` rows beside their metadata before the send gather, the received rows out of the
+    packed buffer in dropless mode; in worst-case mode the compaction gathers them anyway)
+    cost about what the metadata collective moved. Long rows keep two collectives: there the
+    copies would cost a pass over the rows. Depends on H and the dtype only, which every rank
+    agrees on before the rows move, so every rank issues the same collectives.
+    """
+    return row_bytes % 4 == 0 and row_bytes <= PACK_MAX_ROW_BYTES
 
 
 def dispatch_flat(
@@ -47,6 +64,13 @@ def dispatch_flat(
         # NOTE: the CUDA path never reads send_valid (``Hop.padded``, ``gather_index``)
         need_valid = not (cuda_code_path(device) and T)
         send_index, send_valid = slot_positions(mask_TR, cap, valid=need_valid)
+    row_bytes = H * x.element_size()
+    xp = None
+    if packs_meta(row_bytes):
+        # NOTE: one collective for rows and metadata (see ``packs_meta``); built while the
+        # count exchange may still run (CPU)
+        meta_TK = pack_key_meta(key_TK, topk_probs)
+        xp = torch.cat([x.view(torch.uint8), meta_TK.view(torch.uint8)], 1)
     Gh = pending.wait() if pending is not None else None
     if cap is not None:
         if Gh is not None:
@@ -77,21 +101,17 @@ def dispatch_flat(
     )
     be.stats.rows_sent += hop.num_send
     spare = cap is not None
-
-    def make_meta() -> torch.Tensor:
-        # NOTE: global ids travel; each receiver keeps its own (``finish``). Padding rows carry
-        # arbitrary rows: the compaction never returns them.
-        meta_TK = pack_key_meta(key_TK, topk_probs)
-        return gather_rows(meta_TK, *hop.gather_args(), zero_invalid=False)
-
-    recv_x, recv_meta = be.run_hop(
-        hop,
-        x,
-        make_meta,
-        spare_row=spare,
-        scratch_key="recv0" if spare else None,
-        meta_spare=be.num_experts,  # the dropped id: the compaction's dummy row is no pair
-    )
+    if xp is not None:
+        recv = be.run_hop_rows(hop, xp, spare_row=spare, scratch_key="recv0")
+        B = hop.num_recv
+        if spare:  # the compaction's dummy row holds the dropped id (no pair)
+            recv[B, row_bytes : row_bytes + 4 * k].view(torch.int32).fill_(be.num_experts)
+        recv_x = recv[:, :row_bytes].view(x.dtype)
+        recv_meta = recv[:, row_bytes:].view(torch.int32)
+        if not spare:  # NOTE: dropless returns the rows as they came: unpacked once
+            recv_x = be.output((B, H), x.dtype, device).copy_(recv_x)
+    else:
+        recv_x, recv_meta = _rows_then_meta(be, hop, x, key_TK, topk_probs, spare)
     maps = None
     if cap is not None:
         maps = flat_compaction(G[:, me].clamp(max=cap).to(device), cap)
@@ -105,4 +125,30 @@ def dispatch_flat(
         H=H,
         k=k,
         local_lo=me * e,
+    )
+
+
+def _rows_then_meta(
+    be: A2AHost,
+    hop: Hop,
+    x: torch.Tensor,
+    key_TK: torch.Tensor,
+    topk_probs: torch.Tensor,
+    spare: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows and then their metadata, two collectives (long rows, ``packs_meta`` False)."""
+
+    def make_meta() -> torch.Tensor:
+        # NOTE: global ids travel; each receiver keeps its own (``finish``). Padding rows carry
+        # arbitrary rows: the compaction never returns them.
+        meta_TK = pack_key_meta(key_TK, topk_probs)
+        return gather_rows(meta_TK, *hop.gather_args(), zero_invalid=False)
+
+    return be.run_hop(
+        hop,
+        x,
+        make_meta,
+        spare_row=spare,
+        scratch_key="recv0" if spare else None,
+        meta_spare=be.num_experts,  # the dropped id: the compaction's dummy row is no pair
     )

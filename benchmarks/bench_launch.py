@@ -1,0 +1,167 @@
+"""Launch cost of the torch backend: dispatch + combine of a tiny batch against the two bare
+``all_to_all_single`` calls of its rows (issue 26 item 5), on CPU / gloo.
+
+Shape letters (ARCHITECTURE.md): T tokens per rank · H hidden · E experts · k top-k · R ranks ·
+W worst-case rows.
+
+R = 2 gloo ranks, T = 8, H = 64 bf16, E = 8, top-2 (uniform random, every rank its own),
+``torch.set_num_threads(1)``, checks off (``DispatchConfig(checks=False)``, no
+``FLEXDISPATCH_CHECKS``). At this size nothing is bandwidth: every millisecond is per-call
+overhead (Python, op launches, collectives). Timed side by side in one process, interleaved:
+
+- ``bare``: ``all_to_all_single`` of the dispatch's rows there and back (the real split sizes,
+  computed once, buffers pre-built): two collectives and nothing else;
+- ``dropless``: ``FlexDispatcher.dispatch`` + ``combine`` (the expert output is ``recv_x``);
+- ``worst-case``: the same with ``num_worst_tokens = W = R * T``.
+
+Each block runs ``--inner`` calls of one mode between two barriers; the blocks of the three
+modes alternate ``--reps`` times; the figure is the median block time per call. A run spawns
+fresh ranks; ``--runs`` runs (default 3) give the range of each ratio (the machine is shared).
+Targets (issue 26): worst-case <= 2x bare, dropless <= 2.5x bare.
+
+Run: ``.venv/bin/python benchmarks/bench_launch.py [--runs 3] [--reps 15] [--inner 40]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import socket
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+T, H, E, K = 8, 64, 8, 2
+MODES = ("bare", "dropless", "worst-case")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _body(rank: int, R: int, reps: int, inner: int) -> dict[str, Any]:
+    from flexdispatch import DispatchConfig, FlexDispatcher
+    from flexdispatch.distributed import all_gather_int64
+
+    g = torch.Generator().manual_seed(rank)
+    idx = torch.rand(T, E, generator=g).argsort(1)[:, :K].contiguous()
+    probs = torch.rand(T, K, generator=g)
+    probs = probs / probs.sum(1, keepdim=True)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    flex = {
+        "dropless": FlexDispatcher(DispatchConfig(backend="torch", checks=False), num_experts=E),
+        "worst-case": FlexDispatcher(
+            DispatchConfig(backend="torch", checks=False, num_worst_tokens=R * T), num_experts=E
+        ),
+    }
+    e = E // R
+    mask = torch.zeros(T, R, dtype=torch.bool).scatter_(1, idx // e, True)
+    C = all_gather_int64(mask.sum(0).to(torch.int64)).tolist()
+    s_out, s_in = [C[rank][r] for r in range(R)], [C[s][rank] for s in range(R)]
+    rows = torch.randn(sum(s_out), H).bfloat16()
+    recv = torch.empty(sum(s_in), H, dtype=torch.bfloat16)
+    back = torch.empty(sum(s_out), H, dtype=torch.bfloat16)
+
+    def run(mode: str) -> None:
+        if mode == "bare":
+            dist.all_to_all_single(recv, rows, s_in, s_out)
+            dist.all_to_all_single(back, recv, s_out, s_in)
+            return
+        d = flex[mode]
+        res = d.dispatch(x, idx, probs)
+        d.combine(res.recv_x, res.handle)
+
+    for mode in MODES:  # warm-up: caches, first-call paths
+        for _ in range(5):
+            run(mode)
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    for _ in range(reps):
+        for mode in MODES:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                run(mode)
+            dist.barrier()
+            times[mode].append((time.perf_counter() - t0) / inner)
+    for d in flex.values():
+        d.close()
+    return {m: statistics.median(v) for m, v in times.items()}
+
+
+def _worker(rank: int, R: int, port: int, reps: int, inner: int, q: Any) -> None:
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=R,
+            timeout=datetime.timedelta(seconds=300),
+        )
+        q.put((rank, _body(rank, R, reps, inner)))
+        dist.destroy_process_group()
+    except BaseException:
+        q.put((rank, traceback.format_exc()))
+
+
+def run_once(reps: int, inner: int, R: int = 2) -> dict[str, float]:
+    """One run on fresh ranks: ``{mode: seconds per call}`` of rank 0."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.pop("FLEXDISPATCH_CHECKS", None)
+    procs = [ctx.Process(target=_worker, args=(r, R, port, reps, inner, q)) for r in range(R)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=900) for _ in range(R))
+    for p in procs:
+        p.join(timeout=30)
+    for r, v in got.items():
+        if isinstance(v, str):
+            raise RuntimeError(f"rank {r} failed:\n{v}")
+    return got[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--inner", type=int, default=40)
+    args = ap.parse_args()
+    print(f"command: {shlex.join([sys.executable, *sys.argv])}")
+    print(
+        f"torch {torch.__version__}, gloo, R=2, T={T}, H={H} bf16, E={E}, top-{K}, 1 thread, "
+        f"checks off; {args.reps} interleaved blocks of {args.inner} calls per run (median)\n"
+    )
+    print("| run | bare ms | dropless ms | worst-case ms | dropless / bare | worst-case / bare |")
+    print("|---|---:|---:|---:|---:|---:|")
+    ratios: dict[str, list[float]] = {"dropless": [], "worst-case": []}
+    for i in range(args.runs):
+        med = run_once(args.reps, args.inner)
+        b = med["bare"]
+        for m in ratios:
+            ratios[m].append(med[m] / b)
+        print(
+            f"| {i + 1} | {b * 1e3:.3f} | {med['dropless'] * 1e3:.3f} | "
+            f"{med['worst-case'] * 1e3:.3f} | {med['dropless'] / b:.2f}x | "
+            f"{med['worst-case'] / b:.2f}x |",
+            flush=True,
+        )
+    print()
+    for m, v in ratios.items():
+        print(f"{m} / bare: {min(v):.2f}x – {max(v):.2f}x over {args.runs} runs")
+
+
+if __name__ == "__main__":
+    main()
