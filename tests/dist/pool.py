@@ -31,6 +31,7 @@ import importlib
 import io
 import multiprocessing as mp
 import os
+import pkgutil
 import random
 import sys
 import time
@@ -71,7 +72,7 @@ def _resolve(module: str, qualname: str) -> Callable[..., Any]:
 
 # modules whose globals a call may patch (e.g. ``_validate.defer_value_checks = ...``) and that
 # are put back after every call; imported when a rank starts so that they are there to snapshot
-_PRELOAD = ("flexdispatch.dispatcher", "flexdispatch.moe", "flexdispatch.backends.deepep")
+_PRELOAD = ("flexdispatch.dispatcher", "flexdispatch.moe", "flexdispatch.backends")
 _RESTORED = ("torch.distributed", "torch.distributed.distributed_c10d")
 _MISSING = object()
 
@@ -142,6 +143,9 @@ def _rank_main(
     )
     for name in _PRELOAD:
         importlib.import_module(name)
+    backends = sys.modules["flexdispatch.backends"]
+    for info in pkgutil.walk_packages(backends.__path__, "flexdispatch.backends."):
+        importlib.import_module(info.name)
     clean_env = dict(os.environ)
     default_dtype = torch.get_default_dtype()
     deterministic = torch.are_deterministic_algorithms_enabled()
@@ -338,8 +342,13 @@ class GroupPool:
                     grace_end = time.monotonic() + _GRACE_S
         return results, errors, retire
 
-    def close(self, kill: bool = False) -> None:
-        """Stop the ranks (politely unless ``kill``); the pool can spawn again afterwards."""
+    def close(self, kill: bool = True) -> None:
+        """Stop the ranks; the pool can spawn again afterwards.
+
+        Args:
+            kill: SIGKILL at once (nothing in a rank is worth a clean exit); False asks the ranks
+                to leave the group and exit first.
+        """
         if not kill:
             for conn in self._conns:
                 with contextlib.suppress(BrokenPipeError, OSError):
@@ -349,6 +358,7 @@ class GroupPool:
                 p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+        for p in self._procs:
             p.join(timeout=5)
         for conn in self._conns:
             conn.close()
