@@ -5,11 +5,19 @@
 ``FLEXDISPATCH_TEST_DEVICE=cuda`` (``scripts/gpu_check.sh`` sets it). A requested ``cuda`` without
 a GPU skips those tests with the reason; any other value is an error. References are always
 computed on the CPU.
+
+Multi-process tests run in process groups kept alive for their module (``tests/dist/harness.py``,
+``tests/dist/pool.py``): ``_group_pools`` closes them when the module ends, ``_fresh_groups`` gives
+tests marked ``fresh_groups`` fresh ones, and ``FLEXDISPATCH_TEST_POOL_REPORT=1`` prints how many
+calls and spawns each module's pools had.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -64,6 +72,43 @@ def device() -> torch.device:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _group_pools(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Close the module's pooled process groups when the module ends."""
+    yield
+    if "tests.dist.harness" in sys.modules:  # only modules that spawned import the harness
+        sys.modules["tests.dist.harness"].close_pools(request.node.nodeid)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_groups(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Tests marked ``fresh_groups`` spawn a fresh group per call instead of the module's pool."""
+    fresh = request.node.get_closest_marker("fresh_groups") is not None
+    if not fresh:
+        yield
+        return
+    from tests.dist import harness
+
+    harness.set_fresh_test(True)
+    try:
+        yield
+    finally:
+        harness.set_fresh_test(False)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if os.environ.get("FLEXDISPATCH_TEST_POOL_REPORT", "").strip() not in ("1", "true", "yes"):
+        return
+    harness = sys.modules.get("tests.dist.harness")
+    lines = harness.pool_report() if harness else []
+    terminalreporter.section("pooled process groups")
+    for line in lines:
+        terminalreporter.write_line(line)
+    calls = sum(int(x.split(": ")[-1].split()[0]) for x in lines)
+    spawns = sum(int(x.split(", ")[-1].split()[0]) for x in lines)
+    terminalreporter.write_line(f"total: {calls} pooled calls in {spawns} spawned groups")
 
 
 @pytest.fixture

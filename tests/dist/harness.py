@@ -1,21 +1,123 @@
-"""Run a function on every rank of a real gloo group: a thin test-side wrapper over
-``flexdispatch.launch.spawn_group`` (fresh processes, a free port on 127.0.0.1, a deadline that
-kills the whole group, each rank's traceback reported).
+"""Run a function on every rank of a real gloo group.
 
-R ranks.
+``spawn_group`` has ``flexdispatch.launch.spawn_group``'s signature (fresh processes, a free port on
+127.0.0.1, a deadline that kills the whole group, each rank's traceback reported) but, by default,
+runs the call in a group kept alive for the test module (``tests/dist/pool.py``): spawning R
+ranks costs R interpreters importing torch, more than most of these tests take to run. Pooled
+calls return plain data only (tensors, numbers, strings, lists, tuples, dicts).
+
+Fresh groups instead, per call: tests marked ``@pytest.mark.fresh_groups`` (peer failure,
+timeouts, state that must not be shared), or everywhere with ``FLEXDISPATCH_TEST_FRESH_GROUPS=1``.
+``FLEXDISPATCH_TEST_POOL_REPORT=1`` prints the calls and spawns of every module's pools at the
+end of the run. Gloo ranks run with ``CUDA_VISIBLE_DEVICES=""``: they compute on the CPU.
+
+R ranks · L ranks per node.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
-from flexdispatch.launch import free_port, spawn_group
+from flexdispatch import launch
+from flexdispatch.launch import free_port
+from tests.dist.pool import GroupPool
 
-__all__ = ["free_port", "run_agents", "run_group"]
+__all__ = ["close_pools", "free_port", "pool_report", "run_agents", "run_group", "spawn_group"]
+
+FRESH_ENV = "FLEXDISPATCH_TEST_FRESH_GROUPS"
+REPORT_ENV = "FLEXDISPATCH_TEST_POOL_REPORT"
+
+_POOLS: dict[tuple[int, str], GroupPool] = {}
+_REPORT: list[str] = []
+_fresh_test = False  # set per test by the root conftest (the fresh_groups marker)
+
+
+def set_fresh_test(fresh: bool) -> None:
+    """Whether the test that runs now asked for fresh groups (root conftest)."""
+    global _fresh_test
+    _fresh_test = fresh
+
+
+def pooling() -> bool:
+    """True when calls run in the module's pooled groups."""
+    return not _fresh_test and os.environ.get(FRESH_ENV, "").strip() not in ("1", "true", "yes")
+
+
+def close_pools(where: str = "") -> None:
+    """Stop every pooled group (the end of a test module); note their use for the report."""
+    for (R, backend), pool in sorted(_POOLS.items()):
+        if pool.calls:
+            _REPORT.append(
+                f"{where or '?'}: {backend} R={R}: {pool.calls} calls, {pool.spawns} spawns"
+            )
+        pool.close()
+    _POOLS.clear()
+
+
+def pool_report() -> list[str]:
+    """One line per module and pool: calls run, groups spawned (FLEXDISPATCH_TEST_POOL_REPORT)."""
+    return list(_REPORT)
+
+
+def spawn_group(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: tuple[Any, ...] = (),
+    ranks_per_node: int | None = None,
+    timeout_s: float = 120.0,
+    pg_timeout_s: float | None = None,
+    backend: str = "gloo",
+    env: Mapping[str, str] | None = None,
+) -> list[Any]:
+    """``flexdispatch.launch.spawn_group``, in the module's pooled group when pooling is on.
+
+    Args:
+        fn: a module-level function; ``fn(*args)`` runs on every rank.
+        world_size: R.
+        args: arguments for every rank.
+        ranks_per_node: L (``LOCAL_WORLD_SIZE``; default R).
+        timeout_s: the deadline for the call; past it the group is killed.
+        pg_timeout_s: the process-group timeout (default ``timeout_s``).
+        backend: "gloo" (pooled) or another backend (always a fresh group).
+        env: extra environment variables for the ranks during the call.
+
+    Returns:
+        Each rank's return value, indexed by rank.
+
+    Raises:
+        flexdispatch.launch.GroupError: a rank raised, died, or the deadline passed.
+    """
+    env = dict(env or {})
+    if backend == "gloo":
+        env.setdefault("CUDA_VISIBLE_DEVICES", "")
+    if backend != "gloo" or not pooling():
+        return launch.spawn_group(
+            fn,
+            world_size,
+            args=tuple(args),
+            ranks_per_node=ranks_per_node,
+            timeout_s=timeout_s,
+            pg_timeout_s=pg_timeout_s,
+            backend=backend,
+            env=env,
+        )
+    pool = _POOLS.get((world_size, backend))
+    if pool is None:
+        pool = _POOLS[(world_size, backend)] = GroupPool(world_size, backend=backend)
+    return pool.run(
+        fn,
+        tuple(args),
+        ranks_per_node=ranks_per_node,
+        timeout_s=timeout_s,
+        pg_timeout_s=pg_timeout_s,
+        env=env,
+    )
 
 
 def _call_with_rank(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
@@ -30,13 +132,13 @@ def run_group(
     env: Mapping[str, str] | None = None,
     pg_timeout: float | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (pooled: see the module).
 
     Args:
-        fn: a module-level (picklable) function.
+        fn: a module-level function.
         world_size: R.
-        *args: picklable arguments passed to every rank.
-        timeout: seconds for the whole group; then every process is killed and
+        *args: arguments passed to every rank.
+        timeout: seconds for the whole call; then every process is killed and
             ``flexdispatch.launch.GroupError`` (a RuntimeError) is raised.
         env: extra environment variables for every rank; ``LOCAL_WORLD_SIZE`` there sets the
             simulated node size (default: one node of R ranks).

@@ -24,7 +24,8 @@ from flexdispatch.cli.demo import DemoSpec, check_against_reference, run_rank
 from flexdispatch.cli.demo_fit import AVAILABLE_ENV
 from flexdispatch.cli.demo_machine import RUNTIME_ENV, measure_runtime
 from flexdispatch.config import list_presets, load_config
-from flexdispatch.launch import free_port, spawn_group
+from flexdispatch.launch import free_port
+from tests.dist.harness import spawn_group
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-4

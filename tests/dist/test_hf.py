@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers  # a pinned test dependency (pyproject.toml [test])
 
-from flexdispatch.launch import spawn_group
+from tests.dist.harness import spawn_group
 
 B, S, VOCAB = 2, 5, 64
 ROUTERS = ("mlp.gate.weight", "mlp.router.weight", "mlp.router.bias")

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from flexdispatch.config import load_config
 from flexdispatch.experts import init_expert_weights
-from flexdispatch.launch import spawn_group
 from flexdispatch.routing import TopKRouter
+from tests.dist.harness import spawn_group
 
 T = 12  # tokens per rank
 SEED = 3
