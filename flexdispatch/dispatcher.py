@@ -107,20 +107,24 @@ class _Dispatch(torch.autograd.Function):
         backend: DispatchBackend = ctx.backend
         handle: DispatchHandle = ctx.handle
         dx = dp = None
+        want_x = ctx.needs_input_grad[2]
         # NOTE: every rank must run the same collectives; a missing gradient becomes zeros.
-        if ctx.needs_input_grad[2]:
+        if want_x:
             if grad_x is None:
                 grad_x = torch.zeros(
                     recv_idx.shape[0], handle.hidden, dtype=ctx.x_dtype, device=recv_idx.device
                 )
-            dx = backend.combine(grad_x.contiguous(), handle)
+            grad_x = grad_x.contiguous()
         if ctx.needs_input_grad[4]:
             if grad_probs is None:
                 grad_probs = torch.zeros(
                     recv_idx.shape, dtype=torch.float32, device=recv_idx.device
                 )
             masked = torch.where(recv_idx >= 0, grad_probs.to(torch.float32), 0.0)
-            dp = backend.combine(masked, handle)
+            # one call: DeepEP carries both in one combine (N10)
+            dx, dp = backend.combine_with_probs(grad_x if want_x else None, masked, handle)
+        elif want_x:
+            dx = backend.combine(grad_x, handle)
         return None, None, dx, None, dp
 
 

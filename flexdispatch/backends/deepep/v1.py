@@ -72,6 +72,11 @@ __all__ = ["DeepEPBackend", "DeepEPDispatchState"]
 _NARROW_FP32_COLUMNS = sizing.MAX_TOPK  # combine's fp32 topk_weights channel width
 
 
+def _narrow(y: torch.Tensor) -> bool:
+    """fp32 / fp16 rows narrow enough to sum exactly in combine's fp32 weights channel."""
+    return y.dtype in (torch.float32, torch.float16) and y.shape[1] <= _NARROW_FP32_COLUMNS
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeepEPDispatchState:
     """The deepep backend's part of a ``DispatchHandle``.
@@ -413,6 +418,12 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
             self._closed = True
             self._shared.leave(id(self))
 
+    @property
+    def _configs(self) -> tuple[Any, Any]:
+        """DeepEP's dispatch and combine ``Config`` for R, built once (``sizing.normal_configs``)
+        and passed to every call (DeepEP rebuilds its tables per call otherwise, N20)."""
+        return sizing.normal_configs(self.deep_ep, self.num_ranks)
+
     # ----------------------------------------------------------------- overlap helpers
     def _launch_kwargs(self) -> dict[str, Any]:
         if not self.async_finish:
@@ -589,6 +600,7 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
             topk_idx=idx,
             topk_weights=probs,
             num_worst_tokens=self.num_worst_tokens,
+            config=self._configs[0],
             **kw,
         )
         self._wait(event)
@@ -604,6 +616,7 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
                     self._chunk(w, c),
                     handle=handle,
                     num_worst_tokens=self.num_worst_tokens,
+                    config=self._configs[0],
                     **self._launch_kwargs(),
                 )
                 self._wait(ev)
@@ -623,7 +636,7 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
                 masked.valid,
             )
             if recv_scales is not None:
-                recv_scales = sizing.zero_invalid_rows(recv_scales, valid)
+                recv_scales = sizing.zero_invalid_rows_(recv_scales, valid)
         else:
             self._stats.host_syncs += 1  # DeepEP's CPU wait for the receive counts
             # NOTE: DeepEP zeroes the weight of every slot whose id is not local (the sender
@@ -664,16 +677,44 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
     # ----------------------------------------------------------------- combine
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Unweighted sum over the receiving ranks (see the module docstring for precision)."""
+        return self._combine(y, handle, None)[0]
+
+    def combine_with_probs(
+        self, y: torch.Tensor | None, probs: torch.Tensor, handle: DispatchHandle
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One DeepEP combine for the backward of ``dispatch``: ``probs`` ``[M, k]`` (0 where
+        ``recv_topk_idx`` is ``-1``) rides in the ``topk_weights`` channel, which DeepEP sums per
+        slot over the ranks (intranode.cu:865-871, internode.cu:1347-1353) beside the rows.
+        Narrow fp32 / fp16 rows share that channel with the probs (two combines only when
+        together they are wider than it)."""
+        if y is None:
+            return None, self._combine(probs, handle, None)[0]
+        X, k = y.shape[1], probs.shape[1]
+        if not _narrow(y):
+            return self._combine(y, handle, probs.float().contiguous())
+        if X + k > _NARROW_FP32_COLUMNS:
+            return super().combine_with_probs(y, probs, handle)
+        both = self._combine(torch.cat([y.float(), probs.float()], 1), handle, None)[0]
+        return both[:, :X].to(y.dtype), both[:, X:]
+
+    def _combine(
+        self, y: torch.Tensor, handle: DispatchHandle, probs: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(combine(y), combine of probs or None)``; ``probs`` only with wide rows."""
         state: DeepEPDispatchState = handle.state
         M, X = y.shape
-        narrow = y.dtype in (torch.float32, torch.float16) and X <= _NARROW_FP32_COLUMNS
-        if narrow:
+        out_probs = None
+        if _narrow(y):
             width = self.rules.combine_col_multiple(self.internode)
             buffer = self._buffer_for_rows(width)
             dummy = torch.zeros(M, width, dtype=torch.bfloat16, device=y.device)
             weights = y if y.dtype == torch.float32 else y.float()
             _, out_w, event = buffer.combine(
-                dummy, state.handle, topk_weights=weights.contiguous(), **self._launch_kwargs()
+                dummy,
+                state.handle,
+                topk_weights=weights.contiguous(),
+                config=self._configs[1],
+                **self._launch_kwargs(),
             )
             self._wait(event)
             out = out_w if y.dtype == torch.float32 else out_w.to(y.dtype)
@@ -684,21 +725,27 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
             buffer = self._buffer_for_rows(*(c.padded for c in chunks))
             yb = y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16)
             parts = []
-            for c in chunks:
+            for i, c in enumerate(chunks):
                 width = min(c.width, X - c.start)
                 part = yb[:, c.start : c.start + width]
                 pad = c.padded - width
                 part = F.pad(part, (0, pad)) if pad else part.contiguous()
-                combined, _, event = buffer.combine(part, state.handle, **self._launch_kwargs())
+                extra = {"topk_weights": probs} if i == 0 and probs is not None else {}
+                combined, got_w, event = buffer.combine(
+                    part, state.handle, config=self._configs[1], **extra, **self._launch_kwargs()
+                )
                 self._wait(event)
                 parts.append(combined[:, :width])
+                out_probs = got_w if extra else out_probs
             out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
             if out.dtype != y.dtype:
                 out = out.to(y.dtype)
             back_bytes = sum(self._row_bytes(2 * c.padded) for c in chunks)
+            if probs is not None:
+                back_bytes += self._row_bytes(0, weights=probs.shape[1]) - self._row_bytes(0)
         self._after_normal_kernel()
         self._account("combine", state.links, back_bytes)
-        return out
+        return out, out_probs
 
     def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Re-send ``[T, X]`` rows along a dispatch's handle (no host sync)."""
@@ -713,6 +760,7 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
                 self._chunk(w, c),
                 handle=state.handle,
                 num_worst_tokens=self.num_worst_tokens,
+                config=self._configs[0],
                 **self._launch_kwargs(),
             )
             self._wait(event)
@@ -720,7 +768,7 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
         recv_w = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         self._after_normal_kernel()
         if state.valid is not None:
-            recv_w = sizing.zero_invalid_rows(recv_w, state.valid)
+            recv_w = sizing.zero_invalid_rows_(recv_w, state.valid)
         row_bytes = sum(self._row_bytes(2 * c.padded) for c in chunks)
         self._account("cached", state.links, row_bytes)
         return wire.recv(recv_w)
