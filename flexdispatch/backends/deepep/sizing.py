@@ -58,6 +58,7 @@ __all__ = [
     "normal_configs",
     "low_latency_buffer_size",
     "grow_buffer_size",
+    "grow_geometric",
     "check_topology",
     "check_row_bytes",
     "check_low_latency",
@@ -276,6 +277,31 @@ def check_low_latency(
         f"low-latency: H={hidden}, k={topk}, up to {num_max_dispatch_tokens_per_rank} tokens",
     )
 
+
+#: Geometric growth stops doubling here: below DeepEP's ``INT_MAX`` byte checks (deep_ep.cpp:27-28,
+#: internode.cu:341-342), 128-aligned. A need beyond it is taken as is.
+MAX_GEOMETRIC_BYTES = 2**31 - 128
+
+
+def grow_geometric(current: BufferSize | None, required: BufferSize) -> BufferSize | None:
+    """``grow_buffer_size``, but a byte count that must grow at least doubles (N19).
+
+    Every rebuild of a buffer with RDMA bytes finalises and re-initialises NVSHMEM (DeepEP has
+    no resize; NVSHMEM documents a second init as undefined, and it is slow, DeepEP #571), and
+    every rebuild exchanges IPC handles: doubling bounds a run to ``log2(largest / first)``
+    rebuilds instead of one per new row width.
+    """
+    grow = grow_buffer_size(current, required)
+    if grow is None or current is None:
+        return grow
+
+    def step(cur: int, need: int) -> int:
+        return cur if need <= cur else max(need, min(2 * cur, MAX_GEOMETRIC_BYTES))
+
+    return BufferSize(
+        num_nvl_bytes=step(current.num_nvl_bytes, required.num_nvl_bytes),
+        num_rdma_bytes=step(current.num_rdma_bytes, required.num_rdma_bytes),
+    )
 
 # --------------------------------------------------------------------- wire format
 @dataclass(frozen=True, kw_only=True)
