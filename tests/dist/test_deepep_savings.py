@@ -10,6 +10,8 @@ and V2 (``"elastic"``), dropless and worst-case:
   (counted by the emulator's kernel counters), and the gradients equal the torch backend's.
 - N20: a second dispatch + combine of the same shapes builds no DeepEP ``Config`` (the emulator
   counts constructions).
+- N13: V1 with ``deepep_async_finish``: ``dispatch_start`` leaves the current stream unfenced
+  until ``.wait()`` (the emulator counts event waits), results and gradients as ``dispatch``.
 - N11 / N21: the adapter's own aten ops (outside the emulated kernels, seen by a
   ``TorchDispatchMode``) allocate at most one fresh tensor as large as the received rows per
   dispatch / combine: V1's worst-case tails are zeroed in place, V2's sort gathers once.
@@ -136,7 +138,49 @@ def worker(rank: int, R: int) -> dict[str, Any]:
                 dx = (grads["deepep"][0].float() - grads["torch"][0].float()).abs().max()
                 dp = (grads["deepep"][1] - grads["torch"][1]).abs().max()
                 out[key]["grad_err"] = (float(dx), float(dp))
+    out["overlap"] = _overlap(rank, R, emu)
     return out
+
+
+def _overlap(rank: int, R: int, emu: Any) -> dict[str, Any]:
+    """N13: V1 with deepep_async_finish: ``dispatch_start`` returns before the current stream
+    waits (the emulator counts ``EventHandle.current_stream_wait``), ``wait()`` waits once, and
+    the result and gradients equal a plain dispatch's."""
+    from flexdispatch import DispatchConfig, FlexDispatcher
+    from tests.deepep_emu.runtime import config as emu_config
+
+    E = E_PER_RANK * R
+    inputs = all_inputs(9, R=R, E=E, k=K, H=H, dtype=torch.bfloat16, exact=False)
+    mine = inputs[rank]
+    cfg = DispatchConfig(
+        backend="deepep", deepep_api="legacy", ranks_per_node=R, deepep_async_finish=True
+    )
+    d = FlexDispatcher(cfg, num_experts=E, _deep_ep=emu)
+    got: dict[str, Any] = {"supports": d.backend.supports_dispatch_overlap()[0]}
+    waits = emu_config.EVENT_WAITS
+    before = waits[0]
+    plain, loss, xs, ps = _grads(d, mine.x, mine.idx, mine.probs)
+    got["plain_waits"] = waits[0] - before
+    loss.backward()
+    xs2 = mine.x.clone().requires_grad_(True)
+    ps2 = mine.probs.clone().requires_grad_(True)
+    before = waits[0]
+    started = d.dispatch_start(xs2, mine.idx, ps2)
+    got["waits_at_launch"] = waits[0] - before
+    res = started.wait()
+    got["waits_at_wait"] = waits[0] - before
+    g = torch.Generator().manual_seed(7)
+    wx = torch.randn(res.recv_x.shape, generator=g)
+    wp = torch.randn(res.recv_topk_probs.shape, generator=g)
+    ((res.recv_x.float() * wx).sum() + (res.recv_topk_probs * wp).sum()).backward()
+    got["same"] = bool(
+        torch.equal(res.recv_x, plain.recv_x)
+        and torch.equal(res.recv_topk_idx, plain.recv_topk_idx)
+        and torch.equal(xs2.grad, xs.grad)
+        and torch.equal(ps2.grad, ps.grad)
+    )
+    d.close()
+    return got
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +193,8 @@ def results() -> list[dict[str, Any]]:
 def test_n10_dispatch_backward_is_one_combine(results: list[dict[str, Any]]) -> None:
     for out in results:
         for key, got in out.items():
+            if key == "overlap":
+                continue
             # one combine for the backward of dispatch (was 2 on V1, 1 + k on V2); V2 sums
             # narrow fp32 rows one column per combine, so there: width + 1 (was width + k)
             want = 8 + 1 if key.startswith("elastic-torch.float32") else 1
@@ -163,7 +209,7 @@ def test_n20_no_deepep_config_built_per_call(results: list[dict[str, Any]]) -> N
     checked = 0
     for out in results:
         for key, got in out.items():
-            if "configs_built" in got:
+            if key != "overlap" and "configs_built" in got:
                 checked += 1
                 assert got["configs_built"] == 0, (key, got)
     assert checked == 8
@@ -175,7 +221,7 @@ def test_n11_n21_one_row_sized_copy_per_call(results: list[dict[str, Any]]) -> N
     checked = 0
     for out in results:
         for key, got in out.items():
-            if "dispatch_fresh" not in got:
+            if key == "overlap" or "dispatch_fresh" not in got:
                 continue
             checked += 1
             # worst-case tails zeroed in place (was a second [W, H] tensor); V2's sort gathers
@@ -184,3 +230,16 @@ def test_n11_n21_one_row_sized_copy_per_call(results: list[dict[str, Any]]) -> N
             assert len(got["dispatch_fresh"]) <= 1, (key, got)
             assert len(got["combine_fresh"]) <= 1, (key, got)
     assert checked == 8
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_n13_async_dispatch_waits_at_wait_not_at_launch(results: list[dict[str, Any]]) -> None:
+    for out in results:
+        got = out["overlap"]
+        assert got["supports"], got
+        # a plain async dispatch waits once (was twice: after the layout, after the dispatch)
+        assert got["plain_waits"] == 1, got
+        # dispatch_start: no wait until .wait(), then one; same rows and gradients
+        assert got["waits_at_launch"] == 0 and got["waits_at_wait"] == 1, got
+        assert got["same"], got

@@ -303,6 +303,7 @@ def grow_geometric(current: BufferSize | None, required: BufferSize) -> BufferSi
         num_rdma_bytes=step(current.num_rdma_bytes, required.num_rdma_bytes),
     )
 
+
 # --------------------------------------------------------------------- wire format
 @dataclass(frozen=True, kw_only=True)
 class WireFormat:

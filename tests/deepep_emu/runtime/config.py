@@ -151,6 +151,11 @@ class EventHandle:
 
     def current_stream_wait(self) -> None:
         self.waits += 1
+        EVENT_WAITS[0] += 1
+
+
+#: ``EventHandle.current_stream_wait`` calls since import (where the current stream waits).
+EVENT_WAITS = [0]
 
 
 def low_latency_layout_bytes(num_max: int, hidden: int, num_ranks: int, num_experts: int) -> int:
