@@ -446,8 +446,9 @@ class FlexDispatcher:
             flexdispatch.distributed.CollectiveError: a peer rank failed (raised, exited, was
             killed) or did not join within the process-group timeout (docs/errors.md).
         """
-        self._deferred_parts = None
-        self._check_inputs(x, topk_idx, topk_probs, layout)
+        if _pending is None:  # else checked when dispatch_start launched it
+            self._deferred_parts = None
+            self._check_inputs(x, topk_idx, topk_probs, layout)
         rows = (x[0].contiguous(), x[1].contiguous()) if isinstance(x, tuple) else x.contiguous()
         recv_x, recv_idx, recv_probs, counts, handle, pairs = _Dispatch.apply(
             self._backend, layout, rows, topk_idx.contiguous(), topk_probs.contiguous(), _pending
