@@ -1,5 +1,6 @@
 """What ``FlexDispatcher`` adds for DeepEP 2.5: a combine that adds a bias inside its reduction,
-a dispatch that returns before its rows (``PendingDispatch``), and ``warmup``.
+a dispatch that returns before its rows (``PendingDispatch``; also DeepEP V1 with
+``deepep_async_finish``, ``start_dispatch``), and ``warmup``.
 
 Shape letters (ARCHITECTURE.md): T tokens on this rank · H hidden · k top-k · M received rows.
 """
@@ -13,12 +14,19 @@ import torch
 
 from flexdispatch._validate import check_tensor
 from flexdispatch.backends.base import DispatchBackend
-from flexdispatch.types import DispatchHandle, ExpandedDispatchResult
+from flexdispatch.types import DispatchHandle, DispatchLayout, ExpandedDispatchResult
 
 if TYPE_CHECKING:
     from flexdispatch.dispatcher import FlexDispatcher
 
-__all__ = ["CombineBias", "PendingDispatch", "combine_with_bias", "warmup"]
+__all__ = [
+    "CombineBias",
+    "DispatchExpanded",
+    "PendingDispatch",
+    "combine_with_bias",
+    "start_dispatch",
+    "warmup",
+]
 
 
 class CombineBias(torch.autograd.Function):
@@ -65,10 +73,68 @@ def combine_with_bias(
     return plain(backend, handle, y) + bias
 
 
+class DispatchExpanded(torch.autograd.Function):
+    """``dispatch_expanded``, differentiable in ``x`` and ``topk_probs``; with ``pending`` (a
+    ``launch_expanded`` in flight) the forward only finishes it."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        backend: DispatchBackend,
+        pending: Any,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
+        if pending is not None:
+            res = backend.finish_expanded(pending)  # type: ignore[attr-defined]
+        else:
+            res = backend.dispatch_expanded(x, topk_idx, topk_probs)
+        ctx.backend = backend
+        ctx.handle = res.handle
+        ctx.x_dtype = x[0].dtype if isinstance(x, tuple) else x.dtype
+        ctx.device = res.recv_x.device
+        frozen = [res.tokens_per_expert]
+        if isinstance(x, tuple):  # fp8 pass-through: forward-only rows
+            frozen.append(res.recv_x)
+        ctx.mark_non_differentiable(*frozen)
+        return res.recv_x, res.recv_probs, res.tokens_per_expert, res.handle
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any,
+        grad_x: torch.Tensor | None,
+        grad_probs: torch.Tensor | None,
+        _grad_counts: Any,
+        _grad_handle: Any,
+    ) -> tuple[None, None, torch.Tensor | None, None, torch.Tensor | None]:
+        backend: DispatchBackend = ctx.backend
+        handle: DispatchHandle = ctx.handle
+        N = handle.num_recv_rows
+        dx = dp = None
+        want_x, want_p = ctx.needs_input_grad[2], ctx.needs_input_grad[4]
+        device = ctx.device
+        # NOTE: every rank must run the same collectives; a missing gradient becomes zeros.
+        if want_x and grad_x is None:
+            grad_x = torch.zeros(N, handle.hidden, dtype=ctx.x_dtype, device=device)
+        if want_p:
+            if grad_probs is None:
+                grad_probs = torch.zeros(N, dtype=torch.float32, device=device)
+            dx, dp = backend.combine_slot_weights(
+                grad_x.contiguous() if want_x and grad_x is not None else None,
+                grad_probs.to(torch.float32),
+                handle,
+            )
+        elif want_x and grad_x is not None:
+            dx = backend.combine(grad_x.contiguous(), handle)
+        return None, None, dx, None, dp
+
+
 class PendingDispatch:
     """An expanded dispatch in flight (``FlexDispatcher.dispatch_expanded_start``).
 
-    ``wait()`` returns its ``ExpandedDispatchResult`` (once). Between the two, the caller may run
+    ``wait()`` returns its ``ExpandedDispatchResult`` (``DispatchResult`` from
+    ``dispatch_start``) (once). Between the two, the caller may run
     work that does not need the received rows (a layer's shared experts): on DeepEP 2.5 the rows
     are still moving then (``defer_epilogue``); other backends finished at the start.
     """
@@ -82,6 +148,32 @@ class PendingDispatch:
             raise RuntimeError("PendingDispatch.wait() was already called")
         finish, self._finish = self._finish, None
         return finish()
+
+
+def start_dispatch(
+    dispatcher: FlexDispatcher,
+    x: Any,
+    topk_idx: torch.Tensor,
+    topk_probs: torch.Tensor,
+    layout: DispatchLayout | None,
+) -> PendingDispatch:
+    """``FlexDispatcher.dispatch_start``: where the backend can (``supports_dispatch_overlap``:
+    DeepEP V1 with ``deepep_async_finish``), launch the dispatch now and finish it, through the
+    usual autograd path, at ``.wait()``; elsewhere dispatch at once (audit N13)."""
+    backend = dispatcher.backend
+    overlap = getattr(backend, "supports_dispatch_overlap", None)
+    if overlap is None or not overlap()[0]:
+        res = dispatcher.dispatch(x, topk_idx, topk_probs, layout=layout)
+        return PendingDispatch(lambda: res)  # type: ignore[arg-type,return-value]
+    dispatcher._deferred_parts = None
+    dispatcher._check_inputs(x, topk_idx, topk_probs, layout)
+    rows = (x[0].contiguous(), x[1].contiguous()) if isinstance(x, tuple) else x.contiguous()
+    idx, probs = topk_idx.contiguous(), topk_probs.contiguous()
+    with torch.no_grad():
+        pending = backend.launch_dispatch(rows, idx, probs, layout)  # type: ignore[attr-defined]
+    return PendingDispatch(
+        lambda: dispatcher.dispatch(rows, idx, probs, layout=layout, _pending=pending)  # type: ignore[arg-type,return-value]
+    )
 
 
 def warmup(

@@ -39,7 +39,13 @@ from flexdispatch._validate import (
 from flexdispatch.backends import select_backend
 from flexdispatch.backends.base import DispatchBackend
 from flexdispatch.config import DispatchConfig
-from flexdispatch.dispatch_overlap import PendingDispatch, combine_with_bias, warmup
+from flexdispatch.dispatch_overlap import DispatchExpanded as _DispatchExpanded
+from flexdispatch.dispatch_overlap import (
+    PendingDispatch,
+    combine_with_bias,
+    start_dispatch,
+    warmup,
+)
 from flexdispatch.distributed import (
     check_fingerprint,
     collective_device,
@@ -74,8 +80,12 @@ class _Dispatch(torch.autograd.Function):
         x: Rows,
         topk_idx: torch.Tensor,
         topk_probs: torch.Tensor,
+        pending: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
-        res = backend.dispatch(x, topk_idx, topk_probs, layout)
+        if pending is not None:  # a launch_dispatch in flight: finish it
+            res = backend.finish_dispatch(pending)  # type: ignore[attr-defined]
+        else:
+            res = backend.dispatch(x, topk_idx, topk_probs, layout)
         ctx.backend = backend
         ctx.handle = res.handle
         ctx.x_dtype = x[0].dtype if isinstance(x, tuple) else x.dtype
@@ -102,83 +112,30 @@ class _Dispatch(torch.autograd.Function):
         _grad_counts: Any,
         _grad_handle: Any,
         _grad_pairs: Any,
-    ) -> tuple[None, None, torch.Tensor | None, None, torch.Tensor | None]:
+    ) -> tuple[None, None, torch.Tensor | None, None, torch.Tensor | None, None]:
         (recv_idx,) = ctx.saved_tensors
         backend: DispatchBackend = ctx.backend
         handle: DispatchHandle = ctx.handle
         dx = dp = None
+        want_x = ctx.needs_input_grad[2]
         # NOTE: every rank must run the same collectives; a missing gradient becomes zeros.
-        if ctx.needs_input_grad[2]:
+        if want_x:
             if grad_x is None:
                 grad_x = torch.zeros(
                     recv_idx.shape[0], handle.hidden, dtype=ctx.x_dtype, device=recv_idx.device
                 )
-            dx = backend.combine(grad_x.contiguous(), handle)
+            grad_x = grad_x.contiguous()
         if ctx.needs_input_grad[4]:
             if grad_probs is None:
                 grad_probs = torch.zeros(
                     recv_idx.shape, dtype=torch.float32, device=recv_idx.device
                 )
             masked = torch.where(recv_idx >= 0, grad_probs.to(torch.float32), 0.0)
-            dp = backend.combine(masked, handle)
-        return None, None, dx, None, dp
-
-
-class _DispatchExpanded(torch.autograd.Function):
-    """``dispatch_expanded``, differentiable in ``x`` and ``topk_probs``; with ``pending`` (a
-    ``launch_expanded`` in flight) the forward only finishes it."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        backend: DispatchBackend,
-        pending: Any,
-        x: Rows,
-        topk_idx: torch.Tensor,
-        topk_probs: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
-        if pending is not None:
-            res = backend.finish_expanded(pending)  # type: ignore[attr-defined]
-        else:
-            res = backend.dispatch_expanded(x, topk_idx, topk_probs)
-        ctx.backend = backend
-        ctx.handle = res.handle
-        ctx.x_dtype = x[0].dtype if isinstance(x, tuple) else x.dtype
-        ctx.device = res.recv_x.device
-        frozen = [res.tokens_per_expert]
-        if isinstance(x, tuple):  # fp8 pass-through: forward-only rows
-            frozen.append(res.recv_x)
-        ctx.mark_non_differentiable(*frozen)
-        return res.recv_x, res.recv_probs, res.tokens_per_expert, res.handle
-
-    @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: Any,
-        grad_x: torch.Tensor | None,
-        grad_probs: torch.Tensor | None,
-        _grad_counts: Any,
-        _grad_handle: Any,
-    ) -> tuple[None, None, torch.Tensor | None, None, torch.Tensor | None]:
-        backend: DispatchBackend = ctx.backend
-        handle: DispatchHandle = ctx.handle
-        N = handle.num_recv_rows
-        dx = dp = None
-        want_x, want_p = ctx.needs_input_grad[2], ctx.needs_input_grad[4]
-        device = ctx.device
-        # NOTE: every rank must run the same collectives; a missing gradient becomes zeros.
-        if want_x and grad_x is None:
-            grad_x = torch.zeros(N, handle.hidden, dtype=ctx.x_dtype, device=device)
-        if want_p:
-            if grad_probs is None:
-                grad_probs = torch.zeros(N, dtype=torch.float32, device=device)
-            dx, dp = backend.combine_slot_weights(
-                grad_x.contiguous() if want_x and grad_x is not None else None,
-                grad_probs.to(torch.float32),
-                handle,
-            )
-        elif want_x and grad_x is not None:
-            dx = backend.combine(grad_x.contiguous(), handle)
-        return None, None, dx, None, dp
+            # one call: DeepEP carries both in one combine (N10)
+            dx, dp = backend.combine_with_probs(grad_x if want_x else None, masked, handle)
+        elif want_x:
+            dx = backend.combine(grad_x, handle)
+        return None, None, dx, None, dp, None
 
 
 class _Combine(torch.autograd.Function):
@@ -458,6 +415,7 @@ class FlexDispatcher:
         topk_probs: torch.Tensor,
         *,
         layout: DispatchLayout | None = None,
+        _pending: Any = None,
     ) -> DispatchResult:
         """Send each token once to every rank that holds one of its experts.
 
@@ -470,6 +428,7 @@ class FlexDispatcher:
             topk_idx: ``[T, k]`` int64 global expert ids, ``-1`` = no expert.
             topk_probs: ``[T, k]`` float32 routing weights (0 where ``topk_idx`` is ``-1``).
             layout: optional ``get_dispatch_layout(topk_idx, E, R)`` result, reused if given.
+            _pending: internal (``dispatch_start``): a launched dispatch to finish.
 
         Returns:
             ``DispatchResult``: ``recv_x [M, H]`` (x's dtype), ``recv_topk_idx [M, k]`` int64 local
@@ -487,11 +446,12 @@ class FlexDispatcher:
             flexdispatch.distributed.CollectiveError: a peer rank failed (raised, exited, was
             killed) or did not join within the process-group timeout (docs/errors.md).
         """
-        self._deferred_parts = None
-        self._check_inputs(x, topk_idx, topk_probs, layout)
+        if _pending is None:  # else checked when dispatch_start launched it
+            self._deferred_parts = None
+            self._check_inputs(x, topk_idx, topk_probs, layout)
         rows = (x[0].contiguous(), x[1].contiguous()) if isinstance(x, tuple) else x.contiguous()
         recv_x, recv_idx, recv_probs, counts, handle, pairs = _Dispatch.apply(
-            self._backend, layout, rows, topk_idx.contiguous(), topk_probs.contiguous()
+            self._backend, layout, rows, topk_idx.contiguous(), topk_probs.contiguous(), _pending
         )
         if self._deferred_parts is not None:
             parts = (self._backend.bad_ids, *self._deferred_parts)  # type: ignore[attr-defined]
@@ -506,6 +466,20 @@ class FlexDispatcher:
             handle=handle,
             num_recv_pairs=pairs,
         )
+
+    def dispatch_start(
+        self,
+        x: Rows,
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+        *,
+        layout: DispatchLayout | None = None,
+    ) -> PendingDispatch:
+        """``dispatch`` in two halves: issued now, its ``DispatchResult`` at ``.wait()`` (called
+        on every rank). With DeepEP V1 and ``deepep_async_finish`` the rows are in flight in
+        between, so work issued there (``MoELayer``'s shared experts) overlaps the dispatch;
+        elsewhere the dispatch finishes here. Inputs, errors and result as ``dispatch``."""
+        return start_dispatch(self, x, topk_idx, topk_probs, layout)
 
     def dispatch_expanded(
         self, x: Rows, topk_idx: torch.Tensor, topk_probs: torch.Tensor

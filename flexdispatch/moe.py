@@ -87,8 +87,9 @@ class MoELayer(nn.Module):
     Overlap: the shared MLP is issued after the dispatch is issued and before the routed experts
     and ``combine``. On DeepEP 2.5 (``dispatch_expanded_start``, DeepEP's ``defer_epilogue``)
     the rows are still in flight then, so the MLP overlaps the dispatch. The torch backends
-    finish their all-to-all before ``dispatch`` returns, and DeepEP V1's ``async_finish`` makes
-    the compute stream wait on the dispatch event inside ``dispatch``: nothing overlaps there.
+    finish their all-to-all before ``dispatch`` returns; with DeepEP V1 and
+    ``deepep_async_finish`` (``dispatch_start``) the compute stream waits on the dispatch event
+    only after the shared MLP is issued, so the MLP overlaps the dispatch there too.
     Before capturing the layer in a CUDA graph, call ``warmup()`` (DeepEP 2.5 compiles its
     kernels at first use).
 
@@ -262,9 +263,11 @@ class MoELayer(nn.Module):
             y = self.experts(res.recv_x, res.tokens_per_expert, res.recv_probs)
             out_TH = self.dispatcher.combine(y, res.handle, bias=shared_TH)
         else:
-            res = self.dispatcher.dispatch(x_TH, routing.topk_idx, routing.topk_probs)
-            # NOTE: issued between dispatch and combine (see the class docstring on overlap).
+            # NOTE: the shared experts are issued while the dispatch is in flight where the
+            # backend allows it (DeepEP V1 with deepep_async_finish), see the class docstring.
+            started = self.dispatcher.dispatch_start(x_TH, routing.topk_idx, routing.topk_probs)
             shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH)
+            res = started.wait()
             out_TH = self._routed(res, shared_TH)
         return MoEOutput(
             output=out_TH.reshape(hidden.shape),

@@ -329,8 +329,11 @@ def select_backend(
     if config.deepep_api == "elastic":
         note = "DeepEP API: elastic deep_ep.ElasticBuffer (deepep_api='elastic' requested)"
         return _build(config, group, "elastic", elastic, note, kwargs, deep_ep)
-    api, why = auto_deepep_api(config, elastic, legacy, ep)
-    alt, alt_why = auto_deepep_api(config, elastic, legacy) if api == "ep" else (api, why)
+    across = group_size(group) > ranks_per_node
+    api, why = auto_deepep_api(config, elastic, legacy, ep, across_nodes=across)
+    alt, alt_why = (
+        auto_deepep_api(config, elastic, legacy, across_nodes=across) if api == "ep" else (api, why)
+    )
     # NOTE: every rank must run the same API: V2.5 / V2 only where every rank would pick it
     # (the choice without V2.5 is agreed in the same all-reduce).
     want_ep, ok_ep, want, ok_v2, ok_v1 = all_reduce_min_flags(
@@ -407,8 +410,15 @@ def auto_deepep_api(
     elastic: Capability,
     legacy: Capability,
     ep: Capability | None = None,
+    *,
+    across_nodes: bool = False,
 ) -> tuple[str, str]:
     """``deepep_api='auto'``: which DeepEP API suits this config here (local answer), and why.
+
+    Across nodes (``across_nodes``) the node-deduplicated kernels come first: DeepEP 2.5 (hybrid
+    mode unless ``deepep_hybrid=False``), else V1's internode kernels for a dropless dispatch,
+    not V2's direct mode (one RDMA put per destination *rank*, audit N12) — unless
+    ``deepep_hybrid=False`` asks for direct mode.
 
     DeepEP 2.5 (``ep``: ``deep_ep_v25.EPBuffer``) first, where it exists and its static bound is
     known (as V2's below) or V1 cannot run here. V2 (``ElasticBuffer``) runs where it exists and
@@ -437,10 +447,24 @@ def auto_deepep_api(
     ok, why = elastic
     if not ok:
         return "legacy", f"V2 cannot run: {why}"
+    if (
+        across_nodes
+        and not config.num_worst_tokens
+        and legacy[0]
+        and config.deepep_hybrid is not False
+    ):
+        return "legacy", (
+            "across nodes: V1's internode kernels send a token once per destination node and "
+            "forward it over NVLink (V2 here would be direct mode, one RDMA put per destination "
+            "rank; deepep_hybrid=False or deepep_api='elastic' asks for that)"
+        )
     if config.num_worst_tokens:
         if not legacy[0]:
             return "elastic", "worst-case mode: V2 static shapes (V1 cannot: " + legacy[1] + ")"
-        return "elastic", "worst-case mode: V2 static shapes with M = W / R, no host sync"
+        direct = " (direct mode across nodes: V1 has no internode worst-case mode)"
+        return "elastic", "worst-case mode: V2 static shapes with M = W / R, no host sync" + (
+            direct if across_nodes else ""
+        )
     if "num_max_dispatch_tokens_per_rank" in config.model_fields_set:
         M = config.num_max_dispatch_tokens_per_rank
         return "elastic", f"dropless with num_max_dispatch_tokens_per_rank={M} set"

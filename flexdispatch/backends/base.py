@@ -144,6 +144,18 @@ class DispatchBackend(abc.ABC):
         nowhere); ``y`` None skips the rows."""
         raise NotImplementedError(self.supports_expanded()[1])
 
+    def combine_with_probs(
+        self, y: torch.Tensor | None, probs: torch.Tensor, handle: DispatchHandle
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The backward of ``dispatch``: ``(combine(y), combine(probs))`` for ``probs`` ``[M, k]``
+        float32 that is 0 wherever ``recv_topk_idx`` is ``-1``; ``y`` None skips the rows.
+
+        Default: two combines. DeepEP overrides it with one combine whose ``topk_weights``
+        channel carries ``probs`` (each slot is non-zero on one rank only, so DeepEP's per-slot
+        reduction is the sum).
+        """
+        return (None if y is None else self.combine(y, handle)), self.combine(probs, handle)
+
     # ----------------------------------------------------------------- DeepEP 2.5 (optional)
     def supports_combine_bias(self, dtype: torch.dtype) -> Capability:
         """``combine_bias``: a ``[T, X]`` bias added inside the combine's reduction."""

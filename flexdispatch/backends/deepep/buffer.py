@@ -7,7 +7,9 @@ every MoE layer for normal and low-latency kernels alike. ``SharedBuffer`` is th
 every ``DeepEPBackend`` on the same group and ``deep_ep`` module joins the same one, asks for what
 its next call needs, and leaves on ``close()``. The buffer is
 
-- sized to the largest need seen so far (the union of byte counts; never shrunk),
+- sized to the largest need seen so far (the union of byte counts; never shrunk); a byte count
+  that must grow at least doubles (``sizing.grow_geometric``), because DeepEP has no resize: a
+  rebuild re-exchanges IPC handles and, with RDMA bytes, finalises and re-initialises NVSHMEM,
 - reallocated only when a call needs more (or low-latency mode where it had none). A
   reallocation is collective, like DeepEP's constructor: it happens at the same call on every
   rank, because every rank runs the same sequence of dispatches with the same shapes (the
@@ -67,6 +69,8 @@ class SharedBuffer:
             one: its rows live in the buffer's memory).
         low_latency_calls: low-latency kernels run on the buffer (DeepEP alternates two halves,
             so a result survives one more low-latency kernel, not two).
+        nvshmem_reinits: rebuilds of a buffer with RDMA bytes (NVSHMEM finalised and
+            initialised again; kept rare by ``sizing.grow_geometric``).
     """
 
     deep_ep: ModuleType
@@ -81,6 +85,7 @@ class SharedBuffer:
     normal_kernel_ran: bool = False
     normal_calls: int = 0
     low_latency_calls: int = 0
+    nvshmem_reinits: int = 0
 
     def ensure(self, need: sizing.BufferSize, *, low_latency: bool, num_qps_per_rank: int) -> Any:
         """The live buffer, (re)built collectively when ``need`` outgrows it."""
@@ -91,6 +96,10 @@ class SharedBuffer:
         if self.buffer is not None and grow is None and same_mode:
             return self.buffer
         new = need if self.size is None else self.size.union(need)
+        if grow is not None and self.size is not None:
+            new = sizing.grow_geometric(self.size, new) or new  # N19: rebuild O(log) times
+        if self.buffer is not None and self.size is not None and self.size.num_rdma_bytes:
+            self.nvshmem_reinits += 1
         self._destroy()
         self.buffer = self.deep_ep.Buffer(
             self.group,

@@ -439,7 +439,14 @@ class DeepEPElasticBackend(DispatchBackend):
         if self.worst_case:
             n = handle.psum_num_recv_tokens_per_scaleup_rank[-1].to(torch.int64)
         order, live = _token_order(handle, recv.shape[0], n)
-        recv, recv_idx, recv_w = recv[order], recv_idx[order].to(torch.int64), recv_w[order]
+        if not fp8:
+            # N11: one gather of only the columns the caller gets (no wire padding copied)
+            recv = recv[:, : X * wire.dtype.itemsize // 2]
+        recv, recv_idx, recv_w = (
+            recv.index_select(0, order),
+            recv_idx[order].to(torch.int64),
+            recv_w[order],
+        )
         if recv_scales is not None:
             recv_scales = recv_scales[order]
         local = recv_idx >= 0
@@ -449,10 +456,10 @@ class DeepEPElasticBackend(DispatchBackend):
             valid = live
             local &= live[:, None]
             recv_idx = torch.where(local, recv_idx, -1)
-            recv = sizing.zero_invalid_rows(recv, live)
+            recv = sizing.zero_invalid_rows_(recv, live)  # the gather's own copy (N21)
             counts = sizing.count_valid(recv_idx.reshape(-1), local.reshape(-1), e)
             if recv_scales is not None:
-                recv_scales = sizing.zero_invalid_rows(recv_scales, live)
+                recv_scales = sizing.zero_invalid_rows_(recv_scales, live)
         else:
             self._stats.host_syncs += 1  # DeepEP's CPU wait for the receive counts
             count_list = handle.num_recv_tokens_per_expert_list
@@ -511,10 +518,10 @@ class DeepEPElasticBackend(DispatchBackend):
             counts = handle.num_unaligned_recv_tokens_per_expert.to(torch.int64)
             used = handle.psum_num_recv_tokens_per_expert[-1].to(torch.int64)
             valid = torch.arange(N, device=recv.device) < used
-            recv = sizing.zero_invalid_rows(recv, valid)
+            recv = sizing.zero_invalid_rows_(recv, valid)  # DeepEP's fresh output (N21)
             recv_w = torch.where(valid, recv_w, 0.0)
             if recv_scales is not None:
-                recv_scales = sizing.zero_invalid_rows(recv_scales, valid)
+                recv_scales = sizing.zero_invalid_rows_(recv_scales, valid)
         else:
             self._stats.host_syncs += 1  # DeepEP's CPU wait for the receive counts
             counts = torch.tensor(
@@ -558,6 +565,35 @@ class DeepEPElasticBackend(DispatchBackend):
         out = out[:, : y.shape[1]]
         return (out if out.dtype == y.dtype else out.to(y.dtype)), out_w
 
+    def combine_with_probs(
+        self, y: torch.Tensor | None, probs: torch.Tensor, handle: DispatchHandle
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The backward of ``dispatch`` in one combine: ``probs`` ``[M, k]`` (0 where the slot
+        is not local) rides in the ``topk_weights`` channel, which returns per slot the owner
+        rank's value (I/combine_reduce_epilogue.cuh:127-141), i.e. the gradient. Narrow fp32 /
+        fp16 rows still take ``_combine_fp32`` (one combine per column), the probs one more.
+        """
+        state: ElasticDispatchState = handle.state
+        if state.local is None:
+            return super().combine_with_probs(y, probs, handle)
+        h, k = state.handle, state.topk
+        w = state.to_deepep(probs.float()).contiguous()
+        if y is not None and self._narrow(y):
+            return self.combine(y, handle), self.combine_with_probs(None, probs, handle)[1]
+        if y is None:
+            part = torch.zeros(
+                w.shape[0], _COMBINE_COL_MULTIPLE, dtype=torch.bfloat16, device=w.device
+            )
+        else:
+            part = self._to_deepep_rows(y, state)
+        buffer = self._buffer(part.shape[1], k)
+        out, out_w, _ = buffer.combine(part, h, topk_weights=w, num_sms=self.num_sms)
+        self._account("combine", h, self._combine_row_bytes(part.shape[1], k))
+        if y is None:
+            return None, out_w
+        out = out[:, : y.shape[1]]
+        return (out if out.dtype == y.dtype else out.to(y.dtype)), out_w
+
     # ----------------------------------------------------------------- combine
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Unweighted sum over the receiving ranks (see the module docstring for precision)."""
@@ -565,16 +601,32 @@ class DeepEPElasticBackend(DispatchBackend):
         h = state.handle
         X = y.shape[1]
         k = state.topk
-        y = state.to_deepep(y)
         if self._narrow(y):
-            return self._combine_fp32(y, state)
-        yb = y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16)
-        part = _pad_cols(yb, _COMBINE_COL_MULTIPLE)
+            return self._combine_fp32(state.to_deepep(y), state)
+        part = self._to_deepep_rows(y, state)
         buffer = self._buffer(part.shape[1], k)
         out, _, _ = buffer.combine(part, h, num_sms=self.num_sms)
         self._account("combine", h, self._combine_row_bytes(part.shape[1], k))
         out = out[:, :X]
         return out if out.dtype == y.dtype else out.to(y.dtype)
+
+    @staticmethod
+    def _to_deepep_rows(y: torch.Tensor, state: ElasticDispatchState) -> torch.Tensor:
+        """``y`` as DeepEP's combine input: bf16, DeepEP's row order, columns padded to 256.
+
+        One pass over the rows (N11): the un-sort scatters straight into the padded buffer
+        instead of an un-sorted copy followed by a padded copy.
+        """
+        yb = y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16)
+        if state.order is None:
+            return _pad_cols(yb, _COMBINE_COL_MULTIPLE)
+        rows, X = yb.shape
+        padded = -(-X // _COMBINE_COL_MULTIPLE) * _COMBINE_COL_MULTIPLE
+        part = torch.empty(rows, padded, dtype=torch.bfloat16, device=yb.device)
+        if padded > X:
+            part[:, X:].zero_()
+        part[:, :X].index_copy_(0, state.order, yb)
+        return part
 
     @staticmethod
     def _narrow(y: torch.Tensor) -> bool:
@@ -625,9 +677,10 @@ class DeepEPElasticBackend(DispatchBackend):
         got, *_ = buffer.dispatch(w, handle=h, do_expand=h.do_expand, num_sms=h.num_sms)
         self._account("cached", h, self._dispatch_row_bytes(2 * w.shape[1], 0, state.topk))
         if state.order is not None:
-            got = got[state.order]
+            # one gather of only the caller's columns, tails zeroed in that copy (N11, N21)
+            got = got[:, : wire.width * wire.dtype.itemsize // 2].index_select(0, state.order)
         if state.valid is not None:
-            got = sizing.zero_invalid_rows(got, state.valid)
+            got = sizing.zero_invalid_rows_(got, state.valid)
         return wire.recv(got)
 
     def close(self) -> None:

@@ -55,13 +55,16 @@ __all__ = [
     "align_bytes",
     "hidden_bytes",
     "normal_buffer_size",
+    "normal_configs",
     "low_latency_buffer_size",
     "grow_buffer_size",
+    "grow_geometric",
     "check_topology",
     "check_row_bytes",
     "check_low_latency",
     "valid_rows",
     "zero_invalid_rows",
+    "zero_invalid_rows_",
     "count_local_experts",
     "mask_worst_case",
     "expert_major_valid_mask",
@@ -114,15 +117,36 @@ def hidden_bytes(hidden: int, element_size: int) -> int:
     return hidden * max(element_size, 2)
 
 
-def _configs(deep_ep: ModuleType, num_ranks: int) -> tuple[object, object]:
+def normal_configs(deep_ep: ModuleType, num_ranks: int) -> tuple[Any, Any]:
+    """``(Buffer.get_dispatch_config(R), Buffer.get_combine_config(R))``, built once per
+    ``(module, R, Buffer.num_sms)``.
+
+    DeepEP's ``Buffer.dispatch`` / ``combine`` rebuild these tables (12 pybind ``Config``
+    objects each, deep_ep/buffer.py:232-271) on every call that passes no ``config``: the adapter
+    passes these instead (N20).
+
+    Raises:
+        ValueError: DeepEP has no config for R.
+    """
+    key = (id(deep_ep), num_ranks, int(getattr(deep_ep.Buffer, "num_sms", 0)))
+    cached = _CONFIGS.get(key)
+    if cached is not None:
+        return cached[1]
     buffer_cls = deep_ep.Buffer
     try:
-        return buffer_cls.get_dispatch_config(num_ranks), buffer_cls.get_combine_config(num_ranks)
+        got = (buffer_cls.get_dispatch_config(num_ranks), buffer_cls.get_combine_config(num_ranks))
     except (AssertionError, KeyError, RuntimeError) as exc:
         raise ValueError(
             f"DeepEP has no tuned config for {num_ranks} ranks ({exc}): use the torch backend or "
             f"a supported expert-parallel size"
         ) from exc
+    # NOTE: the module is kept in the value, so its id cannot be reused while cached
+    _CONFIGS[key] = (deep_ep, got)
+    return got
+
+
+# (id(module), R, num_sms) -> (module, (dispatch config, combine config))
+_CONFIGS: dict[tuple[int, int, int], tuple[Any, tuple[Any, Any]]] = {}
 
 
 def normal_buffer_size(deep_ep: ModuleType, num_ranks: int, row_bytes: int) -> BufferSize:
@@ -130,6 +154,8 @@ def normal_buffer_size(deep_ep: ModuleType, num_ranks: int, row_bytes: int) -> B
 
     The max over ``Buffer.get_dispatch_config(R)`` and ``Buffer.get_combine_config(R)`` of
     ``get_nvl_buffer_size_hint`` and ``get_rdma_buffer_size_hint`` — DeepEP's recommended recipe.
+    Cached per ``(module, R, Buffer.num_sms, row_bytes)``: DeepEP's tables build ~24 pybind
+    ``Config`` objects per lookup, which every dispatch and combine would otherwise repeat.
 
     Args:
         deep_ep: the ``deep_ep`` module (or the emulator).
@@ -141,11 +167,25 @@ def normal_buffer_size(deep_ep: ModuleType, num_ranks: int, row_bytes: int) -> B
     """
     if row_bytes <= 0:
         raise ValueError(f"row_bytes must be positive, got {row_bytes}")
+    key = (id(deep_ep), num_ranks, int(getattr(deep_ep.Buffer, "num_sms", 0)), row_bytes)
+    cached = _NORMAL_SIZES.get(key)
+    if cached is not None:
+        return cached[1]
     nvl = rdma = 0
-    for cfg in _configs(deep_ep, num_ranks):
+    for cfg in normal_configs(deep_ep, num_ranks):
         nvl = max(nvl, int(cfg.get_nvl_buffer_size_hint(row_bytes, num_ranks)))
         rdma = max(rdma, int(cfg.get_rdma_buffer_size_hint(row_bytes, num_ranks)))
-    return BufferSize(num_nvl_bytes=align_bytes(nvl), num_rdma_bytes=align_bytes(rdma))
+    hit = BufferSize(num_nvl_bytes=align_bytes(nvl), num_rdma_bytes=align_bytes(rdma))
+    if len(_NORMAL_SIZES) >= _MAX_CACHED_SIZES:
+        _NORMAL_SIZES.clear()
+    # NOTE: the module is kept in the value, so its id cannot be reused while cached
+    _NORMAL_SIZES[key] = (deep_ep, hit)
+    return hit
+
+
+# (id(module), R, num_sms, row_bytes) -> (module, size); bounded (row widths are few)
+_NORMAL_SIZES: dict[tuple[int, int, int, int], tuple[Any, BufferSize]] = {}
+_MAX_CACHED_SIZES = 1024
 
 
 def low_latency_buffer_size(
@@ -235,6 +275,32 @@ def check_low_latency(
     return (
         True,
         f"low-latency: H={hidden}, k={topk}, up to {num_max_dispatch_tokens_per_rank} tokens",
+    )
+
+
+#: Geometric growth stops doubling here: below DeepEP's ``INT_MAX`` byte checks (deep_ep.cpp:27-28,
+#: internode.cu:341-342), 128-aligned. A need beyond it is taken as is.
+MAX_GEOMETRIC_BYTES = 2**31 - 128
+
+
+def grow_geometric(current: BufferSize | None, required: BufferSize) -> BufferSize | None:
+    """``grow_buffer_size``, but a byte count that must grow at least doubles (N19).
+
+    Every rebuild of a buffer with RDMA bytes finalises and re-initialises NVSHMEM (DeepEP has
+    no resize; NVSHMEM documents a second init as undefined, and it is slow, DeepEP #571), and
+    every rebuild exchanges IPC handles: doubling bounds a run to ``log2(largest / first)``
+    rebuilds instead of one per new row width.
+    """
+    grow = grow_buffer_size(current, required)
+    if grow is None or current is None:
+        return grow
+
+    def step(cur: int, need: int) -> int:
+        return cur if need <= cur else max(need, min(2 * cur, MAX_GEOMETRIC_BYTES))
+
+    return BufferSize(
+        num_nvl_bytes=step(current.num_nvl_bytes, required.num_nvl_bytes),
+        num_rdma_bytes=step(current.num_rdma_bytes, required.num_rdma_bytes),
     )
 
 
@@ -341,6 +407,19 @@ def zero_invalid_rows(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+def zero_invalid_rows_(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """In place: every row of ``x`` where ``valid`` is False set to all-zero bits (0.0 in every
+    floating dtype, fp8 included; NaN garbage too). Returns ``x``.
+
+    For tensors the adapter owns (DeepEP's freshly allocated outputs): unlike
+    ``zero_invalid_rows`` it allocates no second ``[W, ...]`` tensor (N21).
+    """
+    mask = ~valid.reshape(valid.shape + (1,) * (x.dim() - 1))
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    x.view(bits).masked_fill_(mask, 0)
+    return x
+
+
 def count_local_experts(recv_topk_idx: torch.Tensor, num_local_experts: int) -> torch.Tensor:
     """``[e]`` int64 number of ``(row, slot)`` pairs per local expert, on the device.
 
@@ -395,7 +474,8 @@ def mask_worst_case(
     tail of ``recv_topk_idx`` to ``-1``, and returns an empty per-expert count list.
 
     Args:
-        recv_x: ``[W, H]`` received rows (tail is garbage).
+        recv_x: ``[W, H]`` received rows (tail is garbage), zeroed in place (DeepEP allocates it
+            fresh on every call): no second ``[W, H]`` tensor.
         recv_topk_idx: ``[W, k]`` local ids, ``-1`` elsewhere and on the tail.
         recv_topk_probs: ``[W, k]`` float32 (tail is garbage).
         num_local_experts: e.
@@ -407,7 +487,7 @@ def mask_worst_case(
     valid = has.any(dim=-1)
     probs = torch.where(has, recv_topk_probs.to(torch.float32), 0.0)
     return MaskedWorstCase(
-        recv_x=zero_invalid_rows(recv_x, valid),
+        recv_x=zero_invalid_rows_(recv_x, valid),
         recv_topk_idx=idx,
         recv_topk_probs=probs,
         num_recv_tokens_per_expert=count_valid(idx.reshape(-1), has.reshape(-1), num_local_experts),

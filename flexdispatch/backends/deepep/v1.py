@@ -55,7 +55,6 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from flexdispatch._validate import checks_enabled, is_capturing
 from flexdispatch.backends.base import Capability, DispatchBackend
@@ -64,12 +63,11 @@ from flexdispatch.backends.deepep import buffer as deepep_buffer
 from flexdispatch.backends.deepep import rules, sizing
 from flexdispatch.backends.deepep.ll import LowLatencyMixin
 from flexdispatch.backends.deepep.support import deepep_support, load_deep_ep, nvl_peers
+from flexdispatch.backends.deepep.v1_combine import CombineMixin, Launched
 from flexdispatch.distributed import group_rank, group_size
 from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, DispatchStats
 
 __all__ = ["DeepEPBackend", "DeepEPDispatchState"]
-
-_NARROW_FP32_COLUMNS = sizing.MAX_TOPK  # combine's fp32 topk_weights channel width
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,7 +122,7 @@ class _LazyLinks:
         return self._links
 
 
-class DeepEPBackend(LowLatencyMixin, DispatchBackend):
+class DeepEPBackend(LowLatencyMixin, CombineMixin, DispatchBackend):
     """Dispatch/combine over ``deep_ep.Buffer`` (normal, worst-case and low-latency kernels).
 
     Args:
@@ -414,11 +412,13 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
             self._shared.leave(id(self))
 
     # ----------------------------------------------------------------- overlap helpers
-    def _launch_kwargs(self) -> dict[str, Any]:
+    def _launch_kwargs(self, previous: Any = None) -> dict[str, Any]:
+        """Async: after ``previous`` (a DeepEP event on the comm stream), else after everything
+        issued so far on the current stream."""
         if not self.async_finish:
             return {}
         return {
-            "previous_event": self.deep_ep.Buffer.capture(),
+            "previous_event": previous if previous is not None else self.deep_ep.Buffer.capture(),
             "async_finish": True,
             "allocate_on_comm_stream": True,
         }
@@ -436,17 +436,6 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
         cap = self.rules.dispatch_max_cols(self.internode, num_scales=num_scales, topk=topk)
         return rules.plan_chunks(wire_cols, cap, self.rules.dispatch_col_multiple(self.internode))
 
-    def _combine_chunks(self, cols: int) -> tuple:
-        multiple = self.rules.combine_col_multiple(self.internode)
-        cap = self.rules.combine_max_cols(self.internode, topk=_NARROW_FP32_COLUMNS)
-        return rules.plan_chunks(cols, cap, multiple)
-
-    @staticmethod
-    def _chunk(w: torch.Tensor, c: rules.Chunk) -> torch.Tensor:
-        part = w[:, c.start : c.start + c.width]
-        pad = c.padded - c.width
-        return F.pad(part, (0, pad)) if pad else part.contiguous()
-
     def _buffer_for_rows(self, *cols: int) -> Any:
         """The shared buffer, sized for rows of up to ``max(cols)`` bf16 columns."""
         return self._ensure_buffer(self._required_size(2 * max(cols)))
@@ -454,20 +443,18 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
     # ----------------------------------------------------------------- dispatch
     def _layout(
         self, buffer: Any, idx: torch.Tensor, layout: DispatchLayout | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """DeepEP's layout tensors: the caller's, or DeepEP's own layout kernel's."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, Any]:
+        """DeepEP's layout tensors (the caller's, or DeepEP's own layout kernel's) and the
+        layout kernel's event (async: the tensors are ready on the comm stream after it)."""
         if layout is not None:
             return (
                 layout.num_tokens_per_rank,
                 layout.num_tokens_per_rdma_rank,
                 layout.num_tokens_per_expert,
                 layout.is_token_in_rank,
+                None,
             )
-        ntr, ntrr, nte, itr, event = buffer.get_dispatch_layout(
-            idx, self.num_experts, **self._launch_kwargs()
-        )
-        self._wait(event)
-        return ntr, ntrr, nte, itr
+        return buffer.get_dispatch_layout(idx, self.num_experts, **self._launch_kwargs())
 
     def _cap_worst_case(
         self, itr: torch.Tensor, ntr: torch.Tensor
@@ -522,7 +509,8 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
         topk_probs: torch.Tensor,
         layout: DispatchLayout | None = None,
     ) -> DispatchResult:
-        """DeepEP dispatch mapped to the contract (see the module docstring).
+        """DeepEP dispatch mapped to the contract (see the module docstring):
+        ``finish_dispatch(launch_dispatch(...))``.
 
         Args:
             x: ``[T, H]`` bf16/fp16/fp32 rows, or a ``(float8_e4m3fn [T, H], float32 scales
@@ -536,11 +524,30 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
             ValueError: with checks on, ranks disagree on shapes or a worst-case overflow (on
                 every rank); a row DeepEP cannot take.
         """
+        return self.finish_dispatch(self.launch_dispatch(x, topk_idx, topk_probs, layout))
+
+    def supports_dispatch_overlap(self) -> Capability:
+        if not self.async_finish:
+            return False, "set deepep_async_finish: without it DeepEP finishes before returning"
+        return True, (
+            "deepep_async_finish: DeepEP's layout and dispatch kernels run on its comm stream, "
+            "chained by events; the current stream waits once, in finish_dispatch"
+        )
+
+    def launch_dispatch(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+        layout: DispatchLayout | None = None,
+    ) -> Launched:
+        """Issue the dispatch (``dispatch``'s arguments and errors). With ``async_finish`` the
+        current stream does not wait for it: work issued before ``finish_dispatch`` overlaps
+        it (N13). Every input is prepared before the first DeepEP call, which fences them."""
         x, scales, wire = sizing.split_rows(x, fp8_multiple=16)
         T, X = x.shape
         k = topk_idx.shape[1]
         sizing.check_topk(k, "normal kernels (num_topk <= 32 in intranode.cu / internode.cu)")
-        e = self.num_local_experts
         num_scales = 0 if scales is None else scales.shape[1]
         chunks = self._dispatch_chunks(wire.wire_width, num_scales=num_scales, topk=k)
         if scales is not None and len(chunks) > 1:
@@ -570,18 +577,19 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
         idx = idx.contiguous()
         probs = topk_probs if topk_probs.dtype == torch.float32 else topk_probs.float()
         probs = probs.contiguous()
-        ntr, ntrr, nte, itr = self._layout(buffer, idx, layout)
-        if self.worst_case and self.num_worst_tokens // self.num_ranks < T:
-            itr, ntr = self._cap_worst_case(itr, ntr)
-
         if scales is not None:
-            first: Any = (x.contiguous(), scales.contiguous())
+            sends: list[Any] = [(x.contiguous(), scales.contiguous())]
         else:
             w = wire.send(x)
-            first = self._chunk(w, chunks[0])
-        kw = self._launch_kwargs()
+            sends = [self._chunk(w, c) for c in chunks]
+        ntr, ntrr, nte, itr, event = self._layout(buffer, idx, layout)
+        if self.worst_case and self.num_worst_tokens // self.num_ranks < T:
+            self._wait(event)  # the cap runs on this stream
+            event = None
+            itr, ntr = self._cap_worst_case(itr, ntr)
+        kw = self._launch_kwargs(event)
         recv0, recv_idx, recv_probs, count_list, handle, event = buffer.dispatch(
-            first,
+            sends[0],
             num_tokens_per_rank=ntr,
             num_tokens_per_rdma_rank=ntrr,
             is_token_in_rank=itr,
@@ -589,26 +597,52 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
             topk_idx=idx,
             topk_weights=probs,
             num_worst_tokens=self.num_worst_tokens,
+            config=self._configs[0],
             **kw,
         )
-        self._wait(event)
+        parts = [recv0]
+        for send in sends[1:]:  # chained on the comm stream: no wait in between
+            got, *_, event = buffer.dispatch(
+                send,
+                handle=handle,
+                num_worst_tokens=self.num_worst_tokens,
+                config=self._configs[0],
+                **self._launch_kwargs(event),
+            )
+            parts.append(got)
+        return Launched(
+            T=T,
+            X=X,
+            k=k,
+            wire=wire,
+            chunks=chunks,
+            num_scales=num_scales,
+            parts=parts,
+            recv_idx=recv_idx,
+            recv_probs=recv_probs,
+            count_list=count_list,
+            handle=handle,
+            event=event,
+            ntr=ntr,
+            ntrr=ntrr,
+        )
+
+    def finish_dispatch(self, p: Launched) -> DispatchResult:
+        """Wait for a ``launch_dispatch`` (the current stream, on the GPU) and build its
+        result."""
+        self._wait(p.event)
+        T, X, k, wire, chunks, num_scales = p.T, p.X, p.k, p.wire, p.chunks, p.num_scales
+        e = self.num_local_experts
+        recv_idx, recv_probs, count_list, handle = p.recv_idx, p.recv_probs, p.count_list, p.handle
         recv_scales = None
-        if scales is not None:
-            recv_w, recv_scales = recv0
+        if isinstance(p.parts[0], tuple):  # fp8 (x, scales): one call
+            recv_w, recv_scales = p.parts[0]
         elif len(chunks) == 1:
-            recv_w = recv0
+            recv_w = p.parts[0]
         else:
-            parts = [recv0[:, : chunks[0].width]]
-            for c in chunks[1:]:
-                got, *_, ev = buffer.dispatch(
-                    self._chunk(w, c),
-                    handle=handle,
-                    num_worst_tokens=self.num_worst_tokens,
-                    **self._launch_kwargs(),
-                )
-                self._wait(ev)
-                parts.append(got[:, : c.width])
-            recv_w = torch.cat(parts, dim=1)
+            recv_w = torch.cat(
+                [got[:, : c.width] for got, c in zip(p.parts, chunks, strict=True)], dim=1
+            )
         self._after_normal_kernel()
 
         pairs = None
@@ -623,7 +657,7 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
                 masked.valid,
             )
             if recv_scales is not None:
-                recv_scales = sizing.zero_invalid_rows(recv_scales, valid)
+                recv_scales = sizing.zero_invalid_rows_(recv_scales, valid)
         else:
             self._stats.host_syncs += 1  # DeepEP's CPU wait for the receive counts
             # NOTE: DeepEP zeroes the weight of every slot whose id is not local (the sender
@@ -636,7 +670,7 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
         scale_bytes = num_scales * 4
         row_bytes = sum(self._row_bytes(2 * c.padded) for c in chunks)
         row_bytes += self._row_bytes(scale_bytes, ids=k, weights=k) - self._row_bytes(0)
-        links = _LazyLinks(self, handle, ntr, ntrr)
+        links = _LazyLinks(self, handle, p.ntr, p.ntrr)
         self._account("dispatch", links, row_bytes)
         state = DeepEPDispatchState(
             handle=handle,
@@ -647,7 +681,7 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
             recv_scales=recv_scales,
         )
         return DispatchResult(
-            recv_x=wire.recv(recv_w) if scales is None else recv_w,
+            recv_x=wire.recv(recv_w) if recv_scales is None else recv_w,
             recv_topk_idx=recv_idx,
             recv_topk_probs=recv_probs,
             num_recv_tokens_per_expert=counts,
@@ -660,67 +694,3 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
             ),
             num_recv_pairs=pairs,
         )
-
-    # ----------------------------------------------------------------- combine
-    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """Unweighted sum over the receiving ranks (see the module docstring for precision)."""
-        state: DeepEPDispatchState = handle.state
-        M, X = y.shape
-        narrow = y.dtype in (torch.float32, torch.float16) and X <= _NARROW_FP32_COLUMNS
-        if narrow:
-            width = self.rules.combine_col_multiple(self.internode)
-            buffer = self._buffer_for_rows(width)
-            dummy = torch.zeros(M, width, dtype=torch.bfloat16, device=y.device)
-            weights = y if y.dtype == torch.float32 else y.float()
-            _, out_w, event = buffer.combine(
-                dummy, state.handle, topk_weights=weights.contiguous(), **self._launch_kwargs()
-            )
-            self._wait(event)
-            out = out_w if y.dtype == torch.float32 else out_w.to(y.dtype)
-            back_bytes = self._row_bytes(2 * width, weights=X)
-        else:
-            cols = max(-(-X // 8) * 8, 8)
-            chunks = self._combine_chunks(cols)
-            buffer = self._buffer_for_rows(*(c.padded for c in chunks))
-            yb = y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16)
-            parts = []
-            for c in chunks:
-                width = min(c.width, X - c.start)
-                part = yb[:, c.start : c.start + width]
-                pad = c.padded - width
-                part = F.pad(part, (0, pad)) if pad else part.contiguous()
-                combined, _, event = buffer.combine(part, state.handle, **self._launch_kwargs())
-                self._wait(event)
-                parts.append(combined[:, :width])
-            out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-            if out.dtype != y.dtype:
-                out = out.to(y.dtype)
-            back_bytes = sum(self._row_bytes(2 * c.padded) for c in chunks)
-        self._after_normal_kernel()
-        self._account("combine", state.links, back_bytes)
-        return out
-
-    def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """Re-send ``[T, X]`` rows along a dispatch's handle (no host sync)."""
-        state: DeepEPDispatchState = handle.state
-        wire = sizing.WireFormat.of(x.dtype, x.shape[1])
-        chunks = self._dispatch_chunks(wire.wire_width, num_scales=0, topk=0)
-        buffer = self._buffer_for_rows(*(c.padded for c in chunks))
-        w = wire.send(x)
-        parts = []
-        for c in chunks:
-            got, *_, event = buffer.dispatch(
-                self._chunk(w, c),
-                handle=state.handle,
-                num_worst_tokens=self.num_worst_tokens,
-                **self._launch_kwargs(),
-            )
-            self._wait(event)
-            parts.append(got[:, : c.width])
-        recv_w = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        self._after_normal_kernel()
-        if state.valid is not None:
-            recv_w = sizing.zero_invalid_rows(recv_w, state.valid)
-        row_bytes = sum(self._row_bytes(2 * c.padded) for c in chunks)
-        self._account("cached", state.links, row_bytes)
-        return wire.recv(recv_w)

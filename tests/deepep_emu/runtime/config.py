@@ -72,6 +72,11 @@ def shapes_for(release: str) -> Shapes:
     return _SHAPES[release]
 
 
+#: ``Config`` objects built since import (the adapter's per-call cost of DeepEP's config tables,
+#: read by tests and ``benchmarks/bench_deepep_savings.py``).
+CONFIGS_BUILT = [0]
+
+
 def _align(n: int, a: int) -> int:
     return -(-n // a) * a
 
@@ -106,6 +111,7 @@ def make_config_class(release: str, nvl_peers: int) -> type:
                     "Failed: Assertion error num_max_rdma_chunked_send_tokens <= "
                     "num_max_rdma_chunked_recv_tokens / 2"
                 )
+            CONFIGS_BUILT[0] += 1
             self.num_sms = num_sms
             self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
             self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
@@ -145,6 +151,11 @@ class EventHandle:
 
     def current_stream_wait(self) -> None:
         self.waits += 1
+        EVENT_WAITS[0] += 1
+
+
+#: ``EventHandle.current_stream_wait`` calls since import (where the current stream waits).
+EVENT_WAITS = [0]
 
 
 def low_latency_layout_bytes(num_max: int, hidden: int, num_ranks: int, num_experts: int) -> int:
