@@ -10,10 +10,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flexdispatch import deepep_limits
+from flexdispatch._files import read_config_file, validation_message
 
 __all__ = [
     "RouterConfig",
@@ -402,15 +402,10 @@ def load_config(preset_name_or_path: str | Path) -> MoEConfig:
     path = Path(text)
     if not (path.suffix in (".yaml", ".yml") or path.is_file()):
         path = preset_path(text)
-    if not path.is_file():
-        raise ValueError(f"config file {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ValueError(f"config file {path} is not valid YAML: {exc}") from exc
+    data = read_config_file(path, kind="yaml", what="config file")
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping, got {type(data).__name__}")
     try:
         return MoEConfig.model_validate(data)
     except ValidationError as exc:
-        raise ValueError(f"config file {path} is invalid:\n{exc}") from exc
+        raise ValueError(f"config file {path} is invalid: {validation_message(exc)}") from None

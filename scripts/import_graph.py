@@ -21,7 +21,19 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 #: (layer name, module-name prefixes), bottom first. A module's layer is the first whose prefix
 #: matches; prefixes are dotted names below ``flexdispatch``.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("types and configs", ("_validate", "_memory", "types", "deepep_limits", "config", "traffic")),
+    (
+        "types and configs",
+        (
+            "_validate",
+            "_memory",
+            "_files",
+            "_limits",
+            "types",
+            "deepep_limits",
+            "config",
+            "traffic",
+        ),
+    ),
     (
         "routing, layout, permutation",
         ("routing", "layout", "permutation", "distributed", "kernels"),
