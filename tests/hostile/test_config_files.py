@@ -85,7 +85,10 @@ def test_a_bad_value_is_quoted_short_and_escaped(tmp_path):
     ("text", "match"),
     [
         ("[" * 100_000 + "]" * 100_000, rf"line 1, column {MAX_CONFIG_DEPTH + 1} nests deeper"),
-        ('{"a": 1,\n "b": tru}', r"line 2, column 7 is not valid JSON: Expecting value \(at 'tru}'\)"),
+        (
+            '{"a": 1,\n "b": tru}',
+            r"line 2, column 7 is not valid JSON: Expecting value \(at 'tru}'\)",
+        ),
         ('{"a": "' + "x" * (MAX_CONFIG_BYTES + 10) + '"}', "larger than"),
     ],
 )
