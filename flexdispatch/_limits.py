@@ -150,8 +150,9 @@ def refusal(
         return None
     how = f" ({detail})" if detail else ""
     change = f": {fix}" if fix else ""
+    prefix = f"{what}: " if what else ""
     return (
-        f"{what}: {arg}={value} needs about {format_bytes(nbytes)}{how}, more than the "
+        f"{prefix}{arg}={value} needs about {format_bytes(nbytes)}{how}, more than the "
         f"{format_bytes(avail)} available on {dev} ({source}){change}"
     )
 

@@ -69,8 +69,11 @@ def read_megatron_args(path: str | Path) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Print (or write) the YAML; ValueError (exit 2) on bad input."""
+    from flexdispatch.cli._common import check_output_path
     from flexdispatch.importers import moe_config_from_hf, moe_config_from_megatron, to_yaml
 
+    if args.output:
+        check_output_path(args.output, "--output")
     if args.from_hf is not None:
         cfg = moe_config_from_hf(args.from_hf, name=args.name)
     else:

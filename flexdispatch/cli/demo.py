@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from flexdispatch.cli._common import int_range, positive_float
+
 __all__ = ["DemoSpec", "register", "run", "run_rank", "check_against_reference"]
 
 _MODES = ("flat", "hierarchical")
@@ -50,19 +52,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="run an expert-parallel MoE layer on a simulated group and check it",
         description=__doc__.split("\n\n")[1],
     )
-    p.add_argument("--nodes", type=int, default=2, help="simulated nodes (default 2)")
-    p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
+    p.add_argument("--nodes", type=int_range(1), default=2, help="simulated nodes (default 2)")
+    p.add_argument(
+        "--ranks-per-node", type=int_range(1), default=2, help="ranks per node (default 2)"
+    )
     p.add_argument("--preset", default="tiny_cpu", help="preset name or YAML path")
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "deepep"))
-    p.add_argument("--tokens", type=int, default=64, help="tokens per rank (default 64)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--iters", type=int, default=3, help="timed iterations per mode (default 3)")
+    p.add_argument("--tokens", type=int_range(0), default=64, help="tokens per rank (default 64)")
+    p.add_argument("--seed", type=int_range(0), default=0, help="random seed, >= 0 (default 0)")
+    p.add_argument(
+        "--iters", type=int_range(1), default=3, help="timed iterations per mode (default 3)"
+    )
     p.add_argument(
         "--worst-case",
         action="store_true",
         help="use the static-shape worst-case mode (num_worst_tokens = R * T)",
     )
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up")
+    p.add_argument(
+        "--timeout", type=positive_float, default=300.0, help="seconds before giving up (> 0)"
+    )
     p.add_argument(
         "--max-memory",
         default=None,
@@ -499,12 +507,14 @@ def _plan(args: argparse.Namespace, num_ranks: int, *, launcher: bool, local_ran
 
 
 def run(args: argparse.Namespace) -> int:
+    from flexdispatch.cli._common import check_backend, group_failure
     from flexdispatch.config import load_config
-    from flexdispatch.launch import spawn_group, under_launcher
+    from flexdispatch.launch import GroupError, spawn_group, under_launcher
 
-    if args.tokens < 0 or args.iters < 1:
+    if args.tokens < 0 or args.iters < 1:  # NOTE: parse-time types check these on the CLI
         raise ValueError("--tokens must be >= 0 and --iters >= 1")
     load_config(args.preset)  # fail fast on a bad preset, before spawning anything
+    check_backend(args.backend)
     t0 = time.perf_counter()
     if under_launcher():
         world = int(os.environ["WORLD_SIZE"])
@@ -536,13 +546,17 @@ def run(args: argparse.Namespace) -> int:
         )
         _progress(line)
         _progress(f"[1/3] spawning {R} ranks ({args.nodes} nodes × {args.ranks_per_node}, gloo)")
-        results = spawn_group(
-            run_rank,
-            R,
-            args=(spec,),
-            ranks_per_node=args.ranks_per_node,
-            timeout_s=args.timeout,
-        )
+        try:
+            results = spawn_group(
+                run_rank,
+                R,
+                args=(spec,),
+                ranks_per_node=args.ranks_per_node,
+                timeout_s=args.timeout,
+            )
+        except GroupError as exc:
+            phase = "[2/3] running forward+backward on the spawned ranks"
+            raise group_failure(exc, phase=phase, timeout_s=args.timeout) from exc
         _progress(f"[2/3] {R} ranks finished forward+backward in flat and hierarchical modes")
         # NOTE: the largest child includes a rank's serialisation of its results on the way back.
         peaks = {"largest_rank": _peak_rss("children")}

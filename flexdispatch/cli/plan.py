@@ -63,6 +63,7 @@ import argparse
 import json
 import sys
 
+from flexdispatch.cli._common import check_output_path, int_range, positive_float
 from flexdispatch.config import load_config
 
 __all__ = ["register", "run"]
@@ -84,27 +85,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help="preset name (see `flexdispatch presets`)")
     src.add_argument("--config", help="path of a MoEConfig YAML file")
-    p.add_argument("--nodes", type=int, required=True, help="N, number of nodes")
-    p.add_argument("--ranks-per-node", type=int, required=True, help="L, EP ranks per node")
-    p.add_argument("--tokens", type=int, default=4096, help="T, tokens per rank (default 4096)")
+    p.add_argument("--nodes", type=int_range(1), required=True, help="N, number of nodes")
+    p.add_argument(
+        "--ranks-per-node", type=int_range(1), required=True, help="L, EP ranks per node"
+    )
+    p.add_argument(
+        "--tokens", type=int_range(1), default=4096, help="T, tokens per rank (default 4096)"
+    )
     p.add_argument(
         "--skew",
         type=float,
         default=0.0,
         help="expert-popularity skew added to the logits (0 = uniform; default 0)",
     )
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--seed", type=int_range(0), default=0, help="random seed, >= 0 (default 0)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write a traffic heatmap + expert bars")
     p.add_argument(
         "--nvlink-gbps",
-        type=float,
+        type=positive_float,
         default=DEFAULT_NVLINK_GBPS,
         help=f"NVLink GB/s per rank (default {DEFAULT_NVLINK_GBPS:g}, DeepEP H800)",
     )
     p.add_argument(
         "--rdma-gbps",
-        type=float,
+        type=positive_float,
         default=DEFAULT_RDMA_GBPS,
         help=f"RDMA GB/s per rank (default {DEFAULT_RDMA_GBPS:g}, DeepEP H800 EP16-64)",
     )
@@ -117,7 +122,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-sms", type=int, default=20, help="DeepEP Buffer.num_sms (default 20)")
     p.add_argument(
         "--ll-tokens",
-        type=int,
+        type=int_range(1),
         default=128,
         help="low-latency num_max_dispatch_tokens_per_rank for its buffer hint (default 128)",
     )
@@ -128,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
     """Run ``flexdispatch plan``; ValueError (printed by the CLI) on bad input."""
     from flexdispatch.planner import format_plan, plan_cluster, plot_plan
 
+    if args.plot:
+        check_output_path(args.plot, "--plot")
     cfg = load_config(args.preset if args.preset is not None else args.config)
     if args.num_sms <= 0 or args.num_sms % 2:
         raise ValueError(f"--num-sms must be a positive even number, got {args.num_sms}")
