@@ -72,8 +72,8 @@ def int_range(lo: int, hi: int = INT32_MAX) -> Any:
         except ValueError:
             raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
         if value < lo or value > hi:
-            upper = "" if hi == INT32_MAX else f" and <= {hi}"
-            raise argparse.ArgumentTypeError(f"must be >= {lo}{upper}, got {value}")
+            bound = f">= {lo}" if value < lo else f"<= {hi}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
         return value
 
     parse.__name__ = "int"

@@ -90,7 +90,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--ranks-per-node", type=int_range(1), required=True, help="L, EP ranks per node"
     )
     p.add_argument(
-        "--tokens", type=int_range(1), default=4096, help="T, tokens per rank (default 4096)"
+        "--tokens",
+        type=int_range(1, 10**15),
+        default=4096,
+        help="T, tokens per rank (default 4096)",
     )
     p.add_argument(
         "--skew",
@@ -126,12 +129,52 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=128,
         help="low-latency num_max_dispatch_tokens_per_rank for its buffer hint (default 128)",
     )
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="route every token (default: above 2^24 simulated logits, each rank routes a sample "
+        "of its tokens and the counts are scaled; the notes say so)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
+
+
+class LateProgress:
+    """A progress bar on stderr that appears only once the work has taken ``after_s`` seconds
+    (on a terminal, or with ``FLEXDISPATCH_PROGRESS=1``)."""
+
+    def __init__(self, label: str, *, after_s: float = 2.0, enabled: bool = True) -> None:
+        import os
+        import time
+
+        self._clock = time.perf_counter
+        self._t0 = self._clock()
+        self.after_s = after_s
+        self.label = label
+        forced = os.environ.get("FLEXDISPATCH_PROGRESS", "") == "1"
+        self.enabled = enabled and (forced or sys.stderr.isatty())
+        self.drawn = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or self._clock() - self._t0 < self.after_s:
+            return
+        width = 30
+        filled = width * done // max(1, total)
+        bar = "#" * filled + "." * (width - filled)
+        elapsed = self._clock() - self._t0
+        sys.stderr.write(f"\r[{self.label}] |{bar}| {done}/{total} {elapsed:5.1f}s")
+        sys.stderr.flush()
+        self.drawn = True
+
+    def close(self) -> None:
+        if self.drawn:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``flexdispatch plan``; ValueError (printed by the CLI) on bad input."""
-    from flexdispatch.planner import format_plan, plan_cluster, plot_plan
+    from flexdispatch.planner import MAX_LOGITS, format_plan, plan_cluster, plot_plan
 
     if args.plot:
         check_output_path(args.plot, "--plot")
@@ -140,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--num-sms must be a positive even number, got {args.num_sms}")
     if args.ll_tokens <= 0:
         raise ValueError(f"--ll-tokens must be positive, got {args.ll_tokens}")
+    bar = LateProgress("plan", enabled=not getattr(args, "no_progress", False))
     plan = plan_cluster(
         cfg,
         nodes=args.nodes,
@@ -152,7 +196,10 @@ def run(args: argparse.Namespace) -> int:
         rdma_gbps=args.rdma_gbps,
         num_sms=args.num_sms,
         ll_max_tokens=args.ll_tokens,
+        max_logits=None if getattr(args, "exact", False) else MAX_LOGITS,
+        progress=bar,
     )
+    bar.close()
     if args.plot:
         try:
             path = plot_plan(plan, args.plot)
