@@ -18,6 +18,9 @@
 #   PYTHON            interpreter (default: the venv's python, else python3)
 #   TORCHRUN          launcher command (default: the venv's torchrun, else `$PYTHON -m torch.distributed.run`)
 #   FLEXDISPATCH_DRY_RUN=1  print the command instead of running it
+#   GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME  interface of the process-group sockets (default lo:
+#                     loopback only; torchrun's rendezvous store itself is not bound, see
+#                     docs/security.md)
 set -euo pipefail
 # shellcheck source=scripts/launch/_launcher.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_launcher.sh"
@@ -31,6 +34,10 @@ if [[ -n "${MASTER_PORT:-}" ]]; then
 else
   rdzv=(--standalone --nnodes 1)
 fi
+# One node: the workers' process-group sockets (gloo pairs, NCCL bootstrap) listen on the loopback
+# interface only, unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are exported (docs/security.md).
+export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
+export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 args=("${launcher[@]}" "${rdzv[@]}" --nproc-per-node "$NPROC_PER_NODE" --max-restarts 0
