@@ -68,16 +68,26 @@ def _weights_refusal(
     gate = _limits.refusal(
         "MoELayer", "router.num_experts", E, 4 * E * H, "cpu", detail=f"[E, H={H}] fp32 gate"
     )
+    W = c.dispatch.num_worst_tokens
+    rows = _limits.refusal(
+        "MoELayer", "dispatch.num_worst_tokens", W, W * H * elem, device,
+        detail=f"the [W, H={H}] rows every worst-case dispatch returns, in {dtype}",
+        fix="use W = R * T (tokens per rank times ranks) or dropless mode (num_worst_tokens=0)",
+    )  # fmt: skip
     nbytes = (max(1, E // max(1, R)) * c.ffn_hidden_size + shared) * mats * H * elem
-    return gate or _limits.refusal(
-        "MoELayer",
-        "ffn_hidden_size",
-        c.ffn_hidden_size,
-        nbytes,
-        device,
-        detail=f"{E // max(1, R)} local expert(s) of {mats} x [H={H}, F] in {dtype}, "
-        f"shared F={shared}",
-        fix="check hidden_size / ffn_hidden_size, or spread the experts over more ranks",
+    return (
+        gate
+        or rows
+        or _limits.refusal(
+            "MoELayer",
+            "ffn_hidden_size",
+            c.ffn_hidden_size,
+            nbytes,
+            device,
+            detail=f"{E // max(1, R)} local expert(s) of {mats} x [H={H}, F] in {dtype}, "
+            f"shared F={shared}",
+            fix="check hidden_size / ffn_hidden_size, or spread the experts over more ranks",
+        )
     )
 
 

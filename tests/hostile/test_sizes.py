@@ -106,6 +106,18 @@ CASES = [
         r"MoELayer: ffn_hidden_size=1048576 " + _EST,
     ),
     (
+        "MoELayer/num_worst_tokens",
+        lambda: MoELayer(
+            MoEConfig(
+                hidden_size=1 << 16,
+                ffn_hidden_size=8,
+                router=RouterConfig(num_experts=8, topk=2),
+                dispatch=DispatchConfig(num_worst_tokens=1 << 30),
+            )
+        ),
+        r"MoELayer: dispatch.num_worst_tokens=1073741824 " + _EST,
+    ),
+    (
         "MoELayer/gate",
         lambda: MoELayer(
             MoEConfig(
