@@ -32,7 +32,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["GroupError", "free_port", "loopback_interface", "spawn_group", "under_launcher"]
+__all__ = [
+    "GroupError",
+    "broadcast_object",
+    "free_port",
+    "gather_objects",
+    "loopback_interface",
+    "spawn_group",
+    "under_launcher",
+]
 
 
 class GroupError(RuntimeError):
@@ -130,6 +138,42 @@ def _loads(data: bytes) -> Any:
         return torch.load(io.BytesIO(data), weights_only=True)
     except pickle.UnpicklingError:
         return torch.load(io.BytesIO(data), weights_only=False, pickle_module=_RestrictedPickle)
+
+
+def _collective_device(group: Any) -> torch.device:
+    from flexdispatch.distributed import collective_device
+
+    return collective_device(group)
+
+
+def gather_objects(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj`` on every rank, as ``_dumps`` bytes in uint8 tensors read back with
+    ``_loads`` (``dist.all_gather_object`` would unpickle without restriction)."""
+    device = _collective_device(group)
+    payload = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
+    n = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, n, group=group)
+    counts = [int(c.item()) for c in sizes]
+    buf = torch.zeros(max(counts), dtype=torch.uint8, device=device)
+    buf[: payload.numel()] = payload.to(device)
+    bufs = [torch.empty_like(buf) for _ in counts]
+    dist.all_gather(bufs, buf, group=group)
+    return [_loads(b[:c].cpu().numpy().tobytes()) for b, c in zip(bufs, counts, strict=True)]
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """``obj`` of rank ``src`` on every rank, the same way as ``gather_objects``."""
+    device = _collective_device(group)
+    mine = dist.get_rank(group) == src
+    payload = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8) if mine else None
+    n = torch.tensor([payload.numel() if payload is not None else 0], device=device)
+    dist.broadcast(n, src=src, group=group)
+    buf = torch.empty(int(n.item()), dtype=torch.uint8, device=device)
+    if payload is not None:
+        buf.copy_(payload)
+    dist.broadcast(buf, src=src, group=group)
+    return _loads(buf.cpu().numpy().tobytes())
 
 
 def _send(conn: Any, ok: bool, payload: bytes) -> None:

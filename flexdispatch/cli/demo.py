@@ -235,19 +235,18 @@ def _launcher_entry(
 
     import torch.distributed as dist
 
+    from flexdispatch.launch import broadcast_object, gather_objects
+
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     try:
-        shared: list[Any] = [planned]
-        dist.broadcast_object_list(shared, src=0)
-        spec, plan, refusal = shared[0]
+        spec, plan, refusal = broadcast_object(planned, src=0)
         if refusal is not None:
             raise ValueError(refusal)
         if dist.get_rank() == 0:
             _progress(plan[1])
         mine = run_rank(spec)
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
+        gathered = gather_objects(mine)  # NOTE: tensors, never unrestricted pickles
         return spec, plan, (gathered if dist.get_rank() == 0 else None)
     finally:
         dist.destroy_process_group()

@@ -45,10 +45,22 @@ def _listening(pids: list[int]) -> list[tuple[int, str, int]]:
 def _rank_sockets() -> dict:
     import torch.distributed as dist
 
+    from flexdispatch.launch import broadcast_object, gather_objects
+
     dist.barrier()
     mine = _listening([os.getpid(), os.getppid()])
     dist.barrier()
-    return {"listening": mine, "stats": DispatchStats(), "t": torch.arange(3)}
+    # NOTE: what demo / bench exchange under a launcher: _dumps bytes in uint8 tensors
+    rank = dist.get_rank()
+    sent = broadcast_object({"from": rank, "stats": DispatchStats()} if rank == 0 else None)
+    gathered = gather_objects({"rank": rank, "t": torch.full((rank + 1,), rank)})
+    return {
+        "listening": mine,
+        "stats": DispatchStats(),
+        "t": torch.arange(3),
+        "broadcast": sent,
+        "gathered": gathered,
+    }
 
 
 def _rank_raises() -> None:
@@ -64,6 +76,10 @@ def test_spawned_group_listens_on_loopback_only_and_returns_plain_results():
         assert addr in (_LOOPBACK4, _LOOPBACK6), (pid, addr, port)
     assert isinstance(results[0]["stats"], DispatchStats)
     assert torch.equal(results[1]["t"], torch.arange(3))
+    for r in results:
+        assert r["broadcast"] == {"from": 0, "stats": DispatchStats()}
+        assert [g["rank"] for g in r["gathered"]] == [0, 1]
+        assert torch.equal(r["gathered"][1]["t"], torch.tensor([1, 1]))
     with pytest.raises(GroupError, match=r"rank 0: ValueError: bad rank"):
         spawn_group(_rank_raises, 1, timeout_s=60)
 
