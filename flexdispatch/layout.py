@@ -77,8 +77,8 @@ def get_dispatch_layout(
         )
         _limits.check_fits(
             "get_dispatch_layout",
-            "num_ranks",
-            num_ranks,
+            "num_ranks" if num_ranks > 12 * k else "topk_idx.shape",
+            num_ranks if num_ranks > 12 * k else (T, k),
             T * (2 * num_ranks + 24 * k),
             topk_idx.device,
             detail=f"[T, R] bool masks for T={T} tokens, k={k}",
