@@ -430,8 +430,9 @@ def run_under_launcher(spec: BenchSpec, *, timeout_s: float = 300.0) -> list[dic
     try:
         spec.validate(dist.get_world_size())
         mine = bench_rank(spec)
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
+        from flexdispatch.launch import gather_objects
+
+        gathered = gather_objects(mine)  # NOTE: tensors, never unrestricted pickles
         return gathered if dist.get_rank() == 0 else None
     finally:
         dist.destroy_process_group()

@@ -10,10 +10,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flexdispatch import deepep_limits
+from flexdispatch._files import read_config_file, validation_message
 
 __all__ = [
     "RouterConfig",
@@ -25,6 +25,11 @@ __all__ = [
 ]
 
 
+_MAX = (1 << 31) - 1
+"""Bound of every size field: rows, experts and hidden sizes are indexed with 32-bit integers by
+DeepEP and the Triton kernels (memory is checked where the sizes are used: flexdispatch._limits)."""
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
@@ -32,16 +37,19 @@ class _Strict(BaseModel):
 class RouterConfig(_Strict):
     """How tokens pick experts (Megatron-Core semantics; see REFERENCE_FACTS.md)."""
 
-    num_experts: int = Field(gt=0, description="E, experts in total.")
+    num_experts: int = Field(gt=0, le=_MAX, description="E, experts in total.")
     topk: int = Field(gt=0, le=32, description="k, experts per token (DeepEP allows at most 32).")
     score_function: Literal["softmax", "sigmoid", "sqrtsoftplus"] = "softmax"
     use_pre_softmax: bool = Field(
         False, description="softmax only: softmax over all E before top-k (else over the k)."
     )
     num_groups: int | None = Field(
-        None, gt=0, description="Group-limited routing: experts split into this many groups."
+        None,
+        gt=0,
+        le=_MAX,
+        description="Group-limited routing: experts split into this many groups.",
     )
-    group_topk: int | None = Field(None, gt=0, description="Groups kept per token.")
+    group_topk: int | None = Field(None, gt=0, le=_MAX, description="Groups kept per token.")
     group_score: Literal["sum_topk", "max"] = Field(
         "sum_topk",
         description="Group rank: sum of the top k/group_topk scores (Megatron, DeepSeek-V3) or "
@@ -143,6 +151,7 @@ class DispatchConfig(_Strict):
     num_worst_tokens: int = Field(
         0,
         ge=0,
+        le=_MAX,
         description="W > 0: static-shape worst-case mode (W rows out, no host sync). "
         "Must be a multiple of the EP world size for the torch backend.",
     )
@@ -152,6 +161,7 @@ class DispatchConfig(_Strict):
     ranks_per_node: int | None = Field(
         None,
         gt=0,
+        le=_MAX,
         description="L, ranks per node; None takes LOCAL_WORLD_SIZE from the launcher, else R.",
     )
     checks: bool = Field(
@@ -167,6 +177,7 @@ class DispatchConfig(_Strict):
     num_max_dispatch_tokens_per_rank: int = Field(
         128,
         gt=0,
+        le=_MAX,
         description="Decode: the most tokens a rank dispatches per call (DeepEP: at most 1024); "
         "deepep_api='elastic': the most tokens a rank dispatches (dropless).",
     )
@@ -176,6 +187,7 @@ class DispatchConfig(_Strict):
     hidden_size: int | None = Field(
         None,
         gt=0,
+        le=_MAX,
         description="H, when known: lets backend selection check DeepEP's hidden-size rules.",
     )
     cuda_graph: bool = Field(
@@ -190,7 +202,7 @@ class DispatchConfig(_Strict):
         "outputs allocated there); the current stream waits on the GPU, never the host.",
     )
     deepep_num_sms: int | None = Field(
-        None, gt=0, description="DeepEP Buffer.set_num_sms (even; process-wide in DeepEP)."
+        None, gt=0, le=_MAX, description="DeepEP Buffer.set_num_sms (even; process-wide in DeepEP)."
     )
     deepep_api: Literal["auto", "legacy", "elastic", "ep"] = Field(
         "auto",
@@ -209,6 +221,7 @@ class DispatchConfig(_Strict):
     expert_alignment: int = Field(
         1,
         gt=0,
+        le=_MAX,
         description="dispatch_expanded on DeepEP 2.5: each local expert's rows padded (with zero "
         "rows) to a multiple of this, e.g. for grouped GEMMs that need aligned segments.",
     )
@@ -263,8 +276,8 @@ class MoEConfig(_Strict):
     """One MoE layer: router + dispatch + grouped experts."""
 
     name: str = "custom"
-    hidden_size: int = Field(gt=0, description="H.")
-    ffn_hidden_size: int = Field(gt=0, description="F, hidden size of each expert's MLP.")
+    hidden_size: int = Field(gt=0, le=_MAX, description="H.")
+    ffn_hidden_size: int = Field(gt=0, le=_MAX, description="F, hidden size of each expert's MLP.")
     activation: Literal["swiglu", "swiglu_oai", "gelu", "relu", "relu2", "silu"] = Field(
         "swiglu",
         description=(
@@ -288,10 +301,14 @@ class MoEConfig(_Strict):
     num_shared_experts: int = Field(
         0,
         ge=0,
+        le=_MAX,
         description="Shared experts, computed locally on every rank beside the routed ones.",
     )
     shared_expert_ffn_hidden_size: int | None = Field(
-        None, gt=0, description="F of the shared expert MLP (all shared experts fused into one)."
+        None,
+        gt=0,
+        le=_MAX,
+        description="F of the shared expert MLP (all shared experts fused into one).",
     )
     shared_expert_gate: bool = Field(
         False,
@@ -402,15 +419,10 @@ def load_config(preset_name_or_path: str | Path) -> MoEConfig:
     path = Path(text)
     if not (path.suffix in (".yaml", ".yml") or path.is_file()):
         path = preset_path(text)
-    if not path.is_file():
-        raise ValueError(f"config file {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ValueError(f"config file {path} is not valid YAML: {exc}") from exc
+    data = read_config_file(path, kind="yaml", what="config file")
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping, got {type(data).__name__}")
     try:
         return MoEConfig.model_validate(data)
     except ValidationError as exc:
-        raise ValueError(f"config file {path} is invalid:\n{exc}") from exc
+        raise ValueError(f"config file {path} is invalid: {validation_message(exc)}") from None

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexdispatch import _validate
+from flexdispatch import _limits, _validate
 from flexdispatch._validate import (
     BAD_VALUE_SLOTS,
     bad_ids_message,
@@ -58,6 +58,8 @@ from flexdispatch.types import (
     DispatchResult,
     DispatchStats,
     ExpandedDispatchResult,
+    check_handle,
+    next_issuer,
 )
 
 __all__ = ["FlexDispatcher", "PendingDispatch"]
@@ -194,10 +196,12 @@ class FlexDispatcher:
         self._comm_device = collective_device(group)
         R = group_size(group)
         L, self.ranks_per_node_source = resolve_ranks_per_node(config.ranks_per_node, R)
-        fields: dict[str, object] = dict(config.model_dump())
-        fields["num_experts"] = num_experts
+        fields: dict[str, object] = {**config.model_dump(), "num_experts": num_experts}
         fields["ranks_per_node (resolved)"] = L
-        check_fingerprint(fields, group)
+        too_big = _limits.dispatch_refusal(config, num_experts, self._comm_device)
+        fields["fits in memory"] = too_big is None
+        check_fingerprint(fields, group)  # NOTE: so a rank that cannot fit makes all raise
+        _limits.raise_refusal(too_big)
         self._stats = DispatchStats()
         self._bad_log = _validate.BadValueLog()  # device counts of bad inputs, not yet folded
         self._deferred_parts: tuple[torch.Tensor, ...] | None = None
@@ -222,6 +226,7 @@ class FlexDispatcher:
             if not ok:
                 raise ValueError(f"cuda_graph=True not supported: {why}")
         self.num_experts = num_experts
+        self._issuer = next_issuer()  # stamped on every handle, checked by combine
 
     # ----------------------------------------------------------------- properties
     @property
@@ -453,6 +458,7 @@ class FlexDispatcher:
         recv_x, recv_idx, recv_probs, counts, handle, pairs = _Dispatch.apply(
             self._backend, layout, rows, topk_idx.contiguous(), topk_probs.contiguous(), _pending
         )
+        object.__setattr__(handle, "issuer", self._issuer)
         if self._deferred_parts is not None:
             parts = (self._backend.bad_ids, *self._deferred_parts)  # type: ignore[attr-defined]
             self._bad_log.add(self._stats, parts)
@@ -528,6 +534,7 @@ class FlexDispatcher:
             recv_x, recv_probs, counts, handle = _DispatchExpanded.apply(
                 self._backend, pending, *args
             )
+            object.__setattr__(handle, "issuer", self._issuer)
             self._stats.dispatch_calls += 1
             return ExpandedDispatchResult(
                 recv_x=recv_x, recv_probs=recv_probs, tokens_per_expert=counts, handle=handle
@@ -557,10 +564,7 @@ class FlexDispatcher:
             TypeError / ValueError: a foreign handle or a malformed ``y`` (before any collective).
             flexdispatch.distributed.CollectiveError: a peer rank failed or timed out.
         """
-        if not isinstance(handle, DispatchHandle) or handle.backend != self.backend_name:
-            raise TypeError(
-                "handle must be the DispatchHandle of this dispatcher's dispatch (result.handle)"
-            )
+        check_handle(handle, self.backend_name, self._issuer)
         check_tensor("y", y, ndim=2, floating=True)
         self._check_device("y", y)
         if tuple(y.shape) != (handle.num_recv_rows, handle.hidden):

@@ -1,8 +1,15 @@
 """Spawn a simulated expert-parallel group on one machine (gloo on 127.0.0.1).
 
 Used by ``flexdispatch demo``/``bench`` and by the multi-process tests: every rank is a real
-process with a real ``torch.distributed`` process group, the rendezvous uses a free TCP port on
-127.0.0.1, and nothing can hang — a deadline kills the whole group.
+process with a real ``torch.distributed`` process group, and nothing can hang — a deadline kills
+the whole group.
+
+Loopback only: the rendezvous store is served by the parent on a socket bound to 127.0.0.1 (a
+``TCPStore`` that binds its own socket listens on every interface), and the ranks' process-group
+sockets are bound to the loopback interface (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``).
+Results travel back over one pipe per rank as raw bytes (``torch.save``) and are read with
+``torch.load(weights_only=True)``, or with an unpickler restricted to the classes of this project
+(``_loads``): never an unrestricted pickle.
 
 R ranks · L ranks per node (exported as ``LOCAL_WORLD_SIZE``, as torchrun does).
 """
@@ -11,9 +18,11 @@ from __future__ import annotations
 
 import io
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
-import queue
+import pickle
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -23,7 +32,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["GroupError", "free_port", "spawn_group", "under_launcher"]
+__all__ = [
+    "GroupError",
+    "broadcast_object",
+    "free_port",
+    "gather_objects",
+    "loopback_interface",
+    "spawn_group",
+    "under_launcher",
+]
 
 
 class GroupError(RuntimeError):
@@ -50,14 +67,117 @@ def under_launcher() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
+def loopback_interface() -> str:
+    """Name of this machine's loopback network interface (``lo`` on Linux, ``lo0`` on macOS)."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return "lo"
+    return next(
+        (n for n in names if n == "lo"), next((n for n in names if n.startswith("lo")), "lo")
+    )
+
+
+def _torch_safe_globals() -> dict[str, Any]:
+    try:
+        from torch._weights_only_unpickler import _get_allowed_globals
+    except ImportError:  # another PyTorch: only the weights_only path is used
+        return {}
+    return dict(_get_allowed_globals())
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Unpickles only what ``torch.load(weights_only=True)`` allows, plus classes (never functions)
+    defined in the ``flexdispatch`` and ``tests`` packages that this process has already imported
+    (results that are dataclasses of this project)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = _torch_safe_globals()
+        key = f"{module}.{name}"
+        if key in allowed:
+            return allowed[key]
+        if module.split(".")[0] in _TRUSTED_PACKAGES and module in sys.modules:
+            obj: Any = sys.modules[module]
+            for part in name.split("."):
+                obj = getattr(obj, part, None)
+            if isinstance(obj, type):
+                return obj
+        raise pickle.UnpicklingError(
+            f"a rank's result refers to {key}, which flexdispatch.launch does not unpickle: return "
+            f"tensors, numbers, strings, None, lists, tuples and dicts (or classes of flexdispatch)"
+        )
+
+
+class _RestrictedPickle:
+    """A ``pickle_module`` for ``torch.load`` whose unpickler is ``_RestrictedUnpickler``."""
+
+    Unpickler = _RestrictedUnpickler
+    UnpicklingError = pickle.UnpicklingError
+    __name__ = "flexdispatch.launch._RestrictedPickle"
+
+    @staticmethod
+    def load(file: Any, **kwargs: Any) -> Any:
+        return _RestrictedUnpickler(file, **kwargs).load()
+
+
+_TRUSTED_PACKAGES = ("flexdispatch", "tests")
+
+
 def _dumps(obj: Any) -> bytes:
+    """A rank's result as bytes (``torch.save``: tensors travel as raw storage)."""
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
 
 
 def _loads(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=False)
+    """``_dumps``'s bytes back, never as an unrestricted pickle: ``torch.load(weights_only=True)``
+    (tensors, numbers, strings, containers), else the same loader restricted to the classes of
+    ``_RestrictedUnpickler`` (raises ``pickle.UnpicklingError`` naming anything else)."""
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError:
+        return torch.load(io.BytesIO(data), weights_only=False, pickle_module=_RestrictedPickle)
+
+
+def _collective_device(group: Any) -> torch.device:
+    from flexdispatch.distributed import collective_device
+
+    return collective_device(group)
+
+
+def gather_objects(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj`` on every rank, as ``_dumps`` bytes in uint8 tensors read back with
+    ``_loads`` (``dist.all_gather_object`` would unpickle without restriction)."""
+    device = _collective_device(group)
+    payload = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
+    n = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, n, group=group)
+    counts = [int(c.item()) for c in sizes]
+    buf = torch.zeros(max(counts), dtype=torch.uint8, device=device)
+    buf[: payload.numel()] = payload.to(device)
+    bufs = [torch.empty_like(buf) for _ in counts]
+    dist.all_gather(bufs, buf, group=group)
+    return [_loads(b[:c].cpu().numpy().tobytes()) for b, c in zip(bufs, counts, strict=True)]
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """``obj`` of rank ``src`` on every rank, the same way as ``gather_objects``."""
+    device = _collective_device(group)
+    mine = dist.get_rank(group) == src
+    payload = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8) if mine else None
+    n = torch.tensor([payload.numel() if payload is not None else 0], device=device)
+    dist.broadcast(n, src=src, group=group)
+    buf = torch.empty(int(n.item()), dtype=torch.uint8, device=device)
+    if payload is not None:
+        buf.copy_(payload)
+    dist.broadcast(buf, src=src, group=group)
+    return _loads(buf.cpu().numpy().tobytes())
+
+
+def _send(conn: Any, ok: bool, payload: bytes) -> None:
+    conn.send_bytes((b"\x01" if ok else b"\x00") + payload)  # raw bytes: no pickle on the way
 
 
 def _worker(
@@ -72,6 +192,9 @@ def _worker(
     args: tuple[Any, ...],
     out: Any,
 ) -> None:
+    # NOTE: one machine: the process-group sockets listen on the loopback interface only.
+    lo = loopback_interface()
+    os.environ.update({"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo})
     os.environ.update(env)
     os.environ.update(
         {
@@ -90,20 +213,46 @@ def _worker(
             # NOTE: every rank runs on this machine (simulated nodes included): rank i on
             # cuda:i, bound before NCCL builds its communicator.
             torch.cuda.set_device(rank)
+        timeout = timedelta(seconds=pg_timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
         dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=pg_timeout_s),
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
         try:
             result = fn(*args)
         finally:
             dist.destroy_process_group()
-        out.put((rank, True, _dumps(result)))
+        _send(out, True, _dumps(result))
     except BaseException:  # reported to the parent, which raises
-        out.put((rank, False, traceback.format_exc()))
+        _send(out, False, traceback.format_exc().encode("utf-8", "replace"))
+    finally:
+        out.close()
+
+
+def _loopback_store(world_size: int, timeout_s: float) -> tuple[Any, int]:
+    """The group's rendezvous store, served by this process on 127.0.0.1 only.
+
+    ``TCPStore`` listens on every interface when it binds its own socket, so the socket is bound
+    here (to 127.0.0.1) and handed over (``master_listen_fd``; the store closes it).
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(max(128, world_size))
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        world_size,
+        True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
+    return store, port
 
 
 def spawn_group(
@@ -155,8 +304,8 @@ def spawn_group(
                 f"use at most {gpus} rank(s), or backend='gloo' (CPU)"
             )
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
+    store, port = _loopback_store(world_size, pg_timeout_s or timeout_s)
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world_size)]
     procs = [
         ctx.Process(
             target=_worker,
@@ -170,7 +319,7 @@ def spawn_group(
                 child_env,
                 fn,
                 args,
-                out,
+                pipes[rank][1],
             ),
             daemon=True,
         )
@@ -189,34 +338,44 @@ def spawn_group(
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
+    for _, writer in pipes:
+        writer.close()  # NOTE: so a rank that dies without reporting reads as end of file
+    readers = {pipes[rank][0]: rank for rank in range(world_size)}
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s
     try:
-        while len(results) + len(errors) < world_size:
+        while readers:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                for r in range(world_size):
-                    if r not in results and r not in errors:
-                        errors[r] = f"timed out after {timeout_s:.0f} s"
+                for r in readers.values():
+                    errors[r] = f"timed out after {timeout_s:g} s"
                 break
-            try:
-                rank, ok, payload = out.get(timeout=min(remaining, 0.5))
-            except queue.Empty:
-                for r, p in enumerate(procs):
-                    if r not in results and r not in errors and p.exitcode not in (None, 0):
-                        errors[r] = f"process exited with code {p.exitcode} before reporting"
-                continue
-            if ok:
-                results[rank] = _loads(payload)
-            else:
-                errors[rank] = payload
+            for conn in mp_connection.wait(list(readers), timeout=min(remaining, 0.5)):
+                rank = readers.pop(conn)  # type: ignore[call-overload]
+                try:
+                    data = conn.recv_bytes()
+                except (EOFError, OSError):
+                    procs[rank].join(timeout=1)
+                    errors[rank] = (
+                        f"process exited with code {procs[rank].exitcode} before reporting"
+                    )
+                    continue
+                finally:
+                    conn.close()
+                if data[:1] == b"\x01":
+                    results[rank] = _loads(data[1:])
+                else:
+                    errors[rank] = data[1:].decode("utf-8", "replace")
     finally:
+        for conn in readers:
+            conn.close()
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        del store
     if errors:
         first = min(errors)
         summary = "; ".join(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from flexdispatch import _limits
 from flexdispatch._validate import check_ids_in_range, check_tensor, checks_enabled
 from flexdispatch.types import DispatchLayout
 
@@ -63,10 +64,28 @@ def get_dispatch_layout(
         raise ValueError(
             f"num_ranks={num_ranks} is not a multiple of ranks_per_node={ranks_per_node}"
         )
+    T, k = topk_idx.shape
+    # NOTE: host ints only: an estimate under _limits.SMALL_BYTES costs one comparison.
+    if 4 * num_experts + T * (2 * num_ranks + 24 * k) >= _limits.SMALL_BYTES:
+        _limits.check_fits(
+            "get_dispatch_layout",
+            "num_experts",
+            num_experts,
+            4 * num_experts,
+            topk_idx.device,
+            detail="[E] int32 counts",
+        )
+        _limits.check_fits(
+            "get_dispatch_layout",
+            "num_ranks" if num_ranks > 12 * k else "topk_idx.shape",
+            num_ranks if num_ranks > 12 * k else (T, k),
+            T * (2 * num_ranks + 24 * k),
+            topk_idx.device,
+            detail=f"[T, R] bool masks for T={T} tokens, k={k}",
+        )
     if checks_enabled(checks):
         check_ids_in_range("topk_idx", topk_idx, num_experts)
 
-    T = topk_idx.shape[0]
     device = topk_idx.device
     experts_per_rank = num_experts // num_ranks
     # NOTE: without checks, ids outside [0, E) are treated like -1 (never an out-of-bounds index).

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flexdispatch import _limits
 from flexdispatch._validate import check_tensor
 from flexdispatch.config import MoEConfig
 from flexdispatch.dispatcher import FlexDispatcher
@@ -52,6 +53,42 @@ class MoEOutput:
     z_loss: torch.Tensor | None
     routing: RoutingResult
     dispatch: DispatchResult | ExpandedDispatchResult
+
+
+def _weights_refusal(
+    config: MoEConfig, R: int, dtype: torch.dtype, device: torch.device | str | None
+) -> str | None:
+    """Why this rank's parameters cannot fit on ``device`` (``flexdispatch._limits``), or None:
+    the ``[E, H]`` fp32 gate (built on CPU, then moved), the local experts' and the shared
+    experts' projections (2 or 3 of ``H x F`` each, in ``dtype``)."""
+    c, E, H = config, config.router.num_experts, config.hidden_size
+    mats = 3 if c.activation in ("swiglu", "swiglu_oai") else 2
+    elem = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
+    shared = c.shared_expert_ffn_hidden_size or c.num_shared_experts * c.ffn_hidden_size
+    gate = _limits.refusal(
+        "MoELayer", "router.num_experts", E, 4 * E * H, "cpu", detail=f"[E, H={H}] fp32 gate"
+    )
+    W = c.dispatch.num_worst_tokens
+    rows = _limits.refusal(
+        "MoELayer", "dispatch.num_worst_tokens", W, W * H * elem, device,
+        detail=f"the [W, H={H}] rows every worst-case dispatch returns, in {dtype}",
+        fix="use W = R * T (tokens per rank times ranks) or dropless mode (num_worst_tokens=0)",
+    )  # fmt: skip
+    nbytes = (max(1, E // max(1, R)) * c.ffn_hidden_size + shared) * mats * H * elem
+    return (
+        gate
+        or rows
+        or _limits.refusal(
+            "MoELayer",
+            "ffn_hidden_size",
+            c.ffn_hidden_size,
+            nbytes,
+            device,
+            detail=f"{E // max(1, R)} local expert(s) of {mats} x [H={H}, F] in {dtype}, "
+            f"shared F={shared}",
+            fix="check hidden_size / ffn_hidden_size, or spread the experts over more ranks",
+        )
+    )
 
 
 class MoELayer(nn.Module):
@@ -131,12 +168,17 @@ class MoELayer(nn.Module):
         }
         fields.update({f"router.{k}": v for k, v in config.router.model_dump().items()})
         fields.update(seed=seed, dtype=str(dtype))
+        too_big = _weights_refusal(config, self.dispatcher.num_ranks, dtype, device)
+        fields["fits in memory"] = (
+            too_big is None
+        )  # NOTE: so a rank that cannot fit makes all raise
         check_fingerprint(
             fields,
             group,
             what="MoELayer configs",
             fix="every rank must build the layer from the same MoEConfig, seed and dtype",
         )
+        _limits.raise_refusal(too_big)
         config.check_world(R)
         e = config.router.num_experts // R
         self.num_local_experts = e

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from flexdispatch import _memory
+from flexdispatch import _limits, _memory
 from flexdispatch._validate import check_ids_in_range, check_tensor, checks_enabled
 from flexdispatch.kernels import resolve_impl
 from flexdispatch.types import Permutation
@@ -236,6 +236,46 @@ def _check_same_device(name: str, value: torch.Tensor, ref_name: str, ref: torch
         )
 
 
+def _check_permute_fits(
+    x: torch.Tensor, E: int, align: int, num_out_rows: int | None, rows: int, row_bytes: int
+) -> None:
+    """Refuse a ``permute`` whose output cannot fit (``flexdispatch._limits``)."""
+    where = x.device
+    detail = "[E] int64 counts and segment bounds"
+    _limits.check_fits("permute", "num_experts", E, 32 * E, where, detail=detail)
+    detail = f"rows of H={x.shape[1]} {x.dtype} plus int64 row indices"
+    if num_out_rows is not None:
+        _limits.check_fits(
+            "permute",
+            "num_out_rows",
+            num_out_rows,
+            rows * row_bytes,
+            where,
+            detail=detail,
+            fix="pass the static bound T*k + E*(align-1)",
+        )
+    elif align > 1:
+        _limits.check_fits(
+            "permute",
+            "align",
+            align,
+            rows * row_bytes,
+            where,
+            detail=detail,
+            fix="pass the alignment the grouped GEMM needs (e.g. 8, 16 or 128)",
+        )
+    else:
+        _limits.check_fits(
+            "permute",
+            "T*k",
+            rows,
+            rows * row_bytes,
+            where,
+            detail=detail,
+            fix="permute fewer tokens per call",
+        )
+
+
 def permute(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -324,6 +364,12 @@ def permute(
         if num_out_rows is not None:
             raise ValueError("pass num_rows (exact size) or num_out_rows (static size), not both")
         _check_int("num_rows", num_rows, 0)
+    row_bytes = x.shape[1] * x.element_size() + 24
+    rows = (
+        num_out_rows if num_out_rows is not None else T * k + min(T * k, num_experts) * (align - 1)
+    )
+    if rows * row_bytes + 32 * num_experts >= _limits.SMALL_BYTES:  # NOTE: host ints only
+        _check_permute_fits(x, num_experts, align, num_out_rows, rows, row_bytes)
     do_checks = checks_enabled(checks)
     if do_checks:
         check_ids_in_range("topk_idx", topk_idx, num_experts)
@@ -564,6 +610,16 @@ def unpermute(
                 f"probs has shape {tuple(probs.shape)} but y has {y.shape[0]} rows: pass one "
                 f"weight per row, e.g. perm.probs"
             )
+    out_bytes = perm.num_tokens * y.shape[1] * 8  # [T, H] fp32 sums and the output
+    if out_bytes >= _limits.SMALL_BYTES:
+        _limits.check_fits(
+            "unpermute",
+            "perm.num_tokens",
+            perm.num_tokens,
+            out_bytes,
+            y.device,
+            detail=f"[T, H={y.shape[1]}] float32 sums and the result",
+        )
     if impl != "torch" and resolve_impl(impl, y.device, what="unpermute"):
         if perm.pair_rows is not None:
             from flexdispatch.kernels.permute import unpermute_rows

@@ -9,6 +9,7 @@ Results and handles are frozen, keyword-only dataclasses; nothing here is a bare
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,36 @@ __all__ = [
     "ExpertMajorHandle",
     "ExpertMajorResult",
     "ExpandedDispatchResult",
+    "check_handle",
+    "next_issuer",
 ]
+
+_ISSUERS = itertools.count(1)
+
+
+def next_issuer() -> int:
+    """A new serial number for a ``FlexDispatcher`` (``DispatchHandle.issuer``)."""
+    return next(_ISSUERS)
+
+
+def check_handle(handle: object, backend: str, issuer: int) -> None:
+    """Raise unless ``handle`` is a ``DispatchHandle`` issued by dispatcher ``issuer``.
+
+    Host ints only: no device value is read.
+
+    Raises:
+        TypeError: not a ``DispatchHandle`` of ``backend``.
+        ValueError: the handle of another dispatcher (even one of the same backend).
+    """
+    if not isinstance(handle, DispatchHandle) or handle.backend != backend:
+        raise TypeError(
+            "handle must be the DispatchHandle of this dispatcher's dispatch (result.handle)"
+        )
+    if handle.issuer != issuer:
+        raise ValueError(
+            f"handle was issued by another FlexDispatcher (#{handle.issuer}), not this one "
+            f"(#{issuer}): combine with the dispatcher whose dispatch returned it"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,6 +150,8 @@ class DispatchHandle:
         hidden: H of the dispatched rows.
         num_recv_rows: M (W in worst-case mode).
         state: backend-specific, opaque to callers.
+        issuer: the serial number of the ``FlexDispatcher`` that issued it (0: none); its
+            ``combine`` refuses a handle of another dispatcher, comparing this int on the host.
     """
 
     backend: str
@@ -127,6 +159,7 @@ class DispatchHandle:
     hidden: int
     num_recv_rows: int
     state: Any
+    issuer: int = field(default=0, compare=False, repr=False)
 
 
 @dataclass(frozen=True, kw_only=True)

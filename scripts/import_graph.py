@@ -23,7 +23,17 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "types and configs",
-        ("_validate", "_memory", "devices", "types", "deepep_limits", "config", "traffic"),
+        (
+            "_validate",
+            "_memory",
+            "_files",
+            "_limits",
+            "devices",
+            "types",
+            "deepep_limits",
+            "config",
+            "traffic",
+        ),
     ),
     (
         "routing, layout, permutation",

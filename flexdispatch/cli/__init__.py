@@ -9,10 +9,13 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from flexdispatch.cli._common import CliParser
+
+    parser = CliParser(
         prog="flexdispatch", description="MoE expert-parallel dispatch: demo, presets and tools."
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CliParser)
     from flexdispatch.cli import bench, config_cmd, demo, doctor, plan, presets_cmd
 
     demo.register(sub)
@@ -21,17 +24,27 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.register(sub)
     bench.register(sub)
     config_cmd.register(sub)
+    for p in sub.choices.values():
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
     return parser
 
 
+_DEBUG_HELP = "on an error, print the traceback too (or set FLEXDISPATCH_DEBUG=1)"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; every error is one line on stderr and a non-zero exit code."""
+    from flexdispatch.cli._common import print_error
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except ValueError as exc:
-        print(f"flexdispatch {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print(f"flexdispatch {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        return print_error(args.command, exc, args)
 
 
 if __name__ == "__main__":  # pragma: no cover

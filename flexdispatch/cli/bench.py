@@ -26,6 +26,8 @@ import json
 import sys
 import time
 
+from flexdispatch.cli._common import int_range, positive_float
+
 __all__ = ["register", "run", "spec_from_args"]
 
 
@@ -45,24 +47,57 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=",".join(STAGES),
         help=f"comma-separated stages (default {','.join(STAGES)})",
     )
-    p.add_argument("--world-size", type=int, default=d.world_size, help="R spawned ranks")
-    p.add_argument("--ranks-per-node", type=int, default=None, help="L (default R: one node)")
-    p.add_argument("--tokens", type=int, default=d.tokens, help="T per rank")
-    p.add_argument("--hidden", type=int, default=d.hidden, help="H")
-    p.add_argument("--experts", type=int, default=d.experts, help="E")
-    p.add_argument("--topk", type=int, default=d.topk, help="k")
+    one = int_range(1)
+    p.add_argument("--world-size", type=int_range(1, 4096), default=d.world_size, help="R ranks")
+    p.add_argument("--ranks-per-node", type=one, default=None, help="L (default R: one node)")
+    p.add_argument("--tokens", type=one, default=d.tokens, help="T per rank")
+    p.add_argument("--hidden", type=one, default=d.hidden, help="H")
+    p.add_argument("--experts", type=one, default=d.experts, help="E")
+    p.add_argument("--topk", type=int_range(1, 32), default=d.topk, help="k (at most 32)")
     p.add_argument("--dtype", default=d.dtype, choices=("bf16", "fp16", "fp32"))
-    p.add_argument("--reps", type=int, default=d.reps, help="timed repetitions")
-    p.add_argument("--warmup", type=int, default=d.warmup, help="discarded repetitions")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--reps", type=one, default=d.reps, help="timed repetitions")
+    p.add_argument("--warmup", type=int_range(0), default=d.warmup, help="discarded repetitions")
+    p.add_argument("--seed", type=int_range(0), default=d.seed, help="random seed, >= 0")
     p.add_argument("--backend", default=d.backend, choices=("auto", "torch", "deepep"))
     p.add_argument(
         "--worst-case", action="store_true", help="static-shape mode, W = R * T rows received"
     )
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up")
+    p.add_argument(
+        "--timeout", type=positive_float, default=300.0, help="seconds before giving up (> 0)"
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
+
+
+def check_bench_memory(spec) -> None:
+    """Refuse sizes whose spawned ranks cannot fit in this machine's memory (before spawning).
+
+    Lower bound per rank: the fp32 gate ``[E, H]`` and ``[E]`` counts, and ``T x H`` rows in the
+    activation dtype for x, the permuted rows, the combined output and the received rows (``R *
+    T`` of them in worst-case mode); R ranks on this machine.
+    """
+    from flexdispatch import _limits
+    from flexdispatch.bench import DTYPES
+
+    R, T, H, E = spec.world_size, spec.tokens, spec.hidden, spec.experts
+    elem = DTYPES[spec.dtype].itemsize
+    parts = {
+        "--experts": R * E * (4 * H + 24),
+        "--tokens": R * T * H * elem * (3 + (R if spec.worst_case else min(spec.topk, R))),
+    }
+    flag = max(parts, key=lambda f: parts[f])
+    value = {"--experts": E, "--tokens": T}[flag]
+    _limits.check_fits(
+        "",
+        flag,
+        value,
+        sum(parts.values()),
+        "cpu",
+        detail=f"R={R} spawned ranks, each with T={T} x H={H} {spec.dtype} rows and an [E={E}, H] "
+        f"fp32 gate",
+        fix="lower --tokens, --hidden, --experts or --world-size",
+    )
 
 
 def spec_from_args(args: argparse.Namespace):
@@ -92,7 +127,8 @@ def spec_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark and print the table or JSON (rank 0 only under a launcher)."""
     from flexdispatch.bench import format_table, run_spawned, run_under_launcher, summarize
-    from flexdispatch.launch import under_launcher
+    from flexdispatch.cli._common import check_backend, group_failure
+    from flexdispatch.launch import GroupError, under_launcher
 
     spec = spec_from_args(args)
     t0 = time.perf_counter()
@@ -103,7 +139,13 @@ def run(args: argparse.Namespace) -> int:
         launcher = "torchrun"
     else:
         spec.validate()
-        results = run_spawned(spec, timeout_s=args.timeout)
+        check_backend(spec.backend)
+        check_bench_memory(spec)
+        try:
+            results = run_spawned(spec, timeout_s=args.timeout)
+        except GroupError as exc:
+            phase = "timing the stages on the spawned ranks"
+            raise group_failure(exc, phase=phase, timeout_s=args.timeout) from exc
         launcher = "spawn"
     report = summarize(
         spec, results, launcher=launcher, wall_s=time.perf_counter() - t0, json_out=args.json

@@ -24,8 +24,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 __all__ = ["register", "run", "read_megatron_args"]
 
 
@@ -56,15 +54,11 @@ def read_megatron_args(path: str | Path) -> dict[str, Any]:
     Raises:
         ValueError: the file is missing, does not parse, or does not hold a mapping.
     """
+    from flexdispatch._files import read_config_file
+
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"Megatron argument file {path} does not exist")
-    text = path.read_text()
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        kind = "JSON" if path.suffix == ".json" else "YAML"
-        raise ValueError(f"Megatron argument file {path} is not valid {kind}: {exc}") from exc
+    kind = "json" if path.suffix == ".json" else "yaml"
+    data = read_config_file(path, kind=kind, what="Megatron argument file")
     if not isinstance(data, dict):
         raise ValueError(
             f"Megatron argument file {path} must hold a mapping of argument names, got "
@@ -75,8 +69,11 @@ def read_megatron_args(path: str | Path) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Print (or write) the YAML; ValueError (exit 2) on bad input."""
+    from flexdispatch.cli._common import check_output_path
     from flexdispatch.importers import moe_config_from_hf, moe_config_from_megatron, to_yaml
 
+    if args.output:
+        check_output_path(args.output, "--output")
     if args.from_hf is not None:
         cfg = moe_config_from_hf(args.from_hf, name=args.name)
     else:

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from flexdispatch.cli._common import int_range, positive_float
+
 __all__ = ["DemoSpec", "register", "run", "run_rank", "check_against_reference"]
 
 _MODES = ("flat", "hierarchical")
@@ -54,13 +56,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--nodes",
-        type=int,
+        type=int_range(1),
         default=None,
         help="simulated nodes (default 2 on the CPU; on GPUs see --ranks-per-node)",
     )
     p.add_argument(
         "--ranks-per-node",
-        type=int,
+        type=int_range(1),
         default=None,
         help="ranks per node (default 2 on the CPU; on a GPU machine, without --nodes either: "
         "one rank per GPU, as 2 nodes when the GPUs split evenly)",
@@ -72,15 +74,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--preset", default="tiny_cpu", help="preset name or YAML path")
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "deepep"))
-    p.add_argument("--tokens", type=int, default=64, help="tokens per rank (default 64)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--iters", type=int, default=3, help="timed iterations per mode (default 3)")
+    p.add_argument("--tokens", type=int_range(0), default=64, help="tokens per rank (default 64)")
+    p.add_argument("--seed", type=int_range(0), default=0, help="random seed, >= 0 (default 0)")
+    p.add_argument(
+        "--iters", type=int_range(1), default=3, help="timed iterations per mode (default 3)"
+    )
     p.add_argument(
         "--worst-case",
         action="store_true",
         help="use the static-shape worst-case mode (num_worst_tokens = R * T)",
     )
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up")
+    p.add_argument(
+        "--timeout", type=positive_float, default=300.0, help="seconds before giving up (> 0)"
+    )
     p.add_argument(
         "--max-memory",
         default=None,
@@ -246,20 +252,19 @@ def _launcher_entry(
 
     import torch.distributed as dist
 
+    from flexdispatch.launch import broadcast_object, gather_objects
+
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     try:
-        shared: list[Any] = [planned]
-        dist.broadcast_object_list(shared, src=0)
-        spec, plan, refusal = shared[0]
+        spec, plan, refusal = broadcast_object(planned, src=0)
         if refusal is not None:
             raise ValueError(refusal)
         if dist.get_rank() == 0:
             _progress(plan[1])
         mine = run_rank(spec)
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
+        gathered = gather_objects(mine)  # NOTE: tensors, never unrestricted pickles
         return spec, plan, (gathered if dist.get_rank() == 0 else None)
     finally:
         dist.destroy_process_group()
@@ -359,30 +364,39 @@ def check_against_reference(spec: DemoSpec, results: list[dict[str, Any]]) -> di
             shared_gate_weight=sp.get("gate_weight"),
         )
         outs.append(y.detach())
-        (y * g_all[r]).sum().backward()
+        if y.requires_grad:  # NOTE: not with --tokens 0 (nothing to differentiate)
+            (y * g_all[r]).sum().backward()
     e = E // R
 
     def md(a: torch.Tensor, b: torch.Tensor) -> float:
         return float(torch.sub(a.float(), b.float()).abs_().max()) if a.numel() else 0.0
 
+    def grad(p: torch.Tensor) -> torch.Tensor:  # a parameter that got no gradient: zeros
+        return torch.zeros_like(p) if p.grad is None else p.grad
+
     def replicated(got: list[dict[str, Any]], key: str, ref: dict[str, torch.Tensor]) -> float:
-        diffs = [md(torch.stack([g[key][n] for g in got]).sum(0), p.grad) for n, p in ref.items()]
+        diffs = [
+            md(torch.stack([g[key].get(n, torch.zeros_like(p)) for g in got]).sum(0), grad(p))
+            for n, p in ref.items()
+        ]
         return max(diffs, default=0.0)
 
-    router_params = {n: p for n, p in router.named_parameters() if p.grad is not None}
+    router_params = {n: p for n, p in router.named_parameters() if p.requires_grad}
     diffs: dict[str, float] = {}
     for mode in _MODES:
         got = [res["modes"][mode] for res in results]
         diffs[f"{mode}.output"] = max(md(got[r]["output"], outs[r]) for r in range(R))
-        diffs[f"{mode}.grad_x"] = max(md(got[r]["grad_x"], x_all.grad[r]) for r in range(R))
+        gx = grad(x_all)
+        diffs[f"{mode}.grad_x"] = max(md(got[r]["grad_x"], gx[r]) for r in range(R))
         diffs[f"{mode}.grad_router"] = replicated(got, "grad_router", router_params)
         expert_diffs = []
         for name, ref in experts.items():
             if ref is None:
                 continue
             # NOTE: one parameter at a time, so the concatenated copy is one tensor's size.
-            full = torch.cat([g["grad_experts"][name] for g in got])
-            expert_diffs.append(md(full, ref.grad[: R * e]))  # type: ignore[index]
+            zero = torch.zeros_like(ref[:e])
+            full = torch.cat([g["grad_experts"].get(name, zero) for g in got])
+            expert_diffs.append(md(full, grad(ref)[: R * e]))
             del full
         diffs[f"{mode}.grad_experts"] = max(expert_diffs)
         if sp:
@@ -526,12 +540,14 @@ def _plan(
 
 def run(args: argparse.Namespace) -> int:
     from flexdispatch.cli import demo_machine
+    from flexdispatch.cli._common import check_backend, group_failure
     from flexdispatch.config import load_config
-    from flexdispatch.launch import spawn_group, under_launcher
+    from flexdispatch.launch import GroupError, spawn_group, under_launcher
 
-    if args.tokens < 0 or args.iters < 1:
+    if args.tokens < 0 or args.iters < 1:  # NOTE: parse-time types check these on the CLI
         raise ValueError("--tokens must be >= 0 and --iters >= 1")
     load_config(args.preset)  # fail fast on a bad preset, before spawning anything
+    check_backend(args.backend)
     t0 = time.perf_counter()
     if under_launcher():
         world = int(os.environ["WORLD_SIZE"])
@@ -576,14 +592,18 @@ def run(args: argparse.Namespace) -> int:
             f"[1/3] spawning {R} ranks ({nodes} nodes × {per_node}, {devices.backend} on "
             f"{devices.device_type})"
         )
-        results = spawn_group(
-            run_rank,
-            R,
-            args=(spec,),
-            ranks_per_node=per_node,
-            timeout_s=args.timeout,
-            backend=devices.backend,
-        )
+        try:
+            results = spawn_group(
+                run_rank,
+                R,
+                args=(spec,),
+                ranks_per_node=per_node,
+                timeout_s=args.timeout,
+                backend=devices.backend,
+            )
+        except GroupError as exc:
+            phase = "[2/3] running forward+backward on the spawned ranks"
+            raise group_failure(exc, phase=phase, timeout_s=args.timeout) from exc
         _progress(f"[2/3] {R} ranks finished forward+backward in flat and hierarchical modes")
         # NOTE: the largest child includes a rank's serialisation of its results on the way back.
         peaks = {"largest_rank": _peak_rss("children")}

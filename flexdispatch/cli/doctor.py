@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from flexdispatch.cli._common import int_range
+
 __all__ = ["register", "run"]
 
 
@@ -38,19 +40,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--world-size",
-        type=int,
+        type=int_range(1),
         default=None,
         help="R, expert-parallel ranks (default: $WORLD_SIZE, else the local GPU count, else 1)",
     )
     p.add_argument(
         "--ranks-per-node",
-        type=int,
+        type=int_range(1),
         default=None,
         help="L (default: $LOCAL_WORLD_SIZE, else the local GPU count, else R)",
     )
     p.add_argument("--backend", default="auto", choices=BACKEND_CHOICES)
     p.add_argument(
-        "--hidden", type=int, default=None, help="H, to check DeepEP's row-size rule (bf16 rows)"
+        "--hidden",
+        type=int_range(1),
+        default=None,
+        help="H, to check DeepEP's row-size rule (bf16 rows)",
     )
     p.add_argument(
         "--deepep-api",
@@ -61,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--num-worst-tokens",
-        type=int,
+        type=int_range(0),
         default=0,
         help="DispatchConfig.num_worst_tokens W of the dispatch to report on (deepep_api='auto' "
         "runs DeepEP V2 in worst-case mode where deep_ep has ElasticBuffer)",

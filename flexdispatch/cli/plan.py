@@ -63,6 +63,7 @@ import argparse
 import json
 import sys
 
+from flexdispatch.cli._common import check_output_path, int_range, positive_float
 from flexdispatch.config import load_config
 
 __all__ = ["register", "run"]
@@ -84,27 +85,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help="preset name (see `flexdispatch presets`)")
     src.add_argument("--config", help="path of a MoEConfig YAML file")
-    p.add_argument("--nodes", type=int, required=True, help="N, number of nodes")
-    p.add_argument("--ranks-per-node", type=int, required=True, help="L, EP ranks per node")
-    p.add_argument("--tokens", type=int, default=4096, help="T, tokens per rank (default 4096)")
+    p.add_argument("--nodes", type=int_range(1), required=True, help="N, number of nodes")
+    p.add_argument(
+        "--ranks-per-node", type=int_range(1), required=True, help="L, EP ranks per node"
+    )
+    p.add_argument(
+        "--tokens",
+        type=int_range(1, 10**15),
+        default=4096,
+        help="T, tokens per rank (default 4096)",
+    )
     p.add_argument(
         "--skew",
         type=float,
         default=0.0,
         help="expert-popularity skew added to the logits (0 = uniform; default 0)",
     )
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--seed", type=int_range(0), default=0, help="random seed, >= 0 (default 0)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write a traffic heatmap + expert bars")
     p.add_argument(
         "--nvlink-gbps",
-        type=float,
+        type=positive_float,
         default=DEFAULT_NVLINK_GBPS,
         help=f"NVLink GB/s per rank (default {DEFAULT_NVLINK_GBPS:g}, DeepEP H800)",
     )
     p.add_argument(
         "--rdma-gbps",
-        type=float,
+        type=positive_float,
         default=DEFAULT_RDMA_GBPS,
         help=f"RDMA GB/s per rank (default {DEFAULT_RDMA_GBPS:g}, DeepEP H800 EP16-64)",
     )
@@ -117,22 +125,65 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-sms", type=int, default=20, help="DeepEP Buffer.num_sms (default 20)")
     p.add_argument(
         "--ll-tokens",
-        type=int,
+        type=int_range(1),
         default=128,
         help="low-latency num_max_dispatch_tokens_per_rank for its buffer hint (default 128)",
     )
+    p.add_argument(
+        "--exact",
+        action="store_true",
+        help="route every token (default: above 2^24 simulated logits, each rank routes a sample "
+        "of its tokens and the counts are scaled; the notes say so)",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
+
+
+class LateProgress:
+    """A progress bar on stderr that appears only once the work has taken ``after_s`` seconds
+    (on a terminal, or with ``FLEXDISPATCH_PROGRESS=1``)."""
+
+    def __init__(self, label: str, *, after_s: float = 2.0, enabled: bool = True) -> None:
+        import os
+        import time
+
+        self._clock = time.perf_counter
+        self._t0 = self._clock()
+        self.after_s = after_s
+        self.label = label
+        forced = os.environ.get("FLEXDISPATCH_PROGRESS", "") == "1"
+        self.enabled = enabled and (forced or sys.stderr.isatty())
+        self.drawn = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or self._clock() - self._t0 < self.after_s:
+            return
+        width = 30
+        filled = width * done // max(1, total)
+        bar = "#" * filled + "." * (width - filled)
+        elapsed = self._clock() - self._t0
+        sys.stderr.write(f"\r[{self.label}] |{bar}| {done}/{total} {elapsed:5.1f}s")
+        sys.stderr.flush()
+        self.drawn = True
+
+    def close(self) -> None:
+        if self.drawn:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``flexdispatch plan``; ValueError (printed by the CLI) on bad input."""
-    from flexdispatch.planner import format_plan, plan_cluster, plot_plan
+    from flexdispatch.planner import MAX_LOGITS, format_plan, plan_cluster, plot_plan
 
+    if args.plot:
+        check_output_path(args.plot, "--plot")
     cfg = load_config(args.preset if args.preset is not None else args.config)
     if args.num_sms <= 0 or args.num_sms % 2:
         raise ValueError(f"--num-sms must be a positive even number, got {args.num_sms}")
     if args.ll_tokens <= 0:
         raise ValueError(f"--ll-tokens must be positive, got {args.ll_tokens}")
+    bar = LateProgress("plan", enabled=not getattr(args, "no_progress", False))
     plan = plan_cluster(
         cfg,
         nodes=args.nodes,
@@ -145,7 +196,10 @@ def run(args: argparse.Namespace) -> int:
         rdma_gbps=args.rdma_gbps,
         num_sms=args.num_sms,
         ll_max_tokens=args.ll_tokens,
+        max_logits=None if getattr(args, "exact", False) else MAX_LOGITS,
+        progress=bar,
     )
+    bar.close()
     if args.plot:
         try:
             path = plot_plan(plan, args.plot)

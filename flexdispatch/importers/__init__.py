@@ -51,6 +51,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from flexdispatch._files import validation_message
 from flexdispatch.config import MoEConfig, RouterConfig
 from flexdispatch.importers._keys import _DEFAULTS_FROM, _NESTED, _Keys, _read_hf
 from flexdispatch.importers.deepseek import _deepseek, _nemotron_h, _v3_style
@@ -176,7 +177,9 @@ def moe_config_from_hf(
     try:
         return MoEConfig.model_validate(data)
     except ValidationError as exc:
-        raise ValueError(f"{mt} config maps to an invalid MoEConfig:\n{exc}") from exc
+        raise ValueError(
+            f"{mt} config maps to an invalid MoEConfig: {validation_message(exc)}"
+        ) from None
 
 
 def num_hash_layers(cfg: MoEConfig) -> int:

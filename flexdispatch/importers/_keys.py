@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from flexdispatch._files import read_config_file
+
 _GATED_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu"}
 
 # Defaults of the transformers config classes (transformers 5.23.0, ``configuration_<type>.py``)
@@ -412,10 +414,7 @@ def _read_hf(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
         path = path / "config.json"
     if not path.is_file():
         raise ValueError(f"config file {path} does not exist: pass a config.json or its folder")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"config file {path} is not valid JSON: {exc}") from exc
+    data = read_config_file(path, kind="json", what="config file")
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a JSON object, got {type(data).__name__}")
     return data

@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from flexdispatch._files import validation_message
 from flexdispatch.config import MoEConfig
 
 # Megatron-Core argument -> RouterConfig field (values copied as they are).
@@ -116,4 +117,6 @@ def moe_config_from_megatron(args: Mapping[str, Any], *, name: str = "megatron")
     try:
         return MoEConfig.model_validate(data)
     except ValidationError as exc:
-        raise ValueError(f"Megatron args map to an invalid MoEConfig:\n{exc}") from exc
+        raise ValueError(
+            f"Megatron args map to an invalid MoEConfig: {validation_message(exc)}"
+        ) from None

@@ -42,6 +42,7 @@ from flexdispatch.planner.deepep import (
 from flexdispatch.planner.plan import (
     DEFAULT_NVLINK_GBPS,
     DEFAULT_RDMA_GBPS,
+    MAX_LOGITS,
     VARIANTS,
     node_limited_group_topk,
     plan_cluster,
@@ -90,6 +91,7 @@ __all__ = [
     "VARIANTS",
     "DEFAULT_NVLINK_GBPS",
     "DEFAULT_RDMA_GBPS",
+    "MAX_LOGITS",
     "format_plan",
     "plot_plan",
 ]

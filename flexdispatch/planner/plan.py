@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +71,7 @@ __all__ = [
     "VARIANTS",
     "DEFAULT_NVLINK_GBPS",
     "DEFAULT_RDMA_GBPS",
+    "MAX_LOGITS",
 ]
 
 VARIANTS = ("preset", "ungrouped", "node_limited")
@@ -79,6 +80,53 @@ DEFAULT_NVLINK_GBPS = 155.0
 DEFAULT_RDMA_GBPS = 50.0
 _BLOCK_ELEMS = 1 << 22  # logits elements routed at once (16 MiB of fp32)
 _HASH_VOCAB = 1 << 15
+MAX_LOGITS = 1 << 24
+"""Default budget of ``plan_cluster``: router logits simulated in all (R x T x E per variant).
+Above it, each rank routes a sample of T_s = T / f tokens and the counts are scaled by f (a few
+seconds on 2 CPU cores)."""
+
+
+def _sample_tokens(R: int, T: int, E: int, variants: int, max_logits: int | None) -> int:
+    """T_s, the tokens per rank to simulate: T within the budget, else the largest T / f
+    (f an integer, so that counts scale exactly when f divides T) that fits."""
+    if max_logits is None or R * T * E * variants <= max_logits:
+        return T
+    per_token = R * E * variants
+    if per_token > max_logits:
+        raise ValueError(
+            f"plan: one token per rank already routes R x E x variants = {R} x {E} x {variants} = "
+            f"{per_token} logits, more than the planner's budget of {max_logits} "
+            f"(plan_cluster's max_logits): plan fewer ranks or experts, or fewer variants"
+        )
+    f = math.ceil(T / (max_logits // per_token))
+    # NOTE: a divisor of T close above f scales the counts exactly (bounded search).
+    exact = next((d for d in range(f, min(T, 2 * f, f + 4096) + 1) if T % d == 0), None)
+    return T // exact if exact is not None else max(1, T // f)
+
+
+def _check_plan_memory(R: int, N: int, E: int, variants: int) -> None:
+    """Refuse a plan whose count matrices cannot fit (``flexdispatch._limits``): per variant
+    ``[R, R]`` and ``[R, N]`` int64 counts (and their priced copies), ``[E]`` counts and the
+    per-expert tuple of the result."""
+    from flexdispatch import _limits
+
+    _limits.check_fits(
+        "plan",
+        "num_experts",
+        E,
+        variants * E * 48,
+        "cpu",
+        detail="[E] counts and the result's list",
+    )
+    _limits.check_fits(
+        "plan",
+        "nodes x ranks_per_node",
+        R,
+        variants * (R * R + R * N) * 8 * 6,
+        "cpu",
+        detail="[R, R] and [R, N] int64 counts and their priced copies",
+        fix="plan fewer ranks",
+    )
 
 
 def popularity_offsets(num_experts: int, seed: int) -> torch.Tensor:
@@ -274,6 +322,13 @@ def _worst_case(C: torch.Tensor, D: torch.Tensor, T: int, L: int) -> WorstCase:
     )
 
 
+def _scale(c: torch.Tensor, T_sim: int, T: int) -> torch.Tensor:
+    """Counts of ``T_sim`` sampled tokens per rank scaled to ``T`` (exact when T_sim divides T)."""
+    if T % T_sim == 0:
+        return c * (T // T_sim)
+    return (c.double() * (T / T_sim)).round().to(torch.int64)
+
+
 def _check_inputs(
     cfg: MoEConfig,
     nodes: int,
@@ -319,6 +374,8 @@ def plan_cluster(
     num_sms: int = DEEPEP_DEFAULT_NUM_SMS,
     ll_max_tokens: int = 128,
     variants: tuple[str, ...] = VARIANTS,
+    max_logits: int | None = MAX_LOGITS,
+    progress: Callable[[int, int], None] | None = None,
 ) -> ClusterPlan:
     """Simulate ``cfg``'s routing on ``nodes x ranks_per_node`` ranks and price the traffic.
 
@@ -335,6 +392,11 @@ def plan_cluster(
         num_sms: DeepEP ``Buffer.num_sms`` for the buffer hints.
         ll_max_tokens: low-latency ``num_max_dispatch_tokens_per_rank`` for its hint.
         variants: which of ``VARIANTS`` to route.
+        max_logits: budget of simulated router logits (``MAX_LOGITS``); above it every rank
+            routes a sample of its tokens and the counts are scaled (a note says so); None
+            simulates every token. A cluster where even one token per rank exceeds it is
+            refused.
+        progress: called as ``progress(blocks done, blocks in all)`` after every routed block.
 
     Returns:
         ClusterPlan (frozen; ``as_dict()`` gives the JSON document).
@@ -353,6 +415,11 @@ def plan_cluster(
     for gr in groupings:
         if not gr.skip:
             todo.setdefault(gr.key, gr.name)
+    T_all = T
+    T = T_sim = _sample_tokens(
+        R, T_all, 1 if router.router_type == "hash" else E, len(todo), max_logits
+    )
+    _check_plan_memory(R, N, E, len(todo))
     acc = {
         key: (
             torch.zeros(R, R, dtype=torch.int64),
@@ -369,7 +436,8 @@ def plan_cluster(
         vocab_p = popularity_offsets(_HASH_VOCAB, seed + 1).double().mul(skew).exp()
     whole_ranks = router.capacity_factor is not None
     gens: dict[int, torch.Generator] = {}
-    for srcs, t0, t1 in _blocks(R, T, E, whole_ranks):
+    blocks = list(_blocks(R, T, E, whole_ranks))
+    for done, (srcs, t0, t1) in enumerate(blocks, 1):
         n_t = t1 - t0
         parts = []
         for s in srcs:
@@ -397,11 +465,19 @@ def plan_cluster(
             D[srcs.start : srcs.stop] += rows_SN
             P += pairs_SR.sum(0)
             X += per_expert
+        if progress is not None:
+            progress(done, len(blocks) + len(groupings))
+    if T_sim != T_all:
+        for key, parts in acc.items():
+            acc[key] = tuple(_scale(c, T, T_all) for c in parts)  # type: ignore[assignment]
+        T = T_all
 
     torch_fmt = torch_row_format(hidden=H, topk=k, elem_size=elem_size)
     deepep_fmt = deepep_row_format(hidden=H, topk=k, internode=N > 1)
     plans = []
-    for gr in groupings:
+    for i, gr in enumerate(groupings, len(blocks) + 1):
+        if progress is not None:
+            progress(i, len(blocks) + len(groupings))
         if gr.skip:
             continue
         C, D, P, X = acc[gr.key]
@@ -438,6 +514,11 @@ def plan_cluster(
             )
         )
     notes = [f"{gr.name}: {gr.note}" for gr in groupings if gr.note]
+    if T_sim != T:
+        notes.append(
+            f"sampled: each rank routed {T_sim} of its {T} tokens (R x T x E beyond the "
+            f"planner's budget of {max_logits} logits); counts scaled by T / {T_sim}"
+        )
     if k > 8 and N > 8:
         notes.append(f"DeepEP internode sends a token to at most 8 nodes; k={k} may exceed it")
     hints = deepep_hints(

@@ -197,7 +197,7 @@ def plot_plan(plan: ClusterPlan, path: str | Path, *, variant: str = "preset") -
 
     Args:
         plan: the plan to draw.
-        path: output file (``.png``).
+        path: output file (``.png``; a name without an extension gets ``.png``).
         variant: which routing variant to draw.
 
     Returns:
@@ -246,5 +246,7 @@ def plot_plan(plan: ClusterPlan, path: str | Path, *, variant: str = "preset") -
         f"skew {plan.skew:g}"
     )
     out = Path(path)
+    if not out.suffix:  # NOTE: matplotlib would write NAME.png; say so
+        out = out.with_name(out.name + ".png")
     fig.savefig(out, dpi=110)
     return out

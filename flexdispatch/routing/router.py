@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flexdispatch import _limits
 from flexdispatch._validate import check_tensor
 from flexdispatch.config import RouterConfig
 from flexdispatch.routing.losses import (
@@ -142,6 +143,15 @@ class TopKRouter(nn.Module):
         self.aux_loss_group = aux_loss_group
         self.aux_loss_scale = 1.0
         E = config.num_experts
+        _limits.check_fits(
+            "TopKRouter",
+            "hidden_size",
+            hidden_size,
+            E * hidden_size * torch.finfo(self.router_dtype).bits // 8,
+            "cpu",
+            detail=f"the [E={E}, H] {config.router_dtype} gating weight",
+            fix="check hidden_size and config.num_experts",
+        )
         self.weight = nn.Parameter(torch.empty(E, hidden_size, dtype=self.router_dtype))
         if config.router_bias:
             self.bias = nn.Parameter(torch.empty(E, dtype=self.router_dtype))

@@ -24,6 +24,10 @@
 #   FLEXDISPATCH_CMD sub-command: demo (default), bench, doctor, ...
 #   FLEXDISPATCH_VENV, PYTHON, TORCHRUN, FLEXDISPATCH_DRY_RUN, FLEXDISPATCH_DEVICE: as in
 #                    torchrun_single_node.sh (NPROC_PER_NODE > GPUs on this node is refused there)
+#   FLEXDISPATCH_IFNAME  the network interface the ranks talk over (e.g. eth0, ib0): exported as
+#                    GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME (where those are not set), so the
+#                    process-group sockets listen there only (docs/security.md); one node on
+#                    127.0.0.1 defaults to lo
 #
 # Communication settings (export them before this script; they reach every worker):
 #   NCCL_SOCKET_IFNAME=eth0          interface for NCCL's bootstrap / socket transport (also set
@@ -68,6 +72,14 @@ case "${RDZV_BACKEND:-static}" in
     echo "torchrun_multi_node.sh: RDZV_BACKEND must be static or c10d, got '$RDZV_BACKEND'" >&2
     exit 2 ;;
 esac
+# The interface the user names carries the process-group sockets (docs/security.md).
+if [[ -n "${FLEXDISPATCH_IFNAME:-}" ]]; then
+  export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$FLEXDISPATCH_IFNAME}
+  export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$FLEXDISPATCH_IFNAME}
+elif [[ "$NNODES" == "1" && "$MASTER_ADDR" == "127.0.0.1" ]]; then
+  export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
+  export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
+fi
 cmd=${FLEXDISPATCH_CMD:-demo}
 check_devices "$NPROC_PER_NODE"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"

@@ -22,6 +22,9 @@
 #
 # Before torchrun, `python -m flexdispatch.devices` compares NPROC_PER_NODE with the GPUs visible:
 # more processes than GPUs is refused with one line (exit 2) naming both and what to pass.
+#   GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME  interface of the process-group sockets (default lo:
+#                     loopback only; torchrun's rendezvous store itself is not bound, see
+#                     docs/security.md)
 set -euo pipefail
 # shellcheck source=scripts/launch/_launcher.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_launcher.sh"
@@ -36,6 +39,10 @@ else
   rdzv=(--standalone --nnodes 1)
 fi
 check_devices "$NPROC_PER_NODE"
+# One node: the workers' process-group sockets (gloo pairs, NCCL bootstrap) listen on the loopback
+# interface only, unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are exported (docs/security.md).
+export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
+export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 args=("${launcher[@]}" "${rdzv[@]}" --nproc-per-node "$NPROC_PER_NODE" --max-restarts 0

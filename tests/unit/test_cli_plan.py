@@ -152,16 +152,31 @@ def test_plot_without_matplotlib_says_how_to_install(
     ("argv", "match"),
     [
         (["--preset", "deepseek_v3", "--nodes", "3", "--ranks-per-node", "8"], r"256 .* = 24"),
-        (["--preset", "deepseek_v3", "--nodes", "0", "--ranks-per-node", "8"], "nodes must be"),
         (["--preset", "no_such_model", "--nodes", "1", "--ranks-per-node", "8"], "unknown preset"),
         ([*SMALL, "--num-sms", "21"], "even"),
-        ([*SMALL, "--ll-tokens", "0"], "ll-tokens"),
         ([*SMALL, "--skew", "-1"], "skew"),
     ],
 )
 def test_bad_inputs_raise_clear_errors(argv: list[str], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         run(argv)
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--preset", "deepseek_v3", "--nodes", "0", "--ranks-per-node", "8"], "--nodes: must be"),
+        ([*SMALL, "--ll-tokens", "0"], "--ll-tokens: must be >= 1"),
+        ([*SMALL, "--seed", "-1"], "--seed: must be >= 0"),
+        ([*SMALL, "--rdma-gbps", "0"], "--rdma-gbps: must be a finite number > 0"),
+    ],
+)
+def test_ranges_are_checked_at_parse_time(
+    argv: list[str], match: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse(argv)
+    assert info.value.code == 2 and match in capsys.readouterr().err
 
 
 def test_preset_and_config_are_exclusive_and_required(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,168 @@
+"""What every sub-command shares: one-line errors, argument types checked at parse time, output
+paths checked before the work starts, and the backend availability check.
+
+Every error of the command line is one line on stderr, ``flexdispatch CMD: error: MESSAGE``, with
+a non-zero exit (2 for bad input, 1 for a run that failed) and no traceback; ``--debug`` (or
+``FLEXDISPATCH_DEBUG=1``) prints the traceback first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+__all__ = [
+    "CliError",
+    "CliParser",
+    "INT32_MAX",
+    "check_backend",
+    "check_output_path",
+    "debug_enabled",
+    "group_failure",
+    "int_range",
+    "one_line",
+    "positive_float",
+    "print_error",
+]
+
+INT32_MAX = (1 << 31) - 1
+
+
+class CliError(Exception):
+    """An error the command line prints as one line, with ``exit_code`` (default 1)."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class CliParser(argparse.ArgumentParser):
+    """``ArgumentParser`` whose usage errors are one line (``PROG: error: MESSAGE``, exit 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def debug_enabled(args: argparse.Namespace | None = None) -> bool:
+    """``--debug`` was given or ``FLEXDISPATCH_DEBUG`` is set to a true value."""
+    if args is not None and getattr(args, "debug", False):
+        return True
+    return os.environ.get("FLEXDISPATCH_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def one_line(exc: BaseException, limit: int = 2000) -> str:
+    """The exception as one line: its message's lines joined (at most ``limit`` characters);
+    other than a ``ValueError``/``CliError``, prefixed by its type."""
+    text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+    if not isinstance(exc, (ValueError, CliError)):
+        text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def int_range(lo: int, hi: int = INT32_MAX) -> Any:
+    """An argparse type: an int in ``[lo, hi]``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < lo or value > hi:
+            bound = f">= {lo}" if value < lo else f"<= {hi}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite float > 0 (timeouts, bandwidths)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def check_output_path(path: str | Path, flag: str) -> Path:
+    """Refuse, before any work, an output path that cannot be written: its folder is missing or
+    not a folder, or the path is a folder itself.
+
+    Raises:
+        ValueError: naming the flag, the path and the fix.
+    """
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(f"{flag} {path} is a folder: pass a file name, e.g. {out / 'out.yaml'}")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.exists():
+        raise ValueError(f"{flag} {path}: folder {parent} does not exist (create it first)")
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"{flag} {path}: folder {parent} is not writable")
+    return out
+
+
+def check_backend(backend: str, flag: str = "--backend") -> None:
+    """Refuse ``--backend deepep`` where ``deep_ep`` does not import (one line, before spawning)."""
+    if backend != "deepep":
+        return
+    from flexdispatch.backends import deepep_available
+
+    ok, why = deepep_available()
+    if not ok:
+        why = " ".join(str(why).split())
+        raise ValueError(f"{flag} deepep is not available here ({why}): use {flag} torch or auto")
+
+
+def group_failure(exc: Any, *, phase: str, timeout_s: float) -> CliError:
+    """A spawned group's failure (``launch.GroupError``) as one line: which ranks, in which phase,
+    what they reported, and the flag to change."""
+    errors: dict[int, str] = getattr(exc, "errors", {}) or {}
+    timed_out = sorted(r for r, e in errors.items() if "timed out" in e)
+    if timed_out and len(timed_out) == len(errors):
+        ranks = ", ".join(map(str, timed_out))
+        return CliError(
+            f"rank(s) {ranks} did not finish within --timeout {timeout_s:g} s while {phase}: "
+            f"raise --timeout (e.g. --timeout {max(60.0, 4 * timeout_s):g}) or make the run "
+            f"smaller (--tokens)"
+        )
+    if not errors:
+        return CliError(f"the spawned ranks failed while {phase}: {one_line(exc, 400)}")
+    first = min(errors)
+    lines = [ln.strip() for ln in errors[first].strip().splitlines() if ln.strip()]
+    last = lines[-1] if lines else "no message"
+    hint = ""
+    if "timed out" in last.lower() or "timeout" in last.lower():
+        hint = f"; raise --timeout (now {timeout_s:g} s)"
+    return CliError(
+        f"rank {first} failed while {phase} ({len(errors)} of the ranks failed): {last}{hint} "
+        f"(--debug shows every rank's traceback)"
+    )
+
+
+def print_error(command: str, exc: BaseException, args: argparse.Namespace | None) -> int:
+    """Print ``exc`` as the one-line error of ``command`` (the traceback first with --debug);
+    return the exit code."""
+    if debug_enabled(args):
+        import traceback
+
+        traceback.print_exception(exc)
+        errors = getattr(exc.__cause__, "errors", None)
+        for rank, text in sorted((errors or {}).items()):
+            print(f"--- rank {rank} ---\n{text}", file=sys.stderr)
+    hint = ""
+    if not isinstance(exc, (ValueError, CliError, OSError)) and not debug_enabled(args):
+        hint = " (--debug or FLEXDISPATCH_DEBUG=1 shows the traceback)"
+    print(f"flexdispatch {command}: error: {one_line(exc)}{hint}", file=sys.stderr)
+    if isinstance(exc, CliError):
+        return exc.exit_code
+    return 2 if isinstance(exc, (ValueError, OSError)) else 1

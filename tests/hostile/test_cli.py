@@ -1,0 +1,206 @@
+"""Every command-line error is one line ``flexdispatch CMD: error: ...`` with a non-zero exit and
+no traceback (``--debug`` / ``FLEXDISPATCH_DEBUG=1`` show it); output paths are checked before the
+work starts; the demo runs on empty batches."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from flexdispatch.cli import main as cli_main
+from flexdispatch.cli._common import group_failure
+from flexdispatch.launch import GroupError
+from tests.hostile import run_cli
+
+pytestmark = pytest.mark.timeout(120)
+
+HF = Path(__file__).resolve().parents[1] / "fixtures" / "hf" / "mixtral_8x7b.json"
+PLAN = ["plan", "--preset", "tiny_cpu", "--nodes", "1", "--ranks-per-node", "2", "--tokens", "8"]
+
+
+def _code(argv: list[str]) -> int:
+    try:
+        return cli_main(argv)
+    except SystemExit as exc:  # parse-time errors exit through argparse
+        return int(exc.code or 0)
+
+
+def _one_line(err: str, command: str) -> None:
+    assert err.startswith(f"flexdispatch {command}: error: "), err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+
+
+PARSE_ERRORS = [
+    (["demo", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    (["demo", "--timeout", "-5"], "argument --timeout: must be a finite number > 0, got -5"),
+    (["demo", "--timeout", "0"], "argument --timeout: must be a finite number > 0"),
+    (["demo", "--timeout", "nan"], "argument --timeout: must be a finite number > 0"),
+    (["demo", "--iters", "0"], "argument --iters: must be >= 1"),
+    (["bench", "--timeout", "0"], "argument --timeout: must be a finite number > 0"),
+    (["bench", "--seed", "-3"], "argument --seed: must be >= 0"),
+    (["bench", "--tokens", "0"], "argument --tokens: must be >= 1"),
+    (
+        ["bench", "--experts", str(1 << 31)],
+        "argument --experts: must be <= 2147483647, got 2147483648",
+    ),
+    (["bench", "--topk", "33"], "argument --topk: must be <= 32, got 33"),
+    ([*PLAN, "--seed", "-1"], "argument --seed: must be >= 0"),
+    ([*PLAN, "--nvlink-gbps", "inf"], "argument --nvlink-gbps: must be a finite number > 0"),
+    (["demo", "--seed", "x"], "argument --seed: invalid int value: 'x'"),
+]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"), PARSE_ERRORS, ids=[" ".join(a) for a, _ in PARSE_ERRORS]
+)
+def test_ranges_are_refused_at_parse_time_in_one_line(argv, message, capsys):
+    assert _code(argv) == 2
+    err = capsys.readouterr().err
+    _one_line(err, argv[0])
+    assert message in err
+
+
+def test_bench_checks_the_backend_like_demo(monkeypatch, capsys):
+    import flexdispatch.backends as backends
+    import flexdispatch.launch as launch
+
+    monkeypatch.setattr(backends, "deepep_available", lambda: (False, "no deep_ep\nhere"))
+    monkeypatch.setattr(launch, "spawn_group", lambda *a, **k: pytest.fail("spawned"))
+    for command in ("bench", "demo"):
+        assert _code([command, "--backend", "deepep"]) == 2
+        err = capsys.readouterr().err
+        _one_line(err, command)
+        assert "--backend deepep is not available here (no deep_ep here): use --backend" in err
+
+
+def test_bench_sizes_are_refused_before_spawning(monkeypatch, capsys):
+    import flexdispatch.launch as launch
+
+    monkeypatch.setattr(launch, "spawn_group", lambda *a, **k: pytest.fail("spawned"))
+    for flag in ("--tokens", "--experts"):
+        argv = ["bench", flag, str((1 << 31) - 16), "--hidden", "65536"]
+        assert _code(argv) == 2
+        err = capsys.readouterr().err
+        _one_line(err, "bench")
+        assert f"error: {flag}=" in err and "available on cpu" in err
+
+
+def test_output_paths_are_checked_before_the_work(tmp_path, capsys, monkeypatch):
+    import flexdispatch.importers as importers
+    import flexdispatch.planner as planner
+
+    monkeypatch.setattr(importers, "moe_config_from_hf", lambda *a, **k: pytest.fail("imported"))
+    monkeypatch.setattr(planner, "plan_cluster", lambda *a, **k: pytest.fail("planned"))
+    cases = [
+        (["config", "--from-hf", str(HF), "-o", str(tmp_path / "no" / "x.yaml")], "does not exist"),
+        (["config", "--from-hf", str(HF), "-o", str(tmp_path)], "is a folder"),
+        ([*PLAN, "--plot", str(tmp_path / "no" / "p.png")], "does not exist"),
+    ]
+    for argv, message in cases:
+        assert _code(argv) == 2
+        err = capsys.readouterr().err
+        _one_line(err, argv[0])
+        assert message in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plot_reports_the_path_it_wrote(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert cli_main([*PLAN, "--plot", str(tmp_path / "traffic")]) == 0
+    assert f"plot written to {tmp_path / 'traffic.png'}\n" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir()] == ["traffic.png"]
+
+
+def test_a_reached_deadline_is_one_line_with_rank_phase_and_flag():
+    exc = GroupError("2 of 2 ranks failed", {0: "timed out after 5 s", 1: "timed out after 5 s"})
+    msg = str(group_failure(exc, phase="[2/3] running forward+backward", timeout_s=5))
+    assert msg == (
+        "rank(s) 0, 1 did not finish within --timeout 5 s while [2/3] running forward+backward: "
+        "raise --timeout (e.g. --timeout 60) or make the run smaller (--tokens)"
+    )
+    tb = "Traceback (most recent call last):\n  File x\nCollectiveError: boom"
+    msg = str(group_failure(GroupError("x", {1: tb}), phase="timing", timeout_s=9))
+    assert (
+        msg.startswith("rank 1 failed while timing (1 of the ranks failed): ") and "\n" not in msg
+    )
+
+
+def test_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [\n")
+    assert cli_main(["presets", str(bad)]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+    assert cli_main(["presets", str(bad), "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.rstrip().splitlines()[-1].startswith("flexdispatch presets:")
+    monkeypatch.setenv("FLEXDISPATCH_DEBUG", "1")
+    assert cli_main(["presets", str(bad)]) == 2
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_an_unexpected_error_is_one_line_too(monkeypatch, capsys):
+    import flexdispatch.cli.presets_cmd as presets_cmd
+
+    def boom(*a, **k):
+        raise RuntimeError("disk on fire\nsecond line")
+
+    monkeypatch.setattr(presets_cmd, "list_presets", boom)
+    assert cli_main(["presets"]) == 1
+    err = capsys.readouterr().err
+    _one_line(err, "presets")
+    assert "RuntimeError: disk on fire second line (--debug" in err
+
+
+def test_demo_runs_on_empty_batches(tmp_path):
+    """``demo --tokens 0``: the rank body and the reference check, on a group of one."""
+    from flexdispatch.cli.demo import DemoSpec, check_against_reference, run_rank
+
+    spec = DemoSpec(preset="tiny_cpu", backend="torch", tokens=0, seed=0, iters=1, worst_case=False)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        result = run_rank(spec)
+    finally:
+        dist.destroy_process_group()
+    assert result["modes"]["flat"]["output"].shape == (0, 64)
+    diffs = check_against_reference(spec, [result])
+    assert diffs and all(v == 0 for v in diffs.values())
+
+
+@pytest.mark.timeout(180)
+def test_cli_in_subprocesses_under_a_memory_limit(tmp_path):
+    """Real processes under RLIMIT_AS: a reached demo deadline, and a hostile preset file."""
+    proc = run_cli(
+        "demo",
+        "--nodes",
+        "1",
+        "--ranks-per-node",
+        "2",
+        "--tokens",
+        "2",
+        "--timeout",
+        "0.5",
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in proc.stderr
+    assert last.startswith(
+        "flexdispatch demo: error: rank(s) 0, 1 did not finish within --timeout 0.5 s while [2/3]"
+    ), last
+    assert "raise --timeout" in last
+    bomb = tmp_path / "b.yaml"
+    bomb.write_text(
+        "a: &a [1, 1]\n"
+        + "".join(
+            f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1 if i > 1 else ''}"] * 10) + "]\n"
+            for i in range(1, 12)
+        )
+    )
+    proc = run_cli("presets", str(bomb), timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "expands to more than" in proc.stderr
+    assert not os.environ.get("FLEXDISPATCH_DEBUG")
