@@ -5,15 +5,16 @@ Shape letters (ARCHITECTURE.md): T tokens per rank · H hidden · E experts · k
 L ranks per node · W worst-case rows.
 
 Everything runs through DeepEP's own Python layer over the emulated runtime
-(``tests/deepep_emu``), on R = 2 gloo ranks (one node) and R = 4 as two emulated nodes of L = 2.
-The counting is done here, not by the code under test, so the same script measures any tree:
-run it from this checkout, and with ``PYTHONPATH=<other checkout>`` for the figures before.
+(``tests/deepep_emu``; V1 and V2 of 2.1.0, V2.5 ``"ep"`` of 2.5.0), on R = 2 gloo ranks (one
+node) and R = 4 as two emulated nodes of L = 2. The counting is done here, not by the code under
+test, so the same script measures any tree: run it from this checkout, and with
+``PYTHONPATH=<other checkout>`` for the figures before.
 
 Per training step (``dispatch`` of x and probs needing gradients, ``combine(recv_x)``, backward),
 T=256, E=16, k=4, H=1000 bf16 (H not a multiple of 16 / 256, so padding shows), per rank:
 
 - ``combines``: DeepEP combine kernels in the step (forward 1; the dispatch backward was 2 on V1
-  and 1 + k on V2: N10); ``kernels``: every DeepEP kernel;
+  and 1 + k on V2 and V2.5: N10); ``kernels``: every DeepEP kernel;
 - ``configs``: DeepEP ``Config`` objects built (pybind constructions, N20);
 - ``ops`` / ``MiB``: the adapter's aten ops outside DeepEP (not under its Python layer or the
   emulated runtime; views excluded) and the bytes of the fresh tensors they allocate (N11, N21);
@@ -235,6 +236,9 @@ def _worker(rank: int, R: int) -> dict[str, Any]:
                 out[f"{api} {'worst-case' if W else 'dropless'}"] = _step(
                     rank, R, emu, built, api, W
                 )
+        emu25 = load_deep_ep(release="2.5.0")
+        for W in (0, R * T):
+            out[f"ep {'worst-case' if W else 'dropless'}"] = _step(rank, R, emu25, [0], "ep", W)
         out["async"] = _async(rank, R, emu, waits)
     else:
         out["nodes"] = _auto_nodes(rank, R, load_deep_ep(nvl_peers=2, release="2.1.0"))

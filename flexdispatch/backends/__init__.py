@@ -14,8 +14,10 @@ low-latency mode with a known ``hidden_size``, the hidden size — on every rank
 
 ``deepep_api='auto'`` runs DeepEP V2 (``ElasticBuffer``) where every rank has it and its static
 bound is known — worst-case mode (``M = W / R``) or dropless with
-``num_max_dispatch_tokens_per_rank`` set — and V1 (``Buffer``) otherwise: low-latency mode,
-``deepep_async_finish``, dropless with no per-rank token bound (``auto_deepep_api``). DeepEP 2.5
+``num_max_dispatch_tokens_per_rank`` set, except a dropless dispatch across nodes, which runs V1's
+node-deduplicated internode kernels unless ``deepep_hybrid=False`` — and V1 (``Buffer``)
+otherwise: low-latency mode, ``deepep_async_finish``, dropless with no per-rank token bound
+(``auto_deepep_api``). DeepEP 2.5
 (``deep_ep_v25.EPBuffer``, ``deepep_api='ep'``) comes first where every rank has it, under the
 same bound rule (and also unbounded where V1 cannot run); the same one all-reduce agrees on it.
 """

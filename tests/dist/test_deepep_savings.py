@@ -7,7 +7,8 @@ One spawn of R = 2 over the emulated runtime (``tests/deepep_emu``), V1 (``deepe
 and V2 (``"elastic"``), dropless and worst-case:
 
 - N10: the backward of ``dispatch`` (x and probs both need gradients) runs ONE DeepEP combine
-  (counted by the emulator's kernel counters), and the gradients equal the torch backend's.
+  (counted by the emulator's kernel counters), and the gradients equal the torch backend's; on
+  V1, V2 and DeepEP 2.5 (``"ep"``, bf16 rows).
 - N20: a second dispatch + combine of the same shapes builds no DeepEP ``Config`` (the emulator
   counts constructions).
 - N13: V1 with ``deepep_async_finish``: ``dispatch_start`` leaves the current stream unfenced
@@ -139,7 +140,37 @@ def worker(rank: int, R: int) -> dict[str, Any]:
                 dp = (grads["deepep"][1] - grads["torch"][1]).abs().max()
                 out[key]["grad_err"] = (float(dx), float(dp))
     out["overlap"] = _overlap(rank, R, emu)
+    out.update(_ep_backward(rank, R))
     return out
+
+
+def _ep_backward(rank: int, R: int) -> dict[str, Any]:
+    """N10 on DeepEP 2.5 (``deepep_api="ep"``): one combine for the dispatch backward."""
+    from flexdispatch import DispatchConfig, FlexDispatcher
+    from tests.deepep_emu.load import load_deep_ep
+    from tests.deepep_emu.runtime import transport
+
+    E = E_PER_RANK * R
+    inputs = all_inputs(5, R=R, E=E, k=K, H=H, dtype=torch.bfloat16, exact=False)
+    mine = inputs[rank]
+    grads = {}
+    got: dict[str, Any] = {}
+    for backend in ("torch", "deepep"):
+        cfg = DispatchConfig(backend=backend, deepep_api="ep", ranks_per_node=R)
+        kw = {"_deep_ep": load_deep_ep(release="2.5.0")} if backend == "deepep" else {}
+        d = FlexDispatcher(cfg, num_experts=E, **kw)
+        _, loss, xs, ps = _grads(d, mine.x, mine.idx, mine.probs)
+        transport.reset()
+        loss.backward()
+        if backend == "deepep":
+            kernels = transport.counters()
+            got["combines"] = sum(n for name, n in kernels.items() if name.endswith("combine"))
+        grads[backend] = (xs.grad, ps.grad)
+        d.close()
+    dx = (grads["deepep"][0].float() - grads["torch"][0].float()).abs().max()
+    dp = (grads["deepep"][1] - grads["torch"][1]).abs().max()
+    got["grad_err"] = (float(dx), float(dp))
+    return {"ep-torch.bfloat16-W0": got}
 
 
 def _overlap(rank: int, R: int, emu: Any) -> dict[str, Any]:

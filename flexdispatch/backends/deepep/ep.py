@@ -609,6 +609,26 @@ class DeepEPEPBackend(DispatchBackend):
         out = torch.stack(cols, 1) if cols else torch.zeros(T, 0, device=y.device)
         return out.to(y.dtype)
 
+    def combine_with_probs(
+        self, y: torch.Tensor | None, probs: torch.Tensor, handle: DispatchHandle
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``dispatch``'s backward in one combine, probs in the weights channel (audit N10)."""
+        state: EPDispatchState = handle.state
+        if state.local is None or (y is not None and self._narrow(y)):
+            return super().combine_with_probs(y, probs, handle)
+        w = state.to_deepep(probs.float()).contiguous()
+        part = torch.zeros(w.shape[0], _COMBINE_COLS, dtype=torch.bfloat16, device=w.device)
+        if y is not None:
+            yd = state.to_deepep(y)
+            part = pad_cols(
+                yd if yd.dtype == torch.bfloat16 else yd.to(torch.bfloat16), _COMBINE_COLS
+            )
+        out, out_w = self._combine_call(part, state, weights=w)  # out_w: owner rank's value
+        if y is None:
+            return None, out_w  # type: ignore[return-value]
+        out = out[:, : y.shape[1]]
+        return (out if out.dtype == y.dtype else out.to(y.dtype)), out_w
+
     def combine_slot_weights(
         self, y: torch.Tensor | None, w: torch.Tensor, handle: DispatchHandle
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
