@@ -8,17 +8,17 @@ How a dispatch runs (works on gloo and NCCL):
 
 1. Count exchange: one ``all_gather_into_tensor`` of a ``[2R + N + 4]`` int64 vector per rank
    (rows for every rank, rows for every node (hierarchical mode; zeros in flat mode), H, k, dtype
-   code, T, pairs for every rank). Every
-   rank then holds the
-   ``[R, 2R + N + 4]`` matrix ``G`` and can raise the same error on every rank: mismatching
-   H / k / dtype, or a worst-case overflow.
+   code, T, pairs for every rank). Every rank then holds the ``[R, 2R + N + 4]`` matrix ``G``
+   and can raise the same error on every rank: mismatching H / k / dtype, or a worst-case
+   overflow. On CPU in flat mode it runs asynchronously while the send rows are prepared.
 2. Dropless mode copies ``G`` to the host once (``stats.host_syncs += 1``); on CUDA that copy is
    issued on a side stream into pinned memory right after the exchange and waited on just before
    the rows move. Worst-case mode never reads it on CUDA (only with checks enabled; counted in
    ``stats.extra["check_syncs"]``); on CPU it is read directly (no device to sync with).
 3. One *hop* = one ``all_to_all_single`` of the rows plus one of an int32 ``[S, 2k]`` metadata
-   block (``topk_idx`` as int32 beside the fp32 bits of the probs). Rows keep their dtype (bf16
-   stays bf16). Flat mode is one hop; hierarchical mode is two (see ``hier.py``). Both use
+   block (``topk_idx`` as int32 beside the fp32 bits of the probs); flat rows of at most
+   ``flat.PACK_MAX_ROW_BYTES`` bytes carry their metadata in the rows' collective instead. Rows
+   keep their dtype. Flat mode is one hop; hierarchical mode is two (see ``hier.py``). Both use
    the dispatcher's own group: ranks outside a hop get zero-sized splits, so no sub-groups exist.
 4. Worst-case mode pads every hop to ``cap`` rows per peer on the device (``W / R`` flat) and
    compacts the received rows on the device so the real rows come first, in (source rank, source
@@ -347,8 +347,7 @@ class TorchA2ABackend(DispatchBackend):
         width = rows.shape[1:]
         self.account(hop.send_splits, math.prod(width) * rows.element_size())
         if not is_distributed(self.group):
-            # NOTE: a world of one receives what it sends: gathered once, straight into the
-            # receive buffer (no send buffer, no copy: one pass over the rows fewer)
+            # NOTE: a world of one receives what it sends: gathered straight into place (no copy)
             B = hop.num_recv
             shape = (B + int(spare_row), *width)
             if scratch_key is None:
