@@ -132,9 +132,8 @@ class TorchA2ABackend(DispatchBackend):
         stats: DispatchStats | None = None,
     ) -> None:
         self.group = group
-        self.pinned_counts: tuple[torch.Tensor, torch.cuda.Event | None] | None = (
-            None  # PendingCounts
-        )
+        self.pinned_counts: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        self.distributed = is_distributed(group)  # NOTE: fixed with R, read once (hot path)
         self.bad_ids: torch.Tensor | None = None  # the last dispatch's, see ``counts_bad_ids``
         self.num_ranks = group_size(group)
         self.rank = group_rank(group)
@@ -313,7 +312,7 @@ class TorchA2ABackend(DispatchBackend):
             out = self.scratch(scratch_key, shape, send.dtype, send.device)
         if spare_row:
             out[B].fill_(spare_fill) if spare_fill else out[B].zero_()
-        if not is_distributed(self.group):
+        if not self.distributed:
             out[:B].copy_(send)
             return out, None
         with collective_guard(what, self.group):
@@ -346,7 +345,7 @@ class TorchA2ABackend(DispatchBackend):
         """
         width = rows.shape[1:]
         self.account(hop.send_splits, math.prod(width) * rows.element_size())
-        if not is_distributed(self.group):
+        if not self.distributed:
             # NOTE: a world of one receives what it sends: gathered straight into place (no copy)
             B = hop.num_recv
             shape = (B + int(spare_row), *width)
@@ -430,7 +429,7 @@ class TorchA2ABackend(DispatchBackend):
 
         def during() -> None:
             meta = make_meta()
-            if cuda_code_path(meta.device) or not is_distributed(self.group):
+            if cuda_code_path(meta.device) or not self.distributed:
                 got.append((meta, None))
                 return
             got.append(self.start_meta(hop, meta, spare_row=spare_row, spare_fill=meta_spare))
@@ -479,7 +478,7 @@ class TorchA2ABackend(DispatchBackend):
         """
         me = self.rank
         n = send_splits[me]
-        if n == 0 or not is_distributed(self.group):
+        if n == 0 or not self.distributed:
             return None
         lo, rlo = sum(send_splits[:me]), sum(recv_splits[:me])
         hi, rhi = lo + n, rlo + n
@@ -607,7 +606,7 @@ class TorchA2ABackend(DispatchBackend):
             mask_TR.scatter_(1, rank_TK, True)
             mask_TR = mask_TR[:, :R]
         work = None
-        if self.hierarchical or cuda_code_path(x.device) or not is_distributed(self.group):
+        if self.hierarchical or cuda_code_path(x.device) or not self.distributed:
             G = self.exchange_counts(mask_TR, H, k, x.dtype, pairs_R2[:R])
         else:
             # NOTE: CPU flat: the exchange runs (gloo, async) while the plan prepares its send

@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from flexdispatch._validate import cuda_code_path
 from flexdispatch.backends.torch.hops import Hop, first_rows, row_of_input
-from flexdispatch.distributed import is_distributed
 
 __all__ = ["reduce_hop"]
 
@@ -31,7 +30,7 @@ def reduce_hop(host: Any, hop: Hop, back_in: torch.Tensor) -> torch.Tensor:
     own = host.self_block(hop.send_splits, hop.recv_splits)
     work: dist.Work | None = None
     mine: torch.Tensor | None = None  # my own returning rows, read from ``back_in``
-    if own is None and not is_distributed(host.group) and cuda_code_path(back_in.device):
+    if own is None and not host.distributed and cuda_code_path(back_in.device):
         # NOTE: a world of one gets back what it returns; the CUDA branch reads no spare row,
         # so it sums straight from ``back_in`` (no copy: one pass over the rows fewer)
         back = back_in
