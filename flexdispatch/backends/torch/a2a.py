@@ -8,17 +8,17 @@ How a dispatch runs (works on gloo and NCCL):
 
 1. Count exchange: one ``all_gather_into_tensor`` of a ``[2R + N + 4]`` int64 vector per rank
    (rows for every rank, rows for every node (hierarchical mode; zeros in flat mode), H, k, dtype
-   code, T, pairs for every rank). Every
-   rank then holds the
-   ``[R, 2R + N + 4]`` matrix ``G`` and can raise the same error on every rank: mismatching
-   H / k / dtype, or a worst-case overflow.
+   code, T, pairs for every rank). Every rank then holds the ``[R, 2R + N + 4]`` matrix ``G``
+   and can raise the same error on every rank: mismatching H / k / dtype, or a worst-case
+   overflow. On CPU in flat mode it runs asynchronously while the send rows are prepared.
 2. Dropless mode copies ``G`` to the host once (``stats.host_syncs += 1``); on CUDA that copy is
    issued on a side stream into pinned memory right after the exchange and waited on just before
    the rows move. Worst-case mode never reads it on CUDA (only with checks enabled; counted in
    ``stats.extra["check_syncs"]``); on CPU it is read directly (no device to sync with).
 3. One *hop* = one ``all_to_all_single`` of the rows plus one of an int32 ``[S, 2k]`` metadata
-   block (``topk_idx`` as int32 beside the fp32 bits of the probs). Rows keep their dtype (bf16
-   stays bf16). Flat mode is one hop; hierarchical mode is two (see ``hier.py``). Both use
+   block (``topk_idx`` as int32 beside the fp32 bits of the probs); flat rows of at most
+   ``flat.PACK_MAX_ROW_BYTES`` bytes carry their metadata in the rows' collective instead. Rows
+   keep their dtype. Flat mode is one hop; hierarchical mode is two (see ``hier.py``). Both use
    the dispatcher's own group: ranks outside a hop get zero-sized splits, so no sub-groups exist.
 4. Worst-case mode pads every hop to ``cap`` rows per peer on the device (``W / R`` flat) and
    compacts the received rows on the device so the real rows come first, in (source rank, source
@@ -132,9 +132,8 @@ class TorchA2ABackend(DispatchBackend):
         stats: DispatchStats | None = None,
     ) -> None:
         self.group = group
-        self.pinned_counts: tuple[torch.Tensor, torch.cuda.Event | None] | None = (
-            None  # PendingCounts
-        )
+        self.pinned_counts: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        self.distributed = is_distributed(group)  # NOTE: fixed with R, read once (hot path)
         self.bad_ids: torch.Tensor | None = None  # the last dispatch's, see ``counts_bad_ids``
         self.num_ranks = group_size(group)
         self.rank = group_rank(group)
@@ -313,7 +312,7 @@ class TorchA2ABackend(DispatchBackend):
             out = self.scratch(scratch_key, shape, send.dtype, send.device)
         if spare_row:
             out[B].fill_(spare_fill) if spare_fill else out[B].zero_()
-        if not is_distributed(self.group):
+        if not self.distributed:
             out[:B].copy_(send)
             return out, None
         with collective_guard(what, self.group):
@@ -346,6 +345,20 @@ class TorchA2ABackend(DispatchBackend):
         """
         width = rows.shape[1:]
         self.account(hop.send_splits, math.prod(width) * rows.element_size())
+        if not self.distributed:
+            # NOTE: a world of one receives what it sends: gathered straight into place (no copy)
+            B = hop.num_recv
+            shape = (B + int(spare_row), *width)
+            if scratch_key is None:
+                out = self.output(shape, rows.dtype, rows.device)
+            else:
+                out = self.scratch(scratch_key, shape, rows.dtype, rows.device)
+            if spare_row:
+                out[B].zero_()
+            gather_rows(rows, *hop.gather_args(), zero_invalid=False, out=out[:B])
+            if during is not None:
+                during()
+            return out
         # NOTE: on CUDA my own rows go through the collective too: issued synchronously, it
         # would not overlap with their gather anyway, and one gather is one launch fewer.
         own = (
@@ -416,7 +429,7 @@ class TorchA2ABackend(DispatchBackend):
 
         def during() -> None:
             meta = make_meta()
-            if cuda_code_path(meta.device) or not is_distributed(self.group):
+            if cuda_code_path(meta.device) or not self.distributed:
                 got.append((meta, None))
                 return
             got.append(self.start_meta(hop, meta, spare_row=spare_row, spare_fill=meta_spare))
@@ -465,7 +478,7 @@ class TorchA2ABackend(DispatchBackend):
         """
         me = self.rank
         n = send_splits[me]
-        if n == 0 or not is_distributed(self.group):
+        if n == 0 or not self.distributed:
             return None
         lo, rlo = sum(send_splits[:me]), sum(recv_splits[:me])
         hi, rhi = lo + n, rlo + n
@@ -593,7 +606,7 @@ class TorchA2ABackend(DispatchBackend):
             mask_TR.scatter_(1, rank_TK, True)
             mask_TR = mask_TR[:, :R]
         work = None
-        if self.hierarchical or cuda_code_path(x.device) or not is_distributed(self.group):
+        if self.hierarchical or cuda_code_path(x.device) or not self.distributed:
             G = self.exchange_counts(mask_TR, H, k, x.dtype, pairs_R2[:R])
         else:
             # NOTE: CPU flat: the exchange runs (gloo, async) while the plan prepares its send

@@ -1,0 +1,158 @@
+"""Bytes and ops one dispatch + combine touches, worst-case against dropless (issue 26 item 4).
+
+Shape letters (ARCHITECTURE.md): T tokens · H hidden · E experts · k top-k · R ranks · S rows
+sent · W worst-case rows.
+
+The GPU goal (worst-case <= 1.3x dropless at T=16,384, H=7,168) cannot be timed on a CPU; what
+decides it is how many bytes each path moves through memory, counted here: a
+``TorchDispatchMode`` sees every non-view ATen op of one forward ``dispatch`` + ``combine``
+(after one warm-up call) and adds, per op, the bytes it writes (its outputs; for ``index_add_``
+the rows it adds to) and reads (its tensor inputs; for ``index_select`` / ``index_add_`` only
+the rows the index names, which is what a GPU kernel reads). Allocations, views and ``set_``
+move no data and are not counted. ``--path cuda`` (the default) runs the CUDA branch of every
+device-dependent choice on CPU, as ``tests/dist/test_lean_path.py`` does: the ops a GPU runs.
+The torch backend in a world of one (no process group), as in the H200 measurement (E=256,
+k=8, H=7,168 bf16, W = T * k), at a T that fits this machine (``--tokens``, default 2,048;
+every figure is linear in T). The last column lists the ops that touch at least W rows (T for
+dropless): the passes over the whole buffer.
+
+Run: ``.venv/bin/python benchmarks/bench_worst_bytes.py [--tokens 2048] [--path cuda|cpu]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+E, K, H = 256, 8, 7168
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Bytes(TorchDispatchMode):
+    def __init__(self, big_rows: int) -> None:
+        super().__init__()
+        self.read = self.written = self.ops = 0
+        self.big_rows = big_rows
+        self.passes: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.is_view or func.__name__.startswith(("set_", "empty")):
+            return out  # NOTE: views, set_ and allocations move no data
+        self.ops += 1
+        name = func.__name__
+        ins = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        if name.startswith("index_select"):
+            src, index = args[0], args[2]
+            row = _nbytes(src) // max(1, src.shape[0])
+            read = index.numel() * row + _nbytes(index)
+        elif name.startswith("index_add"):
+            src, index = args[3], args[2]
+            row = _nbytes(src) // max(1, src.shape[0])
+            read = _nbytes(src) + _nbytes(index) + index.numel() * row  # + the target rows
+        else:
+            read = sum(_nbytes(a) for a in ins if a.numel() and a.dim() > 0)
+        written = sum(_nbytes(o) for o in outs)
+        if name.startswith("index_add"):  # NOTE: in place: only the indexed rows change
+            written = args[2].numel() * (_nbytes(args[3]) // max(1, args[3].shape[0]))
+        self.read += read
+        self.written += written
+        rows = max((o.shape[0] for o in outs if o.dim() == 2 and o.shape[1] >= H), default=0)
+        if name.startswith("index_add"):
+            rows = args[3].shape[0]
+        if rows >= self.big_rows:
+            self.passes[name] += 1
+        return out
+
+
+def _force_cuda_path() -> None:
+    """Run the CUDA branch of every device-dependent choice on CPU (as tests/dist/test_lean_path
+    does): what a GPU runs, op for op."""
+    import sys
+
+    from flexdispatch import _validate
+
+    def yes(device: torch.device) -> bool:
+        return True
+
+    _validate.defer_value_checks = yes
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("flexdispatch") and hasattr(mod, "cuda_code_path"):
+            mod.cuda_code_path = yes
+
+
+def _count(worst: bool, T: int) -> dict[str, Any]:
+    from flexdispatch import DispatchConfig, FlexDispatcher
+
+    g = torch.Generator().manual_seed(0)
+    idx = torch.rand(T, E, generator=g).argsort(1)[:, :K].contiguous()
+    probs = torch.rand(T, K, generator=g)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    W = T * K if worst else 0
+    d = FlexDispatcher(
+        DispatchConfig(backend="torch", checks=False, num_worst_tokens=W), num_experts=E
+    )
+
+    def step() -> None:
+        res = d.dispatch(x, idx, probs)
+        d.combine(res.recv_x, res.handle)
+
+    step()
+    mode = _Bytes(big_rows=W if worst else T)
+    with mode:
+        step()
+    return {
+        "read": mode.read,
+        "written": mode.written,
+        "ops": mode.ops,
+        "passes": dict(mode.passes),
+        "rows": W if worst else T,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--path", choices=("cuda", "cpu"), default="cuda")
+    args = ap.parse_args()
+    import flexdispatch.backends.torch.a2a  # noqa: F401  (loaded before the patch)
+
+    if args.path == "cuda":
+        _force_cuda_path()
+    torch.set_num_threads(1)
+    T = args.tokens
+    rows = T * H * 2
+    print(
+        f"{args.path} code path, world of one, T={T}, H={H} bf16, E={E}, k={K}; one pass over "
+        f"T rows = {rows / 2**20:.1f} MiB\n"
+    )
+    print(
+        "| path | rows of the big buffers | ops | read MiB | written MiB | "
+        "read + written, in T-row passes | ops over all of those rows |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for worst in (False, True):
+        r = _count(worst, T)
+        rw = r["read"] + r["written"]
+        passes = ", ".join(f"{v} {k}" for k, v in sorted(r["passes"].items()))
+        print(
+            f"| {'worst-case (W = T*k)' if worst else 'dropless'} | {r['rows']} | {r['ops']} | "
+            f"{r['read'] / 2**20:.0f} | {r['written'] / 2**20:.0f} | {rw / rows:.1f} | "
+            f"{passes} |"
+        )
+    print(f"\n(bytes of the [T, H] input itself: {math.prod((T, H)) * 2 / 2**20:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    main()

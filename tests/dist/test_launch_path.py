@@ -1,0 +1,114 @@
+"""The torch backend's launch path (issue 26 items 4 and 5).
+
+- Short rows travel with their metadata in one ``all_to_all_single`` (``flat.packs_meta``): a
+  flat dispatch + combine issues 3 collectives (count exchange, rows + metadata, rows back),
+  long rows keep 4; both give the reference's results exactly, on the CPU and the CUDA branch.
+- A world of one gathers its rows straight into the receive buffer and (CUDA branch) sums the
+  returning rows straight from the expert output: results equal the reference.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from flexdispatch import DispatchConfig, FlexDispatcher
+from flexdispatch.backends.torch.flat import PACK_MAX_ROW_BYTES, packs_meta
+from tests.dist.harness import run_group
+from tests.dist.reference import all_inputs, expert_fn, ref_combine, ref_dispatch
+
+pytestmark = pytest.mark.timeout(300)
+
+E, K, T = 8, 2, 12
+SHORT_H, LONG_H = 8, PACK_MAX_ROW_BYTES // 2 + 4  # bf16 rows: 16 B (packed), 2,056 B (not)
+
+
+def _force_cuda_path(patch) -> None:  # type: ignore[no-untyped-def]
+    from flexdispatch import _validate
+
+    def yes(device: torch.device) -> bool:
+        return True
+
+    patch(_validate, "defer_value_checks", yes)
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("flexdispatch") and hasattr(mod, "cuda_code_path"):
+            patch(mod, "cuda_code_path", yes)
+
+
+def _check(d: FlexDispatcher, inputs, rank: int, R: int, W: int) -> list[str]:  # type: ignore[no-untyped-def]
+    """One dispatch + combine against the reference; the collectives it issued, by name."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[str] = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if str(func).startswith("c10d."):
+                seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    me = inputs[rank]
+    ref = ref_dispatch(inputs, rank, E)
+    with Spy():
+        res = d.dispatch(me.x, me.idx, me.probs)
+        y = expert_fn(res.recv_x, res.recv_topk_probs, rank)
+        back = d.combine(y, res.handle)
+    M = ref.x.shape[0]
+    assert res.recv_x.shape[0] == (W or M) and res.recv_x.is_contiguous()
+    assert torch.equal(res.recv_x[:M], ref.x)
+    assert torch.equal(res.recv_topk_idx[:M], ref.idx)
+    assert torch.equal(res.recv_topk_probs[:M], ref.probs)
+    assert torch.equal(res.num_recv_tokens_per_expert, ref.counts)
+    if W:
+        assert res.recv_x[M:].eq(0).all() and res.recv_topk_idx[M:].eq(-1).all()
+        assert res.recv_topk_probs[M:].eq(0).all()
+    assert torch.equal(back, ref_combine(me, E, R))
+    return seen
+
+
+def test_packing_rule() -> None:
+    assert packs_meta(SHORT_H * 4) and packs_meta(PACK_MAX_ROW_BYTES)
+    assert not packs_meta(LONG_H * 2) and not packs_meta(PACK_MAX_ROW_BYTES + 4)
+    assert not packs_meta(6)  # an odd bf16 width: the metadata would not be int32-aligned
+
+
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu-path", "cuda-path"])
+@pytest.mark.parametrize("W", [0, 32], ids=["dropless", "worst"])
+@pytest.mark.parametrize("H", [SHORT_H, LONG_H], ids=["short", "long"])
+def test_world_of_one_matches_the_reference(cuda: bool, W: int, H: int, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    if cuda:
+        _force_cuda_path(monkeypatch.setattr)
+    inputs = all_inputs(4, R=1, E=E, k=K, H=H)
+    d = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=W), num_experts=E)
+    for _ in range(2):  # the second call runs on warm caches and reused buffers
+        assert _check(d, inputs, 0, 1, W) == []
+    d.check()
+
+
+def _worker(rank: int, R: int, cuda: bool) -> dict:
+    if cuda:
+        _force_cuda_path(setattr)
+    got = {}
+    for H in (SHORT_H, LONG_H):
+        for W in (0, R * T):
+            for dtype in (torch.float32, torch.bfloat16):
+                inputs = all_inputs(5, R=R, E=E, k=K, H=H, dtype=dtype)
+                d = FlexDispatcher(
+                    DispatchConfig(backend="torch", num_worst_tokens=W), num_experts=E
+                )
+                for _ in range(2):
+                    seen = _check(d, inputs, rank, R, W)
+                d.check()
+                got[(H, W, str(dtype))] = len(seen)
+                d.close()
+    return got
+
+
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu-path", "cuda-path"])
+def test_short_rows_take_three_collectives_and_match_the_reference(cuda: bool) -> None:
+    for got in run_group(_worker, 2, cuda):
+        assert len(got) == 8
+        for (H, _, _), n in got.items():
+            assert n == (3 if H == SHORT_H else 4), got
