@@ -176,6 +176,10 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     return _loads(buf.cpu().numpy().tobytes())
 
 
+def _send_phase(conn: Any, phase: str) -> None:
+    conn.send_bytes(b"\x02" + phase.encode("utf-8", "replace"))
+
+
 def _send(conn: Any, ok: bool, payload: bytes) -> None:
     conn.send_bytes((b"\x01" if ok else b"\x00") + payload)  # raw bytes: no pickle on the way
 
@@ -214,10 +218,12 @@ def _worker(
             # cuda:i, bound before NCCL builds its communicator.
             torch.cuda.set_device(rank)
         timeout = timedelta(seconds=pg_timeout_s)
+        _send_phase(out, "joining the process group")
         store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
+        _send_phase(out, f"running {getattr(fn, '__name__', 'its function')}")
         try:
             result = fn(*args)
         finally:
@@ -343,27 +349,33 @@ def spawn_group(
     readers = {pipes[rank][0]: rank for rank in range(world_size)}
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
+    phases = dict.fromkeys(range(world_size), "starting: importing and unpickling its function")
     deadline = time.monotonic() + timeout_s
     try:
         while readers:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 for r in readers.values():
-                    errors[r] = f"timed out after {timeout_s:g} s"
+                    errors[r] = f"timed out after {timeout_s:g} s ({phases[r]})"
                 break
             for conn in mp_connection.wait(list(readers), timeout=min(remaining, 0.5)):
-                rank = readers.pop(conn)  # type: ignore[call-overload]
+                rank = readers[conn]  # type: ignore[index]
                 try:
                     data = conn.recv_bytes()
                 except (EOFError, OSError):
+                    data = b""
+                if data[:1] == b"\x02":  # a phase report: the rank goes on
+                    phases[rank] = data[1:].decode("utf-8", "replace")
+                    continue
+                del readers[conn]  # type: ignore[arg-type]
+                conn.close()
+                if not data:
                     procs[rank].join(timeout=1)
                     errors[rank] = (
                         f"process exited with code {procs[rank].exitcode} before reporting"
+                        f" ({phases[rank]})"
                     )
-                    continue
-                finally:
-                    conn.close()
-                if data[:1] == b"\x01":
+                elif data[:1] == b"\x01":
                     results[rank] = _loads(data[1:])
                 else:
                     errors[rank] = data[1:].decode("utf-8", "replace")

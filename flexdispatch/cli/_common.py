@@ -130,9 +130,18 @@ def group_failure(exc: Any, *, phase: str, timeout_s: float) -> CliError:
     timed_out = sorted(r for r, e in errors.items() if "timed out" in e)
     if timed_out and len(timed_out) == len(errors):
         ranks = ", ".join(map(str, timed_out))
+        where: dict[str, list[int]] = {}
+        for r in timed_out:  # "timed out after 5 s (joining the process group)"
+            text = errors[r]
+            if text.endswith(")") and "(" in text:
+                where.setdefault(text[text.index("(") + 1 : -1], []).append(r)
+        last = "; ".join(
+            f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}: {p}" for p, rs in where.items()
+        )
         return CliError(
-            f"rank(s) {ranks} did not finish within --timeout {timeout_s:g} s while {phase}: "
-            f"raise --timeout (e.g. --timeout {max(60.0, 4 * timeout_s):g}) or make the run "
+            f"rank(s) {ranks} did not finish within --timeout {timeout_s:g} s while {phase}"
+            + (f" (last phase: {last})" if last else "")
+            + f": raise --timeout (e.g. --timeout {max(60.0, 4 * timeout_s):g}) or make the run "
             f"smaller (--tokens)"
         )
     if not errors:

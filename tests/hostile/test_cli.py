@@ -115,11 +115,12 @@ def test_plot_reports_the_path_it_wrote(tmp_path, capsys):
 
 
 def test_a_reached_deadline_is_one_line_with_rank_phase_and_flag():
-    exc = GroupError("2 of 2 ranks failed", {0: "timed out after 5 s", 1: "timed out after 5 s"})
-    msg = str(group_failure(exc, phase="[2/3] running forward+backward", timeout_s=5))
+    errors = {r: f"timed out after 5 s (running {r > 0})" for r in range(3)}
+    msg = str(group_failure(GroupError("x", errors), phase="[2/3] forward+backward", timeout_s=5))
     assert msg == (
-        "rank(s) 0, 1 did not finish within --timeout 5 s while [2/3] running forward+backward: "
-        "raise --timeout (e.g. --timeout 60) or make the run smaller (--tokens)"
+        "rank(s) 0, 1, 2 did not finish within --timeout 5 s while [2/3] forward+backward (last "
+        "phase: rank 0: running False; ranks 1, 2: running True): raise --timeout (e.g. "
+        "--timeout 60) or make the run smaller (--tokens)"
     )
     tb = "Traceback (most recent call last):\n  File x\nCollectiveError: boom"
     msg = str(group_failure(GroupError("x", {1: tb}), phase="timing", timeout_s=9))
@@ -191,7 +192,7 @@ def test_cli_in_subprocesses_under_a_memory_limit(tmp_path):
     assert last.startswith(
         "flexdispatch demo: error: rank(s) 0, 1 did not finish within --timeout 0.5 s while [2/3]"
     ), last
-    assert "raise --timeout" in last
+    assert "raise --timeout" in last and "(last phase: rank" in last
     bomb = tmp_path / "b.yaml"
     bomb.write_text(
         "a: &a [1, 1]\n"
