@@ -558,8 +558,9 @@ def run(args: argparse.Namespace) -> int:
             return 0
         peaks = {"largest_rank": max((r.get("peak_rss") or 0) for r in results) or None}
     else:
+        preset = load_config(args.preset)
         nodes, per_node, devices = demo_machine.spawned_topology(
-            args, load_config(args.preset).router.num_experts
+            args, preset.router.num_experts, preset.check_world
         )
         R = nodes * per_node
         runtime = demo_machine.measure_runtime(devices.device_type, progress=_progress)
