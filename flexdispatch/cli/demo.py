@@ -486,7 +486,7 @@ def _plan(
     runtime: tuple[int, int | None, str] | None = None,
 ):
     """The spec with the sizes that fit (see ``flexdispatch.cli.demo_fit``) and the plan;
-    ``runtime`` is ``demo_runtime.measure_runtime``'s answer (None: the fixed allowance)."""
+    ``runtime`` is ``demo_machine.measure_runtime``'s answer (None: the fixed allowance)."""
     from flexdispatch.cli import demo_fit
     from flexdispatch.config import load_config
 
