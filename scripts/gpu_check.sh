@@ -43,7 +43,7 @@ while [[ $# -gt 0 ]]; do
             [[ $# -ge 2 && $2 != -* ]] || usage "--jobs needs a number"
             jobs=$2; shift 2 ;;
         --dry-run) dry=1; shift ;;
-        -h|--help) sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         -*) usage "unknown option $1" ;;
         *)
             [[ -z $out ]] || usage "one OUT folder only (got '$out' and '$1')"

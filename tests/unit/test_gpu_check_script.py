@@ -161,3 +161,10 @@ def test_emulator_unit_tests_skip_with_the_reason_without_the_wheel(
         pytest.skip.Exception, match=r"sgl-deep-ep==0\.1\.2\.post1 is not installed"
     ):
         load.emulator_or_skip()
+
+
+def test_help_is_the_header_comment() -> None:
+    proc = _run("--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("Everything GPU-relevant")
+    assert proc.stdout.rstrip().endswith("1 a step failed, 2 bad usage.")
+    assert "set -uo" not in proc.stdout
