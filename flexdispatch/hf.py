@@ -8,7 +8,10 @@ semantics and moves tokens through ``FlexDispatcher``. Everything else (attentio
 embeddings) stays replicated: run each rank on its own batch and all-reduce the replicated
 gradients (data parallel), as for any ``MoELayer``.
 
-Supported today (transformers 5.x module layout, checked on 5.23.0):
+Supported today (transformers 5.x module layout; the releases in ``TRANSFORMERS_SUPPORTED``, the
+``hf`` extra of ``pyproject.toml``: checked on 5.17.0 and 5.23.0; where they differ — gpt-oss's
+``swiglu_alpha`` is a config key from 5.2x and a constant of the experts module in 5.17 — the
+module's own attributes are read):
 
 - Mixtral (``MixtralSparseMoeBlock``): softmax over all E, top-k, renormalised;
 - Qwen3-MoE (``Qwen3MoeSparseMoeBlock``): softmax over all E, top-k, renormalised only with
@@ -47,7 +50,11 @@ from torch import nn
 from flexdispatch.config import DispatchConfig, MoEConfig, RouterConfig
 from flexdispatch.moe import MoELayer
 
-__all__ = ["EPSparseMoeBlock", "SUPPORTED_BLOCKS", "expert_parallel"]
+__all__ = ["EPSparseMoeBlock", "SUPPORTED_BLOCKS", "TRANSFORMERS_SUPPORTED", "expert_parallel"]
+
+TRANSFORMERS_SUPPORTED = ">=5.17,<5.24"
+"""The transformers releases the Hugging Face paths are checked on (PEP 440 specifier; the ``hf``
+extra of ``pyproject.toml`` says the same)."""
 
 SUPPORTED_BLOCKS: tuple[str, ...] = (
     "DeepseekV3MoE",

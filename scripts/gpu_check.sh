@@ -16,7 +16,8 @@
 #   cuda        CUDA is there (device, torch, NCCL, transformers); without it the rest is skipped
 #   wheels      --wheels only
 #   gpu_tests   tests/gpu: the worst-case step captured in a CUDA graph, the host-sync detector on
-#               every no-sync claim (tests/gpu/test_no_host_sync.py), DeepEP on >= 2 GPUs
+#               every no-sync claim (tests/gpu/test_no_host_sync.py), the demo and the launch
+#               recipe on the GPUs (tests/gpu/test_demo_gpu.py), DeepEP on >= 2 GPUs
 #   unit_cuda   tests/unit with FLEXDISPATCH_TEST_DEVICE=cuda (the core tests on the GPU)
 #   suite       the whole suite with CUDA visible (tests/gpu aside: run above), pytest -n N
 #   bench       benchmarks/bench_gpu.py --quick (routing, permute, dispatch), if it exists
@@ -42,7 +43,7 @@ while [[ $# -gt 0 ]]; do
             [[ $# -ge 2 && $2 != -* ]] || usage "--jobs needs a number"
             jobs=$2; shift 2 ;;
         --dry-run) dry=1; shift ;;
-        -h|--help) sed -n '2,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         -*) usage "unknown option $1" ;;
         *)
             [[ -z $out ]] || usage "one OUT folder only (got '$out' and '$1')"
@@ -193,13 +194,13 @@ print(" ".join(miss))' 2>/dev/null)
         local why="${#ignore[@]} DeepEP emulator test files left out: $emu_missing not installed"
         skip deepep_emu "$why (pass --wheels DIR with their wheels)"
     fi
-    step gpu_tests 80 "${PYTEST[@]}" "${timeout_opt[@]}" tests/gpu
+    step gpu_tests 110 "${PYTEST[@]}" "${timeout_opt[@]}" tests/gpu
     step unit_cuda 50 env FLEXDISPATCH_TEST_DEVICE=cuda "${PYTEST[@]}" "${xdist[@]}" \
         "${timeout_opt[@]}" tests/unit
-    step suite 150 "${PYTEST[@]}" "${xdist[@]}" "${timeout_opt[@]}" "${ignore[@]}" \
+    step suite 130 "${PYTEST[@]}" "${xdist[@]}" "${timeout_opt[@]}" "${ignore[@]}" \
         --ignore=tests/gpu tests
     if [[ -f benchmarks/bench_gpu.py ]]; then
-        step bench 60 "$py" benchmarks/bench_gpu.py --quick --sections routing,permute,dispatch \
+        step bench 50 "$py" benchmarks/bench_gpu.py --quick --sections routing,permute,dispatch \
             --json "$out/bench_gpu.json"
     else
         skip bench "benchmarks/bench_gpu.py is not in this checkout"

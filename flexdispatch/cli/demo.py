@@ -505,7 +505,7 @@ def _plan(
     runtime: tuple[int, int | None, str] | None = None,
 ):
     """The spec with the sizes that fit (see ``flexdispatch.cli.demo_fit``) and the plan;
-    ``runtime`` is ``demo_runtime.measure_runtime``'s answer (None: the fixed allowance)."""
+    ``runtime`` is ``demo_machine.measure_runtime``'s answer (None: the fixed allowance)."""
     from flexdispatch.cli import demo_fit
     from flexdispatch.config import load_config
 
@@ -579,8 +579,9 @@ def run(args: argparse.Namespace) -> int:
             return 0
         peaks = {"largest_rank": max((r.get("peak_rss") or 0) for r in results) or None}
     else:
+        preset = load_config(args.preset)
         nodes, per_node, devices = demo_machine.spawned_topology(
-            args, load_config(args.preset).router.num_experts
+            args, preset.router.num_experts, preset.check_world
         )
         R = nodes * per_node
         runtime = demo_machine.measure_runtime(devices.device_type, progress=_progress)

@@ -13,7 +13,7 @@ If it does not fit even then, the demo is refused up front with the memory it wo
 
 The estimate (``estimate_memory``) counts what the demo actually holds, in bytes, for every
 process of the tree (R ranks and the parent): a runtime per process (Python, torch, gloo; the demo
-measures it in a probe process, ``flexdispatch.cli.demo_runtime``, since a CUDA build of torch
+measures it in a probe process, ``flexdispatch.cli.demo_machine``, since a CUDA build of torch
 holds nearly three times a CPU build's),
 the layer's parameters and gradients, upper bounds of the activations (every rank could receive
 all R*T tokens), the results the ranks return (both modes' gradients, serialised on the way
@@ -54,7 +54,7 @@ AVAILABLE_ENV = "FLEXDISPATCH_MEMORY_AVAILABLE"
 """Overrides the detected available memory (a size such as ``6GiB``; for tests)."""
 RUNTIME_BYTES = 400 * MiB
 """The runtime per process ``estimate_memory`` counts when not given one. ``flexdispatch demo``
-passes the measured one (``flexdispatch.cli.demo_runtime.measure_runtime``): about 250 MiB with a
+passes the measured one (``flexdispatch.cli.demo_machine.measure_runtime``): about 250 MiB with a
 CPU build of torch 2.13, about 690 MB with a CUDA build."""
 MIN_HIDDEN, MIN_FFN = 32, 16
 

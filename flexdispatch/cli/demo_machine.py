@@ -149,7 +149,11 @@ def _gpu_topology(gpus: int, num_experts: int) -> tuple[int, int]:
     return (2, R // 2) if R >= 4 and R % 2 == 0 else (1, R)
 
 
-def spawned_topology(args: argparse.Namespace, num_experts: int):
+def spawned_topology(
+    args: argparse.Namespace,
+    num_experts: int,
+    check_world: Callable[[int], None] | None = None,
+):
     """(nodes, ranks per node, ``DevicePlan``) of a demo spawned on this machine.
 
     ``--nodes``/``--ranks-per-node`` as given; when neither is given, one rank per GPU on a GPU
@@ -166,7 +170,12 @@ def spawned_topology(args: argparse.Namespace, num_experts: int):
     nodes = 2 if nodes is None else nodes
     per_node = 2 if per_node is None else per_node
     if nodes < 1 or per_node < 1:
-        raise ValueError(f"--nodes {nodes} --ranks-per-node {per_node}: both must be >= 1")
+        raise ValueError(
+            f"--nodes and --ranks-per-node must be >= 1, got --nodes {nodes} "
+            f"--ranks-per-node {per_node}"
+        )
+    if check_world is not None:  # NOTE: what the preset refuses comes before what the GPUs do
+        check_world(nodes * per_node)
     plan = plan_devices(
         nodes * per_node,
         device=device,

@@ -222,6 +222,7 @@ def test_slurm_batch_script(tmp_path: Path) -> None:
         SLURM_GPUS_ON_NODE="8",
         SLURM_SUBMIT_DIR=str(ROOT),
         FLEXDISPATCH_DRY_RUN="1",
+        FLEXDISPATCH_VISIBLE_GPUS="8",  # the allocation's nodes, not this machine
     )
     proc = _run(["bash", str(SBATCH), "--tokens", "16"], env, timeout=30)
     assert proc.returncode == 0, proc.stderr

@@ -3,6 +3,7 @@ the refusal up front, without spawning anything."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -161,6 +162,10 @@ def test_limit_never_exceeds_what_is_available(monkeypatch: pytest.MonkeyPatch) 
 
 def test_cli_refuses_before_spawning(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     monkeypatch.setenv(demo_fit.AVAILABLE_ENV, "1GiB")  # a small machine: 0.8 GiB to plan for
+    # NOTE: 4 gloo ranks on any machine (a 1-GPU one would refuse them first), and the runtime
+    # given rather than probed (a second's subprocess): this is about the memory refusal.
+    monkeypatch.setenv("FLEXDISPATCH_DEVICE", "cpu")
+    monkeypatch.setenv("FLEXDISPATCH_RUNTIME_BYTES", "400MiB")
     argv = ["demo", "--preset", "deepseek_v3", "--nodes", "2", "--ranks-per-node", "2"]
     assert cli_main(argv) == 2
     err = capsys.readouterr().err
@@ -181,6 +186,7 @@ def test_cli_refusal_in_a_subprocess_is_quick_and_clean() -> None:
         text=True,
         timeout=60,
         cwd=ROOT,
+        env={**os.environ, "FLEXDISPATCH_RUNTIME_BYTES": "400MiB"},
     )
     assert proc.returncode == 2, proc.stderr
     assert "does not fit" in proc.stderr and "600.0 MiB (--max-memory 600.0 MiB)" in proc.stderr

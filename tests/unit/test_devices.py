@@ -13,6 +13,7 @@ import pytest
 
 from flexdispatch import devices
 from flexdispatch.cli import demo_machine
+from flexdispatch.config import load_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -149,8 +150,12 @@ def test_demo_explicit_topology_and_cpu(monkeypatch: pytest.MonkeyPatch) -> None
         demo_machine.spawned_topology(
             _args(nodes=1), 16
         )  # the other one defaults to 2, as on the CPU
-    with pytest.raises(ValueError, match="both must be >= 1"):
+    with pytest.raises(ValueError, match="must be >= 1, got --nodes 0 --ranks-per-node 2"):
         demo_machine.spawned_topology(_args(0, 2, cpu=True), 16)
+    # what the preset refuses (E not divisible by R) is said before the GPU count
+    cfg = load_config("tiny_cpu")
+    with pytest.raises(ValueError, match=r"num_experts=16 is not divisible by .* world size 3"):
+        demo_machine.spawned_topology(_args(1, 3), 16, cfg.check_world)
     monkeypatch.setenv(devices.VISIBLE_GPUS_ENV, "4")
     assert demo_machine.launcher_devices(_args(), 4).backend == "nccl"
     with pytest.raises(ValueError, match=r"--nproc-per-node 4 \(NPROC_PER_NODE=4"):

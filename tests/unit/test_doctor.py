@@ -197,8 +197,15 @@ def test_probe_cuda_lists_every_gpu() -> None:
         }
     none = probe_cuda(_fake_cuda(0, None))
     assert not none["available"] and none["gpus"] == [] and none["reason"]
-    real = probe_cuda()  # this CPU build: no CUDA, and asking must not raise
-    assert real["available"] is False and real["gpus"] == []
+    real = probe_cuda()  # this machine, GPUs or not: asking must not raise, and it tells the truth
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert real["available"] is torch.cuda.is_available() and len(real["gpus"]) == count
+    if count:
+        assert real["device_count"] == count
+        assert [g["index"] for g in real["gpus"]] == list(range(count))
+        assert real["gpus"][0]["name"] == torch.cuda.get_device_name(0)
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,10 @@ def test_swiglu_oai_with_biases_matches_gpt_oss_experts():
         hidden_size=H, intermediate_size=F, num_local_experts=E, swiglu_limit=0.3
     )
     hf = GptOssExperts(cfg)
+    # NOTE: the module's own clamp and alpha are what it runs: some supported transformers
+    # releases (5.17) hard-code them (7.0, 1.702) and have no config.swiglu_alpha; setting the
+    # attributes makes the clamp bite on every release.
+    hf.limit = 0.3
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0, 0.4)
@@ -41,7 +45,8 @@ def test_swiglu_oai_with_biases_matches_gpt_oss_experts():
         "b3": gub[:, 1::2],
         "b2": hf.down_proj_bias.detach(),
     }
-    alpha = float(cfg.swiglu_alpha)
+    alpha = float(hf.alpha)
+    assert alpha == float(getattr(cfg, "swiglu_alpha", alpha)) == 1.702
     got_ref = dense_moe_reference(
         x,
         idx,

@@ -81,3 +81,26 @@ def test_refuses_inexact_deepseek_group_rule():
     )
     with pytest.raises(ValueError, match="top-2"):
         expert_parallel(transformers.DeepseekV3ForCausalLM(cfg))
+
+
+def test_supported_transformers_range_is_declared_once_and_holds_the_installed_release():
+    from pathlib import Path
+
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    from flexdispatch.hf import TRANSFORMERS_SUPPORTED
+
+    tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python 3.11+")
+    root = Path(__file__).resolve().parents[2]
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    (req,) = extras["optional-dependencies"]["hf"]
+    assert req == f"transformers{TRANSFORMERS_SUPPORTED}"
+    spec = SpecifierSet(TRANSFORMERS_SUPPORTED)
+    # the release of the first GPU run (5.17.0) and the pinned test release are both inside
+    assert Version("5.17.0") in spec and Version("5.23.0") in spec
+    installed = Version(transformers.__version__)
+    assert installed in spec, (
+        f"transformers {installed} is outside the supported {TRANSFORMERS_SUPPORTED}: "
+        f"install one inside (pip install -e .[hf]) or widen the range after checking it"
+    )

@@ -248,7 +248,11 @@ def _reference(case: Case, router: torch.nn.Module, x: torch.Tensor, bias: torch
         scores, _ = router(x)
         w, idx = scores.topk(router.top_k, dim=-1)
     else:
-        _, w, idx = router(x)
+        # NOTE: the order of (logits, weights, index) differs across the supported transformers
+        # releases (granitemoe 5.17 returns index, weights, logits): pick by dtype and shape.
+        outs = router(x)
+        (idx,) = [t for t in outs if not t.is_floating_point()]
+        (w,) = [t for t in outs if t.is_floating_point() and t.shape == idx.shape]
     return idx, w
 
 
