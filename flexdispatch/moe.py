@@ -130,7 +130,8 @@ class MoELayer(nn.Module):
             what="MoELayer configs",
             fix="every rank must build the layer from the same MoEConfig, seed and dtype",
         )
-        config.check_world(R)
+        # NOTE: the L the dispatcher resolved (config, LOCAL_WORLD_SIZE or R; audit-3 N1)
+        config.check_world(R, self.dispatcher.ranks_per_node)
         e = config.router.num_experts // R
         self.num_local_experts = e
         with torch.random.fork_rng(devices=[]):
