@@ -55,6 +55,7 @@ from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import DTYPE_CODES, check_agreement
 from flexdispatch.backends.deepep import buffer as deepep_buffer
 from flexdispatch.backends.deepep import sizing
+from flexdispatch.backends.deepep.counters import TrafficCounters
 from flexdispatch.backends.deepep.support import load_deep_ep, nvl_peers
 from flexdispatch.distributed import all_gather_int64, collective_device, group_rank, group_size
 from flexdispatch.types import (
@@ -222,7 +223,7 @@ class DeepEPElasticBackend(DispatchBackend):
         self.deep_ep = module
         self.topk_idx_dtype: torch.dtype = getattr(module, "topk_idx_t", torch.int64)
         self._shared = deepep_buffer.acquire_elastic(module, self.group, id(self))
-        self._pending: list[tuple[str, Any, int]] = []  # traffic not yet in stats
+        self._traffic = TrafficCounters(collective_device(self.group))  # no host read in calls
         self._closed = False
 
     # ----------------------------------------------------------------- capabilities
@@ -265,14 +266,9 @@ class DeepEPElasticBackend(DispatchBackend):
 
     # ----------------------------------------------------------------- statistics
     def _account(self, kind: str, h: Any, row_bytes: int) -> None:
-        """Record a call's traffic; computed from the ``EPHandle`` when ``stats`` is read (no
-        device op and no host read on the hot path)."""
-        self._pending.append((kind, h, row_bytes))
-        if len(self._pending) >= 256:
-            self.flush_stats()
-
-    def flush_stats(self) -> None:
-        """Add the traffic of the recorded calls to ``stats`` (reads the handles on the host).
+        """Record a call's traffic, computed from the ``EPHandle`` later (at once while a CUDA
+        graph is captured) and summed on the device: no host read on the hot path (audit-3 N2;
+        ``counters.TrafficCounters``).
 
         Direct mode sends every row straight to its rank: a dispatch sends one row per (token,
         destination rank) — the ``dst_buffer_slot_idx >= 0`` entries, at each destination's
@@ -280,32 +276,36 @@ class DeepEPElasticBackend(DispatchBackend):
         on their rank first), to the source ranks of ``psum_num_recv_tokens_per_scaleup_rank``.
         Bytes are DeepEP's token layouts; rows to this rank itself are not counted as traffic.
         """
-        pending, self._pending = self._pending, []
-        if not pending:
-            return
-        s, R, L, me = self._stats, self.num_ranks, self.ranks_per_node, self.rank
-        node = torch.arange(R) // L
-        same = (node == me // L) & (torch.arange(R) != me)
-        other = node != me // L
-        for kind, h, row_bytes in pending:
+
+        def values() -> tuple[Any, ...]:
+            ps = h.psum_num_recv_tokens_per_scaleup_rank.to(torch.int64)
             if kind == "combine":
-                ps = h.psum_num_recv_tokens_per_scaleup_rank.to(torch.int64).cpu()
                 rows = torch.diff(ps, prepend=ps.new_zeros(1))
             else:
                 rows = self._sent_rows(h)
-            s.bytes_sent_intra_node += int(rows[same].sum()) * row_bytes
-            s.bytes_sent_inter_node += int(rows[other].sum()) * row_bytes
+            R, L, me = self.num_ranks, self.ranks_per_node, self.rank
+            node = torch.arange(R, device=rows.device) // L
+            same = (node == me // L) & (torch.arange(R, device=rows.device) != me)
+            intra = (rows * same).sum() * row_bytes
+            inter = (rows * (node != me // L)).sum() * row_bytes
             if kind == "dispatch":
-                ps = h.psum_num_recv_tokens_per_scaleup_rank.to(torch.int64)
-                s.rows_sent += int(rows.sum())
-                s.rows_received += int(ps[-1])
+                return intra, inter, rows.sum(), ps[-1]
+            return intra, inter, 0, 0
+
+        self._traffic.record(values)
+
+    def flush_stats(self) -> None:
+        """Add the traffic counted so far to ``stats`` (the safe point: one host read on CUDA)."""
+        self._traffic.drain(self._stats)
 
     def _sent_rows(self, h: Any) -> torch.Tensor:
-        """``[R]`` rows one dispatch sent to each rank (on the host)."""
-        idx = h.topk_idx.to(torch.int64).cpu()
-        first = h.dst_buffer_slot_idx.cpu() >= 0
-        dest = torch.where(idx >= 0, idx // self.num_local_experts, 0)
-        return torch.bincount(dest[first], minlength=self.num_ranks)
+        """``[R]`` int64 rows one dispatch sent to each rank (on the device, no host read)."""
+        R = self.num_ranks
+        idx = h.topk_idx.to(torch.int64)
+        first = (h.dst_buffer_slot_idx >= 0) & (idx >= 0)
+        dest = torch.where(first, idx // self.num_local_experts, R).flatten()
+        hits = torch.zeros(R + 1, dtype=torch.int64, device=idx.device)
+        return hits.scatter_add_(0, dest, torch.ones_like(dest))[:R]
 
     @staticmethod
     def _dispatch_row_bytes(row_bytes: int, scales: int, k: int) -> int:
