@@ -33,7 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from flexdispatch.backends.deepep import sizing
+from flexdispatch.backends.deepep import refusals, sizing
 
 __all__ = [
     "ElasticSize",
@@ -67,6 +67,8 @@ class SharedBuffer:
             one: its rows live in the buffer's memory).
         low_latency_calls: low-latency kernels run on the buffer (DeepEP alternates two halves,
             so a result survives one more low-latency kernel, not two).
+        low_latency_captured: a low-latency kernel on it was captured in a CUDA graph (normal
+            internode kernels are refused from then on: ``refusals.check_low_latency_graph``).
     """
 
     deep_ep: ModuleType
@@ -81,6 +83,7 @@ class SharedBuffer:
     normal_kernel_ran: bool = False
     normal_calls: int = 0
     low_latency_calls: int = 0
+    low_latency_captured: bool = False
 
     def ensure(self, need: sizing.BufferSize, *, low_latency: bool, num_qps_per_rank: int) -> Any:
         """The live buffer, (re)built collectively when ``need`` outgrows it."""
@@ -91,6 +94,10 @@ class SharedBuffer:
         if self.buffer is not None and grow is None and same_mode:
             return self.buffer
         new = need if self.size is None else self.size.union(need)
+        refusals.check_no_capture(
+            f"DeepEP's Buffer would be {'created' if self.buffer is None else 'grown'} "
+            f"({new.num_nvl_bytes} NVLink / {new.num_rdma_bytes} RDMA bytes)"
+        )
         self._destroy()
         self.buffer = self.deep_ep.Buffer(
             self.group,
@@ -222,6 +229,10 @@ class SharedElasticBuffer:
         self.size = new
         if self.buffer is not None and num_bytes <= self.num_bytes:
             return self.buffer
+        refusals.check_no_capture(
+            f"DeepEP's ElasticBuffer would be {'created' if self.buffer is None else 'grown'} "
+            f"({num_bytes} bytes)"
+        )
         self._destroy()
         self.buffer = cls(
             self.group,

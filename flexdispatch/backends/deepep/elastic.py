@@ -54,7 +54,7 @@ from flexdispatch._validate import checks_enabled, is_capturing
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import DTYPE_CODES, check_agreement
 from flexdispatch.backends.deepep import buffer as deepep_buffer
-from flexdispatch.backends.deepep import sizing
+from flexdispatch.backends.deepep import refusals, sizing
 from flexdispatch.backends.deepep.counters import TrafficCounters
 from flexdispatch.backends.deepep.support import load_deep_ep, nvl_peers
 from flexdispatch.distributed import all_gather_int64, collective_device, group_rank, group_size
@@ -224,6 +224,7 @@ class DeepEPElasticBackend(DispatchBackend):
         self.topk_idx_dtype: torch.dtype = getattr(module, "topk_idx_t", torch.int64)
         self._shared = deepep_buffer.acquire_elastic(module, self.group, id(self))
         self._traffic = TrafficCounters(collective_device(self.group))  # no host read in calls
+        self._need_tokens = 0  # most tokens a rank had to dispatch, when over M (checks off)
         self._closed = False
 
     # ----------------------------------------------------------------- capabilities
@@ -331,13 +332,16 @@ class DeepEPElasticBackend(DispatchBackend):
 
     def _check_tokens(
         self, T: int, device: torch.device, shape: tuple[int, int, torch.dtype] | None = None
-    ) -> None:
-        """A rank may dispatch at most M tokens (its receive slots on every rank).
+    ) -> int:
+        """A rank may dispatch at most M tokens (its receive slots on every rank); returns the
+        tokens this rank sends.
 
         With checks on, one small all-gather of ``[T, X, k, dtype]`` first makes every rank
         raise for the worst rank, and for ranks that disagree on the row shape (``shape`` =
-        ``(X, k, dtype)``); with checks off only the rank with too many tokens raises (before any
-        collective).
+        ``(X, k, dtype)``). With checks off a rank over M sends its first M tokens (the others
+        get nothing, their combine rows are zero) and ``check_overflow`` raises: raising on that
+        rank alone would leave its peers in DeepEP's GPU barrier until its 100 s timeout
+        (audit-3 N7).
         """
         M, R = self.num_max_tokens_per_rank, self.num_ranks
         rank = self.rank
@@ -356,21 +360,37 @@ class DeepEPElasticBackend(DispatchBackend):
             counts = [r[0] for r in Gh]
             rank = max(range(R), key=counts.__getitem__)
             T = counts[rank]
+        elif T > M:
+            self._need_tokens = max(self._need_tokens, T)
+            return M
         if T <= M:
-            return
+            return T
+        raise ValueError(self._tokens_message(rank, T))
+
+    def _tokens_message(self, rank: int | str, T: int) -> str:
+        M, R = self.num_max_tokens_per_rank, self.num_ranks
         if self.worst_case:
             W = self.num_worst_tokens
-            raise ValueError(
+            return (
                 f"rank {rank} dispatches {T} tokens but num_worst_tokens W={W} allows W/R = "
                 f"{W}/{R} = {M} per rank on DeepEP's elastic path (num_max_tokens_per_rank = W/R): "
                 f"raise DispatchConfig.num_worst_tokens to at least {T * R} (or, intranode, "
                 f"deepep_api='legacy': V1 caps W / R rows per destination instead)"
             )
-        raise ValueError(
+        return (
             f"rank {rank} dispatches {T} tokens but DeepEP's elastic dispatch takes at most "
             f"num_max_tokens_per_rank = {M} per rank: raise "
             f"DispatchConfig.num_max_dispatch_tokens_per_rank to at least {T} (on every rank)"
         )
+
+    def check_overflow(self) -> None:
+        """Raise if a rank was over M tokens with checks off (it sent its first M only)."""
+        self.flush_stats()
+        if self._need_tokens:
+            raise ValueError(
+                self._tokens_message("this", self._need_tokens)
+                + f"; tokens past the first {self.num_max_tokens_per_rank} were not dispatched"
+            )
 
     # ----------------------------------------------------------------- dispatch
     def _launch(
@@ -383,9 +403,13 @@ class DeepEPElasticBackend(DispatchBackend):
         """Checks, padding and the one ``ElasticBuffer.dispatch`` call of both layouts."""
         x, scales, wire = sizing.split_rows(x, fp8_multiple=32)
         T, X = x.shape
+        num_scales = 0 if scales is None else scales.shape[1]
         k = topk_idx.shape[1]
         sizing.check_topk(k, "elastic kernels")
-        self._check_tokens(T, x.device, (X, k, x.dtype))
+        sent = self._check_tokens(T, x.device, (X, k, x.dtype))
+        if sent < T:  # NOTE: checks off and over M: the first M tokens (see _check_tokens)
+            x, topk_idx, topk_probs = x[:sent], topk_idx[:sent], topk_probs[:sent]
+            scales = None if scales is None else scales[:sent]
         if scales is not None:
             send: Any = (x.contiguous(), scales.contiguous())
             # NOTE: the buffer is sized as bf16 rows: X bf16 columns hold X fp8 bytes + scales
@@ -398,6 +422,12 @@ class DeepEPElasticBackend(DispatchBackend):
             topk_idx if topk_idx.dtype == self.topk_idx_dtype else topk_idx.to(self.topk_idx_dtype)
         )
         probs = topk_probs if topk_probs.dtype == torch.float32 else topk_probs.float()
+        M = self.num_max_tokens_per_rank
+        row_bytes = hidden * (1 if scales is not None else 2)  # fp8 bytes, or bf16 wire columns
+        fields = (not self.worst_case, row_bytes, num_scales, M, k, expand)
+        refusals.first_use(
+            self.deep_ep, ("dispatch", self.num_experts, self.num_sms, *fields), "dispatch"
+        )
         recv, recv_idx, recv_w, handle, _ = buffer.dispatch(
             send,
             topk_idx=idx.contiguous(),
@@ -549,13 +579,15 @@ class DeepEPElasticBackend(DispatchBackend):
                 w.shape[0], _COMBINE_COL_MULTIPLE, dtype=torch.bfloat16, device=w.device
             )
         buffer = self._buffer(part.shape[1], state.topk)
+        self._first_combine(h, part.shape[1], state.topk, weights=True)
         out, out_w, _ = buffer.combine(part, h, topk_weights=w, num_sms=self.num_sms)
         self._account("combine", h, self._combine_row_bytes(part.shape[1], state.topk))
+        out_w = self._all_tokens(out_w, handle)
         if y is None:
             return None, out_w
         if not wide:
             return self.combine(y, handle), out_w
-        out = out[:, : y.shape[1]]
+        out = self._all_tokens(out[:, : y.shape[1]], handle)
         return (out if out.dtype == y.dtype else out.to(y.dtype)), out_w
 
     # ----------------------------------------------------------------- combine
@@ -567,14 +599,26 @@ class DeepEPElasticBackend(DispatchBackend):
         k = state.topk
         y = state.to_deepep(y)
         if self._narrow(y):
-            return self._combine_fp32(y, state)
+            return self._all_tokens(self._combine_fp32(y, state), handle)
         yb = y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16)
         part = _pad_cols(yb, _COMBINE_COL_MULTIPLE)
         buffer = self._buffer(part.shape[1], k)
+        self._first_combine(h, part.shape[1], k, weights=False)
         out, _, _ = buffer.combine(part, h, num_sms=self.num_sms)
         self._account("combine", h, self._combine_row_bytes(part.shape[1], k))
-        out = out[:, :X]
+        out = self._all_tokens(out[:, :X], handle)
         return out if out.dtype == y.dtype else out.to(y.dtype)
+
+    def _first_combine(self, h: Any, columns: int, k: int, *, weights: bool) -> None:
+        """A combine's JIT template arguments (refused inside a capture when new: N18)."""
+        key = ("combine", columns, k, self.num_max_tokens_per_rank, self.num_sms, weights)
+        refusals.first_use(self.deep_ep, (*key, bool(h.do_expand)), "combine")
+
+    @staticmethod
+    def _all_tokens(out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """``out`` with zero rows for the tokens past M a rank did not send (N7), else as is."""
+        missing = handle.num_tokens - out.shape[0]
+        return F.pad(out, (0, 0, 0, missing)) if missing > 0 else out
 
     @staticmethod
     def _narrow(y: torch.Tensor) -> bool:
@@ -597,6 +641,7 @@ class DeepEPElasticBackend(DispatchBackend):
         if first is not None and local is not None:
             first &= local
         dummy = torch.zeros(rows, _COMBINE_COL_MULTIPLE, dtype=torch.bfloat16, device=y.device)
+        self._first_combine(h, _COMBINE_COL_MULTIPLE, k, weights=True)
         yf = y.float()
         cols = []
         for c in range(X):
@@ -619,9 +664,13 @@ class DeepEPElasticBackend(DispatchBackend):
         """Re-send ``[T, X]`` rows along a dispatch's ``EPHandle`` (no host sync)."""
         state: ElasticDispatchState = handle.state
         h = state.handle
+        x = x[: self._num_tokens(h)]  # NOTE: the tokens the dispatch sent (N7)
         wire = sizing.WireFormat.of(x.dtype, x.shape[1])
         w = _pad_cols(wire.send(x), _DISPATCH_COL_MULTIPLE)
         buffer = self._buffer(max(w.shape[1], _COMBINE_COL_MULTIPLE), state.topk)
+        key = ("cached", 2 * w.shape[1], state.topk, self.num_max_tokens_per_rank, h.num_sms)
+        key = (*key, self.num_experts, self.worst_case)
+        refusals.first_use(self.deep_ep, (*key, bool(h.do_expand)), "cached dispatch")
         got, *_ = buffer.dispatch(w, handle=h, do_expand=h.do_expand, num_sms=h.num_sms)
         self._account("cached", h, self._dispatch_row_bytes(2 * w.shape[1], 0, state.topk))
         if state.order is not None:

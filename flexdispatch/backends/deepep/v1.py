@@ -58,11 +58,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from flexdispatch import _validate
 from flexdispatch._validate import checks_enabled, is_capturing
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import check_agreement, exchange_counts
 from flexdispatch.backends.deepep import buffer as deepep_buffer
-from flexdispatch.backends.deepep import rules, sizing
+from flexdispatch.backends.deepep import refusals, rules, sizing
 from flexdispatch.backends.deepep.counters import DeviceMax, TrafficCounters
 from flexdispatch.backends.deepep.ll import LowLatencyMixin
 from flexdispatch.backends.deepep.support import deepep_support, load_deep_ep, nvl_peers
@@ -183,6 +184,7 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
         self._closed = False
         device = collective_device(self.group)
         self._need_w = DeviceMax(device)  # largest W a worst-case dispatch needed
+        self._node_span = DeviceMax(device)  # most nodes a token named (checks off, N > 8)
         self._traffic = TrafficCounters(device)  # statistics, no host read on the hot path
 
     # ----------------------------------------------------------------- capabilities
@@ -261,6 +263,16 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
     def check_overflow(self) -> None:
         """Raise if a worst-case dispatch since construction overflowed (reads a device value)."""
         self.flush_stats()
+        span = self._node_span.read()
+        if span > refusals.MAX_TOPK_NODES:
+            raise ValueError(
+                f"a dispatch had a token with experts on {span} nodes, but DeepEP's internode "
+                f"dispatch reaches at most {refusals.MAX_TOPK_NODES} nodes per token (a device "
+                f"assert): its ids past the {refusals.MAX_TOPK_NODES}th node were sent as -1: use "
+                f"node-limited routing (RouterConfig num_groups = {self.num_nodes}, group_topk "
+                f"<= {refusals.MAX_TOPK_NODES}), k <= {refusals.MAX_TOPK_NODES}, or "
+                f"backend='torch'"
+            )
         need = self._need_w.read()
         if need > self.num_worst_tokens:
             R = self.num_ranks
@@ -366,8 +378,17 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
         return F.pad(part, (0, pad)) if pad else part.contiguous()
 
     def _buffer_for_rows(self, *cols: int) -> Any:
-        """The shared buffer, sized for rows of up to ``max(cols)`` bf16 columns."""
-        return self._ensure_buffer(self._required_size(2 * max(cols)))
+        """The shared buffer, sized for rows of up to ``max(cols)`` bf16 columns (normal kernels:
+        refused where DeepEP's internode kernels would assert or hang, audit-3 N3 / N6)."""
+        need = self._required_size(2 * max(cols))
+        have = self._shared.size
+        refusals.check_normal_buffer_bytes(
+            need if have is None else have.union(need),
+            internode=self.internode,
+            low_latency_need=" (it also holds the low-latency buffers)" if have else "",
+        )
+        refusals.check_low_latency_graph(self._shared, internode=self.internode)
+        return self._ensure_buffer(need)
 
     # ----------------------------------------------------------------- dispatch
     def _layout(
@@ -480,6 +501,12 @@ class DeepEPBackend(LowLatencyMixin, DispatchBackend):
         comb = self._combine_chunks(max(-(-X // 8) * 8, 8))
         buffer = self._buffer_for_rows(widest, max(c.padded for c in comb))
         idx = topk_idx
+        if self.num_nodes > refusals.MAX_TOPK_NODES and k > refusals.MAX_TOPK_NODES:
+            strict = checks_enabled(self.checks) or not _validate.cuda_code_path(idx.device)
+            idx, span = refusals.node_span(idx, self.num_experts, self.num_nodes, raise_now=strict)
+            if span is not None:
+                self._node_span.update(span)
+                layout = None  # NOTE: DeepEP's layout kernel, of the ids actually sent
         if idx.dtype != self.topk_idx_dtype:
             idx = idx.to(self.topk_idx_dtype)
         idx = idx.contiguous()
