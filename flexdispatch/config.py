@@ -361,8 +361,14 @@ class MoEConfig(_Strict):
     def num_experts(self) -> int:
         return self.router.num_experts
 
-    def check_world(self, num_ranks: int, ranks_per_node: int | None = None) -> None:
-        """Raise ValueError when this config cannot run on ``num_ranks`` EP ranks."""
+    def check_world(
+        self, num_ranks: int, ranks_per_node: int | None = None, *, check_dispatch: bool = True
+    ) -> None:
+        """Raise ValueError when this config cannot run on ``num_ranks`` EP ranks.
+
+        ``check_dispatch=False`` leaves out ``DispatchConfig.check_world`` (DeepEP's topology
+        rules): for a caller whose dispatcher is built already and has checked them against the
+        ``deep_ep`` module it runs (``MoELayer``)."""
         E = self.router.num_experts
         if num_ranks <= 0:
             raise ValueError(f"num_ranks must be positive, got {num_ranks}")
@@ -381,7 +387,8 @@ class MoEConfig(_Strict):
             raise ValueError(
                 f"world size {num_ranks} is not a multiple of ranks_per_node={ranks_per_node}"
             )
-        self.dispatch.check_world(num_ranks, ranks_per_node)
+        if check_dispatch:
+            self.dispatch.check_world(num_ranks, ranks_per_node)
 
 
 def _presets_dir() -> Path:

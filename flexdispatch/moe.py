@@ -130,8 +130,9 @@ class MoELayer(nn.Module):
             what="MoELayer configs",
             fix="every rank must build the layer from the same MoEConfig, seed and dtype",
         )
-        # NOTE: the L the dispatcher resolved (config, LOCAL_WORLD_SIZE or R; audit-3 N1)
-        config.check_world(R, self.dispatcher.ranks_per_node)
+        # NOTE: the L the dispatcher resolved (config, LOCAL_WORLD_SIZE or R; audit-3 N1); the
+        # dispatcher has checked DeepEP's topology against the deep_ep module it runs already
+        config.check_world(R, self.dispatcher.ranks_per_node, check_dispatch=False)
         e = config.router.num_experts // R
         self.num_local_experts = e
         with torch.random.fork_rng(devices=[]):
