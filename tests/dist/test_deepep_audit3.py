@@ -232,3 +232,79 @@ def test_300_worst_case_calls_read_nothing_on_the_host(api: str) -> None:
         assert out["one"] > 0 and out["sent"] == calls * out["one"], out
         assert f"twice in a token {calls + 2} time(s)" in out["err"], out["err"]
         assert out["y_finite"]
+
+
+# --------------------------------------------------------------------- capture-time rules, fp8
+def capture_rules(rank: int, R: int) -> dict[str, Any]:
+    """V2: a buffer build and a first-use compile inside a (patched) capture are refused by the
+    adapter; after ``warmup`` the captured step compiles nothing (the emulator, which raises
+    ``elastic.jit_capture`` for a new template, agrees); V1: fp8 rows with H % 32 == 16
+    intranode are refused before DeepEP's receive path would trap (N5)."""
+    from flexdispatch import DispatchConfig, FlexDispatcher, _validate
+    from tests.deepep_emu.runtime import limits, strict
+
+    E, k, H, T = 4 * R, 2, 64, 3
+    emu = _emu(R, R, "2.1.0")
+    cfg = DispatchConfig(backend="deepep", deepep_api="elastic", num_worst_tokens=R * T)
+    d = FlexDispatcher(cfg, num_experts=E, _deep_ep=emu)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    p = torch.rand(T, k, generator=g)
+    out: dict[str, Any] = {}
+    real = _validate.is_capturing
+
+    def captured(fn: Any) -> str:
+        _validate.is_capturing = lambda: True
+        try:
+            with strict.emu_capture(emu._C):
+                fn()
+            return ""
+        except (RuntimeError, ValueError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            _validate.is_capturing = real
+
+    out["cold"] = captured(lambda: d.dispatch(x, idx, p))
+    d.warmup(H, k, expanded=False, backward=False)
+
+    def step() -> None:
+        res = d.dispatch(x, idx, p)
+        d.combine(res.recv_x, res.handle)
+
+    out["warm"] = captured(step)
+    wide = torch.randn(T, 2 * H, generator=g).to(torch.bfloat16)
+    out["new_shape"] = captured(lambda: d.dispatch(wide, idx, p))
+    buf = d.backend._shared.buffer
+
+    def raw() -> None:
+        buf.dispatch(x, topk_idx=idx, num_experts=E, num_max_tokens_per_rank=T + 1, num_sms=2)
+
+    try:
+        with strict.emu_capture(emu._C):
+            raw()
+        out["emu"] = ""
+    except limits.DeepEPHostAssert as exc:
+        out["emu"] = str(exc)
+    d.close()
+    v1 = FlexDispatcher(DispatchConfig(backend="deepep", deepep_api="legacy"), num_experts=E,
+                        _deep_ep=_emu(R, R, "2.1.0"))  # fmt: skip
+    rows = torch.zeros(T, 48).to(torch.float8_e4m3fn)
+    try:
+        v1.dispatch((rows, torch.ones(T, 1)), idx, p)
+        out["fp8"] = ""
+    except ValueError as exc:
+        out["fp8"] = str(exc)
+    v1.close()
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_capture_rules_and_fp8_rows() -> None:
+    for out in run_group(capture_rules, 2, timeout=280):
+        assert "ElasticBuffer would be created" in out["cold"] and "warmup" in out["cold"], out
+        assert out["warm"] == "", out["warm"]
+        assert "compile its dispatch kernel" in out["new_shape"], out["new_shape"]
+        assert "elastic.jit_capture" in out["emu"], out["emu"]
+        assert "multiple of 32" in out["fp8"] and "H=48" in out["fp8"], out["fp8"]
