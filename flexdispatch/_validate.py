@@ -247,10 +247,13 @@ def mask_bad_ids(
     """
     bad = repeats = oob_count = None
     if topk_idx.shape[1] >= 2:
-        bad = repeated_expert_slots(topk_idx, include_unused=True)
-        # NOTE: a repeated -1 is marked too (setting it to -1 changes nothing); only repeats of
-        # ids in [0, E) are counted (a bad id is reported as such)
-        repeats = (bad & (topk_idx >= 0) & (topk_idx < num_experts)).sum(dtype=torch.int64)
+        rep = repeated_expert_slots(topk_idx, include_unused=True)
+        # NOTE: only repeats of ids in [0, E) are counted and, where a backend counts the bad ids
+        # itself, set to -1 (it must still see every bad id); a repeated bad id or -1 is set to
+        # -1 below anyway (or changes nothing)
+        valid_rep = rep & (topk_idx >= 0) & (topk_idx < num_experts)
+        repeats = valid_rep.sum(dtype=torch.int64)
+        bad = rep if out_of_range else valid_rep
     if out_of_range:
         oob = (topk_idx < -1) | (topk_idx >= num_experts)
         oob_count = oob.sum(dtype=torch.int64)
