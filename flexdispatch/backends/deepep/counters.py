@@ -74,7 +74,7 @@ class TrafficCounters:
         flat = [
             v.to(device=dev, dtype=torch.int64).reshape(())
             if isinstance(v, torch.Tensor)
-            else torch.tensor(int(v), dtype=torch.int64, device=dev)
+            else torch.full((), int(v), dtype=torch.int64, device=dev)  # a fill, no H2D copy
             for row in rows
             for v in row
         ]
