@@ -97,7 +97,7 @@ def node_span(
     order = hit.cumsum(1) * hit  # 1.. for the nodes a token reaches, in node order
     keep_node = torch.cat([(order >= 1) & (order <= MAX_TOPK_NODES), hit.new_zeros(T, 1) > 0], 1)
     keep = keep_node.gather(1, node)
-    span = nodes_per_token.amax() if T else torch.zeros((), dtype=torch.int64)
+    span = nodes_per_token.amax() if T else hit.new_zeros(())
     return torch.where(keep, topk_idx, -1), span
 
 
