@@ -29,16 +29,26 @@ __all__ = [
     "check_dispatch_values",
     "count_bad_values",
     "count_bad_parts",
+    "repeated_expert_slots",
+    "mask_bad_ids",
+    "check_repeated_ids",
+    "repeated_ids_message",
     "BadValueLog",
     "BAD_VALUE_SLOTS",
     "bad_ids_message",
+    "bad_input_problems",
     "nonfinite_message",
 ]
 
 _MAX_NAMED_IDS = 8
 _INT64 = torch.iinfo(torch.int64)
 
-BAD_VALUE_SLOTS = ("invalid_expert_ids", "nonfinite_x", "nonfinite_topk_probs")
+BAD_VALUE_SLOTS = (
+    "invalid_expert_ids",
+    "nonfinite_x",
+    "nonfinite_topk_probs",
+    "repeated_expert_ids",
+)
 """Names of the counters ``count_bad_values`` returns first (also the ``stats.extra`` keys); the
 last two entries of its vector are the largest and the smallest bad id seen."""
 
@@ -189,6 +199,73 @@ def check_dispatch_values(
         if not (math.isfinite(bounds[2 * i]) and math.isfinite(bounds[2 * i + 1])):
             bad = int((~torch.isfinite(t)).sum().item())
             raise ValueError(nonfinite_message(name, bad))
+    check_repeated_ids(topk_idx)
+
+
+def repeated_expert_slots(topk_idx: torch.Tensor, *, include_unused: bool = False) -> torch.Tensor:
+    """``[T, k]`` bool: the slots whose expert id a lower slot of the same token names already
+    (the first slot of a repeated id is kept). No host read: 3 device ops (one ``[T, k, k]``
+    bool comparison), 5 without ``include_unused`` (which also marks repeated -1 slots, harmless
+    when they are only set to -1)."""
+    same = (topk_idx.unsqueeze(2) == topk_idx.unsqueeze(1)).triu_(1)  # [t, i, j]: i < j
+    rep = same.any(1)
+    return rep if include_unused else rep & (topk_idx >= 0)
+
+
+def repeated_ids_message(count: int, *, token: int | None = None, ids: list | None = None) -> str:
+    """Error text for ``count`` repeated expert ids (naming the first token when known)."""
+    if token is not None:
+        what = f"topk_idx names one expert twice in token {token} ({ids}; {count} repeat(s))"
+    else:
+        what = (
+            f"topk_idx named one expert twice in a token {count} time(s) since the dispatcher "
+            f"was built; the repeats were sent as -1"
+        )
+    return (
+        f"{what}: a token's k expert ids must be distinct on every backend (DeepEP V2 / 2.5 "
+        f"trap on a repeat: ep.duplicate_experts, elastic.duplicate_experts): route each token "
+        f"to k distinct experts, or mark unused slots with -1"
+    )
+
+
+def check_repeated_ids(topk_idx: torch.Tensor) -> None:
+    """Host-reading check that no token names one expert twice (raises ValueError naming the
+    first such token and its ids)."""
+    if topk_idx.numel() == 0 or topk_idx.shape[1] < 2:
+        return
+    rep = repeated_expert_slots(topk_idx)
+    if bool(rep.any()):
+        t = int(rep.any(1).nonzero()[0, 0])
+        raise ValueError(repeated_ids_message(int(rep.sum()), token=t, ids=topk_idx[t].tolist()))
+
+
+def mask_bad_ids(
+    topk_idx: torch.Tensor, num_experts: int, *, out_of_range: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Ids no backend kernel may see, as -1, without a host read: the repeats of an id in one
+    token (``repeated_expert_slots``) and, with ``out_of_range``, ids outside ``[-1, E)``.
+
+    Returns:
+        ``(ids [T, k], repeats, out_of_range)``: a new tensor (or ``topk_idx`` when nothing can be
+        bad), the 0-dim int64 number of repeats (None for k = 1) and of ids outside
+        ``[-1, E)`` (None without ``out_of_range``).
+    """
+    bad = repeats = oob_count = None
+    if topk_idx.shape[1] >= 2:
+        rep = repeated_expert_slots(topk_idx, include_unused=True)
+        # NOTE: only repeats of ids in [0, E) are counted and, where a backend counts the bad ids
+        # itself, set to -1 (it must still see every bad id); a repeated bad id or -1 is set to
+        # -1 below anyway (or changes nothing)
+        valid_rep = rep & (topk_idx >= 0) & (topk_idx < num_experts)
+        repeats = valid_rep.sum(dtype=torch.int64)
+        bad = rep if out_of_range else valid_rep
+    if out_of_range:
+        oob = (topk_idx < -1) | (topk_idx >= num_experts)
+        oob_count = oob.sum(dtype=torch.int64)
+        bad = oob if bad is None else bad | oob
+    if bad is None:
+        return topk_idx, repeats, oob_count
+    return topk_idx.masked_fill(bad, -1), repeats, oob_count
 
 
 def _count_nonfinite(t: torch.Tensor) -> torch.Tensor:
@@ -203,14 +280,22 @@ def count_bad_parts(
     topk_probs: torch.Tensor,
     *,
     count_ids: bool = True,
+    repeats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """``count_bad_values`` as five 0-dim int64 device tensors (not stacked); with
-    ``count_ids=False`` the last four only (the caller has the count of bad ids already: the
-    torch backend's pair counts hold it, ``TorchA2ABackend.bad_ids``)."""
+    """``count_bad_values`` as six 0-dim int64 device tensors (not stacked); with
+    ``count_ids=False`` the last five only (the caller has the count of bad ids already: the
+    torch backend's pair counts hold it, ``TorchA2ABackend.bad_ids``). ``repeats``: the count of
+    repeated ids when the caller has it (``mask_bad_ids``), else it is counted here."""
     device = topk_idx.device
+    if repeats is None:
+        if topk_idx.shape[1] >= 2:
+            repeats = repeated_expert_slots(topk_idx).sum(dtype=torch.int64)
+        else:
+            repeats = torch.zeros((), dtype=torch.int64, device=device)
     parts = [
         _count_nonfinite(x).to(device),
         _count_nonfinite(topk_probs),
+        repeats,
     ]
     if count_ids:
         parts.insert(0, topk_idx.clamp(-1, num_experts - 1).ne(topk_idx).sum(dtype=torch.int64))
@@ -226,16 +311,16 @@ def count_bad_parts(
 def count_bad_values(
     topk_idx: torch.Tensor, num_experts: int, x: torch.Tensor, topk_probs: torch.Tensor
 ) -> torch.Tensor:
-    """Sync-free ``[5]`` int64 device vector: ids outside ``[-1, E)``, NaN/inf values in ``x``,
-    NaN/inf values in ``topk_probs`` (``BAD_VALUE_SLOTS``), then the largest and the smallest
-    id (int64 min / max when there is none). When the first count is not zero, the largest id
-    is the highest bad one if it is ``>= E`` and the smallest the lowest bad one if it is
-    ``< -1`` (``bad_ids_message`` names only those)."""
+    """Sync-free ``[6]`` int64 device vector: ids outside ``[-1, E)``, NaN/inf values in ``x``,
+    NaN/inf values in ``topk_probs``, repeated ids in one token (``BAD_VALUE_SLOTS``), then the
+    largest and the smallest id (int64 min / max when there is none). When the first count is
+    not zero, the largest id is the highest bad one if it is ``>= E`` and the smallest the
+    lowest bad one if it is ``< -1`` (``bad_ids_message`` names only those)."""
     return torch.stack(count_bad_parts(topk_idx, num_experts, x, topk_probs))
 
 
 def _fold_vectors(vectors: torch.Tensor) -> torch.Tensor:
-    """``[n, 5]`` ``count_bad_values`` vectors -> one: counts summed, largest id max, smallest
+    """``[n, 6]`` ``count_bad_values`` vectors -> one: counts summed, largest id max, smallest
     id min."""
     n = len(BAD_VALUE_SLOTS)
     return torch.cat(
@@ -277,6 +362,24 @@ class BadValueLog:
         torch.maximum(acc[n], counts[n], out=acc[n])
         torch.minimum(acc[n + 1], counts[n + 1], out=acc[n + 1])
 
+    def read(self, stats: Any) -> None:
+        """Move the device counts into ``stats.extra`` (one host sync; the safe point)."""
+        self.fold(stats)
+        acc = stats.pending_bad_values
+        if acc is None:
+            return
+        vals = acc.tolist()
+        stats.pending_bad_values = None
+        extra = stats.extra
+        n = len(BAD_VALUE_SLOTS)
+        for key, v in zip(BAD_VALUE_SLOTS, vals[:n], strict=True):
+            if v:
+                extra[key] = extra.get(key, 0) + v
+        if vals[0]:
+            hi, lo = vals[n], vals[n + 1]
+            extra["invalid_expert_id_highest"] = max(extra.get("invalid_expert_id_highest", hi), hi)
+            extra["invalid_expert_id_lowest"] = min(extra.get("invalid_expert_id_lowest", lo), lo)
+
     def fold(self, stats: Any) -> None:
         """Fold the kept counts into ``stats.pending_bad_values`` (on the device, no sync; in
         place, so that a captured graph keeps writing into the same tensor)."""
@@ -291,6 +394,27 @@ class BadValueLog:
             stats.pending_bad_values = folded
         else:
             acc.copy_(folded)
+
+
+def bad_input_problems(extra: dict, num_experts: int) -> list[str]:
+    """The error texts of the bad inputs ``BadValueLog.read`` moved into ``stats.extra``."""
+    problems = []
+    if extra.get("invalid_expert_ids", 0):
+        problems.append(
+            bad_ids_message(
+                "topk_idx",
+                extra["invalid_expert_ids"],
+                extra["invalid_expert_id_lowest"],
+                extra["invalid_expert_id_highest"],
+                num_experts,
+            )
+        )
+    for key, name in (("nonfinite_x", "x"), ("nonfinite_topk_probs", "topk_probs")):
+        if extra.get(key, 0):
+            problems.append(nonfinite_message(name, extra[key], past=True))
+    if extra.get("repeated_expert_ids", 0):
+        problems.append(repeated_ids_message(extra["repeated_expert_ids"]))
+    return problems
 
 
 def check_finite(name: str, value: torch.Tensor) -> None:

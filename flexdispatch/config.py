@@ -259,14 +259,26 @@ class DispatchConfig(_Strict):
 
         Catches at set-up what would otherwise fail at the first dispatch or at graph capture:
         DeepEP's rank-count rules and its intranode-only worst-case (CUDA-graph) mode.
+
+        Args:
+            num_ranks: R.
+            ranks_per_node: L as launched; None takes ``self.ranks_per_node``, then the
+                launcher's ``LOCAL_WORLD_SIZE``, then R (the dispatcher's own order).
         """
         if self.backend != "deepep" or self.deepep_api == "ep":
             return  # NOTE: DeepEP 2.5 has rules of its own, applied at selection (ep_rules)
-        L = num_ranks if ranks_per_node is None else ranks_per_node
+        L = deepep_limits.resolve_ranks_per_node(num_ranks, ranks_per_node, self.ranks_per_node)
         # NOTE: DeepEP's V2 (elastic) path takes worst-case mode across nodes too; 'auto' runs V2
         # in worst-case mode where deep_ep has ElasticBuffer (backend selection raises otherwise)
         W = self.num_worst_tokens if self.deepep_api == "legacy" else 0
-        ok, why = deepep_limits.check_topology(num_ranks, L, num_worst_tokens=W)
+        # NOTE: every node count some DeepEP release compiles (v1.2.1 and 2.1.0): the backend
+        # applies the exact list of the installed release when it is built (audit-3 N14)
+        ok, why = deepep_limits.check_topology(
+            num_ranks,
+            L,
+            num_worst_tokens=W,
+            internode_node_counts=deepep_limits.ANY_RELEASE_INTERNODE_NODE_COUNTS,
+        )
         if not ok:
             extra = " (cuda_graph=True needs it)" if self.cuda_graph else ""
             raise ValueError(f"backend='deepep' cannot run here{extra}: {why}")
@@ -366,8 +378,14 @@ class MoEConfig(_Strict):
     def num_experts(self) -> int:
         return self.router.num_experts
 
-    def check_world(self, num_ranks: int, ranks_per_node: int | None = None) -> None:
-        """Raise ValueError when this config cannot run on ``num_ranks`` EP ranks."""
+    def check_world(
+        self, num_ranks: int, ranks_per_node: int | None = None, *, check_dispatch: bool = True
+    ) -> None:
+        """Raise ValueError when this config cannot run on ``num_ranks`` EP ranks.
+
+        ``check_dispatch=False`` leaves out ``DispatchConfig.check_world`` (DeepEP's topology
+        rules): for a caller whose dispatcher is built already and has checked them against the
+        ``deep_ep`` module it runs (``MoELayer``)."""
         E = self.router.num_experts
         if num_ranks <= 0:
             raise ValueError(f"num_ranks must be positive, got {num_ranks}")
@@ -386,7 +404,8 @@ class MoEConfig(_Strict):
             raise ValueError(
                 f"world size {num_ranks} is not a multiple of ranks_per_node={ranks_per_node}"
             )
-        self.dispatch.check_world(num_ranks, ranks_per_node)
+        if check_dispatch:
+            self.dispatch.check_world(num_ranks, ranks_per_node)
 
 
 def _presets_dir() -> Path:

@@ -14,12 +14,14 @@ __all__ = [
     "NUM_MAX_NVL_PEERS",
     "INTRANODE_RANK_COUNTS",
     "INTERNODE_NODE_COUNTS",
+    "ANY_RELEASE_INTERNODE_NODE_COUNTS",
     "MAX_TOPK",
     "NUM_MAX_LOCAL_EXPERTS",
     "LOW_LATENCY_HIDDEN_SIZES",
     "LOW_LATENCY_MAX_TOPK",
     "LOW_LATENCY_MAX_TOKENS_PER_RANK",
     "check_topology",
+    "resolve_ranks_per_node",
 ]
 
 NUM_BUFFER_ALIGNMENT_BYTES = 128
@@ -30,6 +32,9 @@ INTRANODE_RANK_COUNTS = (2, 4, 8)
 """R accepted by the intranode kernels (``SWITCH_RANKS``)."""
 INTERNODE_NODE_COUNTS = (2, 4, 8, 16)
 """N = R / 8 accepted by the internode kernels at v1.2.1 (``SWITCH_RDMA_RANKS``)."""
+ANY_RELEASE_INTERNODE_NODE_COUNTS = (2, 3, 4, 6, 8, 12, 16, 18, 20)
+"""N accepted by some supported release (v1.2.1: 2/4/8/16/18/20, 2.1.0 adds 3/6/12;
+``launch.cuh``): what a config can be checked against before the installed release is known."""
 MAX_TOPK = 32
 """k handled by the normal kernels (one warp lane per slot)."""
 NUM_MAX_LOCAL_EXPERTS = 1024
@@ -40,6 +45,24 @@ LOW_LATENCY_MAX_TOPK = 11
 """k accepted by the low-latency kernels (``kNumMaxTopK``)."""
 LOW_LATENCY_MAX_TOKENS_PER_RANK = 1024
 """Tokens one rank may send another in low-latency mode (the finish tag of the kernels)."""
+
+
+def resolve_ranks_per_node(
+    num_ranks: int, ranks_per_node: int | None, configured: int | None = None
+) -> int:
+    """L as the dispatcher resolves it (``distributed.resolve_ranks_per_node``, which raises for a
+    bad value): the argument, the config's ``ranks_per_node``, the launcher's
+    ``LOCAL_WORLD_SIZE`` (at most R), else R."""
+    import os
+
+    if ranks_per_node is not None:
+        return ranks_per_node
+    if configured is not None:
+        return configured
+    env = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if env.isdigit() and int(env) > 0:
+        return min(int(env), num_ranks)
+    return num_ranks
 
 
 def check_topology(

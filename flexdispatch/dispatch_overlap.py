@@ -166,7 +166,7 @@ def start_dispatch(
         res = dispatcher.dispatch(x, topk_idx, topk_probs, layout=layout)
         return PendingDispatch(lambda: res)  # type: ignore[arg-type,return-value]
     dispatcher._deferred_parts = None
-    dispatcher._check_inputs(x, topk_idx, topk_probs, layout)
+    topk_idx = dispatcher._check_inputs(x, topk_idx, topk_probs, layout)
     rows = (x[0].contiguous(), x[1].contiguous()) if isinstance(x, tuple) else x.contiguous()
     idx, probs = topk_idx.contiguous(), topk_probs.contiguous()
     with torch.no_grad():

@@ -30,11 +30,8 @@ import torch.distributed as dist
 
 from flexdispatch import _limits, _validate
 from flexdispatch._validate import (
-    BAD_VALUE_SLOTS,
-    bad_ids_message,
     check_tensor,
     checks_enabled,
-    nonfinite_message,
 )
 from flexdispatch.backends import select_backend
 from flexdispatch.backends.base import DispatchBackend
@@ -340,7 +337,9 @@ class FlexDispatcher:
         topk_idx: torch.Tensor,
         topk_probs: torch.Tensor,
         layout: DispatchLayout | None,
-    ) -> None:
+    ) -> torch.Tensor:
+        """Check the inputs (metadata always, values as ``_check_values``); returns the ids to
+        dispatch (bad ones as -1 on the deferred path)."""
         values = x  # what the non-finite check reads (fp8 rows: their float32 scales)
         if isinstance(x, tuple):
             x = self._check_fp8_rows(x)
@@ -382,15 +381,17 @@ class FlexDispatcher:
                     f"{tuple(mask.shape)} {mask.dtype}: build the layout with "
                     f"get_dispatch_layout(topk_idx, num_experts, num_ranks)"
                 )
-        self._check_values(topk_idx, values, topk_probs)
+        return self._check_values(topk_idx, values, topk_probs)
 
     def _check_values(
         self, topk_idx: torch.Tensor, values: torch.Tensor, topk_probs: torch.Tensor
-    ) -> None:
-        """Ids outside ``[-1, E)`` and NaN/inf rows or probs never pass silently.
+    ) -> torch.Tensor:
+        """Ids outside ``[-1, E)``, an expert named twice in one token, and NaN/inf rows or probs
+        never pass silently; returns the ids the backend gets.
 
         Checks on (or CPU, where reading values costs no sync): raise now. CUDA without checks
-        (or while capturing a graph): count them on the device into
+        (or while capturing a graph): the bad ids become -1 on the device (no backend kernel
+        sees them) and everything is counted on the device into
         ``stats.pending_bad_values`` (``_validate.BadValueLog``: after the first dispatch, kept
         without a launch and folded in at the check); ``check_overflow`` raises naming them.
         Under CUDA-graph capture the counter accumulates across replays when it already exists
@@ -402,15 +403,21 @@ class FlexDispatcher:
             topk_idx.device
         ):
             _validate.check_dispatch_values(topk_idx, E, values, topk_probs)
-            return
+            return topk_idx
         # NOTE: a backend that counts the bad ids itself (``bad_ids``, the torch backend's pair
-        # counts) gives them after its dispatch (``dispatch`` adds the parts then)
+        # counts) gives them after its dispatch (``dispatch`` adds the parts then); it takes ids
+        # >= E as -1 itself, the others get them as -1 (DeepEP V2 would index past its counters)
         own = getattr(self._backend, "counts_bad_ids", False)
-        parts = _validate.count_bad_parts(topk_idx, E, values, topk_probs, count_ids=not own)
+        idx, repeats, oob = _validate.mask_bad_ids(topk_idx, E, out_of_range=not own)
+        parts = _validate.count_bad_parts(
+            topk_idx, E, values, topk_probs, count_ids=False, repeats=repeats
+        )
         if own:
             self._deferred_parts = parts
-            return
-        self._bad_log.add(self._stats, parts)
+            return idx
+        assert oob is not None
+        self._bad_log.add(self._stats, (oob, *parts))
+        return idx
 
     # ----------------------------------------------------------------- public API
     def dispatch(
@@ -453,7 +460,7 @@ class FlexDispatcher:
         """
         if _pending is None:  # else checked when dispatch_start launched it
             self._deferred_parts = None
-            self._check_inputs(x, topk_idx, topk_probs, layout)
+            topk_idx = self._check_inputs(x, topk_idx, topk_probs, layout)
         rows = (x[0].contiguous(), x[1].contiguous()) if isinstance(x, tuple) else x.contiguous()
         recv_x, recv_idx, recv_probs, counts, handle, pairs = _Dispatch.apply(
             self._backend, layout, rows, topk_idx.contiguous(), topk_probs.contiguous(), _pending
@@ -522,7 +529,7 @@ class FlexDispatcher:
         ok, why = self._backend.supports_expanded()
         if not ok:
             raise ValueError(f"dispatch_expanded is not available: {why}")
-        self._check_inputs(x, topk_idx, topk_probs, None)
+        topk_idx = self._check_inputs(x, topk_idx, topk_probs, None)
         rows = (x[0].contiguous(), x[1].contiguous()) if isinstance(x, tuple) else x.contiguous()
         args = (rows, topk_idx.contiguous(), topk_probs.contiguous())
         pending = None
@@ -604,11 +611,13 @@ class FlexDispatcher:
         """Raise ``ValueError`` if a dispatch since construction dropped something: bad inputs
         counted on the device (below), or a worst-case overflow.
 
-        Bad inputs: on CPU, and on CUDA with checks enabled, expert ids outside ``[-1, E)`` and
-        NaN/inf in ``x`` or ``topk_probs`` raise inside ``dispatch``. On CUDA without checks they
-        are counted on the device (no sync; the ids are treated as -1); this method reads the
-        count (one sync), adds it to ``stats.extra`` (``invalid_expert_ids``, ``nonfinite_x``,
-        ``nonfinite_topk_probs``) and raises naming them, then and at every later call.
+        Bad inputs: on CPU, and on CUDA with checks enabled, expert ids outside ``[-1, E)``, an
+        expert named twice in one token, and NaN/inf in ``x`` or ``topk_probs`` raise inside
+        ``dispatch``. On CUDA without checks they are counted on the device (no sync; the bad ids
+        and the repeats after an id's first slot are sent as -1, on every backend); this method
+        reads the count (one sync), adds it to ``stats.extra`` (``invalid_expert_ids``,
+        ``nonfinite_x``, ``nonfinite_topk_probs``, ``repeated_expert_ids``) and raises naming
+        them, then and at every later call.
 
         Overflow:
         On CPU, and on CUDA with checks enabled, an overflow raises inside ``dispatch`` on every
@@ -618,21 +627,7 @@ class FlexDispatcher:
         safe point, e.g. after a step, to turn that record into an error.
         """
         self._fold_bad_values()
-        extra = self.stats.extra
-        problems = []
-        if extra.get("invalid_expert_ids", 0):
-            problems.append(
-                bad_ids_message(
-                    "topk_idx",
-                    extra["invalid_expert_ids"],
-                    extra["invalid_expert_id_lowest"],
-                    extra["invalid_expert_id_highest"],
-                    self.num_experts,
-                )
-            )
-        for key, name in (("nonfinite_x", "x"), ("nonfinite_topk_probs", "topk_probs")):
-            if extra.get(key, 0):
-                problems.append(nonfinite_message(name, extra[key], past=True))
+        problems = _validate.bad_input_problems(self.stats.extra, self.num_experts)
         if problems:
             raise ValueError("; ".join(problems))
         self._backend.check_overflow()
@@ -643,21 +638,7 @@ class FlexDispatcher:
 
     def _fold_bad_values(self) -> None:
         """Move the device counts of bad inputs into ``stats.extra`` (one host sync)."""
-        self._bad_log.fold(self._stats)
-        acc = self.stats.pending_bad_values
-        if acc is None:
-            return
-        vals = acc.tolist()
-        self.stats.pending_bad_values = None
-        extra = self.stats.extra
-        n = len(BAD_VALUE_SLOTS)
-        for key, v in zip(BAD_VALUE_SLOTS, vals[:n], strict=True):
-            if v:
-                extra[key] = extra.get(key, 0) + v
-        if vals[0]:
-            hi, lo = vals[n], vals[n + 1]
-            extra["invalid_expert_id_highest"] = max(extra.get("invalid_expert_id_highest", hi), hi)
-            extra["invalid_expert_id_lowest"] = min(extra.get("invalid_expert_id_lowest", lo), lo)
+        self._bad_log.read(self._stats)
 
     def close(self) -> None:
         """Release the backend's resources; the dispatcher must not be used afterwards. Device

@@ -179,7 +179,9 @@ class MoELayer(nn.Module):
             fix="every rank must build the layer from the same MoEConfig, seed and dtype",
         )
         _limits.raise_refusal(too_big)
-        config.check_world(R)
+        # NOTE: the L the dispatcher resolved (config, LOCAL_WORLD_SIZE or R; audit-3 N1); the
+        # dispatcher has checked DeepEP's topology against the deep_ep module it runs already
+        config.check_world(R, self.dispatcher.ranks_per_node, check_dispatch=False)
         e = config.router.num_experts // R
         self.num_local_experts = e
         self.seed = seed

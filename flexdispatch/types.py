@@ -223,7 +223,7 @@ class DispatchStats:
         extra: further counters by name. ``invalid_expert_ids``, ``nonfinite_x`` and
             ``nonfinite_topk_probs`` appear once a safe-point check (``check_overflow``) has read
             a non-zero device count of them.
-        pending_bad_values: device-side ``[5]`` int64 counters of bad dispatch inputs not yet
+        pending_bad_values: device-side ``[6]`` int64 counters of bad dispatch inputs not yet
             read (CUDA without checks: ids outside ``[-1, E)``, NaN/inf in ``x`` and in
             ``topk_probs``, largest and smallest bad id), or None before the first such count.
             It may lag: after the first dispatch the counts are kept unsummed

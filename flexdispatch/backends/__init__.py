@@ -243,6 +243,12 @@ def _elastic_support(
     W, R = config.num_worst_tokens, group_size(group)
     if W % R:
         return False, f"num_worst_tokens={W} is not a multiple of R={R} (V2 takes M = W / R)"
+    # NOTE: V2's own workspace limits (layout.cuh:38-40; audit-3 N16), beside V1's rules above
+    if num_experts > 2048 or R > 1024 or num_experts // R > 256:
+        return False, (
+            f"DeepEP V2 takes E <= 2048 experts, R <= 1024 ranks and at most 256 local experts, "
+            f"got E={num_experts}, R={R}, e={num_experts // R}: use deepep_api='legacy'"
+        )
     module = deep_ep if deep_ep is not None else load_deep_ep()[0]
     has, reason = elastic_available(module)
     if not has:

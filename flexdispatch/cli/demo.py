@@ -510,7 +510,7 @@ def _plan(
     from flexdispatch.config import load_config
 
     cfg = load_config(args.preset)
-    cfg.check_world(num_ranks)
+    cfg.check_world(num_ranks, local_ranks if launcher else args.ranks_per_node)
     max_memory = None if args.max_memory is None else demo_fit.parse_size(args.max_memory)
     limit, why = demo_fit.memory_limit(max_memory)
     plan = demo_fit.fit_demo(

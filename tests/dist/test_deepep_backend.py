@@ -167,7 +167,7 @@ def limit_worker(rank: int, R: int) -> int:
         assert keep[:, d].nonzero().flatten().tolist() == kept
         assert int(ntr[d]) == len(kept)
         checked += 1
-    assert int(be._required_w) == int(mine.sum(0).max()) * R
+    assert be._need_w.read() == int(mine.sum(0).max()) * R
     return checked
 
 

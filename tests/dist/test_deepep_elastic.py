@@ -212,15 +212,24 @@ def selection_worker(rank: int, R: int) -> dict[str, Any]:
     out["elastic_ll"] = _raises(
         lambda: pick(DispatchConfig(backend="deepep", deepep_api="elastic", mode="low_latency"), v2)
     )
-    # the over-W/R refusal: every rank has more than W / R = 2 tokens, so every rank raises
+    # over W / R = 2 tokens with checks off: a rank sends its first 2 tokens (raising alone
+    # would leave its peers in DeepEP's GPU barrier, audit-3 N7), its other tokens combine to
+    # zero, and check_overflow raises with the numbers
     inputs = all_inputs(5, R=R, E=E, k=K, H=H)
     mine = inputs[rank]
+
+    def over(d: Any) -> str:
+        res = d.dispatch(mine.x, mine.idx, mine.probs)
+        back = d.combine(res.recv_x, res.handle)
+        out["over_tail"] = list(back.shape) == list(mine.x.shape) and bool(back[2:].eq(0).all())
+        return _raises(d.check_overflow)
+
     d = _make(R, R, 2 * R)
-    out["over_w"] = _raises(lambda: d.dispatch(mine.x, mine.idx, mine.probs))
+    out["over_w"] = over(d)
     out["over_w_T"] = mine.x.shape[0]
     d.close()
     d = _make(R, R, num_max_dispatch_tokens_per_rank=2)
-    out["over_m"] = _raises(lambda: d.dispatch(mine.x, mine.idx, mine.probs))
+    out["over_m"] = over(d)
     d.close()
     out["odd_w"] = _raises(lambda: _make(R, R, 2 * R + 1))
     # checks on: only the last rank is over W / R, and every rank raises naming it
@@ -276,6 +285,7 @@ def test_elastic_selection_and_refusals() -> None:
         assert f"at least {T * R}" in msg, msg
         assert "num_max_dispatch_tokens_per_rank" in out["over_m"], out["over_m"]
         assert f"at least {T}" in out["over_m"], out["over_m"]
+        assert "were not dispatched" in out["over_m"] and out["over_tail"], out
         assert "multiple of R=2" in out["odd_w"], out["odd_w"]
         msg = out["shape_checks"]
         assert "ranks disagree on the hidden size" in msg, msg

@@ -371,7 +371,8 @@ def refusal_worker(rank: int, R: int) -> dict[str, Any]:
     E = 2 * R
     d = _dispatcher(deep_ep, E, ranks_per_node=R)
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
-    idx = torch.zeros(2, 33, dtype=torch.int64)
+    idx = torch.full((2, 33), -1, dtype=torch.int64)
+    idx[:, 0] = 0
     calls = {"n": 0}
     original = dist.all_to_all_single
 

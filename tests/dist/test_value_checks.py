@@ -192,7 +192,7 @@ def test_count_bad_values_vector() -> None:
     x = torch.tensor([[1.0, float("nan")], [0.0, 0.0], [float("inf"), 1.0]])
     p = torch.tensor([[0.5, float("-inf")], [0.0, 0.0], [1.0, 0.0]])
     got = _validate.count_bad_values(idx, 8, x, p).tolist()
-    assert got == [3, 2, 1, 12, -2]
+    assert got == [3, 2, 1, 0, 12, -2]
     none = _validate.count_bad_values(idx.clamp(-1, 7), 8, x.nan_to_num(), p.nan_to_num())
     assert none.tolist()[:3] == [0, 0, 0]
     empty = _validate.count_bad_values(
@@ -288,13 +288,19 @@ def test_bad_value_log_folds_what_it_kept() -> None:
 
     stats = DispatchStats()
     log = _validate.BadValueLog(max_kept=3)
-    rows = [[1, 0, 2, 9, -3], [0, 0, 0, 5, 0], [2, 1, 0, 12, -1], [0, 4, 0, 3, -7], [1, 0, 1, 8, 2]]
+    rows = [
+        [1, 0, 2, 0, 9, -3],
+        [0, 0, 0, 1, 5, 0],
+        [2, 1, 0, 0, 12, -1],
+        [0, 4, 0, 2, 3, -7],
+        [1, 0, 1, 0, 8, 2],
+    ]
     for i, row in enumerate(rows):
         log.add(stats, tuple(torch.tensor(v) for v in row))
         if i == 0:
             first = stats.pending_bad_values
     assert stats.pending_bad_values is first  # folded in place (a captured graph keeps it)
     log.fold(stats)
-    assert stats.pending_bad_values.tolist() == [4, 5, 3, 12, -7]
+    assert stats.pending_bad_values.tolist() == [4, 5, 3, 3, 12, -7]
     log.fold(stats)  # nothing kept: unchanged
-    assert stats.pending_bad_values.tolist() == [4, 5, 3, 12, -7]
+    assert stats.pending_bad_values.tolist() == [4, 5, 3, 3, 12, -7]

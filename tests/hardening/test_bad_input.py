@@ -636,7 +636,7 @@ def one_bad_rank_worker(rank: int, world: int, bad: str, rank1_stays: bool) -> s
     E2 = 2 * world
     d = FlexDispatcher(DispatchConfig(backend="torch", checks=True), num_experts=E2)
     x = torch.randn(T, H)
-    idx = torch.randint(0, E2, (T, K))
+    idx = torch.stack([torch.randperm(E2)[:K] for _ in range(T)])  # distinct per token
     probs = torch.rand(T, K)
     if rank == 1:
         if bad == "dtype":

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from flexdispatch.backends.deepep import sizing
+from flexdispatch.backends.deepep import refusals, sizing
 
 __all__ = [
     "ElasticSize",
@@ -71,6 +71,8 @@ class SharedBuffer:
             so a result survives one more low-latency kernel, not two).
         nvshmem_reinits: rebuilds of a buffer with RDMA bytes (NVSHMEM finalised and
             initialised again; kept rare by ``sizing.grow_geometric``).
+        low_latency_captured: a low-latency kernel on it was captured in a CUDA graph (normal
+            internode kernels are refused from then on: ``refusals.check_low_latency_graph``).
     """
 
     deep_ep: ModuleType
@@ -86,6 +88,7 @@ class SharedBuffer:
     normal_calls: int = 0
     low_latency_calls: int = 0
     nvshmem_reinits: int = 0
+    low_latency_captured: bool = False
 
     def ensure(self, need: sizing.BufferSize, *, low_latency: bool, num_qps_per_rank: int) -> Any:
         """The live buffer, (re)built collectively when ``need`` outgrows it."""
@@ -100,6 +103,10 @@ class SharedBuffer:
             new = sizing.grow_geometric(self.size, new) or new  # N19: rebuild O(log) times
         if self.buffer is not None and self.size is not None and self.size.num_rdma_bytes:
             self.nvshmem_reinits += 1
+        refusals.check_no_capture(
+            f"DeepEP's Buffer would be {'created' if self.buffer is None else 'grown'} "
+            f"({new.num_nvl_bytes} NVLink / {new.num_rdma_bytes} RDMA bytes)"
+        )
         self._destroy()
         self.buffer = self.deep_ep.Buffer(
             self.group,
@@ -231,6 +238,10 @@ class SharedElasticBuffer:
         self.size = new
         if self.buffer is not None and num_bytes <= self.num_bytes:
             return self.buffer
+        refusals.check_no_capture(
+            f"DeepEP's ElasticBuffer would be {'created' if self.buffer is None else 'grown'} "
+            f"({num_bytes} bytes)"
+        )
         self._destroy()
         self.buffer = cls(
             self.group,

@@ -54,7 +54,8 @@ from flexdispatch._validate import checks_enabled, is_capturing
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import DTYPE_CODES, check_agreement
 from flexdispatch.backends.deepep import buffer as deepep_buffer
-from flexdispatch.backends.deepep import sizing
+from flexdispatch.backends.deepep import refusals, sizing
+from flexdispatch.backends.deepep.counters import TrafficCounters
 from flexdispatch.backends.deepep.support import load_deep_ep, nvl_peers
 from flexdispatch.distributed import all_gather_int64, collective_device, group_rank, group_size
 from flexdispatch.types import (
@@ -222,7 +223,8 @@ class DeepEPElasticBackend(DispatchBackend):
         self.deep_ep = module
         self.topk_idx_dtype: torch.dtype = getattr(module, "topk_idx_t", torch.int64)
         self._shared = deepep_buffer.acquire_elastic(module, self.group, id(self))
-        self._pending: list[tuple[str, Any, int]] = []  # traffic not yet in stats
+        self._traffic = TrafficCounters(collective_device(self.group))  # no host read in calls
+        self._need_tokens = 0  # most tokens a rank had to dispatch, when over M (checks off)
         self._closed = False
 
     # ----------------------------------------------------------------- capabilities
@@ -265,14 +267,9 @@ class DeepEPElasticBackend(DispatchBackend):
 
     # ----------------------------------------------------------------- statistics
     def _account(self, kind: str, h: Any, row_bytes: int) -> None:
-        """Record a call's traffic; computed from the ``EPHandle`` when ``stats`` is read (no
-        device op and no host read on the hot path)."""
-        self._pending.append((kind, h, row_bytes))
-        if len(self._pending) >= 256:
-            self.flush_stats()
-
-    def flush_stats(self) -> None:
-        """Add the traffic of the recorded calls to ``stats`` (reads the handles on the host).
+        """Record a call's traffic, computed from the ``EPHandle`` later (at once while a CUDA
+        graph is captured) and summed on the device: no host read on the hot path (audit-3 N2;
+        ``counters.TrafficCounters``).
 
         Direct mode sends every row straight to its rank: a dispatch sends one row per (token,
         destination rank) — the ``dst_buffer_slot_idx >= 0`` entries, at each destination's
@@ -280,32 +277,36 @@ class DeepEPElasticBackend(DispatchBackend):
         on their rank first), to the source ranks of ``psum_num_recv_tokens_per_scaleup_rank``.
         Bytes are DeepEP's token layouts; rows to this rank itself are not counted as traffic.
         """
-        pending, self._pending = self._pending, []
-        if not pending:
-            return
-        s, R, L, me = self._stats, self.num_ranks, self.ranks_per_node, self.rank
-        node = torch.arange(R) // L
-        same = (node == me // L) & (torch.arange(R) != me)
-        other = node != me // L
-        for kind, h, row_bytes in pending:
+
+        def values() -> tuple[Any, ...]:
+            ps = h.psum_num_recv_tokens_per_scaleup_rank.to(torch.int64)
             if kind == "combine":
-                ps = h.psum_num_recv_tokens_per_scaleup_rank.to(torch.int64).cpu()
                 rows = torch.diff(ps, prepend=ps.new_zeros(1))
             else:
                 rows = self._sent_rows(h)
-            s.bytes_sent_intra_node += int(rows[same].sum()) * row_bytes
-            s.bytes_sent_inter_node += int(rows[other].sum()) * row_bytes
+            R, L, me = self.num_ranks, self.ranks_per_node, self.rank
+            node = torch.arange(R, device=rows.device) // L
+            same = (node == me // L) & (torch.arange(R, device=rows.device) != me)
+            intra = (rows * same).sum() * row_bytes
+            inter = (rows * (node != me // L)).sum() * row_bytes
             if kind == "dispatch":
-                ps = h.psum_num_recv_tokens_per_scaleup_rank.to(torch.int64)
-                s.rows_sent += int(rows.sum())
-                s.rows_received += int(ps[-1])
+                return intra, inter, rows.sum(), ps[-1]
+            return intra, inter, 0, 0
+
+        self._traffic.record(values)
+
+    def flush_stats(self) -> None:
+        """Add the traffic counted so far to ``stats`` (the safe point: one host read on CUDA)."""
+        self._traffic.drain(self._stats)
 
     def _sent_rows(self, h: Any) -> torch.Tensor:
-        """``[R]`` rows one dispatch sent to each rank (on the host)."""
-        idx = h.topk_idx.to(torch.int64).cpu()
-        first = h.dst_buffer_slot_idx.cpu() >= 0
-        dest = torch.where(idx >= 0, idx // self.num_local_experts, 0)
-        return torch.bincount(dest[first], minlength=self.num_ranks)
+        """``[R]`` int64 rows one dispatch sent to each rank (on the device, no host read)."""
+        R = self.num_ranks
+        idx = h.topk_idx.to(torch.int64)
+        first = (h.dst_buffer_slot_idx >= 0) & (idx >= 0)
+        dest = torch.where(first, idx // self.num_local_experts, R).flatten()
+        hits = torch.zeros(R + 1, dtype=torch.int64, device=idx.device)
+        return hits.scatter_add_(0, dest, torch.ones_like(dest))[:R]
 
     @staticmethod
     def _dispatch_row_bytes(row_bytes: int, scales: int, k: int) -> int:
@@ -331,13 +332,16 @@ class DeepEPElasticBackend(DispatchBackend):
 
     def _check_tokens(
         self, T: int, device: torch.device, shape: tuple[int, int, torch.dtype] | None = None
-    ) -> None:
-        """A rank may dispatch at most M tokens (its receive slots on every rank).
+    ) -> int:
+        """A rank may dispatch at most M tokens (its receive slots on every rank); returns the
+        tokens this rank sends.
 
         With checks on, one small all-gather of ``[T, X, k, dtype]`` first makes every rank
         raise for the worst rank, and for ranks that disagree on the row shape (``shape`` =
-        ``(X, k, dtype)``); with checks off only the rank with too many tokens raises (before any
-        collective).
+        ``(X, k, dtype)``). With checks off a rank over M sends its first M tokens (the others
+        get nothing, their combine rows are zero) and ``check_overflow`` raises: raising on that
+        rank alone would leave its peers in DeepEP's GPU barrier until its 100 s timeout
+        (audit-3 N7).
         """
         M, R = self.num_max_tokens_per_rank, self.num_ranks
         rank = self.rank
@@ -356,21 +360,37 @@ class DeepEPElasticBackend(DispatchBackend):
             counts = [r[0] for r in Gh]
             rank = max(range(R), key=counts.__getitem__)
             T = counts[rank]
+        elif T > M:
+            self._need_tokens = max(self._need_tokens, T)
+            return M
         if T <= M:
-            return
+            return T
+        raise ValueError(self._tokens_message(rank, T))
+
+    def _tokens_message(self, rank: int | str, T: int) -> str:
+        M, R = self.num_max_tokens_per_rank, self.num_ranks
         if self.worst_case:
             W = self.num_worst_tokens
-            raise ValueError(
+            return (
                 f"rank {rank} dispatches {T} tokens but num_worst_tokens W={W} allows W/R = "
                 f"{W}/{R} = {M} per rank on DeepEP's elastic path (num_max_tokens_per_rank = W/R): "
                 f"raise DispatchConfig.num_worst_tokens to at least {T * R} (or, intranode, "
                 f"deepep_api='legacy': V1 caps W / R rows per destination instead)"
             )
-        raise ValueError(
+        return (
             f"rank {rank} dispatches {T} tokens but DeepEP's elastic dispatch takes at most "
             f"num_max_tokens_per_rank = {M} per rank: raise "
             f"DispatchConfig.num_max_dispatch_tokens_per_rank to at least {T} (on every rank)"
         )
+
+    def check_overflow(self) -> None:
+        """Raise if a rank was over M tokens with checks off (it sent its first M only)."""
+        self.flush_stats()
+        if self._need_tokens:
+            raise ValueError(
+                self._tokens_message("this", self._need_tokens)
+                + f"; tokens past the first {self.num_max_tokens_per_rank} were not dispatched"
+            )
 
     # ----------------------------------------------------------------- dispatch
     def _launch(
@@ -383,9 +403,13 @@ class DeepEPElasticBackend(DispatchBackend):
         """Checks, padding and the one ``ElasticBuffer.dispatch`` call of both layouts."""
         x, scales, wire = sizing.split_rows(x, fp8_multiple=32)
         T, X = x.shape
+        num_scales = 0 if scales is None else scales.shape[1]
         k = topk_idx.shape[1]
         sizing.check_topk(k, "elastic kernels")
-        self._check_tokens(T, x.device, (X, k, x.dtype))
+        sent = self._check_tokens(T, x.device, (X, k, x.dtype))
+        if sent < T:  # NOTE: checks off and over M: the first M tokens (see _check_tokens)
+            x, topk_idx, topk_probs = x[:sent], topk_idx[:sent], topk_probs[:sent]
+            scales = None if scales is None else scales[:sent]
         if scales is not None:
             send: Any = (x.contiguous(), scales.contiguous())
             # NOTE: the buffer is sized as bf16 rows: X bf16 columns hold X fp8 bytes + scales
@@ -398,6 +422,12 @@ class DeepEPElasticBackend(DispatchBackend):
             topk_idx if topk_idx.dtype == self.topk_idx_dtype else topk_idx.to(self.topk_idx_dtype)
         )
         probs = topk_probs if topk_probs.dtype == torch.float32 else topk_probs.float()
+        M = self.num_max_tokens_per_rank
+        row_bytes = hidden * (1 if scales is not None else 2)  # fp8 bytes, or bf16 wire columns
+        fields = (not self.worst_case, row_bytes, num_scales, M, k, expand)
+        refusals.first_use(
+            self.deep_ep, ("dispatch", self.num_experts, self.num_sms, *fields), "dispatch"
+        )
         recv, recv_idx, recv_w, handle, _ = buffer.dispatch(
             send,
             topk_idx=idx.contiguous(),
@@ -556,13 +586,15 @@ class DeepEPElasticBackend(DispatchBackend):
                 w.shape[0], _COMBINE_COL_MULTIPLE, dtype=torch.bfloat16, device=w.device
             )
         buffer = self._buffer(part.shape[1], state.topk)
+        self._first_combine(h, part.shape[1], state.topk, weights=True)
         out, out_w, _ = buffer.combine(part, h, topk_weights=w, num_sms=self.num_sms)
         self._account("combine", h, self._combine_row_bytes(part.shape[1], state.topk))
+        out_w = self._all_tokens(out_w, handle)
         if y is None:
             return None, out_w
         if not wide:
             return self.combine(y, handle), out_w
-        out = out[:, : y.shape[1]]
+        out = self._all_tokens(out[:, : y.shape[1]], handle)
         return (out if out.dtype == y.dtype else out.to(y.dtype)), out_w
 
     def combine_with_probs(
@@ -587,11 +619,13 @@ class DeepEPElasticBackend(DispatchBackend):
         else:
             part = self._to_deepep_rows(y, state)
         buffer = self._buffer(part.shape[1], k)
+        self._first_combine(h, part.shape[1], k, weights=True)
         out, out_w, _ = buffer.combine(part, h, topk_weights=w, num_sms=self.num_sms)
         self._account("combine", h, self._combine_row_bytes(part.shape[1], k))
+        out_w = self._all_tokens(out_w, handle)
         if y is None:
             return None, out_w
-        out = out[:, : y.shape[1]]
+        out = self._all_tokens(out[:, : y.shape[1]], handle)
         return (out if out.dtype == y.dtype else out.to(y.dtype)), out_w
 
     # ----------------------------------------------------------------- combine
@@ -602,13 +636,25 @@ class DeepEPElasticBackend(DispatchBackend):
         X = y.shape[1]
         k = state.topk
         if self._narrow(y):
-            return self._combine_fp32(state.to_deepep(y), state)
+            return self._all_tokens(self._combine_fp32(state.to_deepep(y), state), handle)
         part = self._to_deepep_rows(y, state)
         buffer = self._buffer(part.shape[1], k)
+        self._first_combine(h, part.shape[1], k, weights=False)
         out, _, _ = buffer.combine(part, h, num_sms=self.num_sms)
         self._account("combine", h, self._combine_row_bytes(part.shape[1], k))
-        out = out[:, :X]
+        out = self._all_tokens(out[:, :X], handle)
         return out if out.dtype == y.dtype else out.to(y.dtype)
+
+    def _first_combine(self, h: Any, columns: int, k: int, *, weights: bool) -> None:
+        """A combine's JIT template arguments (refused inside a capture when new: N18)."""
+        key = ("combine", columns, k, self.num_max_tokens_per_rank, self.num_sms, weights)
+        refusals.first_use(self.deep_ep, (*key, bool(h.do_expand)), "combine")
+
+    @staticmethod
+    def _all_tokens(out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """``out`` with zero rows for the tokens past M a rank did not send (N7), else as is."""
+        missing = handle.num_tokens - out.shape[0]
+        return F.pad(out, (0, 0, 0, missing)) if missing > 0 else out
 
     @staticmethod
     def _to_deepep_rows(y: torch.Tensor, state: ElasticDispatchState) -> torch.Tensor:
@@ -649,6 +695,7 @@ class DeepEPElasticBackend(DispatchBackend):
         if first is not None and local is not None:
             first &= local
         dummy = torch.zeros(rows, _COMBINE_COL_MULTIPLE, dtype=torch.bfloat16, device=y.device)
+        self._first_combine(h, _COMBINE_COL_MULTIPLE, k, weights=True)
         yf = y.float()
         cols = []
         for c in range(X):
@@ -671,9 +718,13 @@ class DeepEPElasticBackend(DispatchBackend):
         """Re-send ``[T, X]`` rows along a dispatch's ``EPHandle`` (no host sync)."""
         state: ElasticDispatchState = handle.state
         h = state.handle
+        x = x[: self._num_tokens(h)]  # NOTE: the tokens the dispatch sent (N7)
         wire = sizing.WireFormat.of(x.dtype, x.shape[1])
         w = _pad_cols(wire.send(x), _DISPATCH_COL_MULTIPLE)
         buffer = self._buffer(max(w.shape[1], _COMBINE_COL_MULTIPLE), state.topk)
+        key = ("cached", 2 * w.shape[1], state.topk, self.num_max_tokens_per_rank, h.num_sms)
+        key = (*key, self.num_experts, self.worst_case)
+        refusals.first_use(self.deep_ep, (*key, bool(h.do_expand)), "cached dispatch")
         got, *_ = buffer.dispatch(w, handle=h, do_expand=h.do_expand, num_sms=h.num_sms)
         self._account("cached", h, self._dispatch_row_bytes(2 * w.shape[1], 0, state.topk))
         if state.order is not None:

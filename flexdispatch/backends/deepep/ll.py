@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from flexdispatch._validate import is_capturing
 from flexdispatch.backends.deepep import sizing
 from flexdispatch.types import DispatchStats, ExpertMajorHandle, ExpertMajorResult
 
@@ -100,6 +101,7 @@ class LowLatencyMixin:
         )
         shared = self._shared
         shared.low_latency_calls += 1
+        shared.low_latency_captured |= is_capturing()  # audit-3 N6
         generation = (shared.generation, shared.normal_calls, shared.low_latency_calls)
         self.stats.extra["low_latency_calls"] = self.stats.extra.get("low_latency_calls", 0) + 1
         recv_x, recv_scales = recv if self.use_fp8 else (recv, None)

@@ -367,7 +367,10 @@ def split_rows(
     if rows.dtype != torch.float8_e4m3fn or rows.shape[1] % fp8_multiple:
         raise ValueError(
             "an (x, scales) tuple must hold float8_e4m3fn rows whose hidden size is a "
-            f"multiple of {fp8_multiple}, got {rows.dtype} with H={rows.shape[1]}"
+            f"multiple of {fp8_multiple} (DeepEP's kernels here move fp8 rows in "
+            f"{fp8_multiple}-byte units, else a device trap), got {rows.dtype} with "
+            f"H={rows.shape[1]}: pad the hidden size to a multiple of {fp8_multiple}, or "
+            f"dispatch bf16 rows"
         )
     wire = WireFormat(dtype=rows.dtype, width=rows.shape[1], wire_width=rows.shape[1] // 2)
     return rows, scales, wire

@@ -37,9 +37,10 @@ How the contract maps onto ``deep_ep.Buffer`` (the V1 API: v1.2.1, and ``deep_ep
   (``check_overflow``). The garbage tails of ``recv_x`` / ``recv_topk_weights`` are zeroed and the
   per-expert counts rebuilt from ``recv_topk_idx`` on the device.
 - Cached dispatch (the backward of combine) re-sends along DeepEP's handle: no host sync.
-- Statistics: on CPU they are read from the handle at once; on CUDA the handle's small tensors are
-  kept and summed on the host when ``stats`` is read, ``check_overflow()`` runs or the backend
-  closes (no host sync inside dispatch).
+- Statistics (``counters.TrafficCounters``): computed from the handle's small tensors and summed
+  on the device every 64 calls (handles released then), in place at once while a CUDA graph is
+  captured; read on the host only when ``stats`` is read, ``check_overflow()`` runs or the
+  backend closes (no host read inside dispatch or combine, ever: audit-3 N2).
 - Low-latency decode (``mode="low_latency"``): ``deepep_ll.LowLatencyMixin``.
 
 Tests inject DeepEP's own Python layer over an emulated runtime (``tests/deepep_emu/load.py``)
@@ -56,15 +57,18 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from flexdispatch import _validate
 from flexdispatch._validate import checks_enabled, is_capturing
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import check_agreement, exchange_counts
 from flexdispatch.backends.deepep import buffer as deepep_buffer
-from flexdispatch.backends.deepep import rules, sizing
+from flexdispatch.backends.deepep import refusals, rules, sizing
+from flexdispatch.backends.deepep.counters import DeviceMax, TrafficCounters
 from flexdispatch.backends.deepep.ll import LowLatencyMixin
 from flexdispatch.backends.deepep.support import deepep_support, load_deep_ep, nvl_peers
 from flexdispatch.backends.deepep.v1_combine import CombineMixin, Launched
-from flexdispatch.distributed import group_rank, group_size
+from flexdispatch.backends.deepep.v1_links import LazyLinks, handle_links
+from flexdispatch.distributed import collective_device, group_rank, group_size
 from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, DispatchStats
 
 __all__ = ["DeepEPBackend", "DeepEPDispatchState"]
@@ -79,7 +83,7 @@ class DeepEPDispatchState:
         wire: the wire format of the dispatched rows.
         chunks: the column chunks the rows travelled in (one DeepEP call each).
         valid: ``[W]`` bool real rows in worst-case mode, else None.
-        links: ``_LazyLinks`` of this dispatch (computed when statistics are read).
+        links: ``LazyLinks`` of this dispatch (computed when statistics are summed).
         recv_scales: ``[M, H / 128]`` float32 scales of an fp8 dispatch, else None.
     """
 
@@ -87,39 +91,8 @@ class DeepEPDispatchState:
     wire: sizing.WireFormat
     chunks: tuple[rules.Chunk, ...]
     valid: torch.Tensor | None
-    links: _LazyLinks
+    links: LazyLinks
     recv_scales: torch.Tensor | None
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Links:
-    """Rows one rank puts on NVLink (intra) and RDMA (inter) links, per direction, and the rows it
-    sent / received. Host ints, or 0-d device tensors (CUDA)."""
-
-    dispatch_intra: Any
-    dispatch_inter: Any
-    combine_intra: Any
-    combine_inter: Any
-    sent: Any
-    received: Any
-
-
-class _LazyLinks:
-    """``_Links`` of one dispatch, computed from DeepEP's handle on first use (memoized)."""
-
-    __slots__ = ("_args", "_backend", "_links")
-
-    def __init__(self, backend: DeepEPBackend, handle: tuple, ntr: Any, ntrr: Any) -> None:
-        self._backend = backend
-        self._args: tuple | None = (handle, ntr, ntrr)
-        self._links: _Links | None = None
-
-    def get(self) -> _Links:
-        if self._links is None:
-            assert self._args is not None
-            self._links = self._backend._links(*self._args)
-            self._args = None
-        return self._links
 
 
 class DeepEPBackend(LowLatencyMixin, CombineMixin, DispatchBackend):
@@ -207,8 +180,10 @@ class DeepEPBackend(LowLatencyMixin, CombineMixin, DispatchBackend):
         self.topk_idx_dtype: torch.dtype = getattr(module, "topk_idx_t", torch.int64)
         self._shared = deepep_buffer.acquire(module, self.group, id(self))
         self._closed = False
-        self._required_w: Any = None  # largest W a worst-case dispatch needed (host int / device)
-        self._pending: list[tuple[str, Any, int]] = []  # CUDA statistics not yet on the host
+        device = collective_device(self.group)
+        self._need_w = DeviceMax(device)  # largest W a worst-case dispatch needed
+        self._node_span = DeviceMax(device)  # most nodes a token named (checks off, N > 8)
+        self._traffic = TrafficCounters(device)  # statistics, no host read on the hot path
 
     # ----------------------------------------------------------------- capabilities
     def supports_worst_case(self) -> Capability:
@@ -250,29 +225,28 @@ class DeepEPBackend(LowLatencyMixin, CombineMixin, DispatchBackend):
         self._stats = value
 
     def flush_stats(self) -> None:
-        """Add the statistics kept on the device (CUDA) to ``stats`` (reads them on the host)."""
-        pending, self._pending = self._pending, []
-        s = self._stats
-        for kind, lazy, row_bytes in pending:
-            links = lazy.get()
-            if kind == "dispatch":
-                s.bytes_sent_intra_node += int(links.dispatch_intra) * row_bytes
-                s.bytes_sent_inter_node += int(links.dispatch_inter) * row_bytes
-                s.rows_sent += int(links.sent)
-                s.rows_received += int(links.received)
-            elif kind == "cached":
-                s.bytes_sent_intra_node += int(links.dispatch_intra) * row_bytes
-                s.bytes_sent_inter_node += int(links.dispatch_inter) * row_bytes
-            else:
-                s.bytes_sent_intra_node += int(links.combine_intra) * row_bytes
-                s.bytes_sent_inter_node += int(links.combine_inter) * row_bytes
+        """Add the statistics counted so far to ``stats`` (the safe point: one host read on
+        CUDA, none inside dispatch or combine; ``counters.TrafficCounters``)."""
+        self._traffic.drain(self._stats)
 
-    def _account(self, kind: str, links: _LazyLinks, row_bytes: int) -> None:
-        """Record a call's traffic; it is computed from DeepEP's handle when ``stats`` is read
-        (no device op and no host read on the hot path)."""
-        self._pending.append((kind, links, row_bytes))
-        if len(self._pending) >= 256:
-            self.flush_stats()
+    def _account(self, kind: str, links: LazyLinks, row_bytes: int) -> None:
+        """Record a call's traffic, computed from DeepEP's handle later (or at once while a CUDA
+        graph is captured), summed on the device: no host read on the hot path (audit-3 N2)."""
+
+        def values() -> tuple[Any, ...]:
+            ln = links.get()
+            if kind == "dispatch":
+                return (
+                    ln.dispatch_intra * row_bytes,
+                    ln.dispatch_inter * row_bytes,
+                    ln.sent,
+                    ln.received,
+                )
+            if kind == "cached":
+                return (ln.dispatch_intra * row_bytes, ln.dispatch_inter * row_bytes, 0, 0)
+            return (ln.combine_intra * row_bytes, ln.combine_inter * row_bytes, 0, 0)
+
+        self._traffic.record(values)
 
     def _row_bytes(self, payload: int, *, ids: int = 0, weights: int = 0) -> int:
         """Bytes one row takes on the wire, beside ``payload`` (DeepEP's channel layouts).
@@ -284,64 +258,20 @@ class DeepEPBackend(LowLatencyMixin, CombineMixin, DispatchBackend):
             return payload + 4 + 8 * ids + 4 * weights
         return -(-(payload + 8 + 4 * ids + 4 * weights) // 16) * 16
 
-    def _links(self, handle: tuple, ntr: torch.Tensor, ntrr: torch.Tensor | None) -> _Links:
-        """Rows per link class of one dispatch, read from DeepEP's handle and layout.
-
-        Intranode: ``rank_prefix_matrix [R, R]`` (tokens from ranks ``0..s`` to each rank) gives the
-        rows received from each source; ``num_tokens_per_rank`` the rows sent. Internode: one RDMA
-        row per destination node (``num_tokens_per_rdma_rank``), the NVLink forwards of this rank
-        (``send_nvl_head >= 0`` outside its own column), and the rows received from each global
-        rank and node (``recv_gbl_rank_prefix_sum``, ``recv_rdma_rank_prefix_sum``).
-        """
-        R, L, me = self.num_ranks, self.ranks_per_node, self.rank
-        device = ntr.device
-        peers = torch.arange(R, device=device)
-        if self.num_nodes == 1:
-            rpm = handle[0]
-            col = rpm[:, me].to(torch.int64)
-            recv_from = torch.diff(col, prepend=col.new_zeros(1))
-            sent_to = ntr.to(torch.int64)
-            other = peers != me
-            d_intra = (sent_to * other).sum()
-            c_intra = (recv_from * other).sum()
-            zero = d_intra * 0
-            links = _Links(
-                dispatch_intra=d_intra,
-                dispatch_inter=zero,
-                combine_intra=c_intra,
-                combine_inter=zero,
-                sent=sent_to.sum(),
-                received=col[-1],
-            )
-        else:
-            N, node, local = self.num_nodes, me // L, me % L
-            recv_rdma_sum, recv_gbl_sum, send_nvl_head = handle[4], handle[6], handle[9]
-            gbl = recv_gbl_sum.to(torch.int64)
-            recv_from = torch.diff(gbl, prepend=gbl.new_zeros(1))
-            rdma = recv_rdma_sum.to(torch.int64)
-            recv_from_node = torch.diff(rdma, prepend=rdma.new_zeros(1))
-            nodes = torch.arange(N, device=device)
-            heads = send_nvl_head[:, :L] >= 0
-            forwards = heads.sum() - heads[:, local].sum()
-            assert ntrr is not None
-            links = _Links(
-                dispatch_intra=forwards,
-                dispatch_inter=(ntrr.to(torch.int64) * (nodes != node)).sum(),
-                combine_intra=(recv_from * (peers % L != local)).sum(),
-                combine_inter=(recv_from_node * (nodes != node)).sum(),
-                sent=ntr.to(torch.int64).sum(),
-                received=gbl[-1],
-            )
-        if device.type == "cpu":
-            links = _Links(**{k: int(v) for k, v in links.__dict__.items()})
-        return links
-
     def check_overflow(self) -> None:
         """Raise if a worst-case dispatch since construction overflowed (reads a device value)."""
         self.flush_stats()
-        if self._required_w is None:
-            return
-        need = int(self._required_w)
+        span = self._node_span.read()
+        if span > refusals.MAX_TOPK_NODES:
+            raise ValueError(
+                f"a dispatch had a token with experts on {span} nodes, but DeepEP's internode "
+                f"dispatch reaches at most {refusals.MAX_TOPK_NODES} nodes per token (a device "
+                f"assert): its ids past the {refusals.MAX_TOPK_NODES}th node were sent as -1: use "
+                f"node-limited routing (RouterConfig num_groups = {self.num_nodes}, group_topk "
+                f"<= {refusals.MAX_TOPK_NODES}), k <= {refusals.MAX_TOPK_NODES}, or "
+                f"backend='torch'"
+            )
+        need = self._need_w.read()
         if need > self.num_worst_tokens:
             R = self.num_ranks
             raise ValueError(
@@ -437,8 +367,17 @@ class DeepEPBackend(LowLatencyMixin, CombineMixin, DispatchBackend):
         return rules.plan_chunks(wire_cols, cap, self.rules.dispatch_col_multiple(self.internode))
 
     def _buffer_for_rows(self, *cols: int) -> Any:
-        """The shared buffer, sized for rows of up to ``max(cols)`` bf16 columns."""
-        return self._ensure_buffer(self._required_size(2 * max(cols)))
+        """The shared buffer, sized for rows of up to ``max(cols)`` bf16 columns (normal kernels:
+        refused where DeepEP's internode kernels would assert or hang, audit-3 N3 / N6)."""
+        need = self._required_size(2 * max(cols))
+        have = self._shared.size
+        refusals.check_normal_buffer_bytes(
+            need if have is None else have.union(need),
+            internode=self.internode,
+            low_latency_need=" (it also holds the low-latency buffers)" if have else "",
+        )
+        refusals.check_low_latency_graph(self._shared, internode=self.internode)
+        return self._ensure_buffer(need)
 
     # ----------------------------------------------------------------- dispatch
     def _layout(
@@ -468,12 +407,7 @@ class DeepEPBackend(LowLatencyMixin, CombineMixin, DispatchBackend):
         need = ntr.max().to(torch.int64) * R
         pos = itr.to(torch.int32).cumsum(0)
         itr = itr & (pos <= cap)
-        if need.device.type == "cpu":
-            self._required_w = max(int(need), self._required_w or 0)
-        elif self._required_w is None:
-            self._required_w = need
-        else:
-            self._required_w = torch.maximum(self._required_w, need)
+        self._need_w.update(need)
         return itr, itr.sum(0, dtype=torch.int32)
 
     def _check_on_every_rank(
@@ -544,7 +478,9 @@ class DeepEPBackend(LowLatencyMixin, CombineMixin, DispatchBackend):
         """Issue the dispatch (``dispatch``'s arguments and errors). With ``async_finish`` the
         current stream does not wait for it: work issued before ``finish_dispatch`` overlaps
         it (N13). Every input is prepared before the first DeepEP call, which fences them."""
-        x, scales, wire = sizing.split_rows(x, fp8_multiple=16)
+        # NOTE: intranode, the SM90 receive path needs hidden_int4 % 2 == 0, i.e. fp8 H % 32
+        # (intranode.cu:235); internode rows move in 16-byte units (audit-3 N5)
+        x, scales, wire = sizing.split_rows(x, fp8_multiple=16 if self.internode else 32)
         T, X = x.shape
         k = topk_idx.shape[1]
         sizing.check_topk(k, "normal kernels (num_topk <= 32 in intranode.cu / internode.cu)")
@@ -572,6 +508,12 @@ class DeepEPBackend(LowLatencyMixin, CombineMixin, DispatchBackend):
         comb = self._combine_chunks(max(-(-X // 8) * 8, 8))
         buffer = self._buffer_for_rows(widest, max(c.padded for c in comb))
         idx = topk_idx
+        if self.num_nodes > refusals.MAX_TOPK_NODES and k > refusals.MAX_TOPK_NODES:
+            strict = checks_enabled(self.checks) or not _validate.cuda_code_path(idx.device)
+            idx, span = refusals.node_span(idx, self.num_experts, self.num_nodes, raise_now=strict)
+            if span is not None:
+                self._node_span.update(span)
+                layout = None  # NOTE: DeepEP's layout kernel, of the ids actually sent
         if idx.dtype != self.topk_idx_dtype:
             idx = idx.to(self.topk_idx_dtype)
         idx = idx.contiguous()
@@ -670,7 +612,16 @@ class DeepEPBackend(LowLatencyMixin, CombineMixin, DispatchBackend):
         scale_bytes = num_scales * 4
         row_bytes = sum(self._row_bytes(2 * c.padded) for c in chunks)
         row_bytes += self._row_bytes(scale_bytes, ids=k, weights=k) - self._row_bytes(0)
-        links = _LazyLinks(self, handle, p.ntr, p.ntrr)
+        links = LazyLinks(
+            lambda: handle_links(
+                handle,
+                p.ntr,
+                p.ntrr,
+                num_ranks=self.num_ranks,
+                ranks_per_node=self.ranks_per_node,
+                rank=self.rank,
+            )
+        )
         self._account("dispatch", links, row_bytes)
         state = DeepEPDispatchState(
             handle=handle,

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from . import limits, transport
+from . import limits, strict, transport
 from .config import EventHandle
 
 __all__ = [
@@ -144,7 +144,9 @@ class ElasticRuntime:
         explicitly_destroy: bool,
     ) -> None:
         self.release: str = module.EMULATED_RELEASE
+        self.module = module
         self.calls = 0
+        strict.alloc(module, module.EMULATED_RELEASE, "ElasticBuffer")
         group = module.pending_group
         module.pending_group = None
         if group is None:
@@ -316,6 +318,10 @@ class ElasticRuntime:
         limits.host_assert(k <= 32, "elastic.topk_max", rel, f"k={k}")
         if cached:
             limits.host_assert(stats is None, "elastic.cached_stats", rel)
+        else:
+            strict.check_elastic_ids(rel, topk_idx, num_experts, R)
+        key = (do_cpu_sync, cached, H * x.element_size(), packs, M, num_experts, k)
+        strict.jit(self.module, rel, ("dispatch", *key, expert_alignment, num_sms, do_expand))
         a = expert_alignment
         with transport.kernel("elastic_dispatch"):
             valid = topk_idx >= 0
@@ -542,6 +548,8 @@ class ElasticRuntime:
         limits.host_assert(H % 256 == 0, "elastic.combine_hidden", rel, f"H={H}")
         if expand and not self.amr:
             limits.device_trap(topk_weights is None, "elastic.expand_weights", rel)
+        weights = topk_weights is not None
+        strict.jit(self.module, rel, ("combine", H, k, M, num_sms, weights, expand))
         e = num_experts // R
         with transport.kernel("elastic_combine"):
             n = n_meta

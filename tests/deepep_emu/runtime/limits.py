@@ -24,7 +24,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from . import ep_limits
+from . import ep_limits, strict
 
 __all__ = [
     "COMMITS",
@@ -844,6 +844,7 @@ _ALL = [
 ]
 # DeepEP 2.5 (``EPBuffer``), cited in the sgl-deep-ep-v25 wheel's source (``ep_limits``)
 _ALL += [_L(i, k, t, n, {ep_limits.RELEASE: (p, ln)}) for i, k, t, n, p, ln in ep_limits.EP_ROWS]
+_ALL += [_L(*row) for row in strict.ROWS]  # audit-3 E1-E7
 LIMITS: dict[str, Limit] = {lim.id: lim for lim in _ALL}
 
 

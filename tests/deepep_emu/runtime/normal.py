@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from . import limits, transport
+from . import limits, strict, transport
 from .config import SOURCE_META_BYTES, EventHandle, shapes_for
 from .low_latency import LowLatencyKernels
 
@@ -124,6 +124,7 @@ class Runtime(LowLatencyKernels):
         limits.host_assert(num_nvl_bytes % 128 == 0, "buffer.bytes_aligned", rel)
         limits.host_assert(num_rdma_bytes % 128 == 0, "buffer.rdma_bytes_aligned", rel)
         limits.host_assert(num_ranks < L or num_ranks % L == 0, "buffer.num_ranks", rel)
+        strict.check_buffer(module, rel, num_nvl_bytes, num_rdma_bytes, low_latency_mode)
         if num_rdma_bytes > 0:
             limits.host_assert(num_ranks > L or low_latency_mode, "buffer.rdma_needs_nodes", rel)
         self.num_rdma_ranks = max(1, num_ranks // L)
@@ -256,6 +257,7 @@ class Runtime(LowLatencyKernels):
             rel,
         )
         limits.host_assert(x_scales.size(0) == T, "dispatch.scales_rows", rel)
+        limits.host_assert(x_scales.dim() == 2, "dispatch.scales_2d", rel)
         return 1 if x_scales.dim() == 1 else int(x_scales.size(1))
 
     def _check_topk(
@@ -601,9 +603,12 @@ class Runtime(LowLatencyKernels):
         return acc.to(x.dtype), out_w, event
 
     # ----------------------------------------------------------------- internode
-    def _check_internode(self, config: Any, *, combine: bool) -> None:
+    def _check_internode(self, config: Any, *, combine: bool, cached: bool = False) -> None:
         rel, N = self.release, self.num_rdma_ranks
         C = config.num_sms // 2
+        strict.check_internode_bytes(self, cached=combine or cached)
+        if combine or cached:
+            limits.host_assert(C * 2 > 3, "internode.num_channels", rel, f"num_channels={C}")
         limits.device_trap(
             self.num_rc_per_pe == C or self.num_rc_per_pe >= config.num_sms,
             "internode.qps",
@@ -672,9 +677,10 @@ class Runtime(LowLatencyKernels):
         num_scales = self._check_x(x, x_scales, T)
         self._check_launch()
         limits.host_assert(self.num_rdma_bytes > 0, "buffer.rdma_needs_nodes", rel)
-        self._check_internode(config, combine=False)
+        self._check_internode(config, combine=False, cached=cached)
         e = E // R if E else 0
         if not cached:
+            strict.check_node_span(self, is_token_in_rank)
             limits.device_trap(E // N <= 512, "internode.notify_rdma_experts", rel, f"E/N={E // N}")
             limits.device_trap(e <= 512, "internode.notify_nvl_experts", rel, f"e={e}")
         limits.device_trap(k <= 32, "internode.dispatch_topk_max", rel, f"k={k}")

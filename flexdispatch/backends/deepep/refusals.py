@@ -1,0 +1,139 @@
+"""What the deepep backends refuse before any collective, where DeepEP would trap, assert or hang.
+
+Shape letters (ARCHITECTURE.md): T tokens · E experts · R ranks · L ranks per node · N = R / L
+nodes · k top-k. Each rule names DeepEP's limit, the value and what to change (audit-3).
+
+- ``check_normal_buffer_bytes`` (N3): DeepEP's internode normal kernels host-assert
+  ``num_rdma_bytes < INT_MAX`` and ``num_nvl_bytes < INT_MAX`` (v1.2.1 internode.cu:341-342,
+  1207-1208; main legacy/internode.cu:432-433, 1517-1518), but the one shared buffer of a group
+  also holds the low-latency bytes, which pass 2 GiB at e.g. E = 384, H = 7168, 128 tokens.
+- ``node_span`` (N4): V1's internode dispatch sends a token to at most ``min(N, 8)`` nodes
+  (``kNumTopkRDMARanks``, a device assert, v1.2.1 internode.cu:543); reachable only with k > 8
+  on more than 8 nodes. Checks on (or the CPU code path): raise naming the token; else the ids on
+  the token's nodes past its eighth become -1 on the device and the widest span is recorded for
+  ``check_overflow``.
+- ``check_no_capture`` (N18): creating or growing a DeepEP buffer (cudaMalloc, IPC handles, a
+  barrier) and DeepEP V2's JIT compilation of a new shape cannot happen inside a CUDA-graph
+  capture: refused with the fix (warm up first).
+- ``check_low_latency_graph`` (N6): low-latency kernels captured in a CUDA graph replay on the
+  signal buffers as they were at capture; a normal *internode* kernel on the same buffer dirties
+  them (the clean before the next low-latency kernel is host-side and is not replayed), so it is
+  refused once a low-latency kernel has been captured on that buffer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flexdispatch import _validate
+
+__all__ = [
+    "INT_MAX",
+    "MAX_TOPK_NODES",
+    "check_low_latency_graph",
+    "check_no_capture",
+    "check_normal_buffer_bytes",
+    "first_use",
+    "node_span",
+]
+
+INT_MAX = 2**31 - 1
+MAX_TOPK_NODES = 8
+"""Nodes one token may reach in V1's internode dispatch (``get_num_topk_rdma_ranks``)."""
+
+
+def check_normal_buffer_bytes(size: Any, *, internode: bool, low_latency_need: str = "") -> None:
+    """Raise ValueError when the shared buffer (``sizing.BufferSize``) is too large for DeepEP's
+    internode normal kernels (N3); intranode kernels have no such limit."""
+    if not internode or size is None:
+        return
+    for name, n in (("num_rdma_bytes", size.num_rdma_bytes), ("num_nvl_bytes", size.num_nvl_bytes)):
+        if n >= INT_MAX:
+            raise ValueError(
+                f"DeepEP's internode normal kernels need {name} < INT_MAX = {INT_MAX} "
+                f"(internode.cu notify_dispatch / cached_notify host asserts), but the shared "
+                f"DeepEP buffer of this process group needs {n} bytes{low_latency_need}: lower "
+                f"num_max_dispatch_tokens_per_rank of the low-latency dispatcher, or run "
+                f"low-latency decode and normal (prefill / training) dispatch on two process "
+                f"groups (one buffer each)"
+            )
+
+
+def node_span(
+    topk_idx: torch.Tensor, num_experts: int, num_nodes: int, *, raise_now: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Ids whose token reaches at most ``MAX_TOPK_NODES`` nodes (N4).
+
+    Args:
+        topk_idx: ``[T, k]`` global ids in ``[-1, E)``.
+        num_experts: E (``E / N`` experts per node).
+        num_nodes: N.
+        raise_now: raise ValueError for a token on more nodes (checks on / CPU code path).
+
+    Returns:
+        ``(ids, span)``: the ids (a token's ids on its nodes past the eighth, in node order, as
+        -1) and the 0-dim int64 widest node span of a token (None when ``raise_now``).
+    """
+    T = topk_idx.shape[0]
+    per_node = num_experts // num_nodes
+    node = torch.where(topk_idx >= 0, topk_idx // per_node, num_nodes)
+    hit = torch.zeros(T, num_nodes + 1, dtype=torch.int64, device=topk_idx.device)
+    hit = hit.scatter_(1, node, 1)[:, :num_nodes]
+    nodes_per_token = hit.sum(1)
+    if raise_now:
+        if T and int(nodes_per_token.max()) > MAX_TOPK_NODES:
+            t = int(nodes_per_token.argmax())
+            raise ValueError(
+                f"token {t} has experts on {int(nodes_per_token[t])} nodes (ids "
+                f"{topk_idx[t].tolist()}), but DeepEP's internode dispatch sends a token to at "
+                f"most {MAX_TOPK_NODES} nodes (kNumTopkRDMARanks, a device assert in "
+                f"internode.cu): use node-limited routing (RouterConfig num_groups = {num_nodes} "
+                f"node groups, group_topk <= {MAX_TOPK_NODES}), k <= {MAX_TOPK_NODES}, or "
+                f"backend='torch'"
+            )
+        return topk_idx, None
+    order = hit.cumsum(1) * hit  # 1.. for the nodes a token reaches, in node order
+    keep_node = torch.cat([(order >= 1) & (order <= MAX_TOPK_NODES), hit.new_zeros(T, 1) > 0], 1)
+    keep = keep_node.gather(1, node)
+    span = nodes_per_token.amax() if T else hit.new_zeros(())
+    return torch.where(keep, topk_idx, -1), span
+
+
+def check_no_capture(what: str) -> None:
+    """Raise RuntimeError when ``what`` (a buffer creation or growth, a first-use compile) would
+    run inside a CUDA-graph capture (N18)."""
+    if _validate.is_capturing():
+        raise RuntimeError(
+            f"{what} inside a CUDA-graph capture, which cannot be captured (cudaMalloc, IPC "
+            f"handles, a barrier, a compile): call FlexDispatcher.warmup(...) (or run one eager "
+            f"step) with the shapes of the captured step before capturing"
+        )
+
+
+_COMPILED: dict[int, set[tuple]] = {}
+
+
+def first_use(module: Any, key: tuple, what: str) -> None:
+    """Note that DeepEP V2 runs its ``what`` kernel for ``key`` (its JIT template arguments); a
+    first use compiles, which is refused inside a CUDA-graph capture (N18, E7). The JIT cache is
+    per process, so the keys are kept per ``deep_ep`` module."""
+    seen = _COMPILED.setdefault(id(module), set())
+    if key not in seen:
+        check_no_capture(f"DeepEP V2 would compile its {what} kernel for new template arguments")
+        seen.add(key)
+
+
+def check_low_latency_graph(shared: Any, *, internode: bool) -> None:
+    """Raise ValueError before a normal internode kernel on a buffer whose low-latency kernels
+    were captured in a CUDA graph (N6)."""
+    if internode and getattr(shared, "low_latency_captured", False):
+        raise ValueError(
+            "a normal internode DeepEP kernel would run on the buffer whose low-latency kernels "
+            "were captured in a CUDA graph: it overwrites the RDMA signal buffers the graph's "
+            "replays read (DeepEP's clean before a low-latency kernel runs on the host and is "
+            "not replayed), so the next replay would hang or return garbage: run low-latency "
+            "decode graphs and normal internode dispatch on two process groups (one buffer "
+            "each), or do not capture the low-latency kernels"
+        )
