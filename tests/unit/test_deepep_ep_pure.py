@@ -144,12 +144,14 @@ def test_the_loader_gives_the_wheels_epbuffer_and_leaves_no_import_behind() -> N
         pytest.skip(f"{ep_limits.WHEEL} is not installed (scripts/setup.sh)")
     from tests.deepep_emu.load import emulator_or_skip
 
+    had = {m for m in ("deep_ep_v25", "torch._dynamo") if m in sys.modules}
     pkg = emulator_or_skip(nvl_peers=2, release="2.5.0")
     assert pkg.__version__ == "2.5.0" and pkg.IS_EMULATOR and pkg.num_max_nvl_peers() == 2
     assert pkg.EPBuffer.__module__ == "deep_ep_v25.buffers.ep"
     assert pkg.ep.__file__ == str(ep_limits.wheel_root() / "buffers" / "ep.py")
     assert not hasattr(pkg, "Buffer") and not hasattr(pkg, "ElasticBuffer")
-    assert "deep_ep_v25" not in sys.modules and "torch._dynamo" not in sys.modules
+    # the loader imports neither (an earlier test in the same process may have)
+    assert {m for m in ("deep_ep_v25", "torch._dynamo") if m in sys.modules} <= had
     assert split_hook(pkg) == (None, pkg, True)
     assert split_hook({"deep_ep_v25": pkg}) == (None, pkg, True)
 
