@@ -184,13 +184,13 @@ def test_bad_arguments_are_named(kw: dict[str, Any], match: str) -> None:
 @pytest.mark.parametrize("H", [8, 16, 100, 256, 300, 2048, 7168])
 def test_elastic_hidden_mirrors_the_backend(dtype: torch.dtype, H: int) -> None:
     from flexdispatch.backends.deepep import elastic as v2
-    from flexdispatch.backends.deepep import sizing
+    from flexdispatch.backends.deepep import elastic_combine, sizing
 
     x = torch.zeros(3, H, dtype=dtype)
     _, _, wire = sizing.split_rows(x, fp8_multiple=32)
     sent = v2._pad_cols(wire.send(x), v2._DISPATCH_COL_MULTIPLE)
     want_dispatch = max(sent.shape[1], v2._COMBINE_COL_MULTIPLE)  # DeepEPElasticBackend.dispatch
-    if dtype != torch.bfloat16 and H <= v2._NARROW_FP32_COLUMNS:
+    if dtype != torch.bfloat16 and H <= elastic_combine._NARROW_FP32_COLUMNS:
         want_combine = v2._COMBINE_COL_MULTIPLE  # _combine_fp32
     else:
         want_combine = v2._pad_cols(x.to(torch.bfloat16), v2._COMBINE_COL_MULTIPLE).shape[1]
