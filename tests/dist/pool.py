@@ -27,6 +27,7 @@ many groups it spawned.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import io
 import multiprocessing as mp
@@ -77,21 +78,45 @@ _RESTORED = ("torch.distributed", "torch.distributed.distributed_c10d")
 _MISSING = object()
 
 
-def _module_globals() -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(live globals, a copy) of every ``flexdispatch`` module and of ``torch.distributed``."""
-    return [
-        (vars(mod), dict(vars(mod)))
-        for name, mod in list(sys.modules.items())
-        if mod is not None and (name.partition(".")[0] == "flexdispatch" or name in _RESTORED)
-    ]
+def _module_globals() -> list[tuple[bool, Any, Any]]:
+    """What ``_restore_globals`` puts back: (live, copy) of the globals of every ``flexdispatch``
+    module and of ``torch.distributed``, and of every dict / list / set held in a
+    ``flexdispatch`` global (process-wide registries such as the shared DeepEP buffers)."""
+    saved: list[tuple[bool, Any, Any]] = []
+    for name, mod in list(sys.modules.items()):
+        if mod is None:
+            continue
+        ours = name.partition(".")[0] == "flexdispatch"
+        if not ours and name not in _RESTORED:
+            continue
+        live = vars(mod)
+        saved.append((True, live, dict(live)))
+        if ours:
+            saved.extend(
+                (False, v, copy.copy(v)) for v in live.values() if isinstance(v, (dict, list, set))
+            )
+    return saved
 
 
-def _restore_globals(saved: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
-    """Put back every global a call rebound. Names it added stay (submodules set on packages)."""
-    for live, copy in saved:
-        for key, value in copy.items():
-            if live.get(key, _MISSING) is not value:
-                live[key] = value
+def _restore_globals(saved: list[tuple[bool, Any, Any]]) -> None:
+    """Put back every global a call rebound and the contents of every container it changed, as
+    a fresh process would have them. Module globals a call added stay (a package gets its
+    submodules as attributes when they are imported)."""
+    for is_module, live, old in saved:
+        if is_module:
+            for key, value in old.items():
+                if live.get(key, _MISSING) is not value:
+                    live[key] = value
+        elif isinstance(live, dict):
+            if live.keys() != old.keys() or any(live[k] is not v for k, v in old.items()):
+                live.clear()
+                live.update(old)
+        elif isinstance(live, list):
+            if len(live) != len(old) or any(a is not b for a, b in zip(live, old, strict=True)):
+                live[:] = old
+        elif live != old:
+            live.clear()
+            live.update(old)
 
 
 def _encode(payload: dict[str, Any]) -> bytes:

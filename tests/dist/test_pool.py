@@ -22,6 +22,7 @@ def _state(tag: str) -> dict:
     import torch.distributed as dist
 
     from flexdispatch import _validate
+    from flexdispatch.backends.deepep import buffer
 
     before = {
         "pid": os.getpid(),
@@ -33,10 +34,12 @@ def _state(tag: str) -> dict:
         "dtype": str(torch.get_default_dtype()),
         "rand": torch.rand(4),
         "left": os.environ.get("POOL_TEST_LEFT", ""),
+        "registry": sorted(buffer._BUFFERS),
     }
     # what a careless test leaves behind
     os.environ["POOL_TEST_LEFT"] = tag
     _validate.defer_value_checks = lambda device: True
+    buffer._BUFFERS[(-1, -1)] = tag  # a process-wide registry entry
     torch.set_default_dtype(torch.float64)
     t = torch.ones(1) * (dist.get_rank() + 1)
     dist.all_reduce(t)
@@ -80,6 +83,7 @@ def test_pool_reuses_the_group_and_puts_back_what_a_call_changed() -> None:
             assert b[r]["left"] == ""  # a variable the first call set was removed
             assert a[r]["cuda_visible"] == b[r]["cuda_visible"] == ""
             assert not b[r]["patched"]  # the patched module global was put back
+            assert a[r]["registry"] == b[r]["registry"] == []  # the registry emptied again
             assert b[r]["dtype"] == "torch.float32"
             assert a[r]["sum"] == b[r]["sum"] == 3.0
             assert not torch.equal(a[r]["rand"], b[r]["rand"])  # a fresh seed per call
