@@ -16,9 +16,10 @@ R ranks · L ranks per node.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -27,7 +28,15 @@ from flexdispatch import launch
 from flexdispatch.launch import free_port
 from tests.dist.pool import GroupPool
 
-__all__ = ["close_pools", "free_port", "pool_report", "run_agents", "run_group", "spawn_group"]
+__all__ = [
+    "close_pools",
+    "free_port",
+    "fresh_groups",
+    "pool_report",
+    "run_agents",
+    "run_group",
+    "spawn_group",
+]
 
 FRESH_ENV = "FLEXDISPATCH_TEST_FRESH_GROUPS"
 REPORT_ENV = "FLEXDISPATCH_TEST_POOL_REPORT"
@@ -41,6 +50,17 @@ def set_fresh_test(fresh: bool) -> None:
     """Whether the test that runs now asked for fresh groups (root conftest)."""
     global _fresh_test
     _fresh_test = fresh
+
+
+@contextlib.contextmanager
+def fresh_groups() -> Iterator[None]:
+    """Calls inside spawn fresh groups (e.g. a second run that must not share the processes)."""
+    global _fresh_test
+    before, _fresh_test = _fresh_test, True
+    try:
+        yield
+    finally:
+        _fresh_test = before
 
 
 def pooling() -> bool:

@@ -37,6 +37,7 @@ import random
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -172,6 +173,7 @@ def _rank_main(
     for info in pkgutil.walk_packages(backends.__path__, "flexdispatch.backends."):
         importlib.import_module(info.name)
     clean_env = dict(os.environ)
+    warning_filters = list(warnings.filters)
     default_dtype = torch.get_default_dtype()
     deterministic = torch.are_deterministic_algorithms_enabled()
     call_id = 0
@@ -203,6 +205,10 @@ def _rank_main(
             result = _resolve(module, qualname)(*args)
             data = _plain_result(result)
             _restore_globals(saved)
+            # NOTE: a filter change bumps the filters' version, which empties every module's
+            # __warningregistry__: a warning shown once per process shows again in the next call
+            warnings.simplefilter("default")
+            warnings.filters[:] = warning_filters
         except BaseException:  # reported to the parent, which raises GroupError
             conn.send_bytes(b"0" + _encode({"ok": False, "error": traceback.format_exc()}))
             return  # the parent kills the group; nothing here is to be trusted any more
