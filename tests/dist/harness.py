@@ -72,8 +72,10 @@ def close_pools(where: str = "") -> None:
     """Stop every pooled group (the end of a test module); note their use for the report."""
     for (R, backend), pool in sorted(_POOLS.items()):
         if pool.calls:
+            pool.close()
             _REPORT.append(
-                f"{where or '?'}: {backend} R={R}: {pool.calls} calls, {pool.spawns} spawns"
+                f"{where or '?'}: {backend} R={R}: {pool.calls} calls, {pool.spawns} spawns, "
+                f"{pool.cpu_s:.1f} s rank CPU"
             )
         pool.close()
     _POOLS.clear()

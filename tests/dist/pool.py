@@ -34,6 +34,7 @@ import multiprocessing as mp
 import os
 import pkgutil
 import random
+import struct
 import sys
 import time
 import traceback
@@ -120,6 +121,14 @@ def _restore_globals(saved: list[tuple[bool, Any, Any]]) -> None:
             live.update(old)
 
 
+# a reply: (the group may be reused, the rank's CPU seconds so far), then the torch.save bytes
+_HEADER = struct.Struct("<?d")
+
+
+def _header(healthy: bool) -> bytes:
+    return _HEADER.pack(healthy, time.process_time())
+
+
 def _encode(payload: dict[str, Any]) -> bytes:
     buf = io.BytesIO()
     torch.save(payload, buf)
@@ -172,7 +181,6 @@ def _rank_main(
     backends = sys.modules["flexdispatch.backends"]
     for info in pkgutil.walk_packages(backends.__path__, "flexdispatch.backends."):
         importlib.import_module(info.name)
-    clean_env = dict(os.environ)
     warning_filters = list(warnings.filters)
     default_dtype = torch.get_default_dtype()
     deterministic = torch.are_deterministic_algorithms_enabled()
@@ -182,10 +190,12 @@ def _rank_main(
         if task is None:
             break
         call_id += 1
-        module, qualname, args, env, ranks_per_node, pg_timeout_s = task
+        module, qualname, args, parent_env, env, ranks_per_node, pg_timeout_s = task
         os.environ.clear()
-        os.environ.update(clean_env)
+        os.environ.update(parent_env)  # as a process spawned now would inherit it
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
         os.environ.update(env)
+        os.environ.update(base_env)
         os.environ.update(
             {
                 "LOCAL_RANK": str(rank % ranks_per_node),
@@ -198,7 +208,10 @@ def _rank_main(
         random.seed()
         torch.set_default_dtype(default_dtype)
         torch.set_grad_enabled(True)
-        torch.use_deterministic_algorithms(deterministic)
+        if torch.are_deterministic_algorithms_enabled() != deterministic:
+            torch.use_deterministic_algorithms(
+                deterministic
+            )  # NOTE: ~1.4 s of CPU: only if changed
         saved = _module_globals()
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=pg_timeout_s))
         try:
@@ -210,7 +223,8 @@ def _rank_main(
             warnings.simplefilter("default")
             warnings.filters[:] = warning_filters
         except BaseException:  # reported to the parent, which raises GroupError
-            conn.send_bytes(b"0" + _encode({"ok": False, "error": traceback.format_exc()}))
+            error = _encode({"ok": False, "error": traceback.format_exc()})
+            conn.send_bytes(_header(False) + error)
             return  # the parent kills the group; nothing here is to be trusted any more
         # NOTE: the ranks must still be in step for the next call to reuse the group: one tiny
         # all-reduce of the call number (a peer that failed has exited: this fails fast).
@@ -223,11 +237,24 @@ def _rank_main(
                 healthy = int(t) == call_id * world_size
             except Exception:
                 healthy = False
-        conn.send_bytes((b"1" if healthy else b"0") + data)
+        conn.send_bytes(_header(healthy) + data)
         if not healthy:
             return  # the parent retires the group after taking the results
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _context() -> Any:
+    """Forkserver where there is one: ranks fork from a server that imported torch and
+    flexdispatch once (a fresh interpreter importing torch costs ~1.5-2 s of CPU per rank); it
+    ran nothing but imports, so forking it is safe. Else spawn."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    backends = importlib.import_module("flexdispatch.backends")
+    names = [i.name for i in pkgutil.walk_packages(backends.__path__, "flexdispatch.backends.")]
+    ctx.set_forkserver_preload([__name__, *_PRELOAD, *names])
+    return ctx
 
 
 class GroupPool:
@@ -237,6 +264,8 @@ class GroupPool:
         world_size: R.
         calls: calls run (passed or failed).
         spawns: groups spawned.
+        cpu_s: CPU seconds the closed groups' ranks reported (ranks forked from a forkserver
+            are not children of this process: ``time`` does not count them).
     """
 
     def __init__(self, world_size: int, *, backend: str = "gloo", init_timeout_s: float = 120.0):
@@ -247,6 +276,8 @@ class GroupPool:
         self.init_timeout_s = init_timeout_s
         self.calls = 0
         self.spawns = 0
+        self.cpu_s = 0.0  # CPU seconds of the ranks closed so far (as they last reported)
+        self._cpu: dict[int, float] = {}
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
 
@@ -255,7 +286,7 @@ class GroupPool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def _spawn(self, timeout_s: float) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         port = free_port()
         self._procs, self._conns = [], []
         for rank in range(self.world_size):
@@ -307,7 +338,15 @@ class GroupPool:
             self.close()
             self._spawn(max(self.init_timeout_s, timeout_s))
         self.calls += 1
-        task = (module, qualname, tuple(args), dict(env or {}), L, pg_timeout_s or timeout_s)
+        task = (
+            module,
+            qualname,
+            tuple(args),
+            dict(os.environ),
+            dict(env or {}),
+            L,
+            pg_timeout_s or timeout_s,
+        )
         try:
             results, errors, retire = self._collect(task, deadline, timeout_s)
         except BaseException:  # e.g. pytest-timeout: replies may still come; start afresh
@@ -363,10 +402,12 @@ class GroupPool:
                     p.join(timeout=1)
                     errors[r] = f"process exited with code {p.exitcode} before reporting"
                     continue
-                reply = _decode(raw[1:])
+                healthy, cpu_s = _HEADER.unpack(raw[: _HEADER.size])
+                self._cpu[r] = cpu_s
+                reply = _decode(raw[_HEADER.size :])
                 if reply["ok"]:
                     results[r] = reply["result"]
-                    retire |= raw[:1] != b"1"
+                    retire |= not healthy
                 else:
                     errors[r] = reply["error"]
                 if errors and grace_end == float("inf"):
@@ -394,3 +435,5 @@ class GroupPool:
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
+        self.cpu_s += sum(self._cpu.values())
+        self._cpu = {}

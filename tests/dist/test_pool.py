@@ -28,6 +28,7 @@ def _state(tag: str) -> dict:
         "pid": os.getpid(),
         "rank": dist.get_rank(),
         "env": os.environ.get("POOL_TEST_VAR", ""),
+        "parent": os.environ.get("POOL_TEST_PARENT", ""),
         "local": (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]),
         "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "patched": _validate.defer_value_checks(torch.device("cpu")),
@@ -70,15 +71,20 @@ def _local() -> None:  # pragma: no cover - never called
 
 @pytest.mark.dist
 @pytest.mark.timeout(240)
-def test_pool_reuses_the_group_and_puts_back_what_a_call_changed() -> None:
+def test_pool_reuses_the_group_and_puts_back_what_a_call_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     pool = GroupPool(2)
     try:
+        monkeypatch.delenv("POOL_TEST_PARENT", raising=False)
         a = pool.run(_state, ("first",), env={"POOL_TEST_VAR": "x"}, ranks_per_node=1)
+        monkeypatch.setenv("POOL_TEST_PARENT", "p")  # what the parent's environment is now
         b = pool.run(_state, ("second",))
         assert pool.spawns == 1 and pool.calls == 2
         for r in range(2):
             assert a[r]["pid"] == b[r]["pid"] and a[r]["rank"] == b[r]["rank"] == r
             assert a[r]["env"] == "x" and b[r]["env"] == ""  # the call's env, then gone
+            assert (a[r]["parent"], b[r]["parent"]) == ("", "p")
             assert a[r]["local"] == ("0", "1") and b[r]["local"] == (str(r), "2")
             assert b[r]["left"] == ""  # a variable the first call set was removed
             assert a[r]["cuda_visible"] == b[r]["cuda_visible"] == ""
