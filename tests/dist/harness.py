@@ -41,6 +41,8 @@ __all__ = [
 FRESH_ENV = "FLEXDISPATCH_TEST_FRESH_GROUPS"
 REPORT_ENV = "FLEXDISPATCH_TEST_POOL_REPORT"
 
+# NOTE: the product's own, kept before tests patch ``launch.spawn_group`` with this module's
+_fresh_spawn_group = launch.spawn_group
 _POOLS: dict[tuple[int, str], GroupPool] = {}
 _REPORT: list[str] = []
 _fresh_test = False  # set per test by the root conftest (the fresh_groups marker)
@@ -119,7 +121,7 @@ def spawn_group(
     if backend == "gloo":
         env.setdefault("CUDA_VISIBLE_DEVICES", "")
     if backend != "gloo" or not pooling():
-        return launch.spawn_group(
+        return _fresh_spawn_group(
             fn,
             world_size,
             args=tuple(args),
