@@ -1,27 +1,32 @@
-"""``GroupPool``: one spawned gloo group of R ranks kept alive to run many test functions.
+"""``GroupPool``: one gloo group of R ranks kept alive to run many test functions.
 
 Spawning a group costs every rank a fresh interpreter and ``import torch`` (~1.5-2 s of CPU per
-rank on the CI machine); most multi-process tests then run for well under a second. A pool spawns
-its R ranks once, joins them in one process group, and runs successive calls in them:
+rank on the CI machine); most multi-process tests then run for well under a second. A pool starts
+its R ranks once (forked from a forkserver that imported torch and flexdispatch once per test
+session, ~0.1 s of CPU per rank; spawned where there is no forkserver), joins them in one process
+group, and runs successive calls in them:
 
 - a call names its function by reference (``module:qualname``, imported in the ranks) and sends
   its arguments parent -> ranks; each rank answers with ``torch.save`` bytes that the parent reads
   with ``torch.load(weights_only=True)``: plain tensors, numbers, strings, lists, tuples and dicts
   only (no arbitrary objects come back from a rank);
-- between calls every rank puts back what a call may change: the environment (the call's ``env``,
-  ``LOCAL_WORLD_SIZE`` / ``LOCAL_RANK`` / ``GROUP_RANK`` set per call), a fresh random seed (as a
-  fresh process gets), the default dtype, grad mode, torch's thread count and the process group's
-  timeout; after the call the ranks check that the group still answers (one tiny all-reduce);
+- every call gets what a freshly spawned rank would: the parent's environment as it is now plus
+  the call's ``env`` and ``LOCAL_WORLD_SIZE`` / ``LOCAL_RANK`` / ``GROUP_RANK``,
+  ``CUDA_VISIBLE_DEVICES=""`` (gloo ranks compute on the CPU), a fresh random seed, the default
+  dtype, grad mode, torch's thread count, the process group's timeout, no warning registry; after
+  it the ranks put back every ``flexdispatch`` (and ``torch.distributed``) global the call rebound
+  and the contents of every dict / list / set a ``flexdispatch`` module holds (registries such as
+  the shared DeepEP buffers), and check that the group still answers (one tiny all-reduce);
 - a call that fails anywhere (a rank raised, died, or the deadline passed) kills the whole group
-  and raises ``flexdispatch.launch.GroupError`` as ``spawn_group`` does; the next call spawns a
+  and raises ``flexdispatch.launch.GroupError`` as ``spawn_group`` does; the next call starts a
   fresh one, so one failing test cannot poison the next.
 
 ``tests/dist/harness.py`` keeps one pool per (R, backend) for the test module that runs and the
 root ``conftest.py`` closes them when the module ends. Tests that need a fresh group (peer
 failures, timeouts, state that must not be shared) carry ``@pytest.mark.fresh_groups``;
 ``FLEXDISPATCH_TEST_FRESH_GROUPS=1`` turns pooling off everywhere, and
-``FLEXDISPATCH_TEST_POOL_REPORT=1`` prints, per module, how many calls each pool ran and how
-many groups it spawned.
+``FLEXDISPATCH_TEST_POOL_REPORT=1`` prints, per module, how many calls each pool ran, how many
+groups it started and the CPU time of their ranks.
 """
 
 from __future__ import annotations
