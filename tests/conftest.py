@@ -107,8 +107,11 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     for line in lines:
         terminalreporter.write_line(line)
     calls = sum(int(x.split(": ")[-1].split()[0]) for x in lines)
-    spawns = sum(int(x.split(", ")[-1].split()[0]) for x in lines)
-    terminalreporter.write_line(f"total: {calls} pooled calls in {spawns} spawned groups")
+    spawns = sum(int(x.split(", ")[-2].split()[0]) for x in lines)
+    cpu = sum(float(x.split(", ")[-1].split()[0]) for x in lines)
+    terminalreporter.write_line(
+        f"total: {calls} pooled calls in {spawns} spawned groups, {cpu:.1f} s CPU in their ranks"
+    )
 
 
 @pytest.fixture

@@ -16,9 +16,10 @@ R ranks · L ranks per node.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -27,11 +28,21 @@ from flexdispatch import launch
 from flexdispatch.launch import free_port
 from tests.dist.pool import GroupPool
 
-__all__ = ["close_pools", "free_port", "pool_report", "run_agents", "run_group", "spawn_group"]
+__all__ = [
+    "close_pools",
+    "free_port",
+    "fresh_groups",
+    "pool_report",
+    "run_agents",
+    "run_group",
+    "spawn_group",
+]
 
 FRESH_ENV = "FLEXDISPATCH_TEST_FRESH_GROUPS"
 REPORT_ENV = "FLEXDISPATCH_TEST_POOL_REPORT"
 
+# NOTE: the product's own, kept before tests patch ``launch.spawn_group`` with this module's
+_fresh_spawn_group = launch.spawn_group
 _POOLS: dict[tuple[int, str], GroupPool] = {}
 _REPORT: list[str] = []
 _fresh_test = False  # set per test by the root conftest (the fresh_groups marker)
@@ -43,6 +54,17 @@ def set_fresh_test(fresh: bool) -> None:
     _fresh_test = fresh
 
 
+@contextlib.contextmanager
+def fresh_groups() -> Iterator[None]:
+    """Calls inside spawn fresh groups (e.g. a second run that must not share the processes)."""
+    global _fresh_test
+    before, _fresh_test = _fresh_test, True
+    try:
+        yield
+    finally:
+        _fresh_test = before
+
+
 def pooling() -> bool:
     """True when calls run in the module's pooled groups."""
     return not _fresh_test and os.environ.get(FRESH_ENV, "").strip() not in ("1", "true", "yes")
@@ -52,8 +74,10 @@ def close_pools(where: str = "") -> None:
     """Stop every pooled group (the end of a test module); note their use for the report."""
     for (R, backend), pool in sorted(_POOLS.items()):
         if pool.calls:
+            pool.close()
             _REPORT.append(
-                f"{where or '?'}: {backend} R={R}: {pool.calls} calls, {pool.spawns} spawns"
+                f"{where or '?'}: {backend} R={R}: {pool.calls} calls, {pool.spawns} spawns, "
+                f"{pool.cpu_s:.1f} s rank CPU"
             )
         pool.close()
     _POOLS.clear()
@@ -97,7 +121,7 @@ def spawn_group(
     if backend == "gloo":
         env.setdefault("CUDA_VISIBLE_DEVICES", "")
     if backend != "gloo" or not pooling():
-        return launch.spawn_group(
+        return _fresh_spawn_group(
             fn,
             world_size,
             args=tuple(args),

@@ -1,41 +1,49 @@
-"""``GroupPool``: one spawned gloo group of R ranks kept alive to run many test functions.
+"""``GroupPool``: one gloo group of R ranks kept alive to run many test functions.
 
 Spawning a group costs every rank a fresh interpreter and ``import torch`` (~1.5-2 s of CPU per
-rank on the CI machine); most multi-process tests then run for well under a second. A pool spawns
-its R ranks once, joins them in one process group, and runs successive calls in them:
+rank on the CI machine); most multi-process tests then run for well under a second. A pool starts
+its R ranks once (forked from a forkserver that imported torch and flexdispatch once per test
+session, ~0.1 s of CPU per rank; spawned where there is no forkserver), joins them in one process
+group, and runs successive calls in them:
 
 - a call names its function by reference (``module:qualname``, imported in the ranks) and sends
   its arguments parent -> ranks; each rank answers with ``torch.save`` bytes that the parent reads
   with ``torch.load(weights_only=True)``: plain tensors, numbers, strings, lists, tuples and dicts
   only (no arbitrary objects come back from a rank);
-- between calls every rank puts back what a call may change: the environment (the call's ``env``,
-  ``LOCAL_WORLD_SIZE`` / ``LOCAL_RANK`` / ``GROUP_RANK`` set per call), a fresh random seed (as a
-  fresh process gets), the default dtype, grad mode, torch's thread count and the process group's
-  timeout; after the call the ranks check that the group still answers (one tiny all-reduce);
+- every call gets what a freshly spawned rank would: the parent's environment as it is now plus
+  the call's ``env`` and ``LOCAL_WORLD_SIZE`` / ``LOCAL_RANK`` / ``GROUP_RANK``,
+  ``CUDA_VISIBLE_DEVICES=""`` (gloo ranks compute on the CPU), a fresh random seed, the default
+  dtype, grad mode, torch's thread count, the process group's timeout, no warning registry; after
+  it the ranks put back every ``flexdispatch`` (and ``torch.distributed``) global the call rebound
+  and the contents of every dict / list / set a ``flexdispatch`` module holds (registries such as
+  the shared DeepEP buffers), and check that the group still answers (one tiny all-reduce);
 - a call that fails anywhere (a rank raised, died, or the deadline passed) kills the whole group
-  and raises ``flexdispatch.launch.GroupError`` as ``spawn_group`` does; the next call spawns a
+  and raises ``flexdispatch.launch.GroupError`` as ``spawn_group`` does; the next call starts a
   fresh one, so one failing test cannot poison the next.
 
 ``tests/dist/harness.py`` keeps one pool per (R, backend) for the test module that runs and the
 root ``conftest.py`` closes them when the module ends. Tests that need a fresh group (peer
 failures, timeouts, state that must not be shared) carry ``@pytest.mark.fresh_groups``;
 ``FLEXDISPATCH_TEST_FRESH_GROUPS=1`` turns pooling off everywhere, and
-``FLEXDISPATCH_TEST_POOL_REPORT=1`` prints, per module, how many calls each pool ran and how
-many groups it spawned.
+``FLEXDISPATCH_TEST_POOL_REPORT=1`` prints, per module, how many calls each pool ran, how many
+groups it started and the CPU time of their ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import io
 import multiprocessing as mp
 import os
 import pkgutil
 import random
+import struct
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -77,21 +85,53 @@ _RESTORED = ("torch.distributed", "torch.distributed.distributed_c10d")
 _MISSING = object()
 
 
-def _module_globals() -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(live globals, a copy) of every ``flexdispatch`` module and of ``torch.distributed``."""
-    return [
-        (vars(mod), dict(vars(mod)))
-        for name, mod in list(sys.modules.items())
-        if mod is not None and (name.partition(".")[0] == "flexdispatch" or name in _RESTORED)
-    ]
+def _module_globals() -> list[tuple[bool, Any, Any]]:
+    """What ``_restore_globals`` puts back: (live, copy) of the globals of every ``flexdispatch``
+    module and of ``torch.distributed``, and of every dict / list / set held in a
+    ``flexdispatch`` global (process-wide registries such as the shared DeepEP buffers)."""
+    saved: list[tuple[bool, Any, Any]] = []
+    for name, mod in list(sys.modules.items()):
+        if mod is None:
+            continue
+        ours = name.partition(".")[0] == "flexdispatch"
+        if not ours and name not in _RESTORED:
+            continue
+        live = vars(mod)
+        saved.append((True, live, dict(live)))
+        if ours:
+            saved.extend(
+                (False, v, copy.copy(v)) for v in live.values() if isinstance(v, (dict, list, set))
+            )
+    return saved
 
 
-def _restore_globals(saved: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
-    """Put back every global a call rebound. Names it added stay (submodules set on packages)."""
-    for live, copy in saved:
-        for key, value in copy.items():
-            if live.get(key, _MISSING) is not value:
-                live[key] = value
+def _restore_globals(saved: list[tuple[bool, Any, Any]]) -> None:
+    """Put back every global a call rebound and the contents of every container it changed, as
+    a fresh process would have them. Module globals a call added stay (a package gets its
+    submodules as attributes when they are imported)."""
+    for is_module, live, old in saved:
+        if is_module:
+            for key, value in old.items():
+                if live.get(key, _MISSING) is not value:
+                    live[key] = value
+        elif isinstance(live, dict):
+            if live.keys() != old.keys() or any(live[k] is not v for k, v in old.items()):
+                live.clear()
+                live.update(old)
+        elif isinstance(live, list):
+            if len(live) != len(old) or any(a is not b for a, b in zip(live, old, strict=True)):
+                live[:] = old
+        elif live != old:
+            live.clear()
+            live.update(old)
+
+
+# a reply: (the group may be reused, the rank's CPU seconds so far), then the torch.save bytes
+_HEADER = struct.Struct("<?d")
+
+
+def _header(healthy: bool) -> bytes:
+    return _HEADER.pack(healthy, time.process_time())
 
 
 def _encode(payload: dict[str, Any]) -> bytes:
@@ -146,7 +186,7 @@ def _rank_main(
     backends = sys.modules["flexdispatch.backends"]
     for info in pkgutil.walk_packages(backends.__path__, "flexdispatch.backends."):
         importlib.import_module(info.name)
-    clean_env = dict(os.environ)
+    warning_filters = list(warnings.filters)
     default_dtype = torch.get_default_dtype()
     deterministic = torch.are_deterministic_algorithms_enabled()
     call_id = 0
@@ -155,10 +195,12 @@ def _rank_main(
         if task is None:
             break
         call_id += 1
-        module, qualname, args, env, ranks_per_node, pg_timeout_s = task
+        module, qualname, args, parent_env, env, ranks_per_node, pg_timeout_s = task
         os.environ.clear()
-        os.environ.update(clean_env)
+        os.environ.update(parent_env)  # as a process spawned now would inherit it
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
         os.environ.update(env)
+        os.environ.update(base_env)
         os.environ.update(
             {
                 "LOCAL_RANK": str(rank % ranks_per_node),
@@ -171,15 +213,23 @@ def _rank_main(
         random.seed()
         torch.set_default_dtype(default_dtype)
         torch.set_grad_enabled(True)
-        torch.use_deterministic_algorithms(deterministic)
+        if torch.are_deterministic_algorithms_enabled() != deterministic:
+            torch.use_deterministic_algorithms(
+                deterministic
+            )  # NOTE: ~1.4 s of CPU: only if changed
         saved = _module_globals()
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=pg_timeout_s))
         try:
             result = _resolve(module, qualname)(*args)
             data = _plain_result(result)
             _restore_globals(saved)
+            # NOTE: a filter change bumps the filters' version, which empties every module's
+            # __warningregistry__: a warning shown once per process shows again in the next call
+            warnings.simplefilter("default")
+            warnings.filters[:] = warning_filters
         except BaseException:  # reported to the parent, which raises GroupError
-            conn.send_bytes(b"0" + _encode({"ok": False, "error": traceback.format_exc()}))
+            error = _encode({"ok": False, "error": traceback.format_exc()})
+            conn.send_bytes(_header(False) + error)
             return  # the parent kills the group; nothing here is to be trusted any more
         # NOTE: the ranks must still be in step for the next call to reuse the group: one tiny
         # all-reduce of the call number (a peer that failed has exited: this fails fast).
@@ -192,11 +242,24 @@ def _rank_main(
                 healthy = int(t) == call_id * world_size
             except Exception:
                 healthy = False
-        conn.send_bytes((b"1" if healthy else b"0") + data)
+        conn.send_bytes(_header(healthy) + data)
         if not healthy:
             return  # the parent retires the group after taking the results
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _context() -> Any:
+    """Forkserver where there is one: ranks fork from a server that imported torch and
+    flexdispatch once (a fresh interpreter importing torch costs ~1.5-2 s of CPU per rank); it
+    ran nothing but imports, so forking it is safe. Else spawn."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    backends = importlib.import_module("flexdispatch.backends")
+    names = [i.name for i in pkgutil.walk_packages(backends.__path__, "flexdispatch.backends.")]
+    ctx.set_forkserver_preload([__name__, *_PRELOAD, *names])
+    return ctx
 
 
 class GroupPool:
@@ -206,6 +269,8 @@ class GroupPool:
         world_size: R.
         calls: calls run (passed or failed).
         spawns: groups spawned.
+        cpu_s: CPU seconds the closed groups' ranks reported (ranks forked from a forkserver
+            are not children of this process: ``time`` does not count them).
     """
 
     def __init__(self, world_size: int, *, backend: str = "gloo", init_timeout_s: float = 120.0):
@@ -216,6 +281,8 @@ class GroupPool:
         self.init_timeout_s = init_timeout_s
         self.calls = 0
         self.spawns = 0
+        self.cpu_s = 0.0  # CPU seconds of the ranks closed so far (as they last reported)
+        self._cpu: dict[int, float] = {}
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
 
@@ -224,7 +291,7 @@ class GroupPool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def _spawn(self, timeout_s: float) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         port = free_port()
         self._procs, self._conns = [], []
         for rank in range(self.world_size):
@@ -276,7 +343,15 @@ class GroupPool:
             self.close()
             self._spawn(max(self.init_timeout_s, timeout_s))
         self.calls += 1
-        task = (module, qualname, tuple(args), dict(env or {}), L, pg_timeout_s or timeout_s)
+        task = (
+            module,
+            qualname,
+            tuple(args),
+            dict(os.environ),
+            dict(env or {}),
+            L,
+            pg_timeout_s or timeout_s,
+        )
         try:
             results, errors, retire = self._collect(task, deadline, timeout_s)
         except BaseException:  # e.g. pytest-timeout: replies may still come; start afresh
@@ -332,10 +407,12 @@ class GroupPool:
                     p.join(timeout=1)
                     errors[r] = f"process exited with code {p.exitcode} before reporting"
                     continue
-                reply = _decode(raw[1:])
+                healthy, cpu_s = _HEADER.unpack(raw[: _HEADER.size])
+                self._cpu[r] = cpu_s
+                reply = _decode(raw[_HEADER.size :])
                 if reply["ok"]:
                     results[r] = reply["result"]
-                    retire |= raw[:1] != b"1"
+                    retire |= not healthy
                 else:
                     errors[r] = reply["error"]
                 if errors and grace_end == float("inf"):
@@ -363,3 +440,5 @@ class GroupPool:
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
+        self.cpu_s += sum(self._cpu.values())
+        self._cpu = {}

@@ -2,7 +2,8 @@
 
 The row counts the benchmark reports are checked against per-token loops over every rank's
 workload (rebuilt here from the same seed); the summary's medians and ratios against the raw
-samples; the reported command against the parser.
+samples; the reported command against the parser. The ranks that ``run_spawned`` and the
+command spawn run in the module's pooled groups (``tests/dist/harness.py``).
 
 Shape letters: T tokens per rank · H hidden · E experts · e = E / R · k top-k · R ranks ·
 L ranks per node · N nodes.
@@ -30,8 +31,17 @@ from flexdispatch.bench import (
 )
 from flexdispatch.cli import build_parser, main
 from flexdispatch.cli.bench import spec_from_args
+from tests.dist import harness
 
 SMALL = {"tokens": 48, "hidden": 32, "experts": 8, "topk": 3, "reps": 3, "warmup": 1}
+
+
+@pytest.fixture(autouse=True)
+def _pooled_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``flexdispatch.launch.spawn_group`` -> the harness's (pooled groups, same signature)."""
+    from flexdispatch import launch
+
+    monkeypatch.setattr(launch, "spawn_group", harness.spawn_group)
 
 
 # --------------------------------------------------------------------------- harness pieces

@@ -142,24 +142,49 @@ def test_demo_reference_covers_layer_variants_and_catches_errors(
     assert bad["flat.output"] <= TOL and bad["hierarchical.grad_shared"] <= TOL
 
 
+def _demo_here(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, *argv: str
+) -> tuple[int, str, str]:
+    """``flexdispatch demo`` run in this process, its ranks in the module's pooled group
+    (``tests/dist/harness.py``): the command's code, stdout and stderr. ``_demo`` runs the
+    command as a subprocess, its ranks spawned by the command itself."""
+    from flexdispatch import launch
+    from flexdispatch.cli import main
+
+    for key in (AVAILABLE_ENV, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.setattr(launch, "spawn_group", spawn_group)
+    capsys.readouterr()
+    code = main(["demo", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("preset", list_presets())
-def test_every_preset_runs_shrunk_to_fit(preset: str) -> None:
-    """Each shipped preset passes its own check on 2 spawned ranks within 1.5 GiB (more where
-    the runtime is larger); the report says what was shrunk from what to what, and the routing
-    it kept is the preset's."""
-    proc = _demo("--preset", preset, *SMALL, "--max-memory", _limit(3, 0.3, 1.5))
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0, text[-4000:]
+def test_every_preset_runs_shrunk_to_fit(
+    preset: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each shipped preset passes its own check on 2 ranks within 1.5 GiB (more where
+    the runtime is larger); the report says what
+    was shrunk from what to what, and the routing it kept is the preset's. The command runs in
+    this process (its ranks pooled); the tests below run it as a subprocess."""
+    code, out, err = _demo_here(
+        capsys, monkeypatch, "--preset", preset, *SMALL, "--max-memory", _limit(3, 0.3, 1.5)
+    )
+    text = out + err
+    assert code == 0, text[-4000:]
     assert "Traceback" not in text
-    assert re.search(r"check vs single-process reference \(.*\): OK \(", proc.stdout), text
+    assert re.search(r"check vs single-process reference \(.*\): OK \(", out), text
     cfg = load_config(preset)
     if cfg.hidden_size <= 64:  # tiny_cpu fits as it is
-        assert "sizes: preset's own (H=64, F=96)" in proc.stdout
+        assert "sizes: preset's own (H=64, F=96)" in out
         return
-    m = SHRUNK.search(proc.stdout)
-    assert m, proc.stdout
+    m = SHRUNK.search(out)
+    assert m, out
     H0, H1, F0, F1 = (int(m.group(i)) for i in (3, 4, 5, 6))
     assert (cfg.hidden_size, cfg.ffn_hidden_size) == (H0, F0) and H1 < H0 and F1 < F0
     r = cfg.router
@@ -167,9 +192,9 @@ def test_every_preset_runs_shrunk_to_fit(preset: str) -> None:
     assert kept == (r.num_experts, r.topk, r.score_function)
     if cfg.num_shared_experts:
         assert "shared_expert_ffn_hidden_size" in m.group(7)
-        assert "shared experts): OK" in proc.stdout  # the shared experts were checked too
-    assert m.group(0) in proc.stderr  # also said before the ranks were spawned
-    assert proc.stderr.index(m.group(0)) < proc.stderr.index("spawning")
+        assert "shared experts): OK" in out  # the shared experts were checked too
+    assert m.group(0) in err  # also said before the ranks were spawned
+    assert err.index(m.group(0)) < err.index("spawning")
 
 
 def _json_demo(preset: str, max_memory: str, probe: bool = False) -> dict:

@@ -22,21 +22,25 @@ def _state(tag: str) -> dict:
     import torch.distributed as dist
 
     from flexdispatch import _validate
+    from flexdispatch.backends.deepep import buffer
 
     before = {
         "pid": os.getpid(),
         "rank": dist.get_rank(),
         "env": os.environ.get("POOL_TEST_VAR", ""),
+        "parent": os.environ.get("POOL_TEST_PARENT", ""),
         "local": (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]),
         "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "patched": _validate.defer_value_checks(torch.device("cpu")),
         "dtype": str(torch.get_default_dtype()),
         "rand": torch.rand(4),
         "left": os.environ.get("POOL_TEST_LEFT", ""),
+        "registry": sorted(buffer._BUFFERS),
     }
     # what a careless test leaves behind
     os.environ["POOL_TEST_LEFT"] = tag
     _validate.defer_value_checks = lambda device: True
+    buffer._BUFFERS[(-1, -1)] = tag  # a process-wide registry entry
     torch.set_default_dtype(torch.float64)
     t = torch.ones(1) * (dist.get_rank() + 1)
     dist.all_reduce(t)
@@ -67,19 +71,25 @@ def _local() -> None:  # pragma: no cover - never called
 
 @pytest.mark.dist
 @pytest.mark.timeout(240)
-def test_pool_reuses_the_group_and_puts_back_what_a_call_changed() -> None:
+def test_pool_reuses_the_group_and_puts_back_what_a_call_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     pool = GroupPool(2)
     try:
+        monkeypatch.delenv("POOL_TEST_PARENT", raising=False)
         a = pool.run(_state, ("first",), env={"POOL_TEST_VAR": "x"}, ranks_per_node=1)
+        monkeypatch.setenv("POOL_TEST_PARENT", "p")  # what the parent's environment is now
         b = pool.run(_state, ("second",))
         assert pool.spawns == 1 and pool.calls == 2
         for r in range(2):
             assert a[r]["pid"] == b[r]["pid"] and a[r]["rank"] == b[r]["rank"] == r
             assert a[r]["env"] == "x" and b[r]["env"] == ""  # the call's env, then gone
+            assert (a[r]["parent"], b[r]["parent"]) == ("", "p")
             assert a[r]["local"] == ("0", "1") and b[r]["local"] == (str(r), "2")
             assert b[r]["left"] == ""  # a variable the first call set was removed
             assert a[r]["cuda_visible"] == b[r]["cuda_visible"] == ""
             assert not b[r]["patched"]  # the patched module global was put back
+            assert a[r]["registry"] == b[r]["registry"] == []  # the registry emptied again
             assert b[r]["dtype"] == "torch.float32"
             assert a[r]["sum"] == b[r]["sum"] == 3.0
             assert not torch.equal(a[r]["rand"], b[r]["rand"])  # a fresh seed per call

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.dist.harness import run_group
+from tests.dist.harness import fresh_groups, run_group
 from tests.dist.reference import all_inputs
 
 R, L, T, SEED = 4, 2, 10, 17
@@ -130,7 +130,8 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], where: str) ->
 def test_bit_identical_across_runs_repeats_and_modes() -> None:
     env = {"LOCAL_WORLD_SIZE": str(L)}
     first = run_group(determinism_worker, R, timeout=120, env=env)
-    second = run_group(determinism_worker, R, timeout=120, env=env)
+    with fresh_groups():  # other processes (the first run may share the module's pooled ones)
+        second = run_group(determinism_worker, R, timeout=120, env=env)
     compared = 0
     for rank in range(R):
         a, b = first[rank], second[rank]
