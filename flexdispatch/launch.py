@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
+import contextlib
 import os
 import pickle
 import socket
@@ -176,12 +177,23 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     return _loads(buf.cpu().numpy().tobytes())
 
 
+class _ParentGone(Exception):
+    """The parent closed its end (it gave up on the group: deadline, another rank's failure)."""
+
+
+def _send_bytes(conn: Any, data: bytes) -> None:
+    try:
+        conn.send_bytes(data)
+    except (BrokenPipeError, ConnectionResetError, EOFError) as exc:
+        raise _ParentGone from exc
+
+
 def _send_phase(conn: Any, phase: str) -> None:
-    conn.send_bytes(b"\x02" + phase.encode("utf-8", "replace"))
+    _send_bytes(conn, b"\x02" + phase.encode("utf-8", "replace"))
 
 
 def _send(conn: Any, ok: bool, payload: bytes) -> None:
-    conn.send_bytes((b"\x01" if ok else b"\x00") + payload)  # raw bytes: no pickle on the way
+    _send_bytes(conn, (b"\x01" if ok else b"\x00") + payload)  # raw bytes: no pickle
 
 
 def _worker(
@@ -229,8 +241,11 @@ def _worker(
         finally:
             dist.destroy_process_group()
         _send(out, True, _dumps(result))
+    except _ParentGone:
+        pass  # NOTE: nobody to report to: the parent has already raised, with the reason
     except BaseException:  # reported to the parent, which raises
-        _send(out, False, traceback.format_exc().encode("utf-8", "replace"))
+        with contextlib.suppress(_ParentGone):
+            _send(out, False, traceback.format_exc().encode("utf-8", "replace"))
     finally:
         out.close()
 
