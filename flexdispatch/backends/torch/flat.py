@@ -27,6 +27,14 @@ PACK_MAX_ROW_BYTES = 2048
 """Rows of at most this many bytes travel with their metadata in one collective (``packs_meta``)."""
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``[T, C]`` viewed as bytes. A contiguous tensor may still have a stride other than 1
+    in a last dimension of size 1 (an expanded column), which ``view`` refuses: copied then."""
+    if t.stride(-1) != 1:
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t.view(torch.uint8)
+
+
 def packs_meta(row_bytes: int) -> bool:
     """Whether a flat hop sends each row's ``[2k]`` int32 metadata in the same collective as
     the row (one ``all_to_all_single`` of ``[S, row_bytes + 8k]`` bytes instead of two).
@@ -70,7 +78,7 @@ def dispatch_flat(
         # NOTE: one collective for rows and metadata (see ``packs_meta``); built while the
         # count exchange may still run (CPU)
         meta_TK = pack_key_meta(key_TK, topk_probs)
-        xp = torch.cat([x.view(torch.uint8), meta_TK.view(torch.uint8)], 1)
+        xp = torch.cat([_bytes(x), _bytes(meta_TK)], 1)
     Gh = pending.wait() if pending is not None else None
     if cap is not None:
         if Gh is not None:
