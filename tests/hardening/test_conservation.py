@@ -282,6 +282,13 @@ def test_every_valid_pair_arrives_exactly_once() -> None:
 # --------------------------------------------------------------------------- sync-free path
 
 
+def _no_host_counts(G: torch.Tensor, work: Any = None) -> None:
+    """The torch backend's CUDA-without-checks branch of ``start_host_counts``: no host copy.
+    (On CPU flat the count exchange is async; on CUDA it is not, so G is complete here.)"""
+    if work is not None:
+        work.wait()
+
+
 def sync_free_worker(rank: int, world: int, seed: int) -> dict[str, Any]:
     """Worst-case dispatch as on CUDA without checks: no host copy of the counts at all."""
     from flexdispatch import DispatchConfig, FlexDispatcher
@@ -296,7 +303,7 @@ def sync_free_worker(rank: int, world: int, seed: int) -> dict[str, Any]:
                 backend="torch", hierarchical=hier, ranks_per_node=L, num_worst_tokens=W
             )
             d = FlexDispatcher(cfg, num_experts=E)
-            d.backend.start_host_counts = lambda G: None  # the CUDA-without-checks branch
+            d.backend.start_host_counts = _no_host_counts  # the CUDA-without-checks branch
             res = d.dispatch(mine.x, mine.idx, mine.probs)
             try:
                 d.check_overflow()
