@@ -16,10 +16,10 @@ R ranks · L ranks per node (exported as ``LOCAL_WORLD_SIZE``, as torchrun does)
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
-import contextlib
 import os
 import pickle
 import socket
