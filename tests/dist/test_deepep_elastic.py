@@ -173,8 +173,8 @@ def test_elastic_contract(R: int, L: int) -> None:
 # --------------------------------------------------------------------- selection and refusals
 def selection_worker(rank: int, R: int) -> dict[str, Any]:
     from flexdispatch import DispatchConfig, FlexDispatcher
-    from flexdispatch.backends.deepep.v1 import DeepEPBackend
     from flexdispatch.backends.deepep.elastic import DeepEPElasticBackend
+    from flexdispatch.backends.deepep.v1 import DeepEPBackend
 
     E = E_PER_RANK * R
     v2, v1 = _emu(R, R), _emu(R, R, release="1.2.1")
@@ -404,9 +404,11 @@ def stats_worker(rank: int, R: int, L: int) -> dict[str, Any]:
                 sent[dst] += 1
         back = torch.zeros(R, dtype=torch.int64)
         for s, inp in enumerate(inputs):
-            back[s] = sum(1 for row in inp.idx.tolist() if any(i // e == rank for i in row if i >= 0))
+            rows = inp.idx.tolist()
+            back[s] = sum(1 for row in rows if any(i // e == rank for i in row if i >= 0))
         node = torch.arange(R) // L
         same = (node == rank // L) & (torch.arange(R) != rank)
+        other = node != rank // L
         a32 = lambda n: -(-n // 32) * 32  # noqa: E731
         drow = a32(2 * width) + a32(8 * K + 4 * (1 + K))
         crow = a32(2 * width) + a32(8 * K)
@@ -422,7 +424,7 @@ def stats_worker(rank: int, R: int, L: int) -> dict[str, Any]:
             "intra": v2.bytes_sent_intra_node
             == int(sent[same].sum()) * drow + int(back[same].sum()) * crow,
             "inter": v2.bytes_sent_inter_node
-            == int(sent[node != rank // L].sum()) * drow + int(back[node != rank // L].sum()) * crow,
+            == int(sent[other].sum()) * drow + int(back[other].sum()) * crow,
         }
     return out
 

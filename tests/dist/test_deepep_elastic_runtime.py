@@ -351,7 +351,6 @@ def nodes_worker(rank: int, R: int, L: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from tests.deepep_emu.load import load_deep_ep
-
     from tests.deepep_emu.runtime import elastic as emulated
 
     emulated.ATOMIC_ORDER = False  # token order inside each source group (exact comparisons)

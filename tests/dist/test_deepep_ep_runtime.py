@@ -79,7 +79,7 @@ def layout_checks(buf: Any, rank: int, hybrid: bool) -> dict[str, Any]:
     out["combine"] = bool(torch.equal(y, (x.float() * n_dest[:, None] + 1.0).to(torch.bfloat16)))
     out["combine_weights"] = bool(torch.equal(cw, torch.where(idx >= 0, w, 0.0)))
     # worst case: R * M rows, uninitialised past the real ones
-    wx, widx, _, wh, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E,
+    wx, _widx, _, wh, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E,
                                       num_max_tokens_per_rank=M, num_sms=8, do_cpu_sync=False)
     used = int(wh.psum_num_recv_tokens_per_scaleup_rank[-1])
     out["worst"] = (wx.shape[0], used, bool(torch.isnan(wx[used:].float()).any()) or used == R * M,
@@ -126,7 +126,7 @@ def layout_checks(buf: Any, rank: int, hybrid: bool) -> dict[str, Any]:
     # defer_epilogue: the same rows, built at current_stream_wait()
     ev = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E, num_max_tokens_per_rank=M,
                       num_sms=8, async_with_compute_stream=True, defer_epilogue=True)
-    dx, didx, dw, dh = ev.current_stream_wait()
+    _dx, _didx, _dw, dh = ev.current_stream_wait()
     out["defer"] = sorted(dh.recv_src_metadata[:, 0].tolist()) == sorted(key.tolist())
     return out
 
@@ -138,7 +138,7 @@ def hybrid_rounding(buf: Any, rank: int) -> bool:
     T = 4
     idx = torch.tensor([[0, 4, 8], [1, 5, 12], [2, 9, 13], [3, 6, 14]])  # ranks 0,1 | 2,3 mixed
     x = torch.zeros(T, H, dtype=torch.bfloat16)
-    rx, _, _, h, _ = buf.dispatch(x, topk_idx=idx, num_experts=E, num_max_tokens_per_rank=M,
+    _rx, _, _, h, _ = buf.dispatch(x, topk_idx=idx, num_experts=E, num_max_tokens_per_rank=M,
                                   num_sms=8)
     key = h.recv_src_metadata[:, 0].to(torch.int64)
     vals = torch.randn(R, R, T, H, generator=g).to(torch.bfloat16)  # [dst rank, src, t]
@@ -156,14 +156,17 @@ def hybrid_rounding(buf: Any, rank: int) -> bool:
 
 
 def limit_checks(v25: Any, direct: Any, hybrid: Any, rank: int) -> dict[str, str]:
-    x, idx, w = _inputs(rank)
+    x, idx, _w = _inputs(rank)
     kw = {"num_experts": E, "num_max_tokens_per_rank": M, "num_sms": 8}
+    def d(**extra: Any) -> str:
+        return _raises(lambda: direct.dispatch(x, **{"topk_idx": idx, **kw, **extra}))
+
     out = {
-        "num_max": _raises(lambda: direct.dispatch(x, topk_idx=idx, **{**kw, "num_max_tokens_per_rank": 2})),
-        "zero_padding": _raises(lambda: direct.dispatch(x, topk_idx=idx, do_zero_padding=True, **kw)),
-        "defer": _raises(lambda: direct.dispatch(x, topk_idx=idx, defer_epilogue=True, **kw)),
-        "duplicate": _raises(lambda: direct.dispatch(x, topk_idx=idx[:, [0, 0, 1]].contiguous(), **kw)),
-        "id_range": _raises(lambda: direct.dispatch(x, topk_idx=(idx.abs() + E).contiguous(), **kw)),
+        "num_max": d(num_max_tokens_per_rank=2),
+        "zero_padding": d(do_zero_padding=True),
+        "defer": d(defer_epilogue=True),
+        "duplicate": d(topk_idx=idx[:, [0, 0, 1]].contiguous()),
+        "id_range": d(topk_idx=(idx.abs() + E).contiguous()),
     }
     rx, _, _, h, _ = direct.dispatch(x, topk_idx=idx, **kw)
     out["combine_hidden"] = _raises(lambda: direct.combine(rx[:, :128].contiguous(), h))

@@ -151,7 +151,7 @@ def internode_worker(rank: int, R: int, L: int) -> dict[str, Any]:
     ref = ref_dispatch(inputs, rank, E)
     buf = _buffer(deep_ep, R, rdma=True, H=H)
     ntr, ntrr, nte, itr, _ = buf.get_dispatch_layout(mine.idx, E)
-    recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+    recv_x, recv_idx, _recv_w, counts, handle, _ = buf.dispatch(
         mine.x,
         num_tokens_per_rank=ntr,
         num_tokens_per_rdma_rank=ntrr,
