@@ -224,6 +224,7 @@ class FlexDispatcher:
                 raise ValueError(f"cuda_graph=True not supported: {why}")
         self.num_experts = num_experts
         self._issuer = next_issuer()  # stamped on every handle, checked by combine
+        self._worst_rows_fit: set[tuple[int, int, torch.device]] = set()
 
     # ----------------------------------------------------------------- properties
     @property
@@ -373,6 +374,8 @@ class FlexDispatcher:
                     f"{name} is on {t.device} but x is on {x.device}: move them to one device"
                 )
         self._check_device("x", x)
+        if self.config.num_worst_tokens and not self.config.hidden_size:
+            self._check_worst_rows(x)
         if layout is not None:
             mask = layout.is_token_in_rank
             if tuple(mask.shape) != (T, self.num_ranks) or mask.dtype != torch.bool:
@@ -382,6 +385,26 @@ class FlexDispatcher:
                     f"get_dispatch_layout(topk_idx, num_experts, num_ranks)"
                 )
         return self._check_values(topk_idx, values, topk_probs)
+
+    def _check_worst_rows(self, x: torch.Tensor) -> None:
+        """Worst-case mode without ``DispatchConfig.hidden_size``: the constructor could only
+        bound ``W`` rows of width 1, so the first dispatch of each row width and dtype bounds
+        ``W x H`` before the backend allocates it (a set lookup afterwards; no device read)."""
+        key = (x.shape[1], x.element_size(), x.device)
+        if key in self._worst_rows_fit:
+            return
+        W, H = self.config.num_worst_tokens, x.shape[1]
+        _limits.check_fits(
+            "FlexDispatcher.dispatch",
+            "num_worst_tokens",
+            W,
+            W * (H * x.element_size() + 12),
+            x.device,
+            detail=f"W received rows of hidden size {H} at {x.element_size()} bytes per element "
+            f"plus int64 ids and float32 probs",
+            fix="use W = R * T (tokens per rank times ranks) or dropless mode (num_worst_tokens=0)",
+        )
+        self._worst_rows_fit.add(key)
 
     def _check_values(
         self, topk_idx: torch.Tensor, values: torch.Tensor, topk_probs: torch.Tensor

@@ -194,6 +194,21 @@ def test_ordinary_calls_do_not_query_memory(monkeypatch):
     d.combine(res.recv_x, res.handle)
 
 
+def test_worst_case_rows_bounded_at_the_first_dispatch_without_hidden_size():
+    # NOTE: without DispatchConfig.hidden_size the constructor bounds W rows of width 1 (fits);
+    # the first dispatch knows H and must refuse W x H before the backend allocates it
+    W = 1 << 26
+    d = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=W), num_experts=8)
+    x = torch.zeros(2, 1 << 17, dtype=torch.bfloat16)
+    msg = r"FlexDispatcher.dispatch: num_worst_tokens=67108864 " + _EST
+    with pytest.raises(ValueError, match=msg):
+        d.dispatch(x, _idx(2, 2, 8), torch.rand(2, 2))
+    assert d.stats.dispatch_calls == 0
+    small = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=64), num_experts=8)
+    res = small.dispatch(torch.randn(4, 16), _idx(4, 2, 8), torch.rand(4, 2))
+    assert res.recv_x.shape == (64, 16)
+
+
 def test_combine_refuses_a_handle_of_another_dispatcher():
     x, idx, p = torch.randn(4, 8), _idx(4, 2, 8), torch.rand(4, 2)
     a = FlexDispatcher(DispatchConfig(backend="torch"), num_experts=8)
