@@ -372,9 +372,7 @@ def errors_worker(rank: int, R: int, backend: str, L: int, seed: int) -> dict[st
         # NOTE: deepep checks agreement and overflow on every rank only with checks on (its
         # default path adds no collective beyond DeepEP's own)
         extra = {"checks": True} if backend == "deepep-emulated" else {}
-        d = _make(
-            backend, E, hierarchical=hier, ranks_per_node=L, num_worst_tokens=W, **extra
-        )
+        d = _make(backend, E, hierarchical=hier, ranks_per_node=L, num_worst_tokens=W, **extra)
         res = d.dispatch(x, mine.idx, mine.probs)
         _check_dispatch(res, ref, W, f"rank {rank} W={W} hier={hier}")
 

@@ -47,27 +47,36 @@ def layout_checks(buf: Any, rank: int, hybrid: bool) -> dict[str, Any]:
     ins = [_inputs(r) for r in range(R)]
     x, idx, w = ins[rank]
     out: dict[str, Any] = {}
-    rx, ridx, rw, h, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E,
-                                      num_max_tokens_per_rank=M, num_sms=8)
+    rx, ridx, rw, h, _ = buf.dispatch(
+        x, topk_idx=idx, topk_weights=w, num_experts=E, num_max_tokens_per_rank=M, num_sms=8
+    )
     n = rx.shape[0]
     key = h.recv_src_metadata[:, 0].to(torch.int64)
     src, tok = key // M, key % M
     # one row per (token, rank), grouped by scale-up peer: the source rank (direct) or the
     # forwarder with the source's local index (hybrid)
-    want = sorted((s, t) for s in range(R) for t in range(ins[s][0].shape[0])
-                  if any(i >= 0 and i // e == rank for i in ins[s][1][t].tolist()))
+    want = sorted(
+        (s, t)
+        for s in range(R)
+        for t in range(ins[s][0].shape[0])
+        if any(i >= 0 and i // e == rank for i in ins[s][1][t].tolist())
+    )
     out["rows"] = sorted(zip(src.tolist(), tok.tolist(), strict=True)) == want
     group = src % L if hybrid else src
     psum = h.psum_num_recv_tokens_per_scaleup_rank.to(torch.int64)
     bounds = torch.bucketize(torch.arange(n), psum, right=True)
     out["groups"] = bool(torch.equal(bounds, group)) and psum.numel() == (L if hybrid else R)
-    out["x"] = all(torch.equal(rx[i], ins[s][0][t]) for i, (s, t) in
-                   enumerate(zip(src.tolist(), tok.tolist(), strict=True)))
+    out["x"] = all(
+        torch.equal(rx[i], ins[s][0][t])
+        for i, (s, t) in enumerate(zip(src.tolist(), tok.tolist(), strict=True))
+    )
     local = torch.stack([ins[s][1][t] for s, t in zip(src.tolist(), tok.tolist(), strict=True)])
     mine = (local >= rank * e) & (local < (rank + 1) * e)
     out["ids"] = bool(torch.equal(ridx, torch.where(mine, local - rank * e, -1)))
-    out["weights"] = all(torch.equal(rw[i], ins[s][2][t]) for i, (s, t) in
-                         enumerate(zip(src.tolist(), tok.tolist(), strict=True)))
+    out["weights"] = all(
+        torch.equal(rw[i], ins[s][2][t])
+        for i, (s, t) in enumerate(zip(src.tolist(), tok.tolist(), strict=True))
+    )
     # cached dispatch: the same rows in the same places
     c, *_ = buf.dispatch(x * 2, handle=h, num_sms=8)
     out["cached"] = bool(torch.equal(c, rx * 2))
@@ -79,17 +88,37 @@ def layout_checks(buf: Any, rank: int, hybrid: bool) -> dict[str, Any]:
     out["combine"] = bool(torch.equal(y, (x.float() * n_dest[:, None] + 1.0).to(torch.bfloat16)))
     out["combine_weights"] = bool(torch.equal(cw, torch.where(idx >= 0, w, 0.0)))
     # worst case: R * M rows, uninitialised past the real ones
-    wx, _widx, _, wh, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E,
-                                      num_max_tokens_per_rank=M, num_sms=8, do_cpu_sync=False)
+    wx, _widx, _, wh, _ = buf.dispatch(
+        x,
+        topk_idx=idx,
+        topk_weights=w,
+        num_experts=E,
+        num_max_tokens_per_rank=M,
+        num_sms=8,
+        do_cpu_sync=False,
+    )
     used = int(wh.psum_num_recv_tokens_per_scaleup_rank[-1])
-    out["worst"] = (wx.shape[0], used, bool(torch.isnan(wx[used:].float()).any()) or used == R * M,
-                    wh.num_recv_tokens_per_expert_list)
+    out["worst"] = (
+        wx.shape[0],
+        used,
+        bool(torch.isnan(wx[used:].float()).any()) or used == R * M,
+        wh.num_recv_tokens_per_expert_list,
+    )
     out["worst_prefix"] = sorted(wh.recv_src_metadata[:used, 0].tolist()) == sorted(key.tolist())
     # expanded, aligned to 4, zero padding: expert j at [start_j, start_j + count_j)
     for sync in (True, False):
-        ex, _, ew, eh, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E,
-                                        num_max_tokens_per_rank=M, num_sms=8, do_expand=True,
-                                        expert_alignment=4, do_zero_padding=True, do_cpu_sync=sync)
+        ex, _, ew, eh, _ = buf.dispatch(
+            x,
+            topk_idx=idx,
+            topk_weights=w,
+            num_experts=E,
+            num_max_tokens_per_rank=M,
+            num_sms=8,
+            do_expand=True,
+            expert_alignment=4,
+            do_zero_padding=True,
+            do_cpu_sync=sync,
+        )
         cnt = eh.num_unaligned_recv_tokens_per_expert.to(torch.int64)
         aligned = (cnt + 3) // 4 * 4
         starts = torch.cumsum(aligned, 0) - aligned
@@ -121,11 +150,20 @@ def layout_checks(buf: Any, rank: int, hybrid: bool) -> dict[str, Any]:
         # expanded combine: each rank sums a token's slots (one bf16 rounding), then the source
         ey, _, _ = buf.combine(ex, eh)
         slots = torch.tensor([[int(i >= 0) for i in row] for row in idx.tolist()]).sum(1)
-        out[f"expand_combine_{sync}"] = bool(torch.equal(ey, (x.float() * slots[:, None]).to(
-            torch.bfloat16)))
+        out[f"expand_combine_{sync}"] = bool(
+            torch.equal(ey, (x.float() * slots[:, None]).to(torch.bfloat16))
+        )
     # defer_epilogue: the same rows, built at current_stream_wait()
-    ev = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E, num_max_tokens_per_rank=M,
-                      num_sms=8, async_with_compute_stream=True, defer_epilogue=True)
+    ev = buf.dispatch(
+        x,
+        topk_idx=idx,
+        topk_weights=w,
+        num_experts=E,
+        num_max_tokens_per_rank=M,
+        num_sms=8,
+        async_with_compute_stream=True,
+        defer_epilogue=True,
+    )
     _dx, _didx, _dw, dh = ev.current_stream_wait()
     out["defer"] = sorted(dh.recv_src_metadata[:, 0].tolist()) == sorted(key.tolist())
     return out
@@ -138,8 +176,9 @@ def hybrid_rounding(buf: Any, rank: int) -> bool:
     T = 4
     idx = torch.tensor([[0, 4, 8], [1, 5, 12], [2, 9, 13], [3, 6, 14]])  # ranks 0,1 | 2,3 mixed
     x = torch.zeros(T, H, dtype=torch.bfloat16)
-    _rx, _, _, h, _ = buf.dispatch(x, topk_idx=idx, num_experts=E, num_max_tokens_per_rank=M,
-                                  num_sms=8)
+    _rx, _, _, h, _ = buf.dispatch(
+        x, topk_idx=idx, num_experts=E, num_max_tokens_per_rank=M, num_sms=8
+    )
     key = h.recv_src_metadata[:, 0].to(torch.int64)
     vals = torch.randn(R, R, T, H, generator=g).to(torch.bfloat16)  # [dst rank, src, t]
     y = torch.stack([vals[rank, int(k) // M, int(k) % M] for k in key])
@@ -158,6 +197,7 @@ def hybrid_rounding(buf: Any, rank: int) -> bool:
 def limit_checks(v25: Any, direct: Any, hybrid: Any, rank: int) -> dict[str, str]:
     x, idx, _w = _inputs(rank)
     kw = {"num_experts": E, "num_max_tokens_per_rank": M, "num_sms": 8}
+
     def d(**extra: Any) -> str:
         return _raises(lambda: direct.dispatch(x, **{"topk_idx": idx, **kw, **extra}))
 
@@ -174,8 +214,11 @@ def limit_checks(v25: Any, direct: Any, hybrid: Any, rank: int) -> dict[str, str
     out["combine_dtype"] = _raises(lambda: direct.combine(rx.float(), h))
     # hybrid mode: at most 128 notify threads for U + e (U = 2 here: e = 127 is too many)
     big = 2 * R * 127
-    out["hybrid_notify"] = _raises(lambda: hybrid.dispatch(
-        x, topk_idx=idx, num_experts=big, num_max_tokens_per_rank=M, num_sms=8))
+    out["hybrid_notify"] = _raises(
+        lambda: hybrid.dispatch(
+            x, topk_idx=idx, num_experts=big, num_max_tokens_per_rank=M, num_sms=8
+        )
+    )
     return out
 
 
@@ -186,10 +229,17 @@ def worker(rank: int, world: int) -> dict[str, Any]:
     group = dist.group.WORLD
     jit = v25.runtime.emu_jit_compiles
     before = sum(jit.values())
-    direct = v25.EPBuffer(group, num_max_tokens_per_rank=M, hidden=H, num_topk=K,
-                          allow_hybrid_mode=False, explicitly_destroy=True)
-    hybrid = v25.EPBuffer(group, num_max_tokens_per_rank=M, hidden=H, num_topk=K,
-                          explicitly_destroy=True)
+    direct = v25.EPBuffer(
+        group,
+        num_max_tokens_per_rank=M,
+        hidden=H,
+        num_topk=K,
+        allow_hybrid_mode=False,
+        explicitly_destroy=True,
+    )
+    hybrid = v25.EPBuffer(
+        group, num_max_tokens_per_rank=M, hidden=H, num_topk=K, explicitly_destroy=True
+    )
     out: dict[str, Any] = {
         "domains": (
             direct.get_logical_domain_size(),
@@ -218,19 +268,37 @@ def test_emulated_ep_runtime_direct_and_hybrid() -> None:
         assert out["domains"] == ((1, R), (R // L, L), (R // L, L)), out["domains"]
         for mode in ("direct", "hybrid"):
             c = out[mode]
-            for key in ("rows", "groups", "x", "ids", "weights", "cached", "combine",
-                        "combine_weights", "worst_prefix", "expand_True", "expand_False",
-                        "expand_combine_True", "expand_combine_False", "defer"):
+            for key in (
+                "rows",
+                "groups",
+                "x",
+                "ids",
+                "weights",
+                "cached",
+                "combine",
+                "combine_weights",
+                "worst_prefix",
+                "expand_True",
+                "expand_False",
+                "expand_combine_True",
+                "expand_combine_False",
+                "defer",
+            ):
                 assert c[key] is True, (rank, mode, key, c)
             rows, used, garbage, count_list = c["worst"]
             assert rows == R * M and used <= rows and garbage and count_list == [], c["worst"]
         assert out["hybrid_rounding"], rank
         assert out["jit"] > 0 and out["jit_again"] == 0, out
         lim = out["limits"]
-        for key, lid in (("num_max", "ep.num_max"), ("zero_padding", "ep.zero_padding"),
-                         ("defer", "ep.defer_dispatch"), ("combine_hidden", "ep.combine_hidden"),
-                         ("combine_bias", "ep.combine_bias"), ("combine_dtype", "ep.combine_dtype"),
-                         ("hybrid_notify", "ep.hybrid_notify")):
+        for key, lid in (
+            ("num_max", "ep.num_max"),
+            ("zero_padding", "ep.zero_padding"),
+            ("defer", "ep.defer_dispatch"),
+            ("combine_hidden", "ep.combine_hidden"),
+            ("combine_bias", "ep.combine_bias"),
+            ("combine_dtype", "ep.combine_dtype"),
+            ("hybrid_notify", "ep.hybrid_notify"),
+        ):
             assert "Assertion error" in lim[key] and lid in lim[key], (key, lim[key])
             assert "@ sgl-deep-ep-v25==0.1.0rc0" in lim[key], lim[key]
         for key, lid in (("duplicate", "ep.duplicate_experts"), ("id_range", "ep.expert_id_range")):

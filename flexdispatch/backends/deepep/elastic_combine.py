@@ -173,4 +173,3 @@ class ElasticCombineMixin:
         T = self._num_tokens(h)
         out = torch.stack(cols, 1) if cols else torch.zeros(T, 0, device=y.device)
         return out.to(y.dtype)
-
