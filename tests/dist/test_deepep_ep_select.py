@@ -12,6 +12,7 @@ emulated: the adapter's ``is_capturing`` answers True and the emulated runtime's
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -102,12 +103,36 @@ def refusals(rank: int, R: int) -> dict[str, Any]:
         cfg = DispatchConfig(backend="deepep", deepep_api="ep", **kw)
         return FlexDispatcher(cfg, num_experts=E, _deep_ep=v25)
 
-    d = make(num_worst_tokens=2 * R)
-    out["over_w"] = _raises(lambda: d.dispatch(mine.x, mine.idx, mine.probs))
-    d.close()
-    d = make(num_max_dispatch_tokens_per_rank=2)
-    out["over_m"] = _raises(lambda: d.dispatch(mine.x, mine.idx, mine.probs))
-    d.close()
+    # over the bound (2 tokens) with checks off: a rank sends its first 2 tokens (raising alone
+    # would leave its peers inside DeepEP's collective, audit-3 N7), its other tokens combine
+    # to zero (plus the bias), the backward gives them zero gradients, and check_overflow raises
+
+    def over(d: Any, name: str) -> None:
+        x = mine.x.clone().requires_grad_()
+        p = mine.probs.clone().requires_grad_()
+        res = d.dispatch(x, mine.idx, p)
+        n = min(2, x.shape[0])
+        sent = [dataclasses.replace(i, x=i.x[:2], idx=i.idx[:2], probs=i.probs[:2]) for i in inputs]
+        want = ref_dispatch(sent, rank, E).x
+        got = res.recv_x[: want.shape[0]]
+        back = d.combine(res.recv_x, res.handle)
+        bias = torch.ones_like(mine.x)
+        with_bias = d.backend.combine_bias(res.recv_x.detach(), res.handle, bias)
+        (back.float().sum() + (res.recv_topk_probs * 1.0).sum()).backward()
+        out[name + "_rows"] = bool(torch.equal(got, want))
+        out[name + "_tail"] = (
+            list(back.shape) == list(mine.x.shape)
+            and bool(back[n:].eq(0).all())
+            and bool(with_bias[n:].eq(1).all())
+            and bool(x.grad[n:].eq(0).all())
+            and bool(p.grad[n:].eq(0).all())
+            and bool(x.grad[:n].ne(0).any())
+        )
+        out[name] = _raises(d.check_overflow)
+        d.close()
+
+    over(make(num_worst_tokens=2 * R), "over_w")
+    over(make(num_max_dispatch_tokens_per_rank=2), "over_m")
     # checks on: only the last rank is over W / R, and every rank raises naming it
     d = make(num_worst_tokens=R * inputs[0].x.shape[0], checks=True)
     out["over_w_checks"] = _raises(lambda: d.dispatch(mine.x, mine.idx, mine.probs))
@@ -257,8 +282,9 @@ def features(rank: int, R: int) -> dict[str, Any]:
 def worker(rank: int, R: int) -> dict[str, Any]:
     return {
         "selection": selection(rank, R),
-        "refusals": refusals(rank, R),
+        # NOTE: jit first: its counts start from no compiled bucket (refusals compiles 16's)
         "jit": jit_and_capture(rank, R),
+        "refusals": refusals(rank, R),
         "features": features(rank, R),
     }
 
@@ -297,6 +323,9 @@ def test_ep_selection_refusals_jit_and_features() -> None:
         assert f"{T} tokens" in f["over_w"] and "W=4" in f["over_w"], f["over_w"]
         assert f"at least {T * R}" in f["over_w"], f["over_w"]
         assert f"at least {T}" in f["over_m"] and "per_rank" in f["over_m"], f["over_m"]
+        for key in ("over_w", "over_m"):
+            assert "tokens past the first 2 were not dispatched" in f[key], f[key]
+            assert f[key + "_rows"] and f[key + "_tail"], (key, f)
         assert f"rank {R - 1} dispatches {f['last_T']} tokens" in f["over_w_checks"], f
         assert "names one expert twice" in f["duplicate"], f["duplicate"]
         assert "ep.duplicate_experts" in f["duplicate"] and f["after"], f

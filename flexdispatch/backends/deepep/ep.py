@@ -54,11 +54,11 @@ from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import DTYPE_CODES, check_agreement
 from flexdispatch.backends.deepep import sizing
 from flexdispatch.backends.deepep.ep_buffer import EPSize, acquire_ep, kernel_key, kernels_of
+from flexdispatch.backends.deepep.ep_combine import _COMBINE_COLS, EPCombineMixin, sent_tokens
 from flexdispatch.backends.deepep.ep_rows import (
     EPDispatchState,
     EPTraffic,
     PendingExpanded,
-    combine_row_bytes,
     dispatch_row_bytes,
     guard_ids,
     pad_cols,
@@ -70,6 +70,7 @@ from flexdispatch.backends.deepep.ep_support import (
     ep_rules,
     load_deep_ep_v25,
     token_bucket,
+    tokens_message,
 )
 from flexdispatch.distributed import all_gather_int64, collective_device, group_rank, group_size
 from flexdispatch.types import (
@@ -83,11 +84,9 @@ from flexdispatch.types import (
 __all__ = ["DeepEPEPBackend", "EPDispatchState", "PendingExpanded"]
 
 _DISPATCH_COLS = 16  # 32-byte token rows (layout/ep/token.cuh:29)
-_COMBINE_COLS = 256  # combine hidden % 256 (impls/ep/combine.cuh:110)
-_NARROW = sizing.MAX_TOPK  # fp32 rows this narrow are summed exactly
 
 
-class DeepEPEPBackend(DispatchBackend):
+class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
     """Dispatch/combine over ``deep_ep_v25.EPBuffer`` (DeepEP 2.5).
 
     Args:
@@ -166,6 +165,7 @@ class DeepEPEPBackend(DispatchBackend):
         self._kernels = kernels_of(module)
         self._traffic: EPTraffic | None = None
         self._dev: torch.Tensor | None = None  # [rows sent, rows received, NVLink B, RDMA B]
+        self._need_tokens = 0  # most tokens a rank had to dispatch, when over the bound
         self._closed = False
 
     # ----------------------------------------------------------------- capabilities
@@ -264,9 +264,12 @@ class DeepEPEPBackend(DispatchBackend):
         self._kernels.add(key)
         return out
 
-    def _check_tokens(self, T: int, device: torch.device, shape: tuple) -> None:
-        """A rank may dispatch at most ``W / R`` (dropless: the configured bound) tokens; with
-        checks on, one all-gather of ``[T, X, k, dtype]`` makes every rank raise alike."""
+    def _check_tokens(self, T: int, device: torch.device, shape: tuple) -> int:
+        """A rank may dispatch at most ``W / R`` (dropless: the configured bound) tokens; returns
+        the tokens this rank sends. With checks on, one all-gather of ``[T, X, k, dtype]`` makes
+        every rank raise alike. With checks off a rank over the bound sends its first tokens (its
+        others combine to zero) and ``check_overflow`` raises: raising on that rank alone would
+        leave its peers inside DeepEP's collective (audit-3 N7, as on V2)."""
         M, R, rank = self.max_tokens, self.num_ranks, self.rank
         if checks_enabled(self.checks) and not is_capturing():
             X, k, dtype = shape
@@ -281,20 +284,20 @@ class DeepEPEPBackend(DispatchBackend):
             check_agreement([r[1:] for r in rows], num_ranks=0, num_nodes=0)
             rank = max(range(R), key=lambda r: rows[r][0])
             T = rows[rank][0]
+        elif T > M:
+            self._need_tokens = max(self._need_tokens, T)
+            return M
         if T <= M:
-            return
-        if self.worst_case:
-            W = self.num_worst_tokens
-            raise ValueError(
-                f"rank {rank} dispatches {T} tokens but num_worst_tokens W={W} allows W/R = "
-                f"{W}/{R} = {M} per rank on DeepEP 2.5 (each rank owns W / R receive slots on "
-                f"every rank): raise DispatchConfig.num_worst_tokens to at least {T * R}"
-            )
-        raise ValueError(
-            f"rank {rank} dispatches {T} tokens but DeepEP 2.5's dropless dispatch takes at most "
-            f"num_max_dispatch_tokens_per_rank = {M} per rank: raise "
-            f"DispatchConfig.num_max_dispatch_tokens_per_rank to at least {T} (on every rank)"
-        )
+            return T
+        raise ValueError(tokens_message(rank, T, M=M, R=R, W=self.num_worst_tokens))
+
+    def check_overflow(self) -> None:
+        """Raise if a rank was over its token bound with checks off (it sent its first ones)."""
+        self.flush_stats()
+        if self._need_tokens:
+            M, W = self.max_tokens, self.num_worst_tokens
+            msg = tokens_message("this", self._need_tokens, M=M, R=self.num_ranks, W=W)
+            raise ValueError(f"{msg}; tokens past the first {M} were not dispatched")
 
     # ----------------------------------------------------------------- dispatch
     def _launch(
@@ -311,7 +314,10 @@ class DeepEPEPBackend(DispatchBackend):
         T, X = x.shape
         k = topk_idx.shape[1]
         sizing.check_topk(k, "DeepEP 2.5 kernels")
-        self._check_tokens(T, x.device, (X, k, x.dtype))
+        sent = self._check_tokens(T, x.device, (X, k, x.dtype))
+        if sent < T:  # NOTE: checks off and over the bound: the first tokens (_check_tokens)
+            x, topk_idx, topk_probs = x[:sent], topk_idx[:sent], topk_probs[:sent]
+            scales = None if scales is None else scales[:sent]
         raise_now = checks_enabled(self.checks) or x.device.type == "cpu"
         idx = guard_ids(topk_idx.to(torch.int64), self.num_experts, raise_now=raise_now)
         if scales is not None:
@@ -520,142 +526,11 @@ class DeepEPEPBackend(DispatchBackend):
             ),
         )
 
-    # ----------------------------------------------------------------- combine
-    def _combine_call(
-        self,
-        part: torch.Tensor,
-        state: EPDispatchState,
-        weights: torch.Tensor | None = None,
-        bias: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        h, k = state.handle, state.topk
-        buffer = self._buffer(part.shape[1], k)
-        key = kernel_key(
-            "combine",
-            M=self.num_max_tokens_per_rank,
-            hidden=part.shape[1],
-            k=k,
-            E=self.num_experts,
-            expand=bool(h.do_expand),
-            sms=state.sms,
-            hybrid=self.hybrid,
-        )
-        out, out_w, _ = self._run(
-            key,
-            "combine",
-            lambda: buffer.combine(part, h, topk_weights=weights, bias=bias, num_sms=state.sms),
-        )
-        row = combine_row_bytes(part.shape[1], k)
-        t = state.traffic
-        self._count(t.device, [0, 0, t[1] * row, t[2] * row])
-        return out, out_w
-
-    def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """Unweighted sum over the receiving ranks (module docstring for precision)."""
-        return self.combine_bias(y, handle, None)
-
-    def combine_bias(
-        self, y: torch.Tensor, handle: DispatchHandle, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        """``combine(y) + bias`` with the bias added inside DeepEP's reduction (bf16 rows; one
-        rounding of the sum, where a separate add rounds twice).
-
-        Args:
-            y: ``[rows, X]`` rows as dispatched.
-            bias: ``[T, X]`` rows of ``y``'s dtype (bf16 to be fused), or None.
-        """
-        state: EPDispatchState = handle.state
-        X = y.shape[1]
-        yd = state.to_deepep(y)
-        if bias is not None and not self.supports_combine_bias(y.dtype)[0]:
-            return self.combine_bias(y, handle, None) + bias
-        if self._narrow(y):
-            out = self._combine_fp32(yd, state)
-            return out if bias is None else out + bias
-        yb = yd if yd.dtype == torch.bfloat16 else yd.to(torch.bfloat16)
-        part = pad_cols(yb, _COMBINE_COLS)
-        b = None if bias is None else pad_cols(bias, _COMBINE_COLS)
-        out, _ = self._combine_call(part, state, bias=b)
-        out = out[:, :X]
-        return out if out.dtype == y.dtype else out.to(y.dtype)
-
-    @staticmethod
-    def _narrow(y: torch.Tensor) -> bool:
-        return y.dtype in (torch.float32, torch.float16) and y.shape[1] <= _NARROW
-
-    def _combine_fp32(self, y: torch.Tensor, state: EPDispatchState) -> torch.Tensor:
-        """Exact fp32 sum of narrow rows (DeepEP's order) through combine's fp32
-        ``topk_weights`` channel: each slot returns the value the rank owning it sent, so each
-        rank puts column ``c`` in its first local slot (expanded: each row is one slot). One
-        combine per column."""
-        rows, X = y.shape
-        k = state.topk
-        first = None
-        if state.local is not None:
-            local = state.to_deepep(state.local)
-            first = torch.nn.functional.one_hot(local.to(torch.int8).argmax(1), k).bool() & local
-        dummy = torch.zeros(rows, _COMBINE_COLS, dtype=torch.bfloat16, device=y.device)
-        yf = y.float()
-        cols = []
-        for c in range(X):
-            if first is None:
-                weights = yf[:, c].contiguous()
-            else:
-                weights = torch.where(first, yf[:, c : c + 1], 0.0).contiguous()
-            _, out_w = self._combine_call(dummy, state, weights=weights)
-            assert out_w is not None
-            cols.append(out_w.sum(1))
-        T = int(state.handle.topk_idx.shape[0])
-        out = torch.stack(cols, 1) if cols else torch.zeros(T, 0, device=y.device)
-        return out.to(y.dtype)
-
-    def combine_with_probs(
-        self, y: torch.Tensor | None, probs: torch.Tensor, handle: DispatchHandle
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """``dispatch``'s backward in one combine, probs in the weights channel (audit N10)."""
-        state: EPDispatchState = handle.state
-        if state.local is None or (y is not None and self._narrow(y)):
-            return super().combine_with_probs(y, probs, handle)
-        w = state.to_deepep(probs.float()).contiguous()
-        part = torch.zeros(w.shape[0], _COMBINE_COLS, dtype=torch.bfloat16, device=w.device)
-        if y is not None:
-            yd = state.to_deepep(y)
-            part = pad_cols(
-                yd if yd.dtype == torch.bfloat16 else yd.to(torch.bfloat16), _COMBINE_COLS
-            )
-        out, out_w = self._combine_call(part, state, weights=w)  # out_w: owner rank's value
-        if y is None:
-            return None, out_w  # type: ignore[return-value]
-        out = out[:, : y.shape[1]]
-        return (out if out.dtype == y.dtype else out.to(y.dtype)), out_w
-
-    def combine_slot_weights(
-        self, y: torch.Tensor | None, w: torch.Tensor, handle: DispatchHandle
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The backward of ``dispatch_expanded``: ``y`` (or a dummy) combined with ``w`` ``[N]``
-        in the fp32 weights channel, which returns ``[T, k]``: each slot the weight of the row it
-        was expanded into."""
-        state: EPDispatchState = handle.state
-        w = w.float().contiguous()
-        wide = y is not None and not self._narrow(y)
-        if wide:
-            assert y is not None
-            part = pad_cols(y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16), _COMBINE_COLS)
-        else:
-            part = torch.zeros(w.shape[0], _COMBINE_COLS, dtype=torch.bfloat16, device=w.device)
-        out, out_w = self._combine_call(part, state, weights=w)
-        assert out_w is not None
-        if y is None:
-            return None, out_w
-        if not wide:
-            return self.combine(y, handle), out_w
-        out = out[:, : y.shape[1]]
-        return (out if out.dtype == y.dtype else out.to(y.dtype)), out_w
-
     def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Re-send ``[T, X]`` rows along a dispatch's ``EPHandle`` (no host sync)."""
         state: EPDispatchState = handle.state
         h = state.handle
+        x = x[: sent_tokens(state)]  # NOTE: the tokens the dispatch sent (N7)
         if x.numel() == 0:  # NOTE: an empty gradient may have stride 0 (no bit view of it)
             x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         wire = sizing.WireFormat.of(x.dtype, x.shape[1])

@@ -41,6 +41,7 @@ __all__ = [
     "load_deep_ep_v25",
     "split_hook",
     "token_bucket",
+    "tokens_message",
 ]
 
 EP_MAX_RANKS = 1024  # kNumMaxRanks (include/deep_ep/common/compiled.cuh:74)
@@ -161,4 +162,20 @@ def ep_rules(
             f"forwarded over NVLink)"
         ),
         True,
+    )
+
+
+def tokens_message(rank: int | str, T: int, *, M: int, R: int, W: int) -> str:
+    """Why rank ``rank`` may not dispatch ``T`` tokens: over ``W / R`` (worst-case, ``W`` > 0)
+    or over the dropless bound ``M``."""
+    if W:
+        return (
+            f"rank {rank} dispatches {T} tokens but num_worst_tokens W={W} allows W/R = "
+            f"{W}/{R} = {M} per rank on DeepEP 2.5 (each rank owns W / R receive slots on "
+            f"every rank): raise DispatchConfig.num_worst_tokens to at least {T * R}"
+        )
+    return (
+        f"rank {rank} dispatches {T} tokens but DeepEP 2.5's dropless dispatch takes at most "
+        f"num_max_dispatch_tokens_per_rank = {M} per rank: raise "
+        f"DispatchConfig.num_max_dispatch_tokens_per_rank to at least {T} (on every rank)"
     )
