@@ -13,10 +13,12 @@ move no data and are not counted. ``--path cuda`` (the default) runs the CUDA br
 device-dependent choice on CPU, as ``tests/dist/test_lean_path.py`` does: the ops a GPU runs.
 The torch backend in a world of one (no process group), as in the H200 measurement (E=256,
 k=8, H=7,168 bf16, W = T * k), at a T that fits this machine (``--tokens``, default 2,048;
-every figure is linear in T). The last column lists the ops that touch at least W rows (T for
+every figure is linear in T; ``--w-per-token 1`` for W = R * T, the size ``bench_gpu.py`` and
+DeepEP use). The last column lists the ops that touch at least W rows (T for
 dropless): the passes over the whole buffer.
 
-Run: ``.venv/bin/python benchmarks/bench_worst_bytes.py [--tokens 2048] [--path cuda|cpu]``
+Run: ``.venv/bin/python benchmarks/bench_worst_bytes.py [--tokens 2048] [--path cuda|cpu]
+[--w-per-token 8]``
 """
 
 from __future__ import annotations
@@ -92,14 +94,14 @@ def _force_cuda_path() -> None:
             mod.cuda_code_path = yes
 
 
-def _count(worst: bool, T: int) -> dict[str, Any]:
+def _count(worst: bool, T: int, wf: int) -> dict[str, Any]:
     from flexdispatch import DispatchConfig, FlexDispatcher
 
     g = torch.Generator().manual_seed(0)
     idx = torch.rand(T, E, generator=g).argsort(1)[:, :K].contiguous()
     probs = torch.rand(T, K, generator=g)
     x = torch.randn(T, H, generator=g).bfloat16()
-    W = T * K if worst else 0
+    W = T * wf if worst else 0
     d = FlexDispatcher(
         DispatchConfig(backend="torch", checks=False, num_worst_tokens=W), num_experts=E
     )
@@ -125,6 +127,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--path", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument(
+        "--w-per-token",
+        type=int,
+        default=K,
+        help="W = T x this (default k, as the H200 measurement; 1 = R x T in a world of one, "
+        "what bench_gpu.py and DeepEP use)",
+    )
     args = ap.parse_args()
     import flexdispatch.backends.torch.a2a  # noqa: F401  (loaded before the patch)
 
@@ -143,11 +152,12 @@ def main() -> None:
     )
     print("|---|---:|---:|---:|---:|---:|---|")
     for worst in (False, True):
-        r = _count(worst, T)
+        r = _count(worst, T, args.w_per_token)
         rw = r["read"] + r["written"]
         passes = ", ".join(f"{v} {k}" for k, v in sorted(r["passes"].items()))
         print(
-            f"| {'worst-case (W = T*k)' if worst else 'dropless'} | {r['rows']} | {r['ops']} | "
+            f"| {f'worst-case (W = {args.w_per_token}T)' if worst else 'dropless'} | {r['rows']} | "
+            f"{r['ops']} | "
             f"{r['read'] / 2**20:.0f} | {r['written'] / 2**20:.0f} | {rw / rows:.1f} | "
             f"{passes} |"
         )
