@@ -8,16 +8,13 @@ Shape letters (ARCHITECTURE.md): T tokens on this rank · H hidden · k top-k ·
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from flexdispatch._validate import check_tensor
 from flexdispatch.backends.base import DispatchBackend
 from flexdispatch.types import DispatchHandle, DispatchLayout, ExpandedDispatchResult
-
-if TYPE_CHECKING:
-    from flexdispatch.dispatcher import FlexDispatcher
 
 __all__ = [
     "CombineBias",
@@ -151,7 +148,7 @@ class PendingDispatch:
 
 
 def start_dispatch(
-    dispatcher: FlexDispatcher,
+    dispatcher: Any,  # a FlexDispatcher (not imported: dispatcher.py imports this module)
     x: Any,
     topk_idx: torch.Tensor,
     topk_probs: torch.Tensor,
@@ -177,7 +174,7 @@ def start_dispatch(
 
 
 def warmup(
-    dispatcher: FlexDispatcher,
+    dispatcher: Any,  # a FlexDispatcher (not imported: dispatcher.py imports this module)
     hidden_size: int,
     topk: int,
     *,

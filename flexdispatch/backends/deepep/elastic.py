@@ -42,7 +42,6 @@ Selected with ``DispatchConfig.deepep_api="elastic"``, and by ``"auto"`` where e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -58,6 +57,7 @@ from flexdispatch.backends.deepep.counters import TrafficCounters
 from flexdispatch.backends.deepep.elastic_combine import (
     _COMBINE_COL_MULTIPLE,
     ElasticCombineMixin,
+    ElasticDispatchState,
     _pad_cols,
 )
 from flexdispatch.backends.deepep.support import load_deep_ep, nvl_peers
@@ -87,36 +87,6 @@ def elastic_available(module: ModuleType | None) -> Capability:
             "sgl-deep-ep / DeepEP 2.1.0, or set deepep_api='legacy'"
         )
     return True, "deep_ep.ElasticBuffer exists"
-
-
-@dataclass(frozen=True, kw_only=True)
-class ElasticDispatchState:
-    """The V2 path's part of a ``DispatchHandle``.
-
-    Attributes:
-        handle: DeepEP's ``EPHandle``.
-        wire: the wire format of the dispatched rows.
-        topk: k.
-        local: ``[rows, k]`` bool, the received slots holding a local expert (None expanded).
-        valid: ``[rows]`` bool real rows in worst-case mode, else None.
-        recv_scales: ``[rows, H / 128]`` float32 scales of an fp8 dispatch, else None.
-        order: ``[rows]`` int64, DeepEP's row of each returned row (non-expand), else None.
-    """
-
-    handle: Any
-    wire: sizing.WireFormat
-    topk: int
-    local: torch.Tensor | None
-    valid: torch.Tensor | None
-    recv_scales: torch.Tensor | None
-    order: torch.Tensor | None = None
-
-    def to_deepep(self, y: torch.Tensor) -> torch.Tensor:
-        """Rows in the contract's order back to DeepEP's receive order (``y[i]`` was DeepEP's
-        row ``order[i]``)."""
-        if self.order is None:
-            return y
-        return torch.empty_like(y).index_copy_(0, self.order, y)
 
 
 def _token_order(

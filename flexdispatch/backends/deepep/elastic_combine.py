@@ -2,11 +2,13 @@
 dispatch backward's one combine carrying the probs (audit-3 N10), the per-slot weights channel and
 the exact fp32 sum of narrow rows. Split out of ``elastic.py`` to keep each file under 700 lines;
 ``DeepEPElasticBackend`` mixes it in and provides ``_buffer``, ``_account``, ``num_sms`` and the
-byte counters used here."""
+byte counters used here. ``ElasticDispatchState`` (the handle's state both sides read) lives here
+so that the import runs one way."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -14,10 +16,7 @@ import torch.nn.functional as F
 from flexdispatch.backends.deepep import refusals, sizing
 from flexdispatch.types import DispatchHandle
 
-if TYPE_CHECKING:
-    from flexdispatch.backends.deepep.elastic import ElasticDispatchState
-
-__all__ = ["ElasticCombineMixin"]
+__all__ = ["ElasticCombineMixin", "ElasticDispatchState"]
 
 _COMBINE_COL_MULTIPLE = 256  # combine hidden % 256 (impls/combine.cuh:109)
 _NARROW_FP32_COLUMNS = sizing.MAX_TOPK  # fp32 rows this narrow are summed exactly
@@ -26,6 +25,36 @@ _NARROW_FP32_COLUMNS = sizing.MAX_TOPK  # fp32 rows this narrow are summed exact
 def _pad_cols(w: torch.Tensor, multiple: int) -> torch.Tensor:
     pad = -w.shape[1] % multiple
     return F.pad(w, (0, pad)) if pad else w.contiguous()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ElasticDispatchState:
+    """The V2 path's part of a ``DispatchHandle``.
+
+    Attributes:
+        handle: DeepEP's ``EPHandle``.
+        wire: the wire format of the dispatched rows.
+        topk: k.
+        local: ``[rows, k]`` bool, the received slots holding a local expert (None expanded).
+        valid: ``[rows]`` bool real rows in worst-case mode, else None.
+        recv_scales: ``[rows, H / 128]`` float32 scales of an fp8 dispatch, else None.
+        order: ``[rows]`` int64, DeepEP's row of each returned row (non-expand), else None.
+    """
+
+    handle: Any
+    wire: sizing.WireFormat
+    topk: int
+    local: torch.Tensor | None
+    valid: torch.Tensor | None
+    recv_scales: torch.Tensor | None
+    order: torch.Tensor | None = None
+
+    def to_deepep(self, y: torch.Tensor) -> torch.Tensor:
+        """Rows in the contract's order back to DeepEP's receive order (``y[i]`` was DeepEP's
+        row ``order[i]``)."""
+        if self.order is None:
+            return y
+        return torch.empty_like(y).index_copy_(0, self.order, y)
 
 
 class ElasticCombineMixin:
