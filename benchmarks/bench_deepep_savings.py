@@ -38,44 +38,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from bench_deepep_ops import _VIEW_OPS  # the ops that move no data (this folder is on sys.path)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 if not os.environ.get("PYTHONPATH"):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 T, E_PER_RANK, K, H = 256, 8, 4, 1000
-_VIEWS = {
-    "view",
-    "_unsafe_view",
-    "alias",
-    "as_strided",
-    "slice",
-    "select",
-    "t",
-    "transpose",
-    "expand",
-    "unsqueeze",
-    "squeeze",
-    "permute",
-    "detach",
-    "split",
-    "unbind",
-    "narrow",
-    "reshape",
-    "view_as",
-    "_reshape_alias",
-    "lift_fresh",
-}
-
-
-def _inside_deepep() -> bool:
-    f = sys._getframe(2)
-    while f is not None:
-        name = f.f_code.co_filename
-        if "deepep_emu" in name or f"{os.sep}deep_ep{os.sep}" in name:
-            return True
-        f = f.f_back
-    return False
 
 
 class _Adapter(TorchDispatchMode):
@@ -89,8 +58,10 @@ class _Adapter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from torch.utils._pytree import tree_flatten
 
+        from tests.deepep_emu.runtime.transport import inside_deepep
+
         out = func(*args, **(kwargs or {}))
-        if func.overloadpacket.__name__ in _VIEWS or _inside_deepep():
+        if func.overloadpacket.__name__ in _VIEW_OPS or inside_deepep():
             return out
         self.ops += 1
         ins = {

@@ -20,8 +20,6 @@ and V2 (``"elastic"``), dropless and worst-case:
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any
 
 import pytest
@@ -32,17 +30,6 @@ from tests.dist.harness import run_group
 from tests.dist.reference import all_inputs
 
 E_PER_RANK, K, H = 3, 3, 200  # H: not a multiple of 16 / 256, so padding copies show
-
-
-def _inside_deepep() -> bool:
-    """Whether DeepEP's own code (its Python layer or the emulated ``_C``) is on the stack."""
-    f = sys._getframe(2)
-    while f is not None:
-        name = f.f_code.co_filename
-        if "deepep_emu" in name or f"{os.sep}deep_ep{os.sep}" in name:
-            return True
-        f = f.f_back
-    return False
 
 
 class FreshRows(TorchDispatchMode):
@@ -61,7 +48,7 @@ class FreshRows(TorchDispatchMode):
         from tests.deepep_emu.runtime import transport
 
         out = func(*args, **(kwargs or {}))
-        if transport.in_runtime() or _inside_deepep():
+        if transport.in_runtime() or transport.inside_deepep():
             return out
         ins = {
             t.untyped_storage().data_ptr()

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sys
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,6 +55,18 @@ def kernel(name: str) -> Iterator[None]:
 def in_runtime() -> bool:
     """Whether an emulated DeepEP kernel is running (its collectives are DeepEP's own)."""
     return _DEPTH > 0
+
+
+def inside_deepep(depth: int = 2) -> bool:
+    """Whether DeepEP's own code (its Python layer or this emulated runtime) is on the stack above
+    the caller's caller (``depth`` frames up: a ``TorchDispatchMode`` asks for its op's caller)."""
+    f: Any = sys._getframe(depth)
+    while f is not None:
+        name = f.f_code.co_filename
+        if "deepep_emu" in name or f"{os.sep}deep_ep{os.sep}" in name:
+            return True
+        f = f.f_back
+    return False
 
 
 def counters() -> dict[str, int]:
