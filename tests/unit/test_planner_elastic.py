@@ -188,12 +188,12 @@ def test_elastic_hidden_mirrors_the_backend(dtype: torch.dtype, H: int) -> None:
 
     x = torch.zeros(3, H, dtype=dtype)
     _, _, wire = sizing.split_rows(x, fp8_multiple=32)
-    sent = v2._pad_cols(wire.send(x), v2._DISPATCH_COL_MULTIPLE)
+    sent = sizing.pad_cols(wire.send(x), v2._DISPATCH_COL_MULTIPLE)
     want_dispatch = max(sent.shape[1], v2._COMBINE_COL_MULTIPLE)  # DeepEPElasticBackend.dispatch
     if dtype != torch.bfloat16 and H <= elastic_combine._NARROW_FP32_COLUMNS:
         want_combine = v2._COMBINE_COL_MULTIPLE  # _combine_fp32
     else:
-        want_combine = v2._pad_cols(x.to(torch.bfloat16), v2._COMBINE_COL_MULTIPLE).shape[1]
+        want_combine = sizing.pad_cols(x.to(torch.bfloat16), v2._COMBINE_COL_MULTIPLE).shape[1]
     assert elastic_hidden(H, dtype.itemsize) == (want_dispatch, want_combine)
 
 

@@ -58,7 +58,6 @@ from flexdispatch.backends.deepep.elastic_combine import (
     _COMBINE_COL_MULTIPLE,
     ElasticCombineMixin,
     ElasticDispatchState,
-    _pad_cols,
 )
 from flexdispatch.backends.deepep.support import load_deep_ep, nvl_peers
 from flexdispatch.distributed import all_gather_int64, collective_device, group_rank, group_size
@@ -382,7 +381,7 @@ class DeepEPElasticBackend(ElasticCombineMixin, DispatchBackend):
             # NOTE: the buffer is sized as bf16 rows: X bf16 columns hold X fp8 bytes + scales
             hidden = X
         else:
-            w = _pad_cols(wire.send(x), _DISPATCH_COL_MULTIPLE)
+            w = sizing.pad_cols(wire.send(x), _DISPATCH_COL_MULTIPLE)
             send, hidden = w, w.shape[1]
         buffer = self._buffer(max(hidden, _COMBINE_COL_MULTIPLE), k)
         idx = (
@@ -546,7 +545,7 @@ class DeepEPElasticBackend(ElasticCombineMixin, DispatchBackend):
         h = state.handle
         x = x[: self._num_tokens(h)]  # NOTE: the tokens the dispatch sent (N7)
         wire = sizing.WireFormat.of(x.dtype, x.shape[1])
-        w = _pad_cols(wire.send(x), _DISPATCH_COL_MULTIPLE)
+        w = sizing.pad_cols(wire.send(x), _DISPATCH_COL_MULTIPLE)
         buffer = self._buffer(max(w.shape[1], _COMBINE_COL_MULTIPLE), state.topk)
         key = ("cached", 2 * w.shape[1], state.topk, self.num_max_tokens_per_rank, h.num_sms)
         key = (*key, self.num_experts, self.worst_case)

@@ -22,11 +22,6 @@ _COMBINE_COL_MULTIPLE = 256  # combine hidden % 256 (impls/combine.cuh:109)
 _NARROW_FP32_COLUMNS = sizing.MAX_TOPK  # fp32 rows this narrow are summed exactly
 
 
-def _pad_cols(w: torch.Tensor, multiple: int) -> torch.Tensor:
-    pad = -w.shape[1] % multiple
-    return F.pad(w, (0, pad)) if pad else w.contiguous()
-
-
 @dataclass(frozen=True, kw_only=True)
 class ElasticDispatchState:
     """The V2 path's part of a ``DispatchHandle``.
@@ -73,7 +68,7 @@ class ElasticCombineMixin:
         wide = y is not None and not self._narrow(y)
         if wide:
             assert y is not None
-            part = _pad_cols(y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16), 256)
+            part = sizing.pad_cols(y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16), 256)
         else:
             part = torch.zeros(
                 w.shape[0], _COMBINE_COL_MULTIPLE, dtype=torch.bfloat16, device=w.device
@@ -82,12 +77,12 @@ class ElasticCombineMixin:
         self._first_combine(h, part.shape[1], state.topk, weights=True)
         out, out_w, _ = buffer.combine(part, h, topk_weights=w, num_sms=self.num_sms)
         self._account("combine", h, self._combine_row_bytes(part.shape[1], state.topk))
-        out_w = self._all_tokens(out_w, handle)
+        out_w = sizing.pad_tokens(out_w, handle.num_tokens)
         if y is None:
             return None, out_w
         if not wide:
             return self.combine(y, handle), out_w
-        out = self._all_tokens(out[:, : y.shape[1]], handle)
+        out = sizing.pad_tokens(out[:, : y.shape[1]], handle.num_tokens)
         return (out if out.dtype == y.dtype else out.to(y.dtype)), out_w
 
     def combine_with_probs(
@@ -115,10 +110,10 @@ class ElasticCombineMixin:
         self._first_combine(h, part.shape[1], k, weights=True)
         out, out_w, _ = buffer.combine(part, h, topk_weights=w, num_sms=self.num_sms)
         self._account("combine", h, self._combine_row_bytes(part.shape[1], k))
-        out_w = self._all_tokens(out_w, handle)
+        out_w = sizing.pad_tokens(out_w, handle.num_tokens)
         if y is None:
             return None, out_w
-        out = self._all_tokens(out[:, : y.shape[1]], handle)
+        out = sizing.pad_tokens(out[:, : y.shape[1]], handle.num_tokens)
         return (out if out.dtype == y.dtype else out.to(y.dtype)), out_w
 
     # ----------------------------------------------------------------- combine
@@ -129,25 +124,21 @@ class ElasticCombineMixin:
         X = y.shape[1]
         k = state.topk
         if self._narrow(y):
-            return self._all_tokens(self._combine_fp32(state.to_deepep(y), state), handle)
+            return sizing.pad_tokens(
+                self._combine_fp32(state.to_deepep(y), state), handle.num_tokens
+            )
         part = self._to_deepep_rows(y, state)
         buffer = self._buffer(part.shape[1], k)
         self._first_combine(h, part.shape[1], k, weights=False)
         out, _, _ = buffer.combine(part, h, num_sms=self.num_sms)
         self._account("combine", h, self._combine_row_bytes(part.shape[1], k))
-        out = self._all_tokens(out[:, :X], handle)
+        out = sizing.pad_tokens(out[:, :X], handle.num_tokens)
         return out if out.dtype == y.dtype else out.to(y.dtype)
 
     def _first_combine(self, h: Any, columns: int, k: int, *, weights: bool) -> None:
         """A combine's JIT template arguments (refused inside a capture when new: N18)."""
         key = ("combine", columns, k, self.num_max_tokens_per_rank, self.num_sms, weights)
         refusals.first_use(self.deep_ep, (*key, bool(h.do_expand)), "combine")
-
-    @staticmethod
-    def _all_tokens(out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """``out`` with zero rows for the tokens past M a rank did not send (N7), else as is."""
-        missing = handle.num_tokens - out.shape[0]
-        return F.pad(out, (0, 0, 0, missing)) if missing > 0 else out
 
     @staticmethod
     def _to_deepep_rows(y: torch.Tensor, state: ElasticDispatchState) -> torch.Tensor:
@@ -158,7 +149,7 @@ class ElasticCombineMixin:
         """
         yb = y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16)
         if state.order is None:
-            return _pad_cols(yb, _COMBINE_COL_MULTIPLE)
+            return sizing.pad_cols(yb, _COMBINE_COL_MULTIPLE)
         rows, X = yb.shape
         padded = -(-X // _COMBINE_COL_MULTIPLE) * _COMBINE_COL_MULTIPLE
         part = torch.empty(rows, padded, dtype=torch.bfloat16, device=yb.device)

@@ -61,7 +61,6 @@ from flexdispatch.backends.deepep.ep_rows import (
     PendingExpanded,
     dispatch_row_bytes,
     guard_ids,
-    pad_cols,
     token_order,
     traffic_rows,
 )
@@ -324,7 +323,7 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
             send: Any = (x.contiguous(), scales.contiguous())
             hidden, row = X, dispatch_row_bytes(X, scales.shape[1], k)
         else:
-            w = pad_cols(wire.send(x), _DISPATCH_COLS)
+            w = sizing.pad_cols(wire.send(x), _DISPATCH_COLS)
             send, hidden, row = w, w.shape[1], dispatch_row_bytes(2 * w.shape[1], 0, k)
         # NOTE: sized for the combine of these rows too (bf16, padded to 256 columns)
         buffer = self._buffer(max(hidden, -(-X // _COMBINE_COLS) * _COMBINE_COLS), k)
@@ -534,7 +533,7 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         if x.numel() == 0:  # NOTE: an empty gradient may have stride 0 (no bit view of it)
             x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         wire = sizing.WireFormat.of(x.dtype, x.shape[1])
-        w = pad_cols(wire.send(x), _DISPATCH_COLS)
+        w = sizing.pad_cols(wire.send(x), _DISPATCH_COLS)
         buffer = self._buffer(max(w.shape[1], _COMBINE_COLS), state.topk)
         key = kernel_key(
             "cached",

@@ -17,7 +17,7 @@ import torch
 
 from flexdispatch.backends.deepep import sizing
 from flexdispatch.backends.deepep.ep_buffer import kernel_key
-from flexdispatch.backends.deepep.ep_rows import EPDispatchState, combine_row_bytes, pad_cols
+from flexdispatch.backends.deepep.ep_rows import EPDispatchState, combine_row_bytes
 from flexdispatch.types import DispatchHandle
 
 __all__ = ["EPCombineMixin", "sent_tokens"]
@@ -86,12 +86,12 @@ class EPCombineMixin:
         if bias is not None and not self.supports_combine_bias(y.dtype)[0]:
             return self.combine_bias(y, handle, None) + bias
         if self._narrow(y):
-            out = _all_tokens(self._combine_fp32(yd, state), handle)
+            out = sizing.pad_tokens(self._combine_fp32(yd, state), handle.num_tokens)
             return out if bias is None else out + bias
         yb = yd if yd.dtype == torch.bfloat16 else yd.to(torch.bfloat16)
-        part = pad_cols(yb, _COMBINE_COLS)
+        part = sizing.pad_cols(yb, _COMBINE_COLS)
         sent = sent_tokens(state)
-        b = None if bias is None else pad_cols(bias[:sent], _COMBINE_COLS)
+        b = None if bias is None else sizing.pad_cols(bias[:sent], _COMBINE_COLS)
         out, _ = self._combine_call(part, state, bias=b)
         out = out[:, :X]
         out = out if out.dtype == y.dtype else out.to(y.dtype)
@@ -141,15 +141,15 @@ class EPCombineMixin:
         part = torch.zeros(w.shape[0], _COMBINE_COLS, dtype=torch.bfloat16, device=w.device)
         if y is not None:
             yd = state.to_deepep(y)
-            part = pad_cols(
+            part = sizing.pad_cols(
                 yd if yd.dtype == torch.bfloat16 else yd.to(torch.bfloat16), _COMBINE_COLS
             )
         out, out_w = self._combine_call(part, state, weights=w)  # out_w: owner rank's value
         assert out_w is not None
-        out_w = _all_tokens(out_w, handle)
+        out_w = sizing.pad_tokens(out_w, handle.num_tokens)
         if y is None:
             return None, out_w
-        out = _all_tokens(out[:, : y.shape[1]], handle)
+        out = sizing.pad_tokens(out[:, : y.shape[1]], handle.num_tokens)
         return (out if out.dtype == y.dtype else out.to(y.dtype)), out_w
 
     def combine_slot_weights(
@@ -163,26 +163,22 @@ class EPCombineMixin:
         wide = y is not None and not self._narrow(y)
         if wide:
             assert y is not None
-            part = pad_cols(y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16), _COMBINE_COLS)
+            part = sizing.pad_cols(
+                y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16), _COMBINE_COLS
+            )
         else:
             part = torch.zeros(w.shape[0], _COMBINE_COLS, dtype=torch.bfloat16, device=w.device)
         out, out_w = self._combine_call(part, state, weights=w)
         assert out_w is not None
-        out_w = _all_tokens(out_w, handle)
+        out_w = sizing.pad_tokens(out_w, handle.num_tokens)
         if y is None:
             return None, out_w
         if not wide:
             return self.combine(y, handle), out_w
-        out = _all_tokens(out[:, : y.shape[1]], handle)
+        out = sizing.pad_tokens(out[:, : y.shape[1]], handle.num_tokens)
         return (out if out.dtype == y.dtype else out.to(y.dtype)), out_w
 
 
 def sent_tokens(state: EPDispatchState) -> int:
     """Tokens the dispatch behind ``state`` sent (fewer than T when a rank was over its bound)."""
     return int(state.handle.topk_idx.shape[0])
-
-
-def _all_tokens(out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-    """``out`` with zero rows for the tokens a rank over its bound did not send (N7)."""
-    missing = handle.num_tokens - out.shape[0]
-    return torch.nn.functional.pad(out, (0, 0, 0, missing)) if missing > 0 else out

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from flexdispatch.backends.deepep import sizing
 
@@ -26,7 +25,6 @@ __all__ = [
     "combine_row_bytes",
     "dispatch_row_bytes",
     "guard_ids",
-    "pad_cols",
     "token_order",
     "traffic_rows",
 ]
@@ -46,12 +44,6 @@ def dispatch_row_bytes(row_bytes: int, scales: int, k: int) -> int:
 def combine_row_bytes(columns: int, k: int) -> int:
     """DeepEP 2.5's combine ``TokenLayout`` bytes of one row: bf16 columns and k weights."""
     return _a(_a(2 * columns, 32) + _a(8 * k, 32), 64)
-
-
-def pad_cols(w: torch.Tensor, multiple: int) -> torch.Tensor:
-    """``w`` zero-padded to a multiple of ``multiple`` columns (contiguous)."""
-    pad = -w.shape[1] % multiple
-    return F.pad(w, (0, pad)) if pad else w.contiguous()
 
 
 def token_order(handle: Any, rows: int, used: torch.Tensor | None, keep: int) -> torch.Tensor:

@@ -51,6 +51,8 @@ __all__ = [
     "BufferSize",
     "MaskedWorstCase",
     "count_valid",
+    "pad_cols",
+    "pad_tokens",
     "WireFormat",
     "align_bytes",
     "hidden_bytes",
@@ -507,3 +509,16 @@ def expert_major_valid_mask(recv_count: torch.Tensor, capacity: int) -> torch.Te
     """
     slots = torch.arange(capacity, device=recv_count.device)
     return slots[None, :] < recv_count.to(torch.int64)[:, None]
+
+
+def pad_cols(w: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``w`` zero-padded to a multiple of ``multiple`` columns (contiguous)."""
+    pad = -w.shape[1] % multiple
+    return F.pad(w, (0, pad)) if pad else w.contiguous()
+
+
+def pad_tokens(out: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``out`` with zero rows up to ``num_tokens``: the combine rows of the tokens a rank over its
+    per-rank token bound did not send (audit-3 N7), else ``out`` as is."""
+    missing = num_tokens - out.shape[0]
+    return F.pad(out, (0, 0, 0, missing)) if missing > 0 else out
