@@ -73,19 +73,6 @@ class OpCounter(TorchDispatchMode):
         return sum(self.ops.values())
 
 
-def force_cuda_path() -> None:
-    """Make every device-dependent branch of flexdispatch take its CUDA side (on CPU)."""
-    from flexdispatch import _validate
-
-    def yes(device: torch.device) -> bool:
-        return True
-
-    _validate.defer_value_checks = yes
-    for name, mod in list(sys.modules.items()):
-        if name.startswith("flexdispatch") and hasattr(mod, "cuda_code_path"):
-            mod.cuda_code_path = yes
-
-
 def _inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g).bfloat16()
@@ -96,6 +83,7 @@ def _inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def _dispatch_ops(worst: bool, hierarchical: bool, cuda: bool, where: bool) -> dict[str, Any]:
     from flexdispatch import DispatchConfig, FlexDispatcher
+    from tests.cuda_path import force_cuda_path
 
     if cuda:
         force_cuda_path()
@@ -116,6 +104,7 @@ def _dispatch_ops(worst: bool, hierarchical: bool, cuda: bool, where: bool) -> d
 
 def _permute_ops(cuda: bool, where: bool) -> dict[str, Any]:
     from flexdispatch import permute, unpermute
+    from tests.cuda_path import force_cuda_path
 
     if cuda:
         force_cuda_path()

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -78,22 +80,6 @@ class _Bytes(TorchDispatchMode):
         return out
 
 
-def _force_cuda_path() -> None:
-    """Run the CUDA branch of every device-dependent choice on CPU (as tests/dist/test_lean_path
-    does): what a GPU runs, op for op."""
-    import sys
-
-    from flexdispatch import _validate
-
-    def yes(device: torch.device) -> bool:
-        return True
-
-    _validate.defer_value_checks = yes
-    for name, mod in list(sys.modules.items()):
-        if name.startswith("flexdispatch") and hasattr(mod, "cuda_code_path"):
-            mod.cuda_code_path = yes
-
-
 def _count(worst: bool, T: int, wf: int) -> dict[str, Any]:
     from flexdispatch import DispatchConfig, FlexDispatcher
 
@@ -138,7 +124,10 @@ def main() -> None:
     import flexdispatch.backends.torch.a2a  # noqa: F401  (loaded before the patch)
 
     if args.path == "cuda":
-        _force_cuda_path()
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests/
+        from tests.cuda_path import force_cuda_path
+
+        force_cuda_path()
     torch.set_num_threads(1)
     T = args.tokens
     rows = T * H * 2

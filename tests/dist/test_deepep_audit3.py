@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.cuda_path import force_cuda_path
 from tests.dist.harness import run_group
 
 
@@ -163,22 +164,10 @@ class _HostReads:
             setattr(torch.Tensor, n, orig)
 
 
-def _force_cuda_path() -> None:
-    from flexdispatch import _validate
-
-    def yes(device: torch.device) -> bool:
-        return True
-
-    _validate.defer_value_checks = yes
-    for name, mod in list(sys.modules.items()):
-        if name.startswith("flexdispatch") and hasattr(mod, "cuda_code_path"):
-            mod.cuda_code_path = yes
-
-
 def many_calls(rank: int, R: int, api: str, calls: int) -> dict[str, Any]:
     """``calls`` worst-case dispatch + combine pairs on the CUDA code path (forced on CPU), the
     worst case being: every token to every rank, and token 0 naming one expert twice."""
-    _force_cuda_path()
+    force_cuda_path()
     from flexdispatch import DispatchConfig, FlexDispatcher
 
     E, k, H, T = 4 * R, 4, 16, 6

@@ -9,13 +9,12 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
 from flexdispatch import DispatchConfig, FlexDispatcher
 from flexdispatch.backends.torch.flat import PACK_MAX_ROW_BYTES, packs_meta
+from tests.cuda_path import force_cuda_path
 from tests.dist.harness import run_group
 from tests.dist.reference import all_inputs, expert_fn, ref_combine, ref_dispatch
 
@@ -23,18 +22,6 @@ pytestmark = pytest.mark.timeout(300)
 
 E, K, T = 8, 2, 12
 SHORT_H, LONG_H = 8, PACK_MAX_ROW_BYTES // 2 + 4  # bf16 rows: 16 B (packed), 2,056 B (not)
-
-
-def _force_cuda_path(patch) -> None:  # type: ignore[no-untyped-def]
-    from flexdispatch import _validate
-
-    def yes(device: torch.device) -> bool:
-        return True
-
-    patch(_validate, "defer_value_checks", yes)
-    for name, mod in list(sys.modules.items()):
-        if name.startswith("flexdispatch") and hasattr(mod, "cuda_code_path"):
-            patch(mod, "cuda_code_path", yes)
 
 
 def _check(d: FlexDispatcher, inputs, rank: int, R: int, W: int) -> list[str]:  # type: ignore[no-untyped-def]
@@ -79,7 +66,7 @@ def test_packing_rule() -> None:
 @pytest.mark.parametrize("H", [SHORT_H, LONG_H], ids=["short", "long"])
 def test_world_of_one_matches_the_reference(cuda: bool, W: int, H: int, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     if cuda:
-        _force_cuda_path(monkeypatch.setattr)
+        force_cuda_path(monkeypatch.setattr)
     inputs = all_inputs(4, R=1, E=E, k=K, H=H)
     d = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=W), num_experts=E)
     for _ in range(2):  # the second call runs on warm caches and reused buffers
@@ -89,7 +76,7 @@ def test_world_of_one_matches_the_reference(cuda: bool, W: int, H: int, monkeypa
 
 def _worker(rank: int, R: int, cuda: bool) -> dict:
     if cuda:
-        _force_cuda_path(setattr)
+        force_cuda_path(setattr)
     got = {}
     for H in (SHORT_H, LONG_H):
         for W in (0, R * T):

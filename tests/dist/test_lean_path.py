@@ -13,29 +13,16 @@ counts it reached.
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
+from tests.cuda_path import force_cuda_path
 from tests.dist.harness import run_group
 from tests.dist.reference import all_inputs, expert_fn, ref_combine, ref_dispatch
 
 pytestmark = pytest.mark.timeout(300)
 
 E, K, H, T = 16, 4, 8, 24
-
-
-def _force_cuda_path() -> None:
-    from flexdispatch import _validate
-
-    def yes(device: torch.device) -> bool:
-        return True
-
-    _validate.defer_value_checks = yes
-    for name, mod in list(sys.modules.items()):
-        if name.startswith("flexdispatch") and hasattr(mod, "cuda_code_path"):
-            mod.cuda_code_path = yes
 
 
 def _count(fn):  # type: ignore[no-untyped-def]
@@ -58,7 +45,7 @@ def _worker(rank: int, R: int, worst: bool, cuda: bool, hierarchical: bool) -> d
     from flexdispatch import DispatchConfig, FlexDispatcher
 
     if cuda:
-        _force_cuda_path()
+        force_cuda_path()
     inputs = all_inputs(5, R=R, E=E, k=K, H=H, case="random", dtype=torch.bfloat16)
     me = inputs[rank]
     cfg = DispatchConfig(
