@@ -34,6 +34,8 @@ __all__ = [
     "collective_device",
     "resolve_ranks_per_node",
     "all_gather_int64",
+    "gathers_by_all_to_all",
+    "start_gather_int64",
     "all_reduce_min_flag",
     "all_reduce_min_flags",
     "stable_hash",
@@ -162,10 +164,40 @@ def resolve_ranks_per_node(configured: int | None, num_ranks: int) -> tuple[int,
     return value, source
 
 
+def gathers_by_all_to_all(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``gather_int64`` runs as an ``all_to_all_single`` on ``group``: on gloo, where
+    an all-gather of a few int64 costs about two all-to-alls (R = 2, 1 thread: 0.60 ms against
+    0.30 ms, ``benchmarks/bench_launch.py``); NCCL keeps its all-gather (a ring, one launch)."""
+    return "gloo" in str(dist.get_backend(group)).lower()
+
+
+def start_gather_int64(
+    out: torch.Tensor,
+    values: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """Gather ``values`` (``[n]`` int64, same ``n`` everywhere) from every rank into ``out``
+    (``[R * n]``, rank-major); the caller runs it inside ``collective_guard``.
+
+    On gloo every rank sends its vector to every rank in one ``all_to_all_single``
+    (``gathers_by_all_to_all``), elsewhere one all-gather. ``async_op``: returns the work to
+    wait on before ``out`` is read (None otherwise).
+    """
+    flat = values.reshape(-1).contiguous()
+    if gathers_by_all_to_all(group):
+        send = flat.repeat(dist.get_world_size(group))
+        return dist.all_to_all_single(out, send, group=group, async_op=async_op)
+    # NOTE: torch >= 2.13 renames all_gather_into_tensor to all_gather_single.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, flat, group=group, async_op=async_op)
+
+
 def all_gather_int64(
     values: torch.Tensor, group: dist.ProcessGroup | None = None, *, name: str = "all_gather"
 ) -> torch.Tensor:
-    """All-gather a 1-D int64 vector from every rank.
+    """All-gather a 1-D int64 vector from every rank (``start_gather_int64``).
 
     Args:
         values: ``[n]`` int64, same ``n`` on every rank, on ``collective_device(group)``.
@@ -181,13 +213,11 @@ def all_gather_int64(
     if not is_distributed(group):
         return values.reshape(1, -1).clone()
     size = dist.get_world_size(group)
-    flat = values.reshape(-1).contiguous()
-    out = torch.empty(size * flat.numel(), dtype=flat.dtype, device=flat.device)
-    # NOTE: torch >= 2.13 renames all_gather_into_tensor to all_gather_single.
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    n = values.numel()
+    out = torch.empty(size * n, dtype=values.dtype, device=values.device)
     with collective_guard(name, group):
-        gather(out, flat, group=group)
-    return out.view(size, flat.numel())
+        start_gather_int64(out, values, group)
+    return out.view(size, n)
 
 
 def all_reduce_min_flag(flag: bool, group: dist.ProcessGroup | None = None) -> bool:

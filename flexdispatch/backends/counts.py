@@ -2,9 +2,10 @@
 
 T tokens on this rank · R ranks · L ranks per node · N = R / L nodes · H hidden · k top-k.
 
-One all-gather of a ``[2R + N + 4]`` int64 vector per rank — rows for every rank, rows for every
-node, then H, k, a dtype code and T, then (token, expert) pairs for every rank — gives every rank
-the whole ``[R, 2R + N + 4]`` matrix ``G``.
+One all-gather (``distributed.start_gather_int64``: an ``all_to_all_single`` on gloo, where it
+costs half of gloo's all-gather) of a ``[2R + N + 4]`` int64 vector per rank — rows for every
+rank, rows for every node, then H, k, a dtype code and T, then (token, expert) pairs for every
+rank — gives every rank the whole ``[R, 2R + N + 4]`` matrix ``G``.
 With it every rank can size its receive buffers and raise the *same* error when the ranks
 disagree on the row shape or dtype, instead of hanging or mixing garbage.
 """
@@ -15,9 +16,21 @@ import torch
 import torch.distributed as dist
 
 from flexdispatch._validate import is_capturing
-from flexdispatch.distributed import all_gather_int64
+from flexdispatch.distributed import (
+    all_gather_int64,
+    collective_guard,
+    group_size,
+    start_gather_int64,
+)
 
-__all__ = ["DTYPE_CODES", "check_agreement", "count_vector", "exchange_counts", "recv_pairs"]
+__all__ = [
+    "DTYPE_CODES",
+    "check_agreement",
+    "count_vector",
+    "exchange_counts",
+    "recv_pairs",
+    "start_exchange",
+]
 
 DTYPE_CODES: dict[torch.dtype, int] = {
     torch.float32: 1,
@@ -65,6 +78,34 @@ def exchange_counts(
 
 
 EXCHANGE_NAME = "all_gather (dispatch count exchange)"
+
+
+def start_exchange(
+    mask_TR: torch.Tensor,
+    *,
+    hidden: int,
+    topk: int,
+    dtype: torch.dtype,
+    ranks_per_node: int,
+    group: dist.ProcessGroup | None,
+    pairs_R: torch.Tensor,
+) -> tuple[torch.Tensor, dist.Work]:
+    """``exchange_counts`` of a flat dispatch (no rows per node), started asynchronously:
+    ``(G, work)``; ``G`` is complete once ``work`` is waited on (``PendingCounts.wait``)."""
+    vec = count_vector(
+        mask_TR,
+        hidden=hidden,
+        topk=topk,
+        dtype=dtype,
+        ranks_per_node=ranks_per_node,
+        pairs_R=pairs_R,
+        per_node=False,  # NOTE: flat mode never reads them
+    )
+    G = torch.empty(group_size(group), vec.numel(), dtype=torch.int64, device=vec.device)
+    with collective_guard(EXCHANGE_NAME, group):
+        work = start_gather_int64(G.view(-1), vec, group, async_op=True)
+    assert work is not None
+    return G, work
 
 
 def count_vector(

@@ -6,11 +6,12 @@ W worst-case rows · S rows one rank sends in one hop · P peers one hop sends t
 
 How a dispatch runs (works on gloo and NCCL):
 
-1. Count exchange: one ``all_gather_into_tensor`` of a ``[2R + N + 4]`` int64 vector per rank
-   (rows for every rank, rows for every node (hierarchical mode; zeros in flat mode), H, k, dtype
-   code, T, pairs for every rank). Every rank then holds the ``[R, 2R + N + 4]`` matrix ``G``
-   and can raise the same error on every rank: mismatching H / k / dtype, or a worst-case
-   overflow. On CPU in flat mode it runs asynchronously while the send rows are prepared.
+1. Count exchange: one all-gather (gloo: an ``all_to_all_single``) of a ``[2R + N + 4]`` int64
+   vector per rank (rows for every rank, rows for every node (hierarchical mode; zeros in flat
+   mode), H, k, dtype code, T, pairs for every rank). Every rank then holds the
+   ``[R, 2R + N + 4]`` matrix ``G`` and can raise the same error on every rank: mismatching
+   H / k / dtype, or a worst-case overflow. On CPU in flat mode it runs asynchronously while
+   the send rows are prepared.
 2. Dropless mode copies ``G`` to the host once (``stats.host_syncs += 1``); on CUDA that copy is
    issued on a side stream into pinned memory right after the exchange and waited on just before
    the rows move. Worst-case mode never reads it on CUDA (only with checks enabled; counted in
@@ -69,11 +70,10 @@ from flexdispatch._validate import checks_enabled, cuda_code_path, is_capturing
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import (
     DTYPE_CODES,
-    EXCHANGE_NAME,
     check_agreement,
-    count_vector,
     exchange_counts,
     recv_pairs,
+    start_exchange,
 )
 from flexdispatch.backends.cpu_pool import OUTPUT_POOL
 from flexdispatch.backends.torch import hier as torch_hier
@@ -611,7 +611,15 @@ class TorchA2ABackend(DispatchBackend):
         else:
             # NOTE: CPU flat: the exchange runs (gloo, async) while the plan prepares its send
             # rows; the plan reads G only through ``pending.wait()``, which waits for it first.
-            G, work = self.start_exchange(mask_TR, H, k, x.dtype, pairs_R2[:R])
+            G, work = start_exchange(
+                mask_TR,
+                hidden=H,
+                topk=k,
+                dtype=x.dtype,
+                ranks_per_node=self.ranks_per_node,
+                group=self.group,
+                pairs_R=pairs_R2[:R],
+            )
         pending = self.start_host_counts(G, work)
         plan = torch_hier.dispatch_hier if self.hierarchical else dispatch_flat
         result = plan(self, x, key_TK, topk_probs, mask_TR, G, pending)
@@ -621,32 +629,6 @@ class TorchA2ABackend(DispatchBackend):
             pairs = recv_pairs(Gh, rank=self.rank, num_ranks=R, num_nodes=self.num_nodes)
             result = dataclasses.replace(result, num_recv_pairs=pairs)
         return result
-
-    def start_exchange(
-        self,
-        mask_TR: torch.Tensor,
-        hidden: int,
-        topk: int,
-        dtype: torch.dtype,
-        pairs_R: torch.Tensor,
-    ) -> tuple[torch.Tensor, dist.Work]:
-        """``exchange_counts`` started asynchronously (CPU, flat): ``(G, work)``; ``G`` is
-        complete once ``work`` is waited on (``PendingCounts.wait``)."""
-        vec = count_vector(
-            mask_TR,
-            hidden=hidden,
-            topk=topk,
-            dtype=dtype,
-            ranks_per_node=self.ranks_per_node,
-            pairs_R=pairs_R,
-            per_node=False,  # NOTE: flat mode never reads them
-        )
-        R = self.num_ranks
-        G = torch.empty(R, vec.numel(), dtype=torch.int64)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        with collective_guard(EXCHANGE_NAME, self.group):
-            work = gather(G.view(-1), vec, group=self.group, async_op=True)
-        return G, work
 
     def start_host_counts(
         self, G: torch.Tensor, work: dist.Work | None = None
