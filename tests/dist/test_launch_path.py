@@ -3,6 +3,10 @@
 - Short rows travel with their metadata in one ``all_to_all_single`` (``flat.packs_meta``): a
   flat dispatch + combine issues 3 collectives (count exchange, rows + metadata, rows back),
   long rows keep 4; both give the reference's results exactly, on the CPU and the CUDA branch.
+- Worst-case short rows with checks off carry their counts in band (``flat.inband_shape``): 2
+  collectives, after one dispatch with the exchange per row shape on CPU (the agreement check),
+  from the first on the CUDA branch; checks on keep 3. A worst-case overflow found in band
+  raises the same error on every rank (CPU) or at ``check_overflow`` (CUDA branch).
 - A world of one gathers its rows straight into the receive buffer and (CUDA branch) sums the
   returning rows straight from the expert output: results equal the reference.
 """
@@ -80,22 +84,62 @@ def _worker(rank: int, R: int, cuda: bool) -> dict:
     got = {}
     for H in (SHORT_H, LONG_H):
         for W in (0, R * T):
-            for dtype in (torch.float32, torch.bfloat16):
+            for dtype, checks in ((torch.float32, False), (torch.bfloat16, False), (None, True)):
+                dtype = dtype or torch.bfloat16
                 inputs = all_inputs(5, R=R, E=E, k=K, H=H, dtype=dtype)
-                d = FlexDispatcher(
-                    DispatchConfig(backend="torch", num_worst_tokens=W), num_experts=E
-                )
-                for _ in range(2):
-                    seen = _check(d, inputs, rank, R, W)
+                cfg = DispatchConfig(backend="torch", num_worst_tokens=W, checks=checks)
+                d = FlexDispatcher(cfg, num_experts=E)
+                got[(H, W, str(dtype), checks)] = [
+                    len(_check(d, inputs, rank, R, W)) for _ in "123"
+                ]
                 d.check()
-                got[(H, W, str(dtype))] = len(seen)
                 d.close()
     return got
 
 
+def _expected(H: int, W: int, checks: bool, cuda: bool) -> list[int]:
+    if H != SHORT_H:
+        return [4, 4, 4]
+    if not W or checks:
+        return [3, 3, 3]
+    return [2, 2, 2] if cuda else [3, 2, 2]
+
+
 @pytest.mark.parametrize("cuda", [False, True], ids=["cpu-path", "cuda-path"])
-def test_short_rows_take_three_collectives_and_match_the_reference(cuda: bool) -> None:
+def test_short_rows_take_fewer_collectives_and_match_the_reference(cuda: bool) -> None:
     for got in run_group(_worker, 2, cuda):
-        assert len(got) == 8
-        for (H, _, _), n in got.items():
-            assert n == (3 if H == SHORT_H else 4), got
+        assert len(got) == 12
+        for (H, W, _, checks), n in got.items():
+            assert n == _expected(H, W, checks, cuda), got
+
+
+def _overflow_worker(rank: int, R: int, cuda: bool) -> tuple[str, str]:
+    if cuda:
+        force_cuda_path(setattr)
+    d = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=R * 2), num_experts=E)
+    x = torch.randn(T, SHORT_H)
+    good = torch.tensor([[rank * 4, rank * 4 + 1]]).repeat(T, 1)  # my own experts only
+    d.dispatch(x[:2], good[:2], torch.rand(2, K))  # the exchange's call (agreement)
+    # rank 1 sends all T tokens to rank 0 (cap = 2): the overflow
+    idx = torch.tensor([[0, 1]]).repeat(T, 1) if rank == 1 else good
+    try:
+        res = d.dispatch(x, idx, torch.rand(T, K))
+    except ValueError as exc:
+        return "dispatch", str(exc)
+    d.combine(res.recv_x, res.handle)
+    try:
+        d.check()
+    except ValueError as exc:
+        return "check", str(exc)
+    return "none", ""
+
+
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu-path", "cuda-path"])
+def test_inband_overflow_is_raised_on_every_rank(cuda: bool) -> None:
+    got = run_group(_overflow_worker, 2, cuda)
+    where = "check" if cuda else "dispatch"
+    for w, msg in got:
+        assert w == where, got
+        if not cuda:
+            assert "rank 1 sending to rank 0 needs 12 rows" in msg, msg
+        assert "num_worst_tokens" in msg and "24" in msg, msg

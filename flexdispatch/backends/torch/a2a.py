@@ -77,7 +77,7 @@ from flexdispatch.backends.counts import (
 )
 from flexdispatch.backends.cpu_pool import OUTPUT_POOL
 from flexdispatch.backends.torch import hier as torch_hier
-from flexdispatch.backends.torch.flat import dispatch_flat
+from flexdispatch.backends.torch.flat import dispatch_flat, inband_shape
 from flexdispatch.backends.torch.hops import (
     Hop,
     PendingCounts,
@@ -148,6 +148,8 @@ class TorchA2ABackend(DispatchBackend):
         # NOTE: reusable CPU buffers for rows that never leave a call (see ``scratch``).
         self._scratch: dict[str, torch.Tensor] = {}
         self._luts: dict[torch.device, torch.Tensor] = {}
+        # NOTE: row shapes (H, k, dtype) the count exchange found equal on every rank (flat.py)
+        self.agreed_shapes: set[tuple[int, int, torch.dtype]] = set()
         ok, reason = self.supports_world(self.num_ranks, ranks_per_node)
         if not ok:
             raise ValueError(reason)
@@ -605,8 +607,14 @@ class TorchA2ABackend(DispatchBackend):
             mask_TR = torch.zeros(T, R + 2, dtype=torch.bool, device=x.device)
             mask_TR.scatter_(1, rank_TK, True)
             mask_TR = mask_TR[:, :R]
-        work = None
-        if self.hierarchical or cuda_code_path(x.device) or not self.distributed:
+        work = G = pending = None
+        shape = inband_shape(self, x, k)
+        # NOTE: counts in band (flat.py) once the ranks agreed on this row shape (CPU; CUDA
+        # with checks off never reads the exchange: in band at once)
+        inband = shape is not None and (shape in self.agreed_shapes or cuda_code_path(x.device))
+        if inband:
+            pass
+        elif self.hierarchical or cuda_code_path(x.device) or not self.distributed:
             G = self.exchange_counts(mask_TR, H, k, x.dtype, pairs_R2[:R])
         else:
             # NOTE: CPU flat: the exchange runs (gloo, async) while the plan prepares its send
@@ -620,9 +628,12 @@ class TorchA2ABackend(DispatchBackend):
                 group=self.group,
                 pairs_R=pairs_R2[:R],
             )
-        pending = self.start_host_counts(G, work)
+        if G is not None:
+            pending = self.start_host_counts(G, work)
         plan = torch_hier.dispatch_hier if self.hierarchical else dispatch_flat
         result = plan(self, x, key_TK, topk_probs, mask_TR, G, pending)
+        if shape is not None and not inband:
+            self.agreed_shapes.add(shape)  # NOTE: ``pending.wait()`` checked it (CPU)
         self.stats.rows_received += result.recv_x.shape[0]
         if not self.worst_case and pending is not None:
             Gh = pending.wait()  # NOTE: already on the host (the dispatch's one sync)

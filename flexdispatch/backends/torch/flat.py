@@ -1,10 +1,23 @@
-"""The flat plan of the ``torch`` backend: one hop straight to every expert's rank."""
+"""The flat plan of the ``torch`` backend: one hop straight to every expert's rank.
+
+Worst-case mode with short rows (``packs_meta``) and checks off carries its counts *in band*
+(``inband_shape``): every peer already gets ``cap = W / R`` rows from every rank, so the
+receiver reads which rows are real from their ids (a padding row is this rank's spare row
+``T``, whose ids are all dropped) and every rank's largest send count from one int32 column
+beside the ids (``count * R + destination``, the same in every row a rank sends). Dispatch +
+combine is then two collectives, not three: the count exchange is skipped. Its agreement check
+(H, k, dtype the same on every rank) runs at the first dispatch of each row shape on CPU
+(``TorchA2ABackend.agreed_shapes``) and, with checks on, at every dispatch; a rank that
+changes its row shape alone after that breaks the collective (gloo aborts the process on a size
+mismatch), as with DeepEP, which checks nothing.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from flexdispatch._validate import cuda_code_path
+from flexdispatch import _memory
+from flexdispatch._validate import checks_enabled, cuda_code_path
 from flexdispatch.backends.torch.hops import (
     A2AHost,
     Hop,
@@ -18,10 +31,11 @@ from flexdispatch.backends.torch.rows import (
     pack_key_meta,
     send_rows,
     slot_positions,
+    valid_compaction,
 )
 from flexdispatch.types import DispatchResult
 
-__all__ = ["dispatch_flat", "PACK_MAX_ROW_BYTES", "packs_meta"]
+__all__ = ["dispatch_flat", "PACK_MAX_ROW_BYTES", "packs_meta", "inband_shape"]
 
 PACK_MAX_ROW_BYTES = 2048
 """Rows of at most this many bytes travel with their metadata in one collective (``packs_meta``)."""
@@ -49,6 +63,21 @@ def packs_meta(row_bytes: int) -> bool:
     return row_bytes % 4 == 0 and row_bytes <= PACK_MAX_ROW_BYTES
 
 
+def inband_shape(be: A2AHost, x: torch.Tensor, k: int) -> tuple[int, int, torch.dtype] | None:
+    """``(H, k, dtype)`` when a dispatch of ``x`` may carry its counts in band (module docstring):
+    flat worst-case mode across ranks, short rows, checks off, ``(T + 1) * R`` within int32;
+    else None (the count exchange runs)."""
+    R = be.num_ranks
+    if not be.worst_case or be.hierarchical or not be.distributed:
+        return None
+    T, H = x.shape
+    if not packs_meta(H * x.element_size()) or (T + 1) * R >= 2**31:
+        return None
+    if checks_enabled(be.checks):
+        return None
+    return (H, k, x.dtype)
+
+
 def dispatch_flat(
     be: A2AHost,
     x: torch.Tensor,
@@ -69,11 +98,15 @@ def dispatch_flat(
     cap = W // R if be.worst_case else None
     send_valid = None
     if cap is not None:
-        # NOTE: the CUDA path never reads send_valid (``Hop.padded``, ``gather_index``)
-        need_valid = not (cuda_code_path(device) and T)
+        # NOTE: the CUDA and in-band paths never read send_valid (``Hop.padded``,
+        # ``gather_index``)
+        need_valid = G is not None and not (cuda_code_path(device) and T)
         send_index, send_valid = slot_positions(mask_TR, cap, valid=need_valid)
     row_bytes = H * x.element_size()
     xp = None
+    if G is None:  # NOTE: counts in band (module docstring); the caller checked ``inband_shape``
+        assert cap is not None
+        return _dispatch_inband(be, x, key_TK, topk_probs, mask_TR, send_index, cap)
     if packs_meta(row_bytes):
         # NOTE: one collective for rows and metadata (see ``packs_meta``); built while the
         # count exchange may still run (CPU)
@@ -159,4 +192,75 @@ def _rows_then_meta(
         spare_row=spare,
         scratch_key="recv0" if spare else None,
         meta_spare=be.num_experts,  # the dropped id: the compaction's dummy row is no pair
+    )
+
+
+def _dispatch_inband(
+    be: A2AHost,
+    x: torch.Tensor,
+    key_TK: torch.Tensor,
+    topk_probs: torch.Tensor,
+    mask_TR: torch.Tensor,
+    send_index: torch.Tensor,
+    cap: int,
+) -> DispatchResult:
+    """Worst-case flat dispatch without the count exchange (module docstring): one collective of
+    ``[T + 1, row_bytes + 4 (2k + 1)]`` byte rows, row ``T`` the spare row that padding reads."""
+    T, H = x.shape
+    k = key_TK.shape[1]
+    R, me, W, E = be.num_ranks, be.rank, be.num_worst_tokens, be.num_experts
+    device = x.device
+    rb = H * x.element_size()
+    # this rank's worst send, as count * R + destination (ties: the highest destination)
+    need = torch.add(_memory.arange(R, device), mask_TR.sum(0), alpha=R).max()
+    xp = be.scratch("pack", (T + 1, rb + 4 * (2 * k + 1)), torch.uint8, device)
+    xp[:T, :rb].copy_(_bytes(x))
+    meta = xp[:, rb:].view(torch.int32)
+    meta[:T, :k].copy_(key_TK)
+    meta[:T, k : 2 * k].copy_(topk_probs.view(torch.int32))
+    meta[T, :k].fill_(E)  # NOTE: padding rows read this row: every id dropped, no pair
+    meta[:, 2 * k].copy_(need)
+    hop = Hop(
+        send_index=send_index,
+        send_valid=None,
+        send_splits=(cap,) * R,
+        recv_splits=(cap,) * R,
+        num_in=T,
+        reduce_groups=be.node_groups(),
+        padded=True,
+    )
+    be.stats.rows_sent += hop.num_send
+    # NOTE: the send gathers from ``xp``, whose row T exists: the unclamped index
+    send_hop = Hop(
+        send_index=send_index,
+        send_valid=None,
+        send_splits=hop.send_splits,
+        recv_splits=hop.recv_splits,
+        num_in=T + 1,
+        reduce_groups=hop.reduce_groups,
+        gather_index=send_index,
+    )
+    recv = be.run_hop_rows(send_hop, xp, spare_row=True, scratch_key="recv0")
+    recv_x = recv[:, :rb].view(x.dtype)
+    recv_meta = recv[:, rb:].view(torch.int32)
+    recv_meta[W, :k].fill_(E)  # the compaction's dummy row holds the dropped id (no pair)
+    worst_R = recv_meta[:W].view(R, cap, 2 * k + 1)[:, 0, 2 * k]
+    if cuda_code_path(device):
+        be.record_overflow(worst_R.max().div(R, rounding_mode="floor"), scale=R)
+    else:  # NOTE: CPU: the same error on every rank now (every rank got every rank's worst)
+        worst = max((v // R, s, v % R) for s, v in enumerate(worst_R.tolist()))
+        if worst[0] > cap:
+            what = f"rank {worst[1]} sending to rank {worst[2]}"
+            raise ValueError(overflow_message(what, worst[0], cap, W, R, R))
+    maps = valid_compaction(be.local_lut(device)[recv_meta[:W, :k]], W)
+    return finish(
+        be,
+        hop_list=(hop,),
+        recv_x=recv_x,
+        recv_meta=recv_meta[:, : 2 * k],
+        maps=maps,
+        T=T,
+        H=H,
+        k=k,
+        local_lo=me * be.num_local_experts,
     )

@@ -39,6 +39,9 @@ class A2AHost(Protocol):
     ranks_per_node: int
     num_experts: int
     num_worst_tokens: int
+    hierarchical: bool
+    distributed: bool
+    checks: bool | None
     stats: Any
     pinned_counts: Any  # (pinned host buffer, event of the last copy into it) or None
 
@@ -52,6 +55,7 @@ class A2AHost(Protocol):
     def local_lut(self, device: Any) -> Any: ...
     def record_overflow(self, required_w: Any, scale: int = 1) -> None: ...
     def output(self, *args: Any, **kwargs: Any) -> Any: ...
+    def scratch(self, *args: Any, **kwargs: Any) -> Any: ...
     def run_hop(self, *args: Any, **kwargs: Any) -> Any: ...
     def run_hop_rows(self, *args: Any, **kwargs: Any) -> Any: ...
 
@@ -92,6 +96,9 @@ class Hop:
         sl = slice(lo, hi)
         if self.gather_index is not None:
             return self.gather_index[sl], None
+        if self.send_valid is None and self.padded:
+            # NOTE: a padded hop without either (in band, empty input): the gather clamps
+            return self.send_index[sl], self.send_index[sl] < self.num_in
         valid = None if self.send_valid is None else self.send_valid[sl]
         return self.send_index[sl], valid
 
