@@ -121,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         expert_parallel(model, dispatch=DispatchConfig(num_worst_tokens=worst))
         blocks = [m for m in model.modules() if isinstance(m, EPSparseMoeBlock)]
         out = _generate(model, ids, args.max_new_tokens)
+        # every rank's last collective done before any rank tears its group down (a gloo peer
+        # that closes its pairs while another still drains them can abort the process)
+        dist.barrier()
         if rank != 0:
             return 0
         held = list(blocks[0].layer.experts.global_expert_ids)
