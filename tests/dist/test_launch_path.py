@@ -20,7 +20,7 @@ from flexdispatch import DispatchConfig, FlexDispatcher
 from flexdispatch.backends.torch.flat import PACK_MAX_ROW_BYTES, packs_meta
 from tests.cuda_path import force_cuda_path
 from tests.dist.harness import run_group
-from tests.dist.reference import all_inputs, expert_fn, ref_combine, ref_dispatch
+from tests.dist.reference import CASES, all_inputs, expert_fn, ref_combine, ref_dispatch
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -143,3 +143,27 @@ def test_inband_overflow_is_raised_on_every_rank(cuda: bool) -> None:
         if not cuda:
             assert "rank 1 sending to rank 0 needs 12 rows" in msg, msg
         assert "num_worst_tokens" in msg and "24" in msg, msg
+
+
+def _cases_worker(rank: int, R: int, cuda: bool) -> dict:
+    if cuda:
+        force_cuda_path(setattr)
+    W = R * (5 + 2 * (R - 1))  # the largest T of make_inputs on every peer: never an overflow
+    got = {}
+    for case in CASES:
+        inputs = all_inputs(11, R=R, E=E, k=K, H=SHORT_H, case=case, dtype=torch.bfloat16)
+        cfg = DispatchConfig(backend="torch", num_worst_tokens=W, checks=False)
+        d = FlexDispatcher(cfg, num_experts=E)
+        got[case] = [len(_check(d, inputs, rank, R, W)) for _ in "123"]
+        d.check()
+        d.close()
+    return got
+
+
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu-path", "cuda-path"])
+def test_inband_path_serves_every_routing_case_on_four_ranks(cuda: bool) -> None:
+    """Counts in band with uneven T, an empty rank, a rank sending nothing, a rank receiving
+    nothing, and R = 4 (ranks whose own rows sit inside the buffers, not at one end)."""
+    want = [2, 2, 2] if cuda else [3, 2, 2]
+    for got in run_group(_cases_worker, 4, cuda):
+        assert got == {case: want for case in CASES}, got
