@@ -36,3 +36,23 @@ def test_receiver_side_localize_matches_sender_side(rank: int) -> None:
     assert torch.equal(got_ids, want_ids)
     assert torch.equal(got_probs, want_probs)  # fp32 bits travel unchanged
     assert got_ids[1, 2] == 0 and got_ids[0].eq(-1).all() and got_ids[1, :2].eq(-1).all()
+
+
+def test_scratch_lends_one_view_per_shape_and_never_one_of_a_replaced_buffer() -> None:
+    from flexdispatch.backends.torch.a2a import TorchA2ABackend
+
+    be = TorchA2ABackend(None, num_experts=4, ranks_per_node=1)
+    cpu = torch.device("cpu")
+    a = be.scratch("send", (4, 8), torch.float32, cpu)
+    assert be.scratch("send", (4, 8), torch.float32, cpu) is a  # cached: no view ops
+    b = be.scratch("send", (2, 8), torch.int32, cpu)
+    assert b.shape == (2, 8) and b.dtype == torch.int32 and b.data_ptr() == a.data_ptr()
+    other = be.scratch("recv0", (4, 8), torch.float32, cpu)
+    assert other.data_ptr() != a.data_ptr()
+    big = be.scratch("send", (64, 8), torch.float32, cpu)  # grows: a new buffer
+    assert big.data_ptr() != a.data_ptr()
+    again = be.scratch("send", (4, 8), torch.float32, cpu)
+    assert again is not a and again.data_ptr() == big.data_ptr()
+    for i in range(100):  # many shapes: the view cache stays bounded
+        be.scratch("send", (1, i + 1), torch.float32, cpu)
+    assert len(be._scratch_views) <= 64

@@ -147,6 +147,7 @@ class TorchA2ABackend(DispatchBackend):
         self._overflow_scale = 1  # ``record_overflow``
         # NOTE: reusable CPU buffers for rows that never leave a call (see ``scratch``).
         self._scratch: dict[str, torch.Tensor] = {}
+        self._scratch_views: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
         self._luts: dict[torch.device, torch.Tensor] = {}
         # NOTE: row shapes (H, k, dtype) the count exchange found equal on every rank (flat.py)
         self.agreed_shapes: set[tuple[int, int, torch.dtype]] = set()
@@ -242,11 +243,10 @@ class TorchA2ABackend(DispatchBackend):
 
         On CPU the bytes are kept per ``key`` and reused by later calls: fresh buffers of more
         than 32 MiB are ``mmap``-ed by the C allocator and page-faulted on every call, which costs
-        about as much as gloo's transfer of the rows. On other devices (caching allocators) this
-        is ``torch.empty``. Never return a scratch view to the caller.
-
-        NOTE: the reuse makes one backend (hence one ``FlexDispatcher``) unsafe to call from two
-        threads at once on CPU; give each thread its own dispatcher.
+        about as much as gloo's transfer of the rows; a repeated (key, shape, dtype) gets the same
+        view object back (no view ops). On other devices (caching allocators) this is
+        ``torch.empty``. Never return a scratch view to the caller. NOTE: the reuse makes one
+        backend (one ``FlexDispatcher``) unsafe to call from two threads at once on CPU.
 
         Args:
             key: names the buffer; two buffers alive at the same time need different keys.
@@ -254,12 +254,20 @@ class TorchA2ABackend(DispatchBackend):
         """
         if device.type != "cpu" or cuda_code_path(device):
             return torch.empty(shape, dtype=dtype, device=device)
+        view = self._scratch_views.get((key, shape, dtype))
+        if view is not None:
+            return view
         nbytes = math.prod(shape) * dtype.itemsize
         buf = self._scratch.get(key)
         if buf is None or buf.numel() < nbytes:
             buf = torch.empty(nbytes, dtype=torch.uint8)
             self._scratch[key] = buf
-        return buf[:nbytes].view(dtype).view(shape)
+            self._scratch_views.clear()  # NOTE: views of the old buffer must not be lent again
+        elif len(self._scratch_views) >= 64:
+            self._scratch_views.clear()
+        view = buf[:nbytes].view(dtype).view(shape)
+        self._scratch_views[(key, shape, dtype)] = view
+        return view
 
     def output(
         self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
