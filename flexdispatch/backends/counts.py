@@ -2,10 +2,9 @@
 
 T tokens on this rank · R ranks · L ranks per node · N = R / L nodes · H hidden · k top-k.
 
-One all-gather (``distributed.start_gather_int64``: an ``all_to_all_single`` on gloo, where it
-costs half of gloo's all-gather) of a ``[2R + N + 4]`` int64 vector per rank — rows for every
-rank, rows for every node, then H, k, a dtype code and T, then (token, expert) pairs for every
-rank — gives every rank the whole ``[R, 2R + N + 4]`` matrix ``G``.
+One all-gather of a ``[2R + N + 4]`` int64 vector per rank — rows for every rank, rows for every
+node, then H, k, a dtype code and T, then (token, expert) pairs for every rank — gives every rank
+the whole ``[R, 2R + N + 4]`` matrix ``G``.
 With it every rank can size its receive buffers and raise the *same* error when the ranks
 disagree on the row shape or dtype, instead of hanging or mixing garbage.
 """

@@ -84,10 +84,8 @@ def test_flat_paths_match_the_reference_and_stay_lean(worst: bool, cuda: bool) -
     # Issue 25 added the repeated-expert-id rule of every backend: +9 ops on the cuda path
     # (``_validate.mask_bad_ids``: one [T, k, k] comparison, counted and set to -1 on the
     # device), +6 on the cpu path (``check_repeated_ids``, which raises).
-    # Issue 26: the count exchange runs as an all_to_all_single on gloo (a repeat of the counts,
-    # +1 op on the cuda path's dropless run, which keeps the exchange; NCCL gathers without it);
-    # cpu-path worst-case skips the exchange (counts in band) at the same count.
-    ceiling = (68 if worst else 48) if cuda else (61 if worst else 41)
+    # Issue 26: cpu-path worst-case skips the exchange (counts in band) at the same count.
+    ceiling = (68 if worst else 47) if cuda else (61 if worst else 41)
     assert all(g["ops"] <= ceiling for g in got), [g["ops"] for g in got]
 
 
@@ -100,6 +98,5 @@ def test_hierarchical_paths_match_the_reference_and_stay_lean(worst: bool, cuda:
     # 64 / 103 (cuda), down from 162 / 165 and 161 / 171 before hierarchical mode took flat
     # mode's metadata path.
     # (+9 / +7 since issue 25: the repeated-expert-id rule, see above)
-    # (+1 on the cuda path since issue 26: the gloo exchange's repeat, see above)
-    ceiling = (113 if worst else 74) if cuda else (106 if worst else 72)
+    ceiling = (112 if worst else 73) if cuda else (106 if worst else 72)
     assert all(g["ops"] <= ceiling for g in got), [g["ops"] for g in got]

@@ -6,12 +6,12 @@ W worst-case rows · S rows one rank sends in one hop · P peers one hop sends t
 
 How a dispatch runs (works on gloo and NCCL):
 
-1. Count exchange: one all-gather (gloo: an ``all_to_all_single``) of a ``[2R + N + 4]`` int64
-   vector per rank (rows for every rank, rows for every node (hierarchical mode; zeros in flat
-   mode), H, k, dtype code, T, pairs for every rank). Every rank then holds the
-   ``[R, 2R + N + 4]`` matrix ``G`` and can raise the same error on every rank: mismatching
-   H / k / dtype, or a worst-case overflow. On CPU in flat mode it runs asynchronously while
-   the send rows are prepared. Flat worst-case short rows with checks off skip it (``flat.py``).
+1. Count exchange: one ``all_gather_into_tensor`` of a ``[2R + N + 4]`` int64 vector per rank
+   (rows for every rank, rows for every node (hierarchical mode; zeros in flat mode), H, k, dtype
+   code, T, pairs for every rank). Every rank then holds the ``[R, 2R + N + 4]`` matrix ``G``
+   and can raise the same error on every rank: mismatching H / k / dtype, or a worst-case
+   overflow. On CPU in flat mode it runs asynchronously while the send rows are prepared. Flat
+   worst-case short rows with checks off skip it (``flat.py``).
 2. Dropless mode copies ``G`` to the host once (``stats.host_syncs += 1``); on CUDA that copy is
    issued on a side stream into pinned memory right after the exchange and waited on just before
    the rows move. Worst-case mode never reads it on CUDA (only with checks enabled; counted in
