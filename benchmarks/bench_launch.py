@@ -12,14 +12,24 @@ overhead (Python, op launches, collectives). Timed side by side in one process, 
 - ``bare``: ``all_to_all_single`` of the dispatch's rows there and back (the real split sizes,
   computed once, buffers pre-built): two collectives and nothing else;
 - ``dropless``: ``FlexDispatcher.dispatch`` + ``combine`` (the expert output is ``recv_x``);
-- ``worst-case``: the same with ``num_worst_tokens = W = R * T``.
+- ``worst-case``: the same with ``num_worst_tokens = W = R * T``;
+- ``bare+Nus`` (``--host-us``, calibration): the two bare calls after N µs of Python spinning
+  on the host, i.e. what *any* dispatch with N µs of host work per call costs on this machine:
+  a collective issued after host work waits much longer than one issued back to back (threads
+  and virtual CPUs that went idle wake up first), so the ratio grows faster than N;
+- ``bare+gather``: the two bare calls after an all-gather of a 12-int64 vector per rank (the
+  size of the count exchange at R = 2): the floor of a three-collective step (dropless).
+
+Beside each time the main thread's CPU time per call (``time.thread_time``: Python and ATen op
+work plus issuing the collectives, without the gloo threads) is reported.
 
 Each block runs ``--inner`` calls of one mode between two barriers; the blocks of the three
 modes alternate ``--reps`` times; the figure is the median block time per call. A run spawns
 fresh ranks; ``--runs`` runs (default 3) give the range of each ratio (the machine is shared).
 Targets (issue 26): worst-case <= 2x bare, dropless <= 2.5x bare.
 
-Run: ``.venv/bin/python benchmarks/bench_launch.py [--runs 3] [--reps 15] [--inner 40]``
+Run: ``.venv/bin/python benchmarks/bench_launch.py [--runs 3] [--reps 15] [--inner 40]
+[--host-us 100,250,500]``
 """
 
 from __future__ import annotations
@@ -49,7 +59,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _body(rank: int, R: int, reps: int, inner: int) -> dict[str, Any]:
+def _spin(us: int) -> None:
+    end = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < end:
+        pass
+
+
+def _body(rank: int, R: int, reps: int, inner: int, host_us: tuple[int, ...]) -> dict[str, Any]:
     from flexdispatch import DispatchConfig, FlexDispatcher
     from flexdispatch.distributed import all_gather_int64
 
@@ -72,7 +88,18 @@ def _body(rank: int, R: int, reps: int, inner: int) -> dict[str, Any]:
     recv = torch.empty(sum(s_in), H, dtype=torch.bfloat16)
     back = torch.empty(sum(s_out), H, dtype=torch.bfloat16)
 
+    modes = (*MODES, "bare+gather", *(f"bare+{u}us" for u in host_us))
+    vec = torch.zeros(12, dtype=torch.int64)
+    gathered = torch.empty(R * 12, dtype=torch.int64)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
     def run(mode: str) -> None:
+        if mode == "bare+gather":
+            gather(gathered, vec)
+            mode = "bare"
+        elif mode.startswith("bare+"):
+            _spin(int(mode[5:-2]))
+            mode = "bare"
         if mode == "bare":
             dist.all_to_all_single(recv, rows, s_in, s_out)
             dist.all_to_all_single(back, recv, s_out, s_in)
@@ -81,24 +108,31 @@ def _body(rank: int, R: int, reps: int, inner: int) -> dict[str, Any]:
         res = d.dispatch(x, idx, probs)
         d.combine(res.recv_x, res.handle)
 
-    for mode in MODES:  # warm-up: caches, first-call paths
+    for mode in modes:  # warm-up: caches, first-call paths
         for _ in range(5):
             run(mode)
-    times: dict[str, list[float]] = {m: [] for m in MODES}
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    cpu: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(reps):
-        for mode in MODES:
+        for mode in modes:
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(inner):
                 run(mode)
+            c1 = time.thread_time()
             dist.barrier()
             times[mode].append((time.perf_counter() - t0) / inner)
+            cpu[mode].append((c1 - c0) / inner)
     for d in flex.values():
         d.close()
-    return {m: statistics.median(v) for m, v in times.items()}
+    out = {m: statistics.median(v) for m, v in times.items()}
+    out.update({f"cpu:{m}": statistics.median(v) for m, v in cpu.items()})
+    return out
 
 
-def _worker(rank: int, R: int, port: int, reps: int, inner: int, q: Any) -> None:
+def _worker(
+    rank: int, R: int, port: int, reps: int, inner: int, host_us: tuple[int, ...], q: Any
+) -> None:
     try:
         torch.set_num_threads(1)
         dist.init_process_group(
@@ -108,20 +142,23 @@ def _worker(rank: int, R: int, port: int, reps: int, inner: int, q: Any) -> None
             world_size=R,
             timeout=datetime.timedelta(seconds=300),
         )
-        q.put((rank, _body(rank, R, reps, inner)))
+        q.put((rank, _body(rank, R, reps, inner, host_us)))
         dist.destroy_process_group()
     except BaseException:
         q.put((rank, traceback.format_exc()))
 
 
-def run_once(reps: int, inner: int, R: int = 2) -> dict[str, float]:
-    """One run on fresh ranks: ``{mode: seconds per call}`` of rank 0."""
+def run_once(reps: int, inner: int, R: int = 2, host_us: tuple[int, ...] = ()) -> dict[str, float]:
+    """One run on fresh ranks: ``{mode: seconds per call, "cpu:" + mode: main-thread CPU
+    seconds per call}`` of rank 0."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.pop("FLEXDISPATCH_CHECKS", None)
-    procs = [ctx.Process(target=_worker, args=(r, R, port, reps, inner, q)) for r in range(R)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, R, port, reps, inner, host_us, q)) for r in range(R)
+    ]
     for p in procs:
         p.start()
     got = dict(q.get(timeout=900) for _ in range(R))
@@ -138,24 +175,46 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--inner", type=int, default=40)
+    ap.add_argument(
+        "--host-us",
+        default="100,250,500",
+        help="calibration: µs of host spinning before the two bare calls (comma list; '' = none)",
+    )
     args = ap.parse_args()
+    host_us = tuple(int(u) for u in args.host_us.split(",") if u.strip())
     print(f"command: {shlex.join([sys.executable, *sys.argv])}")
     print(
         f"torch {torch.__version__}, gloo, R=2, T={T}, H={H} bf16, E={E}, top-{K}, 1 thread, "
         f"checks off; {args.reps} interleaved blocks of {args.inner} calls per run (median)\n"
     )
-    print("| run | bare ms | dropless ms | worst-case ms | dropless / bare | worst-case / bare |")
-    print("|---|---:|---:|---:|---:|---:|")
-    ratios: dict[str, list[float]] = {"dropless": [], "worst-case": []}
+    shown = (
+        "dropless",
+        "worst-case",
+        "bare+gather",
+        *(f"bare+{u}us" for u in host_us),
+    )
+    print("ms per call (main-thread CPU ms per call); each ratio is over `bare` of the same run\n")
+    print(
+        "| run | bare | "
+        + " | ".join(shown)
+        + " | "
+        + " | ".join(f"{m} / bare" for m in shown)
+        + " |"
+    )
+    print("|---|---:|" + "---:|" * (2 * len(shown)))
+    ratios: dict[str, list[float]] = {m: [] for m in shown}
     for i in range(args.runs):
-        med = run_once(args.reps, args.inner)
+        med = run_once(args.reps, args.inner, host_us=host_us)
         b = med["bare"]
-        for m in ratios:
+        for m in shown:
             ratios[m].append(med[m] / b)
+        cells = [f"{med[m] * 1e3:.3f} ({med['cpu:' + m] * 1e3:.3f})" for m in ("bare", *shown)]
         print(
-            f"| {i + 1} | {b * 1e3:.3f} | {med['dropless'] * 1e3:.3f} | "
-            f"{med['worst-case'] * 1e3:.3f} | {med['dropless'] / b:.2f}x | "
-            f"{med['worst-case'] / b:.2f}x |",
+            f"| {i + 1} | "
+            + " | ".join(cells)
+            + " | "
+            + " | ".join(f"{med[m] / b:.2f}x" for m in shown)
+            + " |",
             flush=True,
         )
     print()
