@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from flexdispatch._validate import is_capturing
 from flexdispatch.distributed import (
-    all_gather_int64,
     collective_guard,
     group_size,
+    is_distributed,
     start_gather_int64,
 )
 
@@ -64,16 +64,18 @@ def exchange_counts(
     Returns:
         ``G``: ``[R, 2R + N + 4]`` int64 on the collective device; row ``s`` is rank ``s``'s.
     """
-    vec = count_vector(
+    G, _ = start_exchange(
         mask_TR,
         hidden=hidden,
         topk=topk,
         dtype=dtype,
         ranks_per_node=ranks_per_node,
+        group=group,
         pairs_R=pairs_R,
         per_node=per_node,
+        async_op=False,
     )
-    return all_gather_int64(vec, group, name=EXCHANGE_NAME)
+    return G
 
 
 EXCHANGE_NAME = "all_gather (dispatch count exchange)"
@@ -88,9 +90,13 @@ def start_exchange(
     ranks_per_node: int,
     group: dist.ProcessGroup | None,
     pairs_R: torch.Tensor,
-) -> tuple[torch.Tensor, dist.Work]:
-    """``exchange_counts`` of a flat dispatch (no rows per node), started asynchronously:
-    ``(G, work)``; ``G`` is complete once ``work`` is waited on (``PendingCounts.wait``)."""
+    per_node: bool = False,
+    async_op: bool = True,
+) -> tuple[torch.Tensor, dist.Work | None]:
+    """``exchange_counts`` (same arguments; ``per_node`` False by default: flat mode never reads
+    the rows per node), started asynchronously with ``async_op``: ``(G, work)``; ``G`` is
+    complete once ``work`` is waited on (``PendingCounts.wait``). ``work`` is None when the
+    exchange already finished (``async_op`` False, or no process group)."""
     vec = count_vector(
         mask_TR,
         hidden=hidden,
@@ -98,12 +104,13 @@ def start_exchange(
         dtype=dtype,
         ranks_per_node=ranks_per_node,
         pairs_R=pairs_R,
-        per_node=False,  # NOTE: flat mode never reads them
+        per_node=per_node,
     )
+    if not is_distributed(group):
+        return vec.reshape(1, -1).clone(), None
     G = torch.empty(group_size(group), vec.numel(), dtype=torch.int64, device=vec.device)
     with collective_guard(EXCHANGE_NAME, group):
-        work = start_gather_int64(G.view(-1), vec, group, async_op=True)
-    assert work is not None
+        work = start_gather_int64(G.view(-1), vec, group, async_op=async_op)
     return G, work
 
 
