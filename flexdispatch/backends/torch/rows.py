@@ -156,17 +156,18 @@ def flat_compaction(sizes_R: torch.Tensor, cap: int) -> tuple[torch.Tensor, torc
     W = R * cap
     device = sizes_R.device
     col = _memory.cached(("cap_cols", cap), device, lambda: torch.arange(cap, device=device))
-    real_W = (col < sizes_R[:, None]).view(-1)
-    out_index = torch.nonzero_static(real_W, size=W, fill_value=W)[:, 0]
-    in_index = real_W.cumsum(0, dtype=torch.int64).sub_(1).clamp_(min=0)
-    return out_index, in_index
+    return _compaction((col < sizes_R[:, None]).view(-1), W)
 
 
 def valid_compaction(local_WK: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``flat_compaction`` of a receive buffer whose real rows are known by their ids:
     ``local_WK`` ``[W, k]`` is ``local_lut`` of the ids of each row (0 = not this rank's), and a
     row is real when one of its ids is this rank's (padding rows carry only dropped ids)."""
-    real_W = local_WK.any(1)
+    return _compaction(local_WK.any(1), W)
+
+
+def _compaction(real_W: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out_index, in_index)`` of ``[W]`` bool ``real_W`` (see ``flat_compaction``)."""
     out_index = torch.nonzero_static(real_W, size=W, fill_value=W)[:, 0]
     in_index = real_W.cumsum(0, dtype=torch.int64).sub_(1).clamp_(min=0)
     return out_index, in_index
