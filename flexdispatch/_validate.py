@@ -38,6 +38,7 @@ __all__ = [
     "bad_ids_message",
     "bad_input_problems",
     "nonfinite_message",
+    "check_fp8_rows",
 ]
 
 _MAX_NAMED_IDS = 8
@@ -422,3 +423,50 @@ def check_finite(name: str, value: torch.Tensor) -> None:
     if value.numel() and not bool(torch.isfinite(value).all()):
         n = int((~torch.isfinite(value)).sum().item())
         raise ValueError(f"{name} holds {n} NaN/inf value(s): check the inputs of the router")
+
+
+_FP8_SCALE_BLOCK = 128  # DeepEP: one float32 scale per 128 channels of an fp8 row
+
+
+def check_fp8_rows(x: tuple, backend_name: str) -> torch.Tensor:
+    """Validate DeepEP's ``(x_fp8 [T, H], scales [T, ceil(H / 128)])`` tuple; return x_fp8."""
+    if backend_name != "deepep":
+        raise TypeError(
+            f"x is an (fp8 rows, scales) tuple, which only the deepep backend takes, but this "
+            f"dispatcher runs the {backend_name!r} backend: pass x as [T, H] bfloat16, "
+            f"float16 or float32 rows (dequantize the fp8 rows first), or build the "
+            f"dispatcher with DispatchConfig(backend='deepep')"
+        )
+    if len(x) != 2:
+        raise TypeError(
+            f"x as a tuple must be (x_fp8 [T, H] float8_e4m3fn, scales [T, ceil(H / 128)] "
+            f"float32), got {len(x)} items"
+        )
+    rows, scales = x
+    check_tensor("x[0] (fp8 rows)", rows, dtypes=(torch.float8_e4m3fn,), ndim=2)
+    check_tensor("x[1] (fp8 scales)", scales, dtypes=(torch.float32,), ndim=2)
+    T, H = rows.shape
+    if H % 16:
+        raise ValueError(
+            f"x[0] has H={H} fp8 columns, but DeepEP moves rows in 16-byte units: pad the "
+            f"hidden size to a multiple of 16"
+        )
+    n_scales = -(-H // _FP8_SCALE_BLOCK)
+    if tuple(scales.shape) != (T, n_scales):
+        raise ValueError(
+            f"x[1] (fp8 scales) must have shape [{T}, {n_scales}] (one float32 scale per "
+            f"{_FP8_SCALE_BLOCK} channels of each of the T={T} rows, ceil(H / "
+            f"{_FP8_SCALE_BLOCK})), got {tuple(scales.shape)}"
+        )
+    if scales.device != rows.device:
+        raise ValueError(
+            f"x[1] (fp8 scales) is on {scales.device} but x[0] is on {rows.device}: move "
+            f"them to one device"
+        )
+    if rows.requires_grad or scales.requires_grad:
+        raise ValueError(
+            "x is an (fp8 rows, scales) tuple that requires grad, but fp8 dispatch is "
+            "forward-only (recv_x carries no gradient): pass (x[0].detach(), x[1].detach()), "
+            "or dispatch bf16 rows to train through the dispatch"
+        )
+    return rows
