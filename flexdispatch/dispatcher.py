@@ -67,6 +67,13 @@ Rows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 """``x`` of ``dispatch``: ``[T, H]`` rows, or (deepep only) an ``(fp8 rows, scales)`` tuple."""
 
 
+def _records_grad(*tensors: Rows) -> bool:
+    """Whether autograd would record a call on ``tensors``: grad mode on and one of them
+    requiring grad (an fp8 tuple never does)."""
+    grads = [t.requires_grad for t in tensors if isinstance(t, torch.Tensor)]
+    return torch.is_grad_enabled() and any(grads)
+
+
 class _Dispatch(torch.autograd.Function):
     """Differentiable in ``x`` and ``topk_probs``; ``topk_idx`` and the counts are integer."""
 
@@ -80,10 +87,7 @@ class _Dispatch(torch.autograd.Function):
         topk_probs: torch.Tensor,
         pending: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
-        if pending is not None:  # a launch_dispatch in flight: finish it
-            res = backend.finish_dispatch(pending)  # type: ignore[attr-defined]
-        else:
-            res = backend.dispatch(x, topk_idx, topk_probs, layout)
+        res = _Dispatch.run(backend, layout, x, topk_idx, topk_probs, pending)
         ctx.backend = backend
         ctx.handle = res.handle
         ctx.x_dtype = x[0].dtype if isinstance(x, tuple) else x.dtype
@@ -100,6 +104,20 @@ class _Dispatch(torch.autograd.Function):
             res.handle,
             res.num_recv_pairs,
         )
+
+    @staticmethod
+    def run(
+        backend: DispatchBackend,
+        layout: DispatchLayout | None,
+        x: Rows,
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+        pending: Any = None,
+    ) -> DispatchResult:
+        """``forward`` without the autograd bookkeeping."""
+        if pending is not None:  # a launch_dispatch in flight: finish it
+            return backend.finish_dispatch(pending)  # type: ignore[attr-defined,no-any-return]
+        return backend.dispatch(x, topk_idx, topk_probs, layout)
 
     @staticmethod
     def backward(  # type: ignore[override]
@@ -441,9 +459,15 @@ class FlexDispatcher:
             self._deferred_parts = None
             topk_idx = self._check_inputs(x, topk_idx, topk_probs, layout)
         rows = (x[0].contiguous(), x[1].contiguous()) if isinstance(x, tuple) else x.contiguous()
-        recv_x, recv_idx, recv_probs, counts, handle, pairs = _Dispatch.apply(
-            self._backend, layout, rows, topk_idx.contiguous(), topk_probs.contiguous(), _pending
-        )
+        args = (self._backend, layout, rows, topk_idx.contiguous(), topk_probs.contiguous())
+        if _records_grad(rows, topk_probs):
+            recv_x, recv_idx, recv_probs, counts, handle, pairs = _Dispatch.apply(*args, _pending)
+        else:
+            # NOTE: nothing to differentiate (inference, no_grad, detached inputs): the backend
+            # directly, without an autograd Function (its bookkeeping is host time per call)
+            res = _Dispatch.run(*args, _pending)
+            recv_x, recv_idx, recv_probs = res.recv_x, res.recv_topk_idx, res.recv_topk_probs
+            counts, handle, pairs = res.num_recv_tokens_per_expert, res.handle, res.num_recv_pairs
         object.__setattr__(handle, "issuer", self._issuer)
         if self._deferred_parts is not None:
             parts = (self._backend.bad_ids, *self._deferred_parts)  # type: ignore[attr-defined]
@@ -561,8 +585,10 @@ class FlexDispatcher:
         if bias is not None:
             self._check_device("bias", bias)
             out = combine_with_bias(self._backend, handle, y.contiguous(), bias, _Combine.apply)
-        else:
+        elif _records_grad(y):
             out = _Combine.apply(self._backend, handle, y.contiguous())
+        else:  # NOTE: nothing to differentiate: no autograd Function (as in ``dispatch``)
+            out = self._backend.combine(y.contiguous(), handle)
         self._stats.combine_calls += 1
         return out
 

@@ -78,6 +78,43 @@ def test_world_of_one_matches_the_reference(cuda: bool, W: int, H: int, monkeypa
     d.check()
 
 
+@pytest.mark.parametrize("W", [0, 32], ids=["dropless", "worst"])
+def test_autograd_function_only_where_a_gradient_is_recorded(W: int, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Inputs that need no gradient (or ``no_grad``) skip the autograd Functions (host time per
+    call); the results are the same either way and gradients still flow where asked for."""
+    from flexdispatch import dispatcher as dispatcher_mod
+
+    applied: list[str] = []
+    for fn in (dispatcher_mod._Dispatch, dispatcher_mod._Combine):
+        orig = fn.apply
+        monkeypatch.setattr(
+            fn, "apply", lambda *a, _o=orig, _n=fn.__name__: applied.append(_n) or _o(*a)
+        )
+    me = all_inputs(4, R=1, E=E, k=K, H=SHORT_H)[0]
+    d = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=W), num_experts=E)
+    x, probs = me.x.clone().requires_grad_(), me.probs.clone().requires_grad_()
+    plain = d.dispatch(me.x, me.idx, me.probs)
+    graded = d.dispatch(x, me.idx, probs)
+    with torch.no_grad():
+        quiet = d.dispatch(x, me.idx, probs)
+    assert plain.recv_x.grad_fn is None and quiet.recv_x.grad_fn is None
+    assert graded.recv_x.grad_fn is not None and graded.recv_topk_probs.grad_fn is not None
+    for res in (graded, quiet):
+        for name in ("recv_x", "recv_topk_idx", "recv_topk_probs", "num_recv_tokens_per_expert"):
+            assert torch.equal(getattr(res, name), getattr(plain, name)), name
+    y = plain.recv_x.float() * 2
+    back = d.combine(y, plain.handle)
+    assert back.grad_fn is None
+    y_g = y.clone().requires_grad_()
+    back_g = d.combine(y_g, plain.handle)
+    assert back_g.grad_fn is not None and torch.equal(back_g, back)
+    out = d.combine(graded.recv_x, graded.handle)
+    (out.float().sum() + graded.recv_topk_probs.sum()).backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0 and probs.grad is not None
+    # the graded dispatch, the combine of y_g and the combine of the graded rows
+    assert applied == ["_Dispatch", "_Combine", "_Combine"], applied
+
+
 def _worker(rank: int, R: int, cuda: bool) -> dict:
     if cuda:
         force_cuda_path(setattr)
