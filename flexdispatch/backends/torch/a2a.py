@@ -65,7 +65,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from flexdispatch import _memory
+from flexdispatch import _memory, _validate
 from flexdispatch._validate import checks_enabled, cuda_code_path, is_capturing
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import (
@@ -78,11 +78,7 @@ from flexdispatch.backends.counts import (
 from flexdispatch.backends.cpu_pool import OUTPUT_POOL
 from flexdispatch.backends.torch import hier as torch_hier
 from flexdispatch.backends.torch.flat import dispatch_flat, inband_shape
-from flexdispatch.backends.torch.hops import (
-    Hop,
-    PendingCounts,
-    TorchDispatchState,
-)
+from flexdispatch.backends.torch.hops import Hop, PendingCounts, TorchDispatchState
 from flexdispatch.backends.torch.reduce import reduce_hop
 from flexdispatch.backends.torch.rows import (
     _bin_counts,
@@ -91,12 +87,7 @@ from flexdispatch.backends.torch.rows import (
     local_lut,
     rank_lut,
 )
-from flexdispatch.distributed import (
-    collective_guard,
-    group_rank,
-    group_size,
-    is_distributed,
-)
+from flexdispatch.distributed import collective_guard, group_rank, group_size, is_distributed
 from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, DispatchStats
 
 __all__ = ["TorchA2ABackend", "TorchDispatchState", "Hop", "DTYPE_CODES"]
@@ -604,11 +595,11 @@ class TorchA2ABackend(DispatchBackend):
         R = self.num_ranks
         # NOTE: ids outside [-1, E) count as -1, as in get_dispatch_layout (never an OOB index):
         # clamped to -2 or E, they land on the spare rank R (-1 on R + 1), so the pair counts
-        # count them too (``bad_ids``: the dispatcher's deferred value check reads it).
-        key_TK = clamp_ids(topk_idx, self.num_experts)
+        # count them too (``bad_ids``: the dispatcher's deferred value check reads it). Where
+        # checks are not deferred (CPU) the dispatcher raised for them: nothing to clamp.
+        deferred = _validate.defer_value_checks(x.device)  # NOTE: the dispatcher's own test
+        key_TK = clamp_ids(topk_idx, self.num_experts) if deferred else topk_idx
         rank_TK = self.rank_lut(x.device)[key_TK]
-        pairs_R2 = _bin_counts(rank_TK.view(-1), R + 2)
-        self.bad_ids = pairs_R2[R]
         if layout is not None:
             mask_TR = layout.is_token_in_rank
         else:
@@ -620,7 +611,10 @@ class TorchA2ABackend(DispatchBackend):
         # NOTE: counts in band (flat.py) once the ranks agreed on this row shape (CPU; CUDA
         # with checks off never reads the exchange: in band at once)
         inband = shape is not None and (shape in self.agreed_shapes or cuda_code_path(x.device))
-        if inband:
+        # NOTE: the pair counts serve the bad ids and the count exchange only
+        pairs_R2 = _bin_counts(rank_TK.view(-1), R + 2) if deferred or not inband else None
+        self.bad_ids = pairs_R2[R] if deferred and pairs_R2 is not None else None
+        if inband or pairs_R2 is None:
             pass
         elif self.hierarchical or cuda_code_path(x.device) or not self.distributed:
             G = self.exchange_counts(mask_TR, H, k, x.dtype, pairs_R2[:R])
