@@ -43,12 +43,13 @@ from the rows it was given. This changes no byte on the wire. In flat mode the
 metadata carries global expert ids and each receiver keeps its own (one offset, ``rank * e``).
 
 On CPU, buffers that never leave a call (send buffers, padded receive buffers, returning rows)
-are kept per backend and reused (``TorchA2ABackend.scratch``): fresh buffers over 32 MiB are
+are kept per backend and reused (``buffers.RowBuffers.scratch``): fresh buffers over 32 MiB are
 page-faulted on every call. Tensors handed to the caller come from ``cpu_pool.OUTPUT_POOL``,
 which lends an earlier output's memory again only once nothing refers to it any more.
 
 The code is split by concern: this module holds the backend class (counts, hops, combine,
-stats); ``flat.py`` the flat dispatch plan; ``hier.py`` the hierarchical one;
+stats); ``flat.py`` the flat dispatch plan; ``hier.py`` the hierarchical one; ``buffers.py``
+the reusable row buffers;
 ``hops.py`` what both plans share (``Hop``, the dispatch state, the host count copy and the
 row plumbing that finishes a dispatch); ``rows.py`` the row and metadata kernels.
 
@@ -75,8 +76,8 @@ from flexdispatch.backends.counts import (
     recv_pairs,
     start_exchange,
 )
-from flexdispatch.backends.cpu_pool import OUTPUT_POOL
 from flexdispatch.backends.torch import hier as torch_hier
+from flexdispatch.backends.torch.buffers import RowBuffers
 from flexdispatch.backends.torch.flat import dispatch_flat, inband_shape
 from flexdispatch.backends.torch.hops import Hop, PendingCounts, TorchDispatchState
 from flexdispatch.backends.torch.reduce import reduce_hop
@@ -93,7 +94,7 @@ from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, D
 __all__ = ["TorchA2ABackend", "TorchDispatchState", "Hop", "DTYPE_CODES"]
 
 
-class TorchA2ABackend(DispatchBackend):
+class TorchA2ABackend(DispatchBackend, RowBuffers):
     """Dispatch/combine over ``all_to_all_single`` (flat or hierarchical, dropless or worst-case).
 
     Args:
@@ -136,9 +137,7 @@ class TorchA2ABackend(DispatchBackend):
         self.stats = stats if stats is not None else DispatchStats()
         self._required_w: torch.Tensor | None = None
         self._overflow_scale = 1  # ``record_overflow``
-        # NOTE: reusable CPU buffers for rows that never leave a call (see ``scratch``).
-        self._scratch: dict[str, torch.Tensor] = {}
-        self._scratch_views: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+        RowBuffers.__init__(self)  # NOTE: reusable CPU buffers (``scratch``, ``output``)
         self._luts: dict[torch.device, torch.Tensor] = {}
         # NOTE: row shapes (H, k, dtype) the count exchange found equal on every rank (flat.py)
         self.agreed_shapes: set[tuple[int, int, torch.dtype]] = set()
@@ -226,52 +225,6 @@ class TorchA2ABackend(DispatchBackend):
                     self.stats.bytes_sent_intra_node += n * row_bytes
                 else:
                     self.stats.bytes_sent_inter_node += n * row_bytes
-
-    def scratch(
-        self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        """An uninitialised ``shape`` buffer for rows that never leave the current call.
-
-        On CPU the bytes are kept per ``key`` and reused by later calls: fresh buffers of more
-        than 32 MiB are ``mmap``-ed by the C allocator and page-faulted on every call, which costs
-        about as much as gloo's transfer of the rows; a repeated (key, shape, dtype) gets the same
-        view object back (no view ops). On other devices (caching allocators) this is
-        ``torch.empty``. Never return a scratch view to the caller. NOTE: the reuse makes one
-        backend (one ``FlexDispatcher``) unsafe to call from two threads at once on CPU.
-
-        Args:
-            key: names the buffer; two buffers alive at the same time need different keys.
-            shape: any shape; ``dtype``, ``device``: those of the result.
-        """
-        if device.type != "cpu" or cuda_code_path(device):
-            return torch.empty(shape, dtype=dtype, device=device)
-        view = self._scratch_views.get((key, shape, dtype))
-        if view is not None:
-            return view
-        nbytes = math.prod(shape) * dtype.itemsize
-        buf = self._scratch.get(key)
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(nbytes, dtype=torch.uint8)
-            self._scratch[key] = buf
-            self._scratch_views.clear()  # NOTE: views of the old buffer must not be lent again
-        elif len(self._scratch_views) >= 64:
-            self._scratch_views.clear()
-        view = buf[:nbytes].view(dtype).view(shape)
-        self._scratch_views[(key, shape, dtype)] = view
-        return view
-
-    def output(
-        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        """An uninitialised tensor handed to the caller (dispatch rows, combine sums).
-
-        On CPU it comes from ``cpu_pool.OUTPUT_POOL``, which lends the memory of an earlier
-        output again once the caller has dropped every reference to it (no page faults); on other
-        devices it is ``torch.empty`` (the caching allocator already reuses memory).
-        """
-        if device.type == "cpu" and not cuda_code_path(device):
-            return OUTPUT_POOL.empty(shape, dtype)
-        return torch.empty(shape, dtype=dtype, device=device)
 
     def all_to_all(
         self,
