@@ -56,3 +56,31 @@ def test_scratch_lends_one_view_per_shape_and_never_one_of_a_replaced_buffer() -
     for i in range(100):  # many shapes: the view cache stays bounded
         be.scratch("send", (1, i + 1), torch.float32, cpu)
     assert len(be._scratch_views) <= 64
+
+
+def test_parts_are_kept_only_while_the_scratch_view_is_the_same(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from flexdispatch.backends.torch.a2a import TorchA2ABackend
+    from tests.cuda_path import force_cuda_path
+
+    be = TorchA2ABackend(None, num_experts=4, ranks_per_node=1)
+    cpu = torch.device("cpu")
+    built: list[int] = []
+
+    def build(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        built.append(b.shape[0])
+        return (b[:2], b[2:])
+
+    a = be.scratch("pack", (4, 8), torch.uint8, cpu)
+    first = be.parts(("pack", 2), a, build)
+    assert be.parts(("pack", 2), be.scratch("pack", (4, 8), torch.uint8, cpu), build) is first
+    assert built == [4]
+    be.parts(("pack", 3), a, build)  # another key: built for it
+    big = be.scratch("pack", (64, 8), torch.uint8, cpu)  # the buffer grows: a new view
+    again = be.scratch("pack", (4, 8), torch.uint8, cpu)
+    got = be.parts(("pack", 2), again, build)
+    assert got is not first and got[0].data_ptr() == big.data_ptr() and built == [4, 4, 4]
+    force_cuda_path(monkeypatch.setattr)  # a fresh buffer per call there: nothing kept
+    n = len(be._parts)
+    be.parts(("pack", 2), again, build)
+    be.parts(("pack", 2), again, build)
+    assert built == [4, 4, 4, 4, 4] and len(be._parts) == n

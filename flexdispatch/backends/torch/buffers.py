@@ -10,6 +10,7 @@ output any more). On other devices the caching allocator already reuses memory: 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -25,6 +26,7 @@ class RowBuffers:
     def __init__(self) -> None:
         self._scratch: dict[str, torch.Tensor] = {}
         self._scratch_views: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+        self._parts: dict[tuple, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
 
     def scratch(
         self, key: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
@@ -71,3 +73,25 @@ class RowBuffers:
         if device.type == "cpu" and not cuda_code_path(device):
             return OUTPUT_POOL.empty(shape, dtype)
         return torch.empty(shape, dtype=dtype, device=device)
+
+    def parts(
+        self,
+        key: tuple,
+        base: torch.Tensor,
+        build: Callable[[torch.Tensor], tuple[torch.Tensor, ...]],
+    ) -> tuple[torch.Tensor, ...]:
+        """``build(base)``: views of a ``scratch`` buffer, kept for the next call (CPU).
+
+        ``scratch`` lends the same view object again for a repeated (key, shape, dtype), so the
+        views of the last call are reused while ``base`` is that object; ``key`` must name
+        everything ``build`` depends on besides ``base``. Elsewhere (a fresh buffer per call,
+        which must not be kept alive) ``build`` runs every time.
+        """
+        if base.device.type != "cpu" or cuda_code_path(base.device):
+            return build(base)
+        got = self._parts.get(key)
+        if got is None or got[0] is not base:
+            if len(self._parts) >= 64:
+                self._parts.clear()
+            got = self._parts[key] = (base, build(base))
+        return got[1]

@@ -214,12 +214,14 @@ def _dispatch_inband(
     # this rank's worst send, as count * R + destination (ties: the highest destination)
     need = torch.add(_memory.arange(R, device), mask_TR.sum(0), alpha=R).max()
     xp = be.scratch("pack", (T + 1, rb + 4 * (2 * k + 1)), torch.uint8, device)
-    xp[:T, :rb].copy_(_bytes(x))
-    meta = xp[:, rb:].view(torch.int32)
-    meta[:T, :k].copy_(key_TK)
-    meta[:T, k : 2 * k].copy_(topk_probs.view(torch.int32))
-    meta[T, :k].fill_(E)  # NOTE: padding rows read this row: every id dropped, no pair
-    meta[:, 2 * k].copy_(need)
+    rows_x, ids, probs_bits, spare_ids, need_col = be.parts(
+        ("pack", rb, k), xp, lambda b: _pack_parts(b, rb, k)
+    )
+    rows_x.copy_(_bytes(x))
+    ids.copy_(key_TK)
+    probs_bits.copy_(topk_probs.view(torch.int32))
+    spare_ids.fill_(E)  # NOTE: padding rows read this row: every id dropped, no pair
+    need_col.copy_(need)
     hop = Hop(
         send_index=send_index,
         send_valid=None,
@@ -241,10 +243,10 @@ def _dispatch_inband(
         gather_index=send_index,
     )
     recv = be.run_hop_rows(send_hop, xp, spare_row=True, scratch_key="recv0")
-    recv_x = recv[:, :rb].view(x.dtype)
-    recv_meta = recv[:, rb:].view(torch.int32)
-    recv_meta[W, :k].fill_(E)  # the compaction's dummy row holds the dropped id (no pair)
-    worst_R = recv_meta[:W].view(R, cap, 2 * k + 1)[:, 0, 2 * k]
+    recv_x, recv_meta, spare_in, worst_R, ids_WK = be.parts(
+        ("recv", rb, k, x.dtype, cap), recv, lambda b: _recv_parts(b, rb, k, x.dtype, R, cap)
+    )
+    spare_in.fill_(E)  # the compaction's dummy row holds the dropped id (no pair)
     if cuda_code_path(device):
         be.record_overflow(worst_R.max().div(R, rounding_mode="floor"), scale=R)
     else:  # NOTE: CPU: the same error on every rank now (every rank got every rank's worst)
@@ -252,15 +254,35 @@ def _dispatch_inband(
         if worst[0] > cap:
             what = f"rank {worst[1]} sending to rank {worst[2]}"
             raise ValueError(overflow_message(what, worst[0], cap, W, R, R))
-    maps = valid_compaction(be.local_lut(device)[recv_meta[:W, :k]], W)
+    maps = valid_compaction(be.local_lut(device)[ids_WK], W)
     return finish(
         be,
         hop_list=(hop,),
         recv_x=recv_x,
-        recv_meta=recv_meta[:, : 2 * k],
+        recv_meta=recv_meta,
         maps=maps,
         T=T,
         H=H,
         k=k,
         local_lo=me * be.num_local_experts,
     )
+
+
+def _pack_parts(xp: torch.Tensor, rb: int, k: int) -> tuple[torch.Tensor, ...]:
+    """Views of the in-band send buffer ``[T + 1, rb + 4 (2k + 1)]`` bytes: the rows, the ids,
+    the probs' bits, the spare row's ids and the worst-count column."""
+    T = xp.shape[0] - 1
+    meta = xp[:, rb:].view(torch.int32)
+    return xp[:T, :rb], meta[:T, :k], meta[:T, k : 2 * k], meta[T, :k], meta[:, 2 * k]
+
+
+def _recv_parts(
+    recv: torch.Tensor, rb: int, k: int, dtype: torch.dtype, R: int, cap: int
+) -> tuple[torch.Tensor, ...]:
+    """Views of the in-band receive buffer ``[W + 1, rb + 4 (2k + 1)]`` bytes: the rows (as
+    ``dtype``), the ``[W + 1, 2k]`` int32 metadata, the spare row's ids, each sender's worst
+    count (``[R]``) and the ``[W, k]`` ids."""
+    W = R * cap
+    meta = recv[:, rb:].view(torch.int32)
+    worst_R = meta[:W].view(R, cap, 2 * k + 1)[:, 0, 2 * k]
+    return recv[:, :rb].view(dtype), meta[:, : 2 * k], meta[W, :k], worst_R, meta[:W, :k]
