@@ -18,7 +18,13 @@ overhead (Python, op launches, collectives). Timed side by side in one process, 
   a collective issued after host work waits much longer than one issued back to back (threads
   and virtual CPUs that went idle wake up first), so the ratio grows faster than N;
 - ``bare+gather``: the two bare calls after an all-gather of a 12-int64 vector per rank (the
-  size of the count exchange at R = 2): the floor of a three-collective step (dropless).
+  size of the count exchange at R = 2): the floor of a three-collective step (dropless);
+- ``floor`` (calibration): the worst-case step written out by hand for this one shape
+  (``_Floor``): the same plan as the in-band path (the CPU value checks, the slot map, one
+  packed collective each way, the compaction, the sums), as few torch ops as that plan takes,
+  no autograd, no result objects, every buffer and view built once, collectives synchronous.
+  Its results are checked equal to the dispatcher's at warm-up. Not a code path of
+  flexdispatch: what any implementation of the plan in separate torch ops costs here.
 
 Beside each time the main thread's CPU time per call (``time.thread_time``: Python and ATen op
 work plus issuing the collectives, without the gloo threads) is reported.
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import shlex
 import socket
@@ -65,6 +72,78 @@ def _spin(us: int) -> None:
         pass
 
 
+class _Floor:
+    """The ``floor`` calibration (module docstring): worst-case dispatch + combine, W = R * T."""
+
+    def __init__(self, R: int, me: int, dtype: torch.dtype) -> None:
+        W, e = R * T, E // R
+        self.R, self.W, self.e = R, W, e
+        self.rank_lut = torch.full((E + 1,), R + 1, dtype=torch.int64)  # id -1 reads the last
+        self.rank_lut[:E] = torch.arange(E) // e
+        self.local_lut = torch.zeros(E + 1, dtype=torch.int64)
+        self.local_lut[me * e : (me + 1) * e] = torch.arange(1, e + 1)
+        self.base = (torch.arange(R) * T - 1)[None]  # slot of the c-th row to r: r * T + c - 1
+        self.spare = torch.arange(W, W + R * T).view(T, R)
+        self.rows = torch.arange(T).repeat_interleave(R)
+        self.peers = torch.arange(R)
+        rb = H * dtype.itemsize
+        self.xp = torch.empty(T + 1, rb + 4 * (2 * K + 1), dtype=torch.uint8)
+        meta = self.xp[:, rb:].view(torch.int32)
+        meta[T, :K] = E  # padding rows read row T: every id dropped
+        self.x_in, self.ids_in, self.p_in, self.need_in = (
+            self.xp[:T, :rb],
+            meta[:T, :K],
+            meta[:T, K : 2 * K],
+            meta[:, 2 * K],
+        )
+        self.send = torch.empty(W, self.xp.shape[1], dtype=torch.uint8)
+        self.recv = torch.zeros(W + 1, self.xp.shape[1], dtype=torch.uint8)
+        rmeta = self.recv[:, rb:].view(torch.int32)
+        rmeta[W, :K] = E  # the compaction's dummy row
+        self.rx, self.r_ids = self.recv[:, :rb].view(dtype), rmeta[:, :K]
+        self.r_p, self.r_need = rmeta[:, K : 2 * K].view(torch.float32), rmeta[:W:T, 2 * K]
+        self.zero = torch.zeros(())
+        self.splits = [T] * R
+
+    def dispatch(self, x: torch.Tensor, idx: torch.Tensor, probs: torch.Tensor) -> tuple:
+        R, W = self.R, self.W
+        lo, hi = (b.tolist() for b in torch.aminmax(idx))
+        bounds = [b.tolist() for t in (x, probs) for b in torch.aminmax(t)]
+        srt = idx.sort(1).values
+        rep = bool(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any())
+        assert lo >= -1 and hi < E and all(map(math.isfinite, bounds)) and not rep
+        mask = torch.zeros(T, R + 2, dtype=torch.bool).scatter_(1, self.rank_lut[idx], True)
+        count = mask[:, :R].cumsum(0)
+        slot = torch.where(mask[:, :R], count + self.base, self.spare)  # W = R * T: no cap
+        send_index = torch.full((W + R * T,), T).scatter_(0, slot.view(-1), self.rows)[:W]
+        self.x_in.copy_(x.view(torch.uint8))
+        self.ids_in.copy_(idx)
+        self.p_in.copy_(probs.view(torch.int32))
+        self.need_in.copy_(torch.add(self.peers, count[-1], alpha=R).max())
+        torch.index_select(self.xp, 0, send_index, out=self.send)
+        dist.all_to_all_single(self.recv[:W], self.send, self.splits, self.splits)
+        assert max(v // R for v in self.r_need.tolist()) <= T
+        local = self.local_lut[self.r_ids]
+        real = local[:W].any(1)
+        out_index = torch.nonzero_static(real, size=W, fill_value=W)[:, 0]
+        in_index = real.cumsum(0).sub_(1).clamp_(min=0)
+        loc = local.index_select(0, out_index)
+        probs_out = torch.where(loc > 0, self.r_p.index_select(0, out_index), self.zero)
+        counts = torch.bincount(loc.view(-1), minlength=self.e + 1)[1:]
+        recv_x = self.rx.index_select(0, out_index)
+        return recv_x, loc - 1, probs_out, counts, (send_index, in_index)
+
+    def combine(self, y: torch.Tensor, handle: tuple) -> torch.Tensor:
+        send_index, in_index = handle
+        rows = y.index_select(0, in_index)
+        back = torch.empty_like(rows)
+        dist.all_to_all_single(back, rows, self.splits, self.splits)
+        out = torch.zeros(T + 1, H, dtype=y.dtype)
+        for r in range(self.R):
+            out.index_add_(0, send_index[r * T : (r + 1) * T], back[r * T : (r + 1) * T])
+        return out[:T]
+
+
 def _body(rank: int, R: int, reps: int, inner: int, host_us: tuple[int, ...]) -> dict[str, Any]:
     from flexdispatch import DispatchConfig, FlexDispatcher
     from flexdispatch.distributed import all_gather_int64
@@ -88,7 +167,16 @@ def _body(rank: int, R: int, reps: int, inner: int, host_us: tuple[int, ...]) ->
     recv = torch.empty(sum(s_in), H, dtype=torch.bfloat16)
     back = torch.empty(sum(s_out), H, dtype=torch.bfloat16)
 
-    modes = (*MODES, "bare+gather", *(f"bare+{u}us" for u in host_us))
+    floor = _Floor(R, rank, x.dtype)
+    want = flex["worst-case"].dispatch(x, idx, probs)
+    got = floor.dispatch(x, idx, probs)
+    names = ("recv_x", "recv_topk_idx", "recv_topk_probs", "num_recv_tokens_per_expert")
+    for name, t in zip(names, got[:4], strict=True):
+        assert torch.equal(getattr(want, name), t), f"floor: {name} differs"
+    y = want.recv_x * 2
+    assert torch.equal(flex["worst-case"].combine(y, want.handle), floor.combine(y, got[4]))
+
+    modes = (*MODES, "floor", "bare+gather", *(f"bare+{u}us" for u in host_us))
     vec = torch.zeros(12, dtype=torch.int64)
     gathered = torch.empty(R * 12, dtype=torch.int64)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -103,6 +191,10 @@ def _body(rank: int, R: int, reps: int, inner: int, host_us: tuple[int, ...]) ->
         if mode == "bare":
             dist.all_to_all_single(recv, rows, s_in, s_out)
             dist.all_to_all_single(back, recv, s_out, s_in)
+            return
+        if mode == "floor":
+            out = floor.dispatch(x, idx, probs)
+            floor.combine(out[0], out[4])
             return
         d = flex[mode]
         res = d.dispatch(x, idx, probs)
@@ -190,6 +282,7 @@ def main() -> None:
     shown = (
         "dropless",
         "worst-case",
+        "floor",
         "bare+gather",
         *(f"bare+{u}us" for u in host_us),
     )
