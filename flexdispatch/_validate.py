@@ -381,6 +381,18 @@ class BadValueLog:
             extra["invalid_expert_id_highest"] = max(extra.get("invalid_expert_id_highest", hi), hi)
             extra["invalid_expert_id_lowest"] = min(extra.get("invalid_expert_id_lowest", lo), lo)
 
+    def accumulator(self, stats: Any, device: torch.device) -> torch.Tensor:
+        """``stats.pending_bad_values``, for a kernel that adds one dispatch's counts into it in
+        place (``kernels.screen``); made neutral (zero counts, the int64 min / max as the largest
+        / smallest id) when there is none yet. Kept counts are folded in later, as ever."""
+        acc = stats.pending_bad_values
+        if acc is None:
+            acc = torch.zeros(len(BAD_VALUE_SLOTS) + 2, dtype=torch.int64, device=device)
+            acc[-2].fill_(_INT64.min)
+            acc[-1].fill_(_INT64.max)
+            stats.pending_bad_values = acc
+        return acc
+
     def fold(self, stats: Any) -> None:
         """Fold the kept counts into ``stats.pending_bad_values`` (on the device, no sync; in
         place, so that a captured graph keeps writing into the same tensor)."""

@@ -49,6 +49,7 @@ from flexdispatch.distributed import (
     group_size,
     resolve_ranks_per_node,
 )
+from flexdispatch.kernels import screen as _screen
 from flexdispatch.types import (
     DispatchHandle,
     DispatchLayout,
@@ -401,6 +402,11 @@ class FlexDispatcher:
         ):
             _validate.check_dispatch_values(topk_idx, E, values, topk_probs)
             return topk_idx
+        if _screen.screen_on_device(topk_idx.device):
+            # NOTE: one fused launch: every bad id as -1, the counts added into the pending
+            # vector in place (no parts kept, nothing left for the backend to count)
+            acc = self._bad_log.accumulator(self._stats, topk_idx.device)
+            return _screen.screen_inputs(topk_idx, E, values, topk_probs, acc)
         # NOTE: a backend that counts the bad ids itself (``bad_ids``, the torch backend's pair
         # counts) gives them after its dispatch (``dispatch`` adds the parts then); it takes ids
         # >= E as -1 itself, the others get them as -1 (DeepEP V2 would index past its counters)

@@ -3,7 +3,8 @@
 Triton's interpreter (how the unit tests run the kernels on CPU) accepts code that the compiler
 rejects (a global that is not a ``tl.constexpr``, a type the GPU does not take), so this script
 compiles the kernels the way real calls launch them: it calls ``topk_routing``, ``permute`` and
-``unpermute`` (forward and backward) on small CPU tensors with every launch recorded instead of
+``unpermute`` (forward and backward) and the dispatcher's value screen (``kernels.screen``) on
+small CPU tensors with every launch recorded instead of
 run, then compiles each recorded launch with ``triton.compile`` for ``--arch`` (default sm_90,
 the H100/H200) down to a cubin (Triton's bundled ``ptxas``; no driver needed). Pointer and
 integer arguments get the 16-byte divisibility hints Triton's launcher gives them at run time.
@@ -153,6 +154,17 @@ def _record(quick: bool) -> list:
         out = unpermute(perm.x * 1, perm, probs=perm.probs, impl="triton")
         out2 = unpermute(perm.x, perm, impl="triton")
         (out.float().sum() + out2.float().sum()).backward()
+
+    from flexdispatch.kernels.screen import screen_inputs
+
+    # the deferred value checks: k = 2 (one token per [2, 2] comparison), k = 8, k = 32
+    screens = [(2, torch.bfloat16, 7168), (8, torch.float32, 56)]
+    if not quick:
+        screens += [(32, torch.float16, 4096), (6, torch.bfloat16, 7168)]
+    for k, dtype, V in screens:
+        acc = torch.zeros(6, dtype=torch.int64)
+        idx = torch.zeros(40, k, dtype=torch.int64)
+        screen_inputs(idx, 256, torch.zeros(40, V, dtype=dtype), torch.zeros(40, k), acc)
     return log
 
 

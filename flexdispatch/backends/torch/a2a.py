@@ -89,6 +89,7 @@ from flexdispatch.backends.torch.rows import (
     rank_lut,
 )
 from flexdispatch.distributed import collective_guard, group_rank, group_size, is_distributed
+from flexdispatch.kernels import screen as _screen
 from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, DispatchStats
 
 __all__ = ["TorchA2ABackend", "TorchDispatchState", "Hop", "DTYPE_CODES"]
@@ -549,8 +550,10 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
         # NOTE: ids outside [-1, E) count as -1, as in get_dispatch_layout (never an OOB index):
         # clamped to -2 or E, they land on the spare rank R (-1 on R + 1), so the pair counts
         # count them too (``bad_ids``: the dispatcher's deferred value check reads it). Where
-        # checks are not deferred (CPU) the dispatcher raised for them: nothing to clamp.
-        deferred = _validate.defer_value_checks(x.device)  # NOTE: the dispatcher's own test
+        # checks are not deferred (CPU) the dispatcher raised for them, and where they run as
+        # one kernel it set them to -1 and counted them: nothing to clamp.
+        dev = x.device  # NOTE: the dispatcher's own tests
+        deferred = _validate.defer_value_checks(dev) and not _screen.screen_on_device(dev)
         key_TK = clamp_ids(topk_idx, self.num_experts) if deferred else topk_idx
         rank_TK = self.rank_lut(x.device)[key_TK]
         if layout is not None:
