@@ -22,7 +22,10 @@ Rows:
 Code paths: ``cpu`` is what runs on CPU. ``cuda (forced)`` runs the CUDA branch of every
 device-dependent choice on CPU: ``flexdispatch._validate.cuda_code_path`` and
 ``defer_value_checks`` are forced to True (value checks counted on the device, no CPU memory
-reuse, synchronous collectives, ``scatter_add_`` instead of ``bincount``). The one CUDA-only
+reuse, synchronous collectives, ``scatter_add_`` instead of ``bincount``), and the deferred
+value checks run as the one Triton launch CUDA makes when triton imports (``kernels.screen``,
+interpreted here: its interpreter's own ATen calls are not counted, the launch counts as one op;
+without triton, the torch ops). The one CUDA-only
 piece that cannot run on CPU is the dropless count copy into pinned host memory on a side stream
 (``torch_hops.PendingCounts``): ``copy_`` into the backend's pinned buffer (allocated by the first
 call only, with ``empty(pin_memory=True)``) = 1 op, added by hand to
@@ -81,12 +84,44 @@ def _inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, idx, probs
 
 
+_LAUNCHES = [0]  # Triton launches of the forced CUDA branch (``_force_screen``)
+
+
+def _force_screen() -> None:
+    """The CUDA branch's value screen on CPU: ``kernels.screen`` (one Triton launch on CUDA when
+    triton imports) taken and run under Triton's interpreter, whose own ATen calls are not
+    counted; each launch counts as one op (``_LAUNCHES``). Without triton nothing changes."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from flexdispatch.kernels import _triton, screen
+
+    if not (_triton.triton_status()[0] and _triton.interpreting()):
+        return
+    screen.screen_on_device = lambda device: True  # type: ignore[assignment]
+    get = _triton.Kernel.get
+
+    class Unlogged:
+        def __init__(self, built: Any) -> None:
+            self.built = built
+
+        def __getitem__(self, grid: Any) -> Any:
+            def launch(*args: Any, **kw: Any) -> Any:
+                _LAUNCHES[0] += 1
+                with _disable_current_modes():
+                    return self.built[grid](*args, **kw)
+
+            return launch
+
+    _triton.Kernel.get = lambda self: Unlogged(get(self))  # type: ignore[method-assign]
+
+
 def _dispatch_ops(worst: bool, hierarchical: bool, cuda: bool, where: bool) -> dict[str, Any]:
     from flexdispatch import DispatchConfig, FlexDispatcher
     from tests.cuda_path import force_cuda_path
 
     if cuda:
         force_cuda_path()
+        _force_screen()
     R = dist.get_world_size()
     x, idx, probs = _inputs(dist.get_rank())
     cfg = DispatchConfig(
@@ -95,8 +130,11 @@ def _dispatch_ops(worst: bool, hierarchical: bool, cuda: bool, where: bool) -> d
     d = FlexDispatcher(cfg, num_experts=E)
     res = d.dispatch(x, idx, probs)
     d.combine(res.recv_x, res.handle)
+    before = _LAUNCHES[0]
     with OpCounter(where) as cd:
         res = d.dispatch(x, idx, probs)
+    if _LAUNCHES[0] > before:
+        cd.ops["triton kernels.screen"] += _LAUNCHES[0] - before
     with OpCounter(where) as cc:
         d.combine(res.recv_x, res.handle)
     return {"dispatch": dict(cd.ops), "combine": dict(cc.ops)}
@@ -123,7 +161,9 @@ def _permute_ops(cuda: bool, where: bool) -> dict[str, Any]:
 def _rank0(worst: bool, hierarchical: bool, cuda: bool, where: bool) -> dict[str, Any]:
     from flexdispatch.launch import spawn_group
 
-    env = {"LOCAL_WORLD_SIZE": "1"} if hierarchical else None
+    env = {"LOCAL_WORLD_SIZE": "1"} if hierarchical else {}
+    if cuda:
+        env["TRITON_INTERPRET"] = "1"  # ``_force_screen``: set before triton is first imported
     return spawn_group(
         _dispatch_ops,
         2,
