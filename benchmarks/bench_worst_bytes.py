@@ -15,7 +15,9 @@ The torch backend in a world of one (no process group), as in the H200 measureme
 k=8, H=7,168 bf16, W = T * k), at a T that fits this machine (``--tokens``, default 2,048;
 every figure is linear in T; ``--w-per-token 1`` for W = R * T, the size ``bench_gpu.py`` and
 DeepEP use). The last column lists the ops that touch at least W rows (T for
-dropless): the passes over the whole buffer.
+dropless): the passes over the whole buffer. On the CUDA path the value checks run as the one
+Triton launch CUDA makes when triton imports (``kernels.screen``), interpreted here and counted
+by what it reads and writes (``_force_screen``); without triton, as torch ops.
 
 Run: ``.venv/bin/python benchmarks/bench_worst_bytes.py [--tokens 2048] [--path cuda|cpu]
 [--w-per-token 8]``
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -80,6 +83,46 @@ class _Bytes(TorchDispatchMode):
         return out
 
 
+_ACTIVE: list[_Bytes] = []  # the mode counting the current step (for the Triton launches)
+
+
+def _force_screen() -> bool:
+    """The CUDA branch's value screen (``kernels.screen``: one Triton launch on CUDA when triton
+    imports), run here under Triton's interpreter with its own ATen calls unseen; each launch adds
+    what the kernel reads (the ids, the probs, all of ``x``) and writes (the ids) to the counting
+    mode, as one op. False (the torch ops run) without triton."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from flexdispatch.kernels import _triton, screen
+
+    if not (_triton.triton_status()[0] and _triton.interpreting()):
+        return False
+    screen.screen_on_device = lambda device: True  # type: ignore[assignment]
+    get = _triton.Kernel.get
+
+    class Counted:
+        def __init__(self, built: Any) -> None:
+            self.built = built
+
+        def __getitem__(self, grid: Any) -> Any:
+            def launch(*args: Any, **kw: Any) -> Any:
+                idx, probs, vals, out = args[:4]
+                if _ACTIVE:
+                    m = _ACTIVE[-1]
+                    m.ops += 1
+                    m.read += _nbytes(idx) + _nbytes(probs) + _nbytes(vals)
+                    m.written += _nbytes(out)
+                    if vals.shape[0] >= m.big_rows and vals.shape[1] >= H:
+                        m.passes["screen kernel (reads)"] += 1
+                with _disable_current_modes():
+                    return self.built[grid](*args, **kw)
+
+            return launch
+
+    _triton.Kernel.get = lambda self: Counted(get(self))  # type: ignore[method-assign]
+    return True
+
+
 def _count(worst: bool, T: int, wf: int) -> dict[str, Any]:
     from flexdispatch import DispatchConfig, FlexDispatcher
 
@@ -98,8 +141,10 @@ def _count(worst: bool, T: int, wf: int) -> dict[str, Any]:
 
     step()
     mode = _Bytes(big_rows=W if worst else T)
+    _ACTIVE.append(mode)
     with mode:
         step()
+    _ACTIVE.clear()
     return {
         "read": mode.read,
         "written": mode.written,
@@ -121,6 +166,9 @@ def main() -> None:
         "what bench_gpu.py and DeepEP use)",
     )
     args = ap.parse_args()
+    screened = False
+    if args.path == "cuda":  # NOTE: before triton is first imported (``_force_screen``)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     import flexdispatch.backends.torch.a2a  # noqa: F401  (loaded before the patch)
 
     if args.path == "cuda":
@@ -128,12 +176,14 @@ def main() -> None:
         from tests.cuda_path import force_cuda_path
 
         force_cuda_path()
+        screened = _force_screen()
     torch.set_num_threads(1)
     T = args.tokens
     rows = T * H * 2
+    screen = " (value checks: the Triton screen kernel)" if args.path == "cuda" and screened else ""
     print(
-        f"{args.path} code path, world of one, T={T}, H={H} bf16, E={E}, k={K}; one pass over "
-        f"T rows = {rows / 2**20:.1f} MiB\n"
+        f"{args.path} code path{screen}, world of one, T={T}, H={H} bf16, E={E}, k={K}; one "
+        f"pass over T rows = {rows / 2**20:.1f} MiB\n"
     )
     print(
         "| path | rows of the big buffers | ops | read MiB | written MiB | "
