@@ -12,6 +12,8 @@ CUDA tensors and the compiled kernel with ``FLEXDISPATCH_TEST_DEVICE=cuda``.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -30,6 +32,11 @@ def dev(device):  # type: ignore[no-untyped-def]
     from flexdispatch.kernels import interpreting
 
     if device.type == "cpu" and not interpreting():
+        if torch.cuda.is_available():
+            pytest.skip(
+                "a CUDA machine runs the kernel tests compiled, on CUDA tensors: "
+                "FLEXDISPATCH_TEST_DEVICE=cuda (Triton's interpreter stays off there)"
+            )
         pytest.fail("the kernel tests on CPU need Triton's interpreter (tests/unit/conftest.py)")
     return device
 
@@ -227,9 +234,12 @@ def _ranks_worker(rank: int, R: int) -> dict:
     from tests.cuda_path import force_cuda_path
     from tests.dist.reference import Inputs, all_inputs, ref_dispatch
 
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU ranks: before triton is imported here
     force_cuda_path(setattr)
+    from flexdispatch.kernels import interpreting
     from flexdispatch.kernels import screen as screen_mod
 
+    assert interpreting(), "a rank imported triton before TRITON_INTERPRET was set"
     screen_mod.screen_on_device = lambda device: True  # type: ignore[assignment]
     E, k, H = 8, 2, 8
     inputs = all_inputs(4, R=R, E=E, k=k, H=H, dtype=torch.bfloat16)
