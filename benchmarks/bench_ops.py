@@ -84,44 +84,16 @@ def _inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, idx, probs
 
 
-_LAUNCHES = [0]  # Triton launches of the forced CUDA branch (``_force_screen``)
-
-
-def _force_screen() -> None:
-    """The CUDA branch's value screen on CPU: ``kernels.screen`` (one Triton launch on CUDA when
-    triton imports) taken and run under Triton's interpreter, whose own ATen calls are not
-    counted; each launch counts as one op (``_LAUNCHES``). Without triton nothing changes."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    from flexdispatch.kernels import _triton, screen
-
-    if not (_triton.triton_status()[0] and _triton.interpreting()):
-        return
-    screen.screen_on_device = lambda device: True  # type: ignore[assignment]
-    get = _triton.Kernel.get
-
-    class Unlogged:
-        def __init__(self, built: Any) -> None:
-            self.built = built
-
-        def __getitem__(self, grid: Any) -> Any:
-            def launch(*args: Any, **kw: Any) -> Any:
-                _LAUNCHES[0] += 1
-                with _disable_current_modes():
-                    return self.built[grid](*args, **kw)
-
-            return launch
-
-    _triton.Kernel.get = lambda self: Unlogged(get(self))  # type: ignore[method-assign]
+_LAUNCHES = [0]  # Triton launches of the forced CUDA branch (``force_screen_kernel``)
 
 
 def _dispatch_ops(worst: bool, hierarchical: bool, cuda: bool, where: bool) -> dict[str, Any]:
     from flexdispatch import DispatchConfig, FlexDispatcher
-    from tests.cuda_path import force_cuda_path
+    from tests.cuda_path import force_cuda_path, force_screen_kernel
 
     if cuda:
         force_cuda_path()
-        _force_screen()
+        force_screen_kernel(lambda args: _LAUNCHES.__setitem__(0, _LAUNCHES[0] + 1))
     R = dist.get_world_size()
     x, idx, probs = _inputs(dist.get_rank())
     cfg = DispatchConfig(
@@ -163,7 +135,7 @@ def _rank0(worst: bool, hierarchical: bool, cuda: bool, where: bool) -> dict[str
 
     env = {"LOCAL_WORLD_SIZE": "1"} if hierarchical else {}
     if cuda:
-        env["TRITON_INTERPRET"] = "1"  # ``_force_screen``: set before triton is first imported
+        env["TRITON_INTERPRET"] = "1"  # the screen kernel, interpreted: before triton's import
     return spawn_group(
         _dispatch_ops,
         2,

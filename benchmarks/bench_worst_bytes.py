@@ -17,7 +17,7 @@ every figure is linear in T; ``--w-per-token 1`` for W = R * T, the size ``bench
 DeepEP use). The last column lists the ops that touch at least W rows (T for
 dropless): the passes over the whole buffer. On the CUDA path the value checks run as the one
 Triton launch CUDA makes when triton imports (``kernels.screen``), interpreted here and counted
-by what it reads and writes (``_force_screen``); without triton, as torch ops.
+by what it reads and writes (``_screen_bytes``); without triton, as torch ops.
 
 Run: ``.venv/bin/python benchmarks/bench_worst_bytes.py [--tokens 2048] [--path cuda|cpu]
 [--w-per-token 8]``
@@ -86,41 +86,17 @@ class _Bytes(TorchDispatchMode):
 _ACTIVE: list[_Bytes] = []  # the mode counting the current step (for the Triton launches)
 
 
-def _force_screen() -> bool:
-    """The CUDA branch's value screen (``kernels.screen``: one Triton launch on CUDA when triton
-    imports), run here under Triton's interpreter with its own ATen calls unseen; each launch adds
-    what the kernel reads (the ids, the probs, all of ``x``) and writes (the ids) to the counting
-    mode, as one op. False (the torch ops run) without triton."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    from flexdispatch.kernels import _triton, screen
-
-    if not (_triton.triton_status()[0] and _triton.interpreting()):
-        return False
-    screen.screen_on_device = lambda device: True  # type: ignore[assignment]
-    get = _triton.Kernel.get
-
-    class Counted:
-        def __init__(self, built: Any) -> None:
-            self.built = built
-
-        def __getitem__(self, grid: Any) -> Any:
-            def launch(*args: Any, **kw: Any) -> Any:
-                idx, probs, vals, out = args[:4]
-                if _ACTIVE:
-                    m = _ACTIVE[-1]
-                    m.ops += 1
-                    m.read += _nbytes(idx) + _nbytes(probs) + _nbytes(vals)
-                    m.written += _nbytes(out)
-                    if vals.shape[0] >= m.big_rows and vals.shape[1] >= H:
-                        m.passes["screen kernel (reads)"] += 1
-                with _disable_current_modes():
-                    return self.built[grid](*args, **kw)
-
-            return launch
-
-    _triton.Kernel.get = lambda self: Counted(get(self))  # type: ignore[method-assign]
-    return True
+def _screen_bytes(args: tuple) -> None:
+    """One launch of the value screen kernel (``tests.cuda_path.force_screen_kernel``): what it
+    reads (the ids, the probs, all of ``x``) and writes (the ids), as one op."""
+    idx, probs, vals, out = args[:4]
+    if _ACTIVE:
+        m = _ACTIVE[-1]
+        m.ops += 1
+        m.read += _nbytes(idx) + _nbytes(probs) + _nbytes(vals)
+        m.written += _nbytes(out)
+        if vals.shape[0] >= m.big_rows and vals.shape[1] >= H:
+            m.passes["screen kernel (reads)"] += 1
 
 
 def _count(worst: bool, T: int, wf: int) -> dict[str, Any]:
@@ -167,16 +143,16 @@ def main() -> None:
     )
     args = ap.parse_args()
     screened = False
-    if args.path == "cuda":  # NOTE: before triton is first imported (``_force_screen``)
+    if args.path == "cuda":  # NOTE: before triton is first imported (the screen kernel)
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import flexdispatch.backends.torch.a2a  # noqa: F401  (loaded before the patch)
 
     if args.path == "cuda":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests/
-        from tests.cuda_path import force_cuda_path
+        from tests.cuda_path import force_cuda_path, force_screen_kernel
 
         force_cuda_path()
-        screened = _force_screen()
+        screened = force_screen_kernel(_screen_bytes)
     torch.set_num_threads(1)
     T = args.tokens
     rows = T * H * 2

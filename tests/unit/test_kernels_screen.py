@@ -126,15 +126,18 @@ def test_screen_accumulates_and_reads_strided_inputs(dev) -> None:  # type: igno
 def _dispatch_log(monkeypatch, screen: bool, cuda: bool) -> dict:  # type: ignore[no-untyped-def]
     """Three deferred dispatches + combines in a world of one (bad ids, a repeat, NaN/inf, then
     clean inputs), with the screen kernel or the torch ops; what the user sees, and the ATen ops
-    of the first dispatch."""
+    of the second dispatch (the first also makes the pending vector)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from flexdispatch import DispatchConfig, FlexDispatcher
     from flexdispatch.kernels import screen as screen_mod
-    from tests.cuda_path import force_cuda_path
+    from tests.cuda_path import force_cuda_path, force_screen_kernel
 
     monkeypatch.setattr(_validate, "defer_value_checks", lambda device: True)
-    monkeypatch.setattr(screen_mod, "screen_on_device", lambda device: screen)
+    monkeypatch.setattr(screen_mod, "screen_on_device", lambda device: False)
+    if screen:  # the kernel's interpreter is no launch: one marker per launch instead
+        mark = lambda args: logging and ops.append("<screen kernel>")  # noqa: E731
+        assert force_screen_kernel(mark, monkeypatch.setattr)
     if cuda:
         force_cuda_path(monkeypatch.setattr)
     E, T, k, H = 8, 6, 3, 16
@@ -148,26 +151,6 @@ def _dispatch_log(monkeypatch, screen: bool, cuda: bool) -> dict:  # type: ignor
     bad_x[2, 5], bad_p[4, 1] = float("nan"), float("inf")
     ops: list[str] = []
     logging: list[bool] = []  # non-empty while the dispatch is logged
-    from flexdispatch.kernels import _triton
-
-    get = _triton.Kernel.get
-
-    class Unlogged:  # the interpreter's own ATen calls are not launches: run them unlogged
-        def __init__(self, built):  # type: ignore[no-untyped-def]
-            self.built = built
-
-        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
-            from torch.utils._python_dispatch import _disable_current_modes
-
-            def launch(*a, **kw):  # type: ignore[no-untyped-def]
-                if logging:
-                    ops.append("<screen kernel>")
-                with _disable_current_modes():
-                    return self.built[grid](*a, **kw)
-
-            return launch
-
-    monkeypatch.setattr(_triton.Kernel, "get", lambda self: Unlogged(get(self)))
 
     class Log(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
