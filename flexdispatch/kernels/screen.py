@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from flexdispatch.kernels._triton import Kernel, next_pow2
+from flexdispatch.kernels._triton import Kernel, next_pow2, triton_status
 
 __all__ = ["screen_inputs", "screen_on_device"]
 
@@ -25,11 +25,7 @@ def screen_on_device(device: torch.device) -> bool:
     """Whether the dispatcher's deferred value checks on ``device`` run as this kernel rather
     than as torch ops: on CUDA when ``triton`` imports (the backend then gets ids that are clean
     already)."""
-    if device.type != "cuda":
-        return False
-    from flexdispatch.kernels._triton import triton_status
-
-    return triton_status()[0]
+    return device.type == "cuda" and triton_status()[0]
 
 
 def screen_inputs(

@@ -551,8 +551,9 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
         # clamped to -2 or E, they land on the spare rank R (-1 on R + 1), so the pair counts
         # count them too (``bad_ids``: the dispatcher's deferred value check reads it). Where
         # checks are not deferred (CPU) the dispatcher raised for them, and where they run as
-        # one kernel it set them to -1 and counted them: nothing to clamp.
-        dev = x.device  # NOTE: the dispatcher's own tests
+        # one kernel it set them to -1 and counted them: nothing to clamp. (The same tests as
+        # the dispatcher's, read through their modules, which the tests patch.)
+        dev = x.device
         deferred = _validate.defer_value_checks(dev) and not _screen.screen_on_device(dev)
         key_TK = clamp_ids(topk_idx, self.num_experts) if deferred else topk_idx
         rank_TK = self.rank_lut(x.device)[key_TK]
