@@ -5,7 +5,9 @@ e = E / R local experts · k top-k · L ranks per node · N = R / L nodes · M r
 W worst-case rows.
 
 The dispatcher validates inputs, picks the backend (the same on every rank), and wraps the
-backend's no-grad primitives in autograd Functions:
+backend's no-grad primitives in autograd Functions where autograd records the call (grad mode on
+and an input requiring grad; otherwise it calls the backend directly, which saves the Functions'
+host time):
 
 - backward of dispatch: ``grad x = combine(grad recv_x)``, and ``grad topk_probs =
   combine(grad recv_topk_probs)`` with the gradient zeroed wherever ``recv_topk_idx == -1``, so
