@@ -33,6 +33,7 @@ from flexdispatch.backends.torch.rows import (
     slot_positions,
     valid_compaction,
 )
+from flexdispatch.kernels import inband as _inband
 from flexdispatch.types import DispatchResult
 
 __all__ = ["dispatch_flat", "PACK_MAX_ROW_BYTES", "packs_meta", "inband_shape"]
@@ -213,15 +214,6 @@ def _dispatch_inband(
     rb = H * x.element_size()
     # this rank's worst send, as count * R + destination (ties: the highest destination)
     need = torch.add(_memory.arange(R, device), mask_TR.sum(0), alpha=R).max()
-    xp = be.scratch("pack", (T + 1, rb + 4 * (2 * k + 1)), torch.uint8, device)
-    rows_x, ids, probs_bits, spare_ids, need_col = be.parts(
-        ("pack", rb, k), xp, lambda b: _pack_parts(b, rb, k)
-    )
-    rows_x.copy_(_bytes(x))
-    ids.copy_(key_TK)
-    probs_bits.copy_(topk_probs.view(torch.int32))
-    spare_ids.fill_(E)  # NOTE: padding rows read this row: every id dropped, no pair
-    need_col.copy_(need)
     hop = Hop(
         send_index=send_index,
         send_valid=None,
@@ -232,17 +224,15 @@ def _dispatch_inband(
         padded=True,
     )
     be.stats.rows_sent += hop.num_send
-    # NOTE: the send gathers from ``xp``, whose row T exists: the unclamped index
-    send_hop = Hop(
-        send_index=send_index,
-        send_valid=None,
-        send_splits=hop.send_splits,
-        recv_splits=hop.recv_splits,
-        num_in=T + 1,
-        reduce_groups=hop.reduce_groups,
-        gather_index=send_index,
-    )
-    recv = be.run_hop_rows(send_hop, xp, spare_row=True, scratch_key="recv0")
+    if _inband.pack_on_device(device):
+        # NOTE: one launch writes the send rows straight from x, the ids and the probs
+        send = _inband.pack_inband(x, key_TK, topk_probs, send_index, need, E)
+        be.account(hop.send_splits, send.shape[1])
+        recv = be.all_to_all(
+            send, hop.send_splits, hop.recv_splits, spare_row=True, scratch_key="recv0"
+        )
+    else:
+        recv = _pack_and_send(be, x, key_TK, topk_probs, need, hop)
     recv_x, recv_meta, spare_in, worst_R, ids_WK = be.parts(
         ("recv", rb, k, x.dtype, cap), recv, lambda b: _recv_parts(b, rb, k, x.dtype, R, cap)
     )
@@ -266,6 +256,41 @@ def _dispatch_inband(
         k=k,
         local_lo=me * be.num_local_experts,
     )
+
+
+def _pack_and_send(
+    be: A2AHost,
+    x: torch.Tensor,
+    key_TK: torch.Tensor,
+    topk_probs: torch.Tensor,
+    need: torch.Tensor,
+    hop: Hop,
+) -> torch.Tensor:
+    """The in-band send rows in torch ops: every row packed once into ``[T + 1, row +
+    metadata]`` bytes (row ``T`` the spare row that padding reads), then gathered and sent."""
+    T, H = x.shape
+    k = key_TK.shape[1]
+    rb = H * x.element_size()
+    xp = be.scratch("pack", (T + 1, rb + 4 * (2 * k + 1)), torch.uint8, x.device)
+    rows_x, ids, probs_bits, spare_ids, need_col = be.parts(
+        ("pack", rb, k), xp, lambda b: _pack_parts(b, rb, k)
+    )
+    rows_x.copy_(_bytes(x))
+    ids.copy_(key_TK)
+    probs_bits.copy_(topk_probs.view(torch.int32))
+    spare_ids.fill_(be.num_experts)  # NOTE: padding rows read this row: every id dropped
+    need_col.copy_(need)
+    # NOTE: the send gathers from ``xp``, whose row T exists: the unclamped index
+    send_hop = Hop(
+        send_index=hop.send_index,
+        send_valid=None,
+        send_splits=hop.send_splits,
+        recv_splits=hop.recv_splits,
+        num_in=T + 1,
+        reduce_groups=hop.reduce_groups,
+        gather_index=hop.send_index,
+    )
+    return be.run_hop_rows(send_hop, xp, spare_row=True, scratch_key="recv0")
 
 
 def _pack_parts(xp: torch.Tensor, rb: int, k: int) -> tuple[torch.Tensor, ...]:
