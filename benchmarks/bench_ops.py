@@ -22,10 +22,10 @@ Rows:
 Code paths: ``cpu`` is what runs on CPU. ``cuda (forced)`` runs the CUDA branch of every
 device-dependent choice on CPU: ``flexdispatch._validate.cuda_code_path`` and
 ``defer_value_checks`` are forced to True (value checks counted on the device, no CPU memory
-reuse, synchronous collectives, ``scatter_add_`` instead of ``bincount``), and the deferred
-value checks run as the one Triton launch CUDA makes when triton imports (``kernels.screen``,
-interpreted here: its interpreter's own ATen calls are not counted, the launch counts as one op;
-without triton, the torch ops). The one CUDA-only
+reuse, synchronous collectives, ``scatter_add_`` instead of ``bincount``), and the Triton
+kernels CUDA runs when triton imports (the deferred value checks, ``kernels.screen``; the in-band
+send rows, ``kernels.inband``) run interpreted: the interpreter's own ATen calls are not counted,
+each launch counts as one op (without triton, the torch ops). The one CUDA-only
 piece that cannot run on CPU is the dropless count copy into pinned host memory on a side stream
 (``torch_hops.PendingCounts``): ``copy_`` into the backend's pinned buffer (allocated by the first
 call only, with ``empty(pin_memory=True)``) = 1 op, added by hand to
@@ -84,16 +84,16 @@ def _inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, idx, probs
 
 
-_LAUNCHES = [0]  # Triton launches of the forced CUDA branch (``force_screen_kernel``)
+_LAUNCHES = [0]  # Triton launches of the forced CUDA branch (``force_triton_kernels``)
 
 
 def _dispatch_ops(worst: bool, hierarchical: bool, cuda: bool, where: bool) -> dict[str, Any]:
     from flexdispatch import DispatchConfig, FlexDispatcher
-    from tests.cuda_path import force_cuda_path, force_screen_kernel
+    from tests.cuda_path import force_cuda_path, force_triton_kernels
 
     if cuda:
         force_cuda_path()
-        force_screen_kernel(lambda args: _LAUNCHES.__setitem__(0, _LAUNCHES[0] + 1))
+        force_triton_kernels(lambda name, args: _LAUNCHES.__setitem__(0, _LAUNCHES[0] + 1))
     R = dist.get_world_size()
     x, idx, probs = _inputs(dist.get_rank())
     cfg = DispatchConfig(
@@ -106,7 +106,7 @@ def _dispatch_ops(worst: bool, hierarchical: bool, cuda: bool, where: bool) -> d
     with OpCounter(where) as cd:
         res = d.dispatch(x, idx, probs)
     if _LAUNCHES[0] > before:
-        cd.ops["triton kernels.screen"] += _LAUNCHES[0] - before
+        cd.ops["triton kernels"] += _LAUNCHES[0] - before
     with OpCounter(where) as cc:
         d.combine(res.recv_x, res.handle)
     return {"dispatch": dict(cd.ops), "combine": dict(cc.ops)}

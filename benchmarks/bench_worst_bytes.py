@@ -17,7 +17,7 @@ every figure is linear in T; ``--w-per-token 1`` for W = R * T, the size ``bench
 DeepEP use). The last column lists the ops that touch at least W rows (T for
 dropless): the passes over the whole buffer. On the CUDA path the value checks run as the one
 Triton launch CUDA makes when triton imports (``kernels.screen``), interpreted here and counted
-by what it reads and writes (``_screen_bytes``); without triton, as torch ops.
+by what it reads and writes (``_kernel_bytes``); without triton, as torch ops.
 
 Run: ``.venv/bin/python benchmarks/bench_worst_bytes.py [--tokens 2048] [--path cuda|cpu]
 [--w-per-token 8]``
@@ -86,17 +86,22 @@ class _Bytes(TorchDispatchMode):
 _ACTIVE: list[_Bytes] = []  # the mode counting the current step (for the Triton launches)
 
 
-def _screen_bytes(args: tuple) -> None:
-    """One launch of the value screen kernel (``tests.cuda_path.force_screen_kernel``): what it
-    reads (the ids, the probs, all of ``x``) and writes (the ids), as one op."""
-    idx, probs, vals, out = args[:4]
-    if _ACTIVE:
-        m = _ACTIVE[-1]
-        m.ops += 1
+def _kernel_bytes(name: str, args: tuple) -> None:
+    """One Triton launch (``tests.cuda_path.force_triton_kernels``) as one op: what it reads and
+    writes. The value screen reads the ids, the probs and all of ``x`` and writes the ids; the
+    in-band pack (multi-rank only, not reached in a world of one) reads the rows it names."""
+    if not _ACTIVE:
+        return
+    m = _ACTIVE[-1]
+    m.ops += 1
+    if name == "screen_inputs":
+        idx, probs, vals, out = args[:4]
         m.read += _nbytes(idx) + _nbytes(probs) + _nbytes(vals)
         m.written += _nbytes(out)
         if vals.shape[0] >= m.big_rows and vals.shape[1] >= H:
             m.passes["screen kernel (reads)"] += 1
+    else:
+        raise NotImplementedError(f"bench_worst_bytes: no byte count for kernel {name}")
 
 
 def _count(worst: bool, T: int, wf: int) -> dict[str, Any]:
@@ -149,10 +154,10 @@ def main() -> None:
 
     if args.path == "cuda":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests/
-        from tests.cuda_path import force_cuda_path, force_screen_kernel
+        from tests.cuda_path import force_cuda_path, force_triton_kernels
 
         force_cuda_path()
-        screened = force_screen_kernel(_screen_bytes)
+        screened = force_triton_kernels(_kernel_bytes)
     torch.set_num_threads(1)
     T = args.tokens
     rows = T * H * 2

@@ -3,8 +3,9 @@
 Every device-dependent choice in flexdispatch goes through ``_validate.cuda_code_path`` (and the
 deferred value checks through ``_validate.defer_value_checks``); pointing both at "yes" makes the
 CPU take the CUDA branch, which is how the tests and ``benchmarks/`` count the CUDA path's ops,
-bytes and host reads without a GPU. ``force_screen_kernel`` adds the one Triton kernel that
-CUDA runs when triton imports (the dispatcher's value screen), interpreted.
+bytes and host reads without a GPU. ``force_triton_kernels`` adds the Triton kernels that the
+CUDA branch runs when triton imports (the dispatcher's value screen, the in-band pack),
+interpreted.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["force_cuda_path", "force_screen_kernel"]
+__all__ = ["force_cuda_path", "force_triton_kernels"]
 
 
 def force_cuda_path(patch: Callable[[Any, str, Any], None] = setattr) -> None:
@@ -37,14 +38,15 @@ def force_cuda_path(patch: Callable[[Any, str, Any], None] = setattr) -> None:
             patch(mod, "cuda_code_path", yes)
 
 
-def force_screen_kernel(
-    on_launch: Callable[[tuple], None] | None = None,
+def force_triton_kernels(
+    on_launch: Callable[[str, tuple], None] | None = None,
     patch: Callable[[Any, str, Any], None] = setattr,
 ) -> bool:
-    """Take the dispatcher's value screen (``flexdispatch.kernels.screen``) on CPU tensors as
-    CUDA does when triton imports, under Triton's interpreter. The interpreter's own ATen calls
-    are hidden from dispatch modes (they are no launches); ``on_launch(args)`` is called at each
-    launch with the kernel's arguments instead.
+    """Take the Triton kernels of the CUDA branch on CPU tensors, as CUDA does when triton
+    imports: the dispatcher's value screen (``flexdispatch.kernels.screen``) and the in-band pack
+    of a flat worst-case dispatch (``flexdispatch.kernels.inband``), under Triton's interpreter.
+    The interpreter's own ATen calls are hidden from dispatch modes (they are no launches);
+    ``on_launch(kernel name, args)`` is called at each launch instead.
 
     Returns:
         False (nothing patched) unless triton imports and interprets (``TRITON_INTERPRET=1``
@@ -52,25 +54,26 @@ def force_screen_kernel(
     """
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from flexdispatch.kernels import _triton, screen
+    from flexdispatch.kernels import _triton, inband, screen
 
     if not (_triton.triton_status()[0] and _triton.interpreting()):
         return False
     patch(screen, "screen_on_device", lambda device: True)
+    patch(inband, "pack_on_device", lambda device: True)
     get = _triton.Kernel.get
 
     class Hidden:
-        def __init__(self, built: Any) -> None:
-            self.built = built
+        def __init__(self, name: str, built: Any) -> None:
+            self.name, self.built = name, built
 
         def __getitem__(self, grid: Any) -> Any:
             def launch(*args: Any, **kw: Any) -> Any:
                 if on_launch is not None:
-                    on_launch(args)
+                    on_launch(self.name, args)
                 with _disable_current_modes():
                     return self.built[grid](*args, **kw)
 
             return launch
 
-    patch(_triton.Kernel, "get", lambda self: Hidden(get(self)))
+    patch(_triton.Kernel, "get", lambda self: Hidden(self.fn.__name__, get(self)))
     return True

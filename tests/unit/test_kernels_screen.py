@@ -131,13 +131,13 @@ def _dispatch_log(monkeypatch, screen: bool, cuda: bool) -> dict:  # type: ignor
 
     from flexdispatch import DispatchConfig, FlexDispatcher
     from flexdispatch.kernels import screen as screen_mod
-    from tests.cuda_path import force_cuda_path, force_screen_kernel
+    from tests.cuda_path import force_cuda_path, force_triton_kernels
 
     monkeypatch.setattr(_validate, "defer_value_checks", lambda device: True)
     monkeypatch.setattr(screen_mod, "screen_on_device", lambda device: False)
     if screen:  # the kernel's interpreter is no launch: one marker per launch instead
-        mark = lambda args: logging and ops.append("<screen kernel>")  # noqa: E731
-        assert force_screen_kernel(mark, monkeypatch.setattr)
+        mark = lambda name, args: logging and ops.append(f"<{name}>")  # noqa: E731
+        assert force_triton_kernels(mark, monkeypatch.setattr)
     if cuda:
         force_cuda_path(monkeypatch.setattr)
     E, T, k, H = 8, 6, 3, 16
