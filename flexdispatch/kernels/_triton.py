@@ -10,12 +10,13 @@ reads it from Triton itself rather than from the environment now.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["IMPLS", "interpreting", "resolve_impl", "triton_status", "Kernel"]
+__all__ = ["IMPLS", "dispatch_kernels", "interpreting", "resolve_impl", "triton_status", "Kernel"]
 
 IMPLS = ("auto", "torch", "triton")
 
@@ -34,6 +35,20 @@ def triton_status() -> tuple[bool, str]:
         else:
             _STATUS = (True, f"triton {getattr(triton, '__version__', '?')}")
     return _STATUS
+
+
+_DISPATCH_KERNELS: bool | None = None
+
+
+def dispatch_kernels() -> bool:
+    """Whether the dispatcher's own kernels (``screen``, ``inband``) may run on CUDA tensors:
+    ``triton`` imports and ``FLEXDISPATCH_DISPATCH_KERNELS`` is not ``0`` (read once per
+    process; ``0`` is the way out should they fail to build on a GPU: their torch ops run)."""
+    global _DISPATCH_KERNELS
+    if _DISPATCH_KERNELS is None:
+        off = os.environ.get("FLEXDISPATCH_DISPATCH_KERNELS", "").strip() in ("0", "false", "no")
+        _DISPATCH_KERNELS = not off and triton_status()[0]
+    return _DISPATCH_KERNELS
 
 
 _INTERPRETING: bool | None = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from flexdispatch.kernels._triton import Kernel, next_pow2, triton_status
+from flexdispatch.kernels._triton import Kernel, dispatch_kernels, next_pow2
 
 __all__ = ["pack_inband", "pack_on_device"]
 
@@ -21,8 +21,9 @@ _BLOCK_WORDS = 512  # int32 words of a row chunk per program iteration (2 KiB)
 
 def pack_on_device(device: torch.device) -> bool:
     """Whether the in-band send rows on ``device`` are packed by this kernel: on CUDA when
-    ``triton`` imports."""
-    return device.type == "cuda" and triton_status()[0]
+    ``triton`` imports, unless ``FLEXDISPATCH_DISPATCH_KERNELS=0``
+    (``_triton.dispatch_kernels``)."""
+    return device.type == "cuda" and dispatch_kernels()
 
 
 def pack_inband(

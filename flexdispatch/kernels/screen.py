@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from flexdispatch.kernels._triton import Kernel, next_pow2, triton_status
+from flexdispatch.kernels._triton import Kernel, dispatch_kernels, next_pow2
 
 __all__ = ["screen_inputs", "screen_on_device"]
 
@@ -24,8 +24,8 @@ _TILE = 4096  # values per program and chunk (BLOCK_T x BLOCK_V)
 def screen_on_device(device: torch.device) -> bool:
     """Whether the dispatcher's deferred value checks on ``device`` run as this kernel rather
     than as torch ops: on CUDA when ``triton`` imports (the backend then gets ids that are clean
-    already)."""
-    return device.type == "cuda" and triton_status()[0]
+    already), unless ``FLEXDISPATCH_DISPATCH_KERNELS=0`` (``_triton.dispatch_kernels``)."""
+    return device.type == "cuda" and dispatch_kernels()
 
 
 def screen_inputs(

@@ -265,9 +265,18 @@ def test_screen_kernel_on_two_ranks_in_band_and_dropless() -> None:
             assert "twice in a token 1 time(s)" in msg, msg
 
 
-def test_screen_runs_on_cuda_tensors_when_triton_imports() -> None:
+def test_dispatch_kernels_run_on_cuda_tensors_unless_turned_off(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from flexdispatch.kernels import _triton, inband
     from flexdispatch.kernels import screen as screen_mod
-    from flexdispatch.kernels._triton import triton_status
 
-    assert screen_mod.screen_on_device(torch.device("cpu")) is False
-    assert screen_mod.screen_on_device(torch.device("cuda", 0)) is triton_status()[0] is True
+    cuda = torch.device("cuda", 0)
+    for env, on in (("", True), ("1", True), ("0", False), ("no", False)):
+        monkeypatch.setenv("FLEXDISPATCH_DISPATCH_KERNELS", env)
+        monkeypatch.setattr(_triton, "_DISPATCH_KERNELS", None)  # read once per process
+        assert screen_mod.screen_on_device(cuda) is on and inband.pack_on_device(cuda) is on
+        assert not screen_mod.screen_on_device(torch.device("cpu"))
+        assert not inband.pack_on_device(torch.device("cpu"))
+    monkeypatch.setenv("FLEXDISPATCH_DISPATCH_KERNELS", "")
+    monkeypatch.setattr(_triton, "_DISPATCH_KERNELS", None)
+    monkeypatch.setattr(_triton, "_STATUS", (False, "triton is not importable (test)"))
+    assert not screen_mod.screen_on_device(cuda) and not inband.pack_on_device(cuda)
