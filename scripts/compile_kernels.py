@@ -4,10 +4,11 @@ Triton's interpreter (how the unit tests run the kernels on CPU) accepts code th
 rejects (a global that is not a ``tl.constexpr``, a type the GPU does not take), so this script
 compiles the kernels the way real calls launch them: it calls ``topk_routing``, ``permute`` and
 ``unpermute`` (forward and backward), the dispatcher's value screen (``kernels.screen``) and the
-in-band pack (``kernels.inband``) on small CPU tensors with every launch recorded instead of
-run, then compiles each recorded launch with ``triton.compile`` for ``--arch`` (default sm_90,
-the H100/H200) down to a cubin (Triton's bundled ``ptxas``; no driver needed). Pointer and
-integer arguments get the 16-byte divisibility hints Triton's launcher gives them at run time.
+in-band pack and unpack (``kernels.inband``) on small CPU tensors with every launch recorded
+instead of run, then compiles each recorded launch with ``triton.compile`` for ``--arch``
+(default sm_90, the H100/H200) down to a cubin (Triton's bundled ``ptxas``; no driver
+needed). Pointer and integer arguments get the 16-byte divisibility hints Triton's launcher
+gives them at run time.
 
     python scripts/compile_kernels.py            # the real variants (DeepSeek, Qwen3, ...)
     python scripts/compile_kernels.py --quick    # every kernel branch once, on small tiles
@@ -166,16 +167,20 @@ def _record(quick: bool) -> list:
         idx = torch.zeros(40, k, dtype=torch.int64)
         screen_inputs(idx, 256, torch.zeros(40, V, dtype=dtype), torch.zeros(40, k), acc)
 
-    from flexdispatch.kernels.inband import pack_inband
+    from flexdispatch.kernels.inband import pack_inband, unpack_inband
 
-    # the in-band send rows of a flat worst-case dispatch: short rows (the path's limit, 2 KiB)
+    # the in-band send rows of a flat worst-case dispatch and their receive side: short rows
+    # (the path's limit, 2 KiB)
     packs = [(2, torch.bfloat16, 64), (8, torch.float32, 512)]
     if not quick:
         packs += [(6, torch.bfloat16, 1024), (32, torch.float16, 8)]
     for k, dtype, H in packs:
         x, key = torch.zeros(8, H, dtype=dtype), torch.zeros(8, k, dtype=torch.int64)
         need = torch.zeros((), dtype=torch.int64)
-        pack_inband(x, key, torch.zeros(8, k), torch.zeros(12, dtype=torch.int64), need, 256)
+        send = pack_inband(x, key, torch.zeros(8, k), torch.zeros(12, dtype=torch.int64), need, 256)
+        recv = torch.cat([send, send[:1]])  # [W + 1] rows, W = 12: 3 blocks of 4
+        n = torch.zeros(3, dtype=torch.int64)
+        unpack_inband(recv, n, cap=4, k=k, hidden=H, dtype=dtype, lo=32, num_local=32)
     return log
 
 

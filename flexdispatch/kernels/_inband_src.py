@@ -1,9 +1,10 @@
-"""Triton source of the in-band pack kernel (``inband.py``).
+"""Triton sources of the in-band kernels (``inband.py``).
 
-Shape letters: T tokens · k top-k · S send rows · XW int32 words of a row of ``x``. One program
-per send row; the row is copied in ``BLOCK_W``-word chunks (XW is a constexpr: one compiled
-kernel per row width, which a model fixes). Every output word is written by one program: no
-atomics, deterministic.
+Shape letters: T tokens · k top-k · S send rows · W receive rows · R ranks · XW int32 words of a
+row of ``x``. One program per send row (pack) or per receive / output row (unpack); rows are
+copied in ``BLOCK_W``-word chunks (XW is a constexpr: one compiled kernel per row width, which a
+model fixes). Every output word is written by one program; the only atomics are the integer
+counts per expert, whose sums do not depend on the order: deterministic.
 """
 
 # NOTE: no ``from __future__ import annotations`` here: Triton reads the ``tl.constexpr``
@@ -48,3 +49,74 @@ def pack_inband(
     p = tl.load(probs_ptr + src * K + kk, mask=kr, other=0)
     tl.store(dst + XW + K + kk, p, mask=km)
     tl.store(dst + XW + 2 * K, tl.load(need_ptr).to(tl.int32))
+
+
+def unpack_inband(
+    recv_ptr,
+    recv_f_ptr,
+    n_ptr,
+    x_out_ptr,
+    ids_out_ptr,
+    probs_out_ptr,
+    counts_ptr,
+    out_index_ptr,
+    in_index_ptr,
+    LO,
+    NUM_LOCAL,
+    W,
+    CAP,
+    R: tl.constexpr,
+    R_PAD: tl.constexpr,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    XW: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    """Row ``j`` of the compacted output of an in-band receive buffer (int32 words, the same
+    memory as float32 in ``recv_f``: ``R`` blocks of ``CAP`` rows, the first ``n[s]`` rows of
+    block ``s`` real), and entry ``j`` of its inverse map.
+
+    As an output row: the ``j``-th real row in (block, row) order, or the zero tail past them:
+    its bytes, its ids made local (``id - LO`` for ids in ``[LO, LO + NUM_LOCAL)``, else -1), its
+    probs (0 where -1), one count per local id (integer atomics: any order, the same sums), and
+    ``out_index[j]`` (its receive row, ``W`` on the tail). As receive row ``j``:
+    ``in_index[j]``, its output row, or for a padding row the last real row before it (0 if
+    none), as a running count would give.
+    """
+    j = tl.program_id(0).to(tl.int64)
+    rr = tl.arange(0, R_PAD)
+    n = tl.load(n_ptr + rr, mask=rr < R, other=0).to(tl.int64)
+    incl = tl.cumsum(n, axis=0)
+    excl = incl - n
+    total = tl.sum(n, axis=0)
+    real = j < total
+    s = tl.sum((incl <= j).to(tl.int64), axis=0)  # blocks wholly before row j
+    start = tl.sum(tl.where(rr == s, excl, 0), axis=0)
+    src = tl.where(real, s * CAP + j - start, W)
+    tl.store(out_index_ptr + j, src)
+    RW: tl.constexpr = XW + 2 * K + 1
+    row = recv_ptr + tl.where(real, src, 0) * RW
+    offs = tl.arange(0, BLOCK_W)
+    lim = tl.where(real, XW, 0)
+    for w0 in range(0, XW, BLOCK_W):
+        v = tl.load(row + w0 + offs, mask=(w0 + offs) < lim, other=0)
+        tl.store(x_out_ptr + j * XW + w0 + offs, v, mask=(w0 + offs) < XW)
+    kk = tl.arange(0, K_PAD)
+    km = kk < K
+    kr = kk < tl.where(real, K, 0)
+    ids = tl.load(row + XW + kk, mask=kr, other=-1).to(tl.int64)
+    mine = kr & (ids >= LO) & (ids < LO + NUM_LOCAL)
+    tl.store(ids_out_ptr + j * K + kk, tl.where(mine, ids - LO, -1), mask=km)
+    row_f = recv_f_ptr + tl.where(real, src, 0) * RW  # the same row, read as float32
+    p = tl.load(row_f + XW + K + kk, mask=kr, other=0.0)
+    tl.store(probs_out_ptr + j * K + kk, tl.where(mine, p, 0.0), mask=km)
+    tl.atomic_add(
+        counts_ptr + tl.where(mine, ids - LO, 0), tl.full([K_PAD], 1, tl.int64), mask=mine
+    )
+    # receive row j: block sj, row ij
+    sj = j // CAP
+    ij = j - sj * CAP
+    nj = tl.sum(tl.where(rr == sj, n, 0), axis=0)
+    ej = tl.sum(tl.where(rr == sj, excl, 0), axis=0)
+    last = tl.maximum(ej + nj - 1, 0)
+    tl.store(in_index_ptr + j, tl.where(ij < nj, ej + ij, last))

@@ -74,6 +74,20 @@ def test_pack_matches_the_torch_packing(dev, T, k, H, dtype) -> None:  # type: i
     assert torch.equal(got.cpu(), _torch_pack(x, key, probs, index, need, E))
 
 
+def _step(d, me, rank):  # type: ignore[no-untyped-def]
+    """Dispatch + combine with gradients (x and the probs), everything the user sees."""
+    from tests.dist.reference import expert_fn
+
+    x = me.x.clone().requires_grad_()
+    probs = me.probs.clone().requires_grad_()
+    res = d.dispatch(x, me.idx, probs)
+    y = expert_fn(res.recv_x, res.recv_topk_probs, rank)
+    out = d.combine(y, res.handle)
+    (out.float().square().sum()).backward()
+    seen = (res.recv_x, res.recv_topk_idx, res.recv_topk_probs, res.num_recv_tokens_per_expert)
+    return [t.detach() for t in (*seen, out, x.grad, probs.grad)]
+
+
 def _cases_worker(rank: int, R: int) -> dict:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU ranks: before triton is imported here
     from flexdispatch import DispatchConfig, FlexDispatcher
@@ -84,27 +98,40 @@ def _cases_worker(rank: int, R: int) -> dict:
 
     assert interpreting(), "a rank imported triton before TRITON_INTERPRET was set"
     force_cuda_path(setattr)
-    launches = []
-    real = inband.pack_inband
-    inband.pack_on_device = lambda device: True  # type: ignore[assignment]
-    inband.pack_inband = lambda *a: launches.append(1) or real(*a)  # type: ignore[assignment]
+    launches: list[str] = []
+    pack, unpack = inband.pack_inband, inband.unpack_inband
+    inband.pack_inband = lambda *a: launches.append("pack") or pack(*a)  # type: ignore[assignment]
+    inband.unpack_inband = lambda *a, **kw: launches.append("unpack") or unpack(*a, **kw)  # type: ignore[assignment]
     W = R * (5 + 2 * (R - 1))  # the largest T of make_inputs on every peer: never an overflow
-    got = {}
+    got: dict = {"collectives": {}, "same": {}}
     for case in CASES:
         inputs = all_inputs(11, R=R, E=E, k=K, H=SHORT_H, case=case, dtype=torch.bfloat16)
-        d = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=W), num_experts=E)
-        got[case] = [len(_check(d, inputs, rank, R, W)) for _ in "12"]
-        d.check()
-        d.close()
-    return {"collectives": got, "launches": len(launches)}
+        runs = []
+        for kernels in (True, False):
+            inband.pack_on_device = lambda device, _k=kernels: _k  # type: ignore[assignment]
+            d = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=W), num_experts=E)
+            if kernels:  # against the reference, twice (warm caches)
+                got["collectives"][case] = [len(_check(d, inputs, rank, R, W)) for _ in "12"]
+            runs.append(_step(d, inputs[rank], rank))
+            d.check()
+            d.close()
+        got["same"][case] = [torch.equal(a, b) for a, b in zip(*runs, strict=True)]
+    got["launches"] = launches
+    return got
 
 
-def test_inband_path_with_the_pack_kernel_on_four_ranks(dev) -> None:  # type: ignore[no-untyped-def]
+def test_inband_path_with_the_kernels_on_four_ranks(dev) -> None:  # type: ignore[no-untyped-def]
+    """Every routing case of the reference (uneven T, an empty rank, a rank sending or receiving
+    nothing) through both kernels, against the reference and against the torch ops, gradients
+    included."""
     from tests.dist.harness import run_group
     from tests.dist.reference import CASES
 
     if dev.type != "cpu":
         pytest.skip("drives CPU ranks")
     for got in run_group(_cases_worker, 4):
-        assert got["collectives"] == {case: [2, 2] for case in CASES}, got
-        assert got["launches"] == 2 * len(CASES), got  # every dispatch packed by the kernel
+        assert got["collectives"] == {case: [2, 2] for case in CASES}, got["collectives"]
+        assert got["same"] == {case: [True] * 7 for case in CASES}, got["same"]
+        # every dispatch through the kernels: 2 checked + 1 with gradients per case, and the
+        # backward's dispatch (cached_dispatch) needs neither
+        assert got["launches"] == ["pack", "unpack"] * 3 * len(CASES), got["launches"]

@@ -22,6 +22,7 @@ from flexdispatch.backends.torch.hops import (
     A2AHost,
     Hop,
     PendingCounts,
+    dispatch_result,
     finish,
 )
 from flexdispatch.backends.torch.rows import (
@@ -224,7 +225,8 @@ def _dispatch_inband(
         padded=True,
     )
     be.stats.rows_sent += hop.num_send
-    if _inband.pack_on_device(device):
+    kernels = _inband.pack_on_device(device)  # NOTE: the send rows and the receive side
+    if kernels:
         # NOTE: one launch writes the send rows straight from x, the ids and the probs
         send = _inband.pack_inband(x, key_TK, topk_probs, send_index, need, E)
         be.account(hop.send_splits, send.shape[1])
@@ -236,7 +238,6 @@ def _dispatch_inband(
     recv_x, recv_meta, spare_in, worst_R, ids_WK = be.parts(
         ("recv", rb, k, x.dtype, cap), recv, lambda b: _recv_parts(b, rb, k, x.dtype, R, cap)
     )
-    spare_in.fill_(E)  # the compaction's dummy row holds the dropped id (no pair)
     if cuda_code_path(device):
         be.record_overflow(worst_R.max().div(R, rounding_mode="floor"), scale=R)
     else:  # NOTE: CPU: the same error on every rank now (every rank got every rank's worst)
@@ -244,7 +245,22 @@ def _dispatch_inband(
         if worst[0] > cap:
             what = f"rank {worst[1]} sending to rank {worst[2]}"
             raise ValueError(overflow_message(what, worst[0], cap, W, R, R))
-    maps = valid_compaction(be.local_lut(device)[ids_WK], W)
+    mine_W = be.local_lut(device)[ids_WK].any(1)  # the real rows: the first of each block
+    if kernels:
+        # NOTE: one launch for the compaction, the local ids, the probs and the counts
+        got = _inband.unpack_inband(
+            recv,
+            mine_W.view(R, cap).sum(1),
+            cap=cap,
+            k=k,
+            hidden=H,
+            dtype=x.dtype,
+            lo=me * be.num_local_experts,
+            num_local=be.num_local_experts,
+        )
+        return dispatch_result(be, (hop,), T, H, *got)
+    spare_in.fill_(E)  # the compaction's dummy row holds the dropped id (no pair)
+    maps = valid_compaction(mine_W, W)
     return finish(
         be,
         hop_list=(hop,),

@@ -249,6 +249,22 @@ def finish(
         lut=be.local_lut(recv_meta.device),
         counts=True,
     )
+    return dispatch_result(be, hop_list, T, H, recv_x, ids, probs, counts, out_index, in_index)
+
+
+def dispatch_result(
+    be: A2AHost,
+    hop_list: tuple[Hop, ...],
+    T: int,
+    H: int,
+    recv_x: torch.Tensor,
+    ids: torch.Tensor,
+    probs: torch.Tensor,
+    counts: torch.Tensor,
+    out_index: torch.Tensor | None,
+    in_index: torch.Tensor | None,
+) -> DispatchResult:
+    """The ``DispatchResult`` of a finished dispatch and its handle (``finish``'s last step)."""
     state = TorchDispatchState(
         hops=hop_list,
         out_index=out_index,

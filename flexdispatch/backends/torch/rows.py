@@ -159,11 +159,11 @@ def flat_compaction(sizes_R: torch.Tensor, cap: int) -> tuple[torch.Tensor, torc
     return _compaction((col < sizes_R[:, None]).view(-1), W)
 
 
-def valid_compaction(local_WK: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
+def valid_compaction(mine_W: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``flat_compaction`` of a receive buffer whose real rows are known by their ids:
-    ``local_WK`` ``[W, k]`` is ``local_lut`` of the ids of each row (0 = not this rank's), and a
-    row is real when one of its ids is this rank's (padding rows carry only dropped ids)."""
-    return _compaction(local_WK.any(1), W)
+    ``mine_W`` ``[W]`` bool marks the rows with one of this rank's ids (``local_lut`` of the
+    ids, any non-zero); padding rows carry only dropped ids."""
+    return _compaction(mine_W, W)
 
 
 def _compaction(real_W: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
