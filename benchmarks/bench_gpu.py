@@ -19,7 +19,9 @@ before the GPU finishes):
   the ``[T*k, H]`` rows (``dst.copy_(src); src.copy_(dst)``): the bandwidth bound.
 - ``dispatch``: ``FlexDispatcher`` (torch backend) in an NCCL world of one, E=256, k=8, H=7,168
   bf16: dispatch + combine dropless, worst-case (W = T*R, DeepEP's choice) eager and replayed from
-  a CUDA graph, against the two bare ``all_to_all_single`` calls of the same ``[T, H]`` rows.
+  a CUDA graph, against the two bare ``all_to_all_single`` calls of the same ``[T, H]`` rows;
+  dropless and worst-case eager also with the dispatcher's own Triton kernels off (their torch
+  ops), side by side, for the host time they save or cost.
 - ``layer``: ``MoELayer`` with the ``deepseek_v3`` preset on one GPU (bf16): build time, and one
   forward + backward at T = 4,096.
 
@@ -305,6 +307,20 @@ def _init_world_of_one(torch: Any) -> None:
     )
 
 
+def _kernels_off(step: Callable[[Any], object], d: Any) -> object:
+    """``step(d)`` with the dispatcher's own Triton kernels off (as with
+    ``FLEXDISPATCH_DISPATCH_KERNELS=0``): their torch ops instead, side by side, since a Triton
+    launch costs the host more than an ATen op and fewer launches need not mean less host time."""
+    from flexdispatch.kernels import _triton
+
+    saved = _triton.dispatch_kernels()
+    _triton._DISPATCH_KERNELS = False
+    try:
+        return step(d)
+    finally:
+        _triton._DISPATCH_KERNELS = saved
+
+
 def bench_dispatch(torch: Any, timer: Timer, quick: bool, rows: list) -> None:
     import torch.distributed as dist
 
@@ -346,7 +362,9 @@ def bench_dispatch(torch: Any, timer: Timer, quick: bool, rows: list) -> None:
         fns = {
             "bare 2x all_to_all_single": bare,
             "dropless": lambda d=dropless: step(d),
+            "dropless, dispatcher kernels off": lambda d=dropless: _kernels_off(step, d),
             "worst-case eager": lambda d=worst: step(d),
+            "worst-case eager, dispatcher kernels off": lambda d=worst: _kernels_off(step, d),
             "worst-case graph replay": graph.replay,
         }
         m = timer.run(fns)
