@@ -207,7 +207,10 @@ def _dispatch_inband(
     cap: int,
 ) -> DispatchResult:
     """Worst-case flat dispatch without the count exchange (module docstring): one collective of
-    ``[T + 1, row_bytes + 4 (2k + 1)]`` byte rows, row ``T`` the spare row that padding reads."""
+    ``W`` rows of ``row_bytes + 4 (2k + 1)`` bytes. On CUDA with triton both sides are kernels
+    (``kernels.inband``); else the send rows are gathered from a packed ``[T + 1]`` buffer whose
+    row ``T`` is the spare row that padding reads (``_pack_and_send``), and the receive side is
+    ``valid_compaction`` + ``finish``."""
     T, H = x.shape
     k = key_TK.shape[1]
     R, me, W, E = be.num_ranks, be.rank, be.num_worst_tokens, be.num_experts
