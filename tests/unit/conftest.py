@@ -13,7 +13,29 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import torch
 
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def dev(device: torch.device) -> torch.device:
+    """The test device where the Triton kernels can run (``test_kernels_*.py``): on CPU only
+    under the interpreter (without it: an error, or a skip on a CUDA machine, which runs the
+    kernel tests compiled with ``FLEXDISPATCH_TEST_DEVICE=cuda``)."""
+    from flexdispatch.kernels import interpreting
+
+    if device.type == "cpu" and not interpreting():
+        if torch.cuda.is_available():
+            pytest.skip(
+                "a CUDA machine runs the kernel tests compiled, on CUDA tensors: "
+                "FLEXDISPATCH_TEST_DEVICE=cuda (Triton's interpreter stays off there)"
+            )
+        pytest.fail(
+            "the kernel tests on CPU need Triton's interpreter: TRITON_INTERPRET=1 before triton "
+            "is first imported (this conftest sets it unless CUDA is available; with a GPU run "
+            "them with FLEXDISPATCH_TEST_DEVICE=cuda)"
+        )
+    return device

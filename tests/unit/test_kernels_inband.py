@@ -17,20 +17,6 @@ import torch
 pytest.importorskip("triton", reason="the kernel tests need triton (scripts/setup.sh installs it)")
 
 
-@pytest.fixture
-def dev(device):  # type: ignore[no-untyped-def]
-    from flexdispatch.kernels import interpreting
-
-    if device.type == "cpu" and not interpreting():
-        if torch.cuda.is_available():
-            pytest.skip(
-                "a CUDA machine runs the kernel tests compiled, on CUDA tensors: "
-                "FLEXDISPATCH_TEST_DEVICE=cuda (Triton's interpreter stays off there)"
-            )
-        pytest.fail("the kernel tests on CPU need Triton's interpreter (tests/unit/conftest.py)")
-    return device
-
-
 def _torch_pack(x, key, probs, index, need, E):  # type: ignore[no-untyped-def]
     """The torch packing: ``[T + 1]`` packed rows (row T: zeros, ids E), gathered."""
     T, k = key.shape

@@ -17,23 +17,6 @@ from flexdispatch import permute, unpermute
 pytest.importorskip("triton", reason="the kernel tests need triton (scripts/setup.sh installs it)")
 
 
-@pytest.fixture
-def dev(device):
-    from flexdispatch.kernels import interpreting
-
-    if device.type == "cpu" and not interpreting():
-        if torch.cuda.is_available():
-            pytest.skip(
-                "a CUDA machine runs the kernel tests compiled, on CUDA tensors: "
-                "FLEXDISPATCH_TEST_DEVICE=cuda (Triton's interpreter stays off there)"
-            )
-        pytest.fail(
-            "the kernel tests on CPU need Triton's interpreter: TRITON_INTERPRET=1 before triton "
-            "is first imported (tests/unit/conftest.py sets it unless CUDA is available)"
-        )
-    return device
-
-
 def _routing(T, E, k, *, drop, seed):
     gen = torch.Generator().manual_seed(seed)
     idx = torch.rand(T, E, generator=gen).argsort(dim=1)[:, :k].contiguous()

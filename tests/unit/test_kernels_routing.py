@@ -22,25 +22,6 @@ from flexdispatch.routing import topk as topk_mod
 pytest.importorskip("triton", reason="the kernel tests need triton (scripts/setup.sh installs it)")
 
 
-@pytest.fixture
-def dev(device):
-    """The test device, where the kernels can run (a CPU without the interpreter is an error)."""
-    from flexdispatch.kernels import interpreting
-
-    if device.type == "cpu" and not interpreting():
-        if torch.cuda.is_available():
-            pytest.skip(
-                "a CUDA machine runs the kernel tests compiled, on CUDA tensors: "
-                "FLEXDISPATCH_TEST_DEVICE=cuda (Triton's interpreter stays off there)"
-            )
-        pytest.fail(
-            "the kernel tests on CPU need Triton's interpreter: TRITON_INTERPRET=1 before triton "
-            "is first imported (tests/unit/conftest.py sets it unless CUDA is available; with a "
-            "GPU run them with FLEXDISPATCH_TEST_DEVICE=cuda)"
-        )
-    return device
-
-
 # (E, k, score_function, pre, groups (G, kept, rule) or None, bias, normalize_topk, scaling, dtype)
 CONFIGS = [
     (64, 8, "softmax", False, None, False, None, None, torch.float32),  # Qwen3-like

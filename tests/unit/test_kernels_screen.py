@@ -27,20 +27,6 @@ _I64 = torch.iinfo(torch.int64)
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 
 
-@pytest.fixture
-def dev(device):  # type: ignore[no-untyped-def]
-    from flexdispatch.kernels import interpreting
-
-    if device.type == "cpu" and not interpreting():
-        if torch.cuda.is_available():
-            pytest.skip(
-                "a CUDA machine runs the kernel tests compiled, on CUDA tensors: "
-                "FLEXDISPATCH_TEST_DEVICE=cuda (Triton's interpreter stays off there)"
-            )
-        pytest.fail("the kernel tests on CPU need Triton's interpreter (tests/unit/conftest.py)")
-    return device
-
-
 def _neutral(device: torch.device) -> torch.Tensor:
     return torch.tensor([0, 0, 0, 0, _I64.min, _I64.max], dtype=torch.int64, device=device)
 
