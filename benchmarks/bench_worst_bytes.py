@@ -16,8 +16,9 @@ k=8, H=7,168 bf16, W = T * k), at a T that fits this machine (``--tokens``, defa
 every figure is linear in T; ``--w-per-token 1`` for W = R * T, the size ``bench_gpu.py`` and
 DeepEP use). The last column lists the ops that touch at least W rows (T for
 dropless): the passes over the whole buffer. On the CUDA path the value checks run as the one
-Triton launch CUDA makes when triton imports (``kernels.screen``), interpreted here and counted
-by what it reads and writes (``_kernel_bytes``); without triton, as torch ops.
+Triton launch CUDA makes when triton imports (``kernels.screen``), and the worst-case receive
+side as its one launch (``kernels.inband.unpack_blocks``), interpreted here and counted by what
+they read and write (``_kernel_bytes``); without triton, as torch ops.
 
 Run: ``.venv/bin/python benchmarks/bench_worst_bytes.py [--tokens 2048] [--path cuda|cpu]
 [--w-per-token 8]``
@@ -89,7 +90,8 @@ _ACTIVE: list[_Bytes] = []  # the mode counting the current step (for the Triton
 def _kernel_bytes(name: str, args: tuple) -> None:
     """One Triton launch (``tests.cuda_path.force_triton_kernels``) as one op: what it reads and
     writes. The value screen reads the ids, the probs and all of ``x`` and writes the ids; the
-    in-band pack (multi-rank only, not reached in a world of one) reads the rows it names."""
+    worst-case receive side (``unpack_blocks``) reads the real rows and writes all ``W``; the
+    in-band pack (multi-rank only) is not reached in a world of one."""
     if not _ACTIVE:
         return
     m = _ACTIVE[-1]
@@ -100,6 +102,14 @@ def _kernel_bytes(name: str, args: tuple) -> None:
         m.written += _nbytes(out)
         if vals.shape[0] >= m.big_rows and vals.shape[1] >= H:
             m.passes["screen kernel (reads)"] += 1
+    elif name == "unpack_blocks":
+        rows, _, _, n_R, *outs = args[:10]
+        real = int(n_R.sum())  # the rows it reads: the real ones (their bytes and metadata)
+        k = outs[1].shape[1]
+        m.read += _nbytes(n_R) + real * (rows.shape[1] * rows.element_size() + 8 * k)
+        m.written += sum(_nbytes(o) for o in outs)  # every output row (the tail: zeros)
+        if outs[0].shape[0] >= m.big_rows and outs[0].shape[1] * 4 >= 2 * H:
+            m.passes["unpack kernel (writes)"] += 1
     else:
         raise NotImplementedError(f"bench_worst_bytes: no byte count for kernel {name}")
 
@@ -161,7 +171,11 @@ def main() -> None:
     torch.set_num_threads(1)
     T = args.tokens
     rows = T * H * 2
-    screen = " (value checks: the Triton screen kernel)" if args.path == "cuda" and screened else ""
+    screen = (
+        " (Triton: the value screen, the worst-case receive side)"
+        if args.path == "cuda" and screened
+        else ""
+    )
     print(
         f"{args.path} code path{screen}, world of one, T={T}, H={H} bf16, E={E}, k={K}; one "
         f"pass over T rows = {rows / 2**20:.1f} MiB\n"

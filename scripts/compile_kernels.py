@@ -167,7 +167,7 @@ def _record(quick: bool) -> list:
         idx = torch.zeros(40, k, dtype=torch.int64)
         screen_inputs(idx, 256, torch.zeros(40, V, dtype=dtype), torch.zeros(40, k), acc)
 
-    from flexdispatch.kernels.inband import pack_inband, unpack_inband
+    from flexdispatch.kernels.inband import pack_inband, unpack_blocks
 
     # the in-band send rows of a flat worst-case dispatch and their receive side: short rows
     # (the path's limit, 2 KiB)
@@ -180,7 +180,17 @@ def _record(quick: bool) -> list:
         send = pack_inband(x, key, torch.zeros(8, k), torch.zeros(12, dtype=torch.int64), need, 256)
         recv = torch.cat([send, send[:1]])  # [W + 1] rows, W = 12: 3 blocks of 4
         n = torch.zeros(3, dtype=torch.int64)
-        unpack_inband(recv, n, cap=4, k=k, hidden=H, dtype=dtype, lo=32, num_local=32)
+        rb = H * dtype.itemsize
+        rows, meta = recv[:, :rb].view(dtype), recv[:, rb:].view(torch.int32)[:, : 2 * k]
+        unpack_blocks(rows, meta, n, cap=4, k=k, lo=32, num_local=32)
+    # the receive side after the count exchange: long rows and their metadata apart
+    longs = [(8, torch.bfloat16, 7168)]
+    if not quick:
+        longs += [(2, torch.bfloat16, 4096), (8, torch.float16, 2048)]
+    for k, dtype, H in longs:
+        n = torch.zeros(2, dtype=torch.int64)
+        rows, meta = torch.zeros(9, H, dtype=dtype), torch.zeros(9, 2 * k, dtype=torch.int32)
+        unpack_blocks(rows, meta, n, cap=4, k=k, lo=32, num_local=32)
     return log
 
 

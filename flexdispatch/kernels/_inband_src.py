@@ -51,9 +51,10 @@ def pack_inband(
     tl.store(dst + XW + 2 * K, tl.load(need_ptr).to(tl.int32))
 
 
-def unpack_inband(
-    recv_ptr,
-    recv_f_ptr,
+def unpack_blocks(
+    rows_ptr,
+    meta_ptr,
+    meta_f_ptr,
     n_ptr,
     x_out_ptr,
     ids_out_ptr,
@@ -61,6 +62,8 @@ def unpack_inband(
     counts_ptr,
     out_index_ptr,
     in_index_ptr,
+    ROW_STRIDE,
+    META_STRIDE,
     LO,
     NUM_LOCAL,
     W,
@@ -72,9 +75,11 @@ def unpack_inband(
     XW: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
-    """Row ``j`` of the compacted output of an in-band receive buffer (int32 words, the same
-    memory as float32 in ``recv_f``: ``R`` blocks of ``CAP`` rows, the first ``n[s]`` rows of
-    block ``s`` real), and entry ``j`` of its inverse map.
+    """Row ``j`` of the compacted output of a flat worst-case receive buffer, and entry ``j`` of
+    its inverse map. The buffer: ``R`` blocks of ``CAP`` rows, the first ``n[s]`` rows of block
+    ``s`` real; row ``i``'s ``XW`` int32 words at ``rows + i * ROW_STRIDE``, its ``K`` int32 ids
+    and then its ``K`` fp32 probs at ``meta + i * META_STRIDE`` (``meta_f``: the same memory as
+    float32). Rows and metadata may share one buffer (the in-band layout) or not.
 
     As an output row: the ``j``-th real row in (block, row) order, or the zero tail past them:
     its bytes, its ids made local (``id - LO`` for ids in ``[LO, LO + NUM_LOCAL)``, else -1), its
@@ -94,8 +99,8 @@ def unpack_inband(
     start = tl.sum(tl.where(rr == s, excl, 0), axis=0)
     src = tl.where(real, s * CAP + j - start, W)
     tl.store(out_index_ptr + j, src)
-    RW: tl.constexpr = XW + 2 * K + 1
-    row = recv_ptr + tl.where(real, src, 0) * RW
+    at = tl.where(real, src, 0)
+    row = rows_ptr + at * ROW_STRIDE
     offs = tl.arange(0, BLOCK_W)
     lim = tl.where(real, XW, 0)
     for w0 in range(0, XW, BLOCK_W):
@@ -104,11 +109,10 @@ def unpack_inband(
     kk = tl.arange(0, K_PAD)
     km = kk < K
     kr = kk < tl.where(real, K, 0)
-    ids = tl.load(row + XW + kk, mask=kr, other=-1).to(tl.int64)
+    ids = tl.load(meta_ptr + at * META_STRIDE + kk, mask=kr, other=-1).to(tl.int64)
     mine = kr & (ids >= LO) & (ids < LO + NUM_LOCAL)
     tl.store(ids_out_ptr + j * K + kk, tl.where(mine, ids - LO, -1), mask=km)
-    row_f = recv_f_ptr + tl.where(real, src, 0) * RW  # the same row, read as float32
-    p = tl.load(row_f + XW + K + kk, mask=kr, other=0.0)
+    p = tl.load(meta_f_ptr + at * META_STRIDE + K + kk, mask=kr, other=0.0)
     tl.store(probs_out_ptr + j * K + kk, tl.where(mine, p, 0.0), mask=km)
     tl.atomic_add(
         counts_ptr + tl.where(mine, ids - LO, 0), tl.full([K_PAD], 1, tl.int64), mask=mine

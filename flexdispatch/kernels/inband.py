@@ -1,13 +1,14 @@
-"""The in-band path of a flat worst-case dispatch in two Triton launches, for the CUDA branch of
-``backends/torch/flat.py``: the send rows (``_inband_src.pack_inband``) and the receive side
-(``_inband_src.unpack_inband``).
+"""The flat worst-case dispatch in Triton launches, for the CUDA branch of
+``backends/torch/flat.py``: the in-band send rows (``_inband_src.pack_inband``) and the receive
+side of every flat worst-case dispatch, in band or after the count exchange
+(``_inband_src.unpack_blocks``).
 
 In torch ops the send rows take a packed ``[T + 1, row + metadata]`` buffer (an allocation,
 four copies and a fill) and a gather of it into send order; the pack kernel writes every send
 row straight from ``x``, the ids and the probs. The receive side takes a compaction
-(``nonzero_static``, a running count), two gathers, the local ids, the probs and a count per
-expert (about a dozen launches); the unpack kernel writes all of it from the receive buffer and
-each block's count of real rows, in one pass over the rows it returns.
+(``nonzero_static``, a running count), two gathers over all ``W`` rows, the local ids, the
+probs and a count per expert (about a dozen launches); the unpack kernel writes all of it from
+the receive buffer and each block's count of real rows, reading the real rows only.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from flexdispatch.kernels._triton import Kernel, dispatch_kernels, next_pow2
 
-__all__ = ["pack_inband", "pack_on_device", "unpack_inband"]
+__all__ = ["pack_inband", "pack_on_device", "unpack_blocks"]
 
 _KERNELS: dict[str, Kernel] = {}
 _BLOCK_WORDS = 512  # int32 words of a row chunk per program iteration (2 KiB)
@@ -32,7 +33,7 @@ def _kernel(name: str) -> Kernel:
 
 
 def pack_on_device(device: torch.device) -> bool:
-    """Whether the in-band send rows on ``device`` are packed by this kernel: on CUDA when
+    """Whether a flat worst-case dispatch on ``device`` runs these kernels: on CUDA when
     ``triton`` imports, unless ``FLEXDISPATCH_DISPATCH_KERNELS=0``
     (``_triton.dispatch_kernels``)."""
     return device.type == "cuda" and dispatch_kernels()
@@ -78,45 +79,51 @@ def pack_inband(
     return out.view(torch.uint8)
 
 
-def unpack_inband(
-    recv: torch.Tensor,
+def unpack_blocks(
+    rows: torch.Tensor,
+    meta: torch.Tensor,
     n_R: torch.Tensor,
     *,
     cap: int,
     k: int,
-    hidden: int,
-    dtype: torch.dtype,
     lo: int,
     num_local: int,
 ) -> tuple[torch.Tensor, ...]:
-    """The compacted output of an in-band receive buffer in one launch: what
-    ``rows.valid_compaction`` + ``hops.finish`` compute in torch ops.
+    """The compacted output of a flat worst-case receive buffer in one launch: what
+    ``rows.flat_compaction`` (or ``valid_compaction``) + ``hops.finish`` compute in torch ops.
+    Reads the real rows only (the tail's bytes are written as zeros, not read).
 
     Args:
-        recv: ``[W + 1, rb + 4 (2k + 1)]`` uint8 receive rows (``pack_inband``'s layout; row W,
-            the spare row, is not read), ``R`` blocks of ``cap``. n_R: ``[R]`` int64 real rows
-            per block (the first ones of each block). hidden, dtype: the rows' H and dtype.
-            lo, num_local: this rank's first expert id and its count.
+        rows: ``[>= W, H]`` received rows, ``R`` blocks of ``cap`` (a spare row past ``W`` is
+            not read); rows of a multiple of 4 bytes, each row contiguous (rows may be a
+            strided view of a packed buffer). meta: ``[>= W, >= 2k]`` int32 view beside them:
+            the ``pack_key_meta`` ids, then the probs' fp32 bits. n_R: ``[R]`` int64 real rows
+            per block (the first ones of each block). lo, num_local: this rank's first expert
+            id and its count.
 
     Returns:
-        ``(recv_x [W, H], ids [W, k] int64 local or -1, probs [W, k] float32 (0 where -1),
-        counts [num_local] int64, out_index [W] int64 (W on the tail), in_index [W] int64)``.
+        ``(recv_x [W, H] rows.dtype, ids [W, k] int64 local or -1, probs [W, k] float32 (0
+        where -1), counts [num_local] int64, out_index [W] int64 (W on the tail), in_index [W]
+        int64)``.
     """
-    W = recv.shape[0] - 1
     R = n_R.shape[0]
-    dev = recv.device
-    XW = hidden * dtype.itemsize // 4
-    words = recv.view(torch.int32)
-    recv_x = torch.empty((W, hidden), dtype=dtype, device=dev)
+    W = R * cap
+    H = rows.shape[1]
+    dev = rows.device
+    XW = H * rows.element_size() // 4
+    words = rows.view(torch.int32)
+    assert words.stride(1) == 1 and meta.stride(1) == 1 and meta.dtype == torch.int32
+    recv_x = torch.empty((W, H), dtype=rows.dtype, device=dev)
     ids = torch.empty((W, k), dtype=torch.int64, device=dev)
     probs = torch.empty((W, k), dtype=torch.float32, device=dev)
     counts = torch.zeros(num_local, dtype=torch.int64, device=dev)
     out_index = torch.empty(W, dtype=torch.int64, device=dev)
     in_index = torch.empty(W, dtype=torch.int64, device=dev)
     if W:
-        _kernel("unpack_inband").get()[(W,)](
+        _kernel("unpack_blocks").get()[(W,)](
             words,
-            words.view(torch.float32),
+            meta,
+            meta.view(torch.float32),
             n_R,
             recv_x.view(torch.int32),
             ids,
@@ -124,6 +131,8 @@ def unpack_inband(
             counts,
             out_index,
             in_index,
+            words.stride(0),
+            meta.stride(0),
             lo,
             num_local,
             W,

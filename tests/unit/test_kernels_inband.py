@@ -1,7 +1,8 @@
-"""The in-band pack kernel (``kernels.inband.pack_inband``: the send rows of a flat worst-case
-dispatch in one launch, the CUDA branch's) against the torch packing it replaces, and the
-in-band path through it on four gloo ranks (every routing case of the reference, the CUDA branch
-forced, the kernel interpreted) against the reference.
+"""The flat worst-case kernels (``kernels.inband``): the pack kernel (the send rows of an in-band
+dispatch in one launch) against the torch packing it replaces; the flat worst-case paths through
+the kernels (the CUDA branch forced, the kernels interpreted) on four gloo ranks (every routing
+case of the reference; in band, and the receive side after the count exchange) and in a world of
+one, against the reference and the torch ops.
 
 On the ``device`` fixture: CPU tensors under Triton's interpreter (``tests/unit/conftest.py``), or
 CUDA tensors and the compiled kernel with ``FLEXDISPATCH_TEST_DEVICE=cuda``.
@@ -74,28 +75,40 @@ def _step(d, me, rank):  # type: ignore[no-untyped-def]
     return [t.detach() for t in (*seen, out, x.grad, probs.grad)]
 
 
-def _cases_worker(rank: int, R: int) -> dict:
+# the flat worst-case layouts the kernels serve: (H, checks, collectives per dispatch + combine,
+# pack launches per dispatch)
+LAYOUTS = {
+    "in band": ("short", False, 2, 1),  # short rows, no count exchange
+    "packed, after the count exchange": ("short", True, 3, 0),  # checks on: counts exchanged
+    "rows and metadata apart": ("long", False, 4, 0),  # rows over 2 KiB: two collectives
+}
+
+
+def _cases_worker(rank: int, R: int, layout: str) -> dict:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # CPU ranks: before triton is imported here
     from flexdispatch import DispatchConfig, FlexDispatcher
     from flexdispatch.kernels import inband, interpreting
     from tests.cuda_path import force_cuda_path
     from tests.dist.reference import CASES, all_inputs
-    from tests.dist.test_launch_path import SHORT_H, E, K, _check
+    from tests.dist.test_launch_path import LONG_H, SHORT_H, E, K, _check
 
     assert interpreting(), "a rank imported triton before TRITON_INTERPRET was set"
     force_cuda_path(setattr)
+    rows, checks = LAYOUTS[layout][:2]
+    H = SHORT_H if rows == "short" else LONG_H
     launches: list[str] = []
-    pack, unpack = inband.pack_inband, inband.unpack_inband
+    pack, unpack = inband.pack_inband, inband.unpack_blocks
     inband.pack_inband = lambda *a: launches.append("pack") or pack(*a)  # type: ignore[assignment]
-    inband.unpack_inband = lambda *a, **kw: launches.append("unpack") or unpack(*a, **kw)  # type: ignore[assignment]
+    inband.unpack_blocks = lambda *a, **kw: launches.append("unpack") or unpack(*a, **kw)  # type: ignore[assignment]
     W = R * (5 + 2 * (R - 1))  # the largest T of make_inputs on every peer: never an overflow
     got: dict = {"collectives": {}, "same": {}}
     for case in CASES:
-        inputs = all_inputs(11, R=R, E=E, k=K, H=SHORT_H, case=case, dtype=torch.bfloat16)
+        inputs = all_inputs(11, R=R, E=E, k=K, H=H, case=case, dtype=torch.bfloat16)
         runs = []
         for kernels in (True, False):
             inband.pack_on_device = lambda device, _k=kernels: _k  # type: ignore[assignment]
-            d = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=W), num_experts=E)
+            cfg = DispatchConfig(backend="torch", num_worst_tokens=W, checks=checks)
+            d = FlexDispatcher(cfg, num_experts=E)
             if kernels:  # against the reference, twice (warm caches)
                 got["collectives"][case] = [len(_check(d, inputs, rank, R, W)) for _ in "12"]
             runs.append(_step(d, inputs[rank], rank))
@@ -106,18 +119,22 @@ def _cases_worker(rank: int, R: int) -> dict:
     return got
 
 
-def test_inband_path_with_the_kernels_on_four_ranks(dev) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_flat_worst_case_with_the_kernels_on_four_ranks(dev, layout) -> None:  # type: ignore[no-untyped-def]
     """Every routing case of the reference (uneven T, an empty rank, a rank sending or receiving
-    nothing) through both kernels, against the reference and against the torch ops, gradients
-    included."""
+    nothing) through the kernels, against the reference (the zero tail included) and against
+    the torch ops, gradients included: in band (pack + unpack), and after the count exchange
+    (unpack), with rows and metadata in one buffer or apart."""
     from tests.dist.harness import run_group
     from tests.dist.reference import CASES
 
     if dev.type != "cpu":
         pytest.skip("drives CPU ranks")
-    for got in run_group(_cases_worker, 4):
-        assert got["collectives"] == {case: [2, 2] for case in CASES}, got["collectives"]
+    collectives, packs = LAYOUTS[layout][2:]
+    for got in run_group(_cases_worker, 4, layout, timeout=240.0):
+        assert got["collectives"] == {case: [collectives] * 2 for case in CASES}, got
         assert got["same"] == {case: [True] * 7 for case in CASES}, got["same"]
         # every dispatch through the kernels: 2 checked + 1 with gradients per case, and the
         # backward's dispatch (cached_dispatch) needs neither
-        assert got["launches"] == ["pack", "unpack"] * 3 * len(CASES), got["launches"]
+        one = ["pack", "unpack"] if packs else ["unpack"]
+        assert got["launches"] == one * 3 * len(CASES), got["launches"]

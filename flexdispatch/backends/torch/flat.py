@@ -143,7 +143,10 @@ def dispatch_flat(
         padded=cap is not None,
     )
     be.stats.rows_sent += hop.num_send
-    spare = cap is not None
+    # NOTE: the receive side of worst-case mode in one launch on CUDA (``unpack_blocks``),
+    # which reads no spare row
+    kernels = cap is not None and row_bytes % 4 == 0 and _inband.pack_on_device(device)
+    spare = cap is not None and not kernels
     if xp is not None:
         recv = be.run_hop_rows(hop, xp, spare_row=spare, scratch_key="recv0")
         B = hop.num_recv
@@ -151,13 +154,21 @@ def dispatch_flat(
             recv[B, row_bytes : row_bytes + 4 * k].view(torch.int32).fill_(be.num_experts)
         recv_x = recv[:, :row_bytes].view(x.dtype)
         recv_meta = recv[:, row_bytes:].view(torch.int32)
-        if not spare:  # NOTE: dropless returns the rows as they came: unpacked once
+        if cap is None:  # NOTE: dropless returns the rows as they came: unpacked once
             recv_x = be.output((B, H), x.dtype, device).copy_(recv_x)
     else:
-        recv_x, recv_meta = _rows_then_meta(be, hop, x, key_TK, topk_probs, spare)
+        recv_x, recv_meta = _rows_then_meta(
+            be, hop, x, key_TK, topk_probs, spare, scratch=cap is not None
+        )
     maps = None
     if cap is not None:
-        maps = flat_compaction(G[:, me].clamp(max=cap).to(device), cap)
+        n_R = G[:, me].clamp(max=cap).to(device)
+        if kernels:
+            got = _inband.unpack_blocks(
+                recv_x, recv_meta, n_R, cap=cap, k=k, lo=me * e, num_local=e
+            )
+            return dispatch_result(be, (hop,), T, H, *got)
+        maps = flat_compaction(n_R, cap)
     return finish(
         be,
         hop_list=(hop,),
@@ -178,6 +189,8 @@ def _rows_then_meta(
     key_TK: torch.Tensor,
     topk_probs: torch.Tensor,
     spare: bool,
+    *,
+    scratch: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows and then their metadata, two collectives (long rows, ``packs_meta`` False)."""
 
@@ -192,7 +205,7 @@ def _rows_then_meta(
         x,
         make_meta,
         spare_row=spare,
-        scratch_key="recv0" if spare else None,
+        scratch_key="recv0" if scratch else None,
         meta_spare=be.num_experts,  # the dropped id: the compaction's dummy row is no pair
     )
 
@@ -251,13 +264,12 @@ def _dispatch_inband(
     mine_W = be.local_lut(device)[ids_WK].any(1)  # the real rows: the first of each block
     if kernels:
         # NOTE: one launch for the compaction, the local ids, the probs and the counts
-        got = _inband.unpack_inband(
-            recv,
+        got = _inband.unpack_blocks(
+            recv_x,
+            recv_meta,
             mine_W.view(R, cap).sum(1),
             cap=cap,
             k=k,
-            hidden=H,
-            dtype=x.dtype,
             lo=me * be.num_local_experts,
             num_local=be.num_local_experts,
         )
