@@ -138,3 +138,88 @@ def test_flat_worst_case_with_the_kernels_on_four_ranks(dev, layout) -> None:  #
         # backward's dispatch (cached_dispatch) needs neither
         one = ["pack", "unpack"] if packs else ["unpack"]
         assert got["launches"] == one * 3 * len(CASES), got["launches"]
+
+
+def _world_of_one_step(d, x, idx, probs, dev):  # type: ignore[no-untyped-def]
+    """Dispatch + combine with gradients in a world of one: what the user sees, combine's ops,
+    and the overflow error of ``check`` (None without one)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tests.dist.reference import expert_fn
+
+    ops: list[str] = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            ops.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    xg, pg = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    try:
+        res = d.dispatch(xg.to(dev), idx.to(dev), pg.to(dev))
+    except ValueError as e:  # NOTE: the CPU branch sees an overflow at once (host counts)
+        d.close()
+        return None, ops, str(e)
+    y = expert_fn(res.recv_x, res.recv_topk_probs, 0)
+    y = y + res.recv_topk_idx.lt(0).all(1, keepdim=True) * 7.0  # the tail must not count
+    with Spy():
+        out = d.combine(y, res.handle)
+    out.float().square().sum().backward()
+    seen = (res.recv_x, res.recv_topk_idx, res.recv_topk_probs, res.num_recv_tokens_per_expert)
+    try:
+        d.check()
+        error = None
+    except ValueError as e:
+        error = str(e)
+    d.close()
+    return [t.detach().cpu() for t in (*seen, out, xg.grad, pg.grad)], ops, error
+
+
+@pytest.mark.parametrize("rows", ["short", "long"])
+@pytest.mark.parametrize("W", [12, 8])  # 8: fewer than the 11 rows routed: an overflow
+def test_world_of_one_worst_case_on_the_cuda_branch(dev, monkeypatch, rows, W) -> None:  # type: ignore[no-untyped-def]
+    """A world of one (no process group, the H200 measurement's setup) in worst-case mode, CUDA
+    branch: its receive side through ``unpack_blocks`` and its combine without the inverse
+    gather (``reduce_compacted``) equal the torch ops and the CPU branch, gradients included;
+    an overflow (rows past ``W``) is reported the same way and keeps the same first ``W`` rows."""
+    import flexdispatch.backends.torch.a2a  # noqa: F401  (loaded before the patch)
+    from flexdispatch import DispatchConfig, FlexDispatcher
+    from flexdispatch.kernels import inband
+    from tests.cuda_path import force_cuda_path
+    from tests.dist.test_launch_path import LONG_H, SHORT_H
+
+    g = torch.Generator().manual_seed(3)
+    T, E, k = 12, 8, 2
+    H = SHORT_H if rows == "short" else LONG_H
+    idx = torch.rand(T, E, generator=g).argsort(1)[:, :k].contiguous()
+    idx[4] = -1  # a token routed nowhere: 11 rows
+    idx[7, 1] = -1
+    probs = torch.rand(T, k, generator=g)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    cfg = DispatchConfig(backend="torch", checks=False, num_worst_tokens=W)
+    cpu = torch.device("cpu")
+    runs = [_world_of_one_step(FlexDispatcher(cfg, num_experts=E), x, idx, probs, cpu)]
+    force_cuda_path(monkeypatch.setattr)
+    calls: list[int] = []
+    unpack = inband.unpack_blocks
+    monkeypatch.setattr(
+        inband, "unpack_blocks", lambda *a, **kw: calls.append(1) or unpack(*a, **kw)
+    )
+    for kernels in (True, False):
+        monkeypatch.setattr(inband, "pack_on_device", lambda device, _k=kernels: _k)
+        runs.append(_world_of_one_step(FlexDispatcher(cfg, num_experts=E), x, idx, probs, dev))
+    assert calls == [1], calls  # the forward dispatch (the backward's needs no receive side)
+    (cpu_outs, _, cpu_error), (outs, ops, error), (torch_outs, torch_ops, torch_error) = runs
+    assert [torch.equal(a, b) for a, b in zip(outs, torch_outs, strict=True)] == [True] * 7
+    # combine on the CUDA branch: one sum from zeros, no gather of the W rows
+    assert ops == torch_ops and "index_select" not in ops and ops.count("index_add_") == 1, ops
+    assert error == torch_error
+    if W < 11:  # reported by the next check on CUDA (no host sync), at once on CPU
+        for e in (error, cpu_error):
+            assert e is not None and "overflow" in e and "11" in e, e
+        assert cpu_outs is None
+    else:  # the CPU branch's results; the real rows first, then a zero tail
+        assert [torch.equal(a, b) for a, b in zip(outs, cpu_outs, strict=True)] == [True] * 7
+        assert error is None is cpu_error
+        assert outs[0][11:].eq(0).all() and outs[1][11:].eq(-1).all()
+        assert outs[0][:11].abs().sum() > 0

@@ -80,7 +80,7 @@ from flexdispatch.backends.torch import hier as torch_hier
 from flexdispatch.backends.torch.buffers import RowBuffers
 from flexdispatch.backends.torch.flat import dispatch_flat, inband_shape
 from flexdispatch.backends.torch.hops import Hop, PendingCounts, TorchDispatchState
-from flexdispatch.backends.torch.reduce import reduce_hop
+from flexdispatch.backends.torch.reduce import reduce_compacted, reduce_hop
 from flexdispatch.backends.torch.rows import (
     _bin_counts,
     clamp_ids,
@@ -621,6 +621,9 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         state: TorchDispatchState = handle.state
         rows = y
+        one = state.out_index is not None and len(state.hops) == 1 and not self.distributed
+        if one and cuda_code_path(y.device):  # NOTE: no inverse gather (``reduce_compacted``)
+            return reduce_compacted(self, state.hops[0], y, state.out_index)
         if state.in_index is not None:
             # NOTE: buffer rows that were never returned (padding) get arbitrary rows of y; they
             # travel back into the senders' dummy rows, which are cut off.

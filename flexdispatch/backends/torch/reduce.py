@@ -17,7 +17,7 @@ import torch.distributed as dist
 from flexdispatch._validate import cuda_code_path
 from flexdispatch.backends.torch.hops import Hop, first_rows, row_of_input
 
-__all__ = ["reduce_hop"]
+__all__ = ["reduce_compacted", "reduce_hop"]
 
 
 def reduce_hop(host: Any, hop: Hop, back_in: torch.Tensor) -> torch.Tensor:
@@ -129,3 +129,23 @@ def reduce_hop(host: Any, hop: Hop, back_in: torch.Tensor) -> torch.Tensor:
     if out is None:
         return host.output((hop.num_in, *width), back.dtype, back.device).zero_()
     return first_rows(out, hop.num_in)
+
+
+def reduce_compacted(host: Any, hop: Hop, y: torch.Tensor, out_index: torch.Tensor) -> torch.Tensor:
+    """Combine of a worst-case dispatch in a world of one, CUDA branch: ``[W, X]`` compacted
+    rows summed straight into ``[num_in, X]``.
+
+    A world of one receives its send rows in send order, so compacted row ``i`` is send row
+    ``out_index[i]`` and goes to input row ``send_index[out_index[i]]``; the tail
+    (``out_index == W``) and the padding rows go to the dummy row ``num_in``, which is cut off.
+    This skips the inverse gather into receive order (a pass over all ``W`` rows, read and
+    written) that a collective needs. The sum is the CUDA branch's of ``reduce_hop``: zeros plus
+    one ``index_add_`` whose real indices are unique (deterministic).
+    """
+    T = hop.num_in
+    width = y.shape[1:]
+    host.account(hop.recv_splits, math.prod(width) * y.element_size())
+    dest = torch.nn.functional.pad(hop.send_index, (0, 1), value=T)[out_index]
+    out = torch.zeros((T + 1, *width), dtype=y.dtype, device=y.device)
+    out.index_add_(0, dest, y)
+    return first_rows(out, T)
