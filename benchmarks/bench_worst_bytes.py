@@ -103,7 +103,7 @@ def _kernel_bytes(name: str, args: tuple) -> None:
         if vals.shape[0] >= m.big_rows and vals.shape[1] >= H:
             m.passes["screen kernel (reads)"] += 1
     elif name == "unpack_blocks":
-        rows, _, _, n_R, *outs = args[:10]
+        rows, _, _, _, n_R, *outs = args[:11]
         real = int(n_R.sum())  # the rows it reads: the real ones (their bytes and metadata)
         k = outs[1].shape[1]
         m.read += _nbytes(n_R) + real * (rows.shape[1] * rows.element_size() + 8 * k)

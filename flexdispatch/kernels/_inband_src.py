@@ -55,6 +55,7 @@ def unpack_blocks(
     rows_ptr,
     meta_ptr,
     meta_f_ptr,
+    map_ptr,
     n_ptr,
     x_out_ptr,
     ids_out_ptr,
@@ -74,12 +75,15 @@ def unpack_blocks(
     K_PAD: tl.constexpr,
     XW: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    HAS_MAP: tl.constexpr,
 ):
     """Row ``j`` of the compacted output of a flat worst-case receive buffer, and entry ``j`` of
     its inverse map. The buffer: ``R`` blocks of ``CAP`` rows, the first ``n[s]`` rows of block
     ``s`` real; row ``i``'s ``XW`` int32 words at ``rows + i * ROW_STRIDE``, its ``K`` int32 ids
     and then its ``K`` fp32 probs at ``meta + i * META_STRIDE`` (``meta_f``: the same memory as
-    float32). Rows and metadata may share one buffer (the in-band layout) or not.
+    float32). Rows and metadata may share one buffer (the in-band layout) or not. With
+    ``HAS_MAP``, receive row ``i`` is row ``map[i]`` of ``rows`` and ``meta`` (a world of one
+    reads its send rows where they are).
 
     As an output row: the ``j``-th real row in (block, row) order, or the zero tail past them:
     its bytes, its ids made local (``id - LO`` for ids in ``[LO, LO + NUM_LOCAL)``, else -1), its
@@ -100,6 +104,8 @@ def unpack_blocks(
     src = tl.where(real, s * CAP + j - start, W)
     tl.store(out_index_ptr + j, src)
     at = tl.where(real, src, 0)
+    if HAS_MAP:
+        at = tl.load(map_ptr + at, mask=real, other=0).to(tl.int64)
     row = rows_ptr + at * ROW_STRIDE
     offs = tl.arange(0, BLOCK_W)
     lim = tl.where(real, XW, 0)

@@ -88,6 +88,7 @@ def unpack_blocks(
     k: int,
     lo: int,
     num_local: int,
+    row_map: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The compacted output of a flat worst-case receive buffer in one launch: what
     ``rows.flat_compaction`` (or ``valid_compaction``) + ``hops.finish`` compute in torch ops.
@@ -95,11 +96,14 @@ def unpack_blocks(
 
     Args:
         rows: ``[>= W, H]`` received rows, ``R`` blocks of ``cap`` (a spare row past ``W`` is
-            not read); rows of a multiple of 4 bytes, each row contiguous (rows may be a
-            strided view of a packed buffer). meta: ``[>= W, >= 2k]`` int32 view beside them:
+            not read; with ``row_map``, any number of rows); rows of a multiple of 4 bytes,
+            each row contiguous (rows may be a strided view of a packed buffer). meta:
+            ``[>= W, >= 2k]`` int32 view beside them:
             the ``pack_key_meta`` ids, then the probs' fp32 bits. n_R: ``[R]`` int64 real rows
             per block (the first ones of each block). lo, num_local: this rank's first expert
-            id and its count.
+            id and its count. row_map: ``[W]`` int64 or None: receive row ``i`` is row
+            ``row_map[i]`` of ``rows`` and ``meta`` (read for the real rows only); a world of
+            one passes its send rows (``x``) and their send order.
 
     Returns:
         ``(recv_x [W, H] rows.dtype, ids [W, k] int64 local or -1, probs [W, k] float32 (0
@@ -124,6 +128,7 @@ def unpack_blocks(
             words,
             meta,
             meta.view(torch.float32),
+            n_R if row_map is None else row_map,
             n_R,
             recv_x.view(torch.int32),
             ids,
@@ -143,5 +148,6 @@ def unpack_blocks(
             K_PAD=next_pow2(k),
             XW=XW,
             BLOCK_W=max(16, min(next_pow2(XW), _BLOCK_WORDS)),
+            HAS_MAP=row_map is not None,
         )
     return recv_x, ids, probs, counts, out_index, in_index

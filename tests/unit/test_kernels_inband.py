@@ -156,10 +156,12 @@ def _world_of_one_step(d, x, idx, probs, dev):  # type: ignore[no-untyped-def]
 
     xg, pg = x.clone().requires_grad_(), probs.clone().requires_grad_()
     try:
-        res = d.dispatch(xg.to(dev), idx.to(dev), pg.to(dev))
+        with Spy():
+            res = d.dispatch(xg.to(dev), idx.to(dev), pg.to(dev))
     except ValueError as e:  # NOTE: the CPU branch sees an overflow at once (host counts)
         d.close()
         return None, ops, str(e)
+    ops.append("|")  # dispatch's ops | combine's
     y = expert_fn(res.recv_x, res.recv_topk_probs, 0)
     y = y + res.recv_topk_idx.lt(0).all(1, keepdim=True) * 7.0  # the tail must not count
     with Spy():
@@ -179,9 +181,10 @@ def _world_of_one_step(d, x, idx, probs, dev):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("W", [12, 8])  # 8: fewer than the 11 rows routed: an overflow
 def test_world_of_one_worst_case_on_the_cuda_branch(dev, monkeypatch, rows, W) -> None:  # type: ignore[no-untyped-def]
     """A world of one (no process group, the H200 measurement's setup) in worst-case mode, CUDA
-    branch: its receive side through ``unpack_blocks`` and its combine without the inverse
-    gather (``reduce_compacted``) equal the torch ops and the CPU branch, gradients included;
-    an overflow (rows past ``W``) is reported the same way and keeps the same first ``W`` rows."""
+    branch: its output read straight from ``x`` by ``unpack_blocks`` (no send gather, no
+    receive buffer) and its combine without the inverse gather (``reduce_compacted``) equal the
+    torch ops and the CPU branch, gradients included; an overflow (rows past ``W``) is reported
+    the same way and keeps the same first ``W`` rows."""
     import flexdispatch.backends.torch.a2a  # noqa: F401  (loaded before the patch)
     from flexdispatch import DispatchConfig, FlexDispatcher
     from flexdispatch.kernels import inband
@@ -200,19 +203,24 @@ def test_world_of_one_worst_case_on_the_cuda_branch(dev, monkeypatch, rows, W) -
     cpu = torch.device("cpu")
     runs = [_world_of_one_step(FlexDispatcher(cfg, num_experts=E), x, idx, probs, cpu)]
     force_cuda_path(monkeypatch.setattr)
-    calls: list[int] = []
+    calls: list[bool] = []  # whether each launch reads through a row map
     unpack = inband.unpack_blocks
     monkeypatch.setattr(
-        inband, "unpack_blocks", lambda *a, **kw: calls.append(1) or unpack(*a, **kw)
+        inband,
+        "unpack_blocks",
+        lambda *a, **kw: calls.append(kw.get("row_map") is not None) or unpack(*a, **kw),
     )
     for kernels in (True, False):
         monkeypatch.setattr(inband, "pack_on_device", lambda device, _k=kernels: _k)
         runs.append(_world_of_one_step(FlexDispatcher(cfg, num_experts=E), x, idx, probs, dev))
-    assert calls == [1], calls  # the forward dispatch (the backward's needs no receive side)
+    assert calls == [True], calls  # the forward dispatch (the backward's needs no receive side)
     (cpu_outs, _, cpu_error), (outs, ops, error), (torch_outs, torch_ops, torch_error) = runs
     assert [torch.equal(a, b) for a, b in zip(outs, torch_outs, strict=True)] == [True] * 7
+    sent, combined = " ".join(ops).split("|")
+    assert "index_select" not in sent and "index_select" in torch_ops, (sent, torch_ops)
     # combine on the CUDA branch: one sum from zeros, no gather of the W rows
-    assert ops == torch_ops and "index_select" not in ops and ops.count("index_add_") == 1, ops
+    assert combined.split() == " ".join(torch_ops).split("|")[1].split(), (ops, torch_ops)
+    assert "index_select" not in combined and combined.count("index_add_") == 1, ops
     assert error == torch_error
     if W < 11:  # reported by the next check on CUDA (no host sync), at once on CPU
         for e in (error, cpu_error):

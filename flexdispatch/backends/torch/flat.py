@@ -105,11 +105,16 @@ def dispatch_flat(
         need_valid = G is not None and not (cuda_code_path(device) and T)
         send_index, send_valid = slot_positions(mask_TR, cap, valid=need_valid)
     row_bytes = H * x.element_size()
+    # NOTE: the receive side of worst-case mode in one launch on CUDA (``unpack_blocks``),
+    # which reads no spare row; a world of one receives its send rows in send order, so there
+    # the kernel reads them where they are: no send gather and no receive buffer
+    kernels = cap is not None and row_bytes % 4 == 0 and _inband.pack_on_device(device)
+    direct = kernels and not be.distributed
     xp = None
     if G is None:  # NOTE: counts in band (module docstring); the caller checked ``inband_shape``
         assert cap is not None
         return _dispatch_inband(be, x, key_TK, topk_probs, mask_TR, send_index, cap)
-    if packs_meta(row_bytes):
+    if packs_meta(row_bytes) and not direct:
         # NOTE: one collective for rows and metadata (see ``packs_meta``); built while the
         # count exchange may still run (CPU)
         meta_TK = pack_key_meta(key_TK, topk_probs)
@@ -143,9 +148,18 @@ def dispatch_flat(
         padded=cap is not None,
     )
     be.stats.rows_sent += hop.num_send
-    # NOTE: the receive side of worst-case mode in one launch on CUDA (``unpack_blocks``),
-    # which reads no spare row
-    kernels = cap is not None and row_bytes % 4 == 0 and _inband.pack_on_device(device)
+    if direct:
+        got = _inband.unpack_blocks(
+            x if x.stride(1) == 1 else x.contiguous(),
+            pack_key_meta(key_TK, topk_probs),
+            G[:, me].clamp(max=cap),
+            cap=cap,
+            k=k,
+            lo=me * e,
+            num_local=e,
+            row_map=send_index,
+        )
+        return dispatch_result(be, (hop,), T, H, *got)
     spare = cap is not None and not kernels
     if xp is not None:
         recv = be.run_hop_rows(hop, xp, spare_row=spare, scratch_key="recv0")
