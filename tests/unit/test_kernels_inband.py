@@ -177,9 +177,30 @@ def _world_of_one_step(d, x, idx, probs, dev):  # type: ignore[no-untyped-def]
     return [t.detach().cpu() for t in (*seen, out, xg.grad, pg.grad)], ops, error
 
 
+@pytest.fixture(params=["no group", "a group of one rank"])
+def world_of_one(request):  # type: ignore[no-untyped-def]
+    """A world of one: no process group, or a gloo group of one rank (as ``bench_gpu.py``'s)."""
+    import torch.distributed as dist
+
+    if request.param == "no group":
+        yield request.param
+        return
+    from flexdispatch.launch import free_port
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        yield request.param
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("rows", ["short", "long"])
 @pytest.mark.parametrize("W", [12, 8])  # 8: fewer than the 11 rows routed: an overflow
-def test_world_of_one_worst_case_on_the_cuda_branch(dev, monkeypatch, rows, W) -> None:  # type: ignore[no-untyped-def]
+def test_world_of_one_worst_case_on_the_cuda_branch(
+    dev, monkeypatch, rows, W, world_of_one
+) -> None:  # type: ignore[no-untyped-def]
     """A world of one (no process group, the H200 measurement's setup) in worst-case mode, CUDA
     branch: its output read straight from ``x`` by ``unpack_blocks`` (no send gather, no
     receive buffer) and its combine without the inverse gather (``reduce_compacted``) equal the

@@ -68,12 +68,15 @@ def packs_meta(row_bytes: int) -> bool:
 def inband_shape(be: A2AHost, x: torch.Tensor, k: int) -> tuple[int, int, torch.dtype] | None:
     """``(H, k, dtype)`` when a dispatch of ``x`` may carry its counts in band (module docstring):
     flat worst-case mode across ranks, short rows, checks off, ``(T + 1) * R`` within int32;
-    else None (the count exchange runs)."""
+    else None (the count exchange runs). Not for a group of one rank where the kernels run:
+    there ``dispatch_flat`` reads the rows straight from ``x``, with no collective of rows."""
     R = be.num_ranks
     if not be.worst_case or be.hierarchical or not be.distributed:
         return None
     T, H = x.shape
     if not packs_meta(H * x.element_size()) or (T + 1) * R >= 2**31:
+        return None
+    if R == 1 and _inband.pack_on_device(x.device):
         return None
     if checks_enabled(be.checks):
         return None
@@ -106,10 +109,11 @@ def dispatch_flat(
         send_index, send_valid = slot_positions(mask_TR, cap, valid=need_valid)
     row_bytes = H * x.element_size()
     # NOTE: the receive side of worst-case mode in one launch on CUDA (``unpack_blocks``),
-    # which reads no spare row; a world of one receives its send rows in send order, so there
-    # the kernel reads them where they are: no send gather and no receive buffer
+    # which reads no spare row; a world of one (no group, or a group of one rank) receives its
+    # send rows in send order, so there the kernel reads them where they are: no send gather,
+    # no receive buffer, no collective
     kernels = cap is not None and row_bytes % 4 == 0 and _inband.pack_on_device(device)
-    direct = kernels and not be.distributed
+    direct = kernels and R == 1
     xp = None
     if G is None:  # NOTE: counts in band (module docstring); the caller checked ``inband_shape``
         assert cap is not None

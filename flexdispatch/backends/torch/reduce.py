@@ -132,8 +132,8 @@ def reduce_hop(host: Any, hop: Hop, back_in: torch.Tensor) -> torch.Tensor:
 
 
 def reduce_compacted(host: Any, hop: Hop, y: torch.Tensor, out_index: torch.Tensor) -> torch.Tensor:
-    """Combine of a worst-case dispatch in a world of one, CUDA branch: ``[W, X]`` compacted
-    rows summed straight into ``[num_in, X]``.
+    """Combine of a worst-case dispatch in a world of one (no group, or a group of one rank),
+    CUDA branch: ``[W, X]`` compacted rows summed straight into ``[num_in, X]``, no collective.
 
     A world of one receives its send rows in send order, so compacted row ``i`` is send row
     ``out_index[i]`` and goes to input row ``send_index[out_index[i]]``; the tail
