@@ -16,6 +16,8 @@ Rows:
 - ``dispatch + combine``: ``FlexDispatcher.dispatch`` then ``combine`` (forward only), torch
   backend, flat, dropless and worst-case (``W = R*T``); hierarchical with ``LOCAL_WORLD_SIZE=1``
   (2 nodes of one rank) as well.
+- ``world of one``: dropless and worst-case (``W = T``) on a gloo group of one rank, as
+  ``bench_gpu.py``'s NCCL group of one, at its host-time shape (T=128, H=7,168, E=256, k=8).
 - ``permute + unpermute``: ``permute(x, idx, E, topk_probs=p)`` then
   ``unpermute(perm.x, perm, probs=perm.probs)`` (exact size, one process).
 
@@ -76,7 +78,17 @@ class OpCounter(TorchDispatchMode):
         return sum(self.ops.values())
 
 
-def _inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+ONE = {
+    "T": 128,
+    "E": 256,
+    "K": 8,
+    "H": 7168,
+}  # the world-of-one rows: bench_gpu.py's host-time shape
+
+
+def _inputs(
+    seed: int, T: int = T, E: int = E, K: int = K, H: int = H
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(T, H, generator=g).bfloat16()
     idx = torch.rand(T, E, generator=g).argsort(1)[:, :K].contiguous()
@@ -95,11 +107,14 @@ def _dispatch_ops(worst: bool, hierarchical: bool, cuda: bool, where: bool) -> d
         force_cuda_path()
         force_triton_kernels(lambda name, args: _LAUNCHES.__setitem__(0, _LAUNCHES[0] + 1))
     R = dist.get_world_size()
-    x, idx, probs = _inputs(dist.get_rank())
+    shape = ONE if R == 1 else {"T": T, "E": E, "K": K, "H": H}
+    x, idx, probs = _inputs(dist.get_rank(), **shape)
     cfg = DispatchConfig(
-        backend="torch", num_worst_tokens=R * T if worst else 0, hierarchical=hierarchical
+        backend="torch",
+        num_worst_tokens=R * shape["T"] if worst else 0,
+        hierarchical=hierarchical,
     )
-    d = FlexDispatcher(cfg, num_experts=E)
+    d = FlexDispatcher(cfg, num_experts=shape["E"])
     res = d.dispatch(x, idx, probs)
     d.combine(res.recv_x, res.handle)
     before = _LAUNCHES[0]
@@ -130,7 +145,9 @@ def _permute_ops(cuda: bool, where: bool) -> dict[str, Any]:
     return {"permute+unpermute": dict(c.ops)}
 
 
-def _rank0(worst: bool, hierarchical: bool, cuda: bool, where: bool) -> dict[str, Any]:
+def _rank0(
+    worst: bool, hierarchical: bool, cuda: bool, where: bool, ranks: int = 2
+) -> dict[str, Any]:
     from flexdispatch.launch import spawn_group
 
     env = {"LOCAL_WORLD_SIZE": "1"} if hierarchical else {}
@@ -138,9 +155,9 @@ def _rank0(worst: bool, hierarchical: bool, cuda: bool, where: bool) -> dict[str
         env["TRITON_INTERPRET"] = "1"  # the screen kernel, interpreted: before triton's import
     return spawn_group(
         _dispatch_ops,
-        2,
+        ranks,
         args=(worst, hierarchical, cuda, where),
-        ranks_per_node=1 if hierarchical else 2,
+        ranks_per_node=1 if hierarchical else ranks,
         env=env,
         timeout_s=300,
     )[0]
@@ -164,19 +181,25 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rows: list[tuple[str, dict[str, dict[str, int]]]] = []
     w = args.where
-    for label, worst, hier in (
-        ("torch flat dropless", False, False),
-        ("torch flat worst-case (W=R*T)", True, False),
-        ("torch hierarchical dropless", False, True),
-        ("torch hierarchical worst-case", True, True),
+    one = "T={T} H={H} E={E} k={K}".format(**ONE)
+    for label, worst, hier, R in (
+        ("torch flat dropless", False, False, 2),
+        ("torch flat worst-case (W=R*T)", True, False, 2),
+        ("torch hierarchical dropless", False, True, 2),
+        ("torch hierarchical worst-case", True, True, 2),
+        (f"torch world of one ({one}) dropless", False, False, 1),
+        (f"torch world of one ({one}) worst-case (W=T)", True, False, 1),
     ):
         if args.rows not in label:
             continue
-        per = {"cpu": _rank0(worst, hier, False, w), "cuda": _rank0(worst, hier, True, w)}
+        per = {"cpu": _rank0(worst, hier, False, w, R), "cuda": _rank0(worst, hier, True, w, R)}
         rows.append((label, per))
     per_p = {"cpu": _permute_in_child(False, w), "cuda": _permute_in_child(True, w)}
 
-    print(f"T={T} E={E} k={K} H={H} bf16, 2 gloo ranks, torch {torch.__version__}")
+    print(
+        f"T={T} E={E} k={K} H={H} bf16, 2 gloo ranks (world of one: one gloo rank, the shape "
+        f"named), torch {torch.__version__}"
+    )
     print("non-view ATen ops per call (rank 0)")
     print()
     print(
