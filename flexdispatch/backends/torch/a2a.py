@@ -621,7 +621,8 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         state: TorchDispatchState = handle.state
         rows = y
-        one = state.out_index is not None and len(state.hops) == 1 and self.num_ranks == 1
+        one = self.num_ranks == 1 and not self.hierarchical and len(state.hops) == 1
+        one = one and state.out_index is not None
         if one and cuda_code_path(y.device):  # NOTE: no inverse gather (``reduce_compacted``)
             return reduce_compacted(self, state.hops[0], y, state.out_index)
         if state.in_index is not None:
