@@ -91,7 +91,8 @@ def _kernel_bytes(name: str, args: tuple) -> None:
     """One Triton launch (``tests.cuda_path.force_triton_kernels``) as one op: what it reads and
     writes. The value screen reads the ids, the probs and all of ``x`` and writes the ids; the
     worst-case receive side (``unpack_blocks``) reads the real rows and writes all ``W``; the
-    in-band pack (multi-rank only) is not reached in a world of one."""
+    send slots (``capped_slots``) read the mask and write the send index; the in-band pack
+    (multi-rank only) is not reached in a world of one."""
     if not _ACTIVE:
         return
     m = _ACTIVE[-1]
@@ -102,6 +103,10 @@ def _kernel_bytes(name: str, args: tuple) -> None:
         m.written += _nbytes(out)
         if vals.shape[0] >= m.big_rows and vals.shape[1] >= H:
             m.passes["screen kernel (reads)"] += 1
+    elif name == "capped_slots":  # reads the [T, R] mask, writes the [W] send index
+        _, out, n, _, _, cap = args[:6]
+        m.read += n * (out.numel() // cap)  # one byte per row and participant
+        m.written += _nbytes(out)
     elif name == "unpack_blocks":
         rows, _, _, _, n_R, *outs = args[:11]
         real = int(n_R.sum())  # the rows it reads: the real ones (their bytes and metadata)

@@ -34,6 +34,7 @@ _DTYPES = {
     torch.float64: "fp64",
     torch.int64: "i64",
     torch.int32: "i32",
+    torch.uint8: "u8",
 }
 
 
@@ -167,7 +168,11 @@ def _record(quick: bool) -> list:
         idx = torch.zeros(40, k, dtype=torch.int64)
         screen_inputs(idx, 256, torch.zeros(40, V, dtype=dtype), torch.zeros(40, k), acc)
 
-    from flexdispatch.kernels.inband import pack_inband, unpack_blocks
+    from flexdispatch.kernels.inband import capped_slots, pack_inband, unpack_blocks
+
+    # the worst-case send slots: a sliced [T, R + 2] mask, short and long (several chunks)
+    for n, P, cap in [(8, 2, 8)] + ([] if quick else [(16384, 8, 16384)]):
+        capped_slots(torch.zeros(n, P + 2, dtype=torch.bool)[:, :P], cap)
 
     # the in-band send rows of a flat worst-case dispatch and their receive side: short rows
     # (the path's limit, 2 KiB)

@@ -130,3 +130,33 @@ def unpack_blocks(
     ej = tl.sum(tl.where(rr == sj, excl, 0), axis=0)
     last = tl.maximum(ej + nj - 1, 0)
     tl.store(in_index_ptr + j, tl.where(ij < nj, ej + ij, last))
+
+
+def capped_slots(
+    mask_ptr,
+    out_ptr,
+    N,
+    STRIDE_T,
+    STRIDE_P,
+    CAP,
+    BLOCK: tl.constexpr,
+):
+    """Send slots of participant ``p`` (this program) in a flat worst-case hop: slot
+    ``p * CAP + c - 1`` holds the row ``t`` that is the ``c``-th (``c <= CAP``) of the rows
+    ``t < N`` with ``mask[t * STRIDE_T + p * STRIDE_P]`` set; the slots past them hold ``N``
+    (padding). One pass over the mask column with a running count; every slot written once."""
+    p = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    count = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)
+    for t0 in range(0, N, BLOCK):
+        t = (t0 + offs).to(tl.int64)
+        m = tl.load(mask_ptr + t * STRIDE_T + p * STRIDE_P, mask=t < N, other=0) != 0
+        c = tl.cumsum(m.to(tl.int64), axis=0) + count  # the 1-based count of each row
+        tl.store(out_ptr + p * CAP + c - 1, t, mask=m & (c <= CAP))
+        count += tl.sum(m.to(tl.int64), axis=0)
+    filled = tl.minimum(count, CAP)
+    for s0 in range(0, CAP, BLOCK):
+        s = (s0 + offs).to(tl.int64)
+        tl.store(
+            out_ptr + p * CAP + s, tl.full([BLOCK], 0, tl.int64) + N, mask=(s >= filled) & (s < CAP)
+        )

@@ -17,7 +17,7 @@ import torch
 
 from flexdispatch.kernels._triton import Kernel, dispatch_kernels, next_pow2
 
-__all__ = ["pack_inband", "pack_on_device", "unpack_blocks"]
+__all__ = ["capped_slots", "pack_inband", "pack_on_device", "unpack_blocks"]
 
 _KERNELS: dict[str, Kernel] = {}
 _BLOCK_WORDS = 512  # int32 words of a row chunk per program iteration (2 KiB)
@@ -151,3 +151,30 @@ def unpack_blocks(
             HAS_MAP=row_map is not None,
         )
     return recv_x, ids, probs, counts, out_index, in_index
+
+
+def capped_slots(mask_NP: torch.Tensor, cap: int) -> torch.Tensor:
+    """``rows.slot_positions``'s worst-case send index in one launch (the torch ops: a running
+    count, three element-wise ops, a fill and a scatter).
+
+    Args:
+        mask_NP: ``[n, P]`` bool, row ``t`` goes to participant ``p`` (any strides).
+        cap: rows per participant.
+
+    Returns:
+        ``[P * cap]`` int64: per participant its first ``cap`` rows in row order, then ``n``.
+    """
+    n, P = mask_NP.shape
+    out = torch.empty(P * cap, dtype=torch.int64, device=mask_NP.device)
+    if P and cap:
+        m = mask_NP.view(torch.uint8)
+        _kernel("capped_slots").get()[(P,)](
+            m,
+            out,
+            n,
+            m.stride(0),
+            m.stride(1),
+            cap,
+            BLOCK=max(16, min(next_pow2(max(n, cap)), 1024)),
+        )
+    return out

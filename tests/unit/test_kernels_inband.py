@@ -61,6 +61,36 @@ def test_pack_matches_the_torch_packing(dev, T, k, H, dtype) -> None:  # type: i
     assert torch.equal(got.cpu(), _torch_pack(x, key, probs, index, need, E))
 
 
+@pytest.mark.parametrize(
+    "n,P,cap,layout",
+    [
+        (12, 3, 5, "slice"),  # rows past the cap dropped
+        (12, 3, 16, "slice"),  # every block padded
+        (0, 2, 4, "slice"),  # no rows
+        (40, 1, 40, "contiguous"),  # a world of one
+        (3000, 4, 900, "transposed"),  # several chunks per program, overflow
+        (7, 5, 1, "contiguous"),
+    ],
+)
+def test_capped_slots_match_the_torch_slots(dev, n, P, cap, layout) -> None:  # type: ignore[no-untyped-def]
+    """``inband.capped_slots`` (one launch) against ``rows._capped_slots``'s torch ops on masks
+    of any strides: the first ``cap`` rows of each participant in row order, then ``n``."""
+    from flexdispatch.backends.torch import rows
+    from flexdispatch.kernels.inband import capped_slots
+
+    g = torch.Generator().manual_seed(n + P + cap)
+    full = torch.rand(n, P + 2, generator=g) < 0.6
+    if layout == "slice":
+        mask = full[:, :P]
+    elif layout == "transposed":
+        mask = full[:, :P].t().contiguous().t()
+    else:
+        mask = full[:, :P].contiguous()
+    want = rows._capped_slots(mask, cap)  # on CPU: the torch ops
+    got = capped_slots(mask.to(dev), cap)
+    assert torch.equal(got.cpu(), want), (got, want)
+
+
 def _step(d, me, rank):  # type: ignore[no-untyped-def]
     """Dispatch + combine with gradients (x and the probs), everything the user sees."""
     from tests.dist.reference import expert_fn

@@ -17,6 +17,7 @@ import torch
 
 from flexdispatch import _memory
 from flexdispatch._validate import cuda_code_path
+from flexdispatch.kernels import inband as _inband
 
 __all__ = [
     "gather_rows",
@@ -116,9 +117,12 @@ def slot_positions(
 
 def _capped_slots(mask_NP: torch.Tensor, cap: int) -> torch.Tensor:
     """``slot_positions``'s send index with ``cap`` rows per participant, in 6 ops (index tables
-    cached)."""
+    cached), or one Triton launch where the flat worst-case kernels run
+    (``inband.capped_slots``)."""
     n, P = mask_NP.shape
     device = mask_NP.device
+    if _inband.pack_on_device(device):  # NOTE: CUDA with triton: one launch
+        return _inband.capped_slots(mask_NP, cap)
     size = P * cap
     i64 = torch.int64
     # slot of the j-th row (1-based count c) for participant p: p * cap + c - 1; everything in
