@@ -41,11 +41,18 @@ def _count(fn):  # type: ignore[no-untyped-def]
     return Count.n, out
 
 
-def _worker(rank: int, R: int, worst: bool, cuda: bool, hierarchical: bool) -> dict:
+def _worker(
+    rank: int, R: int, worst: bool, cuda: bool, hierarchical: bool, kernels: bool = False
+) -> dict:
     from flexdispatch import DispatchConfig, FlexDispatcher
 
     if cuda:
         force_cuda_path()
+    launches: list[str] = []
+    if kernels:  # the Triton kernels of the CUDA branch, interpreted (TRITON_INTERPRET=1)
+        from tests.cuda_path import force_triton_kernels
+
+        assert force_triton_kernels(lambda name, args: launches.append(name))
     inputs = all_inputs(5, R=R, E=E, k=K, H=H, case="random", dtype=torch.bfloat16)
     me = inputs[rank]
     cfg = DispatchConfig(
@@ -71,7 +78,7 @@ def _worker(rank: int, R: int, worst: bool, cuda: bool, hierarchical: bool) -> d
     want = ref_combine(me, E, R)
     assert torch.equal(out["back"], want)
     d.check()
-    return {"ops": out["ops"]}
+    return {"ops": out["ops"], "launches": sorted(set(launches))}
 
 
 @pytest.mark.parametrize("worst", [False, True], ids=["dropless", "worst"])
@@ -100,3 +107,20 @@ def test_hierarchical_paths_match_the_reference_and_stay_lean(worst: bool, cuda:
     # (+9 / +7 since issue 25: the repeated-expert-id rule, see above)
     ceiling = (112 if worst else 73) if cuda else (106 if worst else 72)
     assert all(g["ops"] <= ceiling for g in got), [g["ops"] for g in got]
+
+
+@pytest.mark.fresh_groups  # NOTE: triton interprets only if TRITON_INTERPRET precedes its import
+@pytest.mark.parametrize("hierarchical", [False, True], ids=["flat", "hierarchical"])
+def test_worst_case_cuda_path_with_the_triton_kernels(hierarchical: bool) -> None:
+    """The CUDA branch with the Triton kernels it runs when triton imports (interpreted): the
+    worst-case send slots (``inband.capped_slots``) in both plans, the receive side
+    (``inband.unpack_blocks``) in flat mode; the same results as the reference."""
+    pytest.importorskip("triton", reason="the kernels need triton (scripts/setup.sh installs it)")
+    env = {"TRITON_INTERPRET": "1"}
+    if hierarchical:
+        got = run_group(_worker, 4, True, True, True, True, env={**env, "LOCAL_WORLD_SIZE": "2"})
+    else:
+        got = run_group(_worker, 2, True, True, False, True, env=env)
+    want = {"capped_slots", "screen_inputs"} | (set() if hierarchical else {"unpack_blocks"})
+    for g in got:
+        assert want <= set(g["launches"]), g["launches"]
