@@ -168,7 +168,7 @@ def _record(quick: bool) -> list:
         idx = torch.zeros(40, k, dtype=torch.int64)
         screen_inputs(idx, 256, torch.zeros(40, V, dtype=dtype), torch.zeros(40, k), acc)
 
-    from flexdispatch.kernels.inband import capped_slots, pack_inband, unpack_blocks
+    from flexdispatch.kernels.inband import capped_slots, pack_blocks, pack_inband, unpack_blocks
 
     # the worst-case send slots: a sliced [T, R + 2] mask, short and long (several chunks)
     for n, P, cap in [(8, 2, 8)] + ([] if quick else [(16384, 8, 16384)]):
@@ -195,6 +195,8 @@ def _record(quick: bool) -> list:
     for k, dtype, H in longs:
         n = torch.zeros(2, dtype=torch.int64)
         rows, meta = torch.zeros(9, H, dtype=dtype), torch.zeros(9, 2 * k, dtype=torch.int32)
+        x, key = torch.zeros(8, H, dtype=dtype), torch.zeros(8, k, dtype=torch.int64)
+        pack_blocks(x, key, torch.zeros(8, k), torch.zeros(9, dtype=torch.int64), rows, meta)
         unpack_blocks(rows, meta, n, cap=4, k=k, lo=32, num_local=32)
         # a world of one: the rows read where they are, through the send order
         order = torch.zeros(8, dtype=torch.int64)

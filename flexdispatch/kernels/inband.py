@@ -17,7 +17,7 @@ import torch
 
 from flexdispatch.kernels._triton import Kernel, dispatch_kernels, next_pow2
 
-__all__ = ["capped_slots", "pack_inband", "pack_on_device", "unpack_blocks"]
+__all__ = ["capped_slots", "pack_blocks", "pack_inband", "pack_on_device", "unpack_blocks"]
 
 _KERNELS: dict[str, Kernel] = {}
 _BLOCK_WORDS = 512  # int32 words of a row chunk per program iteration (2 KiB)
@@ -77,6 +77,50 @@ def pack_inband(
             BLOCK_W=max(16, min(next_pow2(XW), _BLOCK_WORDS)),
         )
     return out.view(torch.uint8)
+
+
+def pack_blocks(
+    x: torch.Tensor,
+    key_TK: torch.Tensor,
+    probs_TK: torch.Tensor,
+    send_index: torch.Tensor,
+    rows: torch.Tensor,
+    meta: torch.Tensor,
+) -> None:
+    """The send rows of a flat worst-case hop after the count exchange, in one launch: for each
+    ``t = send_index[s] < T`` row ``s`` of ``rows`` gets ``x[t]`` and row ``s`` of ``meta`` its
+    ids as int32 and then its probs' fp32 bits (``pack_key_meta``'s layout); padding rows
+    (``t == T``) are left as they are (their receiver reads no padding row).
+
+    Args:
+        x: ``[T, H]`` rows (row bytes a multiple of 4). key_TK: ``[T, k]`` int64 ids.
+            probs_TK: ``[T, k]`` float32. send_index: ``[S]`` int64 in ``[0, T]``.
+            rows: ``[S, H]`` of ``x``'s dtype, each row contiguous. meta: ``[S, >= 2k]`` int32,
+            each row contiguous (both may be views of one packed buffer).
+    """
+    T, k = key_TK.shape
+    S = send_index.shape[0]
+    if not S:
+        return
+    words = x.reshape(T, -1).view(torch.int32) if T else x.new_empty((0, 0), dtype=torch.int32)
+    XW = x.shape[1] * x.element_size() // 4
+    out = rows.view(torch.int32)
+    assert out.stride(1) == 1 and meta.stride(1) == 1 and meta.dtype == torch.int32
+    _kernel("pack_blocks").get()[(S,)](
+        words,
+        key_TK.contiguous(),
+        probs_TK.contiguous().view(torch.int32),
+        send_index,
+        out,
+        meta,
+        T,
+        out.stride(0),
+        meta.stride(0),
+        K=k,
+        K_PAD=next_pow2(k),
+        XW=XW,
+        BLOCK_W=max(16, min(next_pow2(XW), _BLOCK_WORDS)),
+    )
 
 
 def unpack_blocks(

@@ -118,7 +118,7 @@ def dispatch_flat(
     if G is None:  # NOTE: counts in band (module docstring); the caller checked ``inband_shape``
         assert cap is not None
         return _dispatch_inband(be, x, key_TK, topk_probs, mask_TR, send_index, cap)
-    if packs_meta(row_bytes) and not direct:
+    if packs_meta(row_bytes) and not kernels:
         # NOTE: one collective for rows and metadata (see ``packs_meta``); built while the
         # count exchange may still run (CPU)
         meta_TK = pack_key_meta(key_TK, topk_probs)
@@ -152,19 +152,25 @@ def dispatch_flat(
         padded=cap is not None,
     )
     be.stats.rows_sent += hop.num_send
-    if direct:
+    if kernels:  # NOTE: worst-case on CUDA: a send kernel (not in a world of one), the unpack
+        x = x if x.is_contiguous() else x.contiguous()
+        if direct:
+            rows, meta, row_map = x, pack_key_meta(key_TK, topk_probs), send_index
+        else:
+            rows, meta = _send_blocks(be, hop, x, key_TK, topk_probs)
+            row_map = None
         got = _inband.unpack_blocks(
-            x if x.stride(1) == 1 else x.contiguous(),
-            pack_key_meta(key_TK, topk_probs),
+            rows,
+            meta,
             G[:, me].clamp(max=cap),
             cap=cap,
             k=k,
             lo=me * e,
             num_local=e,
-            row_map=send_index,
+            row_map=row_map,
         )
         return dispatch_result(be, (hop,), T, H, *got)
-    spare = cap is not None and not kernels
+    spare = cap is not None
     if xp is not None:
         recv = be.run_hop_rows(hop, xp, spare_row=spare, scratch_key="recv0")
         B = hop.num_recv
@@ -172,21 +178,13 @@ def dispatch_flat(
             recv[B, row_bytes : row_bytes + 4 * k].view(torch.int32).fill_(be.num_experts)
         recv_x = recv[:, :row_bytes].view(x.dtype)
         recv_meta = recv[:, row_bytes:].view(torch.int32)
-        if cap is None:  # NOTE: dropless returns the rows as they came: unpacked once
+        if not spare:  # NOTE: dropless returns the rows as they came: unpacked once
             recv_x = be.output((B, H), x.dtype, device).copy_(recv_x)
     else:
-        recv_x, recv_meta = _rows_then_meta(
-            be, hop, x, key_TK, topk_probs, spare, scratch=cap is not None
-        )
+        recv_x, recv_meta = _rows_then_meta(be, hop, x, key_TK, topk_probs, spare)
     maps = None
     if cap is not None:
-        n_R = G[:, me].clamp(max=cap).to(device)
-        if kernels:
-            got = _inband.unpack_blocks(
-                recv_x, recv_meta, n_R, cap=cap, k=k, lo=me * e, num_local=e
-            )
-            return dispatch_result(be, (hop,), T, H, *got)
-        maps = flat_compaction(n_R, cap)
+        maps = flat_compaction(G[:, me].clamp(max=cap).to(device), cap)
     return finish(
         be,
         hop_list=(hop,),
@@ -200,6 +198,37 @@ def dispatch_flat(
     )
 
 
+def _send_blocks(
+    be: A2AHost,
+    hop: Hop,
+    x: torch.Tensor,
+    key_TK: torch.Tensor,
+    topk_probs: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Worst-case rows and metadata after the count exchange, CUDA with triton: the send rows in
+    one launch (``inband.pack_blocks``, padding rows not written), then one collective of both
+    (short rows, ``packs_meta``) or two. Returns the received ``[W, H]`` rows and ``[W, 2k]``
+    int32 metadata (no spare row: ``unpack_blocks`` reads none)."""
+    H = x.shape[1]
+    k = key_TK.shape[1]
+    rb = H * x.element_size()
+    S = hop.num_send
+    if packs_meta(rb):
+        send = torch.empty((S, rb + 8 * k), dtype=torch.uint8, device=x.device)
+        rows, meta = send[:, :rb].view(x.dtype), send[:, rb:].view(torch.int32)
+        _inband.pack_blocks(x, key_TK, topk_probs, hop.send_index, rows, meta)
+        be.account(hop.send_splits, send.shape[1])
+        recv = be.all_to_all(send, hop.send_splits, hop.recv_splits, scratch_key="recv0")
+        return recv[:, :rb].view(x.dtype), recv[:, rb:].view(torch.int32)
+    rows = torch.empty((S, H), dtype=x.dtype, device=x.device)
+    meta = torch.empty((S, 2 * k), dtype=torch.int32, device=x.device)
+    _inband.pack_blocks(x, key_TK, topk_probs, hop.send_index, rows, meta)
+    be.account(hop.send_splits, rb)
+    recv_x = be.all_to_all(rows, hop.send_splits, hop.recv_splits, scratch_key="recv0")
+    be.account(hop.send_splits, 8 * k)
+    return recv_x, be.all_to_all(meta, hop.send_splits, hop.recv_splits)
+
+
 def _rows_then_meta(
     be: A2AHost,
     hop: Hop,
@@ -207,8 +236,6 @@ def _rows_then_meta(
     key_TK: torch.Tensor,
     topk_probs: torch.Tensor,
     spare: bool,
-    *,
-    scratch: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows and then their metadata, two collectives (long rows, ``packs_meta`` False)."""
 
@@ -223,7 +250,7 @@ def _rows_then_meta(
         x,
         make_meta,
         spare_row=spare,
-        scratch_key="recv0" if scratch else None,
+        scratch_key="recv0" if spare else None,
         meta_spare=be.num_experts,  # the dropped id: the compaction's dummy row is no pair
     )
 
