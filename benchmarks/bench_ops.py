@@ -16,6 +16,8 @@ Rows:
 - ``dispatch + combine``: ``FlexDispatcher.dispatch`` then ``combine`` (forward only), torch
   backend, flat, dropless and worst-case (``W = R*T``); hierarchical with ``LOCAL_WORLD_SIZE=1``
   (2 nodes of one rank) as well.
+- ``long rows``: flat, 2 ranks, at the world-of-one rows' shape: rows of 14 KiB, past the
+  in-band limit, so worst-case mode exchanges its counts and sends rows and metadata apart.
 - ``world of one``: dropless and worst-case (``W = T``) on a gloo group of one rank, as
   ``bench_gpu.py``'s NCCL group of one, at its host-time shape (T=128, H=7,168, E=256, k=8).
 - ``permute + unpermute``: ``permute(x, idx, E, topk_probs=p)`` then
@@ -99,7 +101,9 @@ def _inputs(
 _LAUNCHES = [0]  # Triton launches of the forced CUDA branch (``force_triton_kernels``)
 
 
-def _dispatch_ops(worst: bool, hierarchical: bool, cuda: bool, where: bool) -> dict[str, Any]:
+def _dispatch_ops(
+    worst: bool, hierarchical: bool, cuda: bool, where: bool, long_rows: bool = False
+) -> dict[str, Any]:
     from flexdispatch import DispatchConfig, FlexDispatcher
     from tests.cuda_path import force_cuda_path, force_triton_kernels
 
@@ -107,7 +111,7 @@ def _dispatch_ops(worst: bool, hierarchical: bool, cuda: bool, where: bool) -> d
         force_cuda_path()
         force_triton_kernels(lambda name, args: _LAUNCHES.__setitem__(0, _LAUNCHES[0] + 1))
     R = dist.get_world_size()
-    shape = ONE if R == 1 else {"T": T, "E": E, "K": K, "H": H}
+    shape = ONE if R == 1 or long_rows else {"T": T, "E": E, "K": K, "H": H}
     x, idx, probs = _inputs(dist.get_rank(), **shape)
     cfg = DispatchConfig(
         backend="torch",
@@ -146,7 +150,7 @@ def _permute_ops(cuda: bool, where: bool) -> dict[str, Any]:
 
 
 def _rank0(
-    worst: bool, hierarchical: bool, cuda: bool, where: bool, ranks: int = 2
+    worst: bool, hierarchical: bool, cuda: bool, where: bool, ranks: int = 2, long: bool = False
 ) -> dict[str, Any]:
     from flexdispatch.launch import spawn_group
 
@@ -156,7 +160,7 @@ def _rank0(
     return spawn_group(
         _dispatch_ops,
         ranks,
-        args=(worst, hierarchical, cuda, where),
+        args=(worst, hierarchical, cuda, where, long),
         ranks_per_node=1 if hierarchical else ranks,
         env=env,
         timeout_s=300,
@@ -182,17 +186,19 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[tuple[str, dict[str, dict[str, int]]]] = []
     w = args.where
     one = "T={T} H={H} E={E} k={K}".format(**ONE)
-    for label, worst, hier, R in (
-        ("torch flat dropless", False, False, 2),
-        ("torch flat worst-case (W=R*T)", True, False, 2),
-        ("torch hierarchical dropless", False, True, 2),
-        ("torch hierarchical worst-case", True, True, 2),
-        (f"torch world of one ({one}) dropless", False, False, 1),
-        (f"torch world of one ({one}) worst-case (W=T)", True, False, 1),
+    for label, worst, hier, R, long in (
+        ("torch flat dropless", False, False, 2, False),
+        ("torch flat worst-case (W=R*T)", True, False, 2, False),
+        ("torch hierarchical dropless", False, True, 2, False),
+        ("torch hierarchical worst-case", True, True, 2, False),
+        (f"torch flat, long rows ({one}) dropless", False, False, 2, True),
+        (f"torch flat, long rows ({one}) worst-case (W=R*T)", True, False, 2, True),
+        (f"torch world of one ({one}) dropless", False, False, 1, False),
+        (f"torch world of one ({one}) worst-case (W=T)", True, False, 1, False),
     ):
         if args.rows not in label:
             continue
-        per = {"cpu": _rank0(worst, hier, False, w, R), "cuda": _rank0(worst, hier, True, w, R)}
+        per = {path: _rank0(worst, hier, path == "cuda", w, R, long) for path in ("cpu", "cuda")}
         rows.append((label, per))
     per_p = {"cpu": _permute_in_child(False, w), "cuda": _permute_in_child(True, w)}
 
