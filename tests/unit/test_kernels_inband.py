@@ -68,7 +68,8 @@ def test_pack_matches_the_torch_packing(dev, T, k, H, dtype) -> None:  # type: i
         (12, 3, 16, "slice"),  # every block padded
         (0, 2, 4, "slice"),  # no rows
         (40, 1, 40, "contiguous"),  # a world of one
-        (3000, 4, 900, "transposed"),  # several chunks per program, overflow
+        (3000, 4, 900, "transposed"),  # overflow
+        (9000, 2, 5000, "slice"),  # several chunks per program (4,096 rows each)
         (7, 5, 1, "contiguous"),
     ],
 )
