@@ -91,8 +91,9 @@ def _kernel_bytes(name: str, args: tuple) -> None:
     """One Triton launch (``tests.cuda_path.force_triton_kernels``) as one op: what it reads and
     writes. The value screen reads the ids, the probs and all of ``x`` and writes the ids; the
     worst-case receive side (``unpack_blocks``) reads the real rows and writes all ``W``; the
-    send slots (``capped_slots``) read the mask and write the send index; the in-band pack
-    (multi-rank only) is not reached in a world of one."""
+    send slots (``capped_slots``) read the mask and write the send index; the send rows
+    (``pack_blocks``, multi-rank) read and write the real rows (``pack_inband``, in band: every
+    send row, padding included)."""
     if not _ACTIVE:
         return
     m = _ACTIVE[-1]
@@ -107,6 +108,14 @@ def _kernel_bytes(name: str, args: tuple) -> None:
         _, out, n, _, _, cap = args[:6]
         m.read += n * (out.numel() // cap)  # one byte per row and participant
         m.written += _nbytes(out)
+    elif name in ("pack_blocks", "pack_inband"):  # reads and writes the rows it sends
+        words, key, _, index = args[:4]
+        T = words.shape[0]
+        real = int((index < T).sum())  # padding rows read nothing
+        row = words.shape[1] * 4 if T else 0
+        m.read += _nbytes(index) + real * (row + key.shape[1] * 12)
+        sent = real if name == "pack_blocks" else index.numel()  # in band: padding rows too
+        m.written += sent * (row + key.shape[1] * 8)
     elif name == "unpack_blocks":
         rows, _, _, _, n_R, *outs = args[:11]
         real = int(n_R.sum())  # the rows it reads: the real ones (their bytes and metadata)
@@ -119,14 +128,14 @@ def _kernel_bytes(name: str, args: tuple) -> None:
         raise NotImplementedError(f"bench_worst_bytes: no byte count for kernel {name}")
 
 
-def _count(worst: bool, T: int, wf: int) -> dict[str, Any]:
+def _count(worst: bool, T: int, wf: int, R: int = 1, rank: int = 0) -> dict[str, Any]:
     from flexdispatch import DispatchConfig, FlexDispatcher
 
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(rank)
     idx = torch.rand(T, E, generator=g).argsort(1)[:, :K].contiguous()
     probs = torch.rand(T, K, generator=g)
     x = torch.randn(T, H, generator=g).bfloat16()
-    W = T * wf if worst else 0
+    W = R * T * wf if worst else 0
     d = FlexDispatcher(
         DispatchConfig(backend="torch", checks=False, num_worst_tokens=W), num_experts=E
     )
@@ -150,6 +159,31 @@ def _count(worst: bool, T: int, wf: int) -> dict[str, Any]:
     }
 
 
+def _setup(path: str) -> bool:
+    """The code path to count (``--path``); True when the Triton kernels run (interpreted)."""
+    if path == "cuda":  # NOTE: before triton is first imported (the screen kernel)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import flexdispatch.backends.torch.a2a  # noqa: F401  (loaded before the patch)
+
+    if path != "cuda":
+        return False
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests/
+    from tests.cuda_path import force_cuda_path, force_triton_kernels
+
+    force_cuda_path()
+    return force_triton_kernels(_kernel_bytes)
+
+
+def _rank_count(path: str, T: int, wf: int) -> list[dict[str, Any]]:
+    """``--ranks R``: both modes counted on this rank of a gloo group (every rank runs them)."""
+    import torch.distributed as dist
+
+    _setup(path)
+    torch.set_num_threads(1)
+    R, rank = dist.get_world_size(), dist.get_rank()
+    return [_count(worst, T, wf, R, rank) for worst in (False, True)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2048)
@@ -161,18 +195,31 @@ def main() -> None:
         help="W = T x this (default k, as the H200 measurement; 1 = R x T in a world of one, "
         "what bench_gpu.py and DeepEP use)",
     )
+    ap.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="R > 1: R gloo ranks, each with T tokens, W = R x T x --w-per-token; rank 0's "
+        "counts (default 1: a world of one, no process group)",
+    )
     args = ap.parse_args()
-    screened = False
-    if args.path == "cuda":  # NOTE: before triton is first imported (the screen kernel)
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    import flexdispatch.backends.torch.a2a  # noqa: F401  (loaded before the patch)
+    R = args.ranks
+    results = None
+    if R > 1:
+        from flexdispatch.launch import spawn_group
 
-    if args.path == "cuda":
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests/
-        from tests.cuda_path import force_cuda_path, force_triton_kernels
-
-        force_cuda_path()
-        screened = force_triton_kernels(_kernel_bytes)
+        env = {"TRITON_INTERPRET": "1"} if args.path == "cuda" else {}
+        got = spawn_group(
+            _rank_count,
+            R,
+            args=(args.path, args.tokens, args.w_per_token),
+            env=env,
+            timeout_s=1800,
+        )
+        results = got[0]
+        screened = args.path == "cuda"
+    else:
+        screened = _setup(args.path)
     torch.set_num_threads(1)
     T = args.tokens
     rows = T * H * 2
@@ -181,8 +228,9 @@ def main() -> None:
         if args.path == "cuda" and screened
         else ""
     )
+    world = "world of one" if R == 1 else f"{R} gloo ranks (rank 0's counts)"
     print(
-        f"{args.path} code path{screen}, world of one, T={T}, H={H} bf16, E={E}, k={K}; one "
+        f"{args.path} code path{screen}, {world}, T={T}, H={H} bf16, E={E}, k={K}; one "
         f"pass over T rows = {rows / 2**20:.1f} MiB\n"
     )
     print(
@@ -190,12 +238,13 @@ def main() -> None:
         "read + written, in T-row passes | ops over all of those rows |"
     )
     print("|---|---:|---:|---:|---:|---:|---|")
-    for worst in (False, True):
-        r = _count(worst, T, args.w_per_token)
+    for i, worst in enumerate((False, True)):
+        r = results[i] if results is not None else _count(worst, T, args.w_per_token)
         rw = r["read"] + r["written"]
         passes = ", ".join(f"{v} {k}" for k, v in sorted(r["passes"].items()))
         print(
-            f"| {f'worst-case (W = {args.w_per_token}T)' if worst else 'dropless'} | {r['rows']} | "
+            f"| {f'worst-case (W = {args.w_per_token * R}T)' if worst else 'dropless'} | "
+            f"{r['rows']} | "
             f"{r['ops']} | "
             f"{r['read'] / 2**20:.0f} | {r['written'] / 2**20:.0f} | {rw / rows:.1f} | "
             f"{passes} |"
