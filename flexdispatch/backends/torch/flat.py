@@ -108,10 +108,10 @@ def dispatch_flat(
         need_valid = G is not None and not (cuda_code_path(device) and T)
         send_index, send_valid = slot_positions(mask_TR, cap, valid=need_valid)
     row_bytes = H * x.element_size()
-    # NOTE: the receive side of worst-case mode in one launch on CUDA (``unpack_blocks``),
-    # which reads no spare row; a world of one (no group, or a group of one rank) receives its
-    # send rows in send order, so there the kernel reads them where they are: no send gather,
-    # no receive buffer, no collective
+    # NOTE: worst-case mode on CUDA with triton: the send rows in one launch (``pack_blocks``)
+    # and the receive side in one (``unpack_blocks``, which reads no spare row); a world of one
+    # (no group, or a group of one rank) receives its send rows in send order, so there the
+    # unpack kernel reads them where they are: no send rows, no receive buffer, no collective
     kernels = cap is not None and row_bytes % 4 == 0 and _inband.pack_on_device(device)
     direct = kernels and R == 1
     xp = None
@@ -152,7 +152,7 @@ def dispatch_flat(
         padded=cap is not None,
     )
     be.stats.rows_sent += hop.num_send
-    if kernels:  # NOTE: worst-case on CUDA: a send kernel (not in a world of one), the unpack
+    if kernels:
         x = x if x.is_contiguous() else x.contiguous()
         if direct:
             rows, meta, row_map = x, pack_key_meta(key_TK, topk_probs), send_index
