@@ -106,8 +106,8 @@ def start_exchange(
         pairs_R=pairs_R,
         per_node=per_node,
     )
-    if not is_distributed(group):
-        return vec.reshape(1, -1).clone(), None
+    if not is_distributed(group) or group_size(group) == 1:
+        return vec.reshape(1, -1), None  # NOTE: a world of one: nothing to gather
     G = torch.empty(group_size(group), vec.numel(), dtype=torch.int64, device=vec.device)
     with collective_guard(EXCHANGE_NAME, group):
         work = start_gather_int64(G.view(-1), vec, group, async_op=async_op)

@@ -240,9 +240,9 @@ def test_world_of_one_worst_case_on_the_cuda_branch(
 ) -> None:  # type: ignore[no-untyped-def]
     """A world of one (no process group, the H200 measurement's setup) in worst-case mode, CUDA
     branch: its output read straight from ``x`` by ``unpack_blocks`` (no send gather, no
-    receive buffer) and its combine without the inverse gather (``reduce_compacted``) equal the
-    torch ops and the CPU branch, gradients included; an overflow (rows past ``W``) is reported
-    the same way and keeps the same first ``W`` rows."""
+    receive buffer, no collective) and its combine without the inverse gather
+    (``reduce_compacted``) equal the torch ops and the CPU branch, gradients included; an
+    overflow (rows past ``W``) is reported the same way and keeps the same first ``W`` rows."""
     import flexdispatch.backends.torch.a2a  # noqa: F401  (loaded before the patch)
     from flexdispatch import DispatchConfig, FlexDispatcher
     from flexdispatch.kernels import inband
@@ -280,6 +280,8 @@ def test_world_of_one_worst_case_on_the_cuda_branch(
     assert [torch.equal(a, b) for a, b in zip(outs, torch_outs, strict=True)] == [True] * 7
     sent, combined = " ".join(ops).split("|")
     assert "index_select" not in sent and "index_select" in torch_ops, (sent, torch_ops)
+    # no collective at all (a group of one gathers no counts)
+    assert not [o for o in sent.split() if "gather" in o or "alltoall" in o], sent
     # combine on the CUDA branch: one sum from zeros, no gather of the W rows
     assert combined.split() == " ".join(torch_ops).split("|")[1].split(), (ops, torch_ops)
     assert "index_select" not in combined and combined.count("index_add_") == 1, ops
@@ -294,3 +296,4 @@ def test_world_of_one_worst_case_on_the_cuda_branch(
         assert error is None is cpu_error
         assert outs[0][11:].eq(0).all() and outs[1][11:].eq(-1).all()
         assert outs[0][:11].abs().sum() > 0
+
