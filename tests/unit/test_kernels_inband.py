@@ -297,3 +297,44 @@ def test_world_of_one_worst_case_on_the_cuda_branch(
         assert outs[0][11:].eq(0).all() and outs[1][11:].eq(-1).all()
         assert outs[0][:11].abs().sum() > 0
 
+
+def test_a_worst_case_exchange_counts_no_pairs(dev, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The ``(token, expert)`` pairs per rank in the count exchange serve a dropless receiver
+    (``num_recv_pairs``) and the deferred bad-id count only: with the screen kernel (no bad id
+    left to count) a worst-case exchange sends zeros there instead of counting them, while
+    dropless still counts them (two ``scatter_add_``: the pairs, then the received rows per
+    expert)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import flexdispatch.backends.torch.a2a  # noqa: F401  (loaded before the patch)
+    from flexdispatch import DispatchConfig, FlexDispatcher
+    from tests.cuda_path import force_cuda_path, force_triton_kernels
+
+    if dev.type == "cpu":
+        force_cuda_path(monkeypatch.setattr)
+        assert force_triton_kernels(None, monkeypatch.setattr)
+    g = torch.Generator().manual_seed(4)
+    T, E, k, H = 12, 8, 2, 64
+    idx = torch.rand(T, E, generator=g).argsort(1)[:, :k].contiguous()
+    idx[3] = -1
+    idx[5, 0] = E + 3  # a bad id: the screen drops it
+    probs = torch.rand(T, k, generator=g)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    ops: list[str] = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            ops.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    seen = {}
+    for W in (T, 0):
+        ops.clear()
+        d = FlexDispatcher(
+            DispatchConfig(backend="torch", checks=False, num_worst_tokens=W), num_experts=E
+        )
+        with Spy():
+            res = d.dispatch(*(t.to(dev) for t in (x, idx, probs)))
+        seen[W] = (ops.count("scatter_add_"), res.num_recv_pairs)
+        d.close()
+    assert seen == {T: (0, None), 0: (2, 21)}, seen

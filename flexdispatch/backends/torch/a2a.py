@@ -568,13 +568,18 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
         # NOTE: counts in band (flat.py) once the ranks agreed on this row shape (CPU; CUDA
         # with checks off never reads the exchange: in band at once)
         inband = shape is not None and (shape in self.agreed_shapes or cuda_code_path(x.device))
-        # NOTE: the pair counts serve the bad ids and the count exchange only
-        pairs_R2 = _bin_counts(rank_TK.view(-1), R + 2) if deferred or not inband else None
-        self.bad_ids = pairs_R2[R] if deferred and pairs_R2 is not None else None
-        if inband or pairs_R2 is None:
+        # NOTE: the pair counts serve the bad ids and a dropless receiver only (``recv_pairs``);
+        # a worst-case exchange sends zeros in their place (no launch)
+        pairs_R2 = None
+        if deferred or not (inband or self.worst_case):
+            pairs_R2 = _bin_counts(rank_TK.view(-1), R + 2)
+        self.bad_ids = pairs_R2[R] if deferred else None
+        zeros_R = None if pairs_R2 is not None else _memory.scalar(0, torch.int64, dev).expand(R)
+        pairs_R = pairs_R2[:R] if pairs_R2 is not None else zeros_R
+        if inband:
             pass
         elif self.hierarchical or cuda_code_path(x.device) or not self.distributed:
-            G = self.exchange_counts(mask_TR, H, k, x.dtype, pairs_R2[:R])
+            G = self.exchange_counts(mask_TR, H, k, x.dtype, pairs_R)
         else:
             # NOTE: CPU flat: the exchange runs (gloo, async) while the plan prepares its send
             # rows; the plan reads G only through ``pending.wait()``, which waits for it first.
@@ -585,7 +590,7 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
                 dtype=x.dtype,
                 ranks_per_node=self.ranks_per_node,
                 group=self.group,
-                pairs_R=pairs_R2[:R],
+                pairs_R=pairs_R,
             )
         if G is not None:
             pending = self.start_host_counts(G, work)
