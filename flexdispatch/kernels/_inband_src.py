@@ -185,15 +185,21 @@ def capped_slots(
     p = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     count = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)
-    for t0 in range(0, N, BLOCK):
+    # NOTE: ``while`` loops, not ``range(0, N, BLOCK)``: Triton 3.6's interpreter (the GPU
+    # machine's) cannot take a runtime bound as a range index under numpy 2
+    t0 = 0
+    while t0 < N:
         t = (t0 + offs).to(tl.int64)
         m = tl.load(mask_ptr + t * STRIDE_T + p * STRIDE_P, mask=t < N, other=0) != 0
         c = tl.cumsum(m.to(tl.int64), axis=0) + count  # the 1-based count of each row
         tl.store(out_ptr + p * CAP + c - 1, t, mask=m & (c <= CAP))
         count += tl.sum(m.to(tl.int64), axis=0)
+        t0 += BLOCK
     filled = tl.minimum(count, CAP)
-    for s0 in range(0, CAP, BLOCK):
+    s0 = 0
+    while s0 < CAP:
         s = (s0 + offs).to(tl.int64)
         tl.store(
             out_ptr + p * CAP + s, tl.full([BLOCK], 0, tl.int64) + N, mask=(s >= filled) & (s < CAP)
         )
+        s0 += BLOCK
