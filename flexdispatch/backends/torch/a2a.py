@@ -88,7 +88,7 @@ from flexdispatch.backends.torch.rows import (
     local_lut,
     rank_lut,
 )
-from flexdispatch.distributed import collective_guard, group_rank, group_size, is_distributed
+from flexdispatch.distributed import collective_guard, group_rank, group_size
 from flexdispatch.kernels import screen as _screen
 from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, DispatchStats
 
@@ -126,9 +126,11 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
     ) -> None:
         self.group = group
         self.pinned_counts: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
-        self.distributed = is_distributed(group)  # NOTE: fixed with R, read once (hot path)
         self.bad_ids: torch.Tensor | None = None  # the last dispatch's, see ``counts_bad_ids``
         self.num_ranks = group_size(group)
+        # NOTE: whether rows go through collectives; a group of one rank moves them as no group
+        # does (it receives what it sends). Fixed with R, read once (hot path).
+        self.distributed = self.num_ranks > 1
         self.rank = group_rank(group)
         self.ranks_per_node = ranks_per_node
         self.num_experts = num_experts
@@ -482,6 +484,8 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
     ) -> torch.Tensor:
         """Send ``[num_send, 2k]`` int32 metadata (already in send order) along ``hop``."""
         self.account(hop.send_splits, meta.shape[1] * meta.element_size())
+        if not self.distributed and not spare_row:
+            return meta  # NOTE: a world of one receives its send order (the caller's own rows)
         out, _ = self._all_to_all(
             meta,
             hop.send_splits,

@@ -68,15 +68,13 @@ def packs_meta(row_bytes: int) -> bool:
 def inband_shape(be: A2AHost, x: torch.Tensor, k: int) -> tuple[int, int, torch.dtype] | None:
     """``(H, k, dtype)`` when a dispatch of ``x`` may carry its counts in band (module docstring):
     flat worst-case mode across ranks, short rows, checks off, ``(T + 1) * R`` within int32;
-    else None (the count exchange runs). Not for a group of one rank where the kernels run:
-    there ``dispatch_flat`` reads the rows straight from ``x``, with no collective of rows."""
+    else None (the count exchange runs). Not in a world of one (no group, or a group of one
+    rank), which runs no collective: there the count exchange is local."""
     R = be.num_ranks
     if not be.worst_case or be.hierarchical or not be.distributed:
         return None
     T, H = x.shape
     if not packs_meta(H * x.element_size()) or (T + 1) * R >= 2**31:
-        return None
-    if R == 1 and _inband.pack_on_device(x.device):
         return None
     if checks_enabled(be.checks):
         return None

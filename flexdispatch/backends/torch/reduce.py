@@ -30,9 +30,9 @@ def reduce_hop(host: Any, hop: Hop, back_in: torch.Tensor) -> torch.Tensor:
     own = host.self_block(hop.send_splits, hop.recv_splits)
     work: dist.Work | None = None
     mine: torch.Tensor | None = None  # my own returning rows, read from ``back_in``
-    if own is None and not host.distributed and cuda_code_path(back_in.device):
-        # NOTE: a world of one gets back what it returns; the CUDA branch reads no spare row,
-        # so it sums straight from ``back_in`` (no copy: one pass over the rows fewer)
+    if not host.distributed:
+        # NOTE: a world of one gets back what it returns: summed straight from ``back_in`` as
+        # the CUDA branch sums (no spare row read), on every device: no copy, no collective
         back = back_in
         spare_zeroed = True
     elif own is None:
@@ -62,14 +62,15 @@ def reduce_hop(host: Any, hop: Hop, back_in: torch.Tensor) -> torch.Tensor:
     padded = hop.is_padded
     rows_out = hop.num_in + padded
     me = host.rank
-    cuda = cuda_code_path(back.device)
+    from_zeros = cuda_code_path(back.device) or not host.distributed
     for members in hop.reduce_groups:
         present = [r for r in members if offsets[r + 1] > offsets[r]]
         if not present:
             continue
-        if cuda:
-            # CUDA: every group's sum starts from zeros (one ``zeros`` + one ``index_add_`` per
-            # peer): no inverse map (``full`` + ``scatter_``) and no zero spare row to write.
+        if from_zeros:
+            # CUDA and a world of one: every group's sum starts from zeros (one ``zeros`` + one
+            # ``index_add_`` per peer): no inverse map (``full`` + ``scatter_``) and no zero
+            # spare row to write.
             # ``0 + a == a`` up to the sign of a zero, as on CPU; my rows may swap with the
             # first peer's (``a + b == b + a`` exactly), later terms keep their order.
             if mine is not None and me in present[:2]:
