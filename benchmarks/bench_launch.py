@@ -34,8 +34,11 @@ modes alternate ``--reps`` times; the figure is the median block time per call. 
 fresh ranks; ``--runs`` runs (default 3) give the range of each ratio (the machine is shared).
 Targets (issue 26): worst-case <= 2x bare, dropless <= 2.5x bare.
 
+``--ranks 1`` runs the same in a gloo group of one rank (a world of one: the bare calls are
+copies there, and the dispatcher runs no collective).
+
 Run: ``.venv/bin/python benchmarks/bench_launch.py [--runs 3] [--reps 15] [--inner 40]
-[--host-us 100,250,500]``
+[--host-us 100,250,500] [--ranks 2]``
 """
 
 from __future__ import annotations
@@ -267,6 +270,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--inner", type=int, default=40)
+    ap.add_argument("--ranks", type=int, default=2, help="gloo ranks R (1: a group of one rank)")
     ap.add_argument(
         "--host-us",
         default="100,250,500",
@@ -276,8 +280,9 @@ def main() -> None:
     host_us = tuple(int(u) for u in args.host_us.split(",") if u.strip())
     print(f"command: {shlex.join([sys.executable, *sys.argv])}")
     print(
-        f"torch {torch.__version__}, gloo, R=2, T={T}, H={H} bf16, E={E}, top-{K}, 1 thread, "
-        f"checks off; {args.reps} interleaved blocks of {args.inner} calls per run (median)\n"
+        f"torch {torch.__version__}, gloo, R={args.ranks}, T={T}, H={H} bf16, E={E}, top-{K}, "
+        f"1 thread, checks off; {args.reps} interleaved blocks of {args.inner} calls per run "
+        "(median)\n"
     )
     shown = (
         "dropless",
@@ -297,7 +302,7 @@ def main() -> None:
     print("|---|---:|" + "---:|" * (2 * len(shown)))
     ratios: dict[str, list[float]] = {m: [] for m in shown}
     for i in range(args.runs):
-        med = run_once(args.reps, args.inner, host_us=host_us)
+        med = run_once(args.reps, args.inner, R=args.ranks, host_us=host_us)
         b = med["bare"]
         for m in shown:
             ratios[m].append(med[m] / b)
