@@ -21,7 +21,9 @@ before the GPU finishes):
   bf16: dispatch + combine dropless, worst-case (W = T*R, DeepEP's choice) eager and replayed from
   a CUDA graph, against the two bare ``all_to_all_single`` calls of the same ``[T, H]`` rows;
   dropless and worst-case eager also with the dispatcher's own Triton kernels off (their torch
-  ops), side by side, for the host time they save or cost.
+  ops), side by side, for the host time they save or cost. A world of one runs no collective
+  inside the dispatcher (the torch backend treats a group of one rank as no group), so these
+  rows time its host work and kernels; the collectives' cost across ranks needs more GPUs.
 - ``layer``: ``MoELayer`` with the ``deepseek_v3`` preset on one GPU (bf16): build time, and one
   forward + backward at T = 4,096.
 
