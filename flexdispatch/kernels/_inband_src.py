@@ -102,6 +102,9 @@ def unpack_blocks(
     in_index_ptr,
     ROW_STRIDE,
     META_STRIDE,
+    PROBS_STRIDE,
+    PROBS_OFF,
+    N_STRIDE,
     LO,
     NUM_LOCAL,
     W,
@@ -116,11 +119,12 @@ def unpack_blocks(
 ):
     """Row ``j`` of the compacted output of a flat worst-case receive buffer, and entry ``j`` of
     its inverse map. The buffer: ``R`` blocks of ``CAP`` rows, the first ``n[s]`` rows of block
-    ``s`` real; row ``i``'s ``XW`` int32 words at ``rows + i * ROW_STRIDE``, its ``K`` int32 ids
-    and then its ``K`` fp32 probs at ``meta + i * META_STRIDE`` (``meta_f``: the same memory as
-    float32). Rows and metadata may share one buffer (the in-band layout) or not. With
-    ``HAS_MAP``, receive row ``i`` is row ``map[i]`` of ``rows`` and ``meta`` (a world of one
-    reads its send rows where they are).
+    ``s`` real (``min(n[s * N_STRIDE], CAP)``); row ``i``'s ``XW`` int32 words at ``rows + i *
+    ROW_STRIDE``, its ``K`` ids (int32 or int64) at ``meta + i * META_STRIDE`` and its ``K`` fp32
+    probs at ``meta_f + i * PROBS_STRIDE + PROBS_OFF`` (packed metadata: ``meta_f`` is the same
+    memory as float32, ``PROBS_OFF = K``). Rows and metadata may share one buffer (the in-band
+    layout) or not. With ``HAS_MAP``, receive row ``i`` is row ``map[i]`` of ``rows``, ``meta``
+    and ``meta_f`` (a world of one reads its send rows, ids and probs where they are).
 
     As an output row: the ``j``-th real row in (block, row) order, or the zero tail past them:
     its bytes, its ids made local (``id - LO`` for ids in ``[LO, LO + NUM_LOCAL)``, else -1), its
@@ -131,7 +135,7 @@ def unpack_blocks(
     """
     j = tl.program_id(0).to(tl.int64)
     rr = tl.arange(0, R_PAD)
-    n = tl.load(n_ptr + rr, mask=rr < R, other=0).to(tl.int64)
+    n = tl.minimum(tl.load(n_ptr + rr * N_STRIDE, mask=rr < R, other=0).to(tl.int64), CAP)
     incl = tl.cumsum(n, axis=0)
     excl = incl - n
     total = tl.sum(n, axis=0)
@@ -155,7 +159,7 @@ def unpack_blocks(
     ids = tl.load(meta_ptr + at * META_STRIDE + kk, mask=kr, other=-1).to(tl.int64)
     mine = kr & (ids >= LO) & (ids < LO + NUM_LOCAL)
     tl.store(ids_out_ptr + j * K + kk, tl.where(mine, ids - LO, -1), mask=km)
-    p = tl.load(meta_f_ptr + at * META_STRIDE + K + kk, mask=kr, other=0.0)
+    p = tl.load(meta_f_ptr + at * PROBS_STRIDE + PROBS_OFF + kk, mask=kr, other=0.0)
     tl.store(probs_out_ptr + j * K + kk, tl.where(mine, p, 0.0), mask=km)
     tl.atomic_add(
         counts_ptr + tl.where(mine, ids - LO, 0), tl.full([K_PAD], 1, tl.int64), mask=mine

@@ -133,6 +133,7 @@ def unpack_blocks(
     lo: int,
     num_local: int,
     row_map: torch.Tensor | None = None,
+    probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The compacted output of a flat worst-case receive buffer in one launch: what
     ``rows.flat_compaction`` (or ``valid_compaction``) + ``hops.finish`` compute in torch ops.
@@ -143,11 +144,14 @@ def unpack_blocks(
             not read; with ``row_map``, any number of rows); rows of a multiple of 4 bytes,
             each row contiguous (rows may be a strided view of a packed buffer). meta:
             ``[>= W, >= 2k]`` int32 view beside them:
-            the ``pack_key_meta`` ids, then the probs' fp32 bits. n_R: ``[R]`` int64 real rows
-            per block (the first ones of each block). lo, num_local: this rank's first expert
-            id and its count. row_map: ``[W]`` int64 or None: receive row ``i`` is row
-            ``row_map[i]`` of ``rows`` and ``meta`` (read for the real rows only); a world of
-            one passes its send rows (``x``) and their send order.
+            the ``pack_key_meta`` ids, then the probs' fp32 bits; with ``probs``, the ids only
+            (``[>= W, k]``, int32 or int64, ``clamp_ids`` values). n_R: ``[R]`` int64 real rows
+            per block (the first ones of each block; any stride; counts past ``cap`` read as
+            ``cap``). lo, num_local: this rank's first expert id and its count. row_map:
+            ``[W]`` int64 or None: receive row ``i`` is row ``row_map[i]`` of ``rows``,
+            ``meta`` and ``probs`` (read for the real rows only); a world of one passes its
+            send rows (``x``), ids, probs and their send order. probs: ``[>= W, k]`` float32
+            beside ``meta``'s ids, or None (packed in ``meta``).
 
     Returns:
         ``(recv_x [W, H] rows.dtype, ids [W, k] int64 local or -1, probs [W, k] float32 (0
@@ -160,10 +164,12 @@ def unpack_blocks(
     dev = rows.device
     XW = H * rows.element_size() // 4
     words = rows.view(torch.int32)
-    assert words.stride(1) == 1 and meta.stride(1) == 1 and meta.dtype == torch.int32
+    meta_f = meta.view(torch.float32) if probs is None else probs
+    assert words.stride(1) == 1 and meta.stride(1) == 1 and meta_f.stride(1) == 1
+    assert meta.dtype in (torch.int32, torch.int64) and meta_f.dtype == torch.float32
     recv_x = torch.empty((W, H), dtype=rows.dtype, device=dev)
     ids = torch.empty((W, k), dtype=torch.int64, device=dev)
-    probs = torch.empty((W, k), dtype=torch.float32, device=dev)
+    probs_out = torch.empty((W, k), dtype=torch.float32, device=dev)
     counts = torch.zeros(num_local, dtype=torch.int64, device=dev)
     out_index = torch.empty(W, dtype=torch.int64, device=dev)
     in_index = torch.empty(W, dtype=torch.int64, device=dev)
@@ -171,17 +177,20 @@ def unpack_blocks(
         _kernel("unpack_blocks").get()[(W,)](
             words,
             meta,
-            meta.view(torch.float32),
+            meta_f,
             n_R if row_map is None else row_map,
             n_R,
             recv_x.view(torch.int32),
             ids,
-            probs,
+            probs_out,
             counts,
             out_index,
             in_index,
             words.stride(0),
             meta.stride(0),
+            meta_f.stride(0),
+            k if probs is None else 0,
+            n_R.stride(0),
             lo,
             num_local,
             W,
@@ -194,7 +203,7 @@ def unpack_blocks(
             BLOCK_W=max(16, min(next_pow2(XW), _BLOCK_WORDS)),
             HAS_MAP=row_map is not None,
         )
-    return recv_x, ids, probs, counts, out_index, in_index
+    return recv_x, ids, probs_out, counts, out_index, in_index
 
 
 def capped_slots(mask_NP: torch.Tensor, cap: int) -> torch.Tensor:

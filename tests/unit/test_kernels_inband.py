@@ -92,6 +92,47 @@ def test_capped_slots_match_the_torch_slots(dev, n, P, cap, layout) -> None:  # 
     assert torch.equal(got.cpu(), want), (got, want)
 
 
+def test_unpack_reads_metadata_in_every_layout(dev) -> None:  # type: ignore[no-untyped-def]
+    """``unpack_blocks`` gives the same outputs whether the ids and probs come packed (int32
+    ids, then the probs' bits), packed inside a wider buffer, or apart (int64 ids and fp32
+    probs, a world of one's own tensors, read through a row map); the counts per block may be
+    a strided column and past ``cap`` (read as ``cap``)."""
+    from flexdispatch.kernels.inband import unpack_blocks
+
+    R, cap, k, H, E = 3, 4, 3, 8, 6
+    W = R * cap
+    g = torch.Generator().manual_seed(8)
+    rows = torch.randn(W, H, generator=g).bfloat16()
+    ids = torch.randint(-2, E + 1, (W, k), generator=g)  # ``clamp_ids`` values
+    probs = torch.rand(W, k, generator=g)
+    n = torch.tensor([[2, 7], [9, 7], [0, 7]])[:, 0]  # a strided column; 9 > cap
+    want_n = torch.tensor([2, cap, 0])
+    packed = torch.cat([ids.to(torch.int32), probs.view(torch.int32)], 1)
+    wide = torch.zeros(W, 4 * k, dtype=torch.int32)
+    wide[:, : 2 * k] = packed
+    order = torch.randperm(W, generator=g)  # send row i is source row order[i]
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(W)
+    kw = dict(cap=cap, k=k, lo=2, num_local=3)
+    base = unpack_blocks(rows.to(dev), packed.to(dev), want_n.to(dev), **kw)
+    got = [
+        unpack_blocks(rows.to(dev), wide[:, : 2 * k].to(dev), n.to(dev), **kw),
+        unpack_blocks(rows.to(dev), ids.to(dev), n.to(dev), probs=probs.to(dev), **kw),
+        unpack_blocks(
+            rows[inv].to(dev),
+            ids[inv].to(dev),
+            n.to(dev),
+            probs=probs[inv].to(dev),
+            row_map=order.to(dev),
+            **kw,
+        ),
+    ]
+    for outs in got:
+        assert [torch.equal(a, b) for a, b in zip(outs, base, strict=True)] == [True] * 6
+    assert base[3].sum() > 0 and base[2].abs().sum() > 0  # some local ids and their probs
+    assert base[1][2 + cap :].eq(-1).all()  # the tail: 2 + cap real rows
+
+
 def _step(d, me, rank):  # type: ignore[no-untyped-def]
     """Dispatch + combine with gradients (x and the probs), everything the user sees."""
     from tests.dist.reference import expert_fn

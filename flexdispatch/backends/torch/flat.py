@@ -152,20 +152,23 @@ def dispatch_flat(
     be.stats.rows_sent += hop.num_send
     if kernels:
         x = x if x.is_contiguous() else x.contiguous()
-        if direct:
-            rows, meta, row_map = x, pack_key_meta(key_TK, topk_probs), send_index
+        if direct:  # NOTE: the ids and probs read where they lie too (no metadata packed)
+            rows, meta, row_map, probs = x, key_TK, send_index, topk_probs
+            meta, probs = meta if meta.stride(1) == 1 else meta.contiguous(), probs.float()
+            probs = probs if probs.stride(1) == 1 else probs.contiguous()
         else:
             rows, meta = _send_blocks(be, hop, x, key_TK, topk_probs)
-            row_map = None
+            row_map = probs = None
         got = _inband.unpack_blocks(
             rows,
             meta,
-            G[:, me].clamp(max=cap),
+            G[:, me],  # NOTE: the kernel reads the counts past ``cap`` as ``cap``
             cap=cap,
             k=k,
             lo=me * e,
             num_local=e,
             row_map=row_map,
+            probs=probs,
         )
         return dispatch_result(be, (hop,), T, H, *got)
     spare = cap is not None
