@@ -129,8 +129,9 @@ def dispatch_flat(
                 what = f"rank {worst[1]} sending to rank {worst[2]}"
                 raise ValueError(overflow_message(what, worst[0], cap, W, R, R))
         else:
-            # NOTE: W = R times the largest count (a multiple of R already: no round_up)
-            be.record_overflow(G[:, :R].max(), scale=R)
+            # NOTE: W = R times the largest count (a multiple of R already: no round_up); a
+            # world of one has one count (a view, no launch)
+            be.record_overflow(G[0, 0] if R == 1 else G[:, :R].max(), scale=R)
         send_splits = recv_splits = (cap,) * R
     else:
         if Gh is None:
