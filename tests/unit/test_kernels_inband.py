@@ -343,8 +343,8 @@ def test_a_worst_case_exchange_counts_no_pairs(dev, monkeypatch) -> None:  # typ
     """The ``(token, expert)`` pairs per rank in the count exchange serve a dropless receiver
     (``num_recv_pairs``) and the deferred bad-id count only: with the screen kernel (no bad id
     left to count) a worst-case exchange sends zeros there instead of counting them, while
-    dropless still counts them (two ``scatter_add_``: the pairs, then the received rows per
-    expert)."""
+    dropless still counts them (one ``scatter_add_``; the received rows per expert are counted
+    by the unpack kernel)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import flexdispatch.backends.torch.a2a  # noqa: F401  (loaded before the patch)
@@ -378,4 +378,4 @@ def test_a_worst_case_exchange_counts_no_pairs(dev, monkeypatch) -> None:  # typ
             res = d.dispatch(*(t.to(dev) for t in (x, idx, probs)))
         seen[W] = (ops.count("scatter_add_"), res.num_recv_pairs)
         d.close()
-    assert seen == {T: (0, None), 0: (2, 21)}, seen
+    assert seen == {T: (0, None), 0: (1, 21)}, seen

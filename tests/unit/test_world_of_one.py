@@ -1,7 +1,9 @@
 """A world of one: no process group, or a group of one rank (``bench_gpu.py``'s NCCL group, a
 single-GPU run under ``torchrun --nproc-per-node 1``). A group of one receives what it sends, so
 the torch backend moves its rows, metadata and counts as with no group: no collective at all,
-in dispatch, combine and the backward, on the CPU and the CUDA branch, dropless and worst-case.
+in dispatch, combine and the backward, on the CPU and the CUDA branch (its torch ops, and its
+Triton kernels interpreted: there one launch reads the rows, ids and probs straight from the
+inputs in either mode), dropless and worst-case.
 
 Checked against the slow reference of ``tests/dist/reference.py`` (every routing case) and
 against the same calls with no group (equal bit for bit, gradients included). Every routing case
@@ -34,7 +36,7 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step(case: str, W: int) -> tuple[list[torch.Tensor], list[str]]:
+def _step(case: str, W: int, launches: list[str]) -> tuple[list[torch.Tensor], list[str]]:
     """Dispatch, the experts of ``expert_fn``, combine and the backward, as a user runs them:
     what comes out, and every op they ran."""
     from flexdispatch import DispatchConfig, FlexDispatcher
@@ -46,7 +48,9 @@ def _step(case: str, W: int) -> tuple[list[torch.Tensor], list[str]]:
     )
     ops = _Ops()
     with ops:
+        launches.clear()
         res = d.dispatch(x, inp.idx, probs)
+        ops.names.append(f"launched {sorted(launches)}")
         y = expert_fn(res.recv_x, res.recv_topk_probs, 0)
         out = d.combine(y, res.handle)
         out.square().sum().backward()
@@ -57,7 +61,7 @@ def _step(case: str, W: int) -> tuple[list[torch.Tensor], list[str]]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("branch", ["cpu", "cuda"])
+@pytest.mark.parametrize("branch", ["cpu", "cuda", "cuda+kernels"])
 @pytest.mark.parametrize("W", [0, 16], ids=["dropless", "worst-case"])
 def test_a_group_of_one_rank_runs_no_collective(monkeypatch, branch, W) -> None:  # type: ignore[no-untyped-def]
     import flexdispatch.backends.torch.a2a  # noqa: F401  (loaded before the patch)
@@ -65,15 +69,21 @@ def test_a_group_of_one_rank_runs_no_collective(monkeypatch, branch, W) -> None:
     from flexdispatch.launch import free_port
     from tests.cuda_path import force_cuda_path
 
-    if branch == "cuda":  # NOTE: the torch ops of the CUDA branch (its kernels: test_kernels_*)
+    launches: list[str] = []
+    if branch != "cpu":  # NOTE: the CUDA branch's torch ops, or its Triton kernels interpreted
         force_cuda_path(monkeypatch.setattr)
         monkeypatch.setattr(inband, "pack_on_device", lambda device: False)
-    alone = {case: _step(case, W) for case in WORLD_CASES}
+    if branch == "cuda+kernels":
+        pytest.importorskip("triton", reason="the kernels need triton (scripts/setup.sh)")
+        from tests.cuda_path import force_triton_kernels
+
+        assert force_triton_kernels(lambda name, args: launches.append(name), monkeypatch.setattr)
+    alone = {case: _step(case, W, launches) for case in WORLD_CASES}
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     try:
-        grouped = {case: _step(case, W) for case in WORLD_CASES}
+        grouped = {case: _step(case, W, launches) for case in WORLD_CASES}
     finally:
         dist.destroy_process_group()
     for case in WORLD_CASES:
@@ -83,6 +93,12 @@ def test_a_group_of_one_rank_runs_no_collective(monkeypatch, branch, W) -> None:
         inp = make_inputs(3, 0, R=1, E=E, k=K, H=H, case=case)
         ref = ref_dispatch([inp], 0, E)
         M = ref.x.shape[0]
+        if branch == "cuda+kernels" and inp.x.shape[0] and (W or M):
+            # NOTE: one launch reads the rows, ids and probs from the inputs: no torch gather
+            kernels = ["screen_inputs", "unpack_blocks"] + (["capped_slots"] if W else [])
+            mark = f"launched {sorted(kernels)}"
+            assert mark in ops, (case, ops)
+            assert not [o for o in ops[: ops.index(mark)] if "index_select" in o], ops
         recv_x, recv_idx, recv_probs, counts, out = outs[:5]
         assert recv_x.shape[0] == (W or M), case
         assert torch.equal(recv_x[:M], ref.x) and torch.equal(recv_idx[:M], ref.idx), case

@@ -109,8 +109,10 @@ def dispatch_flat(
     # NOTE: worst-case mode on CUDA with triton: the send rows in one launch (``pack_blocks``)
     # and the receive side in one (``unpack_blocks``, which reads no spare row); a world of one
     # (no group, or a group of one rank) receives its send rows in send order, so there the
-    # unpack kernel reads them where they are: no send rows, no receive buffer, no collective
-    kernels = cap is not None and row_bytes % 4 == 0 and _inband.pack_on_device(device)
+    # unpack kernel reads them where they are, in either mode: no send rows, no receive
+    # buffer, no collective
+    kernels = row_bytes % 4 == 0 and _inband.pack_on_device(device)
+    kernels = kernels and (cap is not None or R == 1)
     direct = kernels and R == 1
     xp = None
     if G is None:  # NOTE: counts in band (module docstring); the caller checked ``inband_shape``
@@ -164,13 +166,15 @@ def dispatch_flat(
             rows,
             meta,
             G[:, me],  # NOTE: the kernel reads the counts past ``cap`` as ``cap``
-            cap=cap,
+            cap=cap if cap is not None else hop.num_send,
             k=k,
             lo=me * e,
             num_local=e,
             row_map=row_map,
             probs=probs,
         )
+        if cap is None:  # NOTE: dropless: the rows sent, all real (no compaction maps)
+            got = (*got[:4], None, None)
         return dispatch_result(be, (hop,), T, H, *got)
     spare = cap is not None
     if xp is not None:
