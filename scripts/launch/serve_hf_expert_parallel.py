@@ -76,6 +76,34 @@ def _generate(model, ids, new_tokens: int):
         )
 
 
+def _report(args, world, blocks, ids, out, tokenizer, device) -> int:
+    """Rank 0's printout (and ``--check``); the exit status."""
+    import torch
+
+    held = list(blocks[0].layer.experts.global_expert_ids)
+    E = blocks[0].layer.config.router.num_experts
+    print(
+        f"{len(blocks)} MoE block(s) expert-parallel, rank 0 holds experts "
+        f"[{held[0]}, {held[-1] + 1}) of {E} in each"
+    )
+    new = out[0, ids.shape[1] :].tolist()
+    print(f"expert-parallel on {world} rank(s): generated token ids {new}")
+    syncs = sum(b.layer.dispatcher.stats.host_syncs for b in blocks)
+    print(f"dispatch host syncs on rank 0: {syncs}")
+    if tokenizer is not None:
+        print(f"text: {tokenizer.decode(out[0], skip_special_tokens=True)!r}")
+    if not args.check:
+        return 0
+    want = _generate(_load(args.checkpoint, device or "cpu"), ids, args.max_new_tokens)
+    same = torch.equal(out.cpu(), want.cpu())
+    print(
+        "unsharded model: same tokens"
+        if same
+        else f"unsharded model: DIFFERENT tokens {want[0, ids.shape[1] :].tolist()}"
+    )
+    return 0 if same else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if "RANK" not in os.environ:
@@ -121,34 +149,11 @@ def main(argv: list[str] | None = None) -> int:
         expert_parallel(model, dispatch=DispatchConfig(num_worst_tokens=worst))
         blocks = [m for m in model.modules() if isinstance(m, EPSparseMoeBlock)]
         out = _generate(model, ids, args.max_new_tokens)
-        # every rank's last collective done before any rank tears its group down (a gloo peer
-        # that closes its pairs while another still drains them can abort the process)
+        code = _report(args, world, blocks, ids, out, tokenizer, device) if rank == 0 else 0
+        # NOTE: every rank tears its group down together, after rank 0's report: a gloo peer
+        # that closes its pairs while another still uses its group can abort that process
         dist.barrier()
-        if rank != 0:
-            return 0
-        held = list(blocks[0].layer.experts.global_expert_ids)
-        E = blocks[0].layer.config.router.num_experts
-        print(
-            f"{len(blocks)} MoE block(s) expert-parallel, rank 0 holds experts "
-            f"[{held[0]}, {held[-1] + 1}) of {E} in each"
-        )
-        new = out[0, ids.shape[1] :].tolist()
-        print(f"expert-parallel on {world} rank(s): generated token ids {new}")
-        syncs = sum(b.layer.dispatcher.stats.host_syncs for b in blocks)
-        print(f"dispatch host syncs on rank 0: {syncs}")
-        if tokenizer is not None:
-            print(f"text: {tokenizer.decode(out[0], skip_special_tokens=True)!r}")
-        if args.check:
-            del model
-            want = _generate(_load(args.checkpoint, device or "cpu"), ids, args.max_new_tokens)
-            same = torch.equal(out.cpu(), want.cpu())
-            print(
-                "unsharded model: same tokens"
-                if same
-                else f"unsharded model: DIFFERENT tokens {want[0, ids.shape[1] :].tolist()}"
-            )
-            return 0 if same else 1
-        return 0
+        return code
     finally:
         dist.destroy_process_group()
 
