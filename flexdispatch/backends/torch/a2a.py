@@ -129,7 +129,9 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
         self.bad_ids: torch.Tensor | None = None  # the last dispatch's, see ``counts_bad_ids``
         self.num_ranks = group_size(group)
         # NOTE: whether rows go through collectives; a group of one rank moves them as no group
-        # does (it receives what it sends). Fixed with R, read once (hot path).
+        # does (it receives what it sends). Fixed with R, read once (hot path). Set True on a
+        # group of one, it runs the collective paths of R ranks with R = 1 (the GPU tests do, to
+        # put NCCL's collectives under a CUDA graph on one GPU).
         self.distributed = self.num_ranks > 1
         self.rank = group_rank(group)
         self.ranks_per_node = ranks_per_node
@@ -630,7 +632,7 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         state: TorchDispatchState = handle.state
         rows = y
-        one = self.num_ranks == 1 and not self.hierarchical and len(state.hops) == 1
+        one = not self.distributed and not self.hierarchical and len(state.hops) == 1
         one = one and state.out_index is not None
         if one and cuda_code_path(y.device):  # NOTE: no inverse gather (``reduce_compacted``)
             return reduce_compacted(self, state.hops[0], y, state.out_index)

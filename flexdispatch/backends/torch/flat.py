@@ -112,8 +112,8 @@ def dispatch_flat(
     # unpack kernel reads them where they are, in either mode: no send rows, no receive
     # buffer, no collective
     kernels = row_bytes % 4 == 0 and _inband.pack_on_device(device)
-    kernels = kernels and (cap is not None or R == 1)
-    direct = kernels and R == 1
+    kernels = kernels and (cap is not None or not be.distributed)
+    direct = kernels and not be.distributed
     xp = None
     if G is None:  # NOTE: counts in band (module docstring); the caller checked ``inband_shape``
         assert cap is not None
