@@ -3,12 +3,14 @@
 spin's event is done when it returns).
 
 Claimed sync-free (each must come back pending): worst-case dispatch + combine on the torch
-backend (the backend one GPU can run; DeepEP needs two), routing (grouped sigmoid, softmax with
-capacity; the default and the torch implementations), the dispatch layout, the static permute +
-unpermute (``num_out_rows``), the decode path (``DecodeDispatcher`` in worst-case mode, the
-expert-major maps) and DeepEP's worst-case receive masking. Known to sync, so the detector must
-fire: the dropless dispatch (a pinned copy + an event synchronize, which
-``torch.cuda.set_sync_debug_mode`` does not see) and the exact-size permute (one ``.item()``).
+backend (the backend one GPU can run; DeepEP needs two), as a world of one runs it (no
+collective) and with the backend's collective paths forced on (NCCL's all-to-alls of one rank),
+routing (grouped sigmoid, softmax with capacity; the default and the torch implementations),
+the dispatch layout, the static permute + unpermute (``num_out_rows``), the decode path
+(``DecodeDispatcher`` in worst-case mode, the expert-major maps) and DeepEP's worst-case receive
+masking. Known to sync, so the detector must fire: the dropless dispatch, both ways (a pinned
+copy + an event synchronize, which ``torch.cuda.set_sync_debug_mode`` does not see) and the
+exact-size permute (one ``.item()``).
 
 Skipped without CUDA. One spawned process (an NCCL group of world size 1, bound to cuda:0) runs
 every case; the tests read its results. Shape letters (ARCHITECTURE.md): T tokens · H hidden ·
@@ -33,6 +35,7 @@ T, H, E, K, R = 2048, 512, 64, 8, 8
 
 SYNC_FREE = (
     "worst-case dispatch+combine (torch)",
+    "worst-case dispatch+combine (torch, collectives forced)",
     "routing: sigmoid, 8 groups / 4",
     "routing: sigmoid, 8 groups / 4 (torch impl)",
     "routing: softmax with capacity",
@@ -43,7 +46,11 @@ SYNC_FREE = (
     "decode expert-major maps",
     "deepep worst-case masking",
 )
-SYNCING = ("dropless dispatch+combine (torch)", "exact-size permute")
+SYNCING = (
+    "dropless dispatch+combine (torch)",
+    "dropless dispatch+combine (torch, collectives forced)",
+    "exact-size permute",
+)
 
 
 def _cases(dev: torch.device) -> dict[str, Any]:
@@ -70,6 +77,11 @@ def _cases(dev: torch.device) -> dict[str, Any]:
     idx, probs = r.topk_idx, r.topk_probs
     worst = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=T), num_experts=E)
     dropless = FlexDispatcher(DispatchConfig(backend="torch"), num_experts=E)
+    # NOTE: a group of one runs no collective; forced, it runs the paths of R ranks (NCCL)
+    worst_nccl = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=T), num_experts=E)
+    dropless_nccl = FlexDispatcher(DispatchConfig(backend="torch"), num_experts=E)
+    for d in (worst_nccl, dropless_nccl):
+        d.backend.distributed = True
     decoder = DecodeDispatcher(
         FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=256), num_experts=E),
         num_max_dispatch_tokens_per_rank=256,
@@ -97,6 +109,7 @@ def _cases(dev: torch.device) -> dict[str, Any]:
 
     return {
         "worst-case dispatch+combine (torch)": lambda: step(worst),
+        "worst-case dispatch+combine (torch, collectives forced)": lambda: step(worst_nccl),
         "routing: sigmoid, 8 groups / 4": lambda: topk_routing(
             logits, topk=K, score_function="sigmoid", num_groups=8, group_topk=4
         ),
@@ -113,6 +126,7 @@ def _cases(dev: torch.device) -> dict[str, Any]:
             x[:512], local_idx, probs[:512], e_local
         ),
         "dropless dispatch+combine (torch)": lambda: step(dropless),
+        "dropless dispatch+combine (torch, collectives forced)": lambda: step(dropless_nccl),
         "exact-size permute": lambda: permute(x, idx, E, topk_probs=probs),
     }
 

@@ -3,11 +3,14 @@
 Shape letters (ARCHITECTURE.md): T tokens · H hidden · E experts · R ranks · k top-k · W worst-case
 rows.
 
-Skipped without CUDA. Each test runs in a spawned process with an NCCL group of world size 1 (the
-NCCL code path, without needing two GPUs), so nothing leaks into the pytest process:
+Skipped without CUDA. Each test runs in a spawned process with an NCCL group of world size 1, so
+nothing leaks into the pytest process:
 
 - a dispatch -> experts -> combine step in worst-case mode is captured in a CUDA graph, replayed
-  on new inputs copied into the static tensors, and equals the eager result bit for bit.
+  on new inputs copied into the static tensors, and equals the eager result bit for bit: as a
+  world of one runs it (no collective), and with the backend's collective paths forced on
+  (``TorchA2ABackend.distributed``: NCCL's all-to-alls of one rank inside the graph, the paths of
+  R ranks without needing two GPUs).
 
 That it never syncs is checked in ``test_no_host_sync.py`` with a detector that sees every wait
 (``torch.cuda.set_sync_debug_mode`` does not see the dropless path's event synchronize).
@@ -43,7 +46,7 @@ def _step(d: Any, x: torch.Tensor, idx: torch.Tensor, probs: torch.Tensor) -> to
     return d.combine(y, res.handle)
 
 
-def graph_worker() -> dict[str, Any]:
+def graph_worker(collectives: bool) -> dict[str, Any]:
     from flexdispatch import DispatchConfig, FlexDispatcher
 
     torch.cuda.set_device(0)
@@ -51,6 +54,7 @@ def graph_worker() -> dict[str, Any]:
     d = FlexDispatcher(
         DispatchConfig(backend="torch", num_worst_tokens=T, cuda_graph=True), num_experts=E
     )
+    d.backend.distributed = collectives  # NOTE: a group of one: the paths of R ranks if True
     x, idx, probs = (t.clone() for t in _inputs(0, dev))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -76,14 +80,15 @@ def graph_worker() -> dict[str, Any]:
     return {"equal": results, "syncs_moved": d.stats.host_syncs - syncs}
 
 
-def _run(fn: Any) -> Any:
+def _run(fn: Any, *args: Any) -> Any:
     from flexdispatch.launch import spawn_group
 
-    return spawn_group(fn, 1, backend="nccl", timeout_s=240)[0]
+    return spawn_group(fn, 1, args=args, backend="nccl", timeout_s=240)[0]
 
 
 @pytest.mark.timeout(300)
-def test_worst_case_step_captured_in_a_cuda_graph_equals_eager() -> None:
-    got = _run(graph_worker)
+@pytest.mark.parametrize("collectives", [False, True], ids=["world of one", "collectives forced"])
+def test_worst_case_step_captured_in_a_cuda_graph_equals_eager(collectives: bool) -> None:
+    got = _run(graph_worker, collectives)
     assert got["equal"] == {1: True, 2: True}, got
     assert got["syncs_moved"] == 0
