@@ -23,7 +23,9 @@ before the GPU finishes):
   dropless and worst-case eager also with the dispatcher's own Triton kernels off (their torch
   ops), side by side, for the host time they save or cost. A world of one runs no collective
   inside the dispatcher (the torch backend treats a group of one rank as no group), so these
-  rows time its host work and kernels; the collectives' cost across ranks needs more GPUs.
+  rows time its host work and kernels; "collectives forced" rows run the paths of R ranks with
+  R = 1 (``TorchA2ABackend.distributed`` set: NCCL's all-to-alls of one rank; ``--quick``: at
+  T = 128 only). The collectives' cost across ranks needs more GPUs.
 - ``layer``: ``MoELayer`` with the ``deepseek_v3`` preset on one GPU (bf16): build time, and one
   forward + backward at T = 4,096.
 
@@ -340,6 +342,15 @@ def bench_dispatch(torch: Any, timer: Timer, quick: bool, rows: list) -> None:
         worst = FlexDispatcher(
             DispatchConfig(backend="torch", num_worst_tokens=T, cuda_graph=True), num_experts=E
         )
+        # NOTE: a group of one runs no collective; these two run the paths of R ranks (NCCL)
+        forced = {
+            "dropless": FlexDispatcher(DispatchConfig(backend="torch"), num_experts=E),
+            "worst-case eager": FlexDispatcher(
+                DispatchConfig(backend="torch", num_worst_tokens=T), num_experts=E
+            ),
+        }
+        for d in forced.values():
+            d.backend.distributed = True
 
         def step(d: Any, x=x, idx=idx, probs=probs) -> Any:
             res = d.dispatch(x, idx, probs)
@@ -369,6 +380,8 @@ def bench_dispatch(torch: Any, timer: Timer, quick: bool, rows: list) -> None:
             "worst-case eager, dispatcher kernels off": lambda d=worst: _kernels_off(step, d),
             "worst-case graph replay": graph.replay,
         }
+        if not quick or T == 128:  # NOTE: --quick keeps them where host time is the question
+            fns.update({f"{w}, collectives forced": lambda d=d: step(d) for w, d in forced.items()})
         m = timer.run(fns)
         base = m["bare 2x all_to_all_single"]["ms"]
         for what, mm in m.items():
