@@ -39,6 +39,22 @@ def pack_on_device(device: torch.device) -> bool:
     return device.type == "cuda" and dispatch_kernels()
 
 
+def _sources(
+    x: torch.Tensor, key_TK: torch.Tensor, probs_TK: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """What the pack kernels read: ``x``'s rows as int32 words, the ids, the probs' fp32 bits,
+    and the words per row ``XW``."""
+    T = x.shape[0]
+    words = x.reshape(T, -1).view(torch.int32) if T else x.new_empty((0, 0), dtype=torch.int32)
+    XW = x.shape[1] * x.element_size() // 4
+    return words, key_TK.contiguous(), probs_TK.contiguous().view(torch.int32), XW
+
+
+def _block_words(XW: int) -> int:
+    """``BLOCK_W``: the words of a row one step of a kernel copies."""
+    return max(16, min(next_pow2(XW), _BLOCK_WORDS))
+
+
 def pack_inband(
     x: torch.Tensor,
     key_TK: torch.Tensor,
@@ -58,14 +74,13 @@ def pack_inband(
     """
     T, k = key_TK.shape
     S = send_index.shape[0]
-    words = x.reshape(T, -1).view(torch.int32) if T else x.new_empty((0, 0), dtype=torch.int32)
-    XW = x.shape[1] * x.element_size() // 4
+    words, key, probs_bits, XW = _sources(x, key_TK, probs_TK)
     out = torch.empty((S, XW + 2 * k + 1), dtype=torch.int32, device=x.device)
     if S:
         _kernel("pack_inband").get()[(S,)](
             words,
-            key_TK.contiguous(),
-            probs_TK.contiguous().view(torch.int32),
+            key,
+            probs_bits,
             send_index,
             need,
             out,
@@ -74,7 +89,7 @@ def pack_inband(
             K=k,
             K_PAD=next_pow2(k),
             XW=XW,
-            BLOCK_W=max(16, min(next_pow2(XW), _BLOCK_WORDS)),
+            BLOCK_W=_block_words(XW),
         )
     return out.view(torch.uint8)
 
@@ -102,14 +117,13 @@ def pack_blocks(
     S = send_index.shape[0]
     if not S:
         return
-    words = x.reshape(T, -1).view(torch.int32) if T else x.new_empty((0, 0), dtype=torch.int32)
-    XW = x.shape[1] * x.element_size() // 4
+    words, key, probs_bits, XW = _sources(x, key_TK, probs_TK)
     out = rows.view(torch.int32)
     assert out.stride(1) == 1 and meta.stride(1) == 1 and meta.dtype == torch.int32
     _kernel("pack_blocks").get()[(S,)](
         words,
-        key_TK.contiguous(),
-        probs_TK.contiguous().view(torch.int32),
+        key,
+        probs_bits,
         send_index,
         out,
         meta,
@@ -119,7 +133,7 @@ def pack_blocks(
         K=k,
         K_PAD=next_pow2(k),
         XW=XW,
-        BLOCK_W=max(16, min(next_pow2(XW), _BLOCK_WORDS)),
+        BLOCK_W=_block_words(XW),
     )
 
 
@@ -200,7 +214,7 @@ def unpack_blocks(
             K=k,
             K_PAD=next_pow2(k),
             XW=XW,
-            BLOCK_W=max(16, min(next_pow2(XW), _BLOCK_WORDS)),
+            BLOCK_W=_block_words(XW),
             HAS_MAP=row_map is not None,
         )
     return recv_x, ids, probs_out, counts, out_index, in_index
