@@ -47,9 +47,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "planner",
             "doctor",
-            "doctor_probe",
-            "doctor_report",
-            "doctor_v25",
             "bench",
             "launch",
             "cli",

@@ -16,7 +16,7 @@ import pytest
 
 from flexdispatch.cli import main
 from flexdispatch.doctor import deepep_api_choice, format_report, run_doctor
-from flexdispatch.doctor_v25 import probe_generations, probe_v25_runtime
+from flexdispatch.doctor.v25 import probe_generations, probe_v25_runtime
 
 
 class _Run:

@@ -1,5 +1,5 @@
 """What ``flexdispatch doctor`` reads from this machine: CUDA, NCCL, ``deep_ep``, NVSHMEM and
-the launcher's environment. Each probe answers a JSON-ready dict and never raises; ``doctor.py``
+the launcher's environment. Each probe answers a JSON-ready dict and never raises; the package
 decides from them."""
 
 from __future__ import annotations

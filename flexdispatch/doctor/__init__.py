@@ -28,10 +28,10 @@ needs no cluster.
   ``elastic`` (it has DeepEP V2's ``ElasticBuffer``).
 - ``deep_ep_generations``: {``v1``, ``v2``, ``v25``}, each {``ok``, ``api`` (``deep_ep.Buffer``,
   ``deep_ep.ElasticBuffer``, ``deep_ep_v25.EPBuffer``), ``reason``}; ``v25`` also ``version`` and
-  ``wheel`` (``doctor_v25.probe_generations``).
+  ``wheel`` (``doctor.v25.probe_generations``).
 - ``deep_ep_v25``: DeepEP 2.5's run-time needs, a list of {``name`` (``wheel``, ``torch_cuda``,
   ``nvcc``, ``cxx20``, ``nccl``, ``nccl_loaded``, ``ibstat``, ``nvidia-smi``), ``ok``,
-  ``detail``, ``fix``, ``level`` (``"error"`` / ``"warning"``)} (``doctor_v25.probe_v25_runtime``).
+  ``detail``, ``fix``, ``level`` (``"error"`` / ``"warning"``)} (``doctor.v25.probe_v25_runtime``).
 - ``nvshmem``: ``nvshmem4py`` {``importable``, ``version``, ``error``}, ``initialised`` (always
   false: the doctor never initialises NVSHMEM), ``status`` (``"not installed"``,
   ``"import failed: ..."`` or ``"importable, not initialised"``), ``library_path`` (the
@@ -64,15 +64,15 @@ import torch
 import torch.distributed as dist
 
 from flexdispatch.backends.base import Capability
-from flexdispatch.doctor_probe import (
+from flexdispatch.doctor.probe import (
     probe_cuda,
     probe_deep_ep,
     probe_launcher,
     probe_nccl,
     probe_nvshmem,
 )
-from flexdispatch.doctor_report import format_report
-from flexdispatch.doctor_v25 import ep_selection, probe_generations, probe_v25_runtime
+from flexdispatch.doctor.report import format_report
+from flexdispatch.doctor.v25 import ep_selection, probe_generations, probe_v25_runtime
 
 __all__ = [
     "SCHEMA",
