@@ -278,6 +278,7 @@ class DispatchConfig(_Strict):
             L,
             num_worst_tokens=W,
             internode_node_counts=deepep_limits.ANY_RELEASE_INTERNODE_NODE_COUNTS,
+            low_latency=self.mode == "low_latency",  # NOTE: any node count (audit-4 P8)
         )
         if not ok:
             extra = " (cuda_graph=True needs it)" if self.cuda_graph else ""

@@ -204,7 +204,11 @@ class DecodeDispatcher:
             )
         with torch.no_grad():
             if self._low_latency:
-                return self.dispatcher.backend.low_latency_dispatch(x, topk_idx, topk_probs)
+                # NOTE: the id guard of every other path (audit-4 P7): an id >= E indexes
+                # DeepEP's low-latency workspace past its counters and a repeated id overruns a
+                # sender's num_max slots; raised (checks on, CPU) or masked to -1 and counted
+                idx = self.dispatcher._check_values(topk_idx, x, topk_probs)
+                return self.dispatcher.backend.low_latency_dispatch(x, idx, topk_probs)
             res: DispatchResult = self.dispatcher.dispatch(x, topk_idx, topk_probs)
             e = self.dispatcher.num_local_experts
             maps = expert_major_maps(res.recv_topk_idx, e, self.capacity)

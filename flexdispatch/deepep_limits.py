@@ -73,8 +73,10 @@ def check_topology(
     intranode_rank_counts: Sequence[int] = INTRANODE_RANK_COUNTS,
     internode_node_counts: Sequence[int] = INTERNODE_NODE_COUNTS,
     nvl_peers: int = NUM_MAX_NVL_PEERS,
+    low_latency: bool = False,
 ) -> tuple[bool, str]:
-    """Whether DeepEP's normal kernels run on ``R`` ranks with ``L`` ranks per node.
+    """Whether DeepEP's normal kernels (``low_latency``: its low-latency kernels) run on ``R``
+    ranks with ``L`` ranks per node.
 
     DeepEP does not read the launcher's topology: it treats ``R <= 8`` ranks as one NVLink domain
     and, above that, ``rank // 8`` as the node. So a job is supported only when its real
@@ -87,6 +89,10 @@ def check_topology(
         intranode_rank_counts: R accepted on one node.
         internode_node_counts: N accepted across nodes (with L = 8).
         nvl_peers: DeepEP's NVLink domain (8; the test emulator can shrink it to fake nodes).
+        low_latency: the low-latency kernels' rule: they switch on the hidden size only, never
+            on the node count (v1.2.1 internode_ll.cu), and ``Buffer`` waives R <= 160 in
+            low-latency mode (deep_ep.cpp:29): across nodes the node-count list does not apply
+            (the rest does: node = rank // 8, deep_ep.cpp:30, 36-37).
 
     Returns:
         ``(ok, reason)``.
@@ -114,6 +120,8 @@ def check_topology(
             f"runs {local} ranks per node"
         )
     nodes = ranks // local
+    if low_latency:
+        return True, f"low-latency: {nodes} nodes x {local} ranks (any node count)"
     if nodes not in internode_node_counts:
         allowed = "/".join(map(str, internode_node_counts))
         return False, f"DeepEP's internode kernels support {allowed} nodes, not {nodes}"

@@ -66,7 +66,9 @@ def rule_reference(
     elif L == R:
         topo = R in (2, 4, 8)
     else:  # several nodes: node = rank // peers, so L must be the whole NVLink domain
-        topo = peers < R and peers == L and R // L in (2, 4, 8, 16) and W == 0
+        topo = peers < R and peers == L
+        # NOTE: the node-count list and W are the normal kernels' (low-latency: any node count)
+        topo = topo and (mode == "low_latency" or (R // L in (2, 4, 8, 16) and W == 0))
     if not topo:
         failed.append("topology")
     if mode == "low_latency" and H is not None and H not in LL_HIDDEN:

@@ -147,6 +147,7 @@ def deepep_support_checks(
         num_worst_tokens=num_worst_tokens,
         internode_node_counts=limits.internode_node_counts,
         nvl_peers=nvl_peers,
+        low_latency=mode == "low_latency",
     )
     checks.append(("topology", ok, why))
     if num_experts is not None and R > 0 and num_experts % R == 0:

@@ -172,10 +172,36 @@ class DeepEPBackend(LowLatencyMixin, CombineMixin, DispatchBackend):
         )
         if not ok:
             raise ValueError(f"deepep backend cannot serve this group: {why}")
+        # NOTE: low-latency mode is checked against the low-latency kernels' rule (any node
+        # count, audit-4 P8); the normal kernels on the same backend keep theirs
+        self._normal_refusal = None
+        if mode == "low_latency":
+            ok, why = sizing.check_topology(
+                self.num_ranks,
+                ranks_per_node,
+                num_worst_tokens=num_worst_tokens,
+                internode_node_counts=self.rules.internode_node_counts,
+                nvl_peers=nvl_peers(module),
+            )
+            if not ok:
+                self._normal_refusal = (
+                    f"this low-latency deepep backend cannot run DeepEP's normal dispatch / "
+                    f"combine kernels here: {why} (low-latency decode runs; use another process "
+                    f"group or backend='torch' for prefill / training)"
+                )
         self.deep_ep = module
         if num_sms is not None:
             if num_sms <= 0 or num_sms % 2:
                 raise ValueError(f"deepep num_sms must be a positive even number, got {num_sms}")
+            if mode == "normal" and num_sms < 4 and self.num_ranks > nvl_peers(module):
+                # NOTE: the combine's cached notify asserts num_channels * 2 > 3 with
+                # num_channels = num_sms / 2 (v1.2.1 csrc/kernels/internode.cu:1209), after
+                # the dispatch ran: refused here, before any kernel (audit-4 P14)
+                raise ValueError(
+                    f"deepep num_sms={num_sms} across nodes: DeepEP's internode combine needs "
+                    f"num_sms >= 4 (its cached notify asserts num_channels * 2 > 3, "
+                    f"num_channels = num_sms / 2): set DispatchConfig.deepep_num_sms >= 4"
+                )
             module.Buffer.set_num_sms(num_sms)
         self.topk_idx_dtype: torch.dtype = getattr(module, "topk_idx_t", torch.int64)
         self._shared = deepep_buffer.acquire(module, self.group, id(self))
@@ -377,6 +403,8 @@ class DeepEPBackend(LowLatencyMixin, CombineMixin, DispatchBackend):
             low_latency_need=" (it also holds the low-latency buffers)" if have else "",
         )
         refusals.check_low_latency_graph(self._shared, internode=self.internode)
+        if self._normal_refusal is not None:
+            raise ValueError(self._normal_refusal)
         return self._ensure_buffer(need)
 
     # ----------------------------------------------------------------- dispatch

@@ -590,6 +590,26 @@ _ALL = [
         },
     ),
     _L(
+        "ll.expert_id_range",
+        "device",
+        "low-latency dispatch: an id >= E indexes the per-expert send counters (workspace [E counters | E finish counters]) past their end and puts to rank id / e >= R (unchecked: UB; the emulator traps)",
+        "atomicAdd(atomic_counter_per_expert + dst_expert_idx, 1)",
+        {
+            "1.2.1": ("csrc/kernels/internode_ll.cu", 153),
+            "2.1.0": ("csrc/kernels/legacy/internode_ll.cu", 255),
+        },
+    ),
+    _L(
+        "ll.source_region",
+        "device",
+        "low-latency dispatch: a sender owns num_max receive slots per expert (rank * num_max + slot); a sender naming one expert more than num_max times (a repeated id) writes into the next source rank's rows (unchecked: silent corruption; the emulator traps)",
+        "rank * num_max_dispatch_tokens_per_rank * num_bytes_per_msg +",
+        {
+            "1.2.1": ("csrc/kernels/internode_ll.cu", 160),
+            "2.1.0": ("csrc/kernels/legacy/internode_ll.cu", 262),
+        },
+    ),
+    _L(
         "elastic.buffer_bytes",
         "host",
         "ElasticBuffer: num_bytes > 0 and a multiple of 2 MiB (symmetric::kNumAlignmentBytes)",

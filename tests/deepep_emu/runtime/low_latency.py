@@ -13,6 +13,13 @@ DeepEP's behaviours kept: the buffer must be cleaned after a normal kernel used 
 (``ll.clean_after_normal``: otherwise the kernel reads stale signals — here a ``DeviceTrap``
 saying the GPU would hang or read garbage); results live in one of two alternating buffers, so a
 ``return_recv_hook`` result is garbage once two more low-latency kernels ran (``ll.two_buffers``).
+Ids are DeepEP's to trust: it indexes its per-expert send counters with them unchecked, and each
+sender owns ``num_max`` receive slots per expert on the destination (``rank * num_max + slot``,
+v1.2.1 internode_ll.cu:153-161), so an id outside ``[-1, E)`` and a sender naming one expert more
+than ``num_max`` times (a repeated id) are modelled as traps (``ll.expert_id_range``,
+``ll.source_region``; on a GPU: undefined behaviour and another source rank's rows overwritten).
+The received rows are then packed per expert as DeepEP's receive warps pack them (the per-source
+regions live in its RDMA buffer only).
 Not emulated: UE8M0 / NVFP4 packing, LogFMT, zero-copy combine, overlap signals.
 """
 
@@ -128,8 +135,30 @@ class LowLatencyKernels:
         del dispatch_wait_recv_cost_stats
         e, cap = num_experts // R, R * num_max
         self.ll_launches += 1
+        bad = (topk_idx >= num_experts) | (topk_idx < -1)
+        limits.device_trap(
+            not bool(bad.any()),
+            "ll.expert_id_range",
+            rel,
+            f"{int(bad.sum())} id(s) outside [-1, E={num_experts}), e.g. {int(topk_idx[bad][0])}"
+            if bool(bad.any())
+            else "",
+        )
         t_idx, s_idx = (topk_idx >= 0).nonzero(as_tuple=True)
         gid = topk_idx[t_idx, s_idx]
+        # per-source receive regions: this sender owns num_max slots of each expert's region on
+        # its destination (rank * num_max + slot); the slot is its count of pairs so far
+        per_expert = torch.bincount(gid, minlength=num_experts)
+        over = per_expert > num_max
+        limits.device_trap(
+            not bool(over.any()),
+            "ll.source_region",
+            rel,
+            f"rank {self.rank} sends {int(per_expert.max())} pairs to expert "
+            f"{int(per_expert.argmax())}, past its num_max={num_max} slots"
+            if bool(over.any())
+            else "",
+        )
         dest = gid // e
         order = torch.argsort(dest, stable=True)
         t_idx, gid, dest = t_idx[order], gid[order], dest[order]

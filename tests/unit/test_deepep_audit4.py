@@ -1,0 +1,31 @@
+"""The fourth DeepEP audit's findings (issue 39) that need no process group: DeepEP 2.5's thread,
+channel and GIN rules as the adapter applies them, the link probes, the low-latency topology rule,
+the hosts of a group and what ``flexdispatch doctor`` says.
+
+Shape letters (ARCHITECTURE.md): H hidden · E experts · R ranks · e = E / R · k top-k · L ranks per
+node.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from flexdispatch import DispatchConfig
+from flexdispatch.backends.deepep.support import deepep_support_checks
+
+OK = (True, "ok")
+
+
+def test_low_latency_decode_is_not_refused_by_the_normal_node_counts() -> None:
+    """P8: 256 ranks (32 nodes of 8) run DeepEP's low-latency kernels; the normal kernels keep
+    their node-count list."""
+    kw = {"imported": OK, "nccl_on_cuda": OK, "num_experts": 256, "hidden_size": 7168}
+    ll = deepep_support_checks(256, 8, mode="low_latency", **kw)
+    assert all(ok for _, ok, _ in ll), ll
+    normal = dict((name, why) for name, ok, why in deepep_support_checks(256, 8, **kw) if not ok)
+    assert "32" in normal["topology"], normal
+    bad = deepep_support_checks(256, 4, mode="low_latency", **kw)  # node = rank // 8 still holds
+    assert not dict((n, ok) for n, ok, _ in bad)["topology"]
+    DispatchConfig(backend="deepep", mode="low_latency", ranks_per_node=8).check_world(256)
+    with pytest.raises(ValueError, match="not 32"):
+        DispatchConfig(backend="deepep", ranks_per_node=8).check_world(256)
