@@ -48,8 +48,7 @@ from flexdispatch.dispatch_overlap import (
 from flexdispatch.distributed import (
     check_fingerprint,
     collective_device,
-    group_size,
-    resolve_ranks_per_node,
+    group_ranks_per_node,
 )
 from flexdispatch.kernels import screen as _screen
 from flexdispatch.types import (
@@ -211,8 +210,7 @@ class FlexDispatcher:
         self.config = config
         self.group = group
         self._comm_device = collective_device(group)
-        R = group_size(group)
-        L, self.ranks_per_node_source = resolve_ranks_per_node(config.ranks_per_node, R)
+        L, self.ranks_per_node_source = group_ranks_per_node(config.ranks_per_node, group)
         fields: dict[str, object] = {**config.model_dump(), "num_experts": num_experts}
         fields["ranks_per_node (resolved)"] = L
         too_big = _limits.dispatch_refusal(config, num_experts, self._comm_device)
@@ -282,7 +280,8 @@ class FlexDispatcher:
 
     @property
     def ranks_per_node(self) -> int:
-        """L (from the config, ``LOCAL_WORLD_SIZE``, or R; see ``ranks_per_node_source``)."""
+        """L (from the config, ``LOCAL_WORLD_SIZE`` or R, cut to the ranks that share a host;
+        see ``ranks_per_node_source``)."""
         return self._backend.ranks_per_node
 
     @property

@@ -17,7 +17,10 @@ timeout, with the original error chained.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import math
 import os
+import socket
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -33,6 +36,8 @@ __all__ = [
     "group_rank",
     "collective_device",
     "resolve_ranks_per_node",
+    "group_ranks_per_node",
+    "ranks_per_host",
     "all_gather_int64",
     "start_gather_int64",
     "all_reduce_min_flag",
@@ -161,6 +166,45 @@ def resolve_ranks_per_node(configured: int | None, num_ranks: int) -> tuple[int,
             f"{num_ranks}"
         )
     return value, source
+
+
+def ranks_per_host(hosts: Sequence[int]) -> int:
+    """L as the ranks really sit: the largest divisor of R such that every block of L consecutive
+    group ranks runs on one host (``hosts[r]``: an id of rank r's host). A strided group (two ranks
+    of each of 8 nodes) gives 2; ranks interleaved over hosts give 1."""
+    R = len(hosts)
+    starts = [r for r in range(1, R) if hosts[r] != hosts[r - 1]]
+    return math.gcd(R, *starts) if R else 1
+
+
+def _host_id() -> int:
+    name = socket.gethostname().encode()
+    return int.from_bytes(hashlib.blake2b(name, digest_size=7).digest(), "little")
+
+
+def group_ranks_per_node(
+    configured: int | None, group: dist.ProcessGroup | None = None
+) -> tuple[int, str]:
+    """``resolve_ranks_per_node`` checked against where the group's ranks run (collective when
+    L is not configured and R > 1: one all-gather of a hostname hash per rank).
+
+    ``LOCAL_WORLD_SIZE`` describes the launcher's node, not the expert-parallel group: a group
+    that takes 2 ranks from each of 8 nodes would be "2 nodes of 8" by it, and DeepEP would open
+    CUDA IPC handles to GPUs on other hosts (audit-4 P9). Where no ``ranks_per_node`` is
+    configured, L is cut to the largest block of consecutive group ranks on one host
+    (``ranks_per_host``; source ``"hosts"`` when that changed it). A configured value is the
+    caller's word and is kept.
+    """
+    R = group_size(group)
+    L, source = resolve_ranks_per_node(configured, R)
+    if configured is not None or R <= 1 or not is_distributed(group):
+        return L, source
+    mine = torch.tensor([_host_id()], dtype=torch.int64, device=collective_device(group))
+    hosts = all_gather_int64(mine, group, name="all_gather (hosts of the group)").view(-1)
+    placed = math.gcd(L, ranks_per_host(hosts.tolist()))
+    if placed != L:
+        return placed, "hosts"
+    return L, source
 
 
 def start_gather_int64(

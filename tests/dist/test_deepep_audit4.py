@@ -285,6 +285,7 @@ def _wide_step(v25: Any, E: int, k: int, H: int, out: dict[str, Any]) -> None:
 CHECKS = (
     v1_sms,
     decode,
+    hosts,
 )
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from flexdispatch import DispatchConfig
 from flexdispatch.backends.deepep.support import deepep_support_checks
+from flexdispatch.distributed import ranks_per_host
 
 OK = (True, "ok")
 
@@ -29,3 +30,12 @@ def test_low_latency_decode_is_not_refused_by_the_normal_node_counts() -> None:
     DispatchConfig(backend="deepep", mode="low_latency", ranks_per_node=8).check_world(256)
     with pytest.raises(ValueError, match="not 32"):
         DispatchConfig(backend="deepep", ranks_per_node=8).check_world(256)
+
+
+@pytest.mark.parametrize(
+    ("hosts", "L"),
+    [("AAAABBBB", 4), ("AABBCCDD", 2), ("ABABABAB", 1), ("AAAAAAAA", 8), ("AAAABBCC", 2)],
+)
+def test_ranks_per_host_is_the_largest_block_on_one_host(hosts: str, L: int) -> None:
+    """P9: a strided EP group's ranks are not NVLink peers of each other."""
+    assert ranks_per_host([ord(h) for h in hosts]) == L
