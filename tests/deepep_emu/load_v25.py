@@ -30,8 +30,15 @@ Patches, only in the loaded ``buffers/ep.py`` namespace (what a CPU build cannot
 - ``torch``: ``load._torch_proxy()`` (``cuda.synchronize`` a no-op around ``__init__``'s barrier,
   ep.py:367-369; ``cuda.get_device_properties`` the emulated device, ``get_theoretical_num_sms``,
   ep.py:563);
-- ``get_nvlink_gbs`` / ``get_rdma_gbs`` / ``check_fast_rdma_atomic_support``: constants (450 GB/s,
-  50 GB/s, False) instead of running ``nvidia-smi`` / ``ibstat``.
+- ``get_nvlink_gbs`` / ``get_rdma_gbs`` / ``check_fast_rdma_atomic_support``: what the package's
+  ``emu_probes`` dict says (``nvlink_gbs``, ``rdma_gbs``, ``fast_atomics``), read at each call,
+  instead of running ``nvidia-smi`` / ``ibstat``. By default they fail as the real ones do without
+  those tools (a slim container, this CPU machine): 0, 0 and False (deep_ep_v25/utils/envs.py:
+  230-234, 279-283), so the adapter must survive a failed probe (audit-4 EV2); a test sets
+  working values.
+- ``check_nvlink_connections(group)`` also keeps DeepEP's PCIe rule (utils/envs.py:157): when the
+  emulated device's name (``emu_device_name``, default an SXM H100) contains ``PCIE``, a group of
+  more than 2 ranks fails its ``assert`` (the NVML pair check after it is not emulated).
 
 And while the wheel's files execute, ``torch.compile`` is an identity decorator
 (``eager_torch_compile``): ``utils/math.py`` decorates two fp8 cast helpers (unused by
@@ -102,13 +109,18 @@ def load_v25(nvl_peers: int = 8) -> types.ModuleType:
         sys.modules.update(saved)
 
     def check_nvlink_connections(group: Any) -> None:
+        if "PCIE" in pkg.emu_device_name:  # utils/envs.py:156-157
+            assert group.size() <= 2, "PCIe GPUs only have pairwise NVLink connections"
         runtime.pending_group = group
 
+    pkg.emu_device_name = "NVIDIA H100 80GB HBM3"
+    pkg.emu_nccl_properties = lambda: dict(runtime.emu_gin)
+    pkg.emu_probes = {"nvlink_gbs": 0.0, "rdma_gbs": 0.0, "fast_atomics": False}
     ep.check_nvlink_connections = check_nvlink_connections
     ep.torch = _torch_proxy()
-    ep.get_nvlink_gbs = lambda *a, **kw: 450.0
-    ep.get_rdma_gbs = lambda *a, **kw: 50.0
-    ep.check_fast_rdma_atomic_support = lambda *a, **kw: False
+    ep.get_nvlink_gbs = lambda *a, **kw: float(pkg.emu_probes["nvlink_gbs"])
+    ep.get_rdma_gbs = lambda *a, **kw: float(pkg.emu_probes["rdma_gbs"])
+    ep.check_fast_rdma_atomic_support = lambda *a, **kw: bool(pkg.emu_probes["fast_atomics"])
     pkg.EPBuffer = ep.EPBuffer
     pkg.EPHandle = ep.EPHandle
     pkg.EventOverlap = event.EventOverlap

@@ -283,6 +283,7 @@ def _wide_step(v25: Any, E: int, k: int, H: int, out: dict[str, Any]) -> None:
 
 
 CHECKS = (
+    probes,
     v1_sms,
     decode,
     hosts,

@@ -8,9 +8,12 @@ node.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from flexdispatch import DispatchConfig
+from flexdispatch.backends.deepep import ep_links
 from flexdispatch.backends.deepep.support import deepep_support_checks
 from flexdispatch.distributed import ranks_per_host
 
@@ -30,6 +33,31 @@ def test_low_latency_decode_is_not_refused_by_the_normal_node_counts() -> None:
     DispatchConfig(backend="deepep", mode="low_latency", ranks_per_node=8).check_world(256)
     with pytest.raises(ValueError, match="not 32"):
         DispatchConfig(backend="deepep", ranks_per_node=8).check_world(256)
+
+
+def test_failed_probes_take_documented_defaults_and_never_win() -> None:
+    """P5: DeepEP's probes answer 0 when nvidia-smi / ibstat fail; the adapter uses its defaults
+    then, and a probe that raises counts as failed."""
+    links = ep_links.choose_links(0.0, 0.0, False, hybrid=True, rdma=True)
+    assert (links.nvlink_gbs, links.rdma_gbs, links.num_allocated_qps) == (430.0, 50.0, 129)
+    assert "default" in links.detail
+    measured = ep_links.choose_links(300.0, float("inf"), True, hybrid=True, rdma=True)
+    assert (measured.nvlink_gbs, measured.rdma_gbs, measured.num_allocated_qps) == (300.0, 50.0, 65)
+    assert ep_links.choose_links(0.0, 0.0, True, hybrid=False, rdma=False).num_allocated_qps == 17
+
+    def boom() -> float:
+        raise RuntimeError("nvidia-smi: not found")
+
+    def init(self) -> None:  # the namespace EPBuffer looks its probes up in
+        pass
+
+    init.__globals__["get_nvlink_gbs"] = boom  # type: ignore[index]
+    try:
+        fake = types.SimpleNamespace(EPBuffer=type("EPBuffer", (), {"__init__": init}))
+        assert ep_links.probe_links(fake, rdma=False) == (0.0, 0.0, False)  # type: ignore[arg-type]
+        assert ep_links.agree_links(fake, None, hybrid=False, rdma=False).nvlink_gbs == 430.0  # type: ignore[arg-type]
+    finally:
+        del init.__globals__["get_nvlink_gbs"]  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(

@@ -160,7 +160,7 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         self.expert_alignment = expert_alignment
         self.deep_ep = module
         self.topk_idx_dtype: torch.dtype = getattr(module, "topk_idx_t", torch.int64)
-        self._shared = acquire_ep(module, self.group, self.hybrid, id(self))
+        self._shared = acquire_ep(module, self.group, self.hybrid, id(self), rdma=nvl < R)
         self._kernels = kernels_of(module)
         self._traffic: EPTraffic | None = None
         self._dev: torch.Tensor | None = None  # [rows sent, rows received, NVLink B, RDMA B]

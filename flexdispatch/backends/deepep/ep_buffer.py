@@ -7,9 +7,21 @@ top-k · E experts.
 backend with ``deepep_api="ep"`` on the same ``(deep_ep_v25 module, group, hybrid mode)`` joins
 one ``EPBuffer``, sized with ``EPBuffer.get_buffer_size_hint`` for the union of what its users
 asked for, rebuilt (collectively, at the same call on every rank) only when a call needs more
-bytes, destroyed when its last user closes. It also fixes the buffer's SM count: DeepEP 2.5's
-bandwidth model (``get_theoretical_num_sms``) reads ``nvidia-smi`` / ``ibstat`` on each host, so
-ranks could disagree; the first call agrees on the smallest (one MIN all-reduce per (E, k)).
+bytes, destroyed when its last user closes. It also fixes the buffer's SM and QP counts: DeepEP
+2.5's bandwidth model (``get_theoretical_num_sms``) reads ``nvidia-smi`` / ``ibstat`` on each
+host, which can fail (0) or disagree; the probes are agreed once before the first build
+(``ep_links.agree_links``: a failed probe takes a documented default, never the SM count), the
+model runs on the agreed bandwidths, and the first call per (E, k) agrees on the smallest count
+(one MIN all-reduce: devices may differ in SMs).
+
+Timeouts: DeepEP 2.5 compiles each kernel on the host right before its first launch, and its GPU
+barriers trap after ``num_gpu_timeout_secs`` (default 100 s, deep_ep_v25/include/deep_ep/comm/
+barrier.cuh:30-47). A rank with a cold DeepJIT cache (a new node after a restart) runs nvcc while
+its warm peers already wait inside the kernel, so the buffer is built with ``GPU_TIMEOUT_S`` (600
+s), which covers a cold compile of one kernel, and a CPU timeout above it (``CPU_TIMEOUT_S``, the
+dropless receive-count wait), at the price of a later trap when a peer really hangs (audit-4 P12;
+``docs/deepep.md``). DeepEP 2.5 has no compile-only entry point, so a compile-then-barrier warm-up
+cannot be built on it.
 
 ``KernelRegistry`` mirrors DeepJIT's per-process cache: the kernel templates (``kernel_key``)
 that have run. A call whose template is new would compile at its first use; inside a CUDA-graph
@@ -28,9 +40,24 @@ import torch
 import torch.distributed as dist
 
 from flexdispatch._validate import is_capturing
+from flexdispatch.backends.deepep.ep_links import Links, agree_links
 from flexdispatch.distributed import collective_device, collective_guard, is_distributed
 
-__all__ = ["EPSize", "KernelRegistry", "SharedEPBuffer", "acquire_ep", "kernels_of", "live_ep"]
+__all__ = [
+    "CPU_TIMEOUT_S",
+    "GPU_TIMEOUT_S",
+    "EPSize",
+    "KernelRegistry",
+    "SharedEPBuffer",
+    "acquire_ep",
+    "kernels_of",
+    "live_ep",
+]
+
+GPU_TIMEOUT_S = 600
+"""``EPBuffer(num_gpu_timeout_secs=...)``: covers a peer's cold JIT compile (DeepEP: 100 s)."""
+CPU_TIMEOUT_S = 660
+"""``EPBuffer(num_cpu_timeout_secs=...)``: the dropless CPU wait, above the GPU timeout."""
 
 _LOCK = threading.Lock()
 _BUFFERS: dict[tuple[int, int, bool], SharedEPBuffer] = {}
@@ -105,6 +132,8 @@ class SharedEPBuffer:
         size: what it was sized for; ``num_bytes`` its byte count (the size hint).
         allocations: buffers built so far (statistics).
         sms: the agreed SM count per (E, k).
+        rdma: the group spans more than one RDMA rank (node): DeepEP probes ``ibstat`` then.
+        links: the agreed link probes (``ep_links``), from the first build on.
     """
 
     deep_ep: ModuleType
@@ -116,6 +145,8 @@ class SharedEPBuffer:
     num_bytes: int = 0
     allocations: int = 0
     sms: dict[tuple[int, int], int] = field(default_factory=dict)
+    rdma: bool = False
+    links: Links | None = None
 
     def ensure(self, need: EPSize) -> Any:
         """The live buffer, (re)built collectively when ``need`` needs more bytes.
@@ -146,6 +177,8 @@ class SharedEPBuffer:
                 f"CUDA-graph capture: call "
                 f"FlexDispatcher.warmup(...) with the captured shapes before capturing"
             )
+        if self.links is None:
+            self.links = agree_links(self.deep_ep, self.group, hybrid=self.hybrid, rdma=self.rdma)
         self._destroy()
         self.buffer = cls(
             self.group,
@@ -155,6 +188,9 @@ class SharedEPBuffer:
             num_topk=new.num_topk,
             allow_hybrid_mode=self.hybrid,
             allow_multiple_reduction=True,
+            num_allocated_qps=self.links.num_allocated_qps,
+            num_cpu_timeout_secs=CPU_TIMEOUT_S,
+            num_gpu_timeout_secs=GPU_TIMEOUT_S,
             explicitly_destroy=True,
         )
         self.size, self.num_bytes = new, num_bytes
@@ -162,7 +198,8 @@ class SharedEPBuffer:
         return self.buffer
 
     def num_sms(self, num_experts: int, topk: int) -> int:
-        """DeepEP 2.5's analytic SM count for (E, k), the smallest over the ranks (agreed once)."""
+        """DeepEP 2.5's analytic SM count for (E, k) on the agreed link bandwidths, the smallest
+        over the ranks (agreed once)."""
         key = (num_experts, topk)
         if key not in self.sms:
             if is_capturing():
@@ -171,7 +208,13 @@ class SharedEPBuffer:
                     "which cannot run inside a CUDA-graph capture: call FlexDispatcher.warmup(...) "
                     "before capturing"
                 )
-            n = int(self.buffer.get_theoretical_num_sms(num_experts, topk))
+            links = self.links
+            assert links is not None  # agreed at the build
+            n = int(
+                self.buffer.get_theoretical_num_sms(
+                    num_experts, topk, rdma_gbs=links.rdma_gbs, nvlink_gbs=links.nvlink_gbs
+                )
+            )
             if is_distributed(self.group):
                 t = torch.tensor([n], dtype=torch.int64, device=collective_device(self.group))
                 with collective_guard("all_reduce (DeepEP 2.5 SM count)", self.group):
@@ -203,14 +246,19 @@ def _key(deep_ep: ModuleType, group: Any, hybrid: bool) -> tuple[int, int, bool]
     return id(deep_ep), id(group if group is not None else dist.group.WORLD), hybrid
 
 
-def acquire_ep(deep_ep: ModuleType, group: Any, hybrid: bool, user: int) -> SharedEPBuffer:
-    """Join the shared ``EPBuffer`` of ``(deep_ep, group, hybrid)`` (created empty first)."""
+def acquire_ep(
+    deep_ep: ModuleType, group: Any, hybrid: bool, user: int, *, rdma: bool = False
+) -> SharedEPBuffer:
+    """Join the shared ``EPBuffer`` of ``(deep_ep, group, hybrid)`` (created empty first);
+    ``rdma``: the group spans more than one node (its RDMA probes run)."""
     group = group if group is not None else dist.group.WORLD
     with _LOCK:
         key = _key(deep_ep, group, hybrid)
         shared = _BUFFERS.get(key)
         if shared is None:
-            shared = _BUFFERS[key] = SharedEPBuffer(deep_ep=deep_ep, group=group, hybrid=hybrid)
+            shared = _BUFFERS[key] = SharedEPBuffer(
+                deep_ep=deep_ep, group=group, hybrid=hybrid, rdma=rdma
+            )
         shared.users.add(user)
         return shared
 
