@@ -177,6 +177,9 @@ def make_deepep_ep_backend(
     )
 
 
+_EP_NOT_EVERYWHERE = "deep_ep_v25.EPBuffer is usable here but not on every rank"
+
+
 def _ep_support(
     config: DispatchConfig,
     group: dist.ProcessGroup | None,
@@ -185,34 +188,74 @@ def _ep_support(
     ranks_per_node: int,
     module: ModuleType | None,
     hooked: bool,
-) -> Capability:
-    """Whether DeepEP 2.5 can serve this group here (local answer; ``ep_support.ep_rules``)."""
-    from flexdispatch.backends.deepep.ep_support import ep_available, ep_rules, load_deep_ep_v25
-    from flexdispatch.backends.deepep.support import group_is_nccl_on_cuda, is_emulator, nvl_peers
+) -> tuple[bool, str, bool]:
+    """Whether DeepEP 2.5 can serve this group here (``ep_support.ep_rules``), judged as its
+    constructor will: on DeepEP's own NVLink (NCCL LSA) domain, not ``ranks_per_node`` (audit-4
+    P15), and on NCCL's GIN report (``gin.gin_support``, audit-4 P6).
 
+    Collective whenever it is called with ``mode='normal'``: the domain query needs the group's
+    communicator, so it runs only where every rank has DeepEP 2.5 (one small all-reduce first).
+
+    Returns:
+        ``(ok, reason, present)``: ``present`` says DeepEP 2.5 was usable here before its rules
+        (so a refusal is worth naming when ``auto`` picks another API).
+    """
+    from flexdispatch.backends.deepep.ep_support import ep_available, ep_rules, load_deep_ep_v25
+    from flexdispatch.backends.deepep.gin import gin_support
+    from flexdispatch.backends.deepep.support import group_is_nccl_on_cuda, is_emulator
+
+    del ranks_per_node  # NOTE: DeepEP 2.5 reads its NVLink domain from NCCL, not the launcher
     if config.mode != "normal":
-        return False, "deepep_api='ep': DeepEP 2.5 has no low-latency kernels (use 'legacy')"
+        return False, "deepep_api='ep': DeepEP 2.5 has no low-latency kernels (use 'legacy')", False
     why = "no deep_ep_v25 module given (test hook)"
     if not hooked:
         module, why = load_deep_ep_v25()
     ok, why = ep_available(module, why)
-    if not ok or module is None:
-        return False, why
-    L = ranks_per_node
-    if is_emulator(module):
-        L = nvl_peers(module)
-    else:
+    if ok and module is not None and not is_emulator(module):
         ok, nccl = group_is_nccl_on_cuda(group)
-        if not ok:
-            return False, nccl
-    ok, rule, _ = ep_rules(
-        group_size(group),
+        why = why if ok else nccl
+    R = group_size(group)
+    if ok and module is not None:
+        ok, why = _pcie_rule(module, R, why)
+    if R > 1 and not all_reduce_min_flag(ok, group):
+        return False, why if not ok else _EP_NOT_EVERYWHERE, False
+    if not ok or module is None:
+        return False, why, False
+    world = group if group is not None else dist.group.WORLD
+    _, L = (1, R) if R == 1 else module.get_physical_domain_size(world)
+    ok, rule, hybrid = ep_rules(
+        R,
         L,
         num_experts,
         hybrid=config.deepep_hybrid,
         num_worst_tokens=config.num_worst_tokens,
+        hidden=config.hidden_size,
     )
-    return ok, (f"{why}; {rule}" if ok else rule)
+    if not ok:
+        return False, rule, True
+    ok, gin = gin_support(module, world, hybrid=hybrid, generation="v25", num_ranks=R)
+    if not ok:
+        return False, gin, True
+    return True, f"{why}; {rule}; {gin}", True
+
+
+def _pcie_rule(module: ModuleType, R: int, why: str) -> Capability:
+    """DeepEP 2.5's ``EPBuffer`` asserts at most 2 ranks on PCIe GPUs (pairwise NVLink only,
+    deep_ep_v25/utils/envs.py:156-157), at the first dispatch: refused at selection instead."""
+    import torch
+
+    from flexdispatch.backends.deepep.support import is_emulator
+
+    if is_emulator(module):
+        name = getattr(module, "emu_device_name", "")
+    else:
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    if "PCIE" in name and R > 2:
+        return False, (
+            f"DeepEP 2.5 takes at most 2 ranks on PCIe GPUs ({name}: pairwise NVLink only, an "
+            f"assert in EPBuffer): use deepep_api='legacy' / 'elastic' or backend='torch'"
+        )
+    return True, why
 
 
 def _elastic_support(
@@ -226,6 +269,7 @@ def _elastic_support(
     """Whether the V2 path can serve this group here (local answer): DeepEP's topology rules
     (worst-case mode allowed across nodes), normal mode, and ``deep_ep.ElasticBuffer``."""
     from flexdispatch.backends.deepep.elastic import elastic_available
+    from flexdispatch.backends.deepep.gin import gin_support
 
     if config.mode != "normal":
         return False, "deepep_api='elastic' runs mode='normal' only (low-latency: use 'legacy')"
@@ -253,7 +297,12 @@ def _elastic_support(
     has, reason = elastic_available(module)
     if not has:
         return False, reason
-    return True, f"{why}; {reason}"
+    # NOTE: V2's buffer asserts NCCL GIN (direct mode: ginType) unless EP_DISABLE_GIN (audit-4 P6)
+    world = group if group is not None else dist.group.WORLD
+    ok, gin = gin_support(module, world, hybrid=False, generation="v2", num_ranks=R)
+    if not ok:
+        return False, gin
+    return True, f"{why}; {reason}; {gin}"
 
 
 BACKENDS: dict[str, BackendFactory] = {"torch": make_torch_backend, "deepep": make_deepep_backend}
@@ -299,9 +348,9 @@ def select_backend(
     from flexdispatch.backends.deepep.ep_support import split_hook
 
     deep_ep, v25, hooked = split_hook(deep_ep)
-    ep = (False, "deepep_api excludes DeepEP 2.5")
+    ep3 = (False, "deepep_api excludes DeepEP 2.5", False)
     if config.deepep_api in ("ep", "auto"):
-        ep = _ep_support(
+        ep3 = _ep_support(
             config,
             group,
             num_experts=num_experts,
@@ -309,6 +358,7 @@ def select_backend(
             module=v25,
             hooked=hooked,
         )
+    ep = ep3[:2]
     if config.deepep_api == "ep":
         note = "DeepEP API: ep deep_ep_v25.EPBuffer (deepep_api='ep' requested)"
         return _build(config, group, "ep", ep, note, kwargs, v25)
@@ -339,6 +389,8 @@ def select_backend(
         return _build(config, group, "elastic", elastic, note, kwargs, deep_ep)
     across = group_size(group) > ranks_per_node
     api, why = auto_deepep_api(config, elastic, legacy, ep, across_nodes=across)
+    if ep[1] == _EP_NOT_EVERYWHERE:
+        why = f"DeepEP 2.5 is not the choice of every rank; {why}"
     alt, alt_why = (
         auto_deepep_api(config, elastic, legacy, across_nodes=across) if api == "ep" else (api, why)
     )
@@ -358,6 +410,8 @@ def select_backend(
     }[api]
     note = f"DeepEP API: {name} (deepep_api='auto': {why})"
     support = {"ep": ep, "elastic": elastic, "legacy": legacy}[api]
+    if api != "ep" and ep3[2] and not ep[0]:  # NOTE: DeepEP 2.5 is here but refused: say why
+        support = (support[0], f"{support[1]}; DeepEP 2.5 not used: {ep[1]}")
     everywhere = {"ep": ok_ep, "elastic": ok_v2, "legacy": ok_v1}[api]
     module = v25 if api == "ep" else deep_ep
     return _build(config, group, api, support, note, kwargs, module, everywhere=everywhere)

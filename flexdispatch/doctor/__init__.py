@@ -30,7 +30,8 @@ needs no cluster.
   ``deep_ep.ElasticBuffer``, ``deep_ep_v25.EPBuffer``), ``reason``}; ``v25`` also ``version`` and
   ``wheel`` (``doctor.v25.probe_generations``).
 - ``deep_ep_v25``: DeepEP 2.5's run-time needs, a list of {``name`` (``wheel``, ``torch_cuda``,
-  ``nvcc``, ``cxx20``, ``nccl``, ``nccl_loaded``, ``ibstat``, ``nvidia-smi``), ``ok``,
+  ``nvcc``, ``cxx20``, ``nccl``, ``nccl_loaded``, ``ibstat``, ``nvidia-smi``, ``links``,
+  ``gin``), ``ok``,
   ``detail``, ``fix``, ``level`` (``"error"`` / ``"warning"``)} (``doctor.v25.probe_v25_runtime``).
 - ``nvshmem``: ``nvshmem4py`` {``importable``, ``version``, ``error``}, ``initialised`` (always
   false: the doctor never initialises NVSHMEM), ``status`` (``"not installed"``,

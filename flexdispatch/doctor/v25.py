@@ -128,15 +128,19 @@ def probe_v25_runtime(
     maps: str = "/proc/self/maps",
     torch_cuda: str | None = None,
     nccl_loaded: tuple[int, ...] | None = None,
+    links: Callable[[], tuple[float, float, bool] | None] | None = None,
 ) -> list[dict[str, Any]]:
     """DeepEP 2.5's run-time needs, each ``{name, ok, detail, fix, level}`` (``level`` "error":
-    it cannot run; "warning": it runs, its SM / QP model guesses).
+    it cannot run; "warning": it runs, on a default or after a fix).
 
     Args:
         env, which, run, maps: the environment, ``shutil.which``, ``subprocess.run`` and the
             process's memory map (stand-ins in tests).
         torch_cuda: torch's CUDA version (default ``torch.version.cuda``).
         nccl_loaded: the NCCL version this process loaded (default: torch's, when it has CUDA).
+        links: DeepEP 2.5's own link probes, ``(NVLink GB/s, RDMA GB/s, fast atomics)`` with 0 /
+            False for a failure, or None when they cannot run (default: ``ep_links.probe_links``
+            where ``deep_ep_v25`` imports).
     """
     env = os.environ if env is None else env
     torch_cuda = torch.version.cuda if torch_cuda is None else torch_cuda
@@ -213,12 +217,68 @@ def probe_v25_runtime(
                 tool,
                 path is not None,
                 path or "not on PATH",
-                f"install {pkg}: DeepEP 2.5 reads {why}; without it the model guesses (or set "
-                f"DispatchConfig.deepep_num_sms)",
+                f"install {pkg}: DeepEP 2.5 reads {why}; without it flexdispatch uses a "
+                f"documented default (or set DispatchConfig.deepep_num_sms)",
                 level="warning",
             )
         )
+    out.append(_links_check(links() if links is not None else _probe_links()))
+    out.append(_gin_check(env, nccl_loaded))
     return out
+
+
+def _probe_links() -> tuple[float, float, bool] | None:
+    from flexdispatch.backends.deepep.ep_links import probe_links
+    from flexdispatch.backends.deepep.ep_support import load_deep_ep_v25
+
+    module, _ = load_deep_ep_v25()
+    if module is None or getattr(module, "EPBuffer", None) is None:
+        return None
+    return probe_links(module, rdma=True)
+
+
+def _links_check(probed: tuple[float, float, bool] | None) -> dict[str, Any]:
+    """What DeepEP 2.5's link probes measured and what flexdispatch's SM / QP model uses."""
+    from flexdispatch.backends.deepep.ep_links import choose_links
+
+    fix = (
+        "for measured values install the NVIDIA driver utilities (nvidia-smi) and "
+        "infiniband-diags (ibstat, CA mlx5_0), or set DispatchConfig.deepep_num_sms"
+    )
+    if probed is None:
+        chosen = choose_links(0.0, 0.0, False, hybrid=True, rdma=True)
+        detail = f"not probed (deep_ep_v25 does not import here); would use {chosen.detail}"
+        return _check("links", False, detail, fix, level="warning")
+    nvl, rd, atomics = probed
+    chosen = choose_links(nvl, rd, atomics, hybrid=True, rdma=True)
+    detail = (
+        f"probed NVLink {nvl:g} GB/s, RDMA {rd:g} GB/s, fast RDMA atomics {atomics}; uses "
+        f"{chosen.detail} (hybrid mode; direct mode 17 QPs), agreed across ranks at the first "
+        f"dispatch, for DeepEP 2.5's SM count unless DispatchConfig.deepep_num_sms is set"
+    )
+    return _check("links", nvl > 0 and rd > 0, detail, fix, level="warning")
+
+
+def _gin_check(env: Mapping[str, str], nccl_loaded: tuple[int, ...] | None) -> dict[str, Any]:
+    """DeepEP V2 / 2.5 assert NCCL GIN at buffer creation unless ``EP_DISABLE_GIN``."""
+    from flexdispatch.backends.deepep.gin import gin_disabled
+
+    if gin_disabled(env):
+        return _check(
+            "gin", True, "EP_DISABLE_GIN set: DeepEP V2 / 2.5 skip their NCCL GIN check", ""
+        )
+    reported = nccl_loaded is None or tuple(nccl_loaded) >= (2, 29, 4)
+    detail = (
+        "DeepEP V2 / 2.5 assert NCCL GIN (2.5: GDAKI) when they build their buffer, also on one "
+        "node; backend selection asks NCCL (ncclCommQueryProperties on the group's communicator) "
+        "and falls back with the reason"
+        + ("" if reported else f"; NCCL {_version(tuple(nccl_loaded or ()))} does not report it")
+    )
+    fix = (
+        "NCCL >= 2.29.4 reports the GIN type; on one node without GIN set EP_DISABLE_GIN=1 "
+        "(docs/deepep.md)"
+    )
+    return _check("gin", reported, detail, fix, level="warning")
 
 
 def _nccl_checks(

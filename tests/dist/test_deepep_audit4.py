@@ -284,6 +284,9 @@ def _wide_step(v25: Any, E: int, k: int, H: int, out: dict[str, Any]) -> None:
 
 CHECKS = (
     probes,
+    gin_selection,
+    domain,
+    pcie,
     v1_sms,
     decode,
     hosts,

@@ -13,9 +13,10 @@ import types
 import pytest
 
 from flexdispatch import DispatchConfig
-from flexdispatch.backends.deepep import ep_links
+from flexdispatch.backends.deepep import ep_links, gin
 from flexdispatch.backends.deepep.support import deepep_support_checks
 from flexdispatch.distributed import ranks_per_host
+from flexdispatch.doctor.v25 import probe_v25_runtime
 
 OK = (True, "ok")
 
@@ -60,6 +61,28 @@ def test_failed_probes_take_documented_defaults_and_never_win() -> None:
         del init.__globals__["get_nvlink_gbs"]  # type: ignore[attr-defined]
 
 
+def test_gin_rule_follows_deepep() -> None:
+    """P6: V2.5 asserts the (railed, in hybrid mode) GIN type and GDAKI; V2 the GIN type for
+    R > 1; ``EP_DISABLE_GIN`` (a non-zero integer) waives both; unknown does not refuse."""
+    none = {"ginType": 0, "railedGinType": 3, "gdaki": True}
+    assert not gin.gin_rule(none, hybrid=False, generation="v25")[0]
+    assert gin.gin_rule(none, hybrid=True, generation="v25")[0]
+    no_gdaki = {"ginType": 2, "railedGinType": 2, "gdaki": False}
+    assert not gin.gin_rule(no_gdaki, hybrid=False, generation="v25")[0]
+    assert gin.gin_rule(no_gdaki, hybrid=False, generation="v2")[0]
+    fake = types.SimpleNamespace(emu_nccl_properties=lambda: dict(none))
+    ok, why = gin.gin_support(fake, None, hybrid=False, generation="v25", num_ranks=8, env={})
+    assert not ok and "EP_DISABLE_GIN=1" in why, why
+    for env, want in (({"EP_DISABLE_GIN": "1"}, True), ({"EP_DISABLE_GIN": "0"}, False)):
+        got = gin.gin_support(fake, None, hybrid=False, generation="v25", num_ranks=8, env=env)
+        assert got[0] is want, got
+    assert gin.gin_support(fake, None, hybrid=False, generation="v2", num_ranks=1, env={})[0]
+    assert gin.gin_disabled({"EP_DISABLE_GIN": "yes"}) is False  # DeepEP's get_env<int>
+    unknown = types.SimpleNamespace()
+    ok, why = gin.gin_support(unknown, None, hybrid=False, generation="v25", num_ranks=8, env={})
+    assert ok and "not checked" in why, why
+
+
 @pytest.mark.parametrize(
     ("hosts", "L"),
     [("AAAABBBB", 4), ("AABBCCDD", 2), ("ABABABAB", 1), ("AAAAAAAA", 8), ("AAAABBCC", 2)],
@@ -67,3 +90,25 @@ def test_failed_probes_take_documented_defaults_and_never_win() -> None:
 def test_ranks_per_host_is_the_largest_block_on_one_host(hosts: str, L: int) -> None:
     """P9: a strided EP group's ranks are not NVLink peers of each other."""
     assert ranks_per_host([ord(h) for h in hosts]) == L
+
+
+def test_doctor_says_what_was_probed_and_chosen_and_about_gin() -> None:
+    """P5 / P6: ``flexdispatch doctor`` names the probes' values and the defaults used, and GIN."""
+    checks = probe_v25_runtime(
+        env={}, which=lambda name: None, maps="/nonexistent", links=lambda: (0.0, 0.0, False)
+    )
+    got = {c["name"]: c for c in checks}
+    links = got["links"]
+    assert not links["ok"] and links["level"] == "warning", links
+    assert "probed NVLink 0 GB/s" in links["detail"] and "430" in links["detail"], links
+    assert "deepep_num_sms" in links["fix"], links
+    assert "ncclCommQueryProperties" in got["gin"]["detail"], got["gin"]
+    off = probe_v25_runtime(
+        env={"EP_DISABLE_GIN": "1"},
+        which=lambda name: None,
+        maps="/nonexistent",
+        links=lambda: None,
+    )
+    off = {c["name"]: c for c in off}
+    assert off["gin"]["ok"] and "EP_DISABLE_GIN" in off["gin"]["detail"]
+    assert "not probed" in off["links"]["detail"]

@@ -60,6 +60,7 @@ def _probe(tmp_path: Path, **kw: Any) -> dict[str, dict[str, Any]]:
         maps=str(maps),
         torch_cuda=kw.pop("torch_cuda", "13.0"),
         nccl_loaded=kw.pop("nccl_loaded", None),
+        links=lambda: kw.pop("links", (478.0, 50.0, False)),
     )
     return {c["name"]: c for c in checks}
 
@@ -78,6 +79,8 @@ def test_a_machine_that_has_everything_passes(tmp_path: Path) -> None:
         "nccl_loaded",
         "ibstat",
         "nvidia-smi",
+        "links",
+        "gin",
     }
     failing = {k: c for k, c in got.items() if not c["ok"] and k != "wheel"}
     assert not failing, failing

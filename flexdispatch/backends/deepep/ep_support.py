@@ -15,6 +15,8 @@ V2.5"), as ``ep_rules`` applies them before any collective:
   internode kernels), R a multiple of the NVLink domain, R <= 1024;
 - E divisible by R, E <= 2048, e <= 512 (its workspace layout);
 - hybrid mode: N <= 32, L <= 64 and L + e <= 128 (its notify warps), else direct mode;
+- direct mode: R <= the threads of its dispatch kernel, forward and cached (the backward), which
+  shrink as the token rows widen (``direct_threads``; include/deep_ep/impls/ep/dispatch.cuh:402);
 - k <= 32; rows of 32-byte multiples; combine rows of 256-column multiples (padded by the
   adapter).
 
@@ -32,11 +34,15 @@ from typing import Any
 from flexdispatch.backends.base import Capability
 
 __all__ = [
+    "EP_DEVICE_SMEM",
     "EP_MAX_EXPERTS",
     "EP_MAX_LOCAL_EXPERTS",
     "EP_MAX_RANKS",
     "MIN_TOKEN_BUCKET",
     "ep_available",
+    "direct_thread_rule",
+    "direct_threads",
+    "hybrid_row_rule",
     "ep_rules",
     "load_deep_ep_v25",
     "split_hook",
@@ -51,6 +57,8 @@ EP_HYBRID_MAX_NODES = 32  # hybrid_dispatch.cuh:336
 EP_HYBRID_MAX_PEERS = 64  # hybrid_combine.cuh:179
 EP_HYBRID_NOTIFY = 128  # 4 notify warps: L + e <= 128 (hybrid_dispatch.cuh:261)
 MIN_TOKEN_BUCKET = 16
+EP_DEVICE_SMEM = 232448  # opt-in shared memory per block of an H100 / H200 (227 KiB)
+_NOTIFY_WARPS = 4  # kNumNotifyWarps (csrc/kernels/ep/dispatch.hpp:20)
 
 
 def load_deep_ep_v25() -> tuple[ModuleType | None, str]:
@@ -103,6 +111,96 @@ def token_bucket(n: int) -> int:
     return max(MIN_TOKEN_BUCKET, 1 << (n - 1).bit_length())
 
 
+def _a(n: int, b: int) -> int:
+    return -(-n // b) * b
+
+
+def direct_threads(
+    num_ranks: int, num_experts: int, row_bytes: int, scale_packs: int, topk: int, smem: int
+) -> tuple[int, int]:
+    """Threads of DeepEP 2.5's direct-mode dispatch kernel, ``(forward, cached)``: as many
+    dispatch warps as token rows fit in shared memory (beside the notify counters, forward), at
+    most 32 warps in all (csrc/kernels/ep/dispatch.hpp:64-79); a token row is its
+    ``TokenLayout`` with an mbarrier (layout/ep/token.cuh:17-41)."""
+    meta = 8 * topk + 4 * (1 + topk)
+    tok = _a(_a(row_bytes, 32) + _a(4 * scale_packs, 32) + _a(meta, 32), 64) + 32
+    notify = _a(num_ranks + num_experts, _NOTIFY_WARPS * 32) * 4
+    forward = (_NOTIFY_WARPS + min((smem - notify) // tok, 32 - _NOTIFY_WARPS)) * 32
+    cached = min(smem // tok, 32) * 32
+    return forward, cached
+
+
+def direct_thread_rule(
+    num_ranks: int,
+    num_experts: int,
+    *,
+    row_bytes: int,
+    scale_packs: int,
+    topk: int,
+    backward_row_bytes: int,
+    smem: int = EP_DEVICE_SMEM,
+) -> str | None:
+    """Why DeepEP 2.5's direct mode cannot dispatch these rows on R ranks (its kernel needs a
+    thread per rank: ``kNumThreads >= kNumRanks``, include/deep_ep/impls/ep/dispatch.cuh:402),
+    checking the forward kernel and the cached one of the backward (``backward_row_bytes``
+    rows); None when it can."""
+    R, E = num_ranks, num_experts
+    forward, _ = direct_threads(R, E, row_bytes, scale_packs, topk, smem)
+    _, cached = direct_threads(R, E, backward_row_bytes, 0, topk, smem)
+    if min(forward, cached) >= R:
+        return None
+    return (
+        f"DeepEP 2.5's direct-mode dispatch kernel needs a thread per rank (dispatch.cuh:402), "
+        f"but {row_bytes}-byte rows with k={topk} give it {forward} threads and its cached "
+        f"dispatch (the backward, {backward_row_bytes}-byte rows) {cached}, fewer than R={R}: "
+        f"use hybrid mode (deepep_hybrid=None / True), narrower rows, or fewer ranks"
+    )
+
+
+def hybrid_row_rule(
+    num_ranks: int,
+    num_experts: int,
+    *,
+    row_bytes: int,
+    scale_packs: int,
+    topk: int,
+    dispatch_cols: int,
+    combine_cols: int,
+    smem: int = EP_DEVICE_SMEM,
+) -> str | None:
+    """Why DeepEP 2.5's hybrid mode cannot move these rows (None when it can).
+
+    Its dispatch picks channels per SM from shared memory: as many dispatch rows (beside the
+    notify counters, at most 28) and combine rows of the dispatch's ``dispatch_cols`` as fit,
+    halved, at most 8 (csrc/buffers/ep.hpp:437-456) — 0 for rows too wide for two, and the
+    combine asserts that its 2 x channels-per-SM warps of *its* rows (``combine_cols``) fit
+    (csrc/kernels/ep/combine.hpp:56).
+    """
+    meta = 8 * topk + 4 * (1 + topk)
+    dtok = _a(_a(row_bytes, 32) + _a(4 * scale_packs, 32) + _a(meta, 32), 64) + 32
+
+    def ctok(cols: int) -> int:
+        return _a(_a(2 * cols, 32) + _a(8 * topk, 32), 64) + 32
+
+    notify = _a(num_ranks + num_experts, _NOTIFY_WARPS * 32) * 4
+    per_sm = min((smem - notify) // dtok, 32 - _NOTIFY_WARPS, smem // ctok(dispatch_cols))
+    per_sm = min(per_sm // 2, 8)
+    if per_sm <= 0:
+        return (
+            f"DeepEP 2.5's hybrid dispatch fits fewer than two {row_bytes}-byte rows per SM "
+            f"({smem} bytes of shared memory), so it would run 0 channels: use direct mode "
+            f"(deepep_hybrid=False) or narrower rows"
+        )
+    if 2 * per_sm * ctok(combine_cols) > smem:
+        return (
+            f"DeepEP 2.5's hybrid combine of {combine_cols}-column rows needs "
+            f"{2 * per_sm} x {ctok(combine_cols)} bytes of shared memory (combine.hpp:56), more "
+            f"than {smem}: the dispatch's {dispatch_cols} columns chose {per_sm} channels per SM; "
+            f"dispatch a hidden size that is a multiple of 256 columns"
+        )
+    return None
+
+
 def ep_rules(
     num_ranks: int,
     nvl_peers: int,
@@ -110,6 +208,7 @@ def ep_rules(
     *,
     hybrid: bool | None = None,
     num_worst_tokens: int = 0,
+    hidden: int | None = None,
 ) -> tuple[bool, str, bool]:
     """DeepEP 2.5's topology and size rules, before any collective.
 
@@ -120,6 +219,8 @@ def ep_rules(
         hybrid: ``DispatchConfig.deepep_hybrid``: True hybrid mode across nodes, False direct
             mode, None hybrid where its limits hold.
         num_worst_tokens: W (must be a multiple of R: M = W / R).
+        hidden: H (bf16 columns) when known: direct mode's thread rule for bf16 rows, with the
+            smallest top-k (the dispatch checks its own rows and k before the first kernel).
 
     Returns:
         ``(ok, reason, hybrid)``: whether DeepEP 2.5 can serve it, why, and the mode it runs.
@@ -141,7 +242,15 @@ def ep_rules(
         W = num_worst_tokens
         return False, f"num_worst_tokens={W} is not a multiple of R={R} (M = W / R)", False
     N = R // L
+    threads = None
+    if hidden is not None and hidden > 0:
+        row = 2 * _a(hidden, 16)
+        threads = direct_thread_rule(
+            R, E, row_bytes=row, scale_packs=0, topk=1, backward_row_bytes=row
+        )
     if N == 1:
+        if threads:
+            return False, threads, False
         return True, f"DeepEP 2.5 over one NVLink domain of {R} rank(s)", False
     why_not = None
     if N > EP_HYBRID_MAX_NODES:
@@ -153,6 +262,8 @@ def ep_rules(
     if hybrid is True and why_not:
         return False, f"deepep_hybrid=True cannot run: {why_not} (set deepep_hybrid=False)", False
     if hybrid is False or why_not:
+        if threads:
+            return False, threads, False
         extra = "deepep_hybrid=False" if hybrid is False else why_not
         return True, f"DeepEP 2.5 direct mode over {N} nodes of {L} ({extra})", False
     return (

@@ -41,16 +41,26 @@ What the kernels do, as DeepEP 2.5 does it:
 - JIT: every dispatch, copy epilogue, combine and reduce epilogue compiles at the first use of its
   template arguments (``ep_layout.jit_compile``; ``mod.emu_jit_compiles`` counts them); a first
   use inside ``mod.emu_capture()`` (or a real capture) raises ``ep.jit_capture``.
+- GIN: the constructor asserts NCCL's GIN type (railed in hybrid mode) and GDAKI support unless
+  ``EP_DISABLE_GIN`` is a non-zero integer, on one node too (``ep.gin_type``, ``ep.gin_gdaki``);
+  the emulated communicator reports ``mod.emu_gin`` (GDAKI by default).
+- Hybrid channels: 0 channels per SM for rows too wide for two (``ep.hybrid_zero_channels``),
+  L <= 64 at dispatch (``ep.hybrid_dispatch_scaleup``), and a combine's warps of its own (maybe
+  wider) rows within shared memory (``ep.hybrid_combine_smem``).
 
 Not emulated: streams (events are ``EventHandle`` stand-ins; kernels finish before returning),
-the CPU busy-wait and its timeout, the load-balance region's kernels, Engram / PP / bucket
-buffers, UE8M0 scales beyond moving their bytes, ``deterministic`` beyond what the wheel's
-Python code does on the returned tensors.
+the CPU busy-wait and its timeout, the GPU barrier's timeout (``num_gpu_timeout_secs``: a peer
+that never arrives is a gloo timeout here, not a ``trap`` after that many seconds; the emulator
+has no clock to compare a JIT compile against: audit-4 EV10 — the adapter's answer, a GPU timeout
+that covers nvcc, is checked by the value the buffer is built with), the load-balance region's
+kernels, Engram / PP / bucket buffers, UE8M0 scales beyond moving their bytes,
+``deterministic`` beyond what the wheel's Python code does on the returned tensors.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
 from typing import Any
 
@@ -68,6 +78,14 @@ REL = lay.REL
 
 def _h(cond: bool, lid: str, detail: str = "") -> None:
     limits.host_assert(bool(cond), lid, REL, detail)
+
+
+def _gin_disabled() -> bool:
+    """``get_env("EP_DISABLE_GIN", 0) != 0`` as the runtime reads it."""
+    try:
+        return int(os.environ.get("EP_DISABLE_GIN", "0") or "0") != 0
+    except ValueError:
+        return False
 
 
 def _shape2(t: torch.Tensor, what: str) -> tuple[int, int]:
@@ -127,6 +145,11 @@ class EPRuntime:
         _h(num_lb_buffer_bytes >= 0 and num_lb_buffer_bytes % lay.ALIGNMENT == 0, "ep.lb_bytes")
         _h(0 < num_ranks <= 1024, "ep.num_ranks", f"R={num_ranks}")
         _h(0 < num_allocated_qps <= 1024, "ep.qps", f"{num_allocated_qps} QPs")
+        if not _gin_disabled():  # kernels/comm/context.cpp:124-132, also on one node
+            props = module.emu_gin
+            key = "railedGinType" if allow_hybrid_mode else "ginType"
+            _h(props[key] != 0, "ep.gin_type", f"NCCL reports {key} = NONE")
+            _h(bool(props["gdaki"]), "ep.gin_gdaki", "NCCL reports no GDAKI support")
         self.mod = module
         self.rank, self.num_ranks = rank_idx, num_ranks
         self.num_bytes = num_buffer_bytes
@@ -832,6 +855,9 @@ def make_ep_runtime_module(nvl_peers: int) -> Any:
     mod.emu_capturing = False
     mod.emu_jit_cache = set()
     mod.emu_jit_compiles = Counter()
+    # the communicator's properties as NCCL's ncclCommQueryProperties reports them (GDAKI by
+    # default; a test sets a GIN type to 0 = NONE, as DeepEP #629's single B300 node)
+    mod.emu_gin = {"version": 23203, "ginType": 3, "railedGinType": 3, "gdaki": True}
     comms: dict[int, tuple[int, int]] = {}
 
     class EPBuffer(EPRuntime):

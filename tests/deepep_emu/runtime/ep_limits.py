@@ -116,6 +116,22 @@ EP_ROWS: list[Row] = [
         _CTX,
         95,
     ),
+    _L(
+        "ep.gin_type",
+        "host",
+        "V2.5 context: NCCL reports a GIN type for the communicator (the railed one in hybrid mode), unless EP_DISABLE_GIN is set — also on one node",
+        "(allow_hybrid_mode ? props.railedGinType : props.ginType) != NCCL_GIN_TYPE_NONE and",
+        _CTX,
+        126,
+    ),
+    _L(
+        "ep.gin_gdaki",
+        "host",
+        "V2.5 context: NCCL supports GDAKI for the communicator, unless EP_DISABLE_GIN is set",
+        "props.ginSupport[NCCL_GIN_TYPE_GDAKI] and",
+        _CTX,
+        130,
+    ),
     # ------------------------------------------------------------------ dispatch (host)
     _L(
         "ep.num_sms",
