@@ -183,10 +183,16 @@ def warmup(
     backward: bool = True,
 ) -> None:
     """``FlexDispatcher.warmup``: one dispatch (expanded and / or not), combine with a bias and
-    backward of zero tokens, every rank at once, so that every kernel they use has run."""
+    backward of zero tokens, every rank at once, so that every kernel they use has run.
+
+    ``dtype=torch.float8_e4m3fn`` warms the fp8 dispatch (DeepEP's ``(x, scales)`` tuple, the
+    ``ceil(H / 128)`` float32 scale columns the dispatcher takes; the scale width is a template
+    argument of DeepEP 2.5's kernels) and, with ``backward``, the cached dispatch of its combine's
+    backward."""
     for name, value in (("hidden_size", hidden_size), ("topk", topk)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"warmup: {name} must be a positive int, got {value!r}")
+    fp8 = dtype == torch.float8_e4m3fn
     device = dispatcher._comm_device
     modes = [False, True] if expanded is None else [expanded]
     if not dispatcher.backend.supports_expanded()[0]:
@@ -195,17 +201,27 @@ def warmup(
         modes = [False]
     for exp in modes:
         with torch.enable_grad():
-            x = torch.zeros(0, hidden_size, dtype=dtype, device=device, requires_grad=backward)
             p = torch.zeros(0, topk, dtype=torch.float32, device=device, requires_grad=backward)
             idx = torch.zeros(0, topk, dtype=torch.int64, device=device)
+            x: Any
+            if fp8:
+                cols = -(-hidden_size // 128)
+                x = (
+                    torch.zeros(0, hidden_size, dtype=dtype, device=device),
+                    torch.zeros(0, cols, dtype=torch.float32, device=device),
+                )
+                row = torch.bfloat16
+            else:
+                x = torch.zeros(0, hidden_size, dtype=dtype, device=device, requires_grad=backward)
+                row = dtype
             res: Any
             if exp:
                 res = dispatcher.dispatch_expanded(x, idx, p)
-                y = res.recv_x * res.recv_probs[:, None].to(dtype)
+                y = res.recv_x.to(row) * res.recv_probs[:, None].to(row)
             else:
                 res = dispatcher.dispatch(x, idx, p)
-                y = res.recv_x * res.recv_topk_probs.sum(1, keepdim=True).to(dtype)
-            bias = torch.zeros(0, hidden_size, dtype=dtype, device=device)
+                y = res.recv_x.to(row) * res.recv_topk_probs.sum(1, keepdim=True).to(row)
+            bias = torch.zeros(0, hidden_size, dtype=row, device=device)
             out = dispatcher.combine(y, res.handle, bias=bias)
             if backward:
                 out.float().sum().backward()

@@ -615,7 +615,8 @@ class FlexDispatcher:
         call this on every rank first (elsewhere it is a cheap empty step). ``expanded``:
         ``dispatch_expanded`` (True), ``dispatch`` (False) or both (None); ``backward`` also
         the backward kernels; ``dtype`` sets the row width on the wire
-        (``dispatch_overlap.warmup``).
+        (``torch.float8_e4m3fn``: the fp8 dispatch with its ``ceil(H / 128)`` scales;
+        ``dispatch_overlap.warmup``).
         """
         warmup(self, hidden_size, topk, dtype=dtype, expanded=expanded, backward=backward)
 

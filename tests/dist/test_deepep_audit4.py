@@ -283,13 +283,16 @@ def _wide_step(v25: Any, E: int, k: int, H: int, out: dict[str, Any]) -> None:
 
 
 CHECKS = (
+    fp8_backward,
     probes,
     gin_selection,
     domain,
     pcie,
+    warmup_fp8,
     v1_sms,
     decode,
     hosts,
+    wide_combine,
 )
 
 

@@ -14,9 +14,16 @@ import pytest
 
 from flexdispatch import DispatchConfig
 from flexdispatch.backends.deepep import ep_links, gin
+from flexdispatch.backends.deepep.ep_support import (
+    direct_thread_rule,
+    direct_threads,
+    ep_rules,
+    hybrid_row_rule,
+)
 from flexdispatch.backends.deepep.support import deepep_support_checks
 from flexdispatch.distributed import ranks_per_host
 from flexdispatch.doctor.v25 import probe_v25_runtime
+from tests.deepep_emu.runtime import ep_layout as emu
 
 OK = (True, "ok")
 
@@ -34,6 +41,66 @@ def test_low_latency_decode_is_not_refused_by_the_normal_node_counts() -> None:
     DispatchConfig(backend="deepep", mode="low_latency", ranks_per_node=8).check_world(256)
     with pytest.raises(ValueError, match="not 32"):
         DispatchConfig(backend="deepep", ranks_per_node=8).check_world(256)
+
+
+@pytest.mark.parametrize(
+    ("R", "E", "row", "packs", "k", "cached"),
+    [(576, 1152, 14336, 0, 8, False), (576, 1152, 7168, 56, 8, True), (64, 128, 4096, 0, 2, True)],
+)
+def test_direct_threads_are_the_emulated_kernels(R, E, row, packs, k, cached) -> None:
+    forward, back = direct_threads(R, E, row, packs, k, emu.DEVICE_SMEM)
+    warps = emu.dispatch_warps(R, E, row, packs, k, cached)
+    assert (back if cached else forward) == (warps + (0 if cached else emu.NOTIFY_WARPS)) * 32
+
+
+def test_direct_mode_thread_rule_refuses_before_the_backward() -> None:
+    """P10: bf16 H = 7168 gives 608 forward threads but 512 cached: R = 576 passed the forward and
+    failed to compile at the first backward; now ``ep_rules`` (with H) and every dispatch refuse."""
+    ok, why, hybrid = ep_rules(576, 8, 1152, hybrid=False, hidden=7168)
+    assert not ok and not hybrid and "512" in why and "608" in why, why
+    assert ep_rules(512, 8, 1024, hybrid=False, hidden=7168)[0]
+    assert ep_rules(576, 8, 1152, hybrid=False)[0]  # H unknown: the dispatch checks its rows
+    why = direct_thread_rule(
+        576, 1152, row_bytes=7168, scale_packs=56, topk=8, backward_row_bytes=14336
+    )
+    assert why and "backward" in why, why  # fp8 forward fits, its bf16 backward does not
+
+
+def test_hybrid_row_rule_is_the_emulated_channel_count() -> None:
+    """EV5 / EV6: the adapter's hybrid rules agree with the emulated runtime's channel count."""
+    for row, packs, k in ((14336, 0, 8), (7168, 56, 8), (512, 0, 2)):
+        C = emu.hybrid_channels(
+            16, 256, row // (1 if packs else 2), 1 if packs else 2, packs, k, 1, True
+        )
+        assert C > 0
+    # 16-padded H = 7184 bf16 rows choose 8 channels, too many for the 7424-column combine
+    why = hybrid_row_rule(
+        4, 16, row_bytes=2 * 7184, scale_packs=0, topk=2, dispatch_cols=7184, combine_cols=7424
+    )
+    assert why and "combine.hpp:56" in why, why
+    assert (
+        hybrid_row_rule(
+            4,
+            16,
+            row_bytes=2 * 7424,
+            scale_packs=0,
+            topk=2,
+            dispatch_cols=7424,
+            combine_cols=7424,
+        )
+        is None
+    )
+    wide = hybrid_row_rule(
+        4,
+        16,
+        row_bytes=2 * 65536,
+        scale_packs=0,
+        topk=2,
+        dispatch_cols=65536,
+        combine_cols=65536,
+    )
+    assert wide and "0 channels" in wide, wide
+    assert emu.hybrid_channels(4, 16, 65536, 2, 0, 2, 8, True) == 0
 
 
 def test_failed_probes_take_documented_defaults_and_never_win() -> None:

@@ -55,6 +55,12 @@ from flexdispatch.backends.counts import DTYPE_CODES, check_agreement
 from flexdispatch.backends.deepep import sizing
 from flexdispatch.backends.deepep.ep_buffer import EPSize, acquire_ep, kernel_key, kernels_of
 from flexdispatch.backends.deepep.ep_combine import _COMBINE_COLS, EPCombineMixin, sent_tokens
+from flexdispatch.backends.deepep.ep_layout import (
+    cached_pieces,
+    check_rows,
+    dispatch_cols,
+    pad,
+)
 from flexdispatch.backends.deepep.ep_rows import (
     EPDispatchState,
     EPTraffic,
@@ -81,8 +87,6 @@ from flexdispatch.types import (
 )
 
 __all__ = ["DeepEPEPBackend", "EPDispatchState", "PendingExpanded"]
-
-_DISPATCH_COLS = 16  # 32-byte token rows (layout/ep/token.cuh:29)
 
 
 class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
@@ -256,6 +260,9 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
             return self.num_sms
         return self._shared.num_sms(self.num_experts, k)
 
+    def _dispatch_cols(self, cols: int, k: int, device: torch.device) -> int:
+        return dispatch_cols(self.hybrid, self.num_ranks, self.num_experts, cols, k, device)
+
     def _run(self, key: tuple, what: str, fn: Any) -> Any:
         """Run one DeepEP call whose kernels are ``key``: refused inside a capture when new."""
         self._kernels.check(key, what)
@@ -323,8 +330,20 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
             send: Any = (x.contiguous(), scales.contiguous())
             hidden, row = X, dispatch_row_bytes(X, scales.shape[1], k)
         else:
-            w = sizing.pad_cols(wire.send(x), _DISPATCH_COLS)
+            w = wire.send(x)
+            w = sizing.pad_cols(w, self._dispatch_cols(w.shape[1], k, x.device))
             send, hidden, row = w, w.shape[1], dispatch_row_bytes(2 * w.shape[1], 0, k)
+        check_rows(  # NOTE: audit-4 P10 / EV5 / EV6: refused before any kernel
+            self.hybrid,
+            self.num_ranks,
+            self.num_experts,
+            X=X,
+            hidden=hidden,
+            elem=1 if scales is not None else 2,
+            packs=0 if scales is None else scales.shape[1],
+            k=k,
+            device=x.device,
+        )
         # NOTE: sized for the combine of these rows too (bf16, padded to 256 columns)
         buffer = self._buffer(max(hidden, -(-X // _COMBINE_COLS) * _COMBINE_COLS), k)
         sms = self._sms(k)
@@ -337,6 +356,7 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
             M=self.num_max_tokens_per_rank,
             hidden=hidden,
             fp8=scales is not None,
+            scales=0 if scales is None else scales.shape[1],
             k=k,
             E=self.num_experts,
             sync=not self.worst_case,
@@ -526,19 +546,38 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         )
 
     def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """Re-send ``[T, X]`` rows along a dispatch's ``EPHandle`` (no host sync)."""
+        """Re-send ``[T, X]`` rows along a dispatch's ``EPHandle`` (no host sync).
+
+        Hybrid mode picks its channels per SM from the call's token layout, and a cached dispatch
+        must have the handle's (csrc/buffers/ep.hpp:437-456, 482-486). So there the rows travel
+        in the dispatch's own layout: along an fp8 handle ``X`` bytes per row as fp8 beside its
+        scale packs (zero), along a bf16 handle rows of its width, in as many calls as the bytes
+        need (``ep_layout.cached_pieces``), bit for bit (audit-4 P4: an fp8 dispatch's backward).
+        """
         state: EPDispatchState = handle.state
         h = state.handle
         x = x[: sent_tokens(state)]  # NOTE: the tokens the dispatch sent (N7)
         if x.numel() == 0:  # NOTE: an empty gradient may have stride 0 (no bit view of it)
             x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         wire = sizing.WireFormat.of(x.dtype, x.shape[1])
-        w = sizing.pad_cols(wire.send(x), _DISPATCH_COLS)
+        w = wire.send(x)
+        w = sizing.pad_cols(w, self._dispatch_cols(w.shape[1], state.topk, x.device))
         buffer = self._buffer(max(w.shape[1], _COMBINE_COLS), state.topk)
+        fp8 = state.recv_scales is not None
+        packs = state.recv_scales.shape[1] if state.recv_scales is not None else 0
+        # the dispatch's row: X fp8 bytes and its scales, or its padded bf16 columns
+        if fp8:
+            unit = handle.hidden
+        else:
+            cols = state.wire.wire_width
+            unit = 2 * pad(cols, self._dispatch_cols(cols, state.topk, x.device))
+        split = self.hybrid and (fp8 or unit != 2 * w.shape[1])
         key = kernel_key(
             "cached",
             M=self.num_max_tokens_per_rank,
-            hidden=w.shape[1],
+            hidden=(unit if fp8 else unit // 2) if split else w.shape[1],
+            fp8=split and fp8,
+            scales=packs if split else 0,
             k=state.topk,
             E=self.num_experts,
             expand=bool(h.do_expand),
@@ -546,18 +585,27 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
             sms=state.sms,
             hybrid=self.hybrid,
         )
-        got, *_ = self._run(
-            key,
-            "cached dispatch",
-            lambda: buffer.dispatch(
-                w,
-                handle=h,
-                do_expand=h.do_expand,
-                num_sms=state.sms,
-                do_zero_padding=bool(h.do_expand) and h.expert_alignment > 1,
-            ),
-        )
-        row = dispatch_row_bytes(2 * w.shape[1], 0, state.topk)
+
+        def send(rows: Any) -> torch.Tensor:
+            got, *_ = self._run(
+                key,
+                "cached dispatch",
+                lambda: buffer.dispatch(
+                    rows,
+                    handle=h,
+                    do_expand=h.do_expand,
+                    num_sms=state.sms,
+                    do_zero_padding=bool(h.do_expand) and h.expert_alignment > 1,
+                ),
+            )
+            return got[0] if isinstance(got, tuple) else got
+
+        if split:
+            got = cached_pieces(w, unit, packs if fp8 else -1, send)
+            row = dispatch_row_bytes(unit, packs, state.topk) * -(-2 * w.shape[1] // unit)
+        else:
+            got = send(w)
+            row = dispatch_row_bytes(2 * w.shape[1], 0, state.topk)
         t = state.traffic
         self._count(t.device, [0, 0, t[1] * row, t[2] * row])
         got = got[state.order] if state.order is not None else got[: handle.num_recv_rows]

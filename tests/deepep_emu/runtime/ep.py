@@ -269,7 +269,9 @@ class EPRuntime:
         C = Mc = 0
         if N > 1:
             _h(num_sms <= 160, "ep.hybrid_max_sms", f"num_sms={num_sms}")
+            _h(U <= 64, "ep.hybrid_dispatch_scaleup", f"U={U}")
             C = lay.hybrid_channels(R, E, H, elem, packs, k, num_sms, self.overlap)
+            _h(C > 0, "ep.hybrid_zero_channels", f"H={H} x {elem} bytes, k={k}")
             Mc = math.ceil(M / C)
             if cached:
                 assert c_slots is not None and c_tmaf is not None and c_cll is not None
@@ -706,6 +708,12 @@ class EPRuntime:
                 C % num_sms == 0 and C // num_sms <= 16,
                 "ep.combine_channels",
                 f"{C} channels, num_sms={num_sms}",
+            )
+            ctok = lay.token_bytes(H * 2, 0, k, False, True)
+            _h(
+                2 * (C // num_sms) * ctok <= lay.DEVICE_SMEM,
+                "ep.hybrid_combine_smem",
+                f"{2 * (C // num_sms)} warps x {ctok} bytes > {lay.DEVICE_SMEM}",
             )
             _h(H % 256 == 0, "ep.hybrid_combine_hidden", f"H={H}")
             _h(U <= 64, "ep.hybrid_scaleup", f"U={U}")

@@ -130,7 +130,8 @@ def hybrid_channels(
     R: int, E: int, hidden: int, elem: int, packs: int, k: int, num_sms: int, overlap: bool
 ) -> int:
     """Channels of a hybrid dispatch (buffers/ep.hpp:437-456): as many per SM as shared memory
-    holds dispatch and combine rows for, halved, at most 8 (4 without overlap)."""
+    holds dispatch and combine rows for, halved, at most 8 (4 without overlap); 0 for rows too
+    wide for two (DeepEP does not clamp: ``ep.hybrid_zero_channels``)."""
     dtok = token_bytes(hidden * elem, packs * 4, k, True, True)
     ctok = token_bytes(hidden * 2, 0, k, False, True)
     per_sm = min((DEVICE_SMEM - notify_smem(R, E)) // dtok, 32 - NOTIFY_WARPS)
@@ -138,7 +139,7 @@ def hybrid_channels(
     per_sm = min(per_sm // 2, MAX_CHANNELS_PER_SM)
     if not overlap:
         per_sm = min(per_sm, 4)
-    return num_sms * max(per_sm, 1)
+    return num_sms * max(per_sm, 0)
 
 
 def dispatch_warps(R: int, E: int, hidden_bytes: int, packs: int, k: int, cached: bool) -> int:

@@ -415,6 +415,22 @@ EP_ROWS: list[Row] = [
         261,
     ),
     _L(
+        "ep.hybrid_dispatch_scaleup",
+        "host",
+        "V2.5 hybrid dispatch kernel: scale-up ranks <= 64 (EP_STATIC_ASSERT)",
+        'EP_STATIC_ASSERT(kNumScaleupRanks <= 64, "Invalid number of scale-up peers");',
+        _I + "hybrid_dispatch.cuh",
+        600,
+    ),
+    _L(
+        "ep.hybrid_zero_channels",
+        "host",
+        "V2.5 hybrid dispatch: at least 2 token rows (dispatch and combine layouts) fit in shared memory per SM, else 0 channels per SM and ceil_div(M, 0) (no assert: the host crashes)",
+        "/* 2 kinds of warps */ num_channels_per_sm / 2, kNumMaxChannelsPerSM);",
+        _B,
+        450,
+    ),
+    _L(
         "ep.hybrid_scaleup",
         "host",
         "V2.5 hybrid combine kernel: scale-up ranks <= 64 (EP_STATIC_ASSERT)",
@@ -606,6 +622,14 @@ EP_ROWS: list[Row] = [
         "kHidden % (32 * sizeof(int4) / sizeof(nv_bfloat16)) == 0",
         _I + "combine.cuh",
         110,
+    ),
+    _L(
+        "ep.hybrid_combine_smem",
+        "host",
+        "V2.5 hybrid combine: its 2 x channels-per-SM warps of combine token rows fit in shared memory (a combine wider than its dispatch can exceed it)",
+        "EP_HOST_ASSERT(num_warps * token_layout.get_num_bytes<true>() <= num_smem_bytes and",
+        _KC,
+        56,
     ),
     _L(
         "ep.hybrid_combine_hidden",
