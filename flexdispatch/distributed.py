@@ -197,8 +197,8 @@ def group_ranks_per_node(
     """
     R = group_size(group)
     L, source = resolve_ranks_per_node(configured, R)
-    if configured is not None or R <= 1 or not is_distributed(group):
-        return L, source
+    if configured is not None or L == 1 or not is_distributed(group):
+        return L, source  # NOTE: nothing a host could cut (or the caller's word)
     mine = torch.tensor([_host_id()], dtype=torch.int64, device=collective_device(group))
     hosts = all_gather_int64(mine, group, name="all_gather (hosts of the group)").view(-1)
     placed = math.gcd(L, ranks_per_host(hosts.tolist()))
