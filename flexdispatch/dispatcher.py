@@ -48,7 +48,10 @@ from flexdispatch.dispatch_overlap import (
 from flexdispatch.distributed import (
     check_fingerprint,
     collective_device,
-    group_ranks_per_node,
+    cut_to_hosts,
+    group_size,
+    host_id,
+    resolve_ranks_per_node,
 )
 from flexdispatch.kernels import screen as _screen
 from flexdispatch.types import (
@@ -210,13 +213,18 @@ class FlexDispatcher:
         self.config = config
         self.group = group
         self._comm_device = collective_device(group)
-        L, self.ranks_per_node_source = group_ranks_per_node(config.ranks_per_node, group)
+        R = group_size(group)
+        L, self.ranks_per_node_source = resolve_ranks_per_node(config.ranks_per_node, R)
         fields: dict[str, object] = {**config.model_dump(), "num_experts": num_experts}
         fields["ranks_per_node (resolved)"] = L
         too_big = _limits.dispatch_refusal(config, num_experts, self._comm_device)
         fields["fits in memory"] = too_big is None
-        check_fingerprint(fields, group)  # NOTE: so a rank that cannot fit makes all raise
+        # NOTE: so a rank that cannot fit makes all raise; the hosts come with it (audit-4 P9)
+        hosts = check_fingerprint(fields, group, extra=host_id())
         _limits.raise_refusal(too_big)
+        L, self.ranks_per_node_source = cut_to_hosts(
+            L, self.ranks_per_node_source, config.ranks_per_node, hosts
+        )
         self._stats = DispatchStats()
         self._bad_log = _validate.BadValueLog()  # device counts of bad inputs, not yet folded
         self._deferred_parts: tuple[torch.Tensor, ...] | None = None

@@ -36,7 +36,8 @@ __all__ = [
     "group_rank",
     "collective_device",
     "resolve_ranks_per_node",
-    "group_ranks_per_node",
+    "cut_to_hosts",
+    "host_id",
     "ranks_per_host",
     "all_gather_int64",
     "start_gather_int64",
@@ -177,16 +178,17 @@ def ranks_per_host(hosts: Sequence[int]) -> int:
     return math.gcd(R, *starts) if R else 1
 
 
-def _host_id() -> int:
+def host_id() -> int:
+    """A 56-bit id of this host (its hostname), equal across processes."""
     name = socket.gethostname().encode()
     return int.from_bytes(hashlib.blake2b(name, digest_size=7).digest(), "little")
 
 
-def group_ranks_per_node(
-    configured: int | None, group: dist.ProcessGroup | None = None
+def cut_to_hosts(
+    L: int, source: str, configured: int | None, hosts: Sequence[int] | None
 ) -> tuple[int, str]:
-    """``resolve_ranks_per_node`` checked against where the group's ranks run (collective when
-    L is not configured and R > 1: one all-gather of a hostname hash per rank).
+    """``resolve_ranks_per_node``'s L checked against where the group's ranks run (``hosts``:
+    every rank's ``host_id``, gathered with the config fingerprint).
 
     ``LOCAL_WORLD_SIZE`` describes the launcher's node, not the expert-parallel group: a group
     that takes 2 ranks from each of 8 nodes would be "2 nodes of 8" by it, and DeepEP would open
@@ -195,16 +197,10 @@ def group_ranks_per_node(
     (``ranks_per_host``; source ``"hosts"`` when that changed it). A configured value is the
     caller's word and is kept.
     """
-    R = group_size(group)
-    L, source = resolve_ranks_per_node(configured, R)
-    if configured is not None or L == 1 or not is_distributed(group):
-        return L, source  # NOTE: nothing a host could cut (or the caller's word)
-    mine = torch.tensor([_host_id()], dtype=torch.int64, device=collective_device(group))
-    hosts = all_gather_int64(mine, group, name="all_gather (hosts of the group)").view(-1)
-    placed = math.gcd(L, ranks_per_host(hosts.tolist()))
-    if placed != L:
-        return placed, "hosts"
-    return L, source
+    if configured is not None or not hosts:
+        return L, source
+    placed = math.gcd(L, ranks_per_host(list(hosts)))
+    return (placed, "hosts") if placed != L else (L, source)
 
 
 def start_gather_int64(
@@ -284,7 +280,8 @@ def check_fingerprint(
     what: str = "FlexDispatcher configs",
     fix: str = "every rank must build the dispatcher with the same DispatchConfig, num_experts "
     "and ranks_per_node",
-) -> None:
+    extra: int | None = None,
+) -> list[int] | None:
     """Raise on every rank when the ranks disagree on any field.
 
     Every rank all-gathers one stable hash per field (a fixed-size int64 vector, so the collective
@@ -296,13 +293,18 @@ def check_fingerprint(
         group: the process group (None = WORLD).
         what: what differs, the start of the error message.
         fix: how to fix it, in the error message.
+        extra: an int64 each rank contributes (e.g. ``host_id()``), gathered in the same first
+            all-gather (every rank of a call site passes one, or none does).
+
+    Returns:
+        Every rank's ``extra`` (None without ``extra`` or without a process group).
 
     Raises:
         ValueError: naming each differing field and its value on each rank.
         CollectiveError: a peer failed or the process-group timeout passed.
     """
     if not is_distributed(group):
-        return
+        return None
     names = list(fields)
     device = collective_device(group)
     # NOTE: the field count goes first so that ranks with different field lists also disagree.
@@ -311,12 +313,15 @@ def check_fingerprint(
         dtype=torch.int64,
         device=device,
     )
-    n_all = torch.tensor([vec.numel()], dtype=torch.int64, device=device)
-    sizes = all_gather_int64(n_all, group, name="all_gather (config fingerprint)").flatten()
+    head = [vec.numel()] if extra is None else [vec.numel(), extra]
+    n_all = torch.tensor(head, dtype=torch.int64, device=device)
+    first = all_gather_int64(n_all, group, name="all_gather (config fingerprint)")
+    sizes = first[:, 0]
+    extras = None if extra is None else first[:, 1].tolist()
     if len(set(sizes.tolist())) == 1:
         gathered = all_gather_int64(vec, group, name="all_gather (config fingerprint)").cpu()
         if bool((gathered == gathered[0]).all()):
-            return
+            return extras
     reprs: list[object] = [None] * dist.get_world_size(group)
     with collective_guard("all_gather_object (config fingerprint)", group):
         dist.all_gather_object(reprs, {n: repr(fields[n]) for n in names}, group=group)
