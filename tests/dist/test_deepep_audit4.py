@@ -114,7 +114,10 @@ def probes(rank: int, out: dict[str, Any]) -> None:
 
 def gin_selection(rank: int, out: dict[str, Any]) -> None:
     """P6 / EV3: no GIN on the (emulated) communicator: ``auto`` falls back naming it,
-    ``deepep_api='ep'`` refuses before any buffer, ``EP_DISABLE_GIN=1`` runs."""
+    ``deepep_api='ep'`` refuses before any buffer, ``EP_DISABLE_GIN=1`` runs; the emulated
+    ``EPBuffer`` asserts as DeepEP's does."""
+    import torch.distributed as dist
+
     from flexdispatch import DispatchConfig, FlexDispatcher
 
     E = 16
@@ -125,6 +128,12 @@ def gin_selection(rank: int, out: dict[str, Any]) -> None:
     out["p6_auto"] = (getattr(d.backend, "api", "legacy"), d.backend_reason)
     d.close()
     out["p6_ep"] = _raises(lambda: _ep(E, v25))
+    out["ev3_emulator"] = _raises(
+        lambda: v25.EPBuffer(
+            dist.group.WORLD, num_bytes=2 << 20, allow_hybrid_mode=False, explicitly_destroy=True
+        ).destroy(),
+        RuntimeError,
+    )
     os.environ["EP_DISABLE_GIN"] = "1"
     try:
         d = _ep(E, v25)
@@ -232,6 +241,12 @@ def decode(rank: int, out: dict[str, Any]) -> None:
     )
     res = dec.dispatch(x, torch.tensor([[0, 7], [1, 2]]), p)  # the group still works
     out["p7_after"] = int(res.recv_count.sum())
+    # EV7: straight to the emulated kernel, a sender naming expert 0 more than num_max times
+    buf = ll.backend._shared.buffer
+    five = torch.zeros(n, 2, dtype=torch.int64)  # 4 tokens x [0, 0]: 8 pairs > num_max = 4
+    out["ev7_region"] = _raises(
+        lambda: buf.low_latency_dispatch(torch.randn(n, H).bfloat16(), five, n, E), RuntimeError
+    )
     ll.close()
 
 
@@ -320,6 +335,7 @@ def expect(name: str, outs: list[dict[str, Any]]) -> None:
             assert api == "elastic" and "ginType = NONE" in why and "EP_DISABLE_GIN=1" in why, why
             assert "ginType = NONE" in out["p6_ep"] and "ValueError" in out["p6_ep"], out
             assert out["p6_disabled"] == ("deepep", 64), out
+            assert "ep.gin_type" in out["ev3_emulator"], out
         elif name == "domain":
             backend, why = out["p15_auto"]
             assert backend == "torch" and "L + e = 2 + 127" in why, why
@@ -333,6 +349,7 @@ def expect(name: str, outs: list[dict[str, Any]]) -> None:
         elif name == "decode":
             assert out["p7_high"].startswith("ValueError") and "8" in out["p7_high"], out
             assert out["p7_repeat"].startswith("ValueError"), out
+            assert "ll.source_region" in out["ev7_region"], out
         elif name == "hosts":
             assert out["p9_strided"] == (2, "hosts"), out
             assert out["p9_interleaved"] == (1, "hosts"), out
