@@ -101,10 +101,15 @@ class _HostReads:
     """Counts host reads of tensor values issued by flexdispatch or DeepEP's Python layer (not by
     the emulated runtime, which stands in for DeepEP's C++/CUDA): ``aten._local_scalar_dense``
     (``.item()``, ``int()``, ``bool()``), copies to the CPU from another device, ``tolist``,
-    ``cpu``, ``numpy``."""
+    ``cpu``, ``numpy``; and host-to-device copies (audit-4 EV4): copies from the CPU to another
+    device, and tensors made from host data (``torch.tensor`` / ``as_tensor`` / ``from_numpy``:
+    ``aten.lift_fresh``), which on CUDA are a pageable copy and a stream sync, and cannot be
+    captured in a CUDA graph (pytorch#168991). On the CUDA code path forced on CPU no copy crosses
+    a device, so the host data made into a tensor is what shows the copy a GPU would make."""
 
     def __init__(self) -> None:
         self.reads: list[str] = []
+        self.copies: list[str] = []
 
     @staticmethod
     def _who() -> str | None:
@@ -113,15 +118,15 @@ class _HostReads:
             name = f.f_code.co_filename.replace("\\", "/")
             if "/tests/deepep_emu/runtime/" in name:
                 return None  # the emulated C++ runtime
-            if "/flexdispatch/" in name or "/deep_ep/" in name:
+            if "/flexdispatch/" in name or "/deep_ep/" in name or "/deep_ep_v25/" in name:
                 return f"{name.rsplit('/', 2)[-1]}:{f.f_lineno}"
             f = f.f_back
         return None
 
-    def note(self) -> None:
+    def note(self, into: list[str] | None = None) -> None:
         who = self._who()
         if who is not None:
-            self.reads.append(who)
+            (self.reads if into is None else into).append(who)
 
     def __enter__(self) -> _HostReads:
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -133,17 +138,15 @@ class _HostReads:
                 kwargs = kwargs or {}
                 if func is torch.ops.aten._local_scalar_dense.default:
                     outer.note()
+                elif func is torch.ops.aten.lift_fresh.default:
+                    outer.note(outer.copies)  # host data made a tensor: an H2D copy on CUDA
                 elif func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
                     dst = kwargs.get("device") if func is torch.ops.aten._to_copy.default else None
                     src = args[0] if func is torch.ops.aten._to_copy.default else args[1]
                     if func is torch.ops.aten.copy_.default:
                         dst = args[0].device
-                    if (
-                        dst is not None
-                        and torch.device(dst).type == "cpu"
-                        and src.device.type != "cpu"
-                    ):
-                        outer.note()
+                    if dst is not None and torch.device(dst).type != src.device.type:
+                        outer.note(outer.copies if src.device.type == "cpu" else None)
                 return func(*args, **kwargs)
 
         self._mode = Mode()
@@ -173,7 +176,8 @@ def many_calls(rank: int, R: int, api: str, calls: int) -> dict[str, Any]:
     E, k, H, T = 4 * R, 4, 16, 6
     W = R * T
     cfg = DispatchConfig(backend="deepep", deepep_api=api, ranks_per_node=R, num_worst_tokens=W)
-    d = FlexDispatcher(cfg, num_experts=E, _deep_ep=_emu(R, R, "2.1.0"))
+    emu = _emu(R, R, "2.5.0" if api == "ep" else "2.1.0")
+    d = FlexDispatcher(cfg, num_experts=E, _deep_ep=emu)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     idx = torch.stack([torch.arange(k) * (E // k) + (t % (E // k)) for t in range(T)])
@@ -191,7 +195,7 @@ def many_calls(rank: int, R: int, api: str, calls: int) -> dict[str, Any]:
         for _ in range(calls):
             res = d.dispatch(x, idx, probs)
             y = d.combine(res.recv_x, res.handle)
-    kept = backend._traffic.kept
+    kept = (backend._counters if api == "ep" else backend._traffic).kept
     sent = d.stats.rows_sent - before - one  # the safe point: one read
     err = ""
     try:
@@ -202,6 +206,8 @@ def many_calls(rank: int, R: int, api: str, calls: int) -> dict[str, Any]:
     return {
         "reads": reads.reads[:5],
         "n_reads": len(reads.reads),
+        "copies": reads.copies[:5],
+        "n_copies": len(reads.copies),
         "kept": kept,
         "sent": sent,
         "one": one,
@@ -212,11 +218,12 @@ def many_calls(rank: int, R: int, api: str, calls: int) -> dict[str, Any]:
 
 @pytest.mark.dist
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("api", ["legacy", "elastic"])
+@pytest.mark.parametrize("api", ["legacy", "elastic", "ep"])
 def test_300_worst_case_calls_read_nothing_on_the_host(api: str) -> None:
     calls = 300
     for out in run_group(many_calls, 2, api, calls, timeout=560):
         assert out["n_reads"] == 0, out["reads"]
+        assert out["n_copies"] == 0, out["copies"]  # audit-4 P1, EV4: no H2D copy either
         assert out["kept"] < 64, out  # handles released every 64 calls (audit-3 N2)
         assert out["one"] > 0 and out["sent"] == calls * out["one"], out
         assert f"twice in a token {calls + 2} time(s)" in out["err"], out["err"]

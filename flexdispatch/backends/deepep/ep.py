@@ -37,8 +37,9 @@ Selected with ``DispatchConfig.deepep_api="ep"``, and by ``"auto"`` where every 
 - **SMs / QPs**: DeepEP 2.5's bandwidth model picks both (``get_theoretical_num_sms``, agreed
   across ranks once; ``get_theoretical_num_qps``) unless ``deepep_num_sms`` is set.
 - **Ids**: ids >= E and repeated ids never reach a kernel (``ep_rows.guard_ids``).
-- **Statistics**: rows and bytes per link class accumulate on the device (``ep_rows.
-  traffic_rows``) and are read when ``stats`` is read (no host read on the hot path).
+- **Statistics**: rows and bytes per link class are computed on the device (``ep_rows.
+  traffic_rows``) and summed by ``counters.TrafficCounters`` (as on V1 / V2): no host read and
+  no host-to-device copy on the hot path, in place inside a CUDA-graph capture (audit-4 P1).
 """
 
 from __future__ import annotations
@@ -49,10 +50,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexdispatch._validate import checks_enabled, is_capturing
+from flexdispatch._validate import checks_enabled, cuda_code_path, is_capturing
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import DTYPE_CODES, check_agreement
 from flexdispatch.backends.deepep import sizing
+from flexdispatch.backends.deepep.counters import TrafficCounters
 from flexdispatch.backends.deepep.ep_buffer import EPSize, acquire_ep, kernel_key, kernels_of
 from flexdispatch.backends.deepep.ep_combine import _COMBINE_COLS, EPCombineMixin, sent_tokens
 from flexdispatch.backends.deepep.ep_rows import (
@@ -163,7 +165,7 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         self._shared = acquire_ep(module, self.group, self.hybrid, id(self))
         self._kernels = kernels_of(module)
         self._traffic: EPTraffic | None = None
-        self._dev: torch.Tensor | None = None  # [rows sent, rows received, NVLink B, RDMA B]
+        self._counters = TrafficCounters(collective_device(self.group))  # no host read in calls
         self._need_tokens = 0  # most tokens a rank had to dispatch, when over the bound
         self._closed = False
 
@@ -216,22 +218,14 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
 
     # ----------------------------------------------------------------- statistics
     def flush_stats(self) -> None:
-        """Add the device counters to ``stats`` (one small host read)."""
-        if self._dev is None:
-            return
-        sent, received, intra, inter = self._dev.tolist()
-        self._dev.zero_()
-        s = self._stats
-        s.rows_sent += sent
-        s.rows_received += received
-        s.bytes_sent_intra_node += intra
-        s.bytes_sent_inter_node += inter
+        """Add the counted traffic to ``stats`` (the safe point: one host read on CUDA)."""
+        self._counters.drain(self._stats)
 
     def _count(self, device: torch.device, vals: list[torch.Tensor | int]) -> None:
-        if self._dev is None:
-            self._dev = torch.zeros(4, dtype=torch.int64, device=device)
-        parts = [v if isinstance(v, torch.Tensor) else torch.tensor(v, device=device) for v in vals]
-        self._dev += torch.stack([p.to(torch.int64).reshape(()) for p in parts])
+        """Count one call: ``[rows sent, rows received, NVLink bytes, RDMA bytes]`` (0-d device
+        tensors or ints; an int is a fill on the device, never a host-to-device copy)."""
+        sent, received, intra, inter = vals
+        self._counters.record(lambda: (intra, inter, sent, received))
 
     def _traffic_rows(self, idx: torch.Tensor) -> torch.Tensor:
         if self._traffic is None or self._traffic.intra.device != idx.device:
@@ -317,7 +311,7 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         if sent < T:  # NOTE: checks off and over the bound: the first tokens (_check_tokens)
             x, topk_idx, topk_probs = x[:sent], topk_idx[:sent], topk_probs[:sent]
             scales = None if scales is None else scales[:sent]
-        raise_now = checks_enabled(self.checks) or x.device.type == "cpu"
+        raise_now = checks_enabled(self.checks) or not cuda_code_path(x.device)
         idx = guard_ids(topk_idx.to(torch.int64), self.num_experts, raise_now=raise_now)
         if scales is not None:
             send: Any = (x.contiguous(), scales.contiguous())
