@@ -167,6 +167,31 @@ class _HostReads:
             setattr(torch.Tensor, n, orig)
 
 
+def _wide_allocations(fn: Any, numel: int) -> list[str]:
+    """The ops issued by flexdispatch while ``fn()`` runs that allocate a tensor of at least
+    ``numel`` elements (views and in-place results excluded): where a ``[W, H]`` mask or a second
+    ``[W, H]`` copy would show (audit-4 P13)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    found: list[str] = []
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.numel() >= numel:
+                ins = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+                ptr = out.untyped_storage().data_ptr()
+                if all(a.untyped_storage().data_ptr() != ptr for a in ins):
+                    who = _HostReads._who()
+                    if who is not None:
+                        found.append(f"{who} {func}")
+            return out
+
+    with Mode():
+        fn()
+    return found
+
+
 def many_calls(rank: int, R: int, api: str, calls: int) -> dict[str, Any]:
     """``calls`` worst-case dispatch + combine pairs on the CUDA code path (forced on CPU), the
     worst case being: every token to every rank, and token 0 naming one expert twice."""
@@ -202,12 +227,16 @@ def many_calls(rank: int, R: int, api: str, calls: int) -> dict[str, Any]:
         d.check_overflow()
     except ValueError as exc:
         err = str(exc)
+    wide = _wide_allocations(lambda: d.dispatch(x, idx, probs), W * H)
+    if api != "legacy":
+        wide += _wide_allocations(lambda: d.dispatch_expanded(x, idx, probs), W * H)
     d.close()
     return {
         "reads": reads.reads[:5],
         "n_reads": len(reads.reads),
         "copies": reads.copies[:5],
         "n_copies": len(reads.copies),
+        "wide": wide,
         "kept": kept,
         "sent": sent,
         "one": one,
@@ -224,6 +253,7 @@ def test_300_worst_case_calls_read_nothing_on_the_host(api: str) -> None:
     for out in run_group(many_calls, 2, api, calls, timeout=560):
         assert out["n_reads"] == 0, out["reads"]
         assert out["n_copies"] == 0, out["copies"]  # audit-4 P1, EV4: no H2D copy either
+        assert len(out["wide"]) <= 1, out["wide"]  # P13: one [W, H] gather, no mask beside it
         assert out["kept"] < 64, out  # handles released every 64 calls (audit-3 N2)
         assert out["one"] > 0 and out["sent"] == calls * out["one"], out
         assert f"twice in a token {calls + 2} time(s)" in out["err"], out["err"]

@@ -397,10 +397,10 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         if valid is not None:
             local &= valid[:, None]
             recv_idx = torch.where(local, recv_idx, -1)
-            recv = sizing.zero_invalid_rows(recv, valid)
+            recv = sizing.zero_invalid_rows_(recv, valid)  # the gather's own copy (P13)
             counts = sizing.count_valid(recv_idx.reshape(-1), local.reshape(-1), e)
             if recv_scales is not None:
-                recv_scales = sizing.zero_invalid_rows(recv_scales, valid)
+                recv_scales = sizing.zero_invalid_rows_(recv_scales, valid)
         else:
             self._stats.host_syncs += 1  # DeepEP's CPU wait for the receive counts
             count_list = handle.num_recv_tokens_per_expert_list
@@ -484,10 +484,10 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
             counts = handle.num_unaligned_recv_tokens_per_expert.to(torch.int64)
             counts = (counts + a - 1) // a * a
             valid = torch.arange(N, device=recv.device) < counts.sum()
-            recv = sizing.zero_invalid_rows(recv, valid)
+            recv = sizing.zero_invalid_rows_(recv, valid)  # DeepEP's fresh output (P13)
             recv_w = torch.where(valid, recv_w, 0.0)
             if recv_scales is not None:
-                recv_scales = sizing.zero_invalid_rows(recv_scales[:N], valid)
+                recv_scales = sizing.zero_invalid_rows_(recv_scales[:N], valid)
         else:
             # NOTE: exact rows; the alignment gaps are zero already (do_zero_padding)
             self._stats.host_syncs += 1  # DeepEP's CPU wait for the receive counts
@@ -556,7 +556,7 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         self._count(t.device, [0, 0, t[1] * row, t[2] * row])
         got = got[state.order] if state.order is not None else got[: handle.num_recv_rows]
         if state.valid is not None:
-            got = sizing.zero_invalid_rows(got, state.valid)
+            got = sizing.zero_invalid_rows_(got, state.valid)  # a gather, or DeepEP's output
         return wire.recv(got)
 
     def close(self) -> None:
