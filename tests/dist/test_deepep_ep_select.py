@@ -279,6 +279,70 @@ def features(rank: int, R: int) -> dict[str, Any]:
     return out
 
 
+def overlap_hazards(rank: int, R: int) -> dict[str, str]:
+    """Audit-4 P2, EV1, EV8: DeepEP 2.5's deferred epilogue reads the buffer's shared receive
+    slots at ``wait()`` (the emulator models the region), so any call on the buffer between
+    ``dispatch_expanded_start`` and ``wait()`` — a second micro-batch, another layer's combine,
+    a growth, the last user's ``close()`` — must not change what ``wait()`` returns. Each case
+    returns "" when the rows equal an eager ``dispatch_expanded`` of the same inputs, dropless
+    and worst-case, else what differed (or raised)."""
+    from flexdispatch import DispatchConfig, FlexDispatcher
+    from tests.deepep_emu.runtime import ep as emu_ep
+
+    E = E_PER_RANK * R
+    v25 = _emus(R)[0]
+    mb = [all_inputs(seed, R=R, E=E, k=K, H=H) for seed in (21, 22)]
+    T = max(i.x.shape[0] for inputs in mb for i in inputs)
+    out: dict[str, str] = {}
+    emu_ep.ATOMIC_ORDER = False  # NOTE: rows in arrival order, so eager and overlapped compare
+
+    def run(name: str, d: Any, fn: Any, want: Any) -> None:
+        try:
+            got = fn()
+        except Exception as exc:  # the emulated GPU's trap is the result
+            out[name] = f"{type(exc).__name__}: {exc}"[:300]
+            return
+        same = (
+            torch.equal(got.tokens_per_expert, want.tokens_per_expert)
+            and torch.equal(got.recv_x, want.recv_x)
+            and torch.equal(got.recv_probs, want.recv_probs)
+        )
+        out[name] = "" if same else "rows differ from the eager dispatch"
+
+    try:
+        for W in (0, R * T):
+            cfg = DispatchConfig(backend="deepep", deepep_api="ep", num_worst_tokens=W)
+            d, other = (FlexDispatcher(cfg, num_experts=E, _deep_ep=v25) for _ in range(2))
+            a, b = mb[0][rank], mb[1][rank]
+            eager = [d.dispatch_expanded(m.x, m.idx, m.probs) for m in (a, b)]
+            # two micro-batches in flight on one buffer
+            p0 = d.dispatch_expanded_start(a.x, a.idx, a.probs)
+            p1 = d.dispatch_expanded_start(b.x, b.idx, b.probs)
+            run(f"second_start_W{W}", d, p0.wait, eager[0])
+            run(f"second_wait_W{W}", d, p1.wait, eager[1])
+            # another layer's combine on the same buffer before the wait
+            res = other.dispatch_expanded(b.x, b.idx, b.probs)
+            p0 = d.dispatch_expanded_start(a.x, a.idx, a.probs)
+            other.combine(res.recv_x, res.handle)
+            run(f"combine_W{W}", d, p0.wait, eager[0])
+            # a wider layer grows (rebuilds) the shared buffer before the wait (EV8)
+            wide = torch.zeros(b.x.shape[0], 1 << 15, dtype=b.x.dtype)  # > the 2 MiB step
+            p0 = d.dispatch_expanded_start(a.x, a.idx, a.probs)
+            built = d.backend._shared.allocations
+            other.dispatch_expanded(wide, b.idx, b.probs)
+            grew = d.backend._shared.allocations > built
+            out[f"grew_W{W}"] = "" if grew else "the wide layer did not rebuild the buffer"
+            run(f"growth_W{W}", d, p0.wait, eager[0])
+            # the last users close (the buffer is destroyed) before the wait (EV8)
+            p0 = d.dispatch_expanded_start(a.x, a.idx, a.probs)
+            other.close()
+            d.close()
+            run(f"close_W{W}", d, p0.wait, eager[0])
+    finally:
+        emu_ep.ATOMIC_ORDER = True
+    return out
+
+
 def worker(rank: int, R: int) -> dict[str, Any]:
     return {
         "selection": selection(rank, R),
@@ -286,6 +350,7 @@ def worker(rank: int, R: int) -> dict[str, Any]:
         "jit": jit_and_capture(rank, R),
         "refusals": refusals(rank, R),
         "features": features(rank, R),
+        "overlap": overlap_hazards(rank, R),
     }
 
 
@@ -317,6 +382,9 @@ def test_ep_selection_refusals_jit_and_features() -> None:
         assert "L + e = 1 + 128" in s["hybrid_on"] and "deepep_hybrid=False" in s["hybrid_on"]
         assert "direct mode over 2 nodes" in s["hybrid_auto"][1], s["hybrid_auto"]
         assert "hybrid mode over 2 nodes" in s["hybrid_small"][1], s["hybrid_small"]
+
+        bad = {case: why for case, why in out["overlap"].items() if why}
+        assert len(out["overlap"]) == 12 and not bad, bad
 
         f = out["refusals"]
         T = f["T"]

@@ -33,7 +33,9 @@ Selected with ``DispatchConfig.deepep_api="ep"``, and by ``"auto"`` where every 
   ``topk_weights`` channel, one combine per column.
 - **Overlap**: ``launch_expanded`` issues the dispatch with ``defer_epilogue`` (the receive
   epilogue and, dropless, the CPU wait run at ``finish_expanded``), so the layer can compute its
-  shared experts while the rows are in flight.
+  shared experts while the rows are in flight. The epilogue reads the buffer's shared receive
+  slots, so any other call on the buffer runs it first (``ep_buffer.SharedEPBuffer.settle``,
+  audit-4 P2).
 - **SMs / QPs**: DeepEP 2.5's bandwidth model picks both (``get_theoretical_num_sms``, agreed
   across ranks once; ``get_theoretical_num_qps``) unless ``deepep_num_sms`` is set.
 - **Ids**: ids >= E and repeated ids never reach a kernel (``ep_rows.guard_ids``).
@@ -442,11 +444,17 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         out, wire, fp8, T, X, k, sms, traffic, row = self._launch(
             x, topk_idx, topk_probs, expand=True, defer=True
         )
-        return PendingExpanded(out, wire, fp8, T, X, k, sms, traffic, row)
+        pending = PendingExpanded(out, wire, fp8, T, X, k, sms, traffic, row)
+        self._shared.pending = pending  # NOTE: the next call on the buffer settles it first
+        return pending
 
     def finish_expanded(self, p: PendingExpanded) -> ExpandedDispatchResult:
-        """Wait for a ``launch_expanded`` and build its result."""
-        recv, _, recv_w, handle = p.event.current_stream_wait()
+        """Wait for a ``launch_expanded`` and build its result (its epilogue may have run
+        already, when another call on the buffer came first)."""
+        if self._shared.pending is p:
+            self._shared.pending = None
+        p.settle()
+        recv, _, recv_w, handle = p.result
         return self._expanded(recv, recv_w, handle, p)
 
     def dispatch_expanded(
