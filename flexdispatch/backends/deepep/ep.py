@@ -18,12 +18,14 @@ Selected with ``DispatchConfig.deepep_api="ep"``, and by ``"auto"`` where every 
   rounding, ``allow_multiple_reduction``) and across ranks.
 - **Static shapes**: ``num_max_tokens_per_rank`` is a JIT template argument, so it is bucketed
   (``token_bucket``): dropless ``M = bucket(num_max_dispatch_tokens_per_rank)``, worst-case
-  ``M = bucket(W / R)``. A rank may send at most ``W / R`` (dropless: the configured bound)
-  tokens, which keeps every receive within the contract's W rows; DeepEP's ``R * M`` rows are cut
-  back to W after the sort (expanded: ``R * (W / R) * min(k, e)`` rows, aligned).
-- **Dropless**: ``do_cpu_sync=True``, DeepEP's CPU wait is the one host sync. **Worst-case**:
-  ``do_cpu_sync=False``, no host sync, inside a node and across nodes; rows past the real ones
-  are masked on the device.
+  ``M = bucket(W / R)``. In worst-case mode a rank may send at most ``W / R`` tokens, which
+  keeps every receive within the contract's W rows; DeepEP's ``R * M`` rows are cut back to W
+  after the sort (expanded: ``R * (W / R) * min(k, e)`` rows, aligned).
+- **Dropless**: ``do_cpu_sync=True``. Every token is sent (audit-4 P3): one small all-gather of
+  every rank's T comes first, and when a rank has more than the bound every rank raises it to
+  that T's bucket (the buffer grows with it). Two host syncs: that agreement and DeepEP's CPU
+  wait. **Worst-case**: ``do_cpu_sync=False``, no host sync, inside a node and across nodes;
+  rows past the real ones are masked on the device.
 - **JIT**: each kernel template compiles at first use; ``ep_buffer.KernelRegistry`` knows which
   ran, and a first use inside a CUDA-graph capture raises with the fix
   (``FlexDispatcher.warmup``).
@@ -54,7 +56,7 @@ import torch.distributed as dist
 
 from flexdispatch._validate import checks_enabled, cuda_code_path, is_capturing
 from flexdispatch.backends.base import Capability, DispatchBackend
-from flexdispatch.backends.counts import DTYPE_CODES, check_agreement
+from flexdispatch.backends.counts import check_agreement, gather_token_rows
 from flexdispatch.backends.deepep import sizing
 from flexdispatch.backends.deepep.counters import TrafficCounters
 from flexdispatch.backends.deepep.ep_buffer import EPSize, acquire_ep, kernel_key, kernels_of
@@ -75,7 +77,7 @@ from flexdispatch.backends.deepep.ep_support import (
     token_bucket,
     tokens_message,
 )
-from flexdispatch.distributed import all_gather_int64, collective_device, group_rank, group_size
+from flexdispatch.distributed import collective_device, group_rank, group_size
 from flexdispatch.types import (
     DispatchHandle,
     DispatchLayout,
@@ -102,7 +104,8 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
             dispatch, so that any rank over its bound (or a shape mismatch) raises everywhere.
         stats: counters to add to.
         num_sms: SMs per kernel (None: DeepEP 2.5's bandwidth model, agreed across ranks).
-        num_max_tokens_per_rank: the dropless per-rank token bound (bucketed for the JIT).
+        num_max_tokens_per_rank: the dropless per-rank token bound (bucketed for the JIT), the
+            first one: it grows to the largest T the ranks dispatch.
         hybrid: True hybrid mode across nodes, False direct mode, None hybrid where it fits.
         expert_alignment: each expert's rows in ``dispatch_expanded`` padded to a multiple.
         _deep_ep: a ``deep_ep_v25`` module to use instead of importing it (tests: the emulator).
@@ -260,34 +263,60 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         return out
 
     def _check_tokens(self, T: int, device: torch.device, shape: tuple) -> int:
-        """A rank may dispatch at most ``W / R`` (dropless: the configured bound) tokens; returns
-        the tokens this rank sends. With checks on, one all-gather of ``[T, X, k, dtype]`` makes
-        every rank raise alike. With checks off a rank over the bound sends its first tokens (its
-        others combine to zero) and ``check_overflow`` raises: raising on that rank alone would
-        leave its peers inside DeepEP's collective (audit-3 N7, as on V2)."""
+        """The tokens this rank sends, after every rank agreed on the bound (audit-4 P3).
+
+        Dropless: nothing is dropped. One small all-gather of every rank's T (with checks on,
+        and its row shape) first; when a rank has more than the bound, every rank raises it to
+        that T's bucket at this same call (``_grow_bound``; the buffer grows with it), as V1's
+        buffers grow. Its host read is a second host sync beside DeepEP's CPU wait (counted).
+
+        Worst-case: a rank may send at most ``W / R`` tokens. With checks on, the all-gather of
+        ``[T, X, k, dtype]`` makes every rank raise alike; with checks off a rank over it sends
+        its first ``W / R`` tokens (its others combine to zero) and ``check_overflow`` raises:
+        raising on that rank alone would leave its peers inside DeepEP's collective (audit-3
+        N7, as on V2)."""
         M, R, rank = self.max_tokens, self.num_ranks, self.rank
-        if checks_enabled(self.checks) and not is_capturing():
+        checks = checks_enabled(self.checks) and not is_capturing()
+        if not self.worst_case and not is_capturing():
             X, k, dtype = shape
-            mine = torch.tensor(
-                [T, X, k, DTYPE_CODES.get(dtype, -1)],
-                dtype=torch.int64,
-                device=collective_device(self.group),
+            rows = gather_token_rows(
+                T, (X, k, dtype) if checks else None, self.group, name="ep token count"
             )
-            rows = all_gather_int64(mine, self.group, name="ep token count").view(R, 4).tolist()
+            if device.type == "cuda":
+                self._stats.host_syncs += 1  # the bound's agreement (DeepEP's wait is the other)
+            if checks:
+                check_agreement([r[1:] for r in rows], num_ranks=0, num_nodes=0)
+            self._grow_bound(max(r[0] for r in rows))
+            return T
+        if checks:
+            rows = gather_token_rows(T, shape, self.group, name="ep token count")
             if device.type == "cuda":
                 self._stats.extra["check_syncs"] = self._stats.extra.get("check_syncs", 0) + 1
             check_agreement([r[1:] for r in rows], num_ranks=0, num_nodes=0)
             rank = max(range(R), key=lambda r: rows[r][0])
             T = rows[rank][0]
-        elif T > M:
+        elif T > M and self.worst_case:
             self._need_tokens = max(self._need_tokens, T)
             return M
         if T <= M:
             return T
+        # NOTE: also a dropless call over the bound inside a capture (no agreement possible)
         raise ValueError(tokens_message(rank, T, M=M, R=R, W=self.num_worst_tokens))
 
+    def _grow_bound(self, need: int) -> None:
+        """Dropless: raise the per-rank token bound to ``need`` (every rank at the same call:
+        ``need`` is the agreed maximum); DeepEP compiles ``bucket(need)`` and the shared buffer
+        is rebuilt for it at this call's ``_buffer``."""
+        if need <= self.max_tokens:
+            return
+        self.max_tokens = need
+        self.num_max_tokens_per_rank = max(self.num_max_tokens_per_rank, token_bucket(need))
+        extra = self._stats.extra
+        extra["deepep_token_bound"] = self.num_max_tokens_per_rank
+
     def check_overflow(self) -> None:
-        """Raise if a rank was over its token bound with checks off (it sent its first ones)."""
+        """Raise if a rank was over ``W / R`` with checks off in worst-case mode (it sent its
+        first ones; a dropless bound grows instead)."""
         self.flush_stats()
         if self._need_tokens:
             M, W = self.max_tokens, self.num_worst_tokens
@@ -310,7 +339,7 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         k = topk_idx.shape[1]
         sizing.check_topk(k, "DeepEP 2.5 kernels")
         sent = self._check_tokens(T, x.device, (X, k, x.dtype))
-        if sent < T:  # NOTE: checks off and over the bound: the first tokens (_check_tokens)
+        if sent < T:  # NOTE: worst-case, checks off, over W / R: the first ones (_check_tokens)
             x, topk_idx, topk_probs = x[:sent], topk_idx[:sent], topk_probs[:sent]
             scales = None if scales is None else scales[:sent]
         raise_now = checks_enabled(self.checks) or not cuda_code_path(x.device)
@@ -539,7 +568,7 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         buffer = self._buffer(max(w.shape[1], _COMBINE_COLS), state.topk)
         key = kernel_key(
             "cached",
-            M=self.num_max_tokens_per_rank,
+            M=h.num_max_tokens_per_rank,  # the handle's (a dropless bound may have grown)
             hidden=w.shape[1],
             k=state.topk,
             E=self.num_experts,
