@@ -96,6 +96,44 @@ def test_v1_and_v2_layers_on_16_ranks_as_two_nodes_of_8() -> None:
             assert max(out[name]["rel"]) < 3e-2, (name, out)
 
 
+# --------------------------------------------------------------------- a token on 10 of 16 nodes
+def past_eight_nodes(rank: int, R: int) -> dict[str, str]:
+    """V1 internode on 16 emulated nodes of one rank, k = 10: rank 3 has a token with experts on
+    10 nodes, past DeepEP's 8 (N4). Nothing may be lost silently (audit-4, P3's class): every
+    rank raises before any token moves, on the CPU path and on the CUDA path with checks off
+    (where the ids past the eighth node used to be dropped and only ``check_overflow`` told)."""
+    from flexdispatch import DispatchConfig, FlexDispatcher
+
+    E, k, T, H = 2 * R, 10, 2, 8
+    emu = _emu(1, R, "2.1.0")
+    idx = torch.stack([(torch.arange(k) + t + rank) % E for t in range(T)])  # 5 nodes
+    if rank == 3:
+        idx[1] = torch.arange(k) * 2  # experts 0, 2, .., 18: nodes 0..9
+    x, p = torch.ones(T, H), torch.full((T, k), 0.1)
+    out = {}
+    for path in ("cpu", "cuda"):
+        if path == "cuda":
+            force_cuda_path()
+        cfg = DispatchConfig(backend="deepep", deepep_api="legacy", ranks_per_node=1)
+        d = FlexDispatcher(cfg, num_experts=E, _deep_ep=emu)
+        try:
+            d.dispatch(x, idx, p)
+            out[path] = ""
+        except ValueError as exc:
+            out[path] = str(exc)
+        d.close()
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+def test_v1_token_past_eight_nodes_raises_on_every_rank() -> None:
+    for rank, out in enumerate(run_group(past_eight_nodes, 16, timeout=560)):
+        for path, msg in out.items():
+            assert "on 10 nodes" in msg and "at most 8 nodes" in msg, (rank, path, msg)
+            assert ("token 1 has experts on 10 nodes" if rank == 3 else "rank 3 has") in msg, msg
+
+
 # --------------------------------------------------------------------- no host read in 300 calls
 class _HostReads:
     """Counts host reads of tensor values issued by flexdispatch or DeepEP's Python layer (not by
