@@ -179,7 +179,8 @@ class DispatchConfig(_Strict):
         gt=0,
         le=_MAX,
         description="Decode: the most tokens a rank dispatches per call (DeepEP: at most 1024); "
-        "deepep_api='elastic': the most tokens a rank dispatches (dropless).",
+        "deepep_api='elastic' / 'ep' dropless: the first per-rank token bound (the buffer is "
+        "sized for it; it grows, on every rank at once, to the largest T a rank dispatches).",
     )
     use_fp8: bool = Field(
         False, description="DeepEP low-latency dispatch casts rows to fp8 (per-128-channel scales)."
@@ -207,8 +208,8 @@ class DispatchConfig(_Strict):
     deepep_api: Literal["auto", "legacy", "elastic", "ep"] = Field(
         "auto",
         description="DeepEP API: 'legacy' (V1 deep_ep.Buffer), 'elastic' (V2 "
-        "deep_ep.ElasticBuffer, DeepEP 2.1.0+; dropless dispatch takes at most "
-        "num_max_dispatch_tokens_per_rank tokens per rank, worst-case at most W / R), 'ep' "
+        "deep_ep.ElasticBuffer, DeepEP 2.1.0+; a dropless per-rank token bound that starts at "
+        "num_max_dispatch_tokens_per_rank and grows, worst-case at most W / R), 'ep' "
         "(DeepEP 2.5 deep_ep_v25.EPBuffer, same bounds) or 'auto' (V2.5, else V2, where every "
         "rank has it, in worst-case mode or with num_max_dispatch_tokens_per_rank set; else V1)",
     )

@@ -503,8 +503,9 @@ def auto_deepep_api(
         if not legacy[0]:
             M = config.num_max_dispatch_tokens_per_rank
             return "ep", (
-                f"DeepEP 2.5, dropless with at most num_max_dispatch_tokens_per_rank={M} tokens "
-                f"per rank (V1 cannot run: {legacy[1]})"
+                f"DeepEP 2.5, dropless with num_max_dispatch_tokens_per_rank={M} tokens per rank "
+                f"at first, grown to the largest T the ranks dispatch (V1 cannot run: "
+                f"{legacy[1]})"
             )
     ok, why = elastic
     if not ok:

@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from flexdispatch._validate import is_capturing
 from flexdispatch.distributed import (
+    all_gather_int64,
+    collective_device,
     collective_guard,
     group_size,
     is_distributed,
@@ -27,6 +29,7 @@ __all__ = [
     "check_agreement",
     "count_vector",
     "exchange_counts",
+    "gather_token_rows",
     "recv_pairs",
     "start_exchange",
 ]
@@ -76,6 +79,23 @@ def exchange_counts(
         async_op=False,
     )
     return G
+
+
+def gather_token_rows(
+    T: int,
+    shape: tuple[int, int, torch.dtype] | None,
+    group: dist.ProcessGroup | None,
+    *,
+    name: str,
+) -> list[list[int]]:
+    """Every rank's token count T, and with ``shape`` = ``(X, k, dtype)`` its row shape, on the
+    host: ``[R]`` rows ``[T]`` or ``[T, X, k, dtype code]``. One all-gather of a 1- or 4-element
+    int64 vector built by fills (no host-to-device copy) and one host read (a host sync on
+    CUDA); ``name`` names the collective in a ``CollectiveError``."""
+    dev = collective_device(group)
+    vals = [T] if shape is None else [T, shape[0], shape[1], DTYPE_CODES.get(shape[2], -1)]
+    mine = torch.stack([torch.full((), v, dtype=torch.int64, device=dev) for v in vals])
+    return all_gather_int64(mine, group, name=name).tolist()
 
 
 EXCHANGE_NAME = "all_gather (dispatch count exchange)"

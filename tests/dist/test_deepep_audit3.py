@@ -96,15 +96,58 @@ def test_v1_and_v2_layers_on_16_ranks_as_two_nodes_of_8() -> None:
             assert max(out[name]["rel"]) < 3e-2, (name, out)
 
 
+# --------------------------------------------------------------------- a token on 10 of 16 nodes
+def past_eight_nodes(rank: int, R: int) -> dict[str, str]:
+    """V1 internode on 16 emulated nodes of one rank, k = 10: rank 3 has a token with experts on
+    10 nodes, past DeepEP's 8 (N4). Nothing may be lost silently (audit-4, P3's class): every
+    rank raises before any token moves, on the CPU path and on the CUDA path with checks off
+    (where the ids past the eighth node used to be dropped and only ``check_overflow`` told)."""
+    from flexdispatch import DispatchConfig, FlexDispatcher
+
+    E, k, T, H = 2 * R, 10, 2, 8
+    emu = _emu(1, R, "2.1.0")
+    idx = torch.stack([(torch.arange(k) + t + rank) % E for t in range(T)])  # 5 nodes
+    if rank == 3:
+        idx[1] = torch.arange(k) * 2  # experts 0, 2, .., 18: nodes 0..9
+    x, p = torch.ones(T, H), torch.full((T, k), 0.1)
+    out = {}
+    for path in ("cpu", "cuda"):
+        if path == "cuda":
+            force_cuda_path()
+        cfg = DispatchConfig(backend="deepep", deepep_api="legacy", ranks_per_node=1)
+        d = FlexDispatcher(cfg, num_experts=E, _deep_ep=emu)
+        try:
+            d.dispatch(x, idx, p)
+            out[path] = ""
+        except ValueError as exc:
+            out[path] = str(exc)
+        d.close()
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+def test_v1_token_past_eight_nodes_raises_on_every_rank() -> None:
+    for rank, out in enumerate(run_group(past_eight_nodes, 16, timeout=560)):
+        for path, msg in out.items():
+            assert "on 10 nodes" in msg and "at most 8 nodes" in msg, (rank, path, msg)
+            assert ("token 1 has experts on 10 nodes" if rank == 3 else "rank 3 has") in msg, msg
+
+
 # --------------------------------------------------------------------- no host read in 300 calls
 class _HostReads:
     """Counts host reads of tensor values issued by flexdispatch or DeepEP's Python layer (not by
     the emulated runtime, which stands in for DeepEP's C++/CUDA): ``aten._local_scalar_dense``
     (``.item()``, ``int()``, ``bool()``), copies to the CPU from another device, ``tolist``,
-    ``cpu``, ``numpy``."""
+    ``cpu``, ``numpy``; and host-to-device copies (audit-4 EV4): copies from the CPU to another
+    device, and tensors made from host data (``torch.tensor`` / ``as_tensor`` / ``from_numpy``:
+    ``aten.lift_fresh``), which on CUDA are a pageable copy and a stream sync, and cannot be
+    captured in a CUDA graph (pytorch#168991). On the CUDA code path forced on CPU no copy crosses
+    a device, so the host data made into a tensor is what shows the copy a GPU would make."""
 
     def __init__(self) -> None:
         self.reads: list[str] = []
+        self.copies: list[str] = []
 
     @staticmethod
     def _who() -> str | None:
@@ -113,15 +156,15 @@ class _HostReads:
             name = f.f_code.co_filename.replace("\\", "/")
             if "/tests/deepep_emu/runtime/" in name:
                 return None  # the emulated C++ runtime
-            if "/flexdispatch/" in name or "/deep_ep/" in name:
+            if "/flexdispatch/" in name or "/deep_ep/" in name or "/deep_ep_v25/" in name:
                 return f"{name.rsplit('/', 2)[-1]}:{f.f_lineno}"
             f = f.f_back
         return None
 
-    def note(self) -> None:
+    def note(self, into: list[str] | None = None) -> None:
         who = self._who()
         if who is not None:
-            self.reads.append(who)
+            (self.reads if into is None else into).append(who)
 
     def __enter__(self) -> _HostReads:
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -133,17 +176,15 @@ class _HostReads:
                 kwargs = kwargs or {}
                 if func is torch.ops.aten._local_scalar_dense.default:
                     outer.note()
+                elif func is torch.ops.aten.lift_fresh.default:
+                    outer.note(outer.copies)  # host data made a tensor: an H2D copy on CUDA
                 elif func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
                     dst = kwargs.get("device") if func is torch.ops.aten._to_copy.default else None
                     src = args[0] if func is torch.ops.aten._to_copy.default else args[1]
                     if func is torch.ops.aten.copy_.default:
                         dst = args[0].device
-                    if (
-                        dst is not None
-                        and torch.device(dst).type == "cpu"
-                        and src.device.type != "cpu"
-                    ):
-                        outer.note()
+                    if dst is not None and torch.device(dst).type != src.device.type:
+                        outer.note(outer.copies if src.device.type == "cpu" else None)
                 return func(*args, **kwargs)
 
         self._mode = Mode()
@@ -164,6 +205,31 @@ class _HostReads:
             setattr(torch.Tensor, n, orig)
 
 
+def _wide_allocations(fn: Any, numel: int) -> list[str]:
+    """The ops issued by flexdispatch while ``fn()`` runs that allocate a tensor of at least
+    ``numel`` elements (views and in-place results excluded): where a ``[W, H]`` mask or a second
+    ``[W, H]`` copy would show (audit-4 P13)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    found: list[str] = []
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.numel() >= numel:
+                ins = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+                ptr = out.untyped_storage().data_ptr()
+                if all(a.untyped_storage().data_ptr() != ptr for a in ins):
+                    who = _HostReads._who()
+                    if who is not None:
+                        found.append(f"{who} {func}")
+            return out
+
+    with Mode():
+        fn()
+    return found
+
+
 def many_calls(rank: int, R: int, api: str, calls: int) -> dict[str, Any]:
     """``calls`` worst-case dispatch + combine pairs on the CUDA code path (forced on CPU), the
     worst case being: every token to every rank, and token 0 naming one expert twice."""
@@ -173,7 +239,8 @@ def many_calls(rank: int, R: int, api: str, calls: int) -> dict[str, Any]:
     E, k, H, T = 4 * R, 4, 16, 6
     W = R * T
     cfg = DispatchConfig(backend="deepep", deepep_api=api, ranks_per_node=R, num_worst_tokens=W)
-    d = FlexDispatcher(cfg, num_experts=E, _deep_ep=_emu(R, R, "2.1.0"))
+    emu = _emu(R, R, "2.5.0" if api == "ep" else "2.1.0")
+    d = FlexDispatcher(cfg, num_experts=E, _deep_ep=emu)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
     idx = torch.stack([torch.arange(k) * (E // k) + (t % (E // k)) for t in range(T)])
@@ -191,17 +258,23 @@ def many_calls(rank: int, R: int, api: str, calls: int) -> dict[str, Any]:
         for _ in range(calls):
             res = d.dispatch(x, idx, probs)
             y = d.combine(res.recv_x, res.handle)
-    kept = backend._traffic.kept
+    kept = (backend._counters if api == "ep" else backend._traffic).kept
     sent = d.stats.rows_sent - before - one  # the safe point: one read
     err = ""
     try:
         d.check_overflow()
     except ValueError as exc:
         err = str(exc)
+    wide = _wide_allocations(lambda: d.dispatch(x, idx, probs), W * H)
+    if api != "legacy":
+        wide += _wide_allocations(lambda: d.dispatch_expanded(x, idx, probs), W * H)
     d.close()
     return {
         "reads": reads.reads[:5],
         "n_reads": len(reads.reads),
+        "copies": reads.copies[:5],
+        "n_copies": len(reads.copies),
+        "wide": wide,
         "kept": kept,
         "sent": sent,
         "one": one,
@@ -212,11 +285,13 @@ def many_calls(rank: int, R: int, api: str, calls: int) -> dict[str, Any]:
 
 @pytest.mark.dist
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("api", ["legacy", "elastic"])
+@pytest.mark.parametrize("api", ["legacy", "elastic", "ep"])
 def test_300_worst_case_calls_read_nothing_on_the_host(api: str) -> None:
     calls = 300
     for out in run_group(many_calls, 2, api, calls, timeout=560):
         assert out["n_reads"] == 0, out["reads"]
+        assert out["n_copies"] == 0, out["copies"]  # audit-4 P1, EV4: no H2D copy either
+        assert len(out["wide"]) <= 1, out["wide"]  # P13: one [W, H] gather, no mask beside it
         assert out["kept"] < 64, out  # handles released every 64 calls (audit-3 N2)
         assert out["one"] > 0 and out["sent"] == calls * out["one"], out
         assert f"twice in a token {calls + 2} time(s)" in out["err"], out["err"]

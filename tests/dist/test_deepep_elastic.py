@@ -212,9 +212,9 @@ def selection_worker(rank: int, R: int) -> dict[str, Any]:
     out["elastic_ll"] = _raises(
         lambda: pick(DispatchConfig(backend="deepep", deepep_api="elastic", mode="low_latency"), v2)
     )
-    # over W / R = 2 tokens with checks off: a rank sends its first 2 tokens (raising alone
-    # would leave its peers in DeepEP's GPU barrier, audit-3 N7), its other tokens combine to
-    # zero, and check_overflow raises with the numbers
+    # worst-case, over W / R = 2 tokens with checks off: a rank sends its first 2 tokens (raising
+    # alone would leave its peers in DeepEP's GPU barrier, audit-3 N7), its other tokens combine
+    # to zero, and check_overflow raises with the numbers; dropless, M = 2 grows (audit-4 P3)
     inputs = all_inputs(5, R=R, E=E, k=K, H=H)
     mine = inputs[rank]
 
@@ -229,7 +229,10 @@ def selection_worker(rank: int, R: int) -> dict[str, Any]:
     out["over_w_T"] = mine.x.shape[0]
     d.close()
     d = _make(R, R, num_max_dispatch_tokens_per_rank=2)
-    out["over_m"] = over(d)
+    res = d.dispatch(mine.x, mine.idx, mine.probs)
+    out["over_m_rows"] = bool(torch.equal(res.recv_x, ref_dispatch(inputs, rank, E).x))
+    out["over_m_bound"] = d.backend.num_max_tokens_per_rank
+    out["over_m"] = _raises(d.check_overflow)
     d.close()
     out["odd_w"] = _raises(lambda: _make(R, R, 2 * R + 1))
     # checks on: only the last rank is over W / R, and every rank raises naming it
@@ -283,9 +286,9 @@ def test_elastic_selection_and_refusals() -> None:
         msg = out["over_w"]
         assert f"{T} tokens" in msg and "W=4" in msg and "= 2 per rank" in msg, msg
         assert f"at least {T * R}" in msg, msg
-        assert "num_max_dispatch_tokens_per_rank" in out["over_m"], out["over_m"]
-        assert f"at least {T}" in out["over_m"], out["over_m"]
-        assert "were not dispatched" in out["over_m"] and out["over_tail"], out
+        assert out["over_tail"], out
+        # dropless over M = 2: M grew to the bucket of the largest T, every row arrived
+        assert out["over_m"] == "" and out["over_m_rows"] and out["over_m_bound"] == 16, out
         assert "multiple of R=2" in out["odd_w"], out["odd_w"]
         msg = out["shape_checks"]
         assert "ranks disagree on the hidden size" in msg, msg

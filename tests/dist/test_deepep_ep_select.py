@@ -103,9 +103,10 @@ def refusals(rank: int, R: int) -> dict[str, Any]:
         cfg = DispatchConfig(backend="deepep", deepep_api="ep", **kw)
         return FlexDispatcher(cfg, num_experts=E, _deep_ep=v25)
 
-    # over the bound (2 tokens) with checks off: a rank sends its first 2 tokens (raising alone
-    # would leave its peers inside DeepEP's collective, audit-3 N7), its other tokens combine
-    # to zero (plus the bias), the backward gives them zero gradients, and check_overflow raises
+    # worst-case, over W / R = 2 tokens with checks off: a rank sends its first 2 tokens
+    # (raising alone would leave its peers inside DeepEP's collective, audit-3 N7), its other
+    # tokens combine to zero (plus the bias), the backward gives them zero gradients, and
+    # check_overflow raises (a dropless bound grows instead: beyond_the_bound)
 
     def over(d: Any, name: str) -> None:
         x = mine.x.clone().requires_grad_()
@@ -132,7 +133,6 @@ def refusals(rank: int, R: int) -> dict[str, Any]:
         d.close()
 
     over(make(num_worst_tokens=2 * R), "over_w")
-    over(make(num_max_dispatch_tokens_per_rank=2), "over_m")
     # checks on: only the last rank is over W / R, and every rank raises naming it
     d = make(num_worst_tokens=R * inputs[0].x.shape[0], checks=True)
     out["over_w_checks"] = _raises(lambda: d.dispatch(mine.x, mine.idx, mine.probs))
@@ -279,6 +279,129 @@ def features(rank: int, R: int) -> dict[str, Any]:
     return out
 
 
+def overlap_hazards(rank: int, R: int) -> dict[str, str]:
+    """Audit-4 P2, EV1, EV8: DeepEP 2.5's deferred epilogue reads the buffer's shared receive
+    slots at ``wait()`` (the emulator models the region), so any call on the buffer between
+    ``dispatch_expanded_start`` and ``wait()`` — a second micro-batch, another layer's combine,
+    a growth, the last user's ``close()`` — must not change what ``wait()`` returns. Each case
+    returns "" when the rows equal an eager ``dispatch_expanded`` of the same inputs, dropless
+    and worst-case, else what differed (or raised)."""
+    from flexdispatch import DispatchConfig, FlexDispatcher
+    from tests.deepep_emu.runtime import ep as emu_ep
+
+    E = E_PER_RANK * R
+    v25 = _emus(R)[0]
+    mb = [all_inputs(seed, R=R, E=E, k=K, H=H) for seed in (21, 22)]
+    T = max(i.x.shape[0] for inputs in mb for i in inputs)
+    out: dict[str, str] = {}
+    emu_ep.ATOMIC_ORDER = False  # NOTE: rows in arrival order, so eager and overlapped compare
+
+    def run(name: str, d: Any, fn: Any, want: Any) -> None:
+        try:
+            got = fn()
+        except Exception as exc:  # the emulated GPU's trap is the result
+            out[name] = f"{type(exc).__name__}: {exc}"[:300]
+            return
+        same = (
+            torch.equal(got.tokens_per_expert, want.tokens_per_expert)
+            and torch.equal(got.recv_x, want.recv_x)
+            and torch.equal(got.recv_probs, want.recv_probs)
+        )
+        out[name] = "" if same else "rows differ from the eager dispatch"
+
+    try:
+        for W in (0, R * T):
+            cfg = DispatchConfig(backend="deepep", deepep_api="ep", num_worst_tokens=W)
+            d, other = (FlexDispatcher(cfg, num_experts=E, _deep_ep=v25) for _ in range(2))
+            a, b = mb[0][rank], mb[1][rank]
+            eager = [d.dispatch_expanded(m.x, m.idx, m.probs) for m in (a, b)]
+            # two micro-batches in flight on one buffer
+            p0 = d.dispatch_expanded_start(a.x, a.idx, a.probs)
+            p1 = d.dispatch_expanded_start(b.x, b.idx, b.probs)
+            run(f"second_start_W{W}", d, p0.wait, eager[0])
+            run(f"second_wait_W{W}", d, p1.wait, eager[1])
+            # another layer's combine on the same buffer before the wait
+            res = other.dispatch_expanded(b.x, b.idx, b.probs)
+            p0 = d.dispatch_expanded_start(a.x, a.idx, a.probs)
+            other.combine(res.recv_x, res.handle)
+            run(f"combine_W{W}", d, p0.wait, eager[0])
+            # a wider layer grows (rebuilds) the shared buffer before the wait (EV8)
+            wide = torch.zeros(b.x.shape[0], 1 << 15, dtype=b.x.dtype)  # > the 2 MiB step
+            p0 = d.dispatch_expanded_start(a.x, a.idx, a.probs)
+            built = d.backend._shared.allocations
+            other.dispatch_expanded(wide, b.idx, b.probs)
+            grew = d.backend._shared.allocations > built
+            out[f"grew_W{W}"] = "" if grew else "the wide layer did not rebuild the buffer"
+            run(f"growth_W{W}", d, p0.wait, eager[0])
+            # the last users close (the buffer is destroyed) before the wait (EV8)
+            p0 = d.dispatch_expanded_start(a.x, a.idx, a.probs)
+            other.close()
+            d.close()
+            run(f"close_W{W}", d, p0.wait, eager[0])
+    finally:
+        emu_ep.ATOMIC_ORDER = True
+    return out
+
+
+def beyond_the_bound(rank: int, R: int) -> dict[str, Any]:
+    """Audit-4 P3: dropless V2 (``elastic``) and V2.5 (``ep``, and ``auto`` where only DeepEP 2.5
+    imports) with checks off, the default bound (128) and more tokens than it on every rank
+    (rank 1 the most): every token comes back, forward and gradient, with nothing to report.
+
+    Identities that need no reference: combine of ``recv_x * recv_topk_probs.sum(1)`` (expanded:
+    ``recv_x * recv_probs``) is ``x[t] * probs[t].sum()``; with ``g`` the output's gradient,
+    ``x.grad[t] = g[t] * probs[t].sum()`` and ``probs.grad[t, j] = (g[t] * x[t]).sum()``."""
+    from flexdispatch import DispatchConfig, FlexDispatcher
+
+    E, k, H = 4 * R, 2, 2  # NOTE: fp32 rows this narrow are combined exactly, one per column
+    v25, v2, _ = _emus(R)
+    T = 130 + 10 * rank  # > 128 on every rank: bucket 256
+    g = torch.Generator().manual_seed(rank + 7)
+    x0 = torch.randn(T, H, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    p0 = torch.rand(T, k, generator=g) + 0.5
+    gout = torch.randn(T, H, generator=g)
+    want_out = x0 * p0.sum(1, keepdim=True)
+    want_gx = gout * p0.sum(1, keepdim=True)
+    want_gp = (gout * x0).sum(1, keepdim=True).expand(T, k)
+    runs = {
+        "ep": (DispatchConfig(backend="deepep", deepep_api="ep", checks=False), v25),
+        "elastic": (DispatchConfig(backend="deepep", deepep_api="elastic", checks=False), v2),
+        "auto_v25_only": (DispatchConfig(checks=False), v25),
+    }
+    out: dict[str, Any] = {}
+    for name, (cfg, hook) in runs.items():
+        d = FlexDispatcher(cfg, num_experts=E, _deep_ep=hook)
+        errs = []
+        for expanded in (False, True):
+            x, p = x0.clone().requires_grad_(), p0.clone().requires_grad_()
+            if expanded:
+                res = d.dispatch_expanded(x, idx, p)
+                y = res.recv_x * res.recv_probs[:, None]
+            else:
+                res = d.dispatch(x, idx, p)
+                y = res.recv_x * res.recv_topk_probs.sum(1, keepdim=True)
+            back = d.combine(y, res.handle)
+            back.backward(gout)
+            assert x.grad is not None and p.grad is not None
+            errs.append(
+                max(
+                    float((back - want_out).abs().max()),
+                    float((x.grad - want_gx).abs().max()),
+                    float((p.grad - want_gp).abs().max()),
+                )
+            )
+        out[name] = {
+            "api": getattr(d.backend, "api", d.backend_name),
+            "reason": d.backend_reason,
+            "err": max(errs),
+            "bound": d.backend.num_max_tokens_per_rank,
+            "overflow": _raises(d.check_overflow),
+        }
+        d.close()
+    return out
+
+
 def worker(rank: int, R: int) -> dict[str, Any]:
     return {
         "selection": selection(rank, R),
@@ -286,6 +409,8 @@ def worker(rank: int, R: int) -> dict[str, Any]:
         "jit": jit_and_capture(rank, R),
         "refusals": refusals(rank, R),
         "features": features(rank, R),
+        "overlap": overlap_hazards(rank, R),
+        "beyond": beyond_the_bound(rank, R),
     }
 
 
@@ -318,14 +443,20 @@ def test_ep_selection_refusals_jit_and_features() -> None:
         assert "direct mode over 2 nodes" in s["hybrid_auto"][1], s["hybrid_auto"]
         assert "hybrid mode over 2 nodes" in s["hybrid_small"][1], s["hybrid_small"]
 
+        for name, b in out["beyond"].items():  # P3: more tokens than the default bound
+            assert b["api"] == ("elastic" if name == "elastic" else "ep"), (name, b)
+            assert b["err"] < 1e-4 and b["overflow"] == "", (name, b)
+            assert b["bound"] == 256, (name, b)  # bucket(140), grown on every rank
+        assert "grown to the largest T" in out["beyond"]["auto_v25_only"]["reason"], out
+        bad = {case: why for case, why in out["overlap"].items() if why}
+        assert len(out["overlap"]) == 12 and not bad, bad
+
         f = out["refusals"]
         T = f["T"]
         assert f"{T} tokens" in f["over_w"] and "W=4" in f["over_w"], f["over_w"]
         assert f"at least {T * R}" in f["over_w"], f["over_w"]
-        assert f"at least {T}" in f["over_m"] and "per_rank" in f["over_m"], f["over_m"]
-        for key in ("over_w", "over_m"):
-            assert "tokens past the first 2 were not dispatched" in f[key], f[key]
-            assert f[key + "_rows"] and f[key + "_tail"], (key, f)
+        assert "tokens past the first 2 were not dispatched" in f["over_w"], f["over_w"]
+        assert f["over_w_rows"] and f["over_w_tail"], f
         assert f"rank {R - 1} dispatches {f['last_T']} tokens" in f["over_w_checks"], f
         assert "names one expert twice" in f["duplicate"], f["duplicate"]
         assert "ep.duplicate_experts" in f["duplicate"] and f["after"], f

@@ -22,9 +22,11 @@ Selected with ``DispatchConfig.deepep_api="elastic"``, and by ``"auto"`` where e
   V2 token layout takes; combine rows are padded to a multiple of 256 bf16 columns (the V2
   combine kernel's rule). fp8 ``(x, scales)`` tuples pass through.
 - **Dropless** (``num_worst_tokens=0``): ``do_cpu_sync=True`` with
-  ``M = DispatchConfig.num_max_dispatch_tokens_per_rank``, a bound every rank shares (the buffer is
-  sized for it); DeepEP's CPU wait for the counts is the one host sync (counted). A rank with
-  more than M tokens raises, naming the field to raise.
+  ``M = DispatchConfig.num_max_dispatch_tokens_per_rank`` at first, a bound every rank shares (the
+  buffer is sized for it). Every token is sent (audit-4 P3): one small all-gather of every
+  rank's T comes first, and when a rank has more than M every rank raises M to that T's bucket
+  (``ep_support.token_bucket``; the buffer grows with it). Two host syncs (counted): that
+  agreement and DeepEP's CPU wait for the counts.
 - **Worst-case** (``num_worst_tokens = W``, W a multiple of R): ``do_cpu_sync=False`` with
   ``M = W / R``: DeepEP returns ``R * M = W`` rows, the first ones equal to the dropless rows; the
   real row count is ``psum_num_recv_tokens_per_scaleup_rank[-1]`` on the device, from which the
@@ -50,7 +52,7 @@ import torch.distributed as dist
 
 from flexdispatch._validate import checks_enabled, is_capturing
 from flexdispatch.backends.base import Capability, DispatchBackend
-from flexdispatch.backends.counts import DTYPE_CODES, check_agreement
+from flexdispatch.backends.counts import check_agreement, gather_token_rows
 from flexdispatch.backends.deepep import buffer as deepep_buffer
 from flexdispatch.backends.deepep import refusals, sizing
 from flexdispatch.backends.deepep.counters import TrafficCounters
@@ -59,8 +61,9 @@ from flexdispatch.backends.deepep.elastic_combine import (
     ElasticCombineMixin,
     ElasticDispatchState,
 )
+from flexdispatch.backends.deepep.ep_support import token_bucket
 from flexdispatch.backends.deepep.support import load_deep_ep, nvl_peers
-from flexdispatch.distributed import all_gather_int64, collective_device, group_rank, group_size
+from flexdispatch.distributed import collective_device, group_rank, group_size
 from flexdispatch.types import (
     DispatchHandle,
     DispatchLayout,
@@ -128,7 +131,8 @@ class DeepEPElasticBackend(ElasticCombineMixin, DispatchBackend):
             every rank raise.
         stats: counters to add to.
         num_sms: SMs per kernel (default 20), passed explicitly to every call.
-        num_max_tokens_per_rank: M for dropless dispatch, shared by every rank.
+        num_max_tokens_per_rank: M for dropless dispatch, shared by every rank (the first one: it
+            grows to the largest T the ranks dispatch).
         _deep_ep: a ``deep_ep`` module to use instead of importing one (tests: the emulator).
 
     Raises:
@@ -299,39 +303,58 @@ class DeepEPElasticBackend(ElasticCombineMixin, DispatchBackend):
     def _check_tokens(
         self, T: int, device: torch.device, shape: tuple[int, int, torch.dtype] | None = None
     ) -> int:
-        """A rank may dispatch at most M tokens (its receive slots on every rank); returns the
-        tokens this rank sends.
+        """The tokens this rank sends, after every rank agreed on M (audit-4 P3).
 
-        With checks on, one small all-gather of ``[T, X, k, dtype]`` first makes every rank
-        raise for the worst rank, and for ranks that disagree on the row shape (``shape`` =
-        ``(X, k, dtype)``). With checks off a rank over M sends its first M tokens (the others
-        get nothing, their combine rows are zero) and ``check_overflow`` raises: raising on that
-        rank alone would leave its peers in DeepEP's GPU barrier until its 100 s timeout
-        (audit-3 N7).
+        Dropless: nothing is dropped. One small all-gather of every rank's T (with checks on,
+        and its row shape ``shape`` = ``(X, k, dtype)``) first; when a rank has more than M,
+        every rank raises M to that T's bucket at this same call (``_grow_bound``; the buffer
+        grows with it: DeepEP needs one M on every rank), as V1's buffers grow. Its host read is
+        a second host sync beside DeepEP's CPU wait (counted).
+
+        Worst-case: a rank may dispatch at most M = W / R tokens (its receive slots on every
+        rank). With checks on, the all-gather of ``[T, X, k, dtype]`` makes every rank raise
+        for the worst rank, and for ranks that disagree on the row shape. With checks off a rank
+        over M sends its first M tokens (the others get nothing, their combine rows are zero)
+        and ``check_overflow`` raises: raising on that rank alone would leave its peers in
+        DeepEP's GPU barrier until its 100 s timeout (audit-3 N7).
         """
         M, R = self.num_max_tokens_per_rank, self.num_ranks
         rank = self.rank
-        if checks_enabled(self.checks) and not is_capturing():
-            X, k, dtype = shape if shape is not None else (0, 0, torch.bfloat16)
-            mine = torch.tensor(
-                [T, X, k, DTYPE_CODES.get(dtype, -1)],
-                dtype=torch.int64,
-                device=collective_device(self.group),
+        X, k, dtype = shape if shape is not None else (0, 0, torch.bfloat16)
+        checks = checks_enabled(self.checks) and not is_capturing()
+        if not self.worst_case and not is_capturing():
+            Gh = gather_token_rows(
+                T, (X, k, dtype) if checks else None, self.group, name="elastic token count"
             )
-            rows = all_gather_int64(mine, self.group, name="elastic token count").view(R, 4)
+            if device.type == "cuda":
+                self._stats.host_syncs += 1  # the bound's agreement (DeepEP's wait is the other)
+            if checks:
+                check_agreement([r[1:] for r in Gh], num_ranks=0, num_nodes=0)
+            self._grow_bound(max(r[0] for r in Gh))
+            return T
+        if checks:
+            Gh = gather_token_rows(T, (X, k, dtype), self.group, name="elastic token count")
             if device.type == "cuda":
                 self._stats.extra["check_syncs"] = self._stats.extra.get("check_syncs", 0) + 1
-            Gh = rows.tolist()
             check_agreement([r[1:] for r in Gh], num_ranks=0, num_nodes=0)
             counts = [r[0] for r in Gh]
             rank = max(range(R), key=counts.__getitem__)
             T = counts[rank]
-        elif T > M:
+        elif T > M and self.worst_case:
             self._need_tokens = max(self._need_tokens, T)
             return M
         if T <= M:
             return T
+        # NOTE: also a dropless call over M inside a capture (no agreement possible)
         raise ValueError(self._tokens_message(rank, T))
+
+    def _grow_bound(self, need: int) -> None:
+        """Dropless: raise M to ``bucket(need)`` (every rank at the same call: ``need`` is the
+        agreed maximum); the shared buffer is rebuilt for it at this call's ``_buffer``."""
+        if need <= self.num_max_tokens_per_rank:
+            return
+        self.num_max_tokens_per_rank = token_bucket(need)
+        self._stats.extra["deepep_token_bound"] = self.num_max_tokens_per_rank
 
     def _tokens_message(self, rank: int | str, T: int) -> str:
         M, R = self.num_max_tokens_per_rank, self.num_ranks
@@ -350,7 +373,8 @@ class DeepEPElasticBackend(ElasticCombineMixin, DispatchBackend):
         )
 
     def check_overflow(self) -> None:
-        """Raise if a rank was over M tokens with checks off (it sent its first M only)."""
+        """Raise if a rank was over M = W / R tokens with checks off in worst-case mode (it sent
+        its first M only; a dropless M grows instead)."""
         self.flush_stats()
         if self._need_tokens:
             raise ValueError(
@@ -373,7 +397,7 @@ class DeepEPElasticBackend(ElasticCombineMixin, DispatchBackend):
         k = topk_idx.shape[1]
         sizing.check_topk(k, "elastic kernels")
         sent = self._check_tokens(T, x.device, (X, k, x.dtype))
-        if sent < T:  # NOTE: checks off and over M: the first M tokens (see _check_tokens)
+        if sent < T:  # NOTE: worst-case, checks off, over M = W / R: the first M (_check_tokens)
             x, topk_idx, topk_probs = x[:sent], topk_idx[:sent], topk_probs[:sent]
             scales = None if scales is None else scales[:sent]
         if scales is not None:
@@ -547,7 +571,7 @@ class DeepEPElasticBackend(ElasticCombineMixin, DispatchBackend):
         wire = sizing.WireFormat.of(x.dtype, x.shape[1])
         w = sizing.pad_cols(wire.send(x), _DISPATCH_COL_MULTIPLE)
         buffer = self._buffer(max(w.shape[1], _COMBINE_COL_MULTIPLE), state.topk)
-        key = ("cached", 2 * w.shape[1], state.topk, self.num_max_tokens_per_rank, h.num_sms)
+        key = ("cached", 2 * w.shape[1], state.topk, h.num_max_tokens_per_rank, h.num_sms)
         key = (*key, self.num_experts, self.worst_case)
         refusals.first_use(self.deep_ep, (*key, bool(h.do_expand)), "cached dispatch")
         got, *_ = buffer.dispatch(w, handle=h, do_expand=h.do_expand, num_sms=h.num_sms)

@@ -137,7 +137,7 @@ class ElasticCombineMixin:
 
     def _first_combine(self, h: Any, columns: int, k: int, *, weights: bool) -> None:
         """A combine's JIT template arguments (refused inside a capture when new: N18)."""
-        key = ("combine", columns, k, self.num_max_tokens_per_rank, self.num_sms, weights)
+        key = ("combine", columns, k, h.num_max_tokens_per_rank, self.num_sms, weights)
         refusals.first_use(self.deep_ep, (*key, bool(h.do_expand)), "combine")
 
     @staticmethod

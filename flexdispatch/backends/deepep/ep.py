@@ -18,12 +18,14 @@ Selected with ``DispatchConfig.deepep_api="ep"``, and by ``"auto"`` where every 
   rounding, ``allow_multiple_reduction``) and across ranks.
 - **Static shapes**: ``num_max_tokens_per_rank`` is a JIT template argument, so it is bucketed
   (``token_bucket``): dropless ``M = bucket(num_max_dispatch_tokens_per_rank)``, worst-case
-  ``M = bucket(W / R)``. A rank may send at most ``W / R`` (dropless: the configured bound)
-  tokens, which keeps every receive within the contract's W rows; DeepEP's ``R * M`` rows are cut
-  back to W after the sort (expanded: ``R * (W / R) * min(k, e)`` rows, aligned).
-- **Dropless**: ``do_cpu_sync=True``, DeepEP's CPU wait is the one host sync. **Worst-case**:
-  ``do_cpu_sync=False``, no host sync, inside a node and across nodes; rows past the real ones
-  are masked on the device.
+  ``M = bucket(W / R)``. In worst-case mode a rank may send at most ``W / R`` tokens, which
+  keeps every receive within the contract's W rows; DeepEP's ``R * M`` rows are cut back to W
+  after the sort (expanded: ``R * (W / R) * min(k, e)`` rows, aligned).
+- **Dropless**: ``do_cpu_sync=True``. Every token is sent (audit-4 P3): one small all-gather of
+  every rank's T comes first, and when a rank has more than the bound every rank raises it to
+  that T's bucket (the buffer grows with it). Two host syncs: that agreement and DeepEP's CPU
+  wait. **Worst-case**: ``do_cpu_sync=False``, no host sync, inside a node and across nodes;
+  rows past the real ones are masked on the device.
 - **JIT**: each kernel template compiles at first use; ``ep_buffer.KernelRegistry`` knows which
   ran, and a first use inside a CUDA-graph capture raises with the fix
   (``FlexDispatcher.warmup``).
@@ -33,12 +35,15 @@ Selected with ``DispatchConfig.deepep_api="ep"``, and by ``"auto"`` where every 
   ``topk_weights`` channel, one combine per column.
 - **Overlap**: ``launch_expanded`` issues the dispatch with ``defer_epilogue`` (the receive
   epilogue and, dropless, the CPU wait run at ``finish_expanded``), so the layer can compute its
-  shared experts while the rows are in flight.
+  shared experts while the rows are in flight. The epilogue reads the buffer's shared receive
+  slots, so any other call on the buffer runs it first (``ep_buffer.SharedEPBuffer.settle``,
+  audit-4 P2).
 - **SMs / QPs**: DeepEP 2.5's bandwidth model picks both (``get_theoretical_num_sms``, agreed
   across ranks once; ``get_theoretical_num_qps``) unless ``deepep_num_sms`` is set.
 - **Ids**: ids >= E and repeated ids never reach a kernel (``ep_rows.guard_ids``).
-- **Statistics**: rows and bytes per link class accumulate on the device (``ep_rows.
-  traffic_rows``) and are read when ``stats`` is read (no host read on the hot path).
+- **Statistics**: rows and bytes per link class are computed on the device (``ep_rows.
+  traffic_rows``) and summed by ``counters.TrafficCounters`` (as on V1 / V2): no host read and
+  no host-to-device copy on the hot path, in place inside a CUDA-graph capture (audit-4 P1).
 """
 
 from __future__ import annotations
@@ -49,10 +54,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexdispatch._validate import checks_enabled, is_capturing
+from flexdispatch._validate import checks_enabled, cuda_code_path, is_capturing
 from flexdispatch.backends.base import Capability, DispatchBackend
-from flexdispatch.backends.counts import DTYPE_CODES, check_agreement
+from flexdispatch.backends.counts import check_agreement, gather_token_rows
 from flexdispatch.backends.deepep import sizing
+from flexdispatch.backends.deepep.counters import TrafficCounters
 from flexdispatch.backends.deepep.ep_buffer import EPSize, acquire_ep, kernel_key, kernels_of
 from flexdispatch.backends.deepep.ep_combine import _COMBINE_COLS, EPCombineMixin, sent_tokens
 from flexdispatch.backends.deepep.ep_layout import (
@@ -77,7 +83,7 @@ from flexdispatch.backends.deepep.ep_support import (
     token_bucket,
     tokens_message,
 )
-from flexdispatch.distributed import all_gather_int64, collective_device, group_rank, group_size
+from flexdispatch.distributed import collective_device, group_rank, group_size
 from flexdispatch.types import (
     DispatchHandle,
     DispatchLayout,
@@ -102,7 +108,8 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
             dispatch, so that any rank over its bound (or a shape mismatch) raises everywhere.
         stats: counters to add to.
         num_sms: SMs per kernel (None: DeepEP 2.5's bandwidth model, agreed across ranks).
-        num_max_tokens_per_rank: the dropless per-rank token bound (bucketed for the JIT).
+        num_max_tokens_per_rank: the dropless per-rank token bound (bucketed for the JIT), the
+            first one: it grows to the largest T the ranks dispatch.
         hybrid: True hybrid mode across nodes, False direct mode, None hybrid where it fits.
         expert_alignment: each expert's rows in ``dispatch_expanded`` padded to a multiple.
         _deep_ep: a ``deep_ep_v25`` module to use instead of importing it (tests: the emulator).
@@ -167,7 +174,7 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         self._shared = acquire_ep(module, self.group, self.hybrid, id(self), rdma=nvl < R)
         self._kernels = kernels_of(module)
         self._traffic: EPTraffic | None = None
-        self._dev: torch.Tensor | None = None  # [rows sent, rows received, NVLink B, RDMA B]
+        self._counters = TrafficCounters(collective_device(self.group))  # no host read in calls
         self._need_tokens = 0  # most tokens a rank had to dispatch, when over the bound
         self._closed = False
 
@@ -220,22 +227,14 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
 
     # ----------------------------------------------------------------- statistics
     def flush_stats(self) -> None:
-        """Add the device counters to ``stats`` (one small host read)."""
-        if self._dev is None:
-            return
-        sent, received, intra, inter = self._dev.tolist()
-        self._dev.zero_()
-        s = self._stats
-        s.rows_sent += sent
-        s.rows_received += received
-        s.bytes_sent_intra_node += intra
-        s.bytes_sent_inter_node += inter
+        """Add the counted traffic to ``stats`` (the safe point: one host read on CUDA)."""
+        self._counters.drain(self._stats)
 
     def _count(self, device: torch.device, vals: list[torch.Tensor | int]) -> None:
-        if self._dev is None:
-            self._dev = torch.zeros(4, dtype=torch.int64, device=device)
-        parts = [v if isinstance(v, torch.Tensor) else torch.tensor(v, device=device) for v in vals]
-        self._dev += torch.stack([p.to(torch.int64).reshape(()) for p in parts])
+        """Count one call: ``[rows sent, rows received, NVLink bytes, RDMA bytes]`` (0-d device
+        tensors or ints; an int is a fill on the device, never a host-to-device copy)."""
+        sent, received, intra, inter = vals
+        self._counters.record(lambda: (intra, inter, sent, received))
 
     def _traffic_rows(self, idx: torch.Tensor) -> torch.Tensor:
         if self._traffic is None or self._traffic.intra.device != idx.device:
@@ -271,34 +270,60 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         return out
 
     def _check_tokens(self, T: int, device: torch.device, shape: tuple) -> int:
-        """A rank may dispatch at most ``W / R`` (dropless: the configured bound) tokens; returns
-        the tokens this rank sends. With checks on, one all-gather of ``[T, X, k, dtype]`` makes
-        every rank raise alike. With checks off a rank over the bound sends its first tokens (its
-        others combine to zero) and ``check_overflow`` raises: raising on that rank alone would
-        leave its peers inside DeepEP's collective (audit-3 N7, as on V2)."""
+        """The tokens this rank sends, after every rank agreed on the bound (audit-4 P3).
+
+        Dropless: nothing is dropped. One small all-gather of every rank's T (with checks on,
+        and its row shape) first; when a rank has more than the bound, every rank raises it to
+        that T's bucket at this same call (``_grow_bound``; the buffer grows with it), as V1's
+        buffers grow. Its host read is a second host sync beside DeepEP's CPU wait (counted).
+
+        Worst-case: a rank may send at most ``W / R`` tokens. With checks on, the all-gather of
+        ``[T, X, k, dtype]`` makes every rank raise alike; with checks off a rank over it sends
+        its first ``W / R`` tokens (its others combine to zero) and ``check_overflow`` raises:
+        raising on that rank alone would leave its peers inside DeepEP's collective (audit-3
+        N7, as on V2)."""
         M, R, rank = self.max_tokens, self.num_ranks, self.rank
-        if checks_enabled(self.checks) and not is_capturing():
+        checks = checks_enabled(self.checks) and not is_capturing()
+        if not self.worst_case and not is_capturing():
             X, k, dtype = shape
-            mine = torch.tensor(
-                [T, X, k, DTYPE_CODES.get(dtype, -1)],
-                dtype=torch.int64,
-                device=collective_device(self.group),
+            rows = gather_token_rows(
+                T, (X, k, dtype) if checks else None, self.group, name="ep token count"
             )
-            rows = all_gather_int64(mine, self.group, name="ep token count").view(R, 4).tolist()
+            if device.type == "cuda":
+                self._stats.host_syncs += 1  # the bound's agreement (DeepEP's wait is the other)
+            if checks:
+                check_agreement([r[1:] for r in rows], num_ranks=0, num_nodes=0)
+            self._grow_bound(max(r[0] for r in rows))
+            return T
+        if checks:
+            rows = gather_token_rows(T, shape, self.group, name="ep token count")
             if device.type == "cuda":
                 self._stats.extra["check_syncs"] = self._stats.extra.get("check_syncs", 0) + 1
             check_agreement([r[1:] for r in rows], num_ranks=0, num_nodes=0)
             rank = max(range(R), key=lambda r: rows[r][0])
             T = rows[rank][0]
-        elif T > M:
+        elif T > M and self.worst_case:
             self._need_tokens = max(self._need_tokens, T)
             return M
         if T <= M:
             return T
+        # NOTE: also a dropless call over the bound inside a capture (no agreement possible)
         raise ValueError(tokens_message(rank, T, M=M, R=R, W=self.num_worst_tokens))
 
+    def _grow_bound(self, need: int) -> None:
+        """Dropless: raise the per-rank token bound to ``need`` (every rank at the same call:
+        ``need`` is the agreed maximum); DeepEP compiles ``bucket(need)`` and the shared buffer
+        is rebuilt for it at this call's ``_buffer``."""
+        if need <= self.max_tokens:
+            return
+        self.max_tokens = need
+        self.num_max_tokens_per_rank = max(self.num_max_tokens_per_rank, token_bucket(need))
+        extra = self._stats.extra
+        extra["deepep_token_bound"] = self.num_max_tokens_per_rank
+
     def check_overflow(self) -> None:
-        """Raise if a rank was over its token bound with checks off (it sent its first ones)."""
+        """Raise if a rank was over ``W / R`` with checks off in worst-case mode (it sent its
+        first ones; a dropless bound grows instead)."""
         self.flush_stats()
         if self._need_tokens:
             M, W = self.max_tokens, self.num_worst_tokens
@@ -321,10 +346,10 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         k = topk_idx.shape[1]
         sizing.check_topk(k, "DeepEP 2.5 kernels")
         sent = self._check_tokens(T, x.device, (X, k, x.dtype))
-        if sent < T:  # NOTE: checks off and over the bound: the first tokens (_check_tokens)
+        if sent < T:  # NOTE: worst-case, checks off, over W / R: the first ones (_check_tokens)
             x, topk_idx, topk_probs = x[:sent], topk_idx[:sent], topk_probs[:sent]
             scales = None if scales is None else scales[:sent]
-        raise_now = checks_enabled(self.checks) or x.device.type == "cpu"
+        raise_now = checks_enabled(self.checks) or not cuda_code_path(x.device)
         idx = guard_ids(topk_idx.to(torch.int64), self.num_experts, raise_now=raise_now)
         if scales is not None:
             send: Any = (x.contiguous(), scales.contiguous())
@@ -423,10 +448,10 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         if valid is not None:
             local &= valid[:, None]
             recv_idx = torch.where(local, recv_idx, -1)
-            recv = sizing.zero_invalid_rows(recv, valid)
+            recv = sizing.zero_invalid_rows_(recv, valid)  # the gather's own copy (P13)
             counts = sizing.count_valid(recv_idx.reshape(-1), local.reshape(-1), e)
             if recv_scales is not None:
-                recv_scales = sizing.zero_invalid_rows(recv_scales, valid)
+                recv_scales = sizing.zero_invalid_rows_(recv_scales, valid)
         else:
             self._stats.host_syncs += 1  # DeepEP's CPU wait for the receive counts
             count_list = handle.num_recv_tokens_per_expert_list
@@ -468,11 +493,17 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         out, wire, fp8, T, X, k, sms, traffic, row = self._launch(
             x, topk_idx, topk_probs, expand=True, defer=True
         )
-        return PendingExpanded(out, wire, fp8, T, X, k, sms, traffic, row)
+        pending = PendingExpanded(out, wire, fp8, T, X, k, sms, traffic, row)
+        self._shared.pending = pending  # NOTE: the next call on the buffer settles it first
+        return pending
 
     def finish_expanded(self, p: PendingExpanded) -> ExpandedDispatchResult:
-        """Wait for a ``launch_expanded`` and build its result."""
-        recv, _, recv_w, handle = p.event.current_stream_wait()
+        """Wait for a ``launch_expanded`` and build its result (its epilogue may have run
+        already, when another call on the buffer came first)."""
+        if self._shared.pending is p:
+            self._shared.pending = None
+        p.settle()
+        recv, _, recv_w, handle = p.result
         return self._expanded(recv, recv_w, handle, p)
 
     def dispatch_expanded(
@@ -510,10 +541,10 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
             counts = handle.num_unaligned_recv_tokens_per_expert.to(torch.int64)
             counts = (counts + a - 1) // a * a
             valid = torch.arange(N, device=recv.device) < counts.sum()
-            recv = sizing.zero_invalid_rows(recv, valid)
+            recv = sizing.zero_invalid_rows_(recv, valid)  # DeepEP's fresh output (P13)
             recv_w = torch.where(valid, recv_w, 0.0)
             if recv_scales is not None:
-                recv_scales = sizing.zero_invalid_rows(recv_scales[:N], valid)
+                recv_scales = sizing.zero_invalid_rows_(recv_scales[:N], valid)
         else:
             # NOTE: exact rows; the alignment gaps are zero already (do_zero_padding)
             self._stats.host_syncs += 1  # DeepEP's CPU wait for the receive counts
@@ -574,7 +605,7 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         split = self.hybrid and (fp8 or unit != 2 * w.shape[1])
         key = kernel_key(
             "cached",
-            M=self.num_max_tokens_per_rank,
+            M=h.num_max_tokens_per_rank,  # the handle's (a dropless bound may have grown)
             hidden=(unit if fp8 else unit // 2) if split else w.shape[1],
             fp8=split and fp8,
             scales=packs if split else 0,
@@ -610,7 +641,7 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         self._count(t.device, [0, 0, t[1] * row, t[2] * row])
         got = got[state.order] if state.order is not None else got[: handle.num_recv_rows]
         if state.valid is not None:
-            got = sizing.zero_invalid_rows(got, state.valid)
+            got = sizing.zero_invalid_rows_(got, state.valid)  # a gather, or DeepEP's output
         return wire.recv(got)
 
     def close(self) -> None:

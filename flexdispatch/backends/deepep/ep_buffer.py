@@ -23,6 +23,18 @@ dropless receive-count wait), at the price of a later trap when a peer really ha
 ``docs/deepep.md``). DeepEP 2.5 has no compile-only entry point, so a compile-then-barrier warm-up
 cannot be built on it.
 
+One deferred dispatch at a time (audit-4 P2): with ``defer_epilogue`` DeepEP's copy epilogue
+reads the received rows from the buffer's shared receive slots when it runs (at the caller's
+``wait()``, buffers/ep.hpp:724; impls/ep/dispatch_copy_epilogue.cuh:82-93), and every other call
+on the buffer writes those slots (a dispatch, a cached dispatch, a combine: dispatch.cuh:369-373,
+combine.cuh:55), resets the host counts a dropless epilogue waits for (ep.hpp:555-556), or, when
+it grows or is destroyed, frees them (ep.hpp:102-120). So the buffer keeps the dispatch whose
+epilogue is pending (``pending``) and runs that epilogue (``settle``: the rows are copied out, in
+stream order) before any other call reaches the buffer, and before a growth or a destroy. The
+overlap is kept where nothing else runs on the buffer in between (``MoELayer``: start, shared
+experts, wait); a second micro-batch started before the first's ``wait()`` gets correct rows,
+the first's epilogue run at the second's start (``epilogues_run_early`` counts them).
+
 ``KernelRegistry`` mirrors DeepJIT's per-process cache: the kernel templates (``kernel_key``)
 that have run. A call whose template is new would compile at its first use; inside a CUDA-graph
 capture that cannot work, so the backend raises first, naming the template and the fix
@@ -134,6 +146,8 @@ class SharedEPBuffer:
         sms: the agreed SM count per (E, k).
         rdma: the group spans more than one RDMA rank (node): DeepEP probes ``ibstat`` then.
         links: the agreed link probes (``ep_links``), from the first build on.
+        pending: the deferred dispatch (``ep_rows.PendingExpanded``) whose epilogue has not run.
+        epilogues_run_early: pending epilogues run by another call's ``settle`` (statistics).
     """
 
     deep_ep: ModuleType
@@ -147,13 +161,25 @@ class SharedEPBuffer:
     sms: dict[tuple[int, int], int] = field(default_factory=dict)
     rdma: bool = False
     links: Links | None = None
+    pending: Any = None
+    epilogues_run_early: int = 0
+
+    def settle(self) -> None:
+        """Run the pending deferred dispatch's epilogue now, on the current stream: its rows
+        leave the shared receive slots before the next call on this buffer can overwrite them."""
+        p, self.pending = self.pending, None
+        if p is not None and p.settle():
+            self.epilogues_run_early += 1
 
     def ensure(self, need: EPSize) -> Any:
-        """The live buffer, (re)built collectively when ``need`` needs more bytes.
+        """The live buffer, (re)built collectively when ``need`` needs more bytes. A pending
+        deferred dispatch's epilogue runs first (``settle``): every DeepEP call on the buffer
+        comes through here.
 
         Raises:
             RuntimeError: it would be (re)built inside a CUDA-graph capture.
         """
+        self.settle()
         new = need if self.size is None else self.size.union(need)
         if self.buffer is not None and new == self.size:
             return self.buffer
@@ -224,6 +250,7 @@ class SharedEPBuffer:
         return self.sms[key]
 
     def _destroy(self) -> None:
+        self.settle()  # NOTE: destroy() frees the slots a pending epilogue reads (EV8)
         if self.buffer is not None:
             self.buffer.destroy()
             self.buffer = None

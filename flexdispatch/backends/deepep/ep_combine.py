@@ -4,9 +4,9 @@ per-slot weights channel and the exact fp32 sum of narrow rows. Split out of ``e
 file under 700 lines; ``DeepEPEPBackend`` mixes it in and provides ``_buffer``, ``_run``,
 ``_count``, ``num_max_tokens_per_rank``, ``num_experts``, ``hybrid`` and ``supports_combine_bias``.
 
-A rank that was over its token bound with checks off sent only its first tokens (``ep.py``,
-``_check_tokens``): every combine here returns ``[T, ...]`` rows, zero (plus the bias) for the
-tokens it did not send.
+A rank that was over ``W / R`` in worst-case mode with checks off sent only its first tokens
+(``ep.py``, ``_check_tokens``; a dropless bound grows instead): every combine here returns
+``[T, ...]`` rows, zero (plus the bias) for the tokens it did not send.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class EPCombineMixin:
         buffer = self._buffer(part.shape[1], k)
         key = kernel_key(
             "combine",
-            M=self.num_max_tokens_per_rank,
+            M=h.num_max_tokens_per_rank,  # the handle's (a dropless bound may have grown)
             hidden=part.shape[1],
             k=k,
             E=self.num_experts,

@@ -182,7 +182,8 @@ class EPDispatchState:
 
 @dataclass(eq=False)
 class PendingExpanded:
-    """An expanded dispatch in flight (``launch_expanded``): its epilogue runs at ``finish``."""
+    """An expanded dispatch in flight (``launch_expanded``): its epilogue runs at ``finish``, or
+    earlier, when another call on the same buffer comes first (``settle``)."""
 
     event: Any
     wire: sizing.WireFormat
@@ -193,3 +194,12 @@ class PendingExpanded:
     sms: int
     traffic: torch.Tensor
     row_bytes: int
+    result: Any = None  # the epilogue's (recv_x, recv_topk_idx, recv_topk_weights, handle)
+
+    def settle(self) -> bool:
+        """Run DeepEP's deferred epilogue (``EventOverlap.current_stream_wait``) unless it ran;
+        True when it ran now."""
+        if self.result is not None or self.event is None:
+            return False
+        self.result = self.event.current_stream_wait()
+        return True

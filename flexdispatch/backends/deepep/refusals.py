@@ -7,10 +7,13 @@ nodes · k top-k. Each rule names DeepEP's limit, the value and what to change (
   ``num_rdma_bytes < INT_MAX`` and ``num_nvl_bytes < INT_MAX`` (v1.2.1 internode.cu:341-342,
   1207-1208; main legacy/internode.cu:432-433, 1517-1518), but the one shared buffer of a group
   also holds the low-latency bytes, which pass 2 GiB at e.g. E = 384, H = 7168, 128 tokens.
-- ``node_span`` (N4): V1's internode dispatch sends a token to at most ``min(N, 8)`` nodes
-  (``kNumTopkRDMARanks``, a device assert, v1.2.1 internode.cu:543); reachable only with k > 8
-  on more than 8 nodes. Checks on (or the CPU code path): raise naming the token; else the ids on
-  the token's nodes past its eighth become -1 on the device and the widest span is recorded for
+- ``node_span`` / ``agree_node_span`` (N4; audit-4, P3's class): V1's internode dispatch sends a
+  token to at most ``min(N, 8)`` nodes (``kNumTopkRDMARanks``, a device assert, v1.2.1
+  internode.cu:543); reachable only with k > 8 on more than 8 nodes. Every rank learns every
+  rank's widest span first (one small all-gather; V1's internode dispatch is dropless and waits
+  on the CPU anyway) and all raise before any token moves, naming the rank (and, on it, the
+  token). Only inside a CUDA-graph capture, where no agreement can run, the ids on a token's
+  nodes past its eighth become -1 on the device and the widest span is recorded for
   ``check_overflow``.
 - ``check_no_capture`` (N18): creating or growing a DeepEP buffer (cudaMalloc, IPC handles, a
   barrier) and DeepEP V2's JIT compilation of a new shape cannot happen inside a CUDA-graph
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 
 from flexdispatch import _validate
+from flexdispatch.distributed import all_gather_int64, collective_device
 
 __all__ = [
     "INT_MAX",
@@ -99,6 +103,30 @@ def node_span(
     keep = keep_node.gather(1, node)
     span = nodes_per_token.amax() if T else hit.new_zeros(())
     return torch.where(keep, topk_idx, -1), span
+
+
+def agree_node_span(
+    topk_idx: torch.Tensor, num_experts: int, num_nodes: int, *, group: Any, rank: int
+) -> int:
+    """Raise ValueError on every rank, before any token moves, when a token of any rank names
+    experts on more than ``MAX_TOPK_NODES`` nodes (``node_span``'s rule): one all-gather of each
+    rank's widest span, read on the host. Returns 1 where that read was a host sync (CUDA)."""
+    _, span = node_span(topk_idx, num_experts, num_nodes, raise_now=False)
+    assert span is not None
+    mine = span.to(collective_device(group), torch.int64).reshape(1)
+    spans = all_gather_int64(mine, group, name="all_gather (DeepEP node span)").view(-1).tolist()
+    worst = max(spans)
+    if worst > MAX_TOPK_NODES:
+        if spans[rank] > MAX_TOPK_NODES:
+            node_span(topk_idx, num_experts, num_nodes, raise_now=True)  # names the token
+        raise ValueError(
+            f"rank {spans.index(worst)} has a token with experts on {worst} nodes, but DeepEP's "
+            f"internode dispatch sends a token to at most {MAX_TOPK_NODES} nodes "
+            f"(kNumTopkRDMARanks, a device assert in internode.cu): use node-limited routing "
+            f"(RouterConfig num_groups = {num_nodes} node groups, group_topk <= "
+            f"{MAX_TOPK_NODES}), k <= {MAX_TOPK_NODES}, or backend='torch'"
+        )
+    return int(topk_idx.device.type == "cuda")
 
 
 def check_no_capture(what: str) -> None:

@@ -57,7 +57,6 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from flexdispatch import _validate
 from flexdispatch._validate import checks_enabled, is_capturing
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import check_agreement, exchange_counts
@@ -208,7 +207,7 @@ class DeepEPBackend(LowLatencyMixin, CombineMixin, DispatchBackend):
         self._closed = False
         device = collective_device(self.group)
         self._need_w = DeviceMax(device)  # largest W a worst-case dispatch needed
-        self._node_span = DeviceMax(device)  # most nodes a token named (checks off, N > 8)
+        self._node_span = DeviceMax(device)  # most nodes a token named (N > 8, inside a capture)
         self._traffic = TrafficCounters(device)  # statistics, no host read on the hot path
 
     # ----------------------------------------------------------------- capabilities
@@ -537,9 +536,15 @@ class DeepEPBackend(LowLatencyMixin, CombineMixin, DispatchBackend):
         buffer = self._buffer_for_rows(widest, max(c.padded for c in comb))
         idx = topk_idx
         if self.num_nodes > refusals.MAX_TOPK_NODES and k > refusals.MAX_TOPK_NODES:
-            strict = checks_enabled(self.checks) or not _validate.cuda_code_path(idx.device)
-            idx, span = refusals.node_span(idx, self.num_experts, self.num_nodes, raise_now=strict)
-            if span is not None:
+            if not is_capturing():  # every rank raises alike before any token moves (N4)
+                self._stats.host_syncs += refusals.agree_node_span(
+                    idx, self.num_experts, self.num_nodes, group=self.group, rank=self.rank
+                )
+            else:  # NOTE: no agreement inside a capture: dropped on the device, reported
+                idx, span = refusals.node_span(
+                    idx, self.num_experts, self.num_nodes, raise_now=False
+                )
+                assert span is not None
                 self._node_span.update(span)
                 layout = None  # NOTE: DeepEP's layout kernel, of the ids actually sent
         if idx.dtype != self.topk_idx_dtype:

@@ -32,6 +32,17 @@ What the kernels do, as DeepEP 2.5 does it:
   (``transport.garbage``), an empty list; the psum tensors hold the true extents.
 - ``defer_epilogue``: the kernel (and its collective) runs in the call, the receive tensors are
   allocated and filled by the hook ``EventOverlap.current_stream_wait()`` runs.
+- **One shared receive region per buffer** (audit-4 EV1, EV8): a dispatch kernel writes its rows
+  into the buffer's slots (``src_rank``'s region, slot = its atomic order; hybrid: the NVLink
+  peer's region), and the copy epilogue reads those slots when it runs, not when the kernel
+  ran (``ep.epilogue_reads_buffer``). So a dispatch, cached dispatch or combine on the same buffer
+  between a deferred dispatch and its ``current_stream_wait()`` changes what that epilogue
+  returns: another dispatch's rows in the slots it wrote (older contents past them), garbage
+  after a combine (``ep.combine_overwrites``, whose buffer starts at the same base) or after a
+  dispatch with another token layout; every dispatch resets the host counts a dropless epilogue
+  waits for (``ep.host_counts_reset``: no dropless dispatch to rewrite them is DeepEP's CPU-wait
+  timeout, ``ep.cpu_wait_timeout``). ``destroy()`` runs a barrier of every rank and frees the
+  region: a deferred epilogue after it reads freed memory (``ep.epilogue_after_destroy``).
 - combine: each rank sends one row per received token back (expand: the sum of the token's
   slots, rounded to bf16, with ``allow_multiple_reduction``; every slot row without it), hybrid
   mode with it also rounds the sum of each destination node's rows to bf16 (the forwarder's
@@ -164,12 +175,85 @@ class EPRuntime:
         self.lb_storage = torch.zeros(num_lb_buffer_bytes, dtype=torch.uint8)
         self.destroyed = False
         self.calls = 0
+        # the shared receive region: the token layout written, its rows, and the host counts
+        self.region: dict[str, Any] | None = None
+        self.host_counts: torch.Tensor | None = None
 
     # ----------------------------------------------------------------- set-up
     def destroy(self) -> None:
         _h(not self.destroyed, "ep.destroy_once")
+        with transport.kernel("ep_barrier"):  # comm::barrier of every rank (buffers/ep.hpp:106)
+            transport.barrier(self.context.group)
         self.destroyed = True
         self.main_context = None
+        self.region = self.host_counts = None  # context->finalize() frees the window
+
+    # ----------------------------------------------------------------- receive region
+    def _region_write(self, got: dict[str, Any], sig: tuple, cap: int, host: bool) -> None:
+        """The dispatch kernel's stores: row ``i`` of group ``g`` into slot ``g * cap + i``
+        (older contents stay past a group's rows); ``host``: the host counts it writes."""
+        U = self.d.scaleup
+        n, group = got["n"], got["group"]
+        reg = self.region
+        if reg is None or reg["sig"] != sig:  # another token layout: the old bytes mean nothing
+            xd, H, packs, sfd, k, with_w = sig
+            reg = self.region = {
+                "sig": sig,
+                "cap": cap,
+                "x": transport.garbage((U * cap, H), xd),
+                "src": transport.garbage((U * cap,), torch.int32).to(torch.int64),
+                "idx": transport.garbage((U * cap, k), torch.int64),
+                "sf": transport.garbage((U * cap, packs), sfd) if packs else None,
+                "w": transport.garbage((U * cap, k), torch.float32) if with_w else None,
+            }
+        if n:
+            counts = torch.bincount(group, minlength=U)
+            first = torch.cumsum(counts, 0) - counts
+            slot = group * reg["cap"] + torch.arange(n) - first[group]
+            for f in ("x", "src", "idx", "sf", "w"):
+                if reg[f] is not None and got[f] is not None:
+                    reg[f][slot] = got[f]
+        self.host_counts = got["group_counts"] if host else None  # ep.host_counts_reset
+
+    def _region_clobber(self) -> None:
+        """A combine's kernel writes its rows at the buffer's base: the dispatch slots hold
+        garbage afterwards."""
+        if self.region is not None:
+            self.region = dict(self.region, sig=("combine",))
+
+    def _region_read(self, got: dict[str, Any], sig: tuple, from_host: bool) -> dict:
+        """The copy epilogue's loads (I/dispatch_copy_epilogue.cuh:82-93): slots ``[0, count_g)``
+        of each group, the counts from the call's own prefix sum, or (dropless) the host counts."""
+        limits.device_trap(self.region is not None, "ep.epilogue_after_destroy", REL)
+        reg = self.region
+        assert reg is not None
+        U, e, me = self.d.scaleup, got["e"], self.rank
+        if from_host:
+            _h(self.host_counts is not None, "ep.cpu_wait_timeout", "no count arrived")
+            counts = self.host_counts
+        else:
+            counts = got["group_counts"]
+        assert counts is not None
+        n = int(counts.sum())
+        group = torch.repeat_interleave(torch.arange(U), counts)
+        first = torch.cumsum(counts, 0) - counts
+        slot = group * reg["cap"] + torch.arange(n) - first[group]
+        xd, H, packs, sfd, k, with_w = sig
+        same = reg["sig"] == sig
+        x = reg["x"][slot] if same else transport.garbage((n, H), xd)
+        src = reg["src"][slot] if same else transport.garbage((n,), torch.int32).to(torch.int64)
+        idx = reg["idx"][slot] if same else torch.full((n, k), -1, dtype=torch.int64)
+        sf = w = None
+        if packs:
+            sf = reg["sf"][slot] if same else transport.garbage((n, packs), sfd)
+        if with_w:
+            w = reg["w"][slot] if same else transport.garbage((n, k), torch.float32)
+        in_range = (idx >= me * e) & (idx < (me + 1) * e)
+        local = torch.where(in_range, idx - me * e, -1)
+        out = dict(got, n=n, x=x, src=src, idx=idx, sf=sf, w=w, group=group, group_counts=counts)
+        out.update(local=local, in_range=in_range, psum=torch.cumsum(counts, 0).to(torch.int32))
+        out["counts"] = _expert_counts(local, e)
+        return out
 
     def print_memory_usage(self) -> None:
         print(f"[DeepEP memory usage] rank_idx={self.rank}, buffer {self.num_bytes} bytes")
@@ -311,6 +395,9 @@ class EPRuntime:
             )
         if stats is not None and not cached:
             stats += got["counts"].to(stats.dtype)
+        # the kernel's stores into the shared receive region (I/dispatch.cuh:265-267, 369-373)
+        sig = (x.dtype, H, packs, None if sf is None else sf.dtype, k, topk_weights is not None)
+        self._region_write(got, sig, M if N == 1 else N * M, do_cpu_sync and not cached)
         args = (
             x,
             sf,
@@ -444,15 +531,14 @@ class EPRuntime:
         r_idx = r_idx[order]
         in_range = (r_idx >= me * e) & (r_idx < (me + 1) * e)
         local = torch.where(in_range, r_idx - me * e, -1)
-        counts = (
-            torch.stack([(local == j).sum() for j in range(e)]).to(torch.int64)
-            if e
-            else torch.zeros(0, dtype=torch.int64)
-        )
+        counts = _expert_counts(local, e)
         return {
             "n": n,
+            "e": e,
             "x": r_x[order],
             "src": r_src[order],
+            "idx": r_idx,
+            "group_counts": torch.bincount(group, minlength=U),
             "local": local,
             "in_range": in_range,
             "sf": None if r_sf is None else r_sf[order],
@@ -500,6 +586,10 @@ class EPRuntime:
         R, me, d = self.num_ranks, self.rank, self.d
         N, U = d.scaleout, d.scaleup
         e, T, H = E // R, x.shape[0], x.shape[1]
+        # the epilogue loads the shared region now (ep.epilogue_reads_buffer), wherever the kernel
+        # ran: a call on this buffer in between may have overwritten it
+        sig = (x.dtype, H, packs, None if sf is None else sf.dtype, k, topk_weights is not None)
+        got = self._region_read(got, sig, do_cpu_sync and not cached)
         template = (
             do_expand,
             cached,
@@ -729,6 +819,7 @@ class EPRuntime:
             got = self._combine_kernel(
                 x, topk_weights, src_metadata, combined_topk_idx, psum_su, E, M, expand
             )
+        self._region_clobber()  # ep.combine_overwrites
         args = (got, bias_0, bias_1, combined_topk_idx, topk_weights is not None, E, M, expand, H)
         if defer_epilogue:
             return None, EventHandle(), lambda: self._combine_epilogue(*args)
@@ -754,6 +845,13 @@ class EPRuntime:
             n = int(psum_su[-1])
         m = meta[:n].to(torch.int64)
         src_r, src_t = m[:, 0] // M, m[:, 0] % M
+        bad = (src_r < 0) | (src_r >= R)
+        limits.device_trap(
+            not bool(bad.any()),
+            "ep.combine_src_metadata",
+            REL,
+            f"{int(bad.sum())} row(s) name no source rank of the group",
+        )
         wk = None
         if not expand:
             vals = x[:n].float()
@@ -843,6 +941,13 @@ class EPRuntime:
             ri, ci = (got["dest"][got["tok"]] == got["from"].view(-1, 1)).nonzero(as_tuple=True)
             combined_w[got["tok"][ri], ci] = got["w"][ri, ci]
         return out.to(torch.bfloat16), combined_w
+
+
+def _expert_counts(local: torch.Tensor, e: int) -> torch.Tensor:
+    """``[e]`` int64 (row, slot) pairs per local expert of ``local`` ``[n, k]`` (-1 elsewhere)."""
+    if not e:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.stack([(local == j).sum() for j in range(e)]).to(torch.int64)
 
 
 def make_ep_runtime_module(nvl_peers: int) -> Any:
