@@ -83,3 +83,39 @@ def test_zero_initialised_router_trains(fn, groups):
     (res.topk_probs * torch.arange(4.0)).sum().backward()
     assert router.weight.grad is not None and bool(torch.isfinite(router.weight.grad).all())
     assert hidden.grad is not None
+
+
+@pytest.mark.parametrize("fn", ["softmax", "sigmoid"])
+def test_aux_loss_counts_of_a_tied_router_follow_the_tie_rule(fn):
+    """The aux loss's counts ``n_e`` come from an unbiased top-k of the full scores; with every
+    score tied (a zero-initialised router) they follow the tie rule too, so they name the experts
+    the tokens are routed to (0..k-1), whatever ``torch.topk`` would pick on this device."""
+    T, E, k, H, coeff = 6, 32, 4, 5, 0.1
+    cfg = RouterConfig(
+        num_experts=E, topk=k, score_function=fn, aux_loss_type="aux_loss", aux_loss_coeff=coeff
+    )
+    router = TopKRouter(cfg, H)
+    torch.nn.init.zeros_(router.weight)
+    hidden = torch.randn(T, H, generator=torch.Generator().manual_seed(3))
+    res = router(hidden)
+    w = torch.randn(T, k, generator=torch.Generator().manual_seed(4))
+    (res.topk_probs * w).sum().backward()
+
+    # fp64 reference: logits x = h @ W.T (W = 0); every token's experts are 0..k-1
+    W64 = torch.zeros(E, H, dtype=torch.float64, requires_grad=True)
+    x64 = hidden.double() @ W64.t()
+    if fn == "softmax":
+        full = torch.softmax(x64, dim=-1)
+        probs = torch.softmax(x64[:, :k], dim=-1)
+    else:
+        s = torch.sigmoid(x64)
+        full = s / (s.sum(dim=-1, keepdim=True) + 1e-20)
+        probs = s[:, :k] / (s[:, :k].sum(dim=-1, keepdim=True) + 1e-20)
+    n = torch.zeros(E, dtype=torch.float64)
+    n[:k] = T
+    aux = coeff * E / (k * T * T) * (full.sum(dim=0) * n).sum()
+    ((probs * w.double()).sum() + aux).backward()
+
+    assert res.topk_idx.tolist() == [list(range(k))] * T
+    torch.testing.assert_close(res.aux_loss.double(), aux.detach())
+    torch.testing.assert_close(router.weight.grad.double(), W64.grad, rtol=1e-5, atol=1e-7)
