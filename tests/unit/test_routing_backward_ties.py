@@ -119,3 +119,39 @@ def test_aux_loss_counts_of_a_tied_router_follow_the_tie_rule(fn):
     assert res.topk_idx.tolist() == [list(range(k))] * T
     torch.testing.assert_close(res.aux_loss.double(), aux.detach())
     torch.testing.assert_close(router.weight.grad.double(), W64.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_router_state_updates_between_forward_and_backward(impl):
+    """The router's in-place state (expert bias, its counts, the global aux-loss counts) is
+    written between a forward and its backward in pipelined training (two micro-batches forward,
+    then both backward; a bias update in between). Autograd saves none of it: both backwards
+    run and give what they give without the updates."""
+    cfg = RouterConfig(
+        num_experts=8,
+        topk=2,
+        score_function="sigmoid",
+        enable_expert_bias=True,
+        aux_loss_type="global_aux_loss",
+        aux_loss_coeff=0.1,
+        impl=impl,
+    )
+    hidden = [torch.randn(6, 4, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+
+    def run(update_between: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        router = TopKRouter(cfg, 4)
+        with torch.no_grad():
+            router.weight.copy_(router.weight.round(decimals=1))  # some ties
+        outs = [router(h) for h in hidden]
+        if update_between:
+            router.update_expert_bias()
+        grads = []
+        for res in outs:
+            router.weight.grad = None
+            res.topk_probs.sum().backward()
+            grads.append(router.weight.grad.clone())
+        return grads
+
+    for got, want in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(got, want)
