@@ -8,7 +8,9 @@ The sweep below is the issue's: logits rounded to halves (ties in nearly every r
 sqrtsoftplus, k from 1 to 16, T from 1 to 77, with and without groups. Each case runs forward
 and backward on the ``device`` fixture and checks the gradient against a dense fp64 reference
 written here for the ids the call chose (the ids themselves, by the tie rule, are checked by
-``test_routing_properties.py``).
+``test_routing_properties.py``). Then the same class around ``TopKRouter``: a zero-initialised
+router (every score tied) trains; its aux loss counts the experts the tie rule routes to; and
+the router state written between a forward and its backward is saved by no backward.
 """
 
 from __future__ import annotations
