@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from flexdispatch._validate import check_tensor
+from flexdispatch.routing.topk import _topk
 
 __all__ = [
     "aux_loss_scores",
@@ -43,8 +44,9 @@ def aux_loss_scores(
             (scores normalised over all E: ``s / (s.sum(-1) + 1e-20)``).
 
     Returns:
-        ``(scores [T, E], topk_idx [T, k] int64)``: scores carry the gradient, the indices are a
-        plain ``torch.topk`` of the detached scores (no bias, no groups, no dropping).
+        ``(scores [T, E], topk_idx [T, k] int64)``: scores carry the gradient, the indices are
+        the top-k of the detached scores under the routing's tie rule (equal scores: the lower
+        expert id first; no bias, no groups, no dropping).
     """
     check_tensor("logits", logits, ndim=2, floating=True)
     if not 1 <= topk <= logits.shape[1]:
@@ -64,7 +66,9 @@ def aux_loss_scores(
         raise ValueError(
             f"score_function must be softmax, sigmoid or sqrtsoftplus, got {score_function!r}"
         )
-    idx_TK = torch.topk(scores_TE.detach(), k=topk, dim=-1).indices
+    # NOTE: the routing's tie rule (equal scores: lower id first), so the counts of a tied
+    # router (zero-initialised, bf16) are the same on every device and torch version.
+    idx_TK = _topk(scores_TE.detach(), topk)[1]
     return scores_TE, idx_TK
 
 
