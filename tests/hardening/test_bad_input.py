@@ -35,6 +35,7 @@ from flexdispatch import (
     get_dispatch_layout,
     load_config,
     permute,
+    routing_map_to_topk,
     topk_routing,
     unpermute,
 )
@@ -63,6 +64,10 @@ def _probs() -> torch.Tensor:
 
 def _logits() -> torch.Tensor:
     return torch.randn(T, E, generator=torch.Generator().manual_seed(4))
+
+
+def _routing_map() -> torch.Tensor:
+    return torch.zeros(T, E, dtype=torch.bool).scatter_(1, _idx(), True)
 
 
 def _router_cfg(**kw: Any) -> RouterConfig:
@@ -217,6 +222,22 @@ ERRORS: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
     ("topk_routing/groups-too-small",
      lambda t: topk_routing(_logits(), topk=4, num_groups=4, group_topk=1, group_score="max"),
      ValueError, r"group_topk=1 groups of 2 experts hold fewer than topk=4 experts"),
+    # ---- routing_map_to_topk
+    ("routing_map_to_topk/int-map",
+     lambda t: routing_map_to_topk(_routing_map().long(), _logits(), K), TypeError,
+     r"routing_map must have dtype bool, got int64"),
+    ("routing_map_to_topk/shape-mismatch",
+     lambda t: routing_map_to_topk(_routing_map(), _logits()[:, :4], K), ValueError,
+     r"probs has shape \(5, 4\) but routing_map has \(5, 8\)"),
+    ("routing_map_to_topk/topk-above-E",
+     lambda t: routing_map_to_topk(_routing_map(), _logits(), 9), ValueError,
+     r"topk must be in \[1, E=8\] \(the map's columns\), got 9"),
+    ("routing_map_to_topk/too-many-experts",
+     lambda t: routing_map_to_topk(_routing_map(), _logits(), 1), ValueError,
+     r"routing_map marks 2 experts for token 0 \(and 5 token\(s\) in all\) but topk=1"),
+    ("routing_map_to_topk/other-device",
+     lambda t: routing_map_to_topk(_routing_map(), _logits().to(META), K), ValueError,
+     r"probs is on meta but routing_map is on cpu"),
     # ---- TopKRouter
     ("TopKRouter/config-type", lambda t: TopKRouter(_moe_cfg(), H), TypeError,
      r"config must be a RouterConfig, got MoEConfig"),
