@@ -54,6 +54,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "launch",
             "cli",
             "hf",
+            "integrations",
             "__init__",
             "__main__",
         ),

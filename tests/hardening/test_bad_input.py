@@ -40,6 +40,7 @@ from flexdispatch import (
     unpermute,
 )
 from flexdispatch.cli import main as cli_main
+from flexdispatch.integrations import megatron as fd_megatron
 from tests.dist.reference import Inputs, ref_dispatch
 from tests.hardening import spawn_recorded
 
@@ -238,6 +239,9 @@ ERRORS: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
     ("routing_map_to_topk/other-device",
      lambda t: routing_map_to_topk(_routing_map(), _logits().to(META), K), ValueError,
      r"probs is on meta but routing_map is on cpu"),
+    # ---- flexdispatch.integrations.megatron
+    ("megatron.install/config-type", lambda t: fd_megatron.install(_router_cfg()), TypeError,
+     r"dispatch_config must be a flexdispatch DispatchConfig or None, got RouterConfig"),
     # ---- TopKRouter
     ("TopKRouter/config-type", lambda t: TopKRouter(_moe_cfg(), H), TypeError,
      r"config must be a RouterConfig, got MoEConfig"),
