@@ -13,6 +13,7 @@ import flexdispatch as fd
 fd.MoELayer, fd.FlexDispatcher, fd.routing_map_to_topk  # the layer, the dispatcher, the helper
 import flexdispatch.integrations
 import flexdispatch.integrations.megatron as fm
+import flexdispatch.integrations.torchtitan as ft
 fm.uninstall()  # a no-op when not installed: must not import Megatron either
 assert fm.installed_config() is None
 try:
