@@ -28,6 +28,8 @@ import pytest
 from tests.dist import megatron_host as mh
 from tests.dist.harness import spawn_group
 
+pytestmark = pytest.mark.dist
+
 if importlib.util.find_spec("megatron") is None:  # NOTE: a clear error, not a skip
     raise ImportError(
         "megatron-core is not installed: FLEXDISPATCH_INTEGRATIONS=1 bash scripts/setup.sh "
@@ -117,3 +119,11 @@ def test_install_and_uninstall() -> None:
         assert "num_worst_tokens" in res["refusal"], res
         assert "flexdispatch" not in res["hybridep_manager"].lower(), res
         assert res["restored"] is True and res["config_after"] is None, res
+
+
+def test_the_megatron_example_runs() -> None:
+    from examples import megatron_moe
+
+    for res in run(megatron_moe.run_rank):
+        assert res["dispatcher"] == "FlexdispatchTokenDispatcher", res
+        assert res["dispatch_calls"] == 1 and res["grad_finite"], res

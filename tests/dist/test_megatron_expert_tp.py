@@ -9,8 +9,12 @@ layout per process (it names some groups by their ranks), and the pooled ranks l
 
 from __future__ import annotations
 
+import pytest
+
 from tests.dist import megatron_host as mh
 from tests.dist.test_megatron import check_comparison, check_properties, run
+
+pytestmark = pytest.mark.dist
 
 
 def test_expert_tp_layer_equals_megatrons_alltoall_dispatcher() -> None:

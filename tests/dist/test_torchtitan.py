@@ -27,6 +27,8 @@ import pytest
 from tests.dist import torchtitan_host as th
 from tests.dist.harness import spawn_group
 
+pytestmark = pytest.mark.dist
+
 if importlib.util.find_spec("torchtitan") is None:  # NOTE: a clear error, not a skip
     raise ImportError(
         "torchtitan is not installed: FLEXDISPATCH_INTEGRATIONS=1 bash scripts/setup.sh "
@@ -94,3 +96,11 @@ def test_worst_case_rows_filled_from_the_job() -> None:
     assert "training.seq_len (63) must be divisible by" in seq, res
     assert "num_max_tokens_per_rank (128) is smaller than the job's tokens per rank (256)" in small
     assert "num_worst_tokens must be 0 (dropless), -1" in negative, res
+
+
+def test_the_torchtitan_example_runs() -> None:
+    from examples import torchtitan_moe
+
+    for res in spawn_group(torchtitan_moe.run_rank, 2, timeout_s=240):
+        assert res["dispatcher"] == "FlexTokenDispatcher", res
+        assert res["dispatch_calls"] == 1 and res["grad_finite"], res
