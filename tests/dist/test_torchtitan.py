@@ -76,8 +76,9 @@ def test_a_wrong_combine_fails_the_comparison() -> None:
         assert res["dx"] > 100 * FP32_GAP and res["dgate"] > 100 * FP32_GAP, res
 
 
-def test_override_switches_the_moe_module_to_flexdispatch() -> None:
-    for res in _run(th.compare_module, {"E": 8, "K": 2}):
+@pytest.mark.parametrize("spmd", ["spmd_types", "partial_dtensor"])
+def test_override_switches_the_moe_module_to_flexdispatch(spmd: str) -> None:
+    for res in _run(th.compare_module, {"E": 8, "K": 2, "spmd": spmd}):
         assert res["replaced_by"] == "FlexTokenDispatcher.Config", res
         assert len(res["override"]) == 1 and "flexdispatch_override" in res["override"][0], res
         assert res["dispatch_calls"] == 1, res
