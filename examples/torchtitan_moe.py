@@ -52,8 +52,9 @@ def moe_config() -> Any:
     return cfg
 
 
-def run_rank() -> dict[str, Any]:
-    """One rank: switch the layer's dispatcher, parallelize (EP = R), one forward and backward."""
+def run_rank(dims: Any = None) -> dict[str, Any]:
+    """One rank: switch the layer's dispatcher, parallelize (EP = R), one forward and backward.
+    ``dims``: a ``ParallelDims`` with its meshes built (default: build one here)."""
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     from torchtitan.config.override import OverrideConfig, apply_overrides
     from torchtitan.distributed.parallel_dims import ParallelDims
@@ -65,11 +66,12 @@ def run_rank() -> dict[str, Any]:
     apply_overrides(OverrideConfig(imports=[override]), cfg)  # SWITCH (--override.imports)
     moe = cfg.build()
     moe.init_states()
-    # CPU only: torchtitan falls back to "cuda" meshes when it finds no accelerator
-    if not torch.cuda.is_available():
-        parallel_dims_module.device_type = "cpu"
-    dims = ParallelDims(dp_replicate=1, dp_shard=R, cp=1, tp=1, pp=1, ep=R, world_size=R)
-    dims.build_mesh()
+    if dims is None:
+        # CPU only: torchtitan falls back to "cuda" meshes when it finds no accelerator
+        if not torch.cuda.is_available():
+            parallel_dims_module.device_type = "cpu"
+        dims = ParallelDims(dp_replicate=1, dp_shard=R, cp=1, tp=1, pp=1, ep=R, world_size=R)
+        dims.build_mesh()
     moe.parallelize(dims)
     x = torch.randn(2, 16, 64, requires_grad=True)  # [B, L, D]
     with get_spmd_context(parallel_dims=dims)():

@@ -163,6 +163,60 @@ flexdispatch_override = override(
 )(flexdispatch_override)
 
 
+def _typecheck_rule(cls: type, collective: bool) -> Any:
+    """A ``typecheck_forward`` for one of flexdispatch's autograd Functions (spmd_types):
+    the SPMD type of the rows it moves (its first typed tensor argument) is checked and given to
+    every tensor it returns; a collective (dispatch, combine) makes every axis varying, as the
+    rows a rank receives differ from rank to rank. The Function itself runs unchecked (the
+    checker's mode is off inside ``typecheck_forward``)."""
+    import spmd_types as spmd
+
+    def typecheck_forward(*args: Any) -> Any:
+        typed = [a for a in args if isinstance(a, torch.Tensor) and spmd.has_local_type(a)]
+        if not typed:
+            raise spmd.SpmdTypeError(
+                f"{cls.__name__}.apply: flexdispatch needs the SPMD type of the rows it moves; "
+                f"annotate them with spmd_types.assert_type"
+            )
+        rows_type = spmd.get_local_type(typed[0])
+        if collective:
+            if any(t is spmd.P for t in rows_type.values()):
+                raise spmd.SpmdTypeError(
+                    f"{cls.__name__}.apply: partial (P) rows cannot be dispatched or combined: "
+                    f"reduce them first (types {rows_type})"
+                )
+            rows_type = {axis: spmd.V for axis in rows_type}
+        out = cls.apply(*args)
+        for t in out if isinstance(out, tuple) else (out,):
+            if isinstance(t, torch.Tensor):
+                spmd.assert_type(t, rows_type)
+        return out
+
+    return staticmethod(typecheck_forward)
+
+
+def _register_spmd_types() -> None:
+    """Register the autograd Functions a ``FlexTokenDispatcher`` runs with spmd_types, so that
+    torchtitan's ``spmd_typechecking=True`` accepts them (otherwise: "autograd Function is not
+    registered for SPMD type checking")."""
+    import spmd_types as spmd
+
+    from flexdispatch import dispatcher, permutation
+
+    for cls, collective in (
+        (dispatcher._Dispatch, True),
+        (dispatcher._Combine, True),
+        (permutation._PermuteRows, False),
+        (permutation._UnpermuteRows, False),
+    ):
+        if "typecheck_forward" not in vars(cls):
+            cls.typecheck_forward = _typecheck_rule(cls, collective)  # type: ignore[attr-defined]
+            spmd.register_autograd_function(cls)
+
+
+_register_spmd_types()
+
+
 def update_flex_token_dispatcher_config(model_config: Any, job_config: Any) -> None:
     """See ``flexdispatch.integrations.torchtitan.update_flex_token_dispatcher_config``."""
     configs = [

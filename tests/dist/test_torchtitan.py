@@ -14,7 +14,8 @@ Then the whole MoE module built as the trainer builds it, switched by torchtitan
 parallelized with
 ``Module.parallelize`` (EP = 2), under torchtitan's default ``spmd_backend="spmd_types"`` (which
 torchtitan's own all-to-all cannot run on gloo: the reference runs ``"partial_dtensor"``) and
-under ``"partial_dtensor"``.
+under ``"partial_dtensor"``, and under ``spmd_typechecking=True`` (flexdispatch's autograd
+Functions registered with spmd_types by the integration).
 """
 
 from __future__ import annotations
@@ -76,9 +77,14 @@ def test_a_wrong_combine_fails_the_comparison() -> None:
         assert res["dx"] > 100 * FP32_GAP and res["dgate"] > 100 * FP32_GAP, res
 
 
-@pytest.mark.parametrize("spmd", ["spmd_types", "partial_dtensor"])
-def test_override_switches_the_moe_module_to_flexdispatch(spmd: str) -> None:
-    for res in _run(th.compare_module, {"E": 8, "K": 2, "spmd": spmd}):
+@pytest.mark.parametrize(
+    ("spmd", "typecheck"),
+    [("spmd_types", False), ("partial_dtensor", False), ("spmd_types", True)],
+    ids=["spmd_types", "partial_dtensor", "spmd_typechecking"],
+)
+def test_override_switches_the_moe_module_to_flexdispatch(spmd: str, typecheck: bool) -> None:
+    case = {"E": 8, "K": 2, "spmd": spmd, "typecheck": typecheck}
+    for res in _run(th.compare_module, case):
         assert res["replaced_by"] == "FlexTokenDispatcher.Config", res
         assert len(res["override"]) == 1 and "flexdispatch_override" in res["override"][0], res
         assert res["dispatch_calls"] == 1, res
@@ -100,8 +106,6 @@ def test_worst_case_rows_filled_from_the_job() -> None:
 
 
 def test_the_torchtitan_example_runs() -> None:
-    from examples import torchtitan_moe
-
-    for res in spawn_group(torchtitan_moe.run_rank, 2, timeout_s=240):
+    for res in spawn_group(th.run_example, 2, timeout_s=240):
         assert res["dispatcher"] == "FlexTokenDispatcher", res
         assert res["dispatch_calls"] == 1 and res["grad_finite"], res

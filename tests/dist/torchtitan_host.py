@@ -197,23 +197,58 @@ def _cpu_device_type() -> Iterator[None]:
         pdm.device_type = before
 
 
-def _run_module(moe: Any, case: dict[str, Any], spmd: str) -> dict[str, torch.Tensor]:
+_DIMS: dict[tuple[int, str], Any] = {}
+
+
+def parallel_dims(spmd: str) -> Any:
+    """``ParallelDims(dp_shard=R, ep=R)`` with its meshes built, one per SPMD backend and process:
+    building a second one with the same backend in a process fails in torch's group registry
+    ("The specified group name has already been created"), and the pooled ranks run many calls."""
     from torchtitan.distributed.parallel_dims import ParallelDims
-    from torchtitan.distributed.utils import get_spmd_context
 
     R = dist.get_world_size()
-    pd = ParallelDims(
-        dp_replicate=1, dp_shard=R, cp=1, tp=1, pp=1, ep=R, world_size=R, spmd_backend=spmd
-    )
+    pd = _DIMS.get((R, spmd))
+    if pd is None:
+        pd = ParallelDims(
+            dp_replicate=1, dp_shard=R, cp=1, tp=1, pp=1, ep=R, world_size=R, spmd_backend=spmd
+        )
+        with _cpu_device_type(), spmd_backend(spmd):
+            pd.build_mesh()
+        _DIMS[(R, spmd)] = pd
+    return pd
+
+
+def run_example() -> dict[str, Any]:
+    """examples/torchtitan_moe.py's rank function, on this process's ``ParallelDims``."""
+    from examples import torchtitan_moe
+
+    return torchtitan_moe.run_rank(parallel_dims("spmd_types"))
+
+
+def _typed_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` with ``like``'s SPMD type when ``like`` has one (under ``spmd_typechecking``)."""
+    import spmd_types
+
+    if spmd_types.has_local_type(like):
+        spmd_types.assert_type_like(t, like)
+    return t
+
+
+def _run_module(
+    moe: Any, case: dict[str, Any], spmd: str, typecheck: bool = False
+) -> dict[str, torch.Tensor]:
+    from torchtitan.distributed.utils import get_spmd_context
+
+    pd = parallel_dims(spmd)
     with spmd_backend(spmd):
-        pd.build_mesh()
         moe.parallelize(pd)
         gen = torch.Generator().manual_seed(300 + dist.get_rank())
         x = torch.randn(2, case.get("L", 6), case.get("D", 32), generator=gen).requires_grad_(True)
         w = torch.randn(x.shape, generator=gen)
-        with get_spmd_context(parallel_dims=pd)():
+        with get_spmd_context(parallel_dims=pd, spmd_typechecking=typecheck)():
             out = moe(x)
-            (out * w).sum().backward()
+            # NOTE: under type checking the sum of the token-sharded product is typed partial
+            (out * _typed_like(w, out)).sum().backward()
     grads = {}
     for name, p in moe.named_parameters():
         g = p.grad
@@ -224,7 +259,8 @@ def _run_module(moe: Any, case: dict[str, Any], spmd: str) -> dict[str, torch.Te
 def compare_module(case: dict[str, Any]) -> dict[str, Any]:
     """The whole MoE module: torchtitan's own dispatcher (``partial_dtensor``) vs the same config
     switched to flexdispatch by ``apply_overrides`` (``case["spmd"]``, default torchtitan's
-    ``spmd_types``); same weights; the largest gaps and what the override did."""
+    ``spmd_types``; ``case["typecheck"]``: with ``spmd_typechecking=True``); same weights; the
+    largest gaps and what the override did."""
     from torchtitan.config.override import OverrideConfig, apply_overrides
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
 
@@ -246,7 +282,9 @@ def compare_module(case: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(flex.routed_experts.token_dispatcher, fd_tt.FlexTokenDispatcher):
             raise AssertionError("apply_overrides did not install FlexTokenDispatcher")
         want = _run_module(ref, case, "partial_dtensor")
-        got = _run_module(flex, case, case.get("spmd", "spmd_types"))
+        got = _run_module(
+            flex, case, case.get("spmd", "spmd_types"), typecheck=case.get("typecheck", False)
+        )
     stats = flex.routed_experts.token_dispatcher.dispatcher.stats
     return {
         **_gaps(got, want),
