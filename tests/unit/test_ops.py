@@ -1,8 +1,11 @@
 """The custom ops (``flexdispatch.ops``) in a world of one: stable names and schemas, the eager op
 path equal to the autograd Functions bit for bit, the handle registry freed with the results,
-and selective activation checkpointing naming the ops.
+selective activation checkpointing naming the ops, and ``torch.compile`` of a worst-case
+``MoELayer`` with ``fullgraph=True`` (forward and backward) equal to eager.
 
-T tokens · H hidden · E experts · k top-k · W worst-case rows.
+T tokens · H hidden · E experts · k top-k · W worst-case rows. Compiled with ``backend=
+"aot_eager"`` (dynamo + AOTAutograd, the graph inductor would get; inductor's C++ build takes
+over a minute on the CI machine: docs/compile.md).
 """
 
 from __future__ import annotations
@@ -12,13 +15,16 @@ import gc
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
 
-from flexdispatch import DispatchConfig, FlexDispatcher, ops
+from flexdispatch import DispatchConfig, FlexDispatcher, _memory, ops
+from flexdispatch.config import load_config
+from flexdispatch.moe import MoELayer
 
 T, H, E, K = 6, 8, 4, 2
 IDX = torch.tensor([[0, 1], [2, -1], [3, 0], [1, 2], [-1, -1], [2, 3]])
@@ -160,3 +166,84 @@ def test_selective_checkpointing_saves_the_named_ops() -> None:
     for a, b in zip(runs["plain"][:3], runs["sac"][:3], strict=True):
         assert torch.equal(a, b)
     assert runs["sac"][3] == 1  # saved, not dispatched again for the backward
+
+
+def _layer(W: int, dtype: torch.dtype) -> tuple[MoELayer, torch.Tensor]:
+    cfg = load_config("tiny_cpu")
+    dispatch = cfg.dispatch.model_copy(update={"backend": "torch", "num_worst_tokens": W})
+    layer = MoELayer(cfg.model_copy(update={"dispatch": dispatch}), seed=3, dtype=dtype)
+    x = torch.randn(12, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    return layer, x.to(dtype)
+
+
+def _train_step(layer: MoELayer, fn, x0: torch.Tensor) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    layer.zero_grad(set_to_none=True)
+    x = x0.clone().requires_grad_()
+    out = fn(x)
+    (out.float() * torch.linspace(-1, 1, out.shape[1])).sum().backward()
+    grads = [p.grad for _, p in sorted(layer.named_parameters())]
+    return [out.detach(), x.grad, *grads]
+
+
+def _compiled_ops(counter: CompileCounterWithBackend) -> set[str]:
+    """The ``flexdispatch`` ops in the graphs dynamo captured (``dispatch``, ``combine``, ...)."""
+    targets = {str(n.target) for g in counter.graphs for n in g.graph.nodes}
+    return {t.split(".")[1] for t in targets if t.startswith("flexdispatch.")}
+
+
+def test_compile_fullgraph_worst_case_layer_equals_eager() -> None:
+    """fp32 tiny_cpu, W = T: one graph (``fullgraph=True``), forward and backward through
+    ``flexdispatch::dispatch`` / ``combine``, bit-equal to eager, no host sync counted, and no
+    recompile at the next step (compiled before the host caches of ``_memory`` are filled)."""
+    torch._dynamo.reset()
+    layer, x0 = _layer(12, torch.float32)
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return layer(x).output
+
+    eager = _train_step(layer, fn, x0)
+    layer.load_state_dict(state)  # the expert-bias statistics the eager step moved
+    counter = CompileCounterWithBackend("aot_eager")
+    syncs = layer.dispatcher.stats.host_syncs
+    for cache in (_memory._ARANGES, _memory._SCALARS, _memory._CACHED):
+        cache.clear()  # as in a process that compiles before any eager step
+    compiled_fn = torch.compile(fn, fullgraph=True, backend=counter)
+    compiled = _train_step(layer, compiled_fn, x0)
+    _train_step(layer, compiled_fn, x0)
+    assert counter.frame_count == 1
+    assert {"dispatch", "combine"} <= _compiled_ops(counter), _compiled_ops(counter)
+    for a, b in zip(eager, compiled, strict=True):
+        assert torch.equal(a, b)
+    assert layer.dispatcher.stats.host_syncs == syncs
+    torch._dynamo.reset()
+
+
+def test_compile_dropless_breaks_the_graph_and_equals_eager() -> None:
+    """Dropless dispatch has a data-dependent row count: ``fullgraph=True`` refuses it, and
+    without it dynamo runs the dispatch op outside the graph and still equals eager."""
+    torch._dynamo.reset()
+    d = FlexDispatcher(DispatchConfig(backend="torch"), num_experts=E)
+    x, p = _inputs()
+
+    def fn(xg: torch.Tensor, pg: torch.Tensor) -> torch.Tensor:
+        res = d.dispatch(xg, IDX, pg)
+        y = torch.tanh(res.recv_x) * res.recv_topk_probs.sum(1, keepdim=True)
+        return d.combine(y, res.handle)
+
+    def run(f):  # type: ignore[no-untyped-def]
+        xg, pg = x.clone().requires_grad_(), p.clone().requires_grad_()
+        out = f(xg, pg)
+        out.square().sum().backward()
+        return out.detach(), xg.grad, pg.grad
+
+    eager = run(fn)
+    with pytest.raises((torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)):
+        run(torch.compile(fn, fullgraph=True, backend="aot_eager"))
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    for a, b in zip(eager, run(torch.compile(fn, backend=counter)), strict=True):
+        assert torch.equal(a, b)
+    assert "combine" in _compiled_ops(counter)
+    torch._dynamo.reset()
+    gc.collect()  # NOTE: the refused compile's traceback held a dispatch result
