@@ -118,15 +118,17 @@ def _handle(handle_t: torch.Tensor) -> DispatchHandle:
 
 
 def _fresh(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor | None]) -> list:
-    """``outs``, each cloned where it shares memory with an input or an earlier output (a
-    custom op's outputs must be new tensors; e.g. a world of one may hand back its input)."""
+    """``outs`` as a custom op must return them: new tensors (none sharing memory with an input
+    or an earlier output: a world of one may hand back its input), contiguous from offset 0 as
+    the fake implementations describe them (a backend may return views into a larger buffer);
+    cloned where they are not."""
     seen = {t.untyped_storage().data_ptr() for t in inputs if t is not None and t.numel()}
     fresh = []
     for t in outs:
         if t.numel():
             ptr = t.untyped_storage().data_ptr()
-            if ptr in seen:
-                t = t.clone()
+            if ptr in seen or t.storage_offset() or not t.is_contiguous():
+                t = t.clone(memory_format=torch.contiguous_format)
                 ptr = t.untyped_storage().data_ptr()
             seen.add(ptr)
         fresh.append(t)

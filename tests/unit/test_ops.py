@@ -16,6 +16,7 @@ import gc
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -101,6 +102,50 @@ def test_eager_ops_equal_the_autograd_functions(W: int, bias: bool) -> None:
         else:
             assert via[name] == value, name
     assert d.stats.dispatch_calls == 2 and d.stats.combine_calls == 2
+
+
+def _metadata(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device)
+
+
+def test_fake_implementations_describe_the_real_outputs() -> None:
+    """What ``torch.compile`` plans with (the fake ops under ``FakeTensorMode``) has the shapes,
+    strides, offsets, dtypes and devices of what the ops return (``opcheck``'s fake test, without
+    its cost). Worst-case mode: every size static."""
+    d = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=12), num_experts=E)
+    x, p = _inputs()
+    ops.set_eager_ops(True)
+    res = d.dispatch(x, IDX, p)
+    handle = res.handle.state
+    y = torch.randn(12, H)
+    f = torch.ops.flexdispatch
+    calls = [
+        (f.dispatch.default, (x, IDX, p, d._issuer)),
+        (f.combine.default, (y, handle, d._issuer, T, torch.ones(T, H))),
+        (f.combine_with_probs.default, (y, torch.rand(12, K), handle, d._issuer, T)),
+        (f.combine_with_probs.default, (None, torch.rand(12, K), handle, d._issuer, T)),
+        (f.cached_dispatch.default, (torch.randn(T, 3), handle, d._issuer, 12)),
+        (
+            f.grouped_mm.default,
+            (torch.randn(10, H), torch.randn(3, H, 4), torch.tensor([3, 7, 10], dtype=torch.int32)),
+        ),
+        (
+            f.grouped_mm.default,
+            (
+                torch.randn(10, H).t(),
+                torch.randn(10, 4),
+                torch.tensor([3, 7, 10], dtype=torch.int32),
+            ),
+        ),
+    ]
+    for op, args in calls:
+        real = op(*args)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+            fake = op(*fake_args)
+        real, fake = (real, fake) if isinstance(real, tuple) else ((real,), (fake,))
+        assert [_metadata(t) for t in fake] == [_metadata(t) for t in real], op
+    del res, handle, real
 
 
 def test_handle_registry_lives_as_long_as_the_result() -> None:
