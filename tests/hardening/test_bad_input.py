@@ -34,6 +34,7 @@ from flexdispatch import (
     _validate,
     get_dispatch_layout,
     load_config,
+    ops,
     permute,
     routing_map_to_topk,
     topk_routing,
@@ -111,6 +112,11 @@ def _combine(y: Callable[[torch.Tensor], Any], handle: Callable[[Any], Any] = la
     d = _disp()
     res = d.dispatch(_x(), _idx(), _probs())
     return d.combine(y(res.recv_x), handle(res.handle))
+
+
+def _op_combine(handle: torch.Tensor) -> Any:
+    d = _disp()
+    return torch.ops.flexdispatch.combine(torch.zeros(T, H), handle, d._issuer, T)
 
 
 def _perm() -> Any:
@@ -370,6 +376,14 @@ ERRORS: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
      r"y must be a floating-point tensor, got int64"),
     ("combine/meta-y", lambda t: _combine(lambda y: y.to(META)), ValueError,
      r"y is on the meta device"),
+    # ---- the custom ops (flexdispatch.ops, docs/compile.md)
+    ("ops/set-eager-not-bool", lambda t: ops.set_eager_ops(1), TypeError,
+     r"enabled must be a bool, got int"),
+    ("ops/stale-handle", lambda t: _op_combine(torch.tensor([10**9, -1])), RuntimeError,
+     r"dispatch handle #1000000000 is not registered: combine with the handle tensor its "
+     r"dispatch returned"),
+    ("ops/unknown-dispatcher", lambda t: torch.ops.flexdispatch.dispatch(_x(), _idx(), _probs(),
+     10**9), RuntimeError, r"no live FlexDispatcher #1000000000 in this process"),
     # ---- MoELayer
     ("MoELayer/config-type", lambda t: MoELayer(_router_cfg()), TypeError,
      r"config must be a MoEConfig, got RouterConfig"),
