@@ -201,11 +201,11 @@ def _register_spmd_types() -> None:
     registered for SPMD type checking")."""
     import spmd_types as spmd
 
-    from flexdispatch import dispatcher, permutation
+    from flexdispatch import dispatch_grad, permutation
 
     for cls, collective in (
-        (dispatcher._Dispatch, True),
-        (dispatcher._Combine, True),
+        (dispatch_grad._Dispatch, True),
+        (dispatch_grad._Combine, True),
         (permutation._PermuteRows, False),
         (permutation._UnpermuteRows, False),
     ):

@@ -78,16 +78,24 @@ def test_a_wrong_combine_fails_the_comparison() -> None:
 
 
 @pytest.mark.parametrize(
-    ("spmd", "typecheck"),
-    [("spmd_types", False), ("partial_dtensor", False), ("spmd_types", True)],
-    ids=["spmd_types", "partial_dtensor", "spmd_typechecking"],
+    ("spmd", "typecheck", "eager_ops"),
+    [
+        ("spmd_types", False, False),
+        ("partial_dtensor", False, False),
+        ("spmd_types", True, False),
+        ("spmd_types", True, True),
+    ],
+    ids=["spmd_types", "partial_dtensor", "spmd_typechecking", "spmd_typechecking-custom-ops"],
 )
-def test_override_switches_the_moe_module_to_flexdispatch(spmd: str, typecheck: bool) -> None:
-    case = {"E": 8, "K": 2, "spmd": spmd, "typecheck": typecheck}
+def test_override_switches_the_moe_module_to_flexdispatch(
+    spmd: str, typecheck: bool, eager_ops: bool
+) -> None:
+    case = {"E": 8, "K": 2, "spmd": spmd, "typecheck": typecheck, "eager_ops": eager_ops}
     for res in _run(th.compare_module, case):
         assert res["replaced_by"] == "FlexTokenDispatcher.Config", res
         assert len(res["override"]) == 1 and "flexdispatch_override" in res["override"][0], res
         assert res["dispatch_calls"] == 1, res
+        assert res["op_dispatch_calls"] == (1 if eager_ops else 0), res  # flexdispatch::dispatch
         gaps = {k: v for k, v in res.items() if isinstance(v, float) and k != "ref_out"}
         assert max(gaps.values()) <= FP32_GAP, res
         assert len(gaps) == 6, gaps  # out, dx, router gate, w1, w2, w3

@@ -282,9 +282,25 @@ def compare_module(case: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(flex.routed_experts.token_dispatcher, fd_tt.FlexTokenDispatcher):
             raise AssertionError("apply_overrides did not install FlexTokenDispatcher")
         want = _run_module(ref, case, "partial_dtensor")
-        got = _run_module(
-            flex, case, case.get("spmd", "spmd_types"), typecheck=case.get("typecheck", False)
-        )
+        from flexdispatch import ops
+
+        # NOTE: eager_ops: eager calls go through the custom ops (flexdispatch::dispatch, ...)
+        before = ops.set_eager_ops(bool(case.get("eager_ops")))
+        op_calls = [0]
+        through_op = ops.dispatch
+
+        def counted(*args: Any, **kwargs: Any) -> Any:  # the pool puts ops.dispatch back
+            op_calls[0] += 1
+            return through_op(*args, **kwargs)
+
+        ops.dispatch = counted
+        try:
+            got = _run_module(
+                flex, case, case.get("spmd", "spmd_types"), typecheck=case.get("typecheck", False)
+            )
+        finally:
+            ops.set_eager_ops(before)
+            ops.dispatch = through_op
     stats = flex.routed_experts.token_dispatcher.dispatcher.stats
     return {
         **_gaps(got, want),
@@ -292,6 +308,7 @@ def compare_module(case: dict[str, Any]) -> dict[str, Any]:
         "override": lines,
         "replaced_by": replaced,
         "dispatch_calls": stats.dispatch_calls,
+        "op_dispatch_calls": op_calls[0],
     }
 
 
