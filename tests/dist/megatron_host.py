@@ -414,6 +414,10 @@ def plugin_lifecycle() -> dict[str, Any]:
             except ValueError as exc:
                 out["refusal"] = str(exc)
             config.moe_pad_expert_input_to_capacity = False
+            config.moe_flex_dispatcher_num_sms = 24
+            sms = _build_layer_as_is(config).token_dispatcher.dispatcher.config.deepep_num_sms
+            out["num_sms"] = sms
+            config.moe_flex_dispatcher_num_sms = None
             config.moe_flex_dispatcher_backend = "hybridep"
             try:
                 other = _build_layer_as_is(config)

@@ -48,6 +48,7 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("shared-experts", {"E": 4, "k": 2, "shared": 32}),
     ("sigmoid-groups-k4", {"E": 8, "k": 4, **SIGMOID_GROUPS}),
     ("worst-case-W24", {"E": 4, "k": 2, "W": 24}),
+    ("router-fp64", {"E": 4, "k": 2, "extra": {"moe_router_dtype": "fp64"}}),
     ("all-to-rank0", {"E": 4, "k": 2, "all_to_rank0": True}),
     ("bf16-E4-k2", {"E": 4, "k": 2, "dtype": "bf16"}),
     ("bf16-sigmoid-groups-k4-shared",
@@ -118,6 +119,7 @@ def test_install_and_uninstall() -> None:
         assert "moe_pad_expert_input_to_capacity" in res["refusal"], res
         assert "num_worst_tokens" in res["refusal"], res
         assert "flexdispatch" not in res["hybridep_manager"].lower(), res
+        assert res["num_sms"] == 24, res  # moe_flex_dispatcher_num_sms -> deepep_num_sms
         assert res["restored"] is True and res["config_after"] is None, res
 
 
