@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     # routing
     "topk_routing": "flexdispatch.routing",
     "hash_routing": "flexdispatch.routing",
+    "routing_map_to_topk": "flexdispatch.routing",
     "TopKRouter": "flexdispatch.routing",
     # layout and permutation
     "get_dispatch_layout": "flexdispatch.layout",

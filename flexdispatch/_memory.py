@@ -114,7 +114,8 @@ class CpuOutputPool:
         after every reference to it is gone.
         """
         nbytes = math.prod(shape) * dtype.itemsize
-        if not self.enabled or nbytes < self.min_bytes:
+        if not self.enabled or nbytes < self.min_bytes or torch.compiler.is_compiling():
+            # NOTE: a compiled graph allocates its own outputs (no storage games to trace)
             return torch.empty(shape, dtype=dtype)
         with self._lock:
             entry = self._take(nbytes)
@@ -196,20 +197,27 @@ def output_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 _ARANGES: dict[torch.device, torch.Tensor] = {}
 
 
+def _not_cached(device: torch.device) -> bool:
+    """A cache miss that must not fill the cache: while a CUDA graph is being captured (a tensor
+    made there holds its values only after a replay), or while ``torch.compile`` traces (the
+    side effect would invalidate its guards at the next call: a recompile)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return True
+    return torch.compiler.is_compiling()
+
+
 def arange(n: int, device: torch.device) -> torch.Tensor:
     """``torch.arange(n)`` (int64) as a read-only view of a per-device cached tensor.
 
     The hot paths search sorted keys for ``0..n-1`` on every call; reading a kept ``arange``
     saves that launch. The cache grows by doubling (never past what a call asked for twice).
-    While a CUDA graph is being captured nothing is cached (a tensor made inside a capture holds
-    its values only after a replay), so the call returns a fresh ``arange``. Never write to the
-    result.
+    While a CUDA graph is being captured or ``torch.compile`` traces nothing is cached
+    (``_not_cached``), so the call returns a fresh ``arange``. Never write to the result.
     """
     buf = _ARANGES.get(device)
     if buf is not None and buf.numel() >= n:
         return buf[:n]
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if capturing:
+    if _not_cached(device):
         return torch.arange(n, dtype=torch.int64, device=device)
     size = max(n, 2 * buf.numel() if buf is not None else 0, 64)
     with torch.inference_mode(False):
@@ -224,11 +232,11 @@ _SCALARS: dict[tuple[torch.device, torch.dtype, float], torch.Tensor] = {}
 def scalar(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A cached 0-dim ``value`` on ``device`` (read-only): ``torch.where(mask, t, scalar(...))``
     without wrapping a Python number into a new tensor on every call. Not cached while a CUDA
-    graph is being captured (see ``arange``)."""
+    graph is being captured or ``torch.compile`` traces (see ``arange``)."""
     key = (device, dtype, value)
     t = _SCALARS.get(key)
     if t is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if _not_cached(device):
             return torch.full((), value, dtype=dtype, device=device)
         with torch.inference_mode(False):
             t = torch.full((), value, dtype=dtype, device=device)
@@ -250,13 +258,13 @@ def cached(key: tuple, device: torch.device, make: Callable[[], torch.Tensor]) -
 
     For index tables that depend only on shapes (a few per dispatcher); the cache is dropped
     whole when it holds ``_MAX_CACHED`` entries. Nothing is kept while a CUDA graph is being
-    captured (a tensor made there holds its values only after a replay).
+    captured or ``torch.compile`` traces (``_not_cached``).
     """
     full_key = (device, *key)
     t = _CACHED.get(full_key)
     if t is not None:
         return t
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if _not_cached(device):
         return make()
     with torch.inference_mode(False):
         t = make()

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from flexdispatch import ops as _ops
 from flexdispatch._validate import check_tensor
 from flexdispatch.backends.base import DispatchBackend
 from flexdispatch.types import DispatchHandle, DispatchLayout, ExpandedDispatchResult
@@ -56,9 +57,12 @@ def combine_with_bias(
     y: torch.Tensor,
     bias: torch.Tensor,
     plain: Callable[[DispatchBackend, DispatchHandle, torch.Tensor], torch.Tensor],
+    *,
+    grad: bool = True,
 ) -> torch.Tensor:
     """``FlexDispatcher.combine(y, handle, bias=bias)``: inside the reduction where the backend
-    supports it for y's dtype (``CombineBias``), else ``plain(backend, handle, y) + bias``."""
+    supports it for y's dtype (``CombineBias``; ``grad`` False: the backend alone, as inside the
+    ``flexdispatch::combine`` op), else ``plain(backend, handle, y) + bias``."""
     check_tensor("bias", bias, ndim=2, floating=True)
     if tuple(bias.shape) != (handle.num_tokens, handle.hidden) or bias.dtype != y.dtype:
         raise ValueError(
@@ -66,6 +70,8 @@ def combine_with_bias(
             f"(one row per dispatched token), got {tuple(bias.shape)} {bias.dtype}"
         )
     if backend.supports_combine_bias(y.dtype)[0]:
+        if not grad:
+            return backend.combine_bias(y, handle, bias.contiguous())
         return CombineBias.apply(backend, handle, y, bias.contiguous())
     return plain(backend, handle, y) + bias
 
@@ -159,7 +165,8 @@ def start_dispatch(
     usual autograd path, at ``.wait()``; elsewhere dispatch at once (audit N13)."""
     backend = dispatcher.backend
     overlap = getattr(backend, "supports_dispatch_overlap", None)
-    if overlap is None or not overlap()[0]:
+    # NOTE: through the custom ops (torch.compile) a launched dispatch cannot cross the op: at once
+    if overlap is None or not overlap()[0] or _ops.use_ops():
         res = dispatcher.dispatch(x, topk_idx, topk_probs, layout=layout)
         return PendingDispatch(lambda: res)  # type: ignore[arg-type,return-value]
     dispatcher._deferred_parts = None

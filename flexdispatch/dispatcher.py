@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from flexdispatch import _limits, _validate
+from flexdispatch import ops as _ops
 from flexdispatch._validate import (
     check_tensor,
     checks_enabled,
@@ -38,6 +39,14 @@ from flexdispatch._validate import (
 from flexdispatch.backends import select_backend
 from flexdispatch.backends.base import DispatchBackend
 from flexdispatch.config import DispatchConfig
+from flexdispatch.dispatch_grad import (
+    _ROW_DTYPES,
+    Rows,
+    _backend_combine,
+    _Combine,
+    _Dispatch,
+    _records_grad,
+)
 from flexdispatch.dispatch_overlap import DispatchExpanded as _DispatchExpanded
 from flexdispatch.dispatch_overlap import (
     PendingDispatch,
@@ -65,116 +74,6 @@ from flexdispatch.types import (
 )
 
 __all__ = ["FlexDispatcher", "PendingDispatch"]
-
-_ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-Rows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-"""``x`` of ``dispatch``: ``[T, H]`` rows, or (deepep only) an ``(fp8 rows, scales)`` tuple."""
-
-
-def _records_grad(*tensors: Rows) -> bool:
-    """Whether autograd would record a call on ``tensors``: grad mode on and one of them
-    requiring grad (an fp8 tuple never does)."""
-    grads = [t.requires_grad for t in tensors if isinstance(t, torch.Tensor)]
-    return torch.is_grad_enabled() and any(grads)
-
-
-class _Dispatch(torch.autograd.Function):
-    """Differentiable in ``x`` and ``topk_probs``; ``topk_idx`` and the counts are integer."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        backend: DispatchBackend,
-        layout: DispatchLayout | None,
-        x: Rows,
-        topk_idx: torch.Tensor,
-        topk_probs: torch.Tensor,
-        pending: Any = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
-        res = _Dispatch.run(backend, layout, x, topk_idx, topk_probs, pending)
-        ctx.backend = backend
-        ctx.handle = res.handle
-        ctx.x_dtype = x[0].dtype if isinstance(x, tuple) else x.dtype
-        ctx.save_for_backward(res.recv_topk_idx)
-        frozen = [res.recv_topk_idx, res.num_recv_tokens_per_expert]
-        if isinstance(x, tuple):  # fp8 pass-through: forward-only rows
-            frozen.append(res.recv_x)
-        ctx.mark_non_differentiable(*frozen)  # NOTE: one call; a second replaces the first
-        return (
-            res.recv_x,
-            res.recv_topk_idx,
-            res.recv_topk_probs,
-            res.num_recv_tokens_per_expert,
-            res.handle,
-            res.num_recv_pairs,
-        )
-
-    @staticmethod
-    def run(
-        backend: DispatchBackend,
-        layout: DispatchLayout | None,
-        x: Rows,
-        topk_idx: torch.Tensor,
-        topk_probs: torch.Tensor,
-        pending: Any = None,
-    ) -> DispatchResult:
-        """``forward`` without the autograd bookkeeping."""
-        if pending is not None:  # a launch_dispatch in flight: finish it
-            return backend.finish_dispatch(pending)  # type: ignore[attr-defined,no-any-return]
-        return backend.dispatch(x, topk_idx, topk_probs, layout)
-
-    @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: Any,
-        grad_x: torch.Tensor | None,
-        _grad_idx: Any,
-        grad_probs: torch.Tensor | None,
-        _grad_counts: Any,
-        _grad_handle: Any,
-        _grad_pairs: Any,
-    ) -> tuple[None, None, torch.Tensor | None, None, torch.Tensor | None, None]:
-        (recv_idx,) = ctx.saved_tensors
-        backend: DispatchBackend = ctx.backend
-        handle: DispatchHandle = ctx.handle
-        dx = dp = None
-        want_x = ctx.needs_input_grad[2]
-        # NOTE: every rank must run the same collectives; a missing gradient becomes zeros.
-        if want_x:
-            if grad_x is None:
-                grad_x = torch.zeros(
-                    recv_idx.shape[0], handle.hidden, dtype=ctx.x_dtype, device=recv_idx.device
-                )
-            grad_x = grad_x.contiguous()
-        if ctx.needs_input_grad[4]:
-            if grad_probs is None:
-                grad_probs = torch.zeros(
-                    recv_idx.shape, dtype=torch.float32, device=recv_idx.device
-                )
-            masked = torch.where(recv_idx >= 0, grad_probs.to(torch.float32), 0.0)
-            # one call: DeepEP carries both in one combine (N10)
-            dx, dp = backend.combine_with_probs(grad_x if want_x else None, masked, handle)
-        elif want_x:
-            dx = backend.combine(grad_x, handle)
-        return None, None, dx, None, dp, None
-
-
-class _Combine(torch.autograd.Function):
-    """Differentiable in ``y``."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, backend: DispatchBackend, handle: DispatchHandle, y: torch.Tensor
-    ) -> torch.Tensor:
-        ctx.backend = backend
-        ctx.handle = handle
-        return backend.combine(y, handle)
-
-    @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: Any, grad_out: torch.Tensor
-    ) -> tuple[None, None, torch.Tensor]:
-        return None, None, ctx.backend.cached_dispatch(grad_out.contiguous(), ctx.handle)
 
 
 class FlexDispatcher:
@@ -250,6 +149,7 @@ class FlexDispatcher:
                 raise ValueError(f"cuda_graph=True not supported: {why}")
         self.num_experts = num_experts
         self._issuer = next_issuer()  # stamped on every handle, checked by combine
+        _ops.register_dispatcher(self._issuer, self)  # the custom ops name it by this serial
         self._worst_rows_fit: set[tuple[int, int, torch.device]] = set()
 
     # ----------------------------------------------------------------- properties
@@ -322,9 +222,12 @@ class FlexDispatcher:
         topk_idx: torch.Tensor,
         topk_probs: torch.Tensor,
         layout: DispatchLayout | None,
+        *,
+        read_values: bool = True,
     ) -> torch.Tensor:
-        """Check the inputs (metadata always, values as ``_check_values``); returns the ids to
-        dispatch (bad ones as -1 on the deferred path)."""
+        """Check the inputs (metadata always, values as ``_check_values`` unless ``read_values``
+        is False: the fake op, shapes only); returns the ids to dispatch (bad ones as -1 on the
+        deferred path)."""
         values = x  # what the non-finite check reads (fp8 rows: their float32 scales)
         if isinstance(x, tuple):
             x = _validate.check_fp8_rows(x, self.backend_name)
@@ -358,8 +261,6 @@ class FlexDispatcher:
                     f"{name} is on {t.device} but x is on {x.device}: move them to one device"
                 )
         self._check_device("x", x)
-        if self.config.num_worst_tokens and not self.config.hidden_size:
-            self._check_worst_rows(x)
         if layout is not None:
             mask = layout.is_token_in_rank
             if tuple(mask.shape) != (T, self.num_ranks) or mask.dtype != torch.bool:
@@ -368,6 +269,10 @@ class FlexDispatcher:
                     f"{tuple(mask.shape)} {mask.dtype}: build the layout with "
                     f"get_dispatch_layout(topk_idx, num_experts, num_ranks)"
                 )
+        if not read_values:
+            return topk_idx
+        if self.config.num_worst_tokens and not self.config.hidden_size:
+            self._check_worst_rows(x)
         return self._check_values(topk_idx, values, topk_probs)
 
     def _check_worst_rows(self, x: torch.Tensor) -> None:
@@ -470,12 +375,29 @@ class FlexDispatcher:
             flexdispatch.distributed.CollectiveError: a peer rank failed (raised, exited, was
             killed) or did not join within the process-group timeout (docs/errors.md).
         """
+        if _pending is None and not isinstance(x, tuple) and _ops.use_ops():
+            # NOTE: torch.compile (or set_eager_ops): one custom op, this method run inside it
+            return _ops.dispatch(self, x, topk_idx, topk_probs, layout)
+        return self._dispatch(x, topk_idx, topk_probs, layout=layout, _pending=_pending)
+
+    def _dispatch(
+        self,
+        x: Rows,
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+        *,
+        layout: DispatchLayout | None = None,
+        _pending: Any = None,
+        grad: bool = True,
+    ) -> DispatchResult:
+        """``dispatch`` on the eager path (``grad`` False: never through ``_Dispatch``, as inside
+        the ``flexdispatch::dispatch`` op, whose registered backward differentiates it)."""
         if _pending is None:  # else checked when dispatch_start launched it
             self._deferred_parts = None
             topk_idx = self._check_inputs(x, topk_idx, topk_probs, layout)
         rows = (x[0].contiguous(), x[1].contiguous()) if isinstance(x, tuple) else x.contiguous()
         args = (self._backend, layout, rows, topk_idx.contiguous(), topk_probs.contiguous())
-        if _records_grad(rows, topk_probs):
+        if grad and _records_grad(rows, topk_probs):
             recv_x, recv_idx, recv_probs, counts, handle, pairs = _Dispatch.apply(*args, _pending)
         else:
             # NOTE: nothing to differentiate (inference, no_grad, detached inputs): the backend
@@ -597,10 +519,24 @@ class FlexDispatcher:
                 f"y must have shape [{handle.num_recv_rows}, {handle.hidden}] (the rows dispatch "
                 f"returned), got {tuple(y.shape)}"
             )
+        if isinstance(handle.state, torch.Tensor) or _ops.use_ops():  # NOTE: see ``dispatch``
+            return _ops.combine(self, y, handle, bias)
+        return self._combine(y, handle, bias)
+
+    def _combine(
+        self,
+        y: torch.Tensor,
+        handle: DispatchHandle,
+        bias: torch.Tensor | None,
+        *,
+        grad: bool = True,
+    ) -> torch.Tensor:
+        """``combine`` after its checks (``grad`` False: as inside ``flexdispatch::combine``)."""
         if bias is not None:
             self._check_device("bias", bias)
-            out = combine_with_bias(self._backend, handle, y.contiguous(), bias, _Combine.apply)
-        elif _records_grad(y):
+            plain = _Combine.apply if grad else _backend_combine
+            out = combine_with_bias(self._backend, handle, y.contiguous(), bias, plain, grad=grad)
+        elif grad and _records_grad(y):
             out = _Combine.apply(self._backend, handle, y.contiguous())
         else:  # NOTE: nothing to differentiate: no autograd Function (as in ``dispatch``)
             out = self._backend.combine(y.contiguous(), handle)

@@ -40,7 +40,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("routing", "layout", "permutation", "distributed", "kernels"),
     ),
     ("backends", ("backends",)),
-    ("dispatcher", ("dispatcher", "dispatch_overlap", "decode")),
+    ("dispatcher", ("dispatcher", "dispatch_grad", "dispatch_overlap", "decode", "ops")),
     ("model", ("experts", "reference", "moe", "importers")),
     (
         "tools and command line",
@@ -51,6 +51,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "launch",
             "cli",
             "hf",
+            "integrations",
             "__init__",
             "__main__",
         ),

@@ -9,6 +9,9 @@
 #   FLEXDISPATCH_TRITON pip requirement for triton when the test extra is installed and no
 #                       triton is importable (default: triton==3.9.0; the kernel tests run it
 #                       under its interpreter on CPU); "none" never installs one
+#   FLEXDISPATCH_INTEGRATIONS  1: also install the frameworks the plug-in tests run against
+#                       (megatron-core 0.19.2, torchtitan 0.3.0; scripts/test.sh sets it, the demo
+#                       does not); default 0
 #
 # A machine that already has torch (a GPU box, a container image) keeps it: the environment is
 # created with --system-site-packages when the system Python imports torch, and torch is installed
@@ -91,3 +94,30 @@ case ",$extras," in
     fi
     ;;
 esac
+
+# The frameworks of flexdispatch.integrations, for their tests (tests/dist/test_megatron*.py,
+# test_torchtitan.py): test environments only (scripts/test.sh), never the demo's. Both --no-deps,
+# so that no CUDA torch and none of their heavy declared dependencies come in:
+# - megatron-core 0.19.2 declares Python >= 3.12, but megatron.core (all the plug-in needs) works
+#   on 3.11: --ignore-requires-python there; it imports numpy and packaging, and triton (installed
+#   above with the test extra);
+# - torchtitan 0.3.0 declares datasets, wandb, tensorboard, torchdata, ...; importing its models
+#   needs only spmd_types (pinned by it), tyro (pure Python) and triton. (pip then reports
+#   torchtitan's other declared dependencies as missing: expected, they are left out.)
+if [ "${FLEXDISPATCH_INTEGRATIONS:-0}" = "1" ]; then
+  integrations=(megatron-core==0.19.2 torchtitan==0.3.0 spmd_types==0.2.3)
+  missing=0
+  "$vpy" -c 'import importlib.util as u, sys
+def found(m):
+    try:
+        return u.find_spec(m) is not None
+    except ImportError:  # a dotted name whose parent package is missing
+        return False
+sys.exit(not all(found(m) for m in sys.argv[1:]))' \
+    megatron.core torchtitan spmd_types tyro numpy packaging || missing=1
+  if [ "$missing" = 1 ]; then
+    echo "[setup] installing ${integrations[*]} (--no-deps) and tyro, numpy, packaging" >&2
+    "$vpy" -m pip install "${pip_q[@]}" --no-deps --ignore-requires-python "${integrations[@]}"
+    "$vpy" -m pip install "${pip_q[@]}" tyro numpy packaging
+  fi
+fi

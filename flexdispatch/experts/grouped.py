@@ -9,7 +9,12 @@ from torch import nn
 
 from flexdispatch._validate import check_tensor, checks_enabled, is_capturing
 from flexdispatch.experts.activations import GATED_ACTIVATIONS, _check_activation, apply_activation
-from flexdispatch.experts.grouped_mm import GroupedMMSupport, _ContiguousGrad, grouped_mm_support
+from flexdispatch.experts.grouped_mm import (
+    GroupedMMSupport,
+    _ContiguousGrad,
+    grouped_mm,
+    grouped_mm_support,
+)
 from flexdispatch.experts.init import _uniform, draw_into, expert_draws, expert_generator
 
 
@@ -273,8 +278,10 @@ class GroupedExperts(nn.Module):
 
     def _forward_grouped(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         N = x.shape[0]
-        if x.data_ptr() % 16:
-            x = x.clone()  # NOTE: the CUDA kernel needs a 16-byte aligned base pointer.
+        if not torch.compiler.is_compiling() and x.data_ptr() % 16:
+            # NOTE: the CUDA kernel needs a 16-byte aligned base pointer. (torch.compile cannot
+            # read a pointer; there the ``where`` below hands the op a new, aligned tensor.)
+            x = x.clone()
         x = x.contiguous()
         # NOTE: clamped so that a bad sum can never make the op read past x (checks mode reports
         # it); no host sync.
@@ -283,8 +290,8 @@ class GroupedExperts(nn.Module):
         # `where` (not a multiply) discards them, NaN included.
         valid = (torch.arange(N, device=x.device) < offs[-1]).unsqueeze(1)
         x = torch.where(valid, x, 0)
-        a = torch._grouped_mm(x, self.w1, offs=offs)
-        b = torch._grouped_mm(x, self.w3, offs=offs) if self.w3 is not None else None
+        a = grouped_mm(x, self.w1, offs=offs)
+        b = grouped_mm(x, self.w3, offs=offs) if self.w3 is not None else None
         if self.b1 is not None:
             # NOTE: each row's local expert from the segment ends, on the device (no host sync).
             # Rows past offs[-1] take no bias: the op's gradient there is uninitialised, and
@@ -295,7 +302,7 @@ class GroupedExperts(nn.Module):
             a = a + torch.where(valid, self.b1[row_expert], 0)
             if b is not None and self.b3 is not None:
                 b = b + torch.where(valid, self.b3[row_expert], 0)
-        y = torch._grouped_mm(self._act(a, b), self.w2, offs=offs)
+        y = grouped_mm(self._act(a, b), self.w2, offs=offs)
         if self.b2 is not None:
             y = y + self.b2[row_expert]
         return torch.where(valid, _ContiguousGrad.apply(y), 0)

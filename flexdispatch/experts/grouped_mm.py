@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -123,3 +124,50 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return grad.contiguous()
+
+
+# NOTE: torch 2.13's fake (meta) rule of ``torch._grouped_mm`` accepts bf16 only, although the CPU
+# op runs fp32 and fp16 too; so ``torch.compile`` cannot trace an fp32 call. For those dtypes
+# the experts call ``flexdispatch::grouped_mm`` while compiling: the same op inside, opaque to
+# dynamo, with a fake rule of its own and the same backward (docs/compile.md).
+@torch.library.custom_op("flexdispatch::grouped_mm", mutates_args=())
+def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(a, b, offs=offs)``: ``[N, K] x [G, K, F] -> [N, F]`` (a row block
+    per group), or ``[K, N] x [N, F] -> [G, K, F]`` (the weight gradient)."""
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+@_grouped_mm_op.register_fake
+def _grouped_mm_fake(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if b.dim() == 3:
+        return a.new_empty(a.shape[0], b.shape[-1])
+    return a.new_empty(offs.shape[0], a.shape[0], b.shape[1])
+
+
+def _grouped_mm_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    a, b, offs = inputs
+    ctx.save_for_backward(a, b, offs)
+
+
+def _grouped_mm_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    """The rules of ``torch._grouped_mm``'s own backward for ``[N, K] x [G, K, F]``:
+    ``grad a = grad @ b^T`` per group, ``grad b[g] = a_g^T @ grad_g``."""
+    a, b, offs = ctx.saved_tensors
+    grad = grad.contiguous()
+    ga = gb = None
+    if ctx.needs_input_grad[0]:
+        ga = torch.ops.flexdispatch.grouped_mm(grad, b.transpose(-2, -1), offs)
+    if ctx.needs_input_grad[1]:
+        gb = torch.ops.flexdispatch.grouped_mm(a.transpose(0, 1), grad, offs)
+    return ga, gb, None
+
+
+_grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(a, b, offs=offs)``, through ``flexdispatch::grouped_mm`` where
+    ``torch.compile`` cannot trace it (not bf16)."""
+    if torch.compiler.is_compiling() and a.dtype != torch.bfloat16:
+        return _grouped_mm_op(a, b, offs)
+    return torch._grouped_mm(a, b, offs=offs)

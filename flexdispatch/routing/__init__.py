@@ -6,6 +6,7 @@ experts · k top-k · L ranks per node · N nodes · M received rows · W worst-
 
 from __future__ import annotations
 
+from flexdispatch.routing.dense import routing_map_to_topk
 from flexdispatch.routing.hash import hash_routing
 from flexdispatch.routing.losses import (
     AuxLossAutoScaler,
@@ -22,6 +23,7 @@ from flexdispatch.routing.topk import expert_capacity, topk_routing
 __all__ = [
     "topk_routing",
     "hash_routing",
+    "routing_map_to_topk",
     "expert_capacity",
     "TopKRouter",
     "gating_linear",

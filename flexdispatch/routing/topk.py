@@ -157,8 +157,10 @@ def _topk(
     ``mask_TE`` (non-CPU only): ``[T, E]`` bool, the eligible experts (the others are never
     chosen while an eligible one is left, even a ``-inf`` one).
     """
-    if sel_TE.device.type == "cpu":
+    if sel_TE.device.type == "cpu" and not torch.compiler.is_compiling():
         return _topk_cpu(sel_TE, k)
+    # NOTE: also under torch.compile on CPU: the CPU path reads a value on the host (a graph
+    # break); both give the same ids and values (the one tie rule)
     return _topk_keyed(sel_TE, k, mask_TE)
 
 
@@ -506,8 +508,9 @@ def _finish(
     else:
         # capacity >= T can never be exceeded: each token holds an expert at most once.
         flat_idx_P = idx_TK.reshape(-1)
-        if device.type == "cpu":
-            # NOTE: one op on CPU (on CUDA bincount reads its max on the host: not there)
+        if device.type == "cpu" and not torch.compiler.is_compiling():
+            # NOTE: one op on CPU (on CUDA bincount reads its max on the host: not there, nor
+            # under torch.compile, where its data-dependent size breaks the graph)
             tokens_per_expert_E = torch.bincount(flat_idx_P, minlength=E)
         else:
             tokens_per_expert_E = torch.zeros(E, dtype=torch.int64, device=device)

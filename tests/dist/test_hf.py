@@ -291,3 +291,13 @@ def test_generate_worst_case_matches_unsharded(family: str) -> None:
         assert want.shape == (B, S + new)
         assert torch.equal(results[r]["tokens"], want), r
         assert results[r]["host_syncs"] == 0
+
+
+@pytest.mark.dist
+def test_the_hf_example_runs() -> None:
+    """examples/hf_moe.py (docs/integrations.md) in this module's pooled ranks."""
+    from examples import hf_moe
+
+    for res in spawn_group(hf_moe.run_rank, 2, timeout_s=200):
+        assert res["block"] == "EPSparseMoeBlock" and res["dispatch_calls"] == 1, res
+        assert res["loss"] == res["loss"], res  # finite (not NaN)

@@ -34,11 +34,14 @@ from flexdispatch import (
     _validate,
     get_dispatch_layout,
     load_config,
+    ops,
     permute,
+    routing_map_to_topk,
     topk_routing,
     unpermute,
 )
 from flexdispatch.cli import main as cli_main
+from flexdispatch.integrations import megatron as fd_megatron
 from tests.dist.reference import Inputs, ref_dispatch
 from tests.hardening import spawn_recorded
 
@@ -63,6 +66,10 @@ def _probs() -> torch.Tensor:
 
 def _logits() -> torch.Tensor:
     return torch.randn(T, E, generator=torch.Generator().manual_seed(4))
+
+
+def _routing_map() -> torch.Tensor:
+    return torch.zeros(T, E, dtype=torch.bool).scatter_(1, _idx(), True)
 
 
 def _router_cfg(**kw: Any) -> RouterConfig:
@@ -105,6 +112,11 @@ def _combine(y: Callable[[torch.Tensor], Any], handle: Callable[[Any], Any] = la
     d = _disp()
     res = d.dispatch(_x(), _idx(), _probs())
     return d.combine(y(res.recv_x), handle(res.handle))
+
+
+def _op_combine(handle: torch.Tensor) -> Any:
+    d = _disp()
+    return torch.ops.flexdispatch.combine(torch.zeros(T, H), handle, d._issuer, T)
 
 
 def _perm() -> Any:
@@ -217,6 +229,25 @@ ERRORS: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
     ("topk_routing/groups-too-small",
      lambda t: topk_routing(_logits(), topk=4, num_groups=4, group_topk=1, group_score="max"),
      ValueError, r"group_topk=1 groups of 2 experts hold fewer than topk=4 experts"),
+    # ---- routing_map_to_topk
+    ("routing_map_to_topk/int-map",
+     lambda t: routing_map_to_topk(_routing_map().long(), _logits(), K), TypeError,
+     r"routing_map must have dtype bool, got int64"),
+    ("routing_map_to_topk/shape-mismatch",
+     lambda t: routing_map_to_topk(_routing_map(), _logits()[:, :4], K), ValueError,
+     r"probs has shape \(5, 4\) but routing_map has \(5, 8\)"),
+    ("routing_map_to_topk/topk-above-E",
+     lambda t: routing_map_to_topk(_routing_map(), _logits(), 9), ValueError,
+     r"topk must be in \[1, E=8\] \(the map's columns\), got 9"),
+    ("routing_map_to_topk/too-many-experts",
+     lambda t: routing_map_to_topk(_routing_map(), _logits(), 1), ValueError,
+     r"routing_map marks 2 experts for token 0 \(and 5 token\(s\) in all\) but topk=1"),
+    ("routing_map_to_topk/other-device",
+     lambda t: routing_map_to_topk(_routing_map(), _logits().to(META), K), ValueError,
+     r"probs is on meta but routing_map is on cpu"),
+    # ---- flexdispatch.integrations.megatron
+    ("megatron.install/config-type", lambda t: fd_megatron.install(_router_cfg()), TypeError,
+     r"dispatch_config must be a flexdispatch DispatchConfig or None, got RouterConfig"),
     # ---- TopKRouter
     ("TopKRouter/config-type", lambda t: TopKRouter(_moe_cfg(), H), TypeError,
      r"config must be a RouterConfig, got MoEConfig"),
@@ -345,6 +376,14 @@ ERRORS: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
      r"y must be a floating-point tensor, got int64"),
     ("combine/meta-y", lambda t: _combine(lambda y: y.to(META)), ValueError,
      r"y is on the meta device"),
+    # ---- the custom ops (flexdispatch.ops, docs/compile.md)
+    ("ops/set-eager-not-bool", lambda t: ops.set_eager_ops(1), TypeError,
+     r"enabled must be a bool, got int"),
+    ("ops/stale-handle", lambda t: _op_combine(torch.tensor([10**9, -1])), RuntimeError,
+     r"dispatch handle #1000000000 is not registered: combine with the handle tensor its "
+     r"dispatch returned"),
+    ("ops/unknown-dispatcher", lambda t: torch.ops.flexdispatch.dispatch(_x(), _idx(), _probs(),
+     10**9), RuntimeError, r"no live FlexDispatcher #1000000000 in this process"),
     # ---- MoELayer
     ("MoELayer/config-type", lambda t: MoELayer(_router_cfg()), TypeError,
      r"config must be a MoEConfig, got RouterConfig"),

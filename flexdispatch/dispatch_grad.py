@@ -1,0 +1,134 @@
+"""The autograd Functions of ``FlexDispatcher``'s eager path.
+
+Shape letters (ARCHITECTURE.md): T tokens on this rank · H hidden · k top-k · M received rows.
+
+``_Dispatch`` / ``_Combine`` wrap the backend's no-grad primitives where autograd records the call
+(the rules are in ``flexdispatch.dispatcher``'s docstring); ``flexdispatch.ops`` registers the
+same rules on its custom ops, which ``torch.compile`` traces instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flexdispatch.backends.base import DispatchBackend
+from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult
+
+__all__ = ["Rows", "_ROW_DTYPES", "_Combine", "_Dispatch", "_backend_combine", "_records_grad"]
+
+_ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+Rows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""``x`` of ``dispatch``: ``[T, H]`` rows, or (deepep only) an ``(fp8 rows, scales)`` tuple."""
+
+
+def _records_grad(*tensors: Rows) -> bool:
+    """Whether autograd would record a call on ``tensors``: grad mode on and one of them
+    requiring grad (an fp8 tuple never does)."""
+    grads = [t.requires_grad for t in tensors if isinstance(t, torch.Tensor)]
+    return torch.is_grad_enabled() and any(grads)
+
+
+class _Dispatch(torch.autograd.Function):
+    """Differentiable in ``x`` and ``topk_probs``; ``topk_idx`` and the counts are integer."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        backend: DispatchBackend,
+        layout: DispatchLayout | None,
+        x: Rows,
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+        pending: Any = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
+        res = _Dispatch.run(backend, layout, x, topk_idx, topk_probs, pending)
+        ctx.backend = backend
+        ctx.handle = res.handle
+        ctx.x_dtype = x[0].dtype if isinstance(x, tuple) else x.dtype
+        ctx.save_for_backward(res.recv_topk_idx)
+        frozen = [res.recv_topk_idx, res.num_recv_tokens_per_expert]
+        if isinstance(x, tuple):  # fp8 pass-through: forward-only rows
+            frozen.append(res.recv_x)
+        ctx.mark_non_differentiable(*frozen)  # NOTE: one call; a second replaces the first
+        return (
+            res.recv_x,
+            res.recv_topk_idx,
+            res.recv_topk_probs,
+            res.num_recv_tokens_per_expert,
+            res.handle,
+            res.num_recv_pairs,
+        )
+
+    @staticmethod
+    def run(
+        backend: DispatchBackend,
+        layout: DispatchLayout | None,
+        x: Rows,
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+        pending: Any = None,
+    ) -> DispatchResult:
+        """``forward`` without the autograd bookkeeping."""
+        if pending is not None:  # a launch_dispatch in flight: finish it
+            return backend.finish_dispatch(pending)  # type: ignore[attr-defined,no-any-return]
+        return backend.dispatch(x, topk_idx, topk_probs, layout)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any,
+        grad_x: torch.Tensor | None,
+        _grad_idx: Any,
+        grad_probs: torch.Tensor | None,
+        _grad_counts: Any,
+        _grad_handle: Any,
+        _grad_pairs: Any,
+    ) -> tuple[None, None, torch.Tensor | None, None, torch.Tensor | None, None]:
+        (recv_idx,) = ctx.saved_tensors
+        backend: DispatchBackend = ctx.backend
+        handle: DispatchHandle = ctx.handle
+        dx = dp = None
+        want_x = ctx.needs_input_grad[2]
+        # NOTE: every rank must run the same collectives; a missing gradient becomes zeros.
+        if want_x:
+            if grad_x is None:
+                grad_x = torch.zeros(
+                    recv_idx.shape[0], handle.hidden, dtype=ctx.x_dtype, device=recv_idx.device
+                )
+            grad_x = grad_x.contiguous()
+        if ctx.needs_input_grad[4]:
+            if grad_probs is None:
+                grad_probs = torch.zeros(
+                    recv_idx.shape, dtype=torch.float32, device=recv_idx.device
+                )
+            masked = torch.where(recv_idx >= 0, grad_probs.to(torch.float32), 0.0)
+            # one call: DeepEP carries both in one combine (N10)
+            dx, dp = backend.combine_with_probs(grad_x if want_x else None, masked, handle)
+        elif want_x:
+            dx = backend.combine(grad_x, handle)
+        return None, None, dx, None, dp, None
+
+
+class _Combine(torch.autograd.Function):
+    """Differentiable in ``y``."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, backend: DispatchBackend, handle: DispatchHandle, y: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.backend = backend
+        ctx.handle = handle
+        return backend.combine(y, handle)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_out: torch.Tensor
+    ) -> tuple[None, None, torch.Tensor]:
+        return None, None, ctx.backend.cached_dispatch(grad_out.contiguous(), ctx.handle)
+
+
+def _backend_combine(backend: DispatchBackend, handle: DispatchHandle, y: torch.Tensor):
+    """``_Combine.apply`` without the autograd Function (inside ``flexdispatch::combine``)."""
+    return backend.combine(y, handle)

@@ -1,0 +1,372 @@
+"""``torch.library`` custom ops for dispatch and combine (namespace ``flexdispatch``).
+
+Shape letters (ARCHITECTURE.md): T tokens on this rank · H hidden · k top-k · e local experts ·
+M received rows · W worst-case rows.
+
+``FlexDispatcher.dispatch`` / ``combine`` go through these ops while ``torch.compile`` traces them
+(and in eager mode after ``set_eager_ops(True)``), so that dynamo and AOTAutograd see one opaque
+op per call with a fake (meta) implementation and a registered backward, and selective activation
+checkpointing can name them. Elsewhere the dispatcher keeps its cheaper eager path (its autograd
+Functions, or the backend directly without grad): both run the same backend calls, bit for bit.
+
+Ops (docs/compile.md): ``flexdispatch::dispatch``, ``flexdispatch::combine`` (differentiable),
+and their backward halves ``flexdispatch::combine_with_probs`` and
+``flexdispatch::cached_dispatch``.
+
+Python objects cannot cross an op boundary, so two int ids stand for them:
+
+- the dispatcher: its issuer serial (``DispatchHandle.issuer``), an ``int`` argument looked up in
+  a weak registry (a dispatcher that is gone has no entry);
+- the handle: the dispatch op returns a ``[2]`` int64 CPU tensor ``(handle id, num_recv_pairs or
+  -1)``; the ``DispatchHandle`` it names stays in a registry exactly as long as that tensor lives
+  (a weak reference to its storage drops the entry), which is as long as the ``DispatchResult``
+  (whose ``handle.state`` it is), an autograd graph that saved it, or an alias of it lives.
+  Nothing about a call is kept on the dispatcher.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult
+
+__all__ = [
+    "eager_ops",
+    "live_handles",
+    "register_dispatcher",
+    "set_eager_ops",
+    "use_ops",
+]
+
+_EAGER = [False]  # set_eager_ops; a list so the flag is switched in place
+_DISPATCHERS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_HANDLES: dict[int, tuple[DispatchHandle, weakref.ref]] = {}
+_IDS = itertools.count(1)
+
+
+def set_eager_ops(enabled: bool) -> bool:
+    """Route eager ``dispatch`` / ``combine`` calls through the custom ops too (default off: only
+    under ``torch.compile``). Needed where something must see the ops in eager mode: selective
+    activation checkpointing's policy, a dispatch mode that saves or types them. Costs about
+    15 us of host time per op. Returns the previous setting."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    before, _EAGER[0] = _EAGER[0], enabled
+    return before
+
+
+def eager_ops() -> bool:
+    """Whether eager calls go through the custom ops (``set_eager_ops``)."""
+    return _EAGER[0]
+
+
+def use_ops() -> bool:
+    """Whether a ``dispatch`` / ``combine`` call now goes through the custom ops: while
+    ``torch.compile`` traces it, or in eager mode after ``set_eager_ops(True)``."""
+    return torch.compiler.is_compiling() or _EAGER[0]
+
+
+def register_dispatcher(issuer: int, dispatcher: Any) -> None:
+    """Let the ops find ``dispatcher`` by its issuer serial (held weakly)."""
+    _DISPATCHERS[issuer] = dispatcher
+
+
+def live_handles() -> int:
+    """How many handles the registry holds now (tests: it must not leak)."""
+    return len(_HANDLES)
+
+
+def _dispatcher(issuer: int) -> Any:
+    d = _DISPATCHERS.get(issuer)
+    if d is None:
+        raise RuntimeError(
+            f"flexdispatch: no live FlexDispatcher #{issuer} in this process (the op was called "
+            f"with the serial of a dispatcher that is gone or was built in another process)"
+        )
+    return d
+
+
+def _forget(hid: int, _ref: weakref.ref) -> None:
+    _HANDLES.pop(hid, None)
+
+
+def _register(handle: DispatchHandle, pairs: int | None) -> torch.Tensor:
+    """The ``[2]`` int64 CPU tensor ``(id, pairs or -1)`` naming ``handle`` while it lives."""
+    hid = next(_IDS)
+    t = torch.tensor([hid, -1 if pairs is None else pairs], dtype=torch.int64)
+    # NOTE: a weak reference to the storage, not to the tensor: an alias (``detach()``, as
+    # selective checkpointing caches outputs) keeps the entry alive as the storage does
+    _HANDLES[hid] = (handle, weakref.ref(t.untyped_storage(), functools.partial(_forget, hid)))
+    return t
+
+
+def _handle(handle_t: torch.Tensor) -> DispatchHandle:
+    hid = int(handle_t[0])
+    entry = _HANDLES.get(hid)
+    if entry is None:
+        raise RuntimeError(
+            f"flexdispatch: dispatch handle #{hid} is not registered: combine with the handle "
+            f"tensor its dispatch returned, while that dispatch's result is alive"
+        )
+    return entry[0]
+
+
+def _fresh(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor | None]) -> list:
+    """``outs`` as a custom op must return them: new tensors (none sharing memory with an input
+    or an earlier output: a world of one may hand back its input), contiguous from offset 0 as
+    the fake implementations describe them (a backend may return views into a larger buffer);
+    cloned where they are not."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if t is not None and t.numel()}
+    fresh = []
+    for t in outs:
+        if t.numel():
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen or t.storage_offset() or not t.is_contiguous():
+                t = t.clone(memory_format=torch.contiguous_format)
+                ptr = t.untyped_storage().data_ptr()
+            seen.add(ptr)
+        fresh.append(t)
+    return fresh
+
+
+# --------------------------------------------------------------------------- flexdispatch::dispatch
+@torch.library.custom_op("flexdispatch::dispatch", mutates_args=())
+def _dispatch_op(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_probs: torch.Tensor,
+    dispatcher: int,
+    num_tokens_per_rank: torch.Tensor | None = None,
+    num_tokens_per_rdma_rank: torch.Tensor | None = None,
+    num_tokens_per_expert: torch.Tensor | None = None,
+    is_token_in_rank: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``FlexDispatcher.dispatch`` as an op: ``(recv_x [M, H], recv_topk_idx [M, k] int64,
+    recv_topk_probs [M, k] float32, num_recv_tokens_per_expert [e] int64, handle [2] int64 CPU)``.
+    The four optional tensors are a ``DispatchLayout`` (all None: none given)."""
+    d = _dispatcher(dispatcher)
+    layout = None
+    if is_token_in_rank is not None:
+        layout = DispatchLayout(
+            num_tokens_per_rank=num_tokens_per_rank,
+            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+            num_tokens_per_expert=num_tokens_per_expert,
+            is_token_in_rank=is_token_in_rank,
+        )
+    res = d._dispatch(x, topk_idx, topk_probs, layout=layout, grad=False)
+    outs = _fresh(
+        (res.recv_x, res.recv_topk_idx, res.recv_topk_probs, res.num_recv_tokens_per_expert),
+        (x, topk_idx, topk_probs),
+    )
+    return (*outs, _register(res.handle, res.num_recv_pairs))
+
+
+@_dispatch_op.register_fake
+def _dispatch_fake(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_probs: torch.Tensor,
+    dispatcher: int,
+    num_tokens_per_rank: torch.Tensor | None = None,
+    num_tokens_per_rdma_rank: torch.Tensor | None = None,
+    num_tokens_per_expert: torch.Tensor | None = None,
+    is_token_in_rank: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    d = _dispatcher(dispatcher)
+    d._check_inputs(x, topk_idx, topk_probs, None, read_values=False)
+    W = d.config.num_worst_tokens
+    # NOTE: worst-case mode has W rows whatever the routing; dropless has a data-dependent M
+    M = W if W else torch.library.get_ctx().new_dynamic_size()
+    k = topk_idx.shape[1]
+    return (
+        x.new_empty(M, x.shape[1]),
+        topk_idx.new_empty(M, k),
+        topk_probs.new_empty(M, k),
+        torch.empty(d.num_local_experts, dtype=torch.int64, device=x.device),
+        torch.empty(2, dtype=torch.int64, device="cpu"),
+    )
+
+
+def _dispatch_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    x, dispatcher = inputs[0], inputs[3]
+    ctx.save_for_backward(output[1], output[4])
+    ctx.dispatcher = dispatcher
+    ctx.num_tokens, ctx.hidden, ctx.x_dtype = x.shape[0], x.shape[1], x.dtype
+
+
+def _dispatch_backward(ctx: Any, grad_x: Any, _gi: Any, grad_probs: Any, _gc: Any, _gh: Any):
+    """``grad x = combine(grad recv_x)``; ``grad topk_probs = combine(grad recv_topk_probs)``
+    with the gradient zeroed where ``recv_topk_idx == -1`` (the rule of ``_Dispatch``)."""
+    recv_idx, handle_t = ctx.saved_tensors
+    want_x, want_p = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+    T, d = ctx.num_tokens, ctx.dispatcher
+    dx = dp = None
+    # NOTE: every rank must run the same collectives; a missing gradient becomes zeros.
+    if want_x and grad_x is None:
+        grad_x = recv_idx.new_zeros(recv_idx.shape[0], ctx.hidden, dtype=ctx.x_dtype)
+    if want_p:
+        if grad_probs is None:
+            grad_probs = torch.zeros(recv_idx.shape, dtype=torch.float32, device=recv_idx.device)
+        masked = torch.where(recv_idx >= 0, grad_probs.to(torch.float32), 0.0)
+        gx = grad_x.contiguous() if want_x else None
+        dx, dp = torch.ops.flexdispatch.combine_with_probs(gx, masked, handle_t, d, T)
+        dx = dx if want_x else None
+    elif want_x:
+        dx = torch.ops.flexdispatch.combine(grad_x.contiguous(), handle_t, d, T)
+    # NOTE: one gradient per argument the op was called with (trailing defaults may be absent)
+    return (dx, None, dp, *[None] * (len(ctx.needs_input_grad) - 3))
+
+
+_dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup)
+
+
+# --------------------------------------------------------------------------- flexdispatch::combine
+@torch.library.custom_op("flexdispatch::combine", mutates_args=())
+def _combine_op(
+    y: torch.Tensor,
+    handle: torch.Tensor,
+    dispatcher: int,
+    num_tokens: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``FlexDispatcher.combine(y, handle, bias=bias)`` as an op: ``[T, H]``."""
+    out = _dispatcher(dispatcher)._combine(y, _handle(handle), bias, grad=False)
+    return _fresh((out,), (y, bias))[0]
+
+
+@_combine_op.register_fake
+def _combine_fake(
+    y: torch.Tensor,
+    handle: torch.Tensor,
+    dispatcher: int,
+    num_tokens: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return y.new_empty(num_tokens, y.shape[1])
+
+
+def _combine_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    y, handle_t, dispatcher = inputs[0], inputs[1], inputs[2]
+    ctx.save_for_backward(handle_t)
+    ctx.dispatcher, ctx.num_rows = dispatcher, y.shape[0]
+
+
+def _combine_backward(ctx: Any, grad: torch.Tensor):
+    """``grad y = cached_dispatch(grad out)`` along the same handle; ``grad bias = grad out``."""
+    (handle_t,) = ctx.saved_tensors
+    g = grad.contiguous()
+    gy = None
+    if ctx.needs_input_grad[0]:
+        gy = torch.ops.flexdispatch.cached_dispatch(g, handle_t, ctx.dispatcher, ctx.num_rows)
+    want_bias = len(ctx.needs_input_grad) > 4 and ctx.needs_input_grad[4]
+    return (gy, None, None, None, g if want_bias else None)[: len(ctx.needs_input_grad)]
+
+
+_combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
+
+
+# ------------------------------------------------------------------ the backward halves (no grad)
+@torch.library.custom_op("flexdispatch::combine_with_probs", mutates_args=())
+def _combine_with_probs_op(
+    y: torch.Tensor | None,
+    probs: torch.Tensor,
+    handle: torch.Tensor,
+    dispatcher: int,
+    num_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward of dispatch with probs: ``(combine(y) [T, H] or [0] when y is None,
+    combine(probs) [T, k] float32)`` in one backend call (DeepEP: one combine)."""
+    backend = _dispatcher(dispatcher)._backend
+    dx, dp = backend.combine_with_probs(y, probs, _handle(handle))
+    dx = probs.new_empty(0) if dx is None else dx
+    return tuple(_fresh((dx, dp), (y, probs)))  # type: ignore[return-value]
+
+
+@_combine_with_probs_op.register_fake
+def _combine_with_probs_fake(
+    y: torch.Tensor | None,
+    probs: torch.Tensor,
+    handle: torch.Tensor,
+    dispatcher: int,
+    num_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dx = probs.new_empty(0) if y is None else y.new_empty(num_tokens, y.shape[1])
+    return dx, probs.new_empty(num_tokens, probs.shape[1])
+
+
+@torch.library.custom_op("flexdispatch::cached_dispatch", mutates_args=())
+def _cached_dispatch_op(
+    x: torch.Tensor, handle: torch.Tensor, dispatcher: int, num_recv_rows: int
+) -> torch.Tensor:
+    """The backward of combine: ``x [T, X]`` sent along the handle's layout, ``[M, X]``."""
+    out = _dispatcher(dispatcher)._backend.cached_dispatch(x, _handle(handle))
+    return _fresh((out,), (x,))[0]
+
+
+@_cached_dispatch_op.register_fake
+def _cached_dispatch_fake(
+    x: torch.Tensor, handle: torch.Tensor, dispatcher: int, num_recv_rows: int
+) -> torch.Tensor:
+    return x.new_empty(num_recv_rows, x.shape[1])
+
+
+# --------------------------------------------------------------------------- callers
+def dispatch(
+    d: Any,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_probs: torch.Tensor,
+    layout: DispatchLayout | None,
+) -> DispatchResult:
+    """``FlexDispatcher.dispatch`` through ``flexdispatch::dispatch`` (``d`` the dispatcher):
+    the result's ``handle.state`` is the op's handle tensor."""
+    lay: tuple[torch.Tensor | None, ...] = ()
+    if layout is not None:
+        lay = (
+            layout.num_tokens_per_rank,
+            layout.num_tokens_per_rdma_rank,
+            layout.num_tokens_per_expert,
+            layout.is_token_in_rank,
+        )
+    recv_x, recv_idx, recv_probs, counts, handle_t = torch.ops.flexdispatch.dispatch(
+        x, topk_idx, topk_probs, d._issuer, *lay
+    )
+    pairs = None
+    if not d.config.num_worst_tokens or not torch.compiler.is_compiling():
+        # NOTE: a CPU tensor (no device sync). Dropless under torch.compile: dynamo breaks the
+        # graph here (data-dependent), and permute gets the row count without a sync of its own
+        pairs = int(handle_t[1])
+        pairs = None if pairs < 0 else pairs
+    handle = DispatchHandle(
+        backend=d.backend_name,
+        num_tokens=x.shape[0],
+        hidden=x.shape[1],
+        num_recv_rows=recv_x.shape[0],
+        state=handle_t,
+        issuer=d._issuer,
+    )
+    return DispatchResult(
+        recv_x=recv_x,
+        recv_topk_idx=recv_idx,
+        recv_topk_probs=recv_probs,
+        num_recv_tokens_per_expert=counts,
+        handle=handle,
+        num_recv_pairs=pairs,
+    )
+
+
+def combine(
+    d: Any, y: torch.Tensor, handle: DispatchHandle, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``FlexDispatcher.combine`` through ``flexdispatch::combine`` (inputs already checked). A
+    handle of the eager path (dispatched before the ops were switched on) is registered now."""
+    handle_t = handle.state
+    if not isinstance(handle_t, torch.Tensor):
+        handle_t = _register(handle, None)
+    return torch.ops.flexdispatch.combine(y, handle_t, d._issuer, handle.num_tokens, bias)
