@@ -17,6 +17,7 @@ timeout, with the original error chained.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -37,6 +38,7 @@ __all__ = [
     "start_gather_int64",
     "all_reduce_min_flag",
     "all_reduce_min_flags",
+    "all_gather_json",
     "stable_hash",
     "check_fingerprint",
 ]
@@ -228,6 +230,41 @@ def all_reduce_min_flags(
     return tuple(bool(v) for v in t.tolist())
 
 
+def all_gather_json(
+    obj: dict[str, str], group: dist.ProcessGroup | None = None, *, name: str = "json"
+) -> list[dict[str, str]]:
+    """Every rank's ``obj`` (a mapping of strings) on every rank, as JSON text in uint8 tensors.
+
+    Unlike ``dist.all_gather_object``, which unpickles the peers' bytes without restriction, a
+    peer's bytes are only ever parsed as JSON; anything but a mapping of strings reads as
+    ``{"<unreadable>": "<what it was>"}``.
+
+    Raises:
+        CollectiveError: a peer failed or the process-group timeout passed.
+    """
+    device = collective_device(group)
+    payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    n = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    counts = all_gather_int64(n, group, name=f"all_gather ({name} sizes)").flatten().tolist()
+    buf = torch.zeros(max(counts), dtype=torch.uint8, device=device)
+    buf[: payload.numel()] = payload.to(device)
+    out = torch.empty(len(counts) * buf.numel(), dtype=torch.uint8, device=device)
+    with collective_guard(f"all_gather ({name})", group):
+        start_gather_int64(out, buf, group)  # NOTE: any dtype gathers the same way
+    rows = out.view(len(counts), -1).cpu()
+    result: list[dict[str, str]] = []
+    for row, count in zip(rows, counts, strict=True):
+        try:
+            value = json.loads(row[:count].numpy().tobytes().decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            value = None
+        ok = isinstance(value, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+        )
+        result.append(value if ok else {"<unreadable>": "not a JSON mapping of strings"})
+    return result
+
+
 def stable_hash(value: object) -> int:
     """A hash of ``repr(value)`` that is equal across processes (unlike the salted ``hash``)."""
     return zlib.crc32(repr(value).encode())
@@ -245,7 +282,8 @@ def check_fingerprint(
 
     Every rank all-gathers one stable hash per field (a fixed-size int64 vector, so the collective
     itself cannot mismatch); when any column differs, the field values are exchanged with
-    ``all_gather_object`` (every rank takes this branch together) and the error names them.
+    ``all_gather_json`` (JSON text, never a pickle; every rank takes this branch together) and
+    the error names them.
 
     Args:
         fields: name -> value, the same names in the same order on every rank.
@@ -273,13 +311,11 @@ def check_fingerprint(
         gathered = all_gather_int64(vec, group, name="all_gather (config fingerprint)").cpu()
         if bool((gathered == gathered[0]).all()):
             return
-    reprs: list[object] = [None] * dist.get_world_size(group)
-    with collective_guard("all_gather_object (config fingerprint)", group):
-        dist.all_gather_object(reprs, {n: repr(fields[n]) for n in names}, group=group)
+    reprs = all_gather_json({n: repr(fields[n]) for n in names}, group, name="config fingerprint")
     lines = []
-    all_names = list(dict.fromkeys(n for r in reprs for n in r))  # type: ignore[union-attr]
+    all_names = list(dict.fromkeys(n for r in reprs for n in r))
     for name in all_names:
-        per_rank = [r.get(name, "<missing>") for r in reprs]  # type: ignore[union-attr]
+        per_rank = [r.get(name, "<missing>") for r in reprs]
         if len(set(per_rank)) > 1:
             lines.append(f"{name}: " + ", ".join(f"rank {i}={v}" for i, v in enumerate(per_rank)))
     raise ValueError(f"{what} differ across ranks ({fix}): " + "; ".join(lines))
