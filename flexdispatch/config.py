@@ -6,6 +6,7 @@ Every validation error names the field and says how to fix it.
 from __future__ import annotations
 
 import math
+import os
 from importlib import resources
 from pathlib import Path
 from typing import Literal
@@ -436,7 +437,11 @@ def load_config(preset_name_or_path: str | Path) -> MoEConfig:
     """
     text = str(preset_name_or_path)
     path = Path(text)
-    if not (path.suffix in (".yaml", ".yml") or path.is_file()):
+    # NOTE: a name with a folder in it (/dev/zero, ./x) or a YAML suffix is a path, whatever is
+    # there (read_config_file names what it is); anything else is a preset unless a file has
+    # that name
+    is_path = path.suffix in (".yaml", ".yml") or os.sep in text or os.path.lexists(path)
+    if not is_path:
         path = preset_path(text)
     data = read_config_file(path, kind="yaml", what="config file")
     if not isinstance(data, dict):
@@ -444,4 +449,11 @@ def load_config(preset_name_or_path: str | Path) -> MoEConfig:
     try:
         return MoEConfig.model_validate(data)
     except ValidationError as exc:
-        raise ValueError(f"config file {path} is invalid: {validation_message(exc)}") from None
+        message = validation_message(exc, data=data, known=_field_names())
+        raise ValueError(f"config file {path} is invalid: {message}") from None
+
+
+def _field_names() -> set[str]:
+    """Every field name of ``MoEConfig``, ``RouterConfig`` and ``DispatchConfig`` (what an error
+    may quote of a config file's keys; ``flexdispatch._files.key_text``)."""
+    return {n for m in (MoEConfig, RouterConfig, DispatchConfig) for n in m.model_fields}

@@ -27,6 +27,7 @@ __all__ = [
     "one_line",
     "positive_float",
     "print_error",
+    "write_output",
 ]
 
 INT32_MAX = (1 << 31) - 1
@@ -91,24 +92,43 @@ def positive_float(text: str) -> float:
     return value
 
 
-def check_output_path(path: str | Path, flag: str) -> Path:
+def check_output_path(path: str | Path, flag: str, example: str = "out.yaml") -> Path:
     """Refuse, before any work, an output path that cannot be written: its folder is missing or
-    not a folder, or the path is a folder itself.
+    not a folder, the path is a folder itself, or it is not a regular file (a FIFO, which would
+    block; a device, a socket, a ``/proc`` or ``/sys`` file); ``example`` is the file name the
+    message suggests inside a folder.
 
     Raises:
         ValueError: naming the flag, the path and the fix.
     """
+    from flexdispatch._files import file_kind, on_pseudo_fs
+
     out = Path(path)
-    if out.is_dir():
-        raise ValueError(f"{flag} {path} is a folder: pass a file name, e.g. {out / 'out.yaml'}")
+    kind = file_kind(out)
+    if kind == "a folder":
+        raise ValueError(f"{flag} {path} is a folder: pass a file name, e.g. {out / example}")
+    if kind is not None:
+        raise ValueError(
+            f"{flag} {path} is not a regular file ({kind}): pass the name of a file to write"
+        )
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.exists():
         raise ValueError(f"{flag} {path}: folder {parent} does not exist (create it first)")
     if not parent.is_dir():
         raise ValueError(f"{flag} {path}: {parent} is not a folder")
+    if on_pseudo_fs(parent):
+        raise ValueError(f"{flag} {path}: folder {parent} is in /proc or /sys: write elsewhere")
     if not os.access(parent, os.W_OK):
         raise ValueError(f"{flag} {path}: folder {parent} is not writable")
     return out
+
+
+def write_output(path: str | Path, text: str, flag: str) -> None:
+    """Write ``text`` to the file of ``flag`` (checked by ``check_output_path``); a failure (a
+    full disk, a path that became a FIFO) is a ``ValueError`` naming the flag and the path."""
+    from flexdispatch._files import write_file
+
+    write_file(path, text.encode("utf-8"), f"{flag} {path}")
 
 
 def check_backend(backend: str, flag: str = "--backend") -> None:

@@ -412,7 +412,7 @@ def _read_hf(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
     path = Path(config)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise ValueError(f"config file {path} does not exist: pass a config.json or its folder")
     data = read_config_file(path, kind="json", what="config file")
     if not isinstance(data, dict):

@@ -14,6 +14,7 @@ the group or stays alive.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -128,6 +129,12 @@ def _bad_field_yaml(tmp: Path) -> str:
     return str(path)
 
 
+def _fifo(tmp: Path) -> str:
+    path = tmp / "fifo.yaml"
+    os.mkfifo(path)
+    return str(path)
+
+
 def _out_of_range() -> torch.Tensor:
     idx = _idx()
     idx[1, 0] = E
@@ -177,6 +184,10 @@ ERRORS: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
      r"is not valid YAML"),
     ("load_config/invalid-field", lambda t: load_config(_bad_field_yaml(t)), ValueError,
      r"(?s)is invalid:.*topk=9 exceeds num_experts=4"),
+    ("load_config/fifo", lambda t: load_config(_fifo(t)), ValueError,
+     r"config file .*fifo.yaml is not a regular file \(a FIFO\): pass a YAML or JSON config"),
+    ("load_config/device", lambda t: load_config("/dev/zero"), ValueError,
+     r"config file /dev/zero is not a regular file \(a character device\)"),
     # ---- topk_routing
     ("topk_routing/int-logits", lambda t: topk_routing(_logits().long(), topk=K), TypeError,
      r"logits must be a floating-point tensor, got int64"),
