@@ -24,6 +24,7 @@ __all__ = [
     "debug_enabled",
     "group_failure",
     "int_range",
+    "json_text",
     "one_line",
     "positive_float",
     "print_error",
@@ -129,6 +130,23 @@ def write_output(path: str | Path, text: str, flag: str) -> None:
     from flexdispatch._files import write_file
 
     write_file(path, text.encode("utf-8"), f"{flag} {path}")
+
+
+def json_text(obj: Any, indent: int = 2) -> str:
+    """``obj`` as standard JSON: a NaN or infinite float becomes ``null`` (``json.dumps`` would
+    write the bare ``NaN`` / ``Infinity`` that JSON parsers refuse)."""
+    import json
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v) for v in value]
+        return value
+
+    return json.dumps(clean(obj), indent=indent, allow_nan=False)
 
 
 def check_backend(backend: str, flag: str = "--backend") -> None:

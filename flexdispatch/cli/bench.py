@@ -22,11 +22,10 @@ The defaults finish in well under a minute on 2 CPU cores.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
-from flexdispatch.cli._common import int_range, positive_float
+from flexdispatch.cli._common import int_range, json_text, positive_float
 
 __all__ = ["register", "run", "spec_from_args"]
 
@@ -151,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         spec, results, launcher=launcher, wall_s=time.perf_counter() - t0, json_out=args.json
     )
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(json_text(report))
     else:
         print(format_table(report))
         print(f"wall time {report['wall_s']:.1f} s")

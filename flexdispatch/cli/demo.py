@@ -14,17 +14,18 @@ R ranks · L ranks per node · N nodes · T tokens per rank · H hidden · E exp
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from flexdispatch.cli._common import int_range, positive_float
+from flexdispatch.cli._common import int_range, json_text, positive_float
 
 __all__ = ["DemoSpec", "register", "run", "run_rank", "check_against_reference"]
 
@@ -379,15 +380,15 @@ def check_against_reference(spec: DemoSpec, results: list[dict[str, Any]]) -> di
             md(torch.stack([g[key].get(n, torch.zeros_like(p)) for g in got]).sum(0), grad(p))
             for n, p in ref.items()
         ]
-        return max(diffs, default=0.0)
+        return _worst(diffs)
 
     router_params = {n: p for n, p in router.named_parameters() if p.requires_grad}
     diffs: dict[str, float] = {}
     for mode in _MODES:
         got = [res["modes"][mode] for res in results]
-        diffs[f"{mode}.output"] = max(md(got[r]["output"], outs[r]) for r in range(R))
+        diffs[f"{mode}.output"] = _worst(md(got[r]["output"], outs[r]) for r in range(R))
         gx = grad(x_all)
-        diffs[f"{mode}.grad_x"] = max(md(got[r]["grad_x"], gx[r]) for r in range(R))
+        diffs[f"{mode}.grad_x"] = _worst(md(got[r]["grad_x"], gx[r]) for r in range(R))
         diffs[f"{mode}.grad_router"] = replicated(got, "grad_router", router_params)
         expert_diffs = []
         for name, ref in experts.items():
@@ -398,10 +399,19 @@ def check_against_reference(spec: DemoSpec, results: list[dict[str, Any]]) -> di
             full = torch.cat([g["grad_experts"].get(name, zero) for g in got])
             expert_diffs.append(md(full, grad(ref)[: R * e]))
             del full
-        diffs[f"{mode}.grad_experts"] = max(expert_diffs)
+        diffs[f"{mode}.grad_experts"] = _worst(expert_diffs)
         if sp:
             diffs[f"{mode}.grad_shared"] = replicated(got, "grad_shared", sp)
     return diffs
+
+
+def _worst(values: Iterable[float]) -> float:
+    """The largest of ``values`` (0 for none), NaN when any is NaN: Python's ``max`` keeps
+    whichever of NaN and a number comes first, so a NaN gradient could pass as a small diff."""
+    values = list(values)
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    return max(values, default=0.0)
 
 
 # --------------------------------------------------------------------------- the report
@@ -437,8 +447,9 @@ def build_report(
         "tokens_per_expert": per_expert.tolist(),
         "modes": {},
         "max_abs_diff": diffs,
+        "nonfinite_diffs": [k for k, v in diffs.items() if not math.isfinite(v)],
         "tolerance": tol,
-        "ok": all(v <= tol for v in diffs.values()),
+        "ok": all(math.isfinite(v) and v <= tol for v in diffs.values()),
     }
     for mode in _MODES:
         ms = [r["modes"][mode] for r in results]
@@ -486,13 +497,14 @@ def print_report(report: dict[str, Any]) -> None:
     if flat["bytes_inter_node"]:
         ratio = hier["bytes_inter_node"] / flat["bytes_inter_node"]
         print(f"hierarchical / flat inter-node bytes: {ratio:.2f}")
-    worst = max(report["max_abs_diff"].values())
+    bad = report.get("nonfinite_diffs") or []
+    worst = _worst(v for v in report["max_abs_diff"].values() if v is not None)
     verdict = "OK" if report["ok"] else "MISMATCH"
     shared = ", shared experts" if "flat.grad_shared" in report["max_abs_diff"] else ""
+    what = f"NaN/inf in {', '.join(bad)}" if bad else f"max abs diff {worst:.2e}"
     print(
         f"check vs single-process reference (output, grads of input, router, experts{shared}): "
-        f"{verdict} "
-        f"(max abs diff {worst:.2e}, tolerance {report['tolerance']:.0e})"
+        f"{verdict} ({what}, tolerance {report['tolerance']:.0e})"
     )
 
 
@@ -625,7 +637,7 @@ def run(args: argparse.Namespace) -> int:
         report["fit"]["runtime"]["source"] = runtime[2]
     report["wall_s"] = round(time.perf_counter() - t0, 2)
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(json_text(report))
     else:
         print_report(report)
         print(f"wall time {report['wall_s']:.1f} s")

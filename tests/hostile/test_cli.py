@@ -205,3 +205,32 @@ def test_cli_in_subprocesses_under_a_memory_limit(tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "expands to more than" in proc.stderr
     assert not os.environ.get("FLEXDISPATCH_DEBUG")
+
+
+def test_the_demo_check_fails_on_any_nan(tmp_path):
+    """N15: a NaN in one expert's gradient was hidden behind Python's max() (``max(a, nan, b)``
+    is ``max(a, b)``); now the check fails naming it, and ``--json`` writes null, never NaN."""
+    import json
+
+    from flexdispatch.cli._common import json_text
+    from flexdispatch.cli.demo import DemoSpec, build_report, check_against_reference, run_rank
+
+    spec = DemoSpec(preset="tiny_cpu", backend="torch", tokens=4, seed=0, iters=1, worst_case=False)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        result = run_rank(spec)
+    finally:
+        dist.destroy_process_group()
+    assert build_report(spec, [result], check_against_reference(spec, [result]), 1e-4)["ok"]
+    result["modes"]["flat"]["grad_experts"]["w2"][0, 0, 0] = float("nan")
+    diffs = check_against_reference(spec, [result])
+    assert diffs["flat.grad_experts"] != diffs["flat.grad_experts"]  # NaN
+    report = build_report(spec, [result], diffs, 1e-4)
+    assert not report["ok"] and report["nonfinite_diffs"] == ["flat.grad_experts"]
+
+    def refuse(name):
+        raise ValueError(f"bare {name} in the JSON")
+
+    back = json.loads(json_text(report), parse_constant=refuse)
+    assert back["max_abs_diff"]["flat.grad_experts"] is None and back["ok"] is False
