@@ -25,6 +25,8 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from flexdispatch._files import excerpt
+
 __all__ = [
     "CollectiveError",
     "collective_guard",
@@ -39,6 +41,9 @@ __all__ = [
     "all_reduce_min_flag",
     "all_reduce_min_flags",
     "all_gather_json",
+    "env_int",
+    "join_launcher_group",
+    "launcher_env",
     "stable_hash",
     "check_fingerprint",
 ]
@@ -163,6 +168,88 @@ def resolve_ranks_per_node(configured: int | None, num_ranks: int) -> tuple[int,
             f"{num_ranks}"
         )
     return value, source
+
+
+def env_int(name: str, *, minimum: int | None = None, maximum: int | None = None) -> int | None:
+    """The integer in environment variable ``name``, or None when it is unset or empty.
+
+    Raises:
+        ValueError: naming the variable, when it is not an integer or is outside
+            ``[minimum, maximum]``.
+    """
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(
+            f"${name}={excerpt(text)} is not an integer: fix the launcher environment"
+        ) from None
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        lo = "" if minimum is None else f">= {minimum}"
+        hi = "" if maximum is None else f"<= {maximum}"
+        raise ValueError(
+            f"${name}={value} must be {' and '.join(b for b in (lo, hi) if b)}: fix the launcher "
+            f"environment"
+        )
+    return value
+
+
+def launcher_env() -> dict[str, int]:
+    """``WORLD_SIZE``, ``RANK``, ``LOCAL_WORLD_SIZE``, ``LOCAL_RANK`` and ``MASTER_PORT`` as a
+    launcher (torchrun) sets them, checked before ``init_process_group`` reads them: every
+    rank is in its range, the node size divides the world, the port is a TCP port.
+
+    Raises:
+        ValueError: naming the variable that is missing, not an integer or out of range.
+    """
+    world = env_int("WORLD_SIZE", minimum=1, maximum=(1 << 31) - 1)
+    if world is None:
+        raise ValueError("$WORLD_SIZE is not set: start the ranks with a launcher (torchrun)")
+    rank = env_int("RANK", minimum=0, maximum=world - 1)
+    if rank is None:
+        raise ValueError("$RANK is not set: start the ranks with a launcher (torchrun)")
+    local = env_int("LOCAL_WORLD_SIZE", minimum=1, maximum=world) or world
+    if world % local:
+        raise ValueError(
+            f"$WORLD_SIZE={world} is not a multiple of $LOCAL_WORLD_SIZE={local}: every node "
+            f"must run the same number of ranks"
+        )
+    local_rank = env_int("LOCAL_RANK", minimum=0, maximum=local - 1)
+    port = env_int("MASTER_PORT", minimum=1, maximum=65535)
+    return {
+        "WORLD_SIZE": world,
+        "RANK": rank,
+        "LOCAL_WORLD_SIZE": local,
+        "LOCAL_RANK": rank % local if local_rank is None else local_rank,
+        "MASTER_PORT": 0 if port is None else port,
+    }
+
+
+def join_launcher_group(backend: str, timeout_s: float) -> None:
+    """``init_process_group`` from a launcher's environment (``launcher_env``, checked first),
+    with a failure to assemble the group (a rank that never started, a wrong address) as one
+    ``CollectiveError`` naming ``--timeout`` and the fix instead of the store's own message.
+
+    Raises:
+        ValueError: a launcher variable is missing or malformed.
+        CollectiveError: the group did not form within ``timeout_s``.
+    """
+    import datetime
+
+    env = launcher_env()
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        detail = " ".join(str(exc).split())
+        detail = detail if len(detail) <= 200 else detail[:199] + "…"
+        raise CollectiveError(
+            f"rank {env['RANK']} could not join the launcher's process group of "
+            f"{env['WORLD_SIZE']} ranks within --timeout {timeout_s:g} s ({type(exc).__name__}: "
+            f"{detail}): start every rank (torchrun --nnodes / --nproc-per-node), check "
+            f"MASTER_ADDR and MASTER_PORT, or raise --timeout"
+        ) from exc
 
 
 def start_gather_int64(

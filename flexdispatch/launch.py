@@ -86,6 +86,21 @@ def loopback_interface() -> str:
     )
 
 
+def threads_per_rank() -> int:
+    """torch's thread count in each spawned rank: ``$FLEXDISPATCH_THREADS`` (default 1; the
+    ``env`` of ``spawn_group`` may set it).
+
+    Raises:
+        ValueError: naming the variable, when it is not an integer >= 1.
+    """
+    from flexdispatch.distributed import env_int
+
+    return env_int(THREADS_ENV, minimum=1, maximum=4096) or 1
+
+
+THREADS_ENV = "FLEXDISPATCH_THREADS"
+
+
 def _torch_safe_globals() -> dict[str, Any]:
     try:
         from torch._weights_only_unpickler import _get_allowed_globals
@@ -294,7 +309,7 @@ def _worker(
             "GROUP_RANK": str(rank // ranks_per_node),
         }
     )
-    torch.set_num_threads(max(1, int(env.get("FLEXDISPATCH_THREADS", "1"))))
+    torch.set_num_threads(threads_per_rank())
     try:
         if backend == "nccl":
             # NOTE: every rank runs on this machine (simulated nodes included): rank i on

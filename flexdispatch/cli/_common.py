@@ -28,6 +28,7 @@ __all__ = [
     "one_line",
     "positive_float",
     "print_error",
+    "timeout_seconds",
     "write_output",
 ]
 
@@ -90,6 +91,23 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+MIN_TIMEOUT_S = 0.1
+"""Shortest ``--timeout``: the process group's own timeouts count whole milliseconds."""
+
+MAX_TIMEOUT_S = 2_147_483.0
+"""Longest ``--timeout`` (about 24.8 days): gloo and NCCL keep timeouts as 32-bit milliseconds."""
+
+
+def timeout_seconds(text: str) -> float:
+    """An argparse type: a timeout in seconds, in ``[MIN_TIMEOUT_S, MAX_TIMEOUT_S]``."""
+    value = positive_float(text)
+    if not MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(
+            f"must be between {MIN_TIMEOUT_S:g} and {MAX_TIMEOUT_S:.0f} seconds, got {text}"
+        )
     return value
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from flexdispatch.cli._common import int_range, json_text, positive_float
+from flexdispatch.cli._common import int_range, json_text, timeout_seconds
 
 __all__ = ["DemoSpec", "register", "run", "run_rank", "check_against_reference"]
 
@@ -86,7 +86,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="use the static-shape worst-case mode (num_worst_tokens = R * T)",
     )
     p.add_argument(
-        "--timeout", type=positive_float, default=300.0, help="seconds before giving up (> 0)"
+        "--timeout",
+        type=timeout_seconds,
+        default=300.0,
+        help="seconds before giving up (0.1 to 2147483)",
     )
     p.add_argument(
         "--max-memory",
@@ -249,15 +252,14 @@ def _launcher_entry(
 ) -> tuple[DemoSpec, Any, list[dict[str, Any]] | None]:
     """Under torchrun: join the launcher's group, take rank 0's plan (so that every rank runs
     the same sizes, or every rank refuses), run, gather everything on rank 0."""
-    import datetime
-
     import torch.distributed as dist
 
+    from flexdispatch.distributed import join_launcher_group, launcher_env
     from flexdispatch.launch import broadcast_object, gather_objects
 
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        torch.cuda.set_device(launcher_env()["LOCAL_RANK"])
+    join_launcher_group(backend, timeout_s)
     try:
         spec, plan, refusal = broadcast_object(planned, src=0)
         if refusal is not None:
@@ -554,6 +556,7 @@ def run(args: argparse.Namespace) -> int:
     from flexdispatch.cli import demo_machine
     from flexdispatch.cli._common import check_backend, group_failure
     from flexdispatch.config import load_config
+    from flexdispatch.distributed import launcher_env
     from flexdispatch.launch import GroupError, spawn_group, under_launcher
 
     if args.tokens < 0 or args.iters < 1:  # NOTE: parse-time types check these on the CLI
@@ -562,8 +565,8 @@ def run(args: argparse.Namespace) -> int:
     check_backend(args.backend)
     t0 = time.perf_counter()
     if under_launcher():
-        world = int(os.environ["WORLD_SIZE"])
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        env = launcher_env()  # NOTE: every variable checked, each error naming its variable
+        world, local = env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]
         mismatch = args.nodes not in (None, world // local) or args.ranks_per_node not in (
             None,
             local,
