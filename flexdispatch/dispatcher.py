@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from flexdispatch import _limits, _validate
+from flexdispatch._guard import CallGuard, guarded
 from flexdispatch._validate import (
     check_tensor,
     checks_enabled,
@@ -244,6 +245,7 @@ class FlexDispatcher:
                 raise ValueError(f"cuda_graph=True not supported: {why}")
         self.num_experts = num_experts
         self._issuer = next_issuer()  # stamped on every handle, checked by combine
+        self._guard = CallGuard()  # one thread at a time in the public calls (_guard.py)
         self._worst_rows_fit: set[tuple[int, int, torch.device]] = set()
 
     # ----------------------------------------------------------------- properties
@@ -425,6 +427,7 @@ class FlexDispatcher:
         return idx
 
     # ----------------------------------------------------------------- public API
+    @guarded("FlexDispatcher.dispatch")
     def dispatch(
         self,
         x: Rows,
@@ -491,6 +494,7 @@ class FlexDispatcher:
             num_recv_pairs=pairs,
         )
 
+    @guarded("FlexDispatcher.dispatch_start")
     def dispatch_start(
         self,
         x: Rows,
@@ -505,6 +509,7 @@ class FlexDispatcher:
         elsewhere the dispatch finishes here. Inputs, errors and result as ``dispatch``."""
         return start_dispatch(self, x, topk_idx, topk_probs, layout)
 
+    @guarded("FlexDispatcher.dispatch_expanded")
     def dispatch_expanded(
         self, x: Rows, topk_idx: torch.Tensor, topk_probs: torch.Tensor
     ) -> ExpandedDispatchResult:
@@ -525,6 +530,7 @@ class FlexDispatcher:
         """
         return self._start_expanded(x, topk_idx, topk_probs, overlap=False).wait()
 
+    @guarded("FlexDispatcher.dispatch_expanded_start")
     def dispatch_expanded_start(
         self, x: Rows, topk_idx: torch.Tensor, topk_probs: torch.Tensor
     ) -> PendingDispatch:
@@ -560,6 +566,7 @@ class FlexDispatcher:
 
         return PendingDispatch(finish)
 
+    @guarded("FlexDispatcher.combine")
     def combine(
         self, y: torch.Tensor, handle: DispatchHandle, *, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -600,6 +607,7 @@ class FlexDispatcher:
         self._stats.combine_calls += 1
         return out
 
+    @guarded("FlexDispatcher.warmup")
     def warmup(
         self,
         hidden_size: int,

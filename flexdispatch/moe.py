@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flexdispatch import _limits
+from flexdispatch._guard import guarded
 from flexdispatch._validate import check_tensor
 from flexdispatch.config import MoEConfig
 from flexdispatch.dispatcher import FlexDispatcher
@@ -183,6 +184,8 @@ class MoELayer(nn.Module):
         # dispatcher has checked DeepEP's topology against the deep_ep module it runs already
         config.check_world(R, self.dispatcher.ranks_per_node, check_dispatch=False)
         e = config.router.num_experts // R
+        # NOTE: the dispatcher's guard: one thread at a time in the layer and its dispatcher
+        self._guard = self.dispatcher._guard
         self.num_local_experts = e
         self.seed = seed
         self.router = self._seeded_router(seed)
@@ -263,6 +266,7 @@ class MoELayer(nn.Module):
     def backend_name(self) -> str:
         return self.dispatcher.backend_name
 
+    @guarded("MoELayer.forward")
     def forward(self, hidden: torch.Tensor, *, token_ids: torch.Tensor | None = None) -> MoEOutput:
         """Run the layer on ``hidden`` ``[T, H]`` or ``[S, B, H]`` (dtype of the experts).
 
