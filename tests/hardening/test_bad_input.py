@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,12 @@ def _fifo(tmp: Path) -> str:
     path = tmp / "fifo.yaml"
     os.mkfifo(path)
     return str(path)
+
+
+def _nested_x() -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # NOTE: the prototype warning of strided nested tensors
+        return torch.nested.nested_tensor(list(_x()))
 
 
 def _out_of_range() -> torch.Tensor:
@@ -323,6 +330,11 @@ ERRORS: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
      TypeError, r"x must be bfloat16, float16 or float32, got float64: convert it"),
     ("dispatch/int-x", lambda t: _disp().dispatch(_x().long(), _idx(), _probs()), TypeError,
      r"x must be a floating-point tensor, got int64"),
+    ("dispatch/sparse-x", lambda t: _disp().dispatch(_x().to_sparse(), _idx(), _probs()),
+     TypeError, r"x must be a dense \(strided\) tensor, got layout torch.sparse_coo: convert it "
+     r"with .to_dense\(\)"),
+    ("dispatch/nested-x", lambda t: _disp().dispatch(_nested_x(), _idx(), _probs()), TypeError,
+     r"x must be a dense \(strided\) tensor, got a nested tensor"),
     ("dispatch/int32-ids", lambda t: _disp().dispatch(_x(), _idx().int(), _probs()), TypeError,
      r"topk_idx must have dtype int64, got int32"),
     ("dispatch/float64-probs", lambda t: _disp().dispatch(_x(), _idx(), _probs().double()),
@@ -370,6 +382,17 @@ ERRORS: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
     # ---- MoELayer
     ("MoELayer/config-type", lambda t: MoELayer(_router_cfg()), TypeError,
      r"config must be a MoEConfig, got RouterConfig"),
+    ("MoELayer/dtype-string", lambda t: MoELayer(_moe_cfg(), dtype="float32"), TypeError,
+     r"dtype must be a floating-point torch.dtype such as torch.bfloat16 or torch.float32, got "
+     r"'float32'"),
+    ("MoELayer/unknown-device", lambda t: MoELayer(_moe_cfg(), device="nope"), ValueError,
+     r"device='nope' is not a device: use e.g. 'cpu' or 'cuda:0'"),
+    ("MoELayer/absent-gpu", lambda t: MoELayer(_moe_cfg(), device="cuda:99"), ValueError,
+     r"device='cuda:99' but this process sees \d+ CUDA device\(s\)"),
+    ("MoELayer/seed-too-large", lambda t: MoELayer(_moe_cfg(), seed=2**70), ValueError,
+     r"seed must be an int in \[0, 18446688731495\] \(each expert's generator is seeded"),
+    ("MoELayer/sparse-hidden", lambda t: MoELayer(_moe_cfg())(_x().to_sparse()), TypeError,
+     r"hidden must be a dense \(strided\) tensor, got layout torch.sparse_coo"),
     ("MoELayer/wrong-hidden", lambda t: MoELayer(_moe_cfg())(torch.randn(T, H + 2)), ValueError,
      r"hidden must be \[T, 4\] or \[S, B, 4\] \(hidden_size=4\), got shape \(5, 6\)"),
     ("MoELayer/4d-hidden", lambda t: MoELayer(_moe_cfg())(torch.randn(1, 1, T, H)), ValueError,
