@@ -4,6 +4,9 @@ Every config file flexdispatch reads (``load_config``, ``flexdispatch config --f
 ``--from-megatron``, the Hugging Face importer) goes through ``read_config_file``, which refuses,
 before any Python object of the document is built and before pydantic sees it:
 
+- a path that is not a regular file (``file_kind``: a FIFO, which would block, a device, a
+  socket, a ``/proc`` or ``/sys`` file, or a link to one), opened non-blocking and checked again
+  on the descriptor;
 - a file larger than ``MAX_CONFIG_BYTES`` (read at most that much plus one byte);
 - YAML whose tree, with every alias expanded, holds more than ``MAX_CONFIG_NODES`` nodes (a
   "billion laughs" file of nested aliases), or an alias that refers to itself;
@@ -13,7 +16,9 @@ before any Python object of the document is built and before pydantic sees it:
 Error messages quote at most ``EXCERPT_CHARS`` characters of the file, escaped (``excerpt``), never
 whole lines: a file that is not a config at all (a system file passed by mistake) is not echoed
 back. ``validation_message`` formats pydantic's errors the same way (field, message, a short
-escaped excerpt of the offending value).
+escaped excerpt of the offending value); an unknown key is named by ``key_text`` (in full only
+when it looks like a config key). ``write_file`` writes an output file (``-o``, ``--plot``)
+to regular files only.
 """
 
 from __future__ import annotations
@@ -412,8 +417,8 @@ def read_config_file(path: str | Path, *, kind: str, what: str = "config file") 
         what: how messages name the file (e.g. ``"config file"``).
 
     Raises:
-        ValueError: missing, unreadable, not UTF-8, too large, too deep, too many nodes, or
-            malformed (see ``parse_config_text``).
+        ValueError: missing, a folder, not a regular file, unreadable, not UTF-8, too large, too
+            deep, too many nodes, or malformed (see ``parse_config_text``).
     """
     path = Path(path)
     if not path.exists():
