@@ -4,6 +4,9 @@ Every config file flexdispatch reads (``load_config``, ``flexdispatch config --f
 ``--from-megatron``, the Hugging Face importer) goes through ``read_config_file``, which refuses,
 before any Python object of the document is built and before pydantic sees it:
 
+- a path that is not a regular file (``file_kind``: a FIFO, which would block, a device, a
+  socket, a ``/proc`` or ``/sys`` file, or a link to one), opened non-blocking and checked again
+  on the descriptor;
 - a file larger than ``MAX_CONFIG_BYTES`` (read at most that much plus one byte);
 - YAML whose tree, with every alias expanded, holds more than ``MAX_CONFIG_NODES`` nodes (a
   "billion laughs" file of nested aliases), or an alias that refers to itself;
@@ -13,12 +16,21 @@ before any Python object of the document is built and before pydantic sees it:
 Error messages quote at most ``EXCERPT_CHARS`` characters of the file, escaped (``excerpt``), never
 whole lines: a file that is not a config at all (a system file passed by mistake) is not echoed
 back. ``validation_message`` formats pydantic's errors the same way (field, message, a short
-escaped excerpt of the offending value).
+escaped excerpt of the offending value); an unknown key is named by ``key_text`` (in full only
+when it looks like a config key). ``write_file`` writes an output file (``-o``, ``--plot``)
+to regular files only.
 """
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import json
+import os
+import re
+import stat
+import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +42,11 @@ __all__ = [
     "MAX_CONFIG_DEPTH",
     "EXCERPT_CHARS",
     "excerpt",
+    "file_kind",
+    "key_text",
+    "on_pseudo_fs",
     "read_config_file",
+    "write_file",
     "parse_config_text",
     "validation_message",
 ]
@@ -44,7 +60,7 @@ MAX_CONFIG_NODES = 100_000
 MAX_CONFIG_DEPTH = 64
 """Deepest nesting of mappings/sequences accepted (a MoE config needs about 4)."""
 
-EXCERPT_CHARS = 40
+EXCERPT_CHARS = 12
 """Most characters of a file (or of a value) an error message quotes."""
 
 
@@ -68,12 +84,92 @@ def _at(text: str, index: int) -> str:
     return excerpt(text[index : index + EXCERPT_CHARS]) if 0 <= index < len(text) else "end of file"
 
 
-def _read_bounded(path: Path, what: str) -> str:
+_PSEUDO_ROOTS = ("/proc", "/sys")
+
+
+def _pseudo_devices() -> set[int]:
+    devices = set()
+    for root in _PSEUDO_ROOTS:
+        with contextlib.suppress(OSError):
+            devices.add(os.stat(root).st_dev)
+    return devices
+
+
+def _kind(st: os.stat_result, path: Path | str) -> str | None:
+    """What ``st`` (of ``path``, links followed) is when it is not an ordinary regular file."""
+    mode = st.st_mode
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if not stat.S_ISREG(mode):
+        return "not a file"
+    if _pseudo(st, path):
+        return "a /proc or /sys pseudo-file"
+    return None
+
+
+def _pseudo(st: os.stat_result, path: Path | str) -> bool:
+    real = os.path.realpath(path)
+    return st.st_dev in _pseudo_devices() or any(
+        real == root or real.startswith(root + "/") for root in _PSEUDO_ROOTS
+    )
+
+
+def on_pseudo_fs(path: Path | str) -> bool:
+    """True when ``path`` (an existing file or folder) is inside ``/proc`` or ``/sys``, where
+    nothing is a file to write (root may pass ``os.access`` there, then fail after the work)."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_CONFIG_BYTES + 1)
+        return _pseudo(os.stat(path), path)
+    except OSError:
+        return False
+
+
+def file_kind(path: Path | str) -> str | None:
+    """None when ``path`` (symbolic links followed) is a regular file on an ordinary file system
+    or does not exist; else what it is: ``"a folder"``, ``"a FIFO"``, ``"a character
+    device"``, ``"a block device"``, ``"a socket"`` or ``"a /proc or /sys pseudo-file"``.
+
+    Config paths and output paths are refused when they are any of these: a FIFO would block,
+    a device never ends (``/dev/zero``) or is not where a file goes (``/dev/null``), and a
+    ``/proc`` file holds the process's secrets (``/proc/self/environ``)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return _kind(st, path)
+
+
+def _read_bounded(path: Path, what: str) -> str:
+    def refuse(kind: str) -> ValueError:
+        return ValueError(
+            f"{what} {path} is not a regular file ({kind}): pass a YAML or JSON config file"
+        )
+
+    kind = file_kind(path)
+    if kind is not None:  # NOTE: a socket cannot even be opened
+        raise refuse(kind)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+    try:
+        # NOTE: O_NONBLOCK: a FIFO swapped in after the check above cannot block the open; the
+        # kind is checked again on the descriptor that is read
+        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise ValueError(f"{what} {path} cannot be read: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "rb") as f:
+        kind = _kind(os.fstat(fd), path)
+        if kind is not None:
+            raise refuse(kind)
+        try:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        except OSError as exc:
+            raise ValueError(f"{what} {path} cannot be read: {exc.strerror or exc}") from None
     if len(raw) > MAX_CONFIG_BYTES:
         raise ValueError(
             f"{what} {path} is larger than {MAX_CONFIG_BYTES} bytes (the limit for config files,"
@@ -87,10 +183,50 @@ def _read_bounded(path: Path, what: str) -> str:
         ) from None
 
 
+def write_file(path: Path | str, data: bytes, what: str) -> None:
+    """Write ``data`` to the regular file ``path`` (created or truncated), never blocking on a
+    FIFO or writing into a device or a ``/proc`` / ``/sys`` file.
+
+    Args:
+        path: the file.
+        data: its new contents.
+        what: how messages name the file, e.g. ``"--output out.yaml"``.
+
+    Raises:
+        ValueError: ``path`` is not a regular file (``file_kind``), or the write failed (full
+            disk, no permission, ...), naming ``what`` and the system's reason.
+    """
+    kind = file_kind(path)
+    if kind is not None:
+        raise ValueError(f"{what} is not a regular file ({kind}): pass the name of a file")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOCTTY", 0)
+    try:
+        fd = os.open(
+            path, flags | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0), 0o666
+        )
+    except OSError as exc:
+        raise ValueError(f"{what} cannot be written: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            kind = _kind(os.fstat(fd), path)
+            if kind is not None:
+                raise ValueError(f"{what} is not a regular file ({kind}): pass the name of a file")
+            f.write(data)
+    except OSError as exc:
+        raise ValueError(f"{what} cannot be written: {exc.strerror or exc}") from None
+
+
 # --------------------------------------------------------------------------- YAML
 
 
 def _yaml_error(exc: yaml.YAMLError, path: Path | str, what: str, text: str) -> ValueError:
+    if isinstance(exc, yaml.reader.ReaderError):  # NOTE: a character the reader refuses
+        line, col = _line_col(text, exc.position)
+        char = exc.character if isinstance(exc.character, int) else ord(str(exc.character)[:1])
+        return ValueError(
+            f"{what} {_where(path, line, col)} is not valid YAML: {exc.reason} (character "
+            f"U+{char:04X}; a config is printable text)"
+        )
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
     problem = getattr(exc, "problem", None) or type(exc).__name__
     if mark is None:
@@ -182,6 +318,8 @@ def _load_yaml(text: str, path: Path | str, what: str) -> Any:
             f"{what} {path} nests deeper than {MAX_CONFIG_DEPTH} levels (the YAML parser ran "
             f"out of stack): a config needs about 4"
         ) from None
+    except ValueError as exc:  # NOTE: an int() the constructor could not convert
+        raise _number_error(exc, text, path, what) from None
     finally:
         loader.dispose()
 
@@ -236,6 +374,22 @@ def _load_json(text: str, path: Path | str, what: str) -> Any:
         ) from None
     except RecursionError:
         raise ValueError(f"{what} {path} nests too deep for the JSON parser") from None
+    except ValueError as exc:  # NOTE: an integer past Python's digit limit
+        raise _number_error(exc, text, path, what) from None
+
+
+def _number_error(exc: ValueError, text: str, path: Path | str, what: str) -> ValueError:
+    """A number the parser could not convert (an integer of more digits than Python converts),
+    as an error with its position and no quote of it."""
+    limit = sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 0
+    found = re.search(rf"[0-9][0-9_]{{{max(limit - 1, 0)},}}", text) if limit else None
+    if found is None:
+        return ValueError(f"{what} {path} holds a value that cannot be converted: {exc}")
+    line, col = _line_col(text, found.start())
+    return ValueError(
+        f"{what} {_where(path, line, col)} holds an integer of more than {limit} digits: a config "
+        f"number has a few"
+    )
 
 
 def parse_config_text(text: str, *, kind: str, path: Path | str = "<text>", what: str = "config"):
@@ -263,25 +417,78 @@ def read_config_file(path: str | Path, *, kind: str, what: str = "config file") 
         what: how messages name the file (e.g. ``"config file"``).
 
     Raises:
-        ValueError: missing, unreadable, not UTF-8, too large, too deep, too many nodes, or
-            malformed (see ``parse_config_text``).
+        ValueError: missing, a folder, not a regular file, unreadable, not UTF-8, too large, too
+            deep, too many nodes, or malformed (see ``parse_config_text``).
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise ValueError(f"{what} {path} does not exist")
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a folder: pass a YAML or JSON config file")
     return parse_config_text(_read_bounded(path, what), kind=kind, path=path, what=what)
 
 
-def validation_message(exc: Any, limit: int = 5) -> str:
+_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,23}")
+
+
+def key_text(key: object, known: Iterable[str] = (), position: str = "") -> str:
+    """How a message names a mapping key read from a file: in full when it is a known field, is
+    close to one (a typo, with the suggestion) or is a short identifier (at most 24 characters);
+    otherwise by its ``position`` in its mapping (``"3"``: the third key), its length and its
+    first 3 escaped characters, so that a line of a file that is not a config (``/etc/shadow``)
+    is not quoted."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return f"[{key}]"
+    text = str(key)
+    known = list(known)
+    if text in known:
+        return text
+    close = difflib.get_close_matches(text, known, n=1, cutoff=0.75) if len(text) <= 64 else []
+    if close:
+        return f"{excerpt(text, 64)[1:-1]} (did you mean {close[0]!r}?)"
+    if _KEY_RE.fullmatch(text):
+        return text
+    where = f"#{position} " if position else ""
+    return f"key {where}({len(text)} characters, starting {excerpt(text, 3)})"
+
+
+def _key_position(data: Any, loc: tuple[Any, ...]) -> str:
+    """The 1-based place of key ``loc[-1]`` in its mapping inside ``data``, as text (empty when
+    it cannot be found)."""
+    parent = data
+    for part in loc[:-1]:
+        try:
+            parent = parent[part]
+        except (KeyError, IndexError, TypeError):
+            return ""
+    if isinstance(parent, dict):
+        for i, k in enumerate(parent, 1):
+            if k == loc[-1]:
+                return str(i)
+    return ""
+
+
+def validation_message(
+    exc: Any, limit: int = 5, *, data: Any = None, known: Iterable[str] = ()
+) -> str:
     """pydantic ``ValidationError`` on one line: ``field: message (got 'short excerpt'); ...``.
 
     Unlike ``str(exc)``, the offending value is cut to ``EXCERPT_CHARS`` characters and escaped,
-    so a file that is not a config is not quoted back.
+    and a key that is not a field (``known``: the models' field names) is named by ``key_text``
+    (its position in ``data``, the validated mapping, when given), so a file that is not a config
+    is not quoted back.
     """
+    known = set(known)
     lines = []
     errors = exc.errors(include_url=False)
     for err in errors[:limit]:
-        loc = ".".join(str(p) for p in err.get("loc", ())) or "(document)"
+        loc = tuple(err.get("loc", ()))
+        parts = []
+        for i, part in enumerate(loc):
+            last = i == len(loc) - 1 and err.get("type") == "extra_forbidden"
+            position = _key_position(data, loc) if last and data is not None else ""
+            parts.append(key_text(part, known, position))
+        where = ".".join(parts).replace(".[", "[") or "(document)"
         msg = str(err.get("msg", "invalid"))
         got = ""
         # NOTE: no value for unknown keys (a file that is not a config would be quoted line by
@@ -292,7 +499,7 @@ def validation_message(exc: Any, limit: int = 5) -> str:
                 got = f" (got {excerpt(value)})"
             else:
                 got = f" (got a {type(value).__name__})"
-        lines.append(f"{excerpt(loc, 80)[1:-1]}: {msg}{got}")
+        lines.append(f"{where}: {msg}{got}")
     if len(errors) > limit:
         lines.append(f"and {len(errors) - limit} more")
     n = len(errors)

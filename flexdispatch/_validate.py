@@ -84,6 +84,12 @@ def check_tensor(
     """Raise TypeError/ValueError naming ``name`` when ``value`` is not a suitable tensor."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.is_nested or value.layout != torch.strided:
+        what = "a nested tensor" if value.is_nested else f"layout {value.layout}"
+        raise TypeError(
+            f"{name} must be a dense (strided) tensor, got {what}: convert it with "
+            f".to_dense() (or torch.nested.to_padded_tensor)"
+        )
     if dtypes is not None and value.dtype not in dtypes:
         raise TypeError(
             f"{name} must have dtype {_dtype_names(dtypes)}, got "

@@ -420,13 +420,14 @@ def run_under_launcher(spec: BenchSpec, *, timeout_s: float = 300.0) -> list[dic
         Every rank's result on rank 0, None on the other ranks.
     """
     from flexdispatch.devices import plan_devices
+    from flexdispatch.distributed import join_launcher_group, launcher_env
 
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    env = launcher_env()  # NOTE: every variable checked, each error naming its variable
     # NOTE: refused here, before the group exists, when the local ranks outnumber the GPUs.
-    plan = plan_devices(local, ranks_hint="--nproc-per-node {gpus}")
+    plan = plan_devices(env["LOCAL_WORLD_SIZE"], ranks_hint="--nproc-per-node {gpus}")
     if plan.uses_gpus:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(plan.backend, timeout=datetime.timedelta(seconds=timeout_s))
+        torch.cuda.set_device(env["LOCAL_RANK"])
+    join_launcher_group(plan.backend, timeout_s)
     try:
         spec.validate(dist.get_world_size())
         mine = bench_rank(spec)
@@ -491,6 +492,8 @@ def summarize(
     json_out: bool = False,
 ) -> dict[str, Any]:
     """Fold every rank's samples into the report (keys in the module docstring)."""
+    from flexdispatch.launch import threads_per_rank
+
     R, L = results[0]["world_size"], results[0]["ranks_per_node"]
     spec_run = BenchSpec(**{**asdict(spec), "world_size": R, "ranks_per_node": L})
     rows = []
@@ -531,7 +534,7 @@ def summarize(
             "device": results[0]["device"],
             "process_group": results[0]["process_group"],
             "launcher": launcher,
-            "threads_per_rank": int(os.environ.get("FLEXDISPATCH_THREADS", "1"))
+            "threads_per_rank": threads_per_rank()
             if launcher == "spawn"
             else torch.get_num_threads(),
         },

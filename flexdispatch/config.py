@@ -6,11 +6,19 @@ Every validation error names the field and says how to fix it.
 from __future__ import annotations
 
 import math
+import os
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 from flexdispatch import deepep_limits
 from flexdispatch._files import read_config_file, validation_message
@@ -30,32 +38,54 @@ _MAX = (1 << 31) - 1
 DeepEP and the Triton kernels (memory is checked where the sizes are used: flexdispatch._limits)."""
 
 
+def _not_bool(value: object) -> object:
+    # NOTE: pydantic's lax mode reads True as 1 (and YAML reads yes/on/true as True): refused, so
+    # that `hidden_size: yes` or `topk: on` is an error rather than 1
+    if isinstance(value, bool):
+        raise ValueError(
+            f"{str(value).lower()} is not a number (YAML also reads yes/no and on/off as "
+            f"true/false): write the number"
+        )
+    return value
+
+
+_Int = Annotated[int, BeforeValidator(_not_bool)]
+"""An integer field: never a bool (pydantic's lax mode still takes "8" and 8.0)."""
+
+_Float = Annotated[float, BeforeValidator(_not_bool)]
+"""A float field: never a bool; finite (``allow_inf_nan=False`` on every model)."""
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # NOTE: allow_inf_nan=False: every float field is finite (an infinite loss coefficient or
+    # capacity factor would turn the gradients into NaN or fail deep inside forward)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False
+    )
 
 
 class RouterConfig(_Strict):
     """How tokens pick experts (Megatron-Core semantics; see REFERENCE_FACTS.md)."""
 
-    num_experts: int = Field(gt=0, le=_MAX, description="E, experts in total.")
-    topk: int = Field(gt=0, le=32, description="k, experts per token (DeepEP allows at most 32).")
+    num_experts: _Int = Field(gt=0, le=_MAX, description="E, experts in total.")
+    topk: _Int = Field(gt=0, le=32, description="k, experts per token (DeepEP allows at most 32).")
     score_function: Literal["softmax", "sigmoid", "sqrtsoftplus"] = "softmax"
     use_pre_softmax: bool = Field(
         False, description="softmax only: softmax over all E before top-k (else over the k)."
     )
-    num_groups: int | None = Field(
+    num_groups: _Int | None = Field(
         None,
         gt=0,
         le=_MAX,
         description="Group-limited routing: experts split into this many groups.",
     )
-    group_topk: int | None = Field(None, gt=0, le=_MAX, description="Groups kept per token.")
+    group_topk: _Int | None = Field(None, gt=0, le=_MAX, description="Groups kept per token.")
     group_score: Literal["sum_topk", "max"] = Field(
         "sum_topk",
         description="Group rank: sum of the top k/group_topk scores (Megatron, DeepSeek-V3) or "
         "the max score (DeepSeek-V2).",
     )
-    scaling_factor: float | None = Field(None, gt=0, description="probs *= scaling_factor.")
+    scaling_factor: _Float | None = Field(None, gt=0, description="probs *= scaling_factor.")
     normalize_topk: bool | None = Field(
         None,
         description="Renormalise the k selected probs to sum to 1. None keeps Megatron's rule "
@@ -65,18 +95,20 @@ class RouterConfig(_Strict):
     enable_expert_bias: bool = Field(
         False, description="Aux-loss-free balancing bias, used for selection only."
     )
-    bias_update_rate: float = Field(1e-3, ge=0)
-    capacity_factor: float | None = Field(None, gt=0)
+    bias_update_rate: _Float = Field(1e-3, ge=0)
+    capacity_factor: _Float | None = Field(None, gt=0)
     drop_policy: Literal["probs", "position"] = "probs"
     aux_loss_type: Literal["none", "aux_loss", "seq_aux_loss", "global_aux_loss"] = "none"
-    aux_loss_coeff: float = Field(0.0, ge=0)
-    z_loss_coeff: float = Field(0.0, ge=0)
+    aux_loss_coeff: _Float = Field(0.0, ge=0)
+    z_loss_coeff: _Float = Field(0.0, ge=0)
     router_dtype: Literal["fp32", "fp64"] = "fp32"
     router_type: Literal["learned", "hash"] = Field(
         "learned",
         description="'hash' routes by a fixed hash of the token id (DeepSeek-V4's first layers).",
     )
-    hash_seed: int = Field(0, ge=0, description="Seed of the hash router's table.")
+    hash_seed: _Int = Field(
+        0, ge=0, lt=1 << 64, description="Seed of the hash router's table (< 2**64)."
+    )
     router_bias: bool = Field(
         False, description="The gating Linear(H, E) has a bias added to the logits (gpt-oss)."
     )
@@ -148,7 +180,7 @@ class DispatchConfig(_Strict):
     """How rows move between ranks."""
 
     backend: Literal["auto", "torch", "deepep"] = "auto"
-    num_worst_tokens: int = Field(
+    num_worst_tokens: _Int = Field(
         0,
         ge=0,
         le=_MAX,
@@ -158,7 +190,7 @@ class DispatchConfig(_Strict):
     hierarchical: bool = Field(
         False, description="Cross the node boundary once per destination node, forward inside."
     )
-    ranks_per_node: int | None = Field(
+    ranks_per_node: _Int | None = Field(
         None,
         gt=0,
         le=_MAX,
@@ -168,13 +200,13 @@ class DispatchConfig(_Strict):
         False,
         description="Run checks that need a host sync (ids, NaN); or FLEXDISPATCH_CHECKS=1.",
     )
-    timeout_s: float = Field(300.0, gt=0, description="Process-group timeout used by the CLI.")
+    timeout_s: _Float = Field(300.0, gt=0, description="Process-group timeout used by the CLI.")
     mode: Literal["normal", "low_latency"] = Field(
         "normal",
         description="'low_latency': decode with DeepEP's low-latency kernels (expert-major "
         "[e, R*num_max, H], see flexdispatch.decode); other backends decode in worst-case mode.",
     )
-    num_max_dispatch_tokens_per_rank: int = Field(
+    num_max_dispatch_tokens_per_rank: _Int = Field(
         128,
         gt=0,
         le=_MAX,
@@ -185,7 +217,7 @@ class DispatchConfig(_Strict):
     use_fp8: bool = Field(
         False, description="DeepEP low-latency dispatch casts rows to fp8 (per-128-channel scales)."
     )
-    hidden_size: int | None = Field(
+    hidden_size: _Int | None = Field(
         None,
         gt=0,
         le=_MAX,
@@ -202,7 +234,7 @@ class DispatchConfig(_Strict):
         description="DeepEP: launch on its communication stream (inputs fenced by an event, "
         "outputs allocated there); the current stream waits on the GPU, never the host.",
     )
-    deepep_num_sms: int | None = Field(
+    deepep_num_sms: _Int | None = Field(
         None, gt=0, le=_MAX, description="DeepEP Buffer.set_num_sms (even; process-wide in DeepEP)."
     )
     deepep_api: Literal["auto", "legacy", "elastic", "ep"] = Field(
@@ -219,7 +251,7 @@ class DispatchConfig(_Strict):
         "per destination node, forwarded over NVLink), False = direct mode, None = hybrid where "
         "its limits hold.",
     )
-    expert_alignment: int = Field(
+    expert_alignment: _Int = Field(
         1,
         gt=0,
         le=_MAX,
@@ -290,8 +322,8 @@ class MoEConfig(_Strict):
     """One MoE layer: router + dispatch + grouped experts."""
 
     name: str = "custom"
-    hidden_size: int = Field(gt=0, le=_MAX, description="H.")
-    ffn_hidden_size: int = Field(gt=0, le=_MAX, description="F, hidden size of each expert's MLP.")
+    hidden_size: _Int = Field(gt=0, le=_MAX, description="H.")
+    ffn_hidden_size: _Int = Field(gt=0, le=_MAX, description="F, hidden size of each expert's MLP.")
     activation: Literal["swiglu", "swiglu_oai", "gelu", "relu", "relu2", "silu"] = Field(
         "swiglu",
         description=(
@@ -300,7 +332,7 @@ class MoEConfig(_Strict):
             "gate * sigmoid(swiglu_alpha * gate) * (up + 1)); relu2 = relu(x w1)^2 (non-gated)."
         ),
     )
-    swiglu_limit: float | None = Field(
+    swiglu_limit: _Float | None = Field(
         None,
         gt=0,
         description=(
@@ -308,17 +340,17 @@ class MoEConfig(_Strict):
             "+-limit before the product; required by swiglu_oai."
         ),
     )
-    swiglu_alpha: float | None = Field(
+    swiglu_alpha: _Float | None = Field(
         None, gt=0, description="swiglu_oai's sigmoid slope (gpt-oss: 1.702); swiglu_oai only."
     )
     expert_mlp_bias: bool = Field(False, description="Expert projections carry biases (gpt-oss).")
-    num_shared_experts: int = Field(
+    num_shared_experts: _Int = Field(
         0,
         ge=0,
         le=_MAX,
         description="Shared experts, computed locally on every rank beside the routed ones.",
     )
-    shared_expert_ffn_hidden_size: int | None = Field(
+    shared_expert_ffn_hidden_size: _Int | None = Field(
         None,
         gt=0,
         le=_MAX,
@@ -438,7 +470,11 @@ def load_config(preset_name_or_path: str | Path) -> MoEConfig:
     """
     text = str(preset_name_or_path)
     path = Path(text)
-    if not (path.suffix in (".yaml", ".yml") or path.is_file()):
+    # NOTE: a name with a folder in it (/dev/zero, ./x) or a YAML suffix is a path, whatever is
+    # there (read_config_file names what it is); anything else is a preset unless a file has
+    # that name
+    is_path = path.suffix in (".yaml", ".yml") or os.sep in text or os.path.lexists(path)
+    if not is_path:
         path = preset_path(text)
     data = read_config_file(path, kind="yaml", what="config file")
     if not isinstance(data, dict):
@@ -446,4 +482,11 @@ def load_config(preset_name_or_path: str | Path) -> MoEConfig:
     try:
         return MoEConfig.model_validate(data)
     except ValidationError as exc:
-        raise ValueError(f"config file {path} is invalid: {validation_message(exc)}") from None
+        message = validation_message(exc, data=data, known=_field_names())
+        raise ValueError(f"config file {path} is invalid: {message}") from None
+
+
+def _field_names() -> set[str]:
+    """Every field name of ``MoEConfig``, ``RouterConfig`` and ``DispatchConfig`` (what an error
+    may quote of a config file's keys; ``flexdispatch._files.key_text``)."""
+    return {n for m in (MoEConfig, RouterConfig, DispatchConfig) for n in m.model_fields}

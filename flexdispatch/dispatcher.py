@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from flexdispatch import _limits, _validate
 from flexdispatch import ops as _ops
+from flexdispatch._guard import CallGuard, guarded
 from flexdispatch._validate import (
     check_tensor,
     checks_enabled,
@@ -150,6 +151,7 @@ class FlexDispatcher:
         self.num_experts = num_experts
         self._issuer = next_issuer()  # stamped on every handle, checked by combine
         _ops.register_dispatcher(self._issuer, self)  # the custom ops name it by this serial
+        self._guard = CallGuard()  # one thread at a time in the public calls (_guard.py)
         self._worst_rows_fit: set[tuple[int, int, torch.device]] = set()
 
     # ----------------------------------------------------------------- properties
@@ -337,6 +339,7 @@ class FlexDispatcher:
         return idx
 
     # ----------------------------------------------------------------- public API
+    @guarded("FlexDispatcher.dispatch")
     def dispatch(
         self,
         x: Rows,
@@ -420,6 +423,7 @@ class FlexDispatcher:
             num_recv_pairs=pairs,
         )
 
+    @guarded("FlexDispatcher.dispatch_start")
     def dispatch_start(
         self,
         x: Rows,
@@ -434,6 +438,7 @@ class FlexDispatcher:
         elsewhere the dispatch finishes here. Inputs, errors and result as ``dispatch``."""
         return start_dispatch(self, x, topk_idx, topk_probs, layout)
 
+    @guarded("FlexDispatcher.dispatch_expanded")
     def dispatch_expanded(
         self, x: Rows, topk_idx: torch.Tensor, topk_probs: torch.Tensor
     ) -> ExpandedDispatchResult:
@@ -454,6 +459,7 @@ class FlexDispatcher:
         """
         return self._start_expanded(x, topk_idx, topk_probs, overlap=False).wait()
 
+    @guarded("FlexDispatcher.dispatch_expanded_start")
     def dispatch_expanded_start(
         self, x: Rows, topk_idx: torch.Tensor, topk_probs: torch.Tensor
     ) -> PendingDispatch:
@@ -489,6 +495,7 @@ class FlexDispatcher:
 
         return PendingDispatch(finish)
 
+    @guarded("FlexDispatcher.combine")
     def combine(
         self, y: torch.Tensor, handle: DispatchHandle, *, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -543,6 +550,7 @@ class FlexDispatcher:
         self._stats.combine_calls += 1
         return out
 
+    @guarded("FlexDispatcher.warmup")
     def warmup(
         self,
         hidden_size: int,

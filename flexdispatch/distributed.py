@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
 import os
 import socket
@@ -26,6 +27,8 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+
+from flexdispatch._files import excerpt
 
 __all__ = [
     "CollectiveError",
@@ -43,6 +46,10 @@ __all__ = [
     "start_gather_int64",
     "all_reduce_min_flag",
     "all_reduce_min_flags",
+    "all_gather_json",
+    "env_int",
+    "join_launcher_group",
+    "launcher_env",
     "stable_hash",
     "check_fingerprint",
 ]
@@ -203,6 +210,88 @@ def cut_to_hosts(
     return (placed, "hosts") if placed != L else (L, source)
 
 
+def env_int(name: str, *, minimum: int | None = None, maximum: int | None = None) -> int | None:
+    """The integer in environment variable ``name``, or None when it is unset or empty.
+
+    Raises:
+        ValueError: naming the variable, when it is not an integer or is outside
+            ``[minimum, maximum]``.
+    """
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(
+            f"${name}={excerpt(text)} is not an integer: fix the launcher environment"
+        ) from None
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        lo = "" if minimum is None else f">= {minimum}"
+        hi = "" if maximum is None else f"<= {maximum}"
+        raise ValueError(
+            f"${name}={value} must be {' and '.join(b for b in (lo, hi) if b)}: fix the launcher "
+            f"environment"
+        )
+    return value
+
+
+def launcher_env() -> dict[str, int]:
+    """``WORLD_SIZE``, ``RANK``, ``LOCAL_WORLD_SIZE``, ``LOCAL_RANK`` and ``MASTER_PORT`` as a
+    launcher (torchrun) sets them, checked before ``init_process_group`` reads them: every
+    rank is in its range, the node size divides the world, the port is a TCP port.
+
+    Raises:
+        ValueError: naming the variable that is missing, not an integer or out of range.
+    """
+    world = env_int("WORLD_SIZE", minimum=1, maximum=(1 << 31) - 1)
+    if world is None:
+        raise ValueError("$WORLD_SIZE is not set: start the ranks with a launcher (torchrun)")
+    rank = env_int("RANK", minimum=0, maximum=world - 1)
+    if rank is None:
+        raise ValueError("$RANK is not set: start the ranks with a launcher (torchrun)")
+    local = env_int("LOCAL_WORLD_SIZE", minimum=1, maximum=world) or world
+    if world % local:
+        raise ValueError(
+            f"$WORLD_SIZE={world} is not a multiple of $LOCAL_WORLD_SIZE={local}: every node "
+            f"must run the same number of ranks"
+        )
+    local_rank = env_int("LOCAL_RANK", minimum=0, maximum=local - 1)
+    port = env_int("MASTER_PORT", minimum=1, maximum=65535)
+    return {
+        "WORLD_SIZE": world,
+        "RANK": rank,
+        "LOCAL_WORLD_SIZE": local,
+        "LOCAL_RANK": rank % local if local_rank is None else local_rank,
+        "MASTER_PORT": 0 if port is None else port,
+    }
+
+
+def join_launcher_group(backend: str, timeout_s: float) -> None:
+    """``init_process_group`` from a launcher's environment (``launcher_env``, checked first),
+    with a failure to assemble the group (a rank that never started, a wrong address) as one
+    ``CollectiveError`` naming ``--timeout`` and the fix instead of the store's own message.
+
+    Raises:
+        ValueError: a launcher variable is missing or malformed.
+        CollectiveError: the group did not form within ``timeout_s``.
+    """
+    import datetime
+
+    env = launcher_env()
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        detail = " ".join(str(exc).split())
+        detail = detail if len(detail) <= 200 else detail[:199] + "…"
+        raise CollectiveError(
+            f"rank {env['RANK']} could not join the launcher's process group of "
+            f"{env['WORLD_SIZE']} ranks within --timeout {timeout_s:g} s ({type(exc).__name__}: "
+            f"{detail}): start every rank (torchrun --nnodes / --nproc-per-node), check "
+            f"MASTER_ADDR and MASTER_PORT, or raise --timeout"
+        ) from exc
+
+
 def start_gather_int64(
     out: torch.Tensor,
     values: torch.Tensor,
@@ -268,6 +357,41 @@ def all_reduce_min_flags(
     return tuple(bool(v) for v in t.tolist())
 
 
+def all_gather_json(
+    obj: dict[str, str], group: dist.ProcessGroup | None = None, *, name: str = "json"
+) -> list[dict[str, str]]:
+    """Every rank's ``obj`` (a mapping of strings) on every rank, as JSON text in uint8 tensors.
+
+    Unlike ``dist.all_gather_object``, which unpickles the peers' bytes without restriction, a
+    peer's bytes are only ever parsed as JSON; anything but a mapping of strings reads as
+    ``{"<unreadable>": "<what it was>"}``.
+
+    Raises:
+        CollectiveError: a peer failed or the process-group timeout passed.
+    """
+    device = collective_device(group)
+    payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    n = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    counts = all_gather_int64(n, group, name=f"all_gather ({name} sizes)").flatten().tolist()
+    buf = torch.zeros(max(counts), dtype=torch.uint8, device=device)
+    buf[: payload.numel()] = payload.to(device)
+    out = torch.empty(len(counts) * buf.numel(), dtype=torch.uint8, device=device)
+    with collective_guard(f"all_gather ({name})", group):
+        start_gather_int64(out, buf, group)  # NOTE: any dtype gathers the same way
+    rows = out.view(len(counts), -1).cpu()
+    result: list[dict[str, str]] = []
+    for row, count in zip(rows, counts, strict=True):
+        try:
+            value = json.loads(row[:count].numpy().tobytes().decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            value = None
+        ok = isinstance(value, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+        )
+        result.append(value if ok else {"<unreadable>": "not a JSON mapping of strings"})
+    return result
+
+
 def stable_hash(value: object) -> int:
     """A hash of ``repr(value)`` that is equal across processes (unlike the salted ``hash``)."""
     return zlib.crc32(repr(value).encode())
@@ -286,7 +410,8 @@ def check_fingerprint(
 
     Every rank all-gathers one stable hash per field (a fixed-size int64 vector, so the collective
     itself cannot mismatch); when any column differs, the field values are exchanged with
-    ``all_gather_object`` (every rank takes this branch together) and the error names them.
+    ``all_gather_json`` (JSON text, never a pickle; every rank takes this branch together) and
+    the error names them.
 
     Args:
         fields: name -> value, the same names in the same order on every rank.
@@ -322,13 +447,11 @@ def check_fingerprint(
         gathered = all_gather_int64(vec, group, name="all_gather (config fingerprint)").cpu()
         if bool((gathered == gathered[0]).all()):
             return extras
-    reprs: list[object] = [None] * dist.get_world_size(group)
-    with collective_guard("all_gather_object (config fingerprint)", group):
-        dist.all_gather_object(reprs, {n: repr(fields[n]) for n in names}, group=group)
+    reprs = all_gather_json({n: repr(fields[n]) for n in names}, group, name="config fingerprint")
     lines = []
-    all_names = list(dict.fromkeys(n for r in reprs for n in r))  # type: ignore[union-attr]
+    all_names = list(dict.fromkeys(n for r in reprs for n in r))
     for name in all_names:
-        per_rank = [r.get(name, "<missing>") for r in reprs]  # type: ignore[union-attr]
+        per_rank = [r.get(name, "<missing>") for r in reprs]
         if len(set(per_rank)) > 1:
             lines.append(f"{name}: " + ", ".join(f"rank {i}={v}" for i, v in enumerate(per_rank)))
     raise ValueError(f"{what} differ across ranks ({fix}): " + "; ".join(lines))

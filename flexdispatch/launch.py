@@ -8,30 +8,37 @@ Loopback only: the rendezvous store is served by the parent on a socket bound to
 ``TCPStore`` that binds its own socket listens on every interface), and the ranks' process-group
 sockets are bound to the loopback interface (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``).
 Results travel back over one pipe per rank as raw bytes (``torch.save``) and are read with
-``torch.load(weights_only=True)``, or with an unpickler restricted to the classes of this project
-(``_loads``): never an unrestricted pickle.
+``torch.load(weights_only=True)`` only, which allows, besides tensors and plain values, the data
+classes of this project that the bytes name (``_loads``): never an unrestricted pickle.
 
 R ranks · L ranks per node (exported as ``LOCAL_WORLD_SIZE``, as torchrun does).
 """
 
 from __future__ import annotations
 
+import _compat_pickle
 import contextlib
+import dataclasses
+import enum
 import io
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import pickle
+import pickletools
 import socket
 import sys
 import time
 import traceback
+import zipfile
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from flexdispatch._files import excerpt
 
 __all__ = [
     "GroupError",
@@ -79,6 +86,21 @@ def loopback_interface() -> str:
     )
 
 
+def threads_per_rank() -> int:
+    """torch's thread count in each spawned rank: ``$FLEXDISPATCH_THREADS`` (default 1; the
+    ``env`` of ``spawn_group`` may set it).
+
+    Raises:
+        ValueError: naming the variable, when it is not an integer >= 1.
+    """
+    from flexdispatch.distributed import env_int
+
+    return env_int(THREADS_ENV, minimum=1, maximum=4096) or 1
+
+
+THREADS_ENV = "FLEXDISPATCH_THREADS"
+
+
 def _torch_safe_globals() -> dict[str, Any]:
     try:
         from torch._weights_only_unpickler import _get_allowed_globals
@@ -87,41 +109,80 @@ def _torch_safe_globals() -> dict[str, Any]:
     return dict(_get_allowed_globals())
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
-    """Unpickles only what ``torch.load(weights_only=True)`` allows, plus classes (never functions)
-    defined in the ``flexdispatch`` and ``tests`` packages that this process has already imported
-    (results that are dataclasses of this project)."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = _torch_safe_globals()
-        key = f"{module}.{name}"
-        if key in allowed:
-            return allowed[key]
-        if module.split(".")[0] in _TRUSTED_PACKAGES and module in sys.modules:
-            obj: Any = sys.modules[module]
-            for part in name.split("."):
-                obj = getattr(obj, part, None)
-            if isinstance(obj, type):
-                return obj
-        raise pickle.UnpicklingError(
-            f"a rank's result refers to {key}, which flexdispatch.launch does not unpickle: return "
-            f"tensors, numbers, strings, None, lists, tuples and dicts (or classes of flexdispatch)"
-        )
+def _is_data_class(cls: type) -> bool:
+    """A class whose instances are plain data: a dataclass, an ``Enum``, a ``NamedTuple`` or a
+    pydantic model (never a function, a module, an exception or a class with behaviour of its
+    own, such as ``subprocess.Popen`` or ``FlexDispatcher``)."""
+    if dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum):
+        return True
+    if issubclass(cls, tuple) and hasattr(cls, "_fields"):
+        return True
+    return any(
+        base.__name__ == "BaseModel" and base.__module__.startswith("pydantic")
+        for base in cls.__mro__
+    )
 
 
-class _RestrictedPickle:
-    """A ``pickle_module`` for ``torch.load`` whose unpickler is ``_RestrictedUnpickler``."""
+def _data_class(module: str, name: str) -> type | None:
+    """The data class (``_is_data_class``) defined as ``name`` in module ``module`` of the
+    ``flexdispatch`` or ``tests`` packages, already imported by this process; None otherwise.
 
-    Unpickler = _RestrictedUnpickler
-    UnpicklingError = pickle.UnpicklingError
-    __name__ = "flexdispatch.launch._RestrictedPickle"
-
-    @staticmethod
-    def load(file: Any, **kwargs: Any) -> Any:
-        return _RestrictedUnpickler(file, **kwargs).load()
+    ``name`` must be the class's own ``__qualname__`` there (``Outer.Inner`` for a nested class):
+    a dotted path through something the module imported (``flexdispatch.cli.demo_machine`` +
+    ``subprocess.Popen``), a function, a module or a class defined elsewhere is not one.
+    """
+    root = sys.modules.get(module) if module.split(".")[0] in _TRUSTED_PACKAGES else None
+    first, *rest = name.split(".")
+    # NOTE: the module's own namespace, then a class's own attributes: never a step through a
+    # module that the trusted one imported, nor a lookup hook (``vars``, not ``getattr``)
+    obj: Any = vars(root).get(first) if root is not None else None
+    for part in rest:
+        obj = vars(obj).get(part) if isinstance(obj, type) else None
+    if (
+        isinstance(obj, type)
+        and obj.__module__ == module
+        and obj.__qualname__ == name
+        and _is_data_class(obj)
+    ):
+        return obj
+    return None
 
 
 _TRUSTED_PACKAGES = ("flexdispatch", "tests")
+
+# Opcodes that name a global: protocol 0-1 spell it in the opcode (GLOBAL, INST); STACK_GLOBAL
+# (protocol 4+) takes it from the stack, which torch.save (protocol 2) never writes.
+_NAMED_GLOBAL_OPS = frozenset({"GLOBAL", "INST"})
+_STACK_GLOBAL_OPS = frozenset({"STACK_GLOBAL", "OBJ"})
+
+
+def _referenced_globals(data: bytes) -> list[tuple[str, str]]:
+    """``(module, name)`` of every global the pickle inside ``torch.save`` bytes names.
+
+    Raises:
+        pickle.UnpicklingError: not a ``torch.save`` archive, or a pickle that names a global
+            through the stack (``STACK_GLOBAL``, ``OBJ``), which ``_dumps`` never writes.
+    """
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            names = [n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+            if len(names) != 1:
+                raise pickle.UnpicklingError("not one pickle in the archive")
+            pkl = z.read(names[0])
+        found = []
+        for op, arg, _ in pickletools.genops(pkl):
+            if op.name in _STACK_GLOBAL_OPS:
+                raise pickle.UnpicklingError(f"{op.name} opcode")
+            if op.name in _NAMED_GLOBAL_OPS:
+                module, _, name = str(arg).partition(" ")
+                # NOTE: protocol 2 writes Python 2 names (__builtin__.set), read as pickle does
+                if (module, name) in _compat_pickle.NAME_MAPPING:
+                    module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+                module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+                found.append((module, name))
+        return found
+    except (zipfile.BadZipFile, ValueError, EOFError, OSError) as exc:
+        raise pickle.UnpicklingError(f"unreadable result archive ({exc})") from None
 
 
 def _dumps(obj: Any) -> bytes:
@@ -132,13 +193,38 @@ def _dumps(obj: Any) -> bytes:
 
 
 def _loads(data: bytes) -> Any:
-    """``_dumps``'s bytes back, never as an unrestricted pickle: ``torch.load(weights_only=True)``
-    (tensors, numbers, strings, containers), else the same loader restricted to the classes of
-    ``_RestrictedUnpickler`` (raises ``pickle.UnpicklingError`` naming anything else)."""
+    """``_dumps``'s bytes back, only ever through ``torch.load(weights_only=True)``: tensors,
+    numbers, strings, None and containers, plus the data classes of this project that the
+    pickle names (``_data_class``: dataclasses, enums, named tuples, pydantic models), allowed
+    for this one load. Never an unrestricted pickle.
+
+    Raises:
+        pickle.UnpicklingError: naming the first global the pickle refers to that is neither
+            allowed by ``weights_only`` nor such a class (``os.system``,
+            ``subprocess.Popen``, a function, ...).
+    """
     try:
         return torch.load(io.BytesIO(data), weights_only=True)
     except pickle.UnpicklingError:
-        return torch.load(io.BytesIO(data), weights_only=False, pickle_module=_RestrictedPickle)
+        pass  # NOTE: a class weights_only does not know: allowed below if it is plain data
+    except (RuntimeError, ValueError, EOFError, OSError) as exc:  # e.g. a TorchScript archive
+        raise pickle.UnpicklingError(f"a rank's result is not torch.save bytes: {exc}") from None
+    allowed = _torch_safe_globals()
+    classes: dict[str, type] = {}
+    for module, name in _referenced_globals(data):
+        key = f"{module}.{name}"
+        if key in allowed or key in classes:
+            continue
+        cls = _data_class(module, name)
+        if cls is None:
+            raise pickle.UnpicklingError(
+                f"a rank's result refers to {excerpt(key, 80)}, which flexdispatch.launch does "
+                f"not unpickle: return tensors, numbers, strings, None, lists, tuples and dicts "
+                f"(or dataclasses, enums and named tuples of flexdispatch)"
+            )
+        classes[key] = cls
+    with torch.serialization.safe_globals(list(classes.values())):
+        return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def _collective_device(group: Any) -> torch.device:
@@ -223,7 +309,7 @@ def _worker(
             "GROUP_RANK": str(rank // ranks_per_node),
         }
     )
-    torch.set_num_threads(max(1, int(env.get("FLEXDISPATCH_THREADS", "1"))))
+    torch.set_num_threads(threads_per_rank())
     try:
         if backend == "nccl":
             # NOTE: every rank runs on this machine (simulated nodes included): rank i on

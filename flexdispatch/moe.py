@@ -22,11 +22,13 @@ import torch.distributed as dist
 from torch import nn
 
 from flexdispatch import _limits
+from flexdispatch._guard import guarded
 from flexdispatch._validate import check_tensor
 from flexdispatch.config import MoEConfig
 from flexdispatch.dispatcher import FlexDispatcher
 from flexdispatch.distributed import check_fingerprint
 from flexdispatch.experts import GroupedExperts, SharedExperts
+from flexdispatch.experts.init import MAX_SEED
 from flexdispatch.permutation import permute, unpermute
 from flexdispatch.routing import TopKRouter
 from flexdispatch.types import DispatchResult, ExpandedDispatchResult, RoutingResult
@@ -89,6 +91,38 @@ def _weights_refusal(
             fix="check hidden_size / ffn_hidden_size, or spread the experts over more ranks",
         )
     )
+
+
+def _check_build_args(seed: object, dtype: object, device: object) -> torch.device | str | None:
+    """``MoELayer``'s ``seed``, ``dtype`` and ``device``, checked before anything is built;
+    returns ``device`` (None, or a device that exists here)."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(
+            f"seed must be an int in [0, {MAX_SEED}] (each expert's generator is seeded with "
+            f"seed * 1000003 + its id, below 2**64), got {seed!r}"
+        )
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(
+            f"dtype must be a floating-point torch.dtype such as torch.bfloat16 or "
+            f"torch.float32, got {dtype!r}"
+        )
+    if device is None:
+        return None
+    if not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
+        raise TypeError(f"device must be a torch.device or a string, got {type(device).__name__}")
+    try:
+        where = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"device={device!r} is not a device: use e.g. 'cpu' or 'cuda:0'") from None
+    if where.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (where.index is not None and where.index >= count):
+            raise ValueError(
+                f"device={device!r} but this process sees {count} CUDA device(s) "
+                f"(torch.cuda.is_available() is {torch.cuda.is_available()}): use 'cpu' or a "
+                f"visible GPU"
+            )
+    return device
 
 
 class MoELayer(nn.Module):
@@ -155,6 +189,7 @@ class MoELayer(nn.Module):
         super().__init__()
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+        device = _check_build_args(seed, dtype, device)
         self.config = config
         self.dispatcher = FlexDispatcher(
             config.dispatch, num_experts=config.router.num_experts, group=group, _deep_ep=_deep_ep
@@ -183,6 +218,8 @@ class MoELayer(nn.Module):
         # dispatcher has checked DeepEP's topology against the deep_ep module it runs already
         config.check_world(R, self.dispatcher.ranks_per_node, check_dispatch=False)
         e = config.router.num_experts // R
+        # NOTE: the dispatcher's guard: one thread at a time in the layer and its dispatcher
+        self._guard = self.dispatcher._guard
         self.num_local_experts = e
         self.seed = seed
         self.router = self._seeded_router(seed)
@@ -263,6 +300,7 @@ class MoELayer(nn.Module):
     def backend_name(self) -> str:
         return self.dispatcher.backend_name
 
+    @guarded("MoELayer.forward")
     def forward(self, hidden: torch.Tensor, *, token_ids: torch.Tensor | None = None) -> MoEOutput:
         """Run the layer on ``hidden`` ``[T, H]`` or ``[S, B, H]`` (dtype of the experts).
 

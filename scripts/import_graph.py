@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_validate",
             "_memory",
             "_files",
+            "_guard",
             "_limits",
             "devices",
             "types",

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import os
 import sys
+from typing import Any
 
 __all__ = ["main", "build_parser"]
 
@@ -40,18 +41,63 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    watch = _StdoutWatch(sys.stdout)
+    sys.stdout = watch  # type: ignore[assignment]
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # NOTE: here, so that a full disk or device is reported (below)
+        return code
     except BrokenPipeError:  # NOTE: the reader went away (`| head`): nothing left to say
-        with contextlib.suppress(OSError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _drop_stdout(watch.stream)
         return 0
     except KeyboardInterrupt:
         print(f"flexdispatch {args.command}: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:
+        if exc is not watch.failed:
+            return print_error(args.command, exc, args)
+        _drop_stdout(watch.stream)
+        print(
+            f"flexdispatch {args.command}: error: cannot write to standard output: "
+            f"{exc.strerror or exc} (redirect it to a file that can be written)",
+            file=sys.stderr,
+        )
+        return 1
     except Exception as exc:
         return print_error(args.command, exc, args)
+    finally:
+        if sys.stdout is watch:
+            sys.stdout = watch.stream
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+class _StdoutWatch:
+    """Standard output, remembering the error a write or flush raised (so that the message can
+    say it was standard output: a full disk, ``/dev/full``)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.failed: OSError | None = None
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)  # type: ignore[no-any-return]
+        except OSError as exc:
+            self.failed = exc
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError as exc:
+            self.failed = exc
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def _drop_stdout(stream: Any) -> None:
+    """Point standard output (``stream``'s descriptor) at the null device: nothing more can
+    reach the reader, and the interpreter's flush at exit must not fail again."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())

@@ -24,9 +24,12 @@ __all__ = [
     "debug_enabled",
     "group_failure",
     "int_range",
+    "json_text",
     "one_line",
     "positive_float",
     "print_error",
+    "timeout_seconds",
+    "write_output",
 ]
 
 INT32_MAX = (1 << 31) - 1
@@ -91,24 +94,77 @@ def positive_float(text: str) -> float:
     return value
 
 
-def check_output_path(path: str | Path, flag: str) -> Path:
+MIN_TIMEOUT_S = 0.1
+"""Shortest ``--timeout``: the process group's own timeouts count whole milliseconds."""
+
+MAX_TIMEOUT_S = 2_147_483.0
+"""Longest ``--timeout`` (about 24.8 days): gloo and NCCL keep timeouts as 32-bit milliseconds."""
+
+
+def timeout_seconds(text: str) -> float:
+    """An argparse type: a timeout in seconds, in ``[MIN_TIMEOUT_S, MAX_TIMEOUT_S]``."""
+    value = positive_float(text)
+    if not MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(
+            f"must be between {MIN_TIMEOUT_S:g} and {MAX_TIMEOUT_S:.0f} seconds, got {text}"
+        )
+    return value
+
+
+def check_output_path(path: str | Path, flag: str, example: str = "out.yaml") -> Path:
     """Refuse, before any work, an output path that cannot be written: its folder is missing or
-    not a folder, or the path is a folder itself.
+    not a folder, the path is a folder itself, or it is not a regular file (a FIFO, which would
+    block; a device, a socket, a ``/proc`` or ``/sys`` file); ``example`` is the file name the
+    message suggests inside a folder.
 
     Raises:
         ValueError: naming the flag, the path and the fix.
     """
+    from flexdispatch._files import file_kind, on_pseudo_fs
+
     out = Path(path)
-    if out.is_dir():
-        raise ValueError(f"{flag} {path} is a folder: pass a file name, e.g. {out / 'out.yaml'}")
+    kind = file_kind(out)
+    if kind == "a folder":
+        raise ValueError(f"{flag} {path} is a folder: pass a file name, e.g. {out / example}")
+    if kind is not None:
+        raise ValueError(
+            f"{flag} {path} is not a regular file ({kind}): pass the name of a file to write"
+        )
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.exists():
         raise ValueError(f"{flag} {path}: folder {parent} does not exist (create it first)")
     if not parent.is_dir():
         raise ValueError(f"{flag} {path}: {parent} is not a folder")
+    if on_pseudo_fs(parent):
+        raise ValueError(f"{flag} {path}: folder {parent} is in /proc or /sys: write elsewhere")
     if not os.access(parent, os.W_OK):
         raise ValueError(f"{flag} {path}: folder {parent} is not writable")
     return out
+
+
+def write_output(path: str | Path, text: str, flag: str) -> None:
+    """Write ``text`` to the file of ``flag`` (checked by ``check_output_path``); a failure (a
+    full disk, a path that became a FIFO) is a ``ValueError`` naming the flag and the path."""
+    from flexdispatch._files import write_file
+
+    write_file(path, text.encode("utf-8"), f"{flag} {path}")
+
+
+def json_text(obj: Any, indent: int = 2) -> str:
+    """``obj`` as standard JSON: a NaN or infinite float becomes ``null`` (``json.dumps`` would
+    write the bare ``NaN`` / ``Infinity`` that JSON parsers refuse)."""
+    import json
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(v) for v in value]
+        return value
+
+    return json.dumps(clean(obj), indent=indent, allow_nan=False)
 
 
 def check_backend(backend: str, flag: str = "--backend") -> None:

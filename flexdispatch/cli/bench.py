@@ -22,11 +22,10 @@ The defaults finish in well under a minute on 2 CPU cores.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
-from flexdispatch.cli._common import int_range, positive_float
+from flexdispatch.cli._common import int_range, json_text, timeout_seconds
 
 __all__ = ["register", "run", "spec_from_args"]
 
@@ -63,7 +62,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--worst-case", action="store_true", help="static-shape mode, W = R * T rows received"
     )
     p.add_argument(
-        "--timeout", type=positive_float, default=300.0, help="seconds before giving up (> 0)"
+        "--timeout",
+        type=timeout_seconds,
+        default=300.0,
+        help="seconds before giving up (0.1 to 2147483)",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -128,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark and print the table or JSON (rank 0 only under a launcher)."""
     from flexdispatch.bench import format_table, run_spawned, run_under_launcher, summarize
     from flexdispatch.cli._common import check_backend, group_failure
-    from flexdispatch.launch import GroupError, under_launcher
+    from flexdispatch.launch import GroupError, threads_per_rank, under_launcher
 
     spec = spec_from_args(args)
     t0 = time.perf_counter()
@@ -139,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         launcher = "torchrun"
     else:
         spec.validate()
+        threads_per_rank()  # NOTE: a bad $FLEXDISPATCH_THREADS is named before spawning
         check_backend(spec.backend)
         check_bench_memory(spec)
         try:
@@ -151,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         spec, results, launcher=launcher, wall_s=time.perf_counter() - t0, json_out=args.json
     )
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(json_text(report))
     else:
         print(format_table(report))
         print(f"wall time {report['wall_s']:.1f} s")

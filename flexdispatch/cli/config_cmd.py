@@ -69,7 +69,7 @@ def read_megatron_args(path: str | Path) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Print (or write) the YAML; ValueError (exit 2) on bad input."""
-    from flexdispatch.cli._common import check_output_path
+    from flexdispatch.cli._common import check_output_path, write_output
     from flexdispatch.importers import moe_config_from_hf, moe_config_from_megatron, to_yaml
 
     if args.output:
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         text = to_yaml(cfg)
     if args.output:
-        Path(args.output).write_text(text)
+        write_output(args.output, text, "--output")
     else:
         print(text, end="")
     return 0

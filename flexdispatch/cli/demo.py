@@ -14,17 +14,18 @@ R ranks · L ranks per node · N nodes · T tokens per rank · H hidden · E exp
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from flexdispatch.cli._common import int_range, positive_float
+from flexdispatch.cli._common import int_range, json_text, timeout_seconds
 
 __all__ = ["DemoSpec", "register", "run", "run_rank", "check_against_reference"]
 
@@ -85,7 +86,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="use the static-shape worst-case mode (num_worst_tokens = R * T)",
     )
     p.add_argument(
-        "--timeout", type=positive_float, default=300.0, help="seconds before giving up (> 0)"
+        "--timeout",
+        type=timeout_seconds,
+        default=300.0,
+        help="seconds before giving up (0.1 to 2147483)",
     )
     p.add_argument(
         "--max-memory",
@@ -248,15 +252,14 @@ def _launcher_entry(
 ) -> tuple[DemoSpec, Any, list[dict[str, Any]] | None]:
     """Under torchrun: join the launcher's group, take rank 0's plan (so that every rank runs
     the same sizes, or every rank refuses), run, gather everything on rank 0."""
-    import datetime
-
     import torch.distributed as dist
 
+    from flexdispatch.distributed import join_launcher_group, launcher_env
     from flexdispatch.launch import broadcast_object, gather_objects
 
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        torch.cuda.set_device(launcher_env()["LOCAL_RANK"])
+    join_launcher_group(backend, timeout_s)
     try:
         spec, plan, refusal = broadcast_object(planned, src=0)
         if refusal is not None:
@@ -379,15 +382,15 @@ def check_against_reference(spec: DemoSpec, results: list[dict[str, Any]]) -> di
             md(torch.stack([g[key].get(n, torch.zeros_like(p)) for g in got]).sum(0), grad(p))
             for n, p in ref.items()
         ]
-        return max(diffs, default=0.0)
+        return _worst(diffs)
 
     router_params = {n: p for n, p in router.named_parameters() if p.requires_grad}
     diffs: dict[str, float] = {}
     for mode in _MODES:
         got = [res["modes"][mode] for res in results]
-        diffs[f"{mode}.output"] = max(md(got[r]["output"], outs[r]) for r in range(R))
+        diffs[f"{mode}.output"] = _worst(md(got[r]["output"], outs[r]) for r in range(R))
         gx = grad(x_all)
-        diffs[f"{mode}.grad_x"] = max(md(got[r]["grad_x"], gx[r]) for r in range(R))
+        diffs[f"{mode}.grad_x"] = _worst(md(got[r]["grad_x"], gx[r]) for r in range(R))
         diffs[f"{mode}.grad_router"] = replicated(got, "grad_router", router_params)
         expert_diffs = []
         for name, ref in experts.items():
@@ -398,10 +401,19 @@ def check_against_reference(spec: DemoSpec, results: list[dict[str, Any]]) -> di
             full = torch.cat([g["grad_experts"].get(name, zero) for g in got])
             expert_diffs.append(md(full, grad(ref)[: R * e]))
             del full
-        diffs[f"{mode}.grad_experts"] = max(expert_diffs)
+        diffs[f"{mode}.grad_experts"] = _worst(expert_diffs)
         if sp:
             diffs[f"{mode}.grad_shared"] = replicated(got, "grad_shared", sp)
     return diffs
+
+
+def _worst(values: Iterable[float]) -> float:
+    """The largest of ``values`` (0 for none), NaN when any is NaN: Python's ``max`` keeps
+    whichever of NaN and a number comes first, so a NaN gradient could pass as a small diff."""
+    values = list(values)
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    return max(values, default=0.0)
 
 
 # --------------------------------------------------------------------------- the report
@@ -437,8 +449,9 @@ def build_report(
         "tokens_per_expert": per_expert.tolist(),
         "modes": {},
         "max_abs_diff": diffs,
+        "nonfinite_diffs": [k for k, v in diffs.items() if not math.isfinite(v)],
         "tolerance": tol,
-        "ok": all(v <= tol for v in diffs.values()),
+        "ok": all(math.isfinite(v) and v <= tol for v in diffs.values()),
     }
     for mode in _MODES:
         ms = [r["modes"][mode] for r in results]
@@ -486,13 +499,14 @@ def print_report(report: dict[str, Any]) -> None:
     if flat["bytes_inter_node"]:
         ratio = hier["bytes_inter_node"] / flat["bytes_inter_node"]
         print(f"hierarchical / flat inter-node bytes: {ratio:.2f}")
-    worst = max(report["max_abs_diff"].values())
+    bad = report.get("nonfinite_diffs") or []
+    worst = _worst(v for v in report["max_abs_diff"].values() if v is not None)
     verdict = "OK" if report["ok"] else "MISMATCH"
     shared = ", shared experts" if "flat.grad_shared" in report["max_abs_diff"] else ""
+    what = f"NaN/inf in {', '.join(bad)}" if bad else f"max abs diff {worst:.2e}"
     print(
         f"check vs single-process reference (output, grads of input, router, experts{shared}): "
-        f"{verdict} "
-        f"(max abs diff {worst:.2e}, tolerance {report['tolerance']:.0e})"
+        f"{verdict} ({what}, tolerance {report['tolerance']:.0e})"
     )
 
 
@@ -542,6 +556,7 @@ def run(args: argparse.Namespace) -> int:
     from flexdispatch.cli import demo_machine
     from flexdispatch.cli._common import check_backend, group_failure
     from flexdispatch.config import load_config
+    from flexdispatch.distributed import launcher_env
     from flexdispatch.launch import GroupError, spawn_group, under_launcher
 
     if args.tokens < 0 or args.iters < 1:  # NOTE: parse-time types check these on the CLI
@@ -550,8 +565,8 @@ def run(args: argparse.Namespace) -> int:
     check_backend(args.backend)
     t0 = time.perf_counter()
     if under_launcher():
-        world = int(os.environ["WORLD_SIZE"])
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        env = launcher_env()  # NOTE: every variable checked, each error naming its variable
+        world, local = env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]
         mismatch = args.nodes not in (None, world // local) or args.ranks_per_node not in (
             None,
             local,
@@ -625,7 +640,7 @@ def run(args: argparse.Namespace) -> int:
         report["fit"]["runtime"]["source"] = runtime[2]
     report["wall_s"] = round(time.perf_counter() - t0, 2)
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(json_text(report))
     else:
         print_report(report)
         print(f"wall time {report['wall_s']:.1f} s")

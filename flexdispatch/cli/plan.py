@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     from flexdispatch.planner import MAX_LOGITS, format_plan, plan_cluster, plot_plan
 
     if args.plot:
-        check_output_path(args.plot, "--plot")
+        check_output_path(args.plot, "--plot", "out.png")
     cfg = load_config(args.preset if args.preset is not None else args.config)
     if args.num_sms <= 0 or args.num_sms % 2:
         raise ValueError(f"--num-sms must be a positive even number, got {args.num_sms}")

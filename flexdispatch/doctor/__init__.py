@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 from flexdispatch.backends.base import Capability
+from flexdispatch.distributed import env_int
 from flexdispatch.doctor.probe import (
     probe_cuda,
     probe_deep_ep,
@@ -428,16 +429,6 @@ def host_facts(
     )
 
 
-def _env_int(name: str) -> int | None:
-    text = os.environ.get(name)
-    if not text:
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"${name}={text!r} is not an integer: fix the environment") from None
-
-
 def resolve_topology(
     world_size: int | None, ranks_per_node: int | None, num_gpus: int
 ) -> tuple[int, str, int, str]:
@@ -451,7 +442,7 @@ def resolve_topology(
     """
     if world_size is not None:
         R, r_src = world_size, "argument"
-    elif (env := _env_int("WORLD_SIZE")) is not None:
+    elif (env := env_int("WORLD_SIZE", minimum=1)) is not None:
         R, r_src = env, "WORLD_SIZE"
     elif num_gpus > 0:
         R, r_src = num_gpus, "gpus"
@@ -459,7 +450,7 @@ def resolve_topology(
         R, r_src = 1, "default"
     if ranks_per_node is not None:
         L, l_src = ranks_per_node, "argument"
-    elif (env := _env_int("LOCAL_WORLD_SIZE")) is not None:
+    elif (env := env_int("LOCAL_WORLD_SIZE", minimum=1)) is not None:
         L, l_src = min(env, R), "LOCAL_WORLD_SIZE"
     elif num_gpus > 0:
         L, l_src = min(num_gpus, R), "gpus"

@@ -32,6 +32,11 @@ class ExpertWeights:
     b3: torch.Tensor | None = None
 
 
+MAX_SEED = ((1 << 64) - 1 - (1 << 31)) // _SEED_STRIDE
+"""Largest model-wide seed: ``seed * 1_000_003 + global_expert_id`` (any id below 2**31, the
+shared experts' included) stays below 2**64, the range of ``torch.Generator.manual_seed``."""
+
+
 def expert_seed(global_expert_id: int, seed: int) -> int:
     """The generator seed of one expert: ``seed * 1_000_003 + global_expert_id``."""
     if global_expert_id < 0 or seed < 0:

@@ -51,9 +51,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from flexdispatch._files import validation_message
+from flexdispatch._files import excerpt, validation_message
 from flexdispatch.config import MoEConfig, RouterConfig
-from flexdispatch.importers._keys import _DEFAULTS_FROM, _NESTED, _Keys, _read_hf
+from flexdispatch.importers._keys import _DEFAULTS_FROM, _NESTED, _Keys, _read_hf, _show
 from flexdispatch.importers.deepseek import _deepseek, _nemotron_h, _v3_style
 from flexdispatch.importers.megatron import moe_config_from_megatron
 from flexdispatch.importers.softmax import _gpt_oss, _llama4, _minimax_m2, _mixtral, _qwen
@@ -136,17 +136,23 @@ def moe_config_from_hf(
     """
     top = _read_hf(config)
     mt = top.get("model_type")
+    if not isinstance(mt, str):
+        raise ValueError(
+            f"model_type must be a string, got {_show(mt)}: supported are "
+            f"{', '.join(supported_model_types())}"
+        )
     if mt in _REFUSED:
         raise ValueError(f"model_type {mt!r} cannot be imported exactly: {_REFUSED[mt]}")
-    if not isinstance(mt, str) or (mt not in _HF_FAMILIES and mt not in _NESTED):
+    if mt not in _HF_FAMILIES and mt not in _NESTED:
         raise ValueError(
-            f"unsupported model_type {mt!r}: supported are {', '.join(supported_model_types())}"
+            f"unsupported model_type {excerpt(mt)}: supported are "
+            f"{', '.join(supported_model_types())}"
         )
     source: dict[str, str] = {"hf_model_type": mt}
     archs = top.get("architectures")
     if archs:
         if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
-            raise ValueError(f"architectures must be a list of strings, got {archs!r}")
+            raise ValueError(f"architectures must be a list of strings, got {_show(archs)}")
         source["hf_architectures"] = ",".join(archs)
     cfg, prefix, inner = top, "", mt
     if mt in _NESTED:
@@ -154,14 +160,14 @@ def moe_config_from_hf(
         if text is None:
             text = {}
         if not isinstance(text, Mapping):
-            raise ValueError(f"{mt} config: text_config must be an object, got {text!r}")
+            raise ValueError(f"{mt} config: text_config must be an object, got {_show(text)}")
         inner = text.get("model_type") or _NESTED[mt]
         if mt == "kimi_k25" and inner == "kimi_k2":
             inner = "deepseek_v3"  # as transformers' Kimi-K2.5 config maps it
         if inner != _NESTED[mt]:
             raise ValueError(
-                f"{mt} config: text_config model_type {inner!r} is not supported: a {mt} text "
-                f"model is {_NESTED[mt]!r}"
+                f"{mt} config: text_config model_type {excerpt(inner)} is not supported: a "
+                f"{mt} text model is {_NESTED[mt]!r}"
             )
         cfg, prefix = text, "text_config."
         source["hf_text_model_type"] = inner

@@ -5,11 +5,12 @@ shared-expert pieces (``flexdispatch.importers`` has the family table)."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from flexdispatch._files import read_config_file
+from flexdispatch._files import excerpt, read_config_file
 
 _GATED_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu"}
 
@@ -308,6 +309,32 @@ _NOT_NULL = frozenset(
 )
 
 
+def _show(value: Any) -> str:
+    """A config value in a message, with its type: short non-strings as Python writes them,
+    anything else as a short escaped excerpt."""
+    text = repr(value)
+    if isinstance(value, str) or len(text) > 24:
+        text = excerpt(value)
+    return f"{text} ({type(value).__name__})"
+
+
+def _finite(value: Any, name: str) -> float:
+    """``value`` as a finite float, or ValueError naming ``name`` (a bool, a string, NaN,
+    Infinity, 1e400, or an integer too large for a float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {_show(value)}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        shown = (
+            _show(value) if isinstance(value, float) else f"an integer of {len(str(value))} digits"
+        )
+        raise ValueError(f"{name} must be a finite number, got {shown}")
+    return number
+
+
 class _Keys:
     """Typed reads of one config mapping; absent keys take the family's defaults (recorded)."""
 
@@ -325,8 +352,8 @@ class _Keys:
         if alias is not None and alias in self.cfg and self.cfg[alias] is not None:
             if here and self.cfg[key] != self.cfg[alias]:
                 raise ValueError(
-                    f"{self.mt} config has {self.name(key)}={self.cfg[key]!r} and its alias "
-                    f"{self.name(alias)}={self.cfg[alias]!r}: they must agree"
+                    f"{self.mt} config has {self.name(key)}={_show(self.cfg[key])} and its "
+                    f"alias {self.name(alias)}={_show(self.cfg[alias])}: they must agree"
                 )
             if not here:
                 return self.cfg[alias]
@@ -365,8 +392,7 @@ class _Keys:
         value = self.raw(key)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(
-                f"{self.mt} config: {self.name(key)} must be an integer, got {value!r} "
-                f"({type(value).__name__})"
+                f"{self.mt} config: {self.name(key)} must be an integer, got {_show(value)}"
             )
         return value
 
@@ -374,20 +400,13 @@ class _Keys:
         return self.int(key) if self.has(key) else None
 
     def float(self, key: str) -> float:
-        value = self.raw(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(
-                f"{self.mt} config: {self.name(key)} must be a number, got {value!r} "
-                f"({type(value).__name__})"
-            )
-        return float(value)
+        return _finite(self.raw(key), f"{self.mt} config: {self.name(key)}")
 
     def bool(self, key: str) -> bool:
         value = self.raw(key)
         if not isinstance(value, bool):
             raise ValueError(
-                f"{self.mt} config: {self.name(key)} must be true or false, got {value!r} "
-                f"({type(value).__name__})"
+                f"{self.mt} config: {self.name(key)} must be true or false, got {_show(value)}"
             )
         return value
 
@@ -395,8 +414,7 @@ class _Keys:
         value = self.raw(key)
         if not isinstance(value, str):
             raise ValueError(
-                f"{self.mt} config: {self.name(key)} must be a string, got {value!r} "
-                f"({type(value).__name__})"
+                f"{self.mt} config: {self.name(key)} must be a string, got {_show(value)}"
             )
         return value
 
@@ -412,7 +430,7 @@ def _read_hf(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
     path = Path(config)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise ValueError(f"config file {path} does not exist: pass a config.json or its folder")
     data = read_config_file(path, kind="json", what="config file")
     if not isinstance(data, dict):
@@ -424,8 +442,8 @@ def _activation(k: _Keys) -> str:
     act = k.str("hidden_act")
     if act not in _GATED_ACTIVATIONS:
         raise ValueError(
-            f"{k.mt} config has {k.name('hidden_act')}={act!r}; the gated expert MLPs of this "
-            f"family use {' or '.join(_GATED_ACTIVATIONS)} (SwiGLU)"
+            f"{k.mt} config has {k.name('hidden_act')}={excerpt(act)}; the gated expert MLPs of "
+            f"this family use {' or '.join(_GATED_ACTIVATIONS)} (SwiGLU)"
         )
     return _GATED_ACTIVATIONS[act]
 
@@ -436,8 +454,8 @@ def _aux(cfg: Mapping[str, Any], source: dict[str, str]) -> dict[str, Any]:
     models add the loss only when asked to, ``output_router_logits``)."""
     for key in ("aux_loss_alpha", "router_aux_loss_coef"):
         value = cfg.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ValueError(f"{key} must be a number, got {value!r} ({type(value).__name__})")
+        if value is not None and _finite(value, key) < 0:
+            raise ValueError(f"{key} must be >= 0, got {_show(value)}")
     if cfg.get("aux_loss_alpha"):
         kind = "seq_aux_loss" if cfg.get("seq_aux") else "aux_loss"
         source["aux_loss"] = (
@@ -456,13 +474,48 @@ def _aux(cfg: Mapping[str, Any], source: dict[str, str]) -> dict[str, Any]:
 
 
 def _groups(k: _Keys, E: int, topk: int, rule: str, source: dict[str, str]) -> dict[str, Any]:
-    """Group-limited routing from ``n_group``/``topk_group``; nothing when every group is kept."""
-    G = k.opt_int("n_group") or 1
-    g = k.opt_int("topk_group") or G
+    """Group-limited routing from ``n_group``/``topk_group``; nothing when every group is kept.
+
+    The values are those the family's transformers gate can run (it reshapes the scores to
+    ``[T, n_group, E / n_group]`` and takes the top ``topk_group`` groups): ``n_group`` a
+    positive divisor of E, ``topk_group`` in ``[1, n_group]``, and an explicit null refused
+    (transformers keeps it, and its gate fails). transformers' config classes check only the
+    types; its gate raises on the others (``topk_group: 0`` masks every expert)."""
+    for key in ("n_group", "topk_group"):
+        if key in k.cfg and k.cfg[key] is None:
+            raise ValueError(
+                f"{k.mt} config has {k.name(key)}: null; its transformers gate divides the "
+                f"experts into groups with it: set it (see the model's config.json)"
+            )
+    G = k.opt_int("n_group")
+    g = k.opt_int("topk_group")
+    if rule == "max" and (G is None or g is None):
+        raise ValueError(
+            f"{k.mt} topk_method=group_limited_greedy needs {k.name('n_group')} and "
+            f"{k.name('topk_group')}: its transformers gate splits the experts into n_group groups "
+            f"and keeps topk_group of them"
+        )
+    if G is None and g is None:
+        return {}
+    G = 1 if G is None else G
+    g = G if g is None else g
+    if G <= 0 or E % G:
+        raise ValueError(
+            f"{k.mt} config: {k.name('n_group')}={G} must be a positive divisor of the "
+            f"{E} experts (its transformers gate splits them into n_group equal groups)"
+        )
+    if not 1 <= g <= G:
+        raise ValueError(
+            f"{k.mt} config: {k.name('topk_group')}={g} must be between 1 and "
+            f"{k.name('n_group')}={G} (the groups each token may use)"
+        )
+    if rule == "sum_top2" and G > 1 and E // G < 2:
+        raise ValueError(
+            f"{k.mt} config: n_group={G} leaves {E // G} expert per group, but its gate ranks "
+            f"groups by the sum of their top-2 scores: use n_group <= {E // 2}"
+        )
     if G <= 1 or g >= G:
         return {}
-    if E % G:
-        raise ValueError(f"{k.mt}: {E} experts do not split into n_group={G} groups")
     if rule == "sum_top2" and topk // g != 2:
         raise ValueError(
             f"{k.mt} ranks groups by the sum of their top-2 scores but Megatron's rule sums the "
@@ -506,7 +559,7 @@ def _deepseek(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[
     norm = k.bool("norm_topk_prob")
     scale = k.float("routed_scaling_factor") if mt != "deepseek" else 1.0
     if scoring not in ("softmax", "sigmoid", "sqrtsoftplus"):
-        raise ValueError(f"{mt} scoring_func={scoring!r} is not supported")
+        raise ValueError(f"{mt} scoring_func={excerpt(scoring)} is not supported")
     router: dict[str, Any] = {"num_experts": E, "topk": topk, "score_function": scoring}
     if method == "group_limited_greedy":
         router.update(_groups(k, E, topk, "max", source))
@@ -517,8 +570,8 @@ def _deepseek(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[
         router["enable_expert_bias"] = True
     elif method != "greedy":
         raise ValueError(
-            f"{mt} topk_method={method!r} is not supported: use greedy, group_limited_greedy or "
-            f"noaux_tc"
+            f"{mt} topk_method={excerpt(method)} is not supported: use greedy, "
+            f"group_limited_greedy or noaux_tc"
         )
     if scoring == "softmax":
         router["use_pre_softmax"] = True  # softmax over all E, then top-k

@@ -7,6 +7,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from flexdispatch._files import excerpt
 from flexdispatch.importers._keys import (
     _activation,
     _aux,
@@ -29,7 +30,7 @@ def _deepseek(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[
     norm = k.bool("norm_topk_prob")
     scale = k.float("routed_scaling_factor") if mt != "deepseek" else 1.0
     if scoring not in ("softmax", "sigmoid", "sqrtsoftplus"):
-        raise ValueError(f"{mt} scoring_func={scoring!r} is not supported")
+        raise ValueError(f"{mt} scoring_func={excerpt(scoring)} is not supported")
     router: dict[str, Any] = {"num_experts": E, "topk": topk, "score_function": scoring}
     if method == "group_limited_greedy":
         router.update(_groups(k, E, topk, "max", source))
@@ -40,8 +41,8 @@ def _deepseek(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[
         router["enable_expert_bias"] = True
     elif method != "greedy":
         raise ValueError(
-            f"{mt} topk_method={method!r} is not supported: use greedy, group_limited_greedy or "
-            f"noaux_tc"
+            f"{mt} topk_method={excerpt(method)} is not supported: use greedy, "
+            f"group_limited_greedy or noaux_tc"
         )
     if scoring == "softmax":
         router["use_pre_softmax"] = True  # softmax over all E, then top-k
@@ -108,7 +109,7 @@ def _v3_style(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[
     for key, want in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
         if key in cfg and cfg[key] not in (None, want):
             raise ValueError(
-                f"{k.mt} config has {k.name(key)}={cfg[key]!r}, but its transformers gate "
+                f"{k.mt} config has {k.name(key)}={excerpt(cfg[key])}, but its transformers gate "
                 f"always runs {want}"
             )
     return _deepseek(cfg, k, source)
@@ -122,7 +123,9 @@ def _nemotron_h(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dic
         )
     act = k.str("mlp_hidden_act")
     if act != "relu2":
-        raise ValueError(f"nemotron_h mlp_hidden_act={act!r}: supported is relu2 (non-gated)")
+        raise ValueError(
+            f"nemotron_h mlp_hidden_act={excerpt(act)}: supported is relu2 (non-gated)"
+        )
     E, topk = k.int("n_routed_experts"), k.int("num_experts_per_tok")
     router: dict[str, Any] = {
         "num_experts": E,

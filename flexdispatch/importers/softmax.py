@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from flexdispatch._files import excerpt
 from flexdispatch.importers._keys import (
     _activation,
     _aux,
@@ -98,7 +99,9 @@ def _minimax_m2(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dic
     _no_jitter(k)
     scoring = k.str("scoring_func")
     if scoring != "sigmoid":
-        raise ValueError(f"minimax_m2 scoring_func={scoring!r}: its gate computes sigmoid scores")
+        raise ValueError(
+            f"minimax_m2 scoring_func={excerpt(scoring)}: its gate computes sigmoid scores"
+        )
     if not k.bool("use_routing_bias"):
         raise ValueError(
             "minimax_m2 use_routing_bias=false: the transformers gate always adds its "
@@ -134,12 +137,12 @@ def _gpt_oss(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[s
     topk = k.int("num_experts_per_tok")
     if "experts_per_token" in cfg and cfg["experts_per_token"] != topk:
         raise ValueError(
-            f"gpt_oss config: experts_per_token={cfg['experts_per_token']!r} differs from "
+            f"gpt_oss config: experts_per_token={excerpt(cfg['experts_per_token'])} differs from "
             f"num_experts_per_tok={topk}"
         )
     act = k.str("hidden_act")
     if act != "silu":
-        raise ValueError(f"gpt_oss hidden_act={act!r}: its experts run the clamped SwiGLU")
+        raise ValueError(f"gpt_oss hidden_act={excerpt(act)}: its experts run the clamped SwiGLU")
     router = {"num_experts": E, "topk": topk, "score_function": "softmax", "router_bias": True}
     router.update(_aux(cfg, source))
     limit, alpha = k.float("swiglu_limit"), k.float("swiglu_alpha")

@@ -10,10 +10,12 @@ per rank, so it stays readable at EP=256. ``plot_plan`` needs the optional ``plo
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import torch
 
+from flexdispatch._files import file_kind, write_file
 from flexdispatch.planner.results import ClusterPlan, Stat, VariantPlan
 
 __all__ = ["format_plan", "plot_plan", "format_bytes"]
@@ -205,7 +207,8 @@ def plot_plan(plan: ClusterPlan, path: str | Path, *, variant: str = "preset") -
 
     Raises:
         ImportError: matplotlib is not installed (``pip install flexdispatch[plot]``).
-        ValueError: unknown variant.
+        ValueError: unknown variant; ``path`` is not a regular file (a folder, a device such as
+            ``/dev/null``, a FIFO, a ``/proc`` file) or cannot be written.
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -245,8 +248,15 @@ def plot_plan(plan: ClusterPlan, path: str | Path, *, variant: str = "preset") -
         f"{plan.preset}: {plan.nodes} x {plan.ranks_per_node} ranks, T={plan.tokens_per_rank}, "
         f"skew {plan.skew:g}"
     )
+    kind = file_kind(path)
+    if kind is not None:  # NOTE: before the suffix: `/dev/null` is refused, not `/dev/null.png`
+        raise ValueError(f"plot file {path} is not a regular file ({kind}): pass a file name")
     out = Path(path)
     if not out.suffix:  # NOTE: matplotlib would write NAME.png; say so
         out = out.with_name(out.name + ".png")
-    fig.savefig(out, dpi=110)
+    # NOTE: rendered in memory, then written to a regular file only: never /dev/null.png, a FIFO
+    # or a /proc file (flexdispatch._files.write_file)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format=out.suffix[1:].lower())
+    write_file(out, buf.getvalue(), f"plot file {out}")
     return out

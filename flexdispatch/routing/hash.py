@@ -38,6 +38,7 @@ gather.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -222,8 +223,12 @@ def hash_routing(
         raise ValueError(
             f"score_function must be one of {', '.join(_SCORE_FUNCTIONS)}, got {score_function!r}"
         )
-    if scaling_factor is not None and not scaling_factor > 0:
-        raise ValueError(f"scaling_factor must be > 0 or None, got {scaling_factor!r}")
+    if scaling_factor is not None and not (
+        isinstance(scaling_factor, (int, float))
+        and not isinstance(scaling_factor, bool)
+        and 0 < scaling_factor < math.inf
+    ):
+        raise ValueError(f"scaling_factor must be > 0 and finite, or None, got {scaling_factor!r}")
     ids_T = token_ids.reshape(-1)
     T = ids_T.shape[0]
     device = token_ids.device

@@ -121,10 +121,12 @@ def _validate(
                 "there): use 'sigmoid' or 'sqrtsoftplus', or pass expert_bias=None"
             )
     if capacity_factor is not None and not (
-        isinstance(capacity_factor, (int, float)) and capacity_factor > 0
+        isinstance(capacity_factor, (int, float))
+        and not isinstance(capacity_factor, bool)
+        and 0 < capacity_factor < math.inf
     ):
         raise ValueError(
-            f"capacity_factor must be a positive number or None, got {capacity_factor!r}"
+            f"capacity_factor must be a positive finite number or None, got {capacity_factor!r}"
         )
     if drop_policy not in DROP_POLICIES:
         raise ValueError(

@@ -14,9 +14,11 @@ the group or stays alive.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -140,6 +142,18 @@ def _bad_field_yaml(tmp: Path) -> str:
     return str(path)
 
 
+def _fifo(tmp: Path) -> str:
+    path = tmp / "fifo.yaml"
+    os.mkfifo(path)
+    return str(path)
+
+
+def _nested_x() -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # NOTE: the prototype warning of strided nested tensors
+        return torch.nested.nested_tensor(list(_x()))
+
+
 def _out_of_range() -> torch.Tensor:
     idx = _idx()
     idx[1, 0] = E
@@ -167,6 +181,14 @@ ERRORS: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
      ValueError, r"enable_expert_bias needs score_function 'sigmoid' or 'sqrtsoftplus'"),
     ("RouterConfig/aux-without-coeff", lambda t: _router_cfg(aux_loss_type="aux_loss"),
      ValueError, r"aux_loss_type='aux_loss' with aux_loss_coeff=0"),
+    ("RouterConfig/bool-topk", lambda t: RouterConfig(num_experts=4, topk=True), ValueError,
+     r"topk\n  Value error, true is not a number \(YAML also reads yes/no and on/off as "
+     r"true/false\): write the number"),
+    ("RouterConfig/infinite-aux-coeff",
+     lambda t: _router_cfg(aux_loss_type="aux_loss", aux_loss_coeff=float("inf")), ValueError,
+     r"aux_loss_coeff\n  Input should be a finite number"),
+    ("RouterConfig/infinite-capacity", lambda t: _router_cfg(capacity_factor=float("inf")),
+     ValueError, r"capacity_factor\n  Input should be a finite number"),
     ("DispatchConfig/negative-W", lambda t: DispatchConfig(num_worst_tokens=-1), ValueError,
      r"num_worst_tokens\n  Input should be greater than or equal to 0"),
     ("DispatchConfig/graph-dropless", lambda t: DispatchConfig(cuda_graph=True), ValueError,
@@ -189,6 +211,10 @@ ERRORS: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
      r"is not valid YAML"),
     ("load_config/invalid-field", lambda t: load_config(_bad_field_yaml(t)), ValueError,
      r"(?s)is invalid:.*topk=9 exceeds num_experts=4"),
+    ("load_config/fifo", lambda t: load_config(_fifo(t)), ValueError,
+     r"config file .*fifo.yaml is not a regular file \(a FIFO\): pass a YAML or JSON config"),
+    ("load_config/device", lambda t: load_config("/dev/zero"), ValueError,
+     r"config file /dev/zero is not a regular file \(a character device\)"),
     # ---- topk_routing
     ("topk_routing/int-logits", lambda t: topk_routing(_logits().long(), topk=K), TypeError,
      r"logits must be a floating-point tensor, got int64"),
@@ -220,7 +246,10 @@ ERRORS: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
      lambda t: topk_routing(_logits(), topk=K, expert_bias=torch.zeros(E)), ValueError,
      r"expert_bias is not applied with score_function='softmax'"),
     ("topk_routing/bad-capacity", lambda t: topk_routing(_logits(), topk=K, capacity_factor=0),
-     ValueError, r"capacity_factor must be a positive number or None, got 0"),
+     ValueError, r"capacity_factor must be a positive finite number or None, got 0"),
+    ("topk_routing/infinite-capacity",
+     lambda t: topk_routing(_logits(), topk=K, capacity_factor=float("inf")), ValueError,
+     r"capacity_factor must be a positive finite number or None, got inf"),
     ("topk_routing/unknown-impl", lambda t: topk_routing(_logits(), topk=K, impl="cuda"),
      ValueError, r"topk_routing: impl must be one of auto, torch, triton, got 'cuda'"),
     ("topk_routing/bad-score-function",
@@ -332,6 +361,11 @@ ERRORS: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
      TypeError, r"x must be bfloat16, float16 or float32, got float64: convert it"),
     ("dispatch/int-x", lambda t: _disp().dispatch(_x().long(), _idx(), _probs()), TypeError,
      r"x must be a floating-point tensor, got int64"),
+    ("dispatch/sparse-x", lambda t: _disp().dispatch(_x().to_sparse(), _idx(), _probs()),
+     TypeError, r"x must be a dense \(strided\) tensor, got layout torch.sparse_coo: convert it "
+     r"with .to_dense\(\)"),
+    ("dispatch/nested-x", lambda t: _disp().dispatch(_nested_x(), _idx(), _probs()), TypeError,
+     r"x must be a dense \(strided\) tensor, got a nested tensor"),
     ("dispatch/int32-ids", lambda t: _disp().dispatch(_x(), _idx().int(), _probs()), TypeError,
      r"topk_idx must have dtype int64, got int32"),
     ("dispatch/float64-probs", lambda t: _disp().dispatch(_x(), _idx(), _probs().double()),
@@ -387,6 +421,17 @@ ERRORS: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
     # ---- MoELayer
     ("MoELayer/config-type", lambda t: MoELayer(_router_cfg()), TypeError,
      r"config must be a MoEConfig, got RouterConfig"),
+    ("MoELayer/dtype-string", lambda t: MoELayer(_moe_cfg(), dtype="float32"), TypeError,
+     r"dtype must be a floating-point torch.dtype such as torch.bfloat16 or torch.float32, got "
+     r"'float32'"),
+    ("MoELayer/unknown-device", lambda t: MoELayer(_moe_cfg(), device="nope"), ValueError,
+     r"device='nope' is not a device: use e.g. 'cpu' or 'cuda:0'"),
+    ("MoELayer/absent-gpu", lambda t: MoELayer(_moe_cfg(), device="cuda:99"), ValueError,
+     r"device='cuda:99' but this process sees \d+ CUDA device\(s\)"),
+    ("MoELayer/seed-too-large", lambda t: MoELayer(_moe_cfg(), seed=2**70), ValueError,
+     r"seed must be an int in \[0, 18446688731495\] \(each expert's generator is seeded"),
+    ("MoELayer/sparse-hidden", lambda t: MoELayer(_moe_cfg())(_x().to_sparse()), TypeError,
+     r"hidden must be a dense \(strided\) tensor, got layout torch.sparse_coo"),
     ("MoELayer/wrong-hidden", lambda t: MoELayer(_moe_cfg())(torch.randn(T, H + 2)), ValueError,
      r"hidden must be \[T, 4\] or \[S, B, 4\] \(hidden_size=4\), got shape \(5, 6\)"),
     ("MoELayer/4d-hidden", lambda t: MoELayer(_moe_cfg())(torch.randn(1, 1, T, H)), ValueError,

@@ -205,3 +205,123 @@ def test_cli_in_subprocesses_under_a_memory_limit(tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "expands to more than" in proc.stderr
     assert not os.environ.get("FLEXDISPATCH_DEBUG")
+
+
+# --------------------------------------------------------------------------- reliability-4
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["demo", "--timeout", "1e-9"], "argument --timeout: must be between 0.1 and 2147483"),
+        (["demo", "--timeout", "1e300"], "argument --timeout: must be between 0.1 and 2147483"),
+        (["bench", "--timeout", "0.01"], "argument --timeout: must be between 0.1 and 2147483"),
+        (["bench", "--timeout", "3e6"], "argument --timeout: must be between 0.1 and 2147483"),
+    ],
+)
+def test_timeouts_the_process_group_cannot_take_are_refused(argv, message, capsys):
+    assert _code(argv) == 2
+    err = capsys.readouterr().err
+    _one_line(err, argv[0])
+    assert message in err
+
+
+LAUNCHER = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"}
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RANK": "abc"}, "$RANK='abc' is not an integer"),
+        ({"WORLD_SIZE": "abc"}, "$WORLD_SIZE='abc' is not an integer"),
+        ({"MASTER_PORT": "abc"}, "$MASTER_PORT='abc' is not an integer"),
+        ({"WORLD_SIZE": "0"}, "$WORLD_SIZE=0 must be >= 1"),
+        ({"LOCAL_WORLD_SIZE": "0"}, "$LOCAL_WORLD_SIZE=0 must be >= 1 and <= 2"),
+        ({"RANK": "2"}, "$RANK=2 must be >= 0 and <= 1"),
+        ({"MASTER_PORT": "99999"}, "$MASTER_PORT=99999 must be >= 1 and <= 65535"),
+        ({"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "2"}, "is not a multiple of $LOCAL_WORLD_SIZE=2"),
+    ],
+)
+def test_launcher_variables_are_named(env, message, capsys, monkeypatch):
+    import torch.distributed
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda *a, **k: pytest.fail("pg"))
+    for key, value in {**LAUNCHER, **env}.items():
+        monkeypatch.setenv(key, value)
+    for command in ("demo", "bench"):
+        assert _code([command, "--backend", "torch"]) == 2
+        err = capsys.readouterr().err
+        _one_line(err, command)
+        assert message in err and "ZeroDivisionError" not in err
+
+
+def test_doctor_names_a_zero_world_size(capsys, monkeypatch):
+    for key in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(key, "0")
+        assert _code(["doctor"]) == 2
+        err = capsys.readouterr().err
+        _one_line(err, "doctor")
+        assert f"${key}=0 must be >= 1" in err
+        monkeypatch.delenv(key)
+
+
+def test_a_missing_peer_names_the_timeout(capsys, monkeypatch):
+    import torch.distributed
+
+    def never_joins(*args, **kwargs):
+        raise torch.distributed.DistStoreError(
+            "Timed out after 16 seconds waiting for clients. 1/2 clients joined."
+        )
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", never_joins)
+    for key, value in LAUNCHER.items():
+        monkeypatch.setenv(key, value)
+    for command in ("demo", "bench"):
+        assert _code([command, "--backend", "torch", "--timeout", "15"]) == 1
+        err = capsys.readouterr().err.splitlines()[-1] + "\n"  # NOTE: after the demo's progress
+        _one_line(err, command)
+        assert (
+            "rank 1 could not join the launcher's process group of 2 ranks within --timeout 15 s "
+            "(DistStoreError: Timed out after 16 seconds waiting for clients. 1/2 clients "
+            "joined.): start every rank"
+        ) in err
+
+
+def test_a_bad_thread_count_is_named_before_spawning(capsys, monkeypatch):
+    import flexdispatch.launch as launch
+
+    monkeypatch.setattr(launch, "spawn_group", lambda *a, **k: pytest.fail("spawned"))
+    monkeypatch.setenv("FLEXDISPATCH_THREADS", "abc")
+    assert _code(["bench"]) == 2
+    err = capsys.readouterr().err
+    _one_line(err, "bench")
+    assert "$FLEXDISPATCH_THREADS='abc' is not an integer" in err
+
+
+def test_the_demo_check_fails_on_any_nan(tmp_path):
+    """N15: a NaN in one expert's gradient was hidden behind Python's max() (``max(a, nan, b)``
+    is ``max(a, b)``); now the check fails naming it, and ``--json`` writes null, never NaN."""
+    import json
+
+    from flexdispatch.cli._common import json_text
+    from flexdispatch.cli.demo import DemoSpec, build_report, check_against_reference, run_rank
+
+    spec = DemoSpec(preset="tiny_cpu", backend="torch", tokens=4, seed=0, iters=1, worst_case=False)
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        result = run_rank(spec)
+    finally:
+        dist.destroy_process_group()
+    assert build_report(spec, [result], check_against_reference(spec, [result]), 1e-4)["ok"]
+    result["modes"]["flat"]["grad_experts"]["w2"][0, 0, 0] = float("nan")
+    diffs = check_against_reference(spec, [result])
+    assert diffs["flat.grad_experts"] != diffs["flat.grad_experts"]  # NaN
+    report = build_report(spec, [result], diffs, 1e-4)
+    assert not report["ok"] and report["nonfinite_diffs"] == ["flat.grad_experts"]
+
+    def refuse(name):
+        raise ValueError(f"bare {name} in the JSON")
+
+    back = json.loads(json_text(report), parse_constant=refuse)
+    assert back["max_abs_diff"]["flat.grad_experts"] is None and back["ok"] is False

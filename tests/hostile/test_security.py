@@ -1,10 +1,15 @@
-"""Single-node groups listen on loopback only; results come back without unrestricted pickles."""
+"""Single-node groups listen on loopback only; results and the config fingerprint exchange come
+back without unrestricted pickles (reliability-4 N2: the result unpickler could be led to
+``subprocess.Popen`` through a module attribute; ``dist.all_gather_object`` unpickled peer bytes
+when fingerprints differed)."""
 
 from __future__ import annotations
 
 import io
 import os
 import pickle
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,7 +47,35 @@ def _listening(pids: list[int]) -> list[tuple[int, str, int]]:
     return found
 
 
-def _rank_sockets() -> dict:
+def _fingerprint_exchange(marker: str) -> str:
+    """Ranks that disagree on a field: the names and values travel as JSON only. Rank 1 sends a
+    pickle that would create ``marker`` in place of its JSON; ``all_gather_object`` (which
+    unpickles whatever a peer sends) must not be reached."""
+    import json
+
+    import torch.distributed as dist
+
+    from flexdispatch.distributed import check_fingerprint
+
+    rank = dist.get_rank()
+    saved_gather, saved_dumps = dist.all_gather_object, json.dumps
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("dist.all_gather_object unpickles a peer's bytes without restriction")
+
+    dist.all_gather_object = refuse
+    if rank == 1:  # NOTE: a hostile peer: its "JSON" is a protocol-0 pickle running a command
+        json.dumps = lambda obj, **kw: f"cos\nsystem\n(S'touch {marker}'\ntR."
+    try:
+        check_fingerprint({"num_experts": 8 + rank}, what="probe configs", fix="agree")
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        dist.all_gather_object, json.dumps = saved_gather, saved_dumps
+    return "no error"
+
+
+def _rank_sockets(marker: str) -> dict:
     import torch.distributed as dist
 
     from flexdispatch.launch import broadcast_object, gather_objects
@@ -50,12 +83,14 @@ def _rank_sockets() -> dict:
     dist.barrier()
     mine = _listening([os.getpid(), os.getppid()])
     dist.barrier()
+    fingerprint = _fingerprint_exchange(marker)
     # NOTE: what demo / bench exchange under a launcher: _dumps bytes in uint8 tensors
     rank = dist.get_rank()
     sent = broadcast_object({"from": rank, "stats": DispatchStats()} if rank == 0 else None)
     gathered = gather_objects({"rank": rank, "t": torch.full((rank + 1,), rank)})
     return {
         "listening": mine,
+        "fingerprint": fingerprint,
         "stats": DispatchStats(),
         "t": torch.arange(3),
         "broadcast": sent,
@@ -68,8 +103,15 @@ def _rank_raises() -> None:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs Linux /proc")
-def test_spawned_group_listens_on_loopback_only_and_returns_plain_results():
-    results = spawn_group(_rank_sockets, 2, timeout_s=90)
+def test_spawned_group_listens_on_loopback_only_and_returns_plain_results(tmp_path):
+    marker = tmp_path / "PWNED"
+    results = spawn_group(_rank_sockets, 2, args=(str(marker),), timeout_s=90)
+    assert not marker.exists(), "a peer's fingerprint bytes were unpickled"
+    assert results[0]["fingerprint"] == (
+        "probe configs differ across ranks (agree): num_experts: rank 0=8, rank 1=<missing>; "
+        "<unreadable>: rank 0=<missing>, rank 1=not a JSON mapping of strings"
+    )
+    assert results[1]["fingerprint"].startswith("probe configs differ across ranks (agree): ")
     listening = [s for r in results for s in r["listening"]]
     assert listening, "the ranks and their parent listen somewhere (store, gloo pairs)"
     for pid, addr, port in listening:
@@ -100,3 +142,101 @@ def test_results_are_never_unrestricted_pickles():
         _loads(buf.getvalue())
     with pytest.raises(pickle.UnpicklingError):
         _loads(pickle.dumps(_Evil()))
+
+
+# --------------------------------------------------------------------------- hostile result bytes
+
+
+def _archive(pickle_bytes: bytes) -> bytes:
+    """``torch.save`` bytes whose pickle is replaced by ``pickle_bytes`` (what a hostile rank, or
+    a peer under a launcher, could send back)."""
+    buf = io.BytesIO()
+    torch.save({"a": 1}, buf)
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as zin, zipfile.ZipFile(out, "w") as z:
+        for item in zin.infolist():
+            data = pickle_bytes if item.filename.endswith("data.pkl") else zin.read(item.filename)
+            z.writestr(item, data)
+    return out.getvalue()
+
+
+def _call(module: str, name: str, *args: str, proto: int = 0) -> bytes:
+    """A pickle that calls ``module.name(*args)`` (GLOBAL + REDUCE; protocol 0 or 2)."""
+    head = b"\x80\x02" if proto >= 2 else b""
+    strs = b"".join(b"V" + a.encode() + b"\n" for a in args)
+    return head + b"c" + f"{module}\n{name}\n".encode() + b"(" + strs + b"tR."
+
+
+def _payloads(marker: Path) -> dict[str, bytes]:
+    touch = f"touch {marker}"
+    argv_list = b"((lp0\nVtouch\np1\naV" + str(marker).encode() + b"\np2\natR."
+    return {
+        # the N2 reproduction: a class reached through a module attribute of flexdispatch
+        "demo_machine.subprocess.Popen": b"cflexdispatch.cli.demo_machine\nsubprocess.Popen\n"
+        + argv_list,
+        "launch.subprocess.Popen (not imported there)": b"cflexdispatch.launch\nsubprocess.Popen\n"
+        + argv_list,
+        "launch.os.system": _call("flexdispatch.launch", "os.system", touch),
+        "launch.torch.load": _call("flexdispatch.launch", "torch.load", str(marker)),
+        "os.system": _call("os", "system", touch),
+        "posix.system": _call("posix", "system", touch, proto=2),
+        "subprocess.Popen": b"csubprocess\nPopen\n" + argv_list,
+        "builtins.eval": _call("builtins", "eval", f"__import__('os').system('{touch}')"),
+        "builtins.exec": _call("builtins", "exec", f"import os; os.system('{touch}')"),
+        "builtins.getattr": _call("builtins", "getattr", "x", "y"),
+        "importlib.import_module": _call("importlib", "import_module", "subprocess"),
+        "functools.partial": _call("functools", "partial", "x"),
+        # a class of flexdispatch that is not plain data
+        "FlexDispatcher": _call("flexdispatch.dispatcher", "FlexDispatcher", "x"),
+        "GroupError": _call("flexdispatch.launch", "GroupError", "x"),
+        # a class imported into a flexdispatch module from elsewhere
+        "demo_machine.Path": _call("flexdispatch.cli.demo_machine", "Path", str(marker)),
+        # a function of flexdispatch
+        "spawn_group": _call("flexdispatch.launch", "spawn_group", "x"),
+        "_dumps": _call("flexdispatch.launch", "_dumps", "x"),
+        # a global named through the stack (protocol 4), which torch.save never writes
+        "STACK_GLOBAL os.system": b"\x80\x04\x8c\x02os\x94\x8c\x06system\x94\x93\x94\x8c"
+        + bytes([len(touch)])
+        + touch.encode()
+        + b"\x94\x85\x94R\x94.",
+    }
+
+
+@pytest.mark.parametrize("name", list(_payloads(Path("/x"))))
+def test_a_hostile_result_raises_and_runs_nothing(tmp_path, name):
+    import flexdispatch.cli.demo_machine
+    import flexdispatch.dispatcher
+
+    # NOTE: the modules the payloads name are imported, as in the demo's parent
+    assert flexdispatch.cli.demo_machine.subprocess and flexdispatch.dispatcher.FlexDispatcher
+    marker = tmp_path / "PWNED"
+    data = _archive(_payloads(marker)[name])
+    with pytest.raises(pickle.UnpicklingError) as info:
+        _loads(data)
+    assert not marker.exists()
+    if name != "STACK_GLOBAL os.system":
+        assert "does not unpickle" in str(info.value) or "not allowed" in str(info.value)
+    if name.startswith("demo_machine.subprocess"):
+        assert "subprocess.Popen" in str(info.value)  # named, as docs/security.md says
+
+
+def test_only_plain_values_and_data_classes_come_back():
+    from flexdispatch.cli.demo import DemoSpec
+    from flexdispatch.config import RouterConfig
+
+    spec = DemoSpec(preset="tiny_cpu", backend="torch", tokens=2, seed=0, iters=1, worst_case=False)
+    value = {
+        "spec": spec,
+        "stats": DispatchStats(rows_sent=3),
+        "router": RouterConfig(num_experts=8, topk=2),
+        "t": torch.arange(3),
+        "plain": [1, 2.5, "s", None, (True,), {"k": b"bytes"}],
+    }
+    back = _loads(_dumps(value))
+    assert back["spec"] == spec and back["stats"] == DispatchStats(rows_sent=3)
+    assert back["router"] == value["router"] and torch.equal(back["t"], value["t"])
+    assert back["plain"] == value["plain"]
+    buf = io.BytesIO()
+    torch.jit.save(torch.jit.script(torch.nn.Identity()), buf)
+    with pytest.raises(pickle.UnpicklingError, match=r"not torch\.save bytes.*TorchScript"):
+        _loads(buf.getvalue())  # NOTE: never handed to torch.jit.load

@@ -1,0 +1,128 @@
+"""Config files whose errors quote nothing they should not (reliability-4 N1 and the config
+messages of its weak list): an unknown key is named by its position unless it looks like a
+config key, a bad value by a few escaped characters, a control character or an over-long integer
+by its position."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from flexdispatch import load_config
+from flexdispatch.cli import main as cli_main
+
+pytestmark = pytest.mark.timeout(60)
+
+HASH = "S3CR3TH4SH"
+SHADOW = (
+    "root:*:20228:0:99999:7:::\n"
+    f"alice:$6$Zx9Q2sd8${HASH * 8}:19000:0:99999:7:::\n"
+    f"bob:$6$salt$S3CR3TS3CR3TS3CR3T{'x' * 60}:19000:0:99999:7:::\n"
+)
+
+
+def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    try:
+        code = cli_main(argv)
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith(f"flexdispatch {argv[0]}: error: ") and err.count("\n") == 1, err
+    return err
+
+
+# --------------------------------------------------------------------------- N1: no quotes
+
+
+def test_a_shadow_file_is_not_quoted(tmp_path, capsys):
+    path = tmp_path / "shadow"
+    path.write_text(SHADOW)
+    for argv in (
+        ["presets", str(path)],
+        ["plan", "--config", str(path), "--nodes", "1", "--ranks-per-node", "2"],
+        ["config", "--from-megatron", str(path)],
+    ):
+        err = _cli(argv, capsys)
+        for secret in ("S3CR3T", "Zx9Q2sd8", "$6$", "salt", "20228", "19000"):
+            assert secret not in err, (argv, err)
+    err = _cli(["presets", str(path)], capsys)
+    assert "key #2 (" in err and "characters, starting 'ali'…)" in err
+
+
+def test_unknown_keys_are_named_by_position_or_in_full_when_they_look_like_fields(tmp_path):
+    cfg = load_config("tiny_cpu").model_dump(mode="json")
+    cfg["router"]["top_kk"] = 2  # a typo: quoted, with the field it resembles
+    cfg["moe_layer_freq"] = 1  # a short identifier: quoted
+    cfg["k" * 100] = 1  # anything else: position, length and 3 characters
+    cfg["sk-live-" + "A" * 40] = 1
+    path = tmp_path / "c.yaml"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError) as info:
+        load_config(path)
+    msg = str(info.value)
+    assert "router.top_kk (did you mean 'topk'?): Extra inputs" in msg
+    assert "moe_layer_freq: Extra inputs" in msg
+    assert "(100 characters, starting 'kkk'…)" in msg and "k" * 4 not in msg.replace("kkk'", "")
+    assert "AAAA" not in msg and "(48 characters, starting 'sk-'…)" in msg
+
+
+def test_a_bad_value_is_quoted_in_a_few_characters(tmp_path):
+    cfg = load_config("tiny_cpu").model_dump(mode="json")
+    cfg["hidden_size"] = "sk-live-S3CR3TS3CR3TS3CR3TS3CR3TS3CR3TS3CR3T"
+    path = tmp_path / "v.yaml"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"hidden_size: .* \(got 'sk-live-S3CR'…\)") as info:
+        load_config(path)
+    assert "S3CR3T" not in str(info.value)
+
+
+# --------------------------------------------------------------------------- messages
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "argv"),
+    [
+        ("big.yaml", "hidden_size: " + "7" * 5000 + "\n", ["presets"]),
+        (
+            "big.yaml",
+            "hidden_size: " + "7" * 5000 + "\n",
+            ["plan", "--nodes", "1", "--ranks-per-node", "1", "--config"],
+        ),
+        ("big.yaml", "hidden_size: " + "7" * 5000 + "\n", ["demo", "--preset"]),
+        ("big.yaml", "num_moe_experts: " + "7" * 5000 + "\n", ["config", "--from-megatron"]),
+        (
+            "config.json",
+            '{"model_type": "mixtral",\n "hidden_size": ' + "7" * 5000 + "}",
+            ["config", "--from-hf"],
+        ),
+    ],
+    ids=["presets", "plan", "demo", "megatron", "hf"],
+)
+def test_a_huge_integer_is_named_with_its_position(tmp_path, capsys, name, text, argv):
+    path = tmp_path / name
+    path.write_text(text)
+    err = _cli([*argv, str(path)], capsys)
+    line = 2 if name.endswith(".json") else 1
+    column = text.splitlines()[line - 1].index("7") + 1
+    assert (
+        f"{path} at line {line}, column {column} holds an integer of more than 4300 digits" in err
+    )
+    assert "7" * 20 not in err
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "char"),
+    [
+        ("a: \x00b\n", "line 1, column 4", "U+0000"),
+        ("name: t\nhidden_size: 8\x07\n", "line 2, column 15", "U+0007"),
+        ("KEY=value\x00OTHER=secret\x00", "line 1, column 10", "U+0000"),
+    ],
+)
+def test_control_characters_in_yaml_have_a_position(tmp_path, capsys, text, where, char):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(text.encode())
+    err = _cli(["presets", str(path)], capsys)
+    assert f"{path} at {where} is not valid YAML: special characters are not allowed" in err
+    assert char in err and "secret" not in err
