@@ -12,6 +12,11 @@ threads of the engine on CUDA), after the forward call has returned.
 
 Cost: a thread id, one uncontended lock acquire and release per call, well under a microsecond
 of host time (``docs/errors.md``, "Shared use").
+
+Under ``torch.compile`` the guard is left out of the trace (dynamo cannot trace a lock or a thread
+id, and ``fullgraph=True`` would refuse the graph): a compiled caller runs the custom ops
+(``flexdispatch.ops``) without it, so one compiled module must not be shared by two threads
+either, and nothing detects it there.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import functools
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+import torch
 
 __all__ = ["CallGuard", "ConcurrentUseError", "guarded"]
 
@@ -81,6 +88,8 @@ def guarded(call: str) -> Callable[[_F], _F]:
     def wrap(fn: _F) -> _F:
         @functools.wraps(fn)
         def inner(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():  # NOTE: traced: no lock in the graph (docstring)
+                return fn(self, *args, **kwargs)
             guard = self._guard
             guard.enter(call)
             try:
