@@ -215,7 +215,7 @@ class FlexDispatcher:
         L, self.ranks_per_node_source = resolve_ranks_per_node(config.ranks_per_node, R)
         fields: dict[str, object] = {**config.model_dump(), "num_experts": num_experts}
         fields["ranks_per_node (resolved)"] = L
-        too_big = _limits.dispatch_refusal(config, num_experts, self._comm_device)
+        too_big = _limits.dispatch_refusal(config, num_experts, R, self._comm_device)
         fields["fits in memory"] = too_big is None
         check_fingerprint(fields, group)  # NOTE: so a rank that cannot fit makes all raise
         _limits.raise_refusal(too_big)
@@ -244,7 +244,6 @@ class FlexDispatcher:
                 raise ValueError(f"cuda_graph=True not supported: {why}")
         self.num_experts = num_experts
         self._issuer = next_issuer()  # stamped on every handle, checked by combine
-        self._worst_rows_fit: set[tuple[int, int, torch.device]] = set()
 
     # ----------------------------------------------------------------- properties
     @property
@@ -351,8 +350,14 @@ class FlexDispatcher:
                     f"{name} is on {t.device} but x is on {x.device}: move them to one device"
                 )
         self._check_device("x", x)
-        if self.config.num_worst_tokens and not self.config.hidden_size:
-            self._check_worst_rows(x)
+        H = self.config.hidden_size
+        if H and x.shape[1] != H:
+            raise ValueError(
+                f"x has hidden size {x.shape[1]} but DispatchConfig.hidden_size={H}: pass rows "
+                f"of the hidden size the config names (or build the dispatcher with "
+                f"hidden_size={x.shape[1]}, or None)"
+            )
+        self._check_rows_fit(x, topk_idx)
         if layout is not None:
             mask = layout.is_token_in_rank
             if tuple(mask.shape) != (T, self.num_ranks) or mask.dtype != torch.bool:
@@ -363,25 +368,43 @@ class FlexDispatcher:
                 )
         return self._check_values(topk_idx, values, topk_probs)
 
-    def _check_worst_rows(self, x: torch.Tensor) -> None:
-        """Worst-case mode without ``DispatchConfig.hidden_size``: the constructor could only
-        bound ``W`` rows of width 1, so the first dispatch of each row width and dtype bounds
-        ``W x H`` before the backend allocates it (a set lookup afterwards; no device read)."""
-        key = (x.shape[1], x.element_size(), x.device)
-        if key in self._worst_rows_fit:
+    def _check_rows_fit(self, x: torch.Tensor, topk_idx: torch.Tensor) -> None:
+        """Refuse a dispatch whose rows cannot fit before anything is allocated
+        (``_limits.dispatch_bytes``: T tokens of x, W rows in worst-case mode; host ints only,
+        one comparison below ``_limits.SMALL_BYTES``). An ``expand``ed x of a few bytes counts
+        as the T rows its contiguous copy would be."""
+        T, H = x.shape
+        W, R = self.config.num_worst_tokens, self.num_ranks
+        nbytes = _limits.dispatch_bytes(
+            T=T,
+            H=H,
+            elem=x.element_size(),
+            k=topk_idx.shape[1],
+            R=R,
+            E=self.num_experts,
+            W=W,
+            grad=x.requires_grad,
+        )
+        if nbytes < _limits.SMALL_BYTES:
             return
-        W, H = self.config.num_worst_tokens, x.shape[1]
+        rows_part = W * H * x.element_size()
+        arg, value = ("num_worst_tokens", W) if W and rows_part >= T * H else ("T", T)
+        fix = (
+            "use W = R * T (tokens per rank times ranks) or dropless mode (num_worst_tokens=0)"
+            if arg == "num_worst_tokens"
+            else "dispatch fewer tokens per call (x.shape[0]), or a smaller hidden size"
+        )
         _limits.check_fits(
             "FlexDispatcher.dispatch",
-            "num_worst_tokens",
-            W,
-            W * (H * x.element_size() + 12),
+            arg,
+            value,
+            nbytes,
             x.device,
-            detail=f"W received rows of hidden size {H} at {x.element_size()} bytes per element "
-            f"plus int64 ids and float32 probs",
-            fix="use W = R * T (tokens per rank times ranks) or dropless mode (num_worst_tokens=0)",
+            detail=f"x of T={T} rows of H={H} at {x.element_size()} bytes, "
+            f"k={topk_idx.shape[1]}, R={R}{f', W={W} rows received' if W else ''}: the rows "
+            f"sent, received, sent back and combined, with their ids and probs",
+            fix=fix,
         )
-        self._worst_rows_fit.add(key)
 
     def _check_values(
         self, topk_idx: torch.Tensor, values: torch.Tensor, topk_probs: torch.Tensor

@@ -28,6 +28,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_memory",
             "_files",
             "_limits",
+            "_sysmem",
             "devices",
             "types",
             "deepep_limits",
