@@ -282,3 +282,68 @@ def test_a_stride_zero_batch_is_counted_as_the_rows_it_stands_for(shapes):
         assert re.match(r"REFUSED MoELayer.forward: T=300000000 " + _EST, shapes[name]), shapes[
             name
         ]
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+def _cli(argv: list[str]) -> int:
+    from flexdispatch.cli import main
+
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+
+
+@pytest.fixture
+def no_spawn(monkeypatch):
+    import flexdispatch.launch as launch
+    from flexdispatch.cli import demo_machine
+
+    monkeypatch.setattr(launch, "spawn_group", lambda *a, **k: pytest.fail("spawned"))
+    monkeypatch.setenv(demo_machine.RUNTIME_ENV, "300MiB")
+    monkeypatch.setattr(_limits, "_FITTED", {})
+    demo_machine._measure.cache_clear()
+    yield
+    demo_machine._measure.cache_clear()
+
+
+BENCH = ["bench", "--tokens", "1", "--hidden", "8", "--experts", "64", "--topk", "2", "--reps", "1"]
+
+
+@pytest.mark.parametrize("ranks", [64, 4096])
+def test_bench_counts_the_runtime_of_every_spawned_rank(ranks, no_spawn, monkeypatch, capsys):
+    # NOTE: N11: --world-size 64 (up to 4096) spawned without counting each process's runtime
+    monkeypatch.setenv(_sysmem.AVAILABLE_ENV, "16GiB")
+    argv = [*BENCH, "--world-size", str(ranks), "--warmup", "0", "--what", "layout"]
+    argv[argv.index("--experts") + 1] = str(ranks)
+    assert _cli(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"error: --world-size={ranks} needs about" in err
+    assert f"R={ranks} spawned ranks and the parent, each with 300.0 MiB runtime" in err
+    assert "more than the 12.8 GiB available on cpu (80% of 16.0 GiB" in err
+
+
+def test_bench_small_worlds_still_fit(no_spawn, monkeypatch):
+    from flexdispatch.bench import BenchSpec
+    from flexdispatch.cli.bench import check_bench_memory
+
+    monkeypatch.setenv(_sysmem.AVAILABLE_ENV, "16GiB")
+    check_bench_memory(BenchSpec(world_size=4, tokens=1, hidden=8, experts=64, topk=2))
+    check_bench_memory(BenchSpec())  # the defaults
+
+
+def test_bench_rows_are_counted_with_their_temporaries(no_spawn, monkeypatch, capsys):
+    # NOTE: N12: 600000 tokens of 1024 (4.9 GB estimated) were accepted in a 5 GiB cgroup and
+    # the rank was OOM-killed; the audit measured 4.19 GB for 200000 tokens
+    from flexdispatch.cli.bench import bench_rank_bytes
+
+    monkeypatch.setenv(_sysmem.AVAILABLE_ENV, "5GiB")
+    argv = ["bench", "--world-size", "1", "--tokens", "600000", "--hidden", "1024"]
+    argv += ["--experts", "8", "--topk", "2", "--what", "layout", "--reps", "1", "--warmup", "0"]
+    assert _cli(argv) == 2
+    err = capsys.readouterr().err
+    assert "error: --tokens=600000 needs about" in err and "more than the 4.0 GiB" in err
+    assert bench_rank_bytes(T=200000, H=1024, E=8, k=2, R=1, elem=2, worst_case=False) > 4.19e9

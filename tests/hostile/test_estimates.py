@@ -2,7 +2,8 @@
 
 Every size check of flexdispatch compares an estimate with the memory available
 (``flexdispatch._limits``): ``dispatch_bytes`` (a dispatch and its combine, dropless and
-worst-case, with and without autograd), and ``layer_bytes`` (``MoELayer.forward``). Here each is
+worst-case, with and without autograd), ``layer_bytes`` (``MoELayer.forward``) and
+``flexdispatch.cli.bench.bench_rank_bytes`` (one ``flexdispatch bench`` rank). Here each is
 compared with the peak resident memory the call really adds (``tests/hostile/peak_probe.py``) at
 several sizes, on one rank (a subprocess under ``RLIMIT_AS``) and on two gloo ranks: the estimate
 must be at least the peak (the check refuses what would not fit) and at most ``SLACK`` times it
@@ -19,6 +20,7 @@ import sys
 import pytest
 
 from flexdispatch import _limits
+from flexdispatch.cli.bench import bench_rank_bytes
 from tests.dist.harness import spawn_group
 from tests.hostile import AS_LIMIT, ROOT
 from tests.hostile.peak_probe import measure_rank
@@ -57,17 +59,22 @@ ONE_RANK = [
     _case("layer", 6000, 128, 2, 8, F=64, grad=True),
     _case("layer", 4000, 32, 8, 256, F=16),  # the router's [T, E] scores dominate
     _case("layer", 6000, 64, 2, 16, W=12000, F=128, dtype="bf16", grad=True),
+    _case("bench", 10000, 256, 2, 8, dtype="bf16"),
+    _case("bench", 5000, 256, 2, 8, W=1, dtype="bf16"),
 ]
 TWO_RANKS = [
     _case("dispatch", 20000, 256, 2, 8),
     _case("dispatch", 16, 32, 2, 8, W=200000),
     _case("layer", 6000, 128, 2, 8, F=64, grad=True),
+    _case("bench", 5000, 256, 2, 8, W=1, dtype="bf16"),
 ]
 
 
 def _estimate(case: dict, R: int) -> int:
     elem = 4 if case["dtype"] == "fp32" else 2
     T, H, k, E, W = case["T"], case["H"], case["k"], case["E"], case["W"]
+    if case["kind"] == "bench":
+        return bench_rank_bytes(T=T, H=H, E=E, k=k, R=R, elem=elem, worst_case=W > 0)
     if case["kind"] == "layer":
         F = case["F"]
         return _limits.layer_bytes(
