@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ import torch
 
 import flexdispatch as fd
 from flexdispatch import _limits, _sysmem
-from tests.hostile import AS_LIMIT, ROOT
+from tests.hostile import AS_LIMIT, ROOT, run_cli
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -347,3 +348,46 @@ def test_bench_rows_are_counted_with_their_temporaries(no_spawn, monkeypatch, ca
     err = capsys.readouterr().err
     assert "error: --tokens=600000 needs about" in err and "more than the 4.0 GiB" in err
     assert bench_rank_bytes(T=200000, H=1024, E=8, k=2, R=1, elem=2, worst_case=False) > 4.19e9
+
+
+def test_plan_exact_is_bounded_with_its_estimate(capsys):
+    # NOTE: N9: --exact materialised every block up front (5 GB in 20 s) and ran for a year; the
+    # probe's own command runs in a subprocess under RLIMIT_AS and a deadline
+    argv = ["plan", "--preset", "tiny_cpu", "--nodes", "2", "--ranks-per-node", "2", "--exact"]
+    proc = run_cli(*argv, "--tokens", "1000000000000000", timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "= 4 x 1000000000000000 x 16 x 2 = 128000000000000000 router logits" in proc.stderr
+    assert "about 812 years at the 5 M logits/s the planner routes on 2 CPU cores" in proc.stderr
+    t0 = time.perf_counter()
+    assert _cli([*argv, "--tokens", "100000000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "routing every token means R x T x E x variants = 4 x 100000000 x 16 x 2" in err
+    assert "about 43 minutes at the 5 M logits/s" in err
+    assert "more than its exact limit of 2147483648 logits: drop --exact" in err
+    assert time.perf_counter() - t0 < 30
+    from flexdispatch.planner import plan_cluster
+
+    cfg = fd.load_config("tiny_cpu")
+    with pytest.raises(ValueError, match=r"routing every token .* = 4 x 1000000000 x 16 x 2"):
+        plan_cluster(cfg, nodes=2, ranks_per_node=2, tokens=10**9, max_logits=None)
+    exact = plan_cluster(cfg, nodes=2, ranks_per_node=2, tokens=64, max_logits=None)
+    assert sum(exact.variant("preset").tokens_per_expert) == 4 * 64 * 4
+
+
+def test_plan_plot_of_many_experts_is_drawn_in_seconds(tmp_path):
+    # NOTE: N10: one bar per expert: E = 65536 took 82 s to draw
+    pytest.importorskip("matplotlib", reason="--plot needs the optional 'plot' extra")
+    from flexdispatch.planner import plan_cluster, plot_plan
+    from flexdispatch.planner.report import MAX_BARS
+
+    cfg = fd.load_config("tiny_cpu")
+    flat = {"num_experts": 65536, "num_groups": None, "group_topk": None}
+    router = cfg.router.model_copy(update=flat)
+    cfg = cfg.model_copy(update={"router": router})
+    plan = plan_cluster(cfg, nodes=1, ranks_per_node=1, tokens=1)
+    t0 = time.perf_counter()
+    path = plot_plan(plan, tmp_path / "e")
+    assert time.perf_counter() - t0 < 30
+    assert path == tmp_path / "e.png" and path.stat().st_size > 10_000
+    assert MAX_BARS <= 512
