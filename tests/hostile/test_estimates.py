@@ -50,23 +50,23 @@ def _case(kind: str, T: int, H: int, k: int, E: int, W: int = 0, **kw) -> dict:
 
 
 ONE_RANK = [
-    _case("dispatch", 20000, 256, 2, 8),
-    _case("dispatch", 20000, 256, 2, 8, grad=True),
-    _case("dispatch", 20000, 8, 8, 64, dtype="bf16"),  # ids and probs dominate
-    _case("dispatch", 16, 32, 2, 8, W=200000),  # worst-case rows dominate
-    _case("dispatch", 10000, 256, 2, 8, W=20000, dtype="bf16", grad=True),
-    _case("dispatch", 16, 32, 2, 2 * 10**6, grad=True),  # the per-expert counts dominate
-    _case("layer", 6000, 128, 2, 8, F=64, grad=True),
-    _case("layer", 4000, 32, 8, 256, F=16),  # the router's [T, E] scores dominate
-    _case("layer", 6000, 64, 2, 16, W=12000, F=128, dtype="bf16", grad=True),
-    _case("bench", 10000, 256, 2, 8, dtype="bf16"),
-    _case("bench", 5000, 256, 2, 8, W=1, dtype="bf16"),
+    _case("dispatch", 10000, 256, 2, 8),
+    _case("dispatch", 10000, 256, 2, 8, grad=True),
+    _case("dispatch", 10000, 8, 8, 64, dtype="bf16"),  # ids and probs dominate
+    _case("dispatch", 16, 32, 2, 8, W=100000),  # worst-case rows dominate
+    _case("dispatch", 5000, 256, 2, 8, W=10000, dtype="bf16", grad=True),
+    _case("dispatch", 16, 32, 2, 10**6, grad=True),  # the per-expert counts dominate
+    _case("layer", 4000, 128, 2, 8, F=64, grad=True),
+    _case("layer", 2000, 32, 8, 256, F=16),  # the router's [T, E] scores dominate
+    _case("layer", 3000, 64, 2, 16, W=6000, F=128, dtype="bf16", grad=True),
+    _case("bench", 5000, 256, 2, 8, dtype="bf16"),
+    _case("bench", 4000, 256, 2, 8, W=1, dtype="bf16"),
 ]
 TWO_RANKS = [
-    _case("dispatch", 20000, 256, 2, 8),
-    _case("dispatch", 16, 32, 2, 8, W=200000),
-    _case("layer", 6000, 128, 2, 8, F=64, grad=True),
-    _case("bench", 5000, 256, 2, 8, W=1, dtype="bf16"),
+    _case("dispatch", 10000, 256, 2, 8),
+    _case("dispatch", 16, 32, 2, 8, W=100000),
+    _case("layer", 4000, 128, 2, 8, F=64, grad=True),
+    _case("bench", 4000, 256, 2, 8, W=1, dtype="bf16"),
 ]
 
 
