@@ -40,6 +40,7 @@ __all__ = [
     "RANK_RUNTIME_BYTES",
     "broadcast_object",
     "die_with_parent",
+    "end_stopped_local_peers",
     "free_port",
     "gather_objects",
     "loopback_interface",
@@ -145,6 +146,12 @@ def _loads(data: bytes) -> Any:
         return torch.load(io.BytesIO(data), weights_only=False, pickle_module=_RestrictedPickle)
 
 
+def _guard(name: str, group: Any) -> Any:
+    from flexdispatch.distributed import collective_guard
+
+    return collective_guard(name, group)
+
+
 def _collective_device(group: Any) -> torch.device:
     from flexdispatch.distributed import collective_device
 
@@ -158,12 +165,14 @@ def gather_objects(obj: Any, group: Any = None) -> list[Any]:
     payload = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
     n = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, n, group=group)
+    with _guard("all_gather (object sizes)", group):
+        dist.all_gather(sizes, n, group=group)
     counts = [int(c.item()) for c in sizes]
     buf = torch.zeros(max(counts), dtype=torch.uint8, device=device)
     buf[: payload.numel()] = payload.to(device)
     bufs = [torch.empty_like(buf) for _ in counts]
-    dist.all_gather(bufs, buf, group=group)
+    with _guard("all_gather (objects)", group):
+        dist.all_gather(bufs, buf, group=group)
     return [_loads(b[:c].cpu().numpy().tobytes()) for b, c in zip(bufs, counts, strict=True)]
 
 
@@ -173,11 +182,13 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     mine = dist.get_rank(group) == src
     payload = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8) if mine else None
     n = torch.tensor([payload.numel() if payload is not None else 0], device=device)
-    dist.broadcast(n, src=src, group=group)
+    with _guard("broadcast (object size)", group):
+        dist.broadcast(n, src=src, group=group)
     buf = torch.empty(int(n.item()), dtype=torch.uint8, device=device)
     if payload is not None:
         buf.copy_(payload)
-    dist.broadcast(buf, src=src, group=group)
+    with _guard("broadcast (object)", group):
+        dist.broadcast(buf, src=src, group=group)
     return _loads(buf.cpu().numpy().tobytes())
 
 
@@ -198,6 +209,47 @@ def _send_phase(conn: Any, phase: str) -> None:
 
 def _send(conn: Any, ok: bool, payload: bytes) -> None:
     _send_bytes(conn, (b"\x01" if ok else b"\x00") + payload)  # raw bytes: no pickle
+
+
+def end_stopped_local_peers() -> list[int]:
+    """Under torchrun: SIGKILL the other workers of this job on this machine that are stopped.
+
+    A worker stopped by SIGSTOP (or a debugger) cannot act on the SIGTERM torchrun sends when
+    another worker fails, so torchrun waits its full grace (30 s, whatever
+    ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` says for a failed worker group) before its SIGKILL: a hung
+    peer would end the job only at twice ``--timeout``. The command line calls this when it fails
+    under a launcher (a peer that hung makes this rank's collective time out), just before it
+    exits: the job is over either way.
+
+    Only processes with the same parent (the torchrun agent) and the same
+    ``TORCHELASTIC_RUN_ID`` in their environment, in state ``T``/``t``, are ended. Linux only
+    (``/proc``); returns the pids ended.
+    """
+    import signal
+
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id or not os.path.isdir("/proc"):
+        return []
+    me, parent = os.getpid(), os.getppid()
+    ended = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+            if int(ppid) != parent or state not in ("T", "t"):
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+            if f"TORCHELASTIC_RUN_ID={run_id}".encode() not in environ:
+                continue
+            os.kill(int(entry), signal.SIGKILL)
+            ended.append(int(entry))
+        except (OSError, ValueError):
+            continue  # NOTE: gone meanwhile, or not ours to read
+    return ended
 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>

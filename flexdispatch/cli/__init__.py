@@ -50,7 +50,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flexdispatch {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
+        _end_stopped_peers()
         return print_error(args.command, exc, args)
+
+
+def _end_stopped_peers() -> None:
+    """This rank fails under a launcher: end the local workers of this job that are stopped
+    (``flexdispatch.launch.end_stopped_local_peers``), so that torchrun ends the job now rather
+    than after its 30 s grace (the job is over either way). Nothing without a launcher."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        from flexdispatch.launch import end_stopped_local_peers
+
+        end_stopped_local_peers()
 
 
 if __name__ == "__main__":  # pragma: no cover
