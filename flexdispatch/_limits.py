@@ -42,6 +42,7 @@ __all__ = [
     "SHARE",
     "SMALL_BYTES",
     "available_bytes",
+    "check_dispatch_rows",
     "check_fits",
     "dispatch_bytes",
     "dispatch_refusal",
@@ -229,6 +230,43 @@ def layer_bytes(
         + P * (F * compute * pair_f + H * compute * pair_h)
         + 6 * T * Fs * compute
         + dispatch_bytes(T=T, H=H, elem=elem, k=k, R=R, E=E, W=W, grad=grad)
+    )
+
+
+def check_dispatch_rows(
+    x: torch.Tensor, k: int, R: int, E: int, W: int, backend: str = "torch"
+) -> None:
+    """Refuse a dispatch of ``x`` (``[T, H]``, ``k`` ids per row, ``R`` ranks, ``E`` experts,
+    ``W`` worst-case rows) whose rows cannot fit, before anything is allocated: the torch
+    backend's ``dispatch_bytes``; DeepEP moves rows through its own preallocated buffers, so for
+    it what it hands back (x's contiguous copy, the received rows, their ids and probs). Host
+    ints only, one comparison below ``SMALL_BYTES``. An ``expand``ed x of a few bytes counts as
+    the T rows its contiguous copy would be. Raises ``ValueError`` naming ``T`` or
+    ``num_worst_tokens``, whichever drives the estimate."""
+    T, H = x.shape
+    elem = x.element_size()
+    if backend == "torch":
+        nbytes = dispatch_bytes(T=T, H=H, elem=elem, k=k, R=R, E=E, W=W, grad=x.requires_grad)
+    else:
+        nbytes = (T + (W or T * min(k, R))) * (H * elem + 12 * k)
+    if nbytes < SMALL_BYTES:
+        return
+    if W and W >= T:
+        arg, value = "num_worst_tokens", W
+        fix = "use W = R * T (tokens per rank times ranks) or dropless mode (num_worst_tokens=0)"
+    else:
+        arg, value = "T", T
+        fix = "dispatch fewer tokens per call (x.shape[0]), or a smaller hidden size"
+    check_fits(
+        "FlexDispatcher.dispatch",
+        arg,
+        value,
+        nbytes,
+        x.device,
+        detail=f"x of T={T} rows of H={H} at {elem} bytes, k={k}, R={R}"
+        f"{f', W={W} rows received' if W else ''}: the rows sent, received, sent back and "
+        f"combined, with their ids and probs",
+        fix=fix,
     )
 
 

@@ -357,7 +357,10 @@ class FlexDispatcher:
                 f"of the hidden size the config names (or build the dispatcher with "
                 f"hidden_size={x.shape[1]}, or None)"
             )
-        self._check_rows_fit(x, topk_idx)
+        _limits.check_dispatch_rows(
+            x, topk_idx.shape[1], self.num_ranks, self.num_experts, self.config.num_worst_tokens,
+            self.backend_name,
+        )  # fmt: skip
         if layout is not None:
             mask = layout.is_token_in_rank
             if tuple(mask.shape) != (T, self.num_ranks) or mask.dtype != torch.bool:
@@ -367,44 +370,6 @@ class FlexDispatcher:
                     f"get_dispatch_layout(topk_idx, num_experts, num_ranks)"
                 )
         return self._check_values(topk_idx, values, topk_probs)
-
-    def _check_rows_fit(self, x: torch.Tensor, topk_idx: torch.Tensor) -> None:
-        """Refuse a dispatch whose rows cannot fit before anything is allocated
-        (``_limits.dispatch_bytes``: T tokens of x, W rows in worst-case mode; host ints only,
-        one comparison below ``_limits.SMALL_BYTES``). An ``expand``ed x of a few bytes counts
-        as the T rows its contiguous copy would be."""
-        T, H = x.shape
-        W, R = self.config.num_worst_tokens, self.num_ranks
-        nbytes = _limits.dispatch_bytes(
-            T=T,
-            H=H,
-            elem=x.element_size(),
-            k=topk_idx.shape[1],
-            R=R,
-            E=self.num_experts,
-            W=W,
-            grad=x.requires_grad,
-        )
-        if nbytes < _limits.SMALL_BYTES:
-            return
-        rows_part = W * H * x.element_size()
-        arg, value = ("num_worst_tokens", W) if W and rows_part >= T * H else ("T", T)
-        fix = (
-            "use W = R * T (tokens per rank times ranks) or dropless mode (num_worst_tokens=0)"
-            if arg == "num_worst_tokens"
-            else "dispatch fewer tokens per call (x.shape[0]), or a smaller hidden size"
-        )
-        _limits.check_fits(
-            "FlexDispatcher.dispatch",
-            arg,
-            value,
-            nbytes,
-            x.device,
-            detail=f"x of T={T} rows of H={H} at {x.element_size()} bytes, "
-            f"k={topk_idx.shape[1]}, R={R}{f', W={W} rows received' if W else ''}: the rows "
-            f"sent, received, sent back and combined, with their ids and probs",
-            fix=fix,
-        )
 
     def _check_values(
         self, topk_idx: torch.Tensor, values: torch.Tensor, topk_probs: torch.Tensor
