@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    _die_with_launcher()
     try:
         return int(args.func(args) or 0)
     except BrokenPipeError:  # NOTE: the reader went away (`| head`): nothing left to say
@@ -52,6 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         _end_stopped_peers()
         return print_error(args.command, exc, args)
+
+
+def _die_with_launcher() -> None:
+    """A torchrun worker ends with its agent, however the agent ends (a SIGKILLed torchrun
+    otherwise leaves its workers running until their process-group timeout):
+    ``flexdispatch.launch.die_with_parent``. Nothing without a launcher."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        from flexdispatch.launch import die_with_parent
+
+        die_with_parent(os.getppid())
 
 
 def _end_stopped_peers() -> None:

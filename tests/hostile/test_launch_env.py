@@ -188,3 +188,18 @@ def test_a_failing_rank_ends_the_stopped_workers_of_its_job(monkeypatch):
         for p in (hung, running, other_job):
             p.kill()
             p.wait()
+
+
+def test_a_torchrun_worker_ends_with_its_agent(monkeypatch, capsys):
+    # NOTE: a SIGKILLed torchrun left its workers running (reliability-4 section 5): the command
+    # line arms the parent-death signal of tests/hostile/test_processes.py under a launcher
+    import flexdispatch.launch as launch
+    from flexdispatch.cli import main
+
+    armed: list[int] = []
+    monkeypatch.setattr(launch, "die_with_parent", armed.append)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert main(["presets"]) == 0 and armed == []
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")
+    assert main(["presets"]) == 0 and armed == [os.getppid()]
+    capsys.readouterr()
