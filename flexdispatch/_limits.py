@@ -1,21 +1,27 @@
 """Sizes bounded before anything is allocated: memory estimates checked against what is available.
 
-Every public entry point that takes a size (``FlexDispatcher``'s ``num_experts`` and W,
-``get_dispatch_layout``, ``permute`` / ``unpermute``, ``MoELayer``, ``TopKRouter``, the command
-line's size flags) estimates the bytes its call will allocate from its arguments alone and calls
-``check_fits``, which raises one ``ValueError`` naming the argument, its value, the estimate and the
-memory available, with what to change:
+Every public entry point that takes a size (``FlexDispatcher``'s ``num_experts`` and W, each
+``dispatch``'s rows, ``MoELayer.forward``'s tokens, ``get_dispatch_layout``, ``permute`` /
+``unpermute``, ``MoELayer``, ``TopKRouter``, ``spawn_group``, the command line's size flags)
+estimates the bytes its call will allocate from its arguments alone and calls ``check_fits``,
+which raises one ``ValueError`` naming the argument, its value, the estimate and the memory
+available, with what to change. What is available:
 
 - on a CUDA device, the device's free memory (``torch.cuda.mem_get_info``: a driver query, no
-  stream synchronisation);
-- on CPU, the process's available memory: the smaller of Linux's ``MemAvailable``
-  (``/proc/meminfo``) and the address space left under ``RLIMIT_AS``.
+  stream synchronisation) and what PyTorch's caching allocator holds unused;
+- on CPU, ``flexdispatch._sysmem.available``: the smallest of ``MemAvailable``, the address space
+  left under ``RLIMIT_AS`` and the room under the cgroup memory limits (the one memory model of
+  every check, the command line's too).
+
+An estimate fits when it is at most ``SHARE`` (80 %) of that figure: the rest is headroom.
 
 Cost: estimates below ``SMALL_BYTES`` are accepted with a comparison and nothing else (the hot
 path of an ordinary step never queries anything); a larger estimate that fitted is remembered
 (per argument, value, estimate and device), so a loop over the same shapes queries once.
-Estimates are lower bounds of what the call allocates (the tensors its result holds and its
-largest temporaries), so nothing that fits is refused.
+
+Estimates count the call's temporaries at its peak, not only its result: ``dispatch_bytes`` and
+``layer_bytes`` below are measured (``tests/hostile/test_estimates.py`` compares them with the
+peak resident memory a call adds, on one and two ranks: at least the peak, at most 2.5 times it).
 
 ``INT32_MAX`` bounds every size field of the configs (rows, experts and hidden sizes are indexed
 with 32-bit integers by DeepEP and the Triton kernels).
@@ -23,19 +29,25 @@ with 32-bit integers by DeepEP and the Triton kernels).
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
 import torch
 
+from flexdispatch import _sysmem
+from flexdispatch._sysmem import SHARE, format_bytes
+
 __all__ = [
     "INT32_MAX",
+    "SHARE",
     "SMALL_BYTES",
     "available_bytes",
+    "check_dispatch_rows",
     "check_fits",
+    "dispatch_bytes",
     "dispatch_refusal",
     "format_bytes",
+    "layer_bytes",
     "refusal",
     "raise_refusal",
 ]
@@ -50,48 +62,9 @@ _FITTED_MAX = 4096
 _LOCK = threading.Lock()
 
 
-def format_bytes(n: float) -> str:
-    """``n`` bytes as B / KiB / MiB / GiB / TiB / PiB with one decimal."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} PiB"
-
-
-def _meminfo_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _address_space_left() -> int | None:
-    try:
-        import resource
-    except ImportError:  # not on this platform
-        return None
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft == resource.RLIM_INFINITY:
-        return None
-    used = 0
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmSize:"):
-                    used = int(line.split()[1]) * 1024
-                    break
-    except (OSError, ValueError, IndexError):
-        pass
-    return max(0, soft - used)
-
-
 def available_bytes(device: torch.device | str | None = None) -> tuple[int | None, str]:
-    """Memory a new allocation on ``device`` can take, and where the figure comes from.
+    """Memory a new allocation on ``device`` can take, and where the figure comes from (the raw
+    figure: ``refusal`` plans for ``SHARE`` of it).
 
     None (unknown: nothing is refused) for meta tensors and where no figure can be read.
     """
@@ -105,23 +78,13 @@ def available_bytes(device: torch.device | str | None = None) -> tuple[int | Non
             free, _total = torch.cuda.mem_get_info(dev)
         except RuntimeError:
             return None, "torch.cuda.mem_get_info failed"
-        return int(free), f"free memory of {dev}"
+        # NOTE: what PyTorch's caching allocator holds but does not use serves new tensors too
+        # (host-side counters: no synchronisation)
+        cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        return int(free) + max(0, int(cached)), f"free memory of {dev} (and its unused cache)"
     if dev.type != "cpu":
         return None, f"no memory figure for {dev.type}"
-    figures = []
-    avail = _meminfo_available()
-    if avail is not None:
-        figures.append((avail, "MemAvailable in /proc/meminfo"))
-    left = _address_space_left()
-    if left is not None:
-        figures.append((left, "address space left under RLIMIT_AS"))
-    if not figures:
-        try:
-            pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            figures.append((int(pages), "available physical pages"))
-        except (ValueError, OSError, AttributeError):
-            return None, "no memory figure on this platform"
-    return min(figures)
+    return _sysmem.available()
 
 
 def refusal(
@@ -142,7 +105,7 @@ def refusal(
     if key in _FITTED:
         return None
     avail, source = available_bytes(dev)
-    if avail is None or nbytes <= avail:
+    if avail is None or nbytes <= SHARE * avail:
         with _LOCK:
             if len(_FITTED) >= _FITTED_MAX:
                 _FITTED.clear()
@@ -153,7 +116,8 @@ def refusal(
     prefix = f"{what}: " if what else ""
     return (
         f"{prefix}{arg}={value} needs about {format_bytes(nbytes)}{how}, more than the "
-        f"{format_bytes(avail)} available on {dev} ({source}){change}"
+        f"{format_bytes(SHARE * avail)} available on {dev} ({SHARE:.0%} of "
+        f"{format_bytes(avail)}, {source}; the rest is headroom){change}"
     )
 
 
@@ -178,7 +142,7 @@ def check_fits(
     Args:
         what: the entry point, e.g. ``"permute"``.
         arg / value: the argument that drives the size, as the caller wrote it.
-        nbytes: the estimate (a lower bound of what the call allocates).
+        nbytes: the estimate of what the call allocates at its peak.
         device: where it would be allocated.
         detail: how the estimate is made up, e.g. ``"[E] int64 counts x 3"``.
         fix: what to change.
@@ -188,33 +152,157 @@ def check_fits(
         raise ValueError(msg)
 
 
-def dispatch_refusal(config: Any, num_experts: int, device: torch.device) -> str | None:
-    """Why ``FlexDispatcher``'s dispatches cannot fit in memory, or None.
+# --------------------------------------------------------------------------- estimates
+# NOTE: the constants below are measured (peak resident growth of one call, torch backend on CPU,
+# torch 2.13; tests/hostile/test_estimates.py compares them with the measured peak at several
+# sizes: each estimate is at least the peak and at most about twice it).
 
-    Lower bounds: every dispatch allocates ``[E]`` int64 counts at least twice (measured: about
-    24 bytes per expert on CPU), and worst-case mode ``[W, H]`` rows plus ``[W, k]`` ids and
-    probs (H = ``config.hidden_size`` when known, else 1; k = 1; rows at 2 bytes per element).
+_PER_LOCAL_EXPERT = 24
+"""Bytes per local expert (E / R) of a dispatch and its combine: ``[e]`` int64 counts (measured
+8 bytes per local expert without autograd, 16 with it)."""
+
+_ROWS_T, _ROWS_S, _ROWS_M, _ROWS_W = 1.0, 2.25, 1.25, 5.5
+"""Copies of a row (``H`` x element size) a dispatch + combine holds at its peak, per token of
+``x`` (T), per row sent (S), per row received in dropless mode (M) and per worst-case row (W):
+the packed send rows, the received rows, their ordering, the rows sent back and the combined
+output. Measured on 1, 2, 4 and 8 gloo ranks: about 0.95 T + 2.1 S + 1.1 M dropless; a
+worst-case row costs 2.9 copies on one rank, 3.7 on two and 4.7 on four or eight (the first
+call, which also sizes the dispatcher's scratch buffers)."""
+
+_ROWS_GRAD = 1.75
+"""Factor on the rows when autograd records the dispatch (the backward's combine and dispatch
+of the gradients: measured 1.3 to 1.65)."""
+
+_PER_ROW, _PER_SLOT = 64, 32
+"""Bytes per row sent or received (index maps) and per (row, slot) (ids, probs, their packed
+copies): measured about 115 bytes per worst-case row with k = 2."""
+
+
+def dispatch_bytes(
+    *, T: int, H: int, elem: int, k: int, R: int, E: int, W: int = 0, grad: bool = False
+) -> int:
+    """Peak bytes one rank's ``dispatch`` and ``combine`` allocate (torch backend).
+
+    S = T * min(k, R) rows sent at most (one per token and destination rank); M = W rows
+    received in worst-case mode, else S (balanced routing: a rank that receives more than it
+    sends, a hot expert's rank, needs more). ``x`` is counted once (its contiguous copy).
     """
-    E, W, hidden_size = num_experts, config.num_worst_tokens, config.hidden_size
+    S = T * min(k, R)
+    M = W if W else S
+    row = H * elem
+    rows = T * row * _ROWS_T + S * row * _ROWS_S + M * row * (_ROWS_W if W else _ROWS_M)
+    if grad:
+        rows *= _ROWS_GRAD
+    return int(rows) + (S + M) * (_PER_ROW + _PER_SLOT * k) + _PER_LOCAL_EXPERT * max(1, E // R)
+
+
+_LAYER_TOKEN, _LAYER_TOKEN_GRAD = 4.5, 8.0
+"""Copies of a token's row (``H``) ``MoELayer.forward`` holds per token of ``hidden`` (measured
+with the experts in fp32)."""
+_LAYER_PAIR_F, _LAYER_PAIR_F_GRAD = 4.0, 6.5
+"""Copies of a (token, expert) pair's expert hidden state (``F``): the gated projections, the
+activation and its input (measured 4.0 without autograd, 5.8 with it)."""
+_LAYER_PAIR_H, _LAYER_PAIR_H_GRAD = 2.0, 3.5
+"""Copies of a pair's row (``H``): the permuted rows and the expert outputs (measured 1.8 and
+3.2)."""
+
+
+def layer_bytes(
+    *, T: int, H: int, F: int, Fs: int, E: int, k: int, R: int, elem: int, W: int, grad: bool
+) -> int:
+    """Peak bytes of one ``MoELayer.forward`` (and its backward when ``grad``) on one rank: the
+    router's ``[T, E]`` fp32 logits and scores, the dispatch and combine (``dispatch_bytes``),
+    the (token, expert) pairs this rank computes (P = T * k for balanced routing, in both modes:
+    worst-case mode pads the received rows, not the pairs the experts compute) and the shared
+    experts' ``[T, Fs]`` hidden states."""
+    P = T * k  # NOTE: worst-case mode computes only the real pairs too (measured)
+    # NOTE: with autograd, half-precision experts keep float32 copies for the backward on the CPU
+    # (measured: a bf16 layer with its backward peaks at 1.5x the fp32 one)
+    compute = elem + 4 if grad and elem < 4 else elem
+    if grad:
+        pair_f, pair_h = _LAYER_PAIR_F_GRAD, _LAYER_PAIR_H_GRAD
+    else:
+        pair_f, pair_h = _LAYER_PAIR_F, _LAYER_PAIR_H
+    token = _LAYER_TOKEN_GRAD if grad else _LAYER_TOKEN
+    return int(
+        T * H * compute * token
+        + (5 if grad else 3) * 4 * T * E
+        + P * (F * compute * pair_f + H * compute * pair_h)
+        + 6 * T * Fs * compute
+        + dispatch_bytes(T=T, H=H, elem=elem, k=k, R=R, E=E, W=W, grad=grad)
+    )
+
+
+def check_dispatch_rows(
+    x: torch.Tensor, k: int, R: int, E: int, W: int, backend: str = "torch"
+) -> None:
+    """Refuse a dispatch of ``x`` (``[T, H]``, ``k`` ids per row, ``R`` ranks, ``E`` experts,
+    ``W`` worst-case rows) whose rows cannot fit, before anything is allocated: the torch
+    backend's ``dispatch_bytes``; DeepEP moves rows through its own preallocated buffers, so for
+    it what it hands back (x's contiguous copy, the received rows, their ids and probs). Host
+    ints only, one comparison below ``SMALL_BYTES``. An ``expand``ed x of a few bytes counts as
+    the T rows its contiguous copy would be. Raises ``ValueError`` naming ``T`` or
+    ``num_worst_tokens``, whichever drives the estimate."""
+    T, H = x.shape
+    elem = x.element_size()
+    if backend == "torch":
+        nbytes = dispatch_bytes(T=T, H=H, elem=elem, k=k, R=R, E=E, W=W, grad=x.requires_grad)
+    else:
+        nbytes = (T + (W or T * min(k, R))) * (H * elem + 12 * k)
+    if nbytes < SMALL_BYTES:
+        return
+    if W and W >= T:
+        arg, value = "num_worst_tokens", W
+        fix = "use W = R * T (tokens per rank times ranks) or dropless mode (num_worst_tokens=0)"
+    else:
+        arg, value = "T", T
+        fix = "dispatch fewer tokens per call (x.shape[0]), or a smaller hidden size"
+    check_fits(
+        "FlexDispatcher.dispatch",
+        arg,
+        value,
+        nbytes,
+        x.device,
+        detail=f"x of T={T} rows of H={H} at {elem} bytes, k={k}, R={R}"
+        f"{f', W={W} rows received' if W else ''}: the rows sent, received, sent back and "
+        f"combined, with their ids and probs",
+        fix=fix,
+    )
+
+
+def dispatch_refusal(
+    config: Any, num_experts: int, num_ranks: int, device: torch.device
+) -> str | None:
+    """Why ``FlexDispatcher``'s dispatches cannot fit in memory, or None (at construction: what
+    the config alone implies; each dispatch checks its own shapes again).
+
+    ``num_experts``: ``_PER_LOCAL_EXPERT`` bytes per local expert. Worst-case mode: the
+    ``dispatch_bytes`` of W received rows of hidden size ``config.hidden_size`` (1 when not
+    given) at 2 bytes per element, T = W / R tokens (W = R * T, as recommended) and k = 1.
+    """
+    E, W, hidden_size, R = num_experts, config.num_worst_tokens, config.hidden_size, num_ranks
+    e = max(1, E // max(1, R))
     why = refusal(
         "FlexDispatcher",
         "num_experts",
         E,
-        24 * E,
+        _PER_LOCAL_EXPERT * e,
         device,
-        detail="[E] int64 counts and their temporaries at every dispatch, 24 bytes per expert",
+        detail=f"[E / R = {e}] int64 counts and their temporaries at every dispatch, "
+        f"{_PER_LOCAL_EXPERT} bytes per local expert",
         fix="pass the number of experts of the model (E, divisible by the group size)",
     )
     if why is None and W:
         H = hidden_size or 1
+        nbytes = dispatch_bytes(T=W // max(1, R), H=H, elem=2, k=1, R=R, E=E, W=W)
         why = refusal(
             "FlexDispatcher",
             "num_worst_tokens",
             W,
-            W * (2 * H + 12),
+            nbytes,
             device,
-            detail=f"W rows of hidden size {hidden_size or '>= 1'} at 2 bytes per element plus "
-            f"int64 ids and float32 probs",
+            detail=f"W rows of hidden size {hidden_size or '>= 1'} at 2 bytes per element, "
+            f"received, ordered and sent back, with their ids and probs",
             fix="use W = R * T (tokens per rank times ranks) or dropless mode (num_worst_tokens=0)",
         )
     return why

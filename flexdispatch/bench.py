@@ -46,6 +46,7 @@ maximum over ranks; ``ratio`` = stage / baseline.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
@@ -290,7 +291,7 @@ def bench_rank(spec: BenchSpec) -> dict[str, Any]:
     """Body of one rank (the process group is initialised); returns its samples and counts."""
     from flexdispatch.config import DispatchConfig
     from flexdispatch.dispatcher import FlexDispatcher
-    from flexdispatch.distributed import all_gather_int64, collective_device
+    from flexdispatch.distributed import all_gather_int64, collective_device, collective_guard
     from flexdispatch.layout import get_dispatch_layout
     from flexdispatch.permutation import permute, unpermute
 
@@ -356,16 +357,18 @@ def bench_rank(spec: BenchSpec) -> dict[str, Any]:
 
     def timer(name: str, fn: Callable[[], object]) -> float:
         collective = name.split("/")[0] in _COLLECTIVE
-        if collective:
-            dist.barrier()
-        elif on_cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if on_cuda:
-            torch.cuda.synchronize()
-        if collective:
-            dist.barrier()
+        guard = collective_guard(f"{name} (bench)") if collective else contextlib.nullcontext()
+        with guard:
+            if collective:
+                dist.barrier()
+            elif on_cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if on_cuda:
+                torch.cuda.synchronize()
+            if collective:
+                dist.barrier()
         return time.perf_counter() - t0
 
     bar = ProgressBar(

@@ -117,7 +117,7 @@ class FlexDispatcher:
         L, self.ranks_per_node_source = resolve_ranks_per_node(config.ranks_per_node, R)
         fields: dict[str, object] = {**config.model_dump(), "num_experts": num_experts}
         fields["ranks_per_node (resolved)"] = L
-        too_big = _limits.dispatch_refusal(config, num_experts, self._comm_device)
+        too_big = _limits.dispatch_refusal(config, num_experts, R, self._comm_device)
         fields["fits in memory"] = too_big is None
         # NOTE: so a rank that cannot fit makes all raise; the hosts come with it (audit-4 P9)
         hosts = check_fingerprint(fields, group, extra=host_id())
@@ -152,7 +152,6 @@ class FlexDispatcher:
         self._issuer = next_issuer()  # stamped on every handle, checked by combine
         _ops.register_dispatcher(self._issuer, self)  # the custom ops name it by this serial
         self._guard = CallGuard()  # one thread at a time in the public calls (_guard.py)
-        self._worst_rows_fit: set[tuple[int, int, torch.device]] = set()
 
     # ----------------------------------------------------------------- properties
     @property
@@ -263,6 +262,17 @@ class FlexDispatcher:
                     f"{name} is on {t.device} but x is on {x.device}: move them to one device"
                 )
         self._check_device("x", x)
+        H = self.config.hidden_size
+        if H and x.shape[1] != H:
+            raise ValueError(
+                f"x has hidden size {x.shape[1]} but DispatchConfig.hidden_size={H}: pass rows "
+                f"of the hidden size the config names (or build the dispatcher with "
+                f"hidden_size={x.shape[1]}, or None)"
+            )
+        _limits.check_dispatch_rows(
+            x, topk_idx.shape[1], self.num_ranks, self.num_experts, self.config.num_worst_tokens,
+            self.backend_name,
+        )  # fmt: skip
         if layout is not None:
             mask = layout.is_token_in_rank
             if tuple(mask.shape) != (T, self.num_ranks) or mask.dtype != torch.bool:
@@ -273,29 +283,7 @@ class FlexDispatcher:
                 )
         if not read_values:
             return topk_idx
-        if self.config.num_worst_tokens and not self.config.hidden_size:
-            self._check_worst_rows(x)
         return self._check_values(topk_idx, values, topk_probs)
-
-    def _check_worst_rows(self, x: torch.Tensor) -> None:
-        """Worst-case mode without ``DispatchConfig.hidden_size``: the constructor could only
-        bound ``W`` rows of width 1, so the first dispatch of each row width and dtype bounds
-        ``W x H`` before the backend allocates it (a set lookup afterwards; no device read)."""
-        key = (x.shape[1], x.element_size(), x.device)
-        if key in self._worst_rows_fit:
-            return
-        W, H = self.config.num_worst_tokens, x.shape[1]
-        _limits.check_fits(
-            "FlexDispatcher.dispatch",
-            "num_worst_tokens",
-            W,
-            W * (H * x.element_size() + 12),
-            x.device,
-            detail=f"W received rows of hidden size {H} at {x.element_size()} bytes per element "
-            f"plus int64 ids and float32 probs",
-            fix="use W = R * T (tokens per rank times ranks) or dropless mode (num_worst_tokens=0)",
-        )
-        self._worst_rows_fit.add(key)
 
     def _check_values(
         self, topk_idx: torch.Tensor, values: torch.Tensor, topk_probs: torch.Tensor

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import enum
 import io
+import math
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
@@ -42,7 +43,11 @@ from flexdispatch._files import excerpt
 
 __all__ = [
     "GroupError",
+    "MAX_TIMEOUT_S",
+    "RANK_RUNTIME_BYTES",
     "broadcast_object",
+    "die_with_parent",
+    "end_stopped_local_peers",
     "free_port",
     "gather_objects",
     "loopback_interface",
@@ -227,6 +232,12 @@ def _loads(data: bytes) -> Any:
         return torch.load(io.BytesIO(data), weights_only=True)
 
 
+def _guard(name: str, group: Any) -> Any:
+    from flexdispatch.distributed import collective_guard
+
+    return collective_guard(name, group)
+
+
 def _collective_device(group: Any) -> torch.device:
     from flexdispatch.distributed import collective_device
 
@@ -240,12 +251,14 @@ def gather_objects(obj: Any, group: Any = None) -> list[Any]:
     payload = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
     n = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, n, group=group)
+    with _guard("all_gather (object sizes)", group):
+        dist.all_gather(sizes, n, group=group)
     counts = [int(c.item()) for c in sizes]
     buf = torch.zeros(max(counts), dtype=torch.uint8, device=device)
     buf[: payload.numel()] = payload.to(device)
     bufs = [torch.empty_like(buf) for _ in counts]
-    dist.all_gather(bufs, buf, group=group)
+    with _guard("all_gather (objects)", group):
+        dist.all_gather(bufs, buf, group=group)
     return [_loads(b[:c].cpu().numpy().tobytes()) for b, c in zip(bufs, counts, strict=True)]
 
 
@@ -255,11 +268,13 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     mine = dist.get_rank(group) == src
     payload = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8) if mine else None
     n = torch.tensor([payload.numel() if payload is not None else 0], device=device)
-    dist.broadcast(n, src=src, group=group)
+    with _guard("broadcast (object size)", group):
+        dist.broadcast(n, src=src, group=group)
     buf = torch.empty(int(n.item()), dtype=torch.uint8, device=device)
     if payload is not None:
         buf.copy_(payload)
-    dist.broadcast(buf, src=src, group=group)
+    with _guard("broadcast (object)", group):
+        dist.broadcast(buf, src=src, group=group)
     return _loads(buf.cpu().numpy().tobytes())
 
 
@@ -282,6 +297,85 @@ def _send(conn: Any, ok: bool, payload: bytes) -> None:
     _send_bytes(conn, (b"\x01" if ok else b"\x00") + payload)  # raw bytes: no pickle
 
 
+def end_stopped_local_peers() -> list[int]:
+    """Under torchrun: SIGKILL the other workers of this job on this machine that are stopped.
+
+    A worker stopped by SIGSTOP (or a debugger) cannot act on the SIGTERM torchrun sends when
+    another worker fails, so torchrun waits its full grace (30 s, whatever
+    ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` says for a failed worker group) before its SIGKILL: a hung
+    peer would end the job only at twice ``--timeout``. The command line calls this when it fails
+    under a launcher (a peer that hung makes this rank's collective time out), just before it
+    exits: the job is over either way.
+
+    Only processes with the same parent (the torchrun agent) and the same
+    ``TORCHELASTIC_RUN_ID`` in their environment, in state ``T``/``t``, are ended. Linux only
+    (``/proc``); returns the pids ended.
+    """
+    import signal
+
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id or not os.path.isdir("/proc"):
+        return []
+    me, parent = os.getpid(), os.getppid()
+    ended = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+            if int(ppid) != parent or state not in ("T", "t"):
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+            if f"TORCHELASTIC_RUN_ID={run_id}".encode() not in environ:
+                continue
+            os.kill(int(entry), signal.SIGKILL)
+            ended.append(int(entry))
+        except (OSError, ValueError):
+            continue  # NOTE: gone meanwhile, or not ours to read
+    return ended
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """End this process when its parent ends, by any signal (SIGKILL included).
+
+    Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``: the kernel kills this process when the *thread*
+    that started it ends (``spawn_group`` starts its ranks from the thread that waits for them,
+    so that thread outlives them). The parent may have ended before the call: then this process
+    has been handed to another parent already and exits at once. Elsewhere (no ``prctl``) a
+    daemon thread polls ``os.getppid()`` twice a second and exits the process when it changes.
+    """
+    import signal
+
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+    if os.getppid() != parent_pid:
+        os._exit(1)  # NOTE: the parent is gone already: nobody waits for this rank
+    if armed:
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    import threading
+
+    threading.Thread(target=watch, name="flexdispatch-parent-watch", daemon=True).start()
+
+
 def _worker(
     rank: int,
     world_size: int,
@@ -293,7 +387,10 @@ def _worker(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     out: Any,
+    parent_pid: int | None = None,
 ) -> None:
+    if parent_pid is not None:
+        die_with_parent(parent_pid)
     # NOTE: one machine: the process-group sockets listen on the loopback interface only.
     lo = loopback_interface()
     os.environ.update({"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo})
@@ -362,6 +459,106 @@ def _loopback_store(world_size: int, timeout_s: float) -> tuple[Any, int]:
     return store, port
 
 
+RANK_RUNTIME_BYTES = 160 << 20
+"""The least one spawned rank holds before its own tensors: Python, torch and a gloo process
+group (measured: 250 MiB with a CPU build of torch 2.13, about 690 MB with a CUDA build;
+``flexdispatch.cli.demo_machine``). ``spawn_group`` refuses a world whose ranks cannot all hold
+this much; ``demo`` and ``bench`` count the measured figure instead."""
+
+MAX_TIMEOUT_S = 10**7
+"""The longest deadline ``spawn_group`` takes (about 116 days): a longer one is not a deadline."""
+
+
+def _check_seconds(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    if not math.isfinite(value) or not 1e-3 <= value <= MAX_TIMEOUT_S:
+        raise ValueError(
+            f"{name} must be a finite number of seconds in [0.001, {MAX_TIMEOUT_S}], got {value!r}"
+        )
+    return float(value)
+
+
+def _check_spawn_args(
+    fn: Any,
+    world_size: Any,
+    args: Any,
+    ranks_per_node: Any,
+    timeout_s: Any,
+    pg_timeout_s: Any,
+    backend: Any,
+    env: Any,
+) -> None:
+    """``spawn_group``'s arguments, before any store, pipe or process exists (TypeError /
+    ValueError naming the argument)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
+    if world_size <= 0:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    if ranks_per_node is not None and (
+        isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
+    ):
+        raise TypeError(
+            f"ranks_per_node must be an int or None, got {type(ranks_per_node).__name__}"
+        )
+    L = world_size if ranks_per_node is None else ranks_per_node
+    if L <= 0 or world_size % L:
+        raise ValueError(f"world_size={world_size} is not a multiple of ranks_per_node={L}")
+    _check_seconds("timeout_s", timeout_s)
+    if pg_timeout_s is not None:
+        _check_seconds("pg_timeout_s", pg_timeout_s)
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(
+            f"backend must be 'gloo' (CPU) or 'nccl' (one GPU per rank), got {backend!r}"
+        )
+    if not isinstance(args, tuple):
+        raise TypeError(f"args must be a tuple, got {type(args).__name__}")
+    if env is not None and not (
+        isinstance(env, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+    ):
+        raise TypeError("env must be a dict of str to str (environment variables) or None")
+    if not callable(fn):
+        raise TypeError(f"fn must be a function, got {type(fn).__name__}")
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:  # PicklingError, AttributeError (a local object), TypeError
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise TypeError(
+            f"fn must be picklable to reach the spawned ranks (a function defined at module "
+            f"level), got {name}: {type(exc).__name__}: {exc}"
+        ) from None
+    # NOTE: the parent holds a pipe and a store connection per rank; each rank needs a runtime.
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        soft = None
+    if (
+        soft is not None
+        and soft != getattr(resource, "RLIM_INFINITY", -1)
+        and 3 * world_size + 32 > soft
+    ):
+        raise ValueError(
+            f"world_size={world_size} needs about {3 * world_size + 32} open files in this "
+            f"process (a pipe and a store connection per rank), more than its limit of "
+            f"{soft} (ulimit -n): spawn fewer ranks"
+        )
+    from flexdispatch import _limits
+
+    _limits.check_fits(
+        "spawn_group",
+        "world_size",
+        world_size,
+        world_size * RANK_RUNTIME_BYTES,
+        "cpu",
+        detail=f"{_limits.format_bytes(RANK_RUNTIME_BYTES)} at least per rank: Python, torch "
+        f"and its process group",
+        fix="spawn fewer ranks",
+    )
+
+
 def spawn_group(
     fn: Callable[..., Any],
     world_size: int,
@@ -387,17 +584,24 @@ def spawn_group(
             so ``world_size`` may not exceed the GPUs visible).
         env: extra environment variables for the ranks.
 
+    Every rank ends with this process, whatever ends it (SIGTERM, SIGHUP, SIGKILL:
+    ``die_with_parent``), and so does multiprocessing's resource tracker (it exits once no
+    process holds its pipe).
+
     Returns:
         Each rank's return value, indexed by rank.
 
     Raises:
+        TypeError / ValueError: a bad argument, naming it, before any store, pipe or process
+            exists: ``world_size`` not a positive int, or more ranks than this machine's memory
+            holds (``RANK_RUNTIME_BYTES`` each, ``flexdispatch._limits``) or than its open-file
+            limit allows; ``timeout_s`` / ``pg_timeout_s`` not a finite number of seconds in
+            ``[0.001, MAX_TIMEOUT_S]``; ``backend`` not ``"gloo"`` or ``"nccl"``; ``fn`` not
+            picklable (a lambda or a local function).
         GroupError: a rank raised (its traceback is in the message), died, or the deadline passed.
     """
-    if world_size <= 0:
-        raise ValueError(f"world_size must be positive, got {world_size}")
+    _check_spawn_args(fn, world_size, args, ranks_per_node, timeout_s, pg_timeout_s, backend, env)
     L = world_size if ranks_per_node is None else ranks_per_node
-    if L <= 0 or world_size % L:
-        raise ValueError(f"world_size={world_size} is not a multiple of ranks_per_node={L}")
     child_env = dict(env or {})
     if backend == "gloo":
         # NOTE: gloo ranks run on the CPU: with no GPU visible they create no CUDA context and
@@ -427,6 +631,7 @@ def spawn_group(
                 fn,
                 args,
                 pipes[rank][1],
+                os.getpid(),
             ),
             daemon=True,
         )
@@ -440,6 +645,17 @@ def spawn_group(
             os.environ["CUDA_VISIBLE_DEVICES"] = child_env["CUDA_VISIBLE_DEVICES"]
         for p in procs:
             p.start()
+    except BaseException:
+        # NOTE: e.g. args that do not pickle: end what started, close every pipe and the store
+        for p in procs:
+            if p.pid is not None:
+                p.kill()
+                p.join(timeout=5)
+        for reader, writer in pipes:
+            reader.close()
+            writer.close()
+        del store
+        raise
     finally:
         if saved is None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)

@@ -329,6 +329,7 @@ class MoELayer(nn.Module):
                 f"hidden is on {hidden.device} but the layer's parameters are on "
                 f"{self.experts.w1.device}: move the input (or the layer, with .to(device))"
             )
+        self._check_fits(hidden)
         x_TH = hidden.reshape(-1, H)
         routing = self.router(
             hidden, token_ids=token_ids, checks=self.config.dispatch.checks or None
@@ -358,6 +359,41 @@ class MoELayer(nn.Module):
             routing=routing,
             dispatch=res,
         )
+
+    def _check_fits(self, hidden: torch.Tensor) -> None:
+        """Refuse a ``forward`` whose activations cannot fit before anything is allocated
+        (``_limits.layer_bytes``; host ints, one comparison below ``_limits.SMALL_BYTES``). An
+        ``expand``ed ``hidden`` of a few bytes counts as the T rows it stands for."""
+        c = self.config
+        T = hidden.numel() // c.hidden_size
+        grad = torch.is_grad_enabled() and (hidden.requires_grad or self.experts.w1.requires_grad)
+        Fs = 0
+        if c.num_shared_experts:
+            Fs = c.shared_expert_ffn_hidden_size or c.num_shared_experts * c.ffn_hidden_size
+        nbytes = _limits.layer_bytes(
+            T=T,
+            H=c.hidden_size,
+            F=c.ffn_hidden_size,
+            Fs=Fs,
+            E=c.router.num_experts,
+            k=c.router.topk,
+            R=self.dispatcher.num_ranks,
+            elem=hidden.element_size(),
+            W=c.dispatch.num_worst_tokens,
+            grad=grad,
+        )
+        if nbytes >= _limits.SMALL_BYTES:
+            _limits.check_fits(
+                "MoELayer.forward",
+                "T",
+                T,
+                nbytes,
+                hidden.device,
+                detail=f"T={T} tokens of H={c.hidden_size}: the router's "
+                f"[T, E={c.router.num_experts}] scores, the dispatch, the experts' hidden states "
+                f"(F={c.ffn_hidden_size}) and the combine{', with the backward' if grad else ''}",
+                fix="run fewer tokens per call (split the batch)",
+            )
 
     def warmup(self, *, backward: bool = True) -> None:
         """Run every dispatch / combine kernel of this layer once with no tokens, on every rank

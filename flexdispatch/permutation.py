@@ -310,8 +310,10 @@ def permute(
         align: pad each expert segment to a multiple of this (>= 1).
         num_out_rows: static output size ``R_out`` (no host sync), or None for the exact size.
         num_rows: the exact size ``N`` when the caller already holds it on the host (e.g.
-            ``DispatchResult.num_recv_pairs`` with ``align == 1``): no host sync. Trusted; with
-            value checks on it is compared with the device count. Exclusive with ``num_out_rows``.
+            ``DispatchResult.num_recv_pairs`` with ``align == 1``): no host sync. Trusted up to
+            the most rows any routing holds (``T*k + min(T*k, num_experts)*(align-1)``, more is
+            a ``ValueError``); with value checks on it is compared with the device count.
+            Exclusive with ``num_out_rows``.
         checks: run the host-syncing id-range check (default: ``FLEXDISPATCH_CHECKS``).
         out: an ``[N, H]`` contiguous buffer of ``x``'s dtype and device to write the rows into
             (``perm.x`` is then ``out``), e.g. one kept across steps; must not require grad. None:
@@ -364,6 +366,13 @@ def permute(
         if num_out_rows is not None:
             raise ValueError("pass num_rows (exact size) or num_out_rows (static size), not both")
         _check_int("num_rows", num_rows, 0)
+        most = T * k + min(T * k, num_experts) * (align - 1)
+        if num_rows > most:
+            raise ValueError(
+                f"num_rows={num_rows} is more rows than any routing of these T={T} tokens can "
+                f"hold (T*k + min(T*k, num_experts)*(align-1) = {most}): pass the exact count "
+                f"(e.g. DispatchResult.num_recv_pairs), or None to count it on the device"
+            )
     row_bytes = x.shape[1] * x.element_size() + 24
     rows = (
         num_out_rows if num_out_rows is not None else T * k + min(T * k, num_experts) * (align - 1)

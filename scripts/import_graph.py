@@ -29,6 +29,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_files",
             "_guard",
             "_limits",
+            "_sysmem",
             "devices",
             "types",
             "deepep_limits",

@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     watch = _StdoutWatch(sys.stdout)
     sys.stdout = watch  # type: ignore[assignment]
+    _die_with_launcher()
     try:
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # NOTE: here, so that a full disk or device is reported (below)
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except OSError as exc:
         if exc is not watch.failed:
+            _end_stopped_peers()
             return print_error(args.command, exc, args)
         _drop_stdout(watch.stream)
         print(
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     except Exception as exc:
+        _end_stopped_peers()
         return print_error(args.command, exc, args)
     finally:
         if sys.stdout is watch:
@@ -101,3 +104,27 @@ def _drop_stdout(stream: Any) -> None:
     reach the reader, and the interpreter's flush at exit must not fail again."""
     with contextlib.suppress(OSError, ValueError):
         os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+
+
+def _die_with_launcher() -> None:
+    """A torchrun worker ends with its agent, however the agent ends (a SIGKILLed torchrun
+    otherwise leaves its workers running until their process-group timeout):
+    ``flexdispatch.launch.die_with_parent``. Nothing without a launcher."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        from flexdispatch.launch import die_with_parent
+
+        die_with_parent(os.getppid())
+
+
+def _end_stopped_peers() -> None:
+    """This rank fails under a launcher: end the local workers of this job that are stopped
+    (``flexdispatch.launch.end_stopped_local_peers``), so that torchrun ends the job now rather
+    than after its 30 s grace (the job is over either way). Nothing without a launcher."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        from flexdispatch.launch import end_stopped_local_peers
+
+        end_stopped_local_peers()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

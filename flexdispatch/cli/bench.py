@@ -72,33 +72,75 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def check_bench_memory(spec) -> None:
-    """Refuse sizes whose spawned ranks cannot fit in this machine's memory (before spawning).
+def bench_rank_bytes(*, T: int, H: int, E: int, k: int, R: int, elem: int, worst_case: bool) -> int:
+    """Peak bytes one bench rank allocates besides its runtime (compared with the measured peak
+    of ``bench_rank`` in ``tests/hostile/test_estimates.py``).
 
-    Lower bound per rank: the fp32 gate ``[E, H]`` and ``[E]`` counts, and ``T x H`` rows in the
-    activation dtype for x, the permuted rows, the combined output and the received rows (``R *
-    T`` of them in worst-case mode); R ranks on this machine.
+    What every stage keeps: ``x``, the received rows of the kept dispatch (M), the baselines'
+    rows (S sent, M received, S back, P pairs twice) and the ``[E, H]`` fp32 gate. On top, the
+    dispatch and combine being timed (``_limits.dispatch_bytes``) and the largest other
+    temporary: the permute of the P received pairs, the router's fp32 copy of x and its
+    ``[T, E]`` scores, or a baseline's rows drawn in fp32. S = T * min(k, R) rows sent,
+    M = W = R * T received in worst-case mode (else S), P = T * k pairs.
     """
     from flexdispatch import _limits
+
+    S = T * min(k, R)
+    M = R * T if worst_case else S
+    P = T * k
+    kept = (T + M + 2 * S + M + 2 * P) * H * elem + 4 * E * H
+    timed = _limits.dispatch_bytes(T=T, H=H, elem=elem, k=k, R=R, E=E, W=M if worst_case else 0)
+    other = max(P * (2 * H * elem + 64), T * H * 4 + 3 * 4 * T * E, max(S, P) * H * 4)
+    return int(kept + timed + other)
+
+
+def check_bench_memory(spec, runtime: int | None = None, runtime_source: str = "") -> None:
+    """Refuse sizes whose spawned ranks cannot fit in this machine's memory (before spawning).
+
+    R ranks and the parent run here: each holds a runtime (Python, torch, its process group:
+    ``runtime``, else measured as ``flexdispatch demo`` does, ``demo_machine.measure_runtime``)
+    and each rank ``bench_rank_bytes``. The probe process runs only when needed: not when the
+    ranks' rows alone already do not fit, nor when everything fits with the largest runtime
+    allowance (``demo_machine.FALLBACK_BYTES``). The flag named is the part that drives the
+    estimate: ``--world-size`` (the runtimes), ``--tokens`` (the rows) or ``--experts`` (the
+    gate).
+    """
+    from flexdispatch import _limits, _sysmem
     from flexdispatch.bench import DTYPES
+    from flexdispatch.cli import demo_machine
 
     R, T, H, E = spec.world_size, spec.tokens, spec.hidden, spec.experts
     elem = DTYPES[spec.dtype].itemsize
+    rank = bench_rank_bytes(T=T, H=H, E=E, k=spec.topk, R=R, elem=elem, worst_case=spec.worst_case)
+    if runtime is None:
+        usable, _ = _sysmem.usable()
+        if usable is not None and R * rank > usable:
+            runtime, runtime_source = 0, "not counted: the rows alone do not fit"
+        elif usable is None or R * rank + (R + 1) * demo_machine.FALLBACK_BYTES <= usable:
+            return  # NOTE: fits with the largest runtime allowance: nothing to measure
+        else:
+            runtime, _measured, runtime_source = demo_machine.measure_runtime("cpu")
     parts = {
-        "--experts": R * E * (4 * H + 24),
-        "--tokens": R * T * H * elem * (3 + (R if spec.worst_case else min(spec.topk, R))),
+        "--world-size": (R + 1) * runtime,
+        "--tokens": R * (rank - 4 * E * H),
+        "--experts": R * 4 * E * H,
     }
+    processes = (
+        f" and the parent, each with {_limits.format_bytes(runtime)} runtime ({runtime_source})"
+        if runtime
+        else f" (runtime {runtime_source})"
+    )
     flag = max(parts, key=lambda f: parts[f])
-    value = {"--experts": E, "--tokens": T}[flag]
+    value = {"--world-size": R, "--experts": E, "--tokens": T}[flag]
     _limits.check_fits(
         "",
         flag,
         value,
         sum(parts.values()),
         "cpu",
-        detail=f"R={R} spawned ranks, each with T={T} x H={H} {spec.dtype} rows and an [E={E}, H] "
-        f"fp32 gate",
-        fix="lower --tokens, --hidden, --experts or --world-size",
+        detail=f"R={R} spawned ranks{processes}; each rank with T={T} x H={H} {spec.dtype} "
+        f"rows, their dispatch, combine and baselines, and an [E={E}, H] fp32 gate",
+        fix="lower --world-size, --tokens, --hidden or --experts",
     )
 
 

@@ -164,6 +164,7 @@ def run_rank(spec: DemoSpec) -> dict[str, Any]:
     """Body of one rank (the process group is already initialised). Returns CPU tensors."""
     import torch.distributed as dist
 
+    from flexdispatch.distributed import collective_guard
     from flexdispatch.moe import MoELayer
 
     R, rank = dist.get_world_size(), dist.get_rank()
@@ -186,7 +187,8 @@ def run_rank(spec: DemoSpec) -> dict[str, Any]:
         for it in range(spec.iters):
             layer.zero_grad(set_to_none=True)
             x.grad = None
-            dist.barrier()
+            with collective_guard("barrier (demo timing loop)"):
+                dist.barrier()
             t0 = time.perf_counter()
             res = layer(x, token_ids=ids)
             t1 = time.perf_counter()

@@ -25,11 +25,10 @@ checks it against the peak resident memory the processes really reach.
 from __future__ import annotations
 
 import math
-import os
-import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
+
+from flexdispatch._sysmem import AVAILABLE_ENV, SHARE, format_bytes, parse_size
 
 __all__ = [
     "AVAILABLE_ENV",
@@ -48,92 +47,24 @@ GiB = 1 << 30
 MiB = 1 << 20
 DEFAULT_MAX_MEMORY = 4 * GiB
 """The default of ``--max-memory``: what the demo may use in all, runtime included."""
-AVAILABLE_SHARE = 0.8
-"""The demo never plans for more than this share of the memory available when it starts."""
-AVAILABLE_ENV = "FLEXDISPATCH_MEMORY_AVAILABLE"
-"""Overrides the detected available memory (a size such as ``6GiB``; for tests)."""
+AVAILABLE_SHARE = SHARE
+"""The demo never plans for more than this share of the memory available when it starts (the
+share every size check of flexdispatch keeps: ``flexdispatch._sysmem``)."""
 RUNTIME_BYTES = 400 * MiB
 """The runtime per process ``estimate_memory`` counts when not given one. ``flexdispatch demo``
 passes the measured one (``flexdispatch.cli.demo_machine.measure_runtime``): about 250 MiB with a
 CPU build of torch 2.13, about 690 MB with a CUDA build."""
 MIN_HIDDEN, MIN_FFN = 32, 16
 
-_UNITS = {
-    "": GiB,
-    "b": 1,
-    "k": 1 << 10,
-    "kb": 1 << 10,
-    "kib": 1 << 10,
-    "m": MiB,
-    "mb": MiB,
-    "mib": MiB,
-    "g": GiB,
-    "gb": GiB,
-    "gib": GiB,
-    "t": 1 << 40,
-    "tb": 1 << 40,
-    "tib": 1 << 40,
-}
-
-
-def parse_size(text: str) -> int:
-    """``"4GiB"``, ``"512MiB"``, ``"1.5G"``, ``"2"`` (GiB) → bytes (binary units throughout)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise ValueError(
-            f"{text!r} is not a memory size: write a number with a unit, e.g. 4GiB or 512MiB "
-            f"(a bare number is GiB)"
-        )
-    value = float(m.group(1)) * _UNITS[unit]
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{text!r} is not a positive memory size")
-    return int(value)
-
-
-def format_bytes(n: float) -> str:
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _read(path: str) -> str | None:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return None
-
 
 def available_memory() -> tuple[int | None, str]:
-    """Bytes this process tree can still use, and where the number comes from.
+    """Bytes this process tree can still use, and where the number comes from: the one memory
+    model of every size check (``flexdispatch._sysmem.available``: ``MemAvailable``, the
+    address space left under ``RLIMIT_AS``, the room under the cgroup limits;
+    ``$FLEXDISPATCH_MEMORY_AVAILABLE`` replaces them). ``(None, why)`` when none can be read."""
+    from flexdispatch import _sysmem
 
-    ``$FLEXDISPATCH_MEMORY_AVAILABLE`` when set; else the smallest of ``MemAvailable`` in
-    ``/proc/meminfo`` and the room left under a cgroup memory limit (v2 ``memory.max`` minus
-    ``memory.current``, v1 ``memory.limit_in_bytes`` minus ``memory.usage_in_bytes``).
-    ``(None, why)`` when none of them can be read.
-    """
-    env = os.environ.get(AVAILABLE_ENV)
-    if env:
-        return parse_size(env), f"${AVAILABLE_ENV}"
-    found: list[tuple[int, str]] = []
-    meminfo = _read("/proc/meminfo") or ""
-    m = re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.M)
-    if m:
-        found.append((int(m.group(1)) * 1024, "MemAvailable"))
-    for limit_file, usage_file in (
-        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-        (
-            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
-            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
-        ),
-    ):
-        limit, usage = _read(limit_file), _read(usage_file)
-        if limit and usage and limit.isdigit() and usage.isdigit() and int(limit) < 1 << 60:
-            found.append((max(0, int(limit) - int(usage)), "the cgroup memory limit"))
-    if not found:
-        return None, "no /proc/meminfo or cgroup limit to read"
-    return min(found)
+    return _sysmem.available()
 
 
 def memory_limit(max_memory: int | None) -> tuple[int, str]:

@@ -72,6 +72,7 @@ __all__ = [
     "DEFAULT_NVLINK_GBPS",
     "DEFAULT_RDMA_GBPS",
     "MAX_LOGITS",
+    "EXACT_MAX_LOGITS",
 ]
 
 VARIANTS = ("preset", "ungrouped", "node_limited")
@@ -84,12 +85,33 @@ MAX_LOGITS = 1 << 24
 """Default budget of ``plan_cluster``: router logits simulated in all (R x T x E per variant).
 Above it, each rank routes a sample of T_s = T / f tokens and the counts are scaled by f (a few
 seconds on 2 CPU cores)."""
+EXACT_MAX_LOGITS = 1 << 31
+"""The most router logits ``plan_cluster(max_logits=None)`` (``plan --exact``) routes: about
+7 minutes on 2 CPU cores; more is refused with its estimate."""
+EXACT_LOGITS_PER_S = 5e6
+"""Router logits per second the planner routes on 2 CPU cores (measured with tiny_cpu, 2 x 2
+ranks, 2^18 tokens per rank: 3.4e7 logits in about 6 CPU-seconds); for the refusal's
+estimate."""
 
 
 def _sample_tokens(R: int, T: int, E: int, variants: int, max_logits: int | None) -> int:
     """T_s, the tokens per rank to simulate: T within the budget, else the largest T / f
-    (f an integer, so that counts scale exactly when f divides T) that fits."""
-    if max_logits is None or R * T * E * variants <= max_logits:
+    (f an integer, so that counts scale exactly when f divides T) that fits. Without a budget
+    (``--exact``) every token is routed, up to ``EXACT_MAX_LOGITS``."""
+    if max_logits is None:
+        n = R * T * E * variants
+        if n > EXACT_MAX_LOGITS:
+            minutes = n / EXACT_LOGITS_PER_S / 60
+            raise ValueError(
+                f"plan --exact: routing every token means R x T x E x variants = {R} x {T} x "
+                f"{E} x {variants} = {n} router logits, about {_duration(minutes)} at the "
+                f"{EXACT_LOGITS_PER_S / 1e6:g} M logits/s the planner routes on 2 CPU cores, "
+                f"more than its exact limit of {EXACT_MAX_LOGITS} logits: drop --exact (each "
+                f"rank routes a sample of its tokens and the counts are scaled, within seconds) "
+                f"or plan fewer tokens (--tokens)"
+            )
+        return T
+    if R * T * E * variants <= max_logits:
         return T
     per_token = R * E * variants
     if per_token > max_logits:
@@ -102,6 +124,16 @@ def _sample_tokens(R: int, T: int, E: int, variants: int, max_logits: int | None
     # NOTE: a divisor of T close above f scales the counts exactly (bounded search).
     exact = next((d for d in range(f, min(T, 2 * f, f + 4096) + 1) if T % d == 0), None)
     return T // exact if exact is not None else max(1, T // f)
+
+
+def _duration(minutes: float) -> str:
+    if minutes < 90:
+        n = max(1, round(minutes))
+        return f"{n} minute{'s' if n > 1 else ''}"
+    hours = minutes / 60
+    if hours < 48:
+        return f"{hours:.0f} hours"
+    return f"{hours / 24:.0f} days" if hours < 24 * 730 else f"{hours / 24 / 365:.0f} years"
 
 
 def _check_plan_memory(R: int, N: int, E: int, variants: int) -> None:
@@ -207,6 +239,14 @@ def _groupings(router: RouterConfig, nodes: int, names: tuple[str, ...]) -> list
             note = note or "every group is kept: same as no grouping"
         out.append(_Grouping(name=name, num_groups=G, group_topk=g, note=note))
     return out
+
+
+def _num_blocks(R: int, T: int, E: int, whole_ranks: bool) -> int:
+    """How many blocks ``_blocks`` yields (without making them)."""
+    if whole_ranks or T * E >= _BLOCK_ELEMS:
+        step = T if whole_ranks else max(1, _BLOCK_ELEMS // E)
+        return R * -(-T // step)
+    return -(-R // max(1, _BLOCK_ELEMS // (T * E)))
 
 
 def _blocks(R: int, T: int, E: int, whole_ranks: bool) -> Iterator[tuple[range, int, int]]:
@@ -435,9 +475,24 @@ def plan_cluster(
     if is_hash and skew > 0:
         vocab_p = popularity_offsets(_HASH_VOCAB, seed + 1).double().mul(skew).exp()
     whole_ranks = router.capacity_factor is not None
+    if whole_ranks:
+        # NOTE: the capacity drop ranks a whole rank's batch at once: [T_sim, E] logits, scores
+        # and their sort (about 32 bytes per logit)
+        from flexdispatch import _limits
+
+        _limits.check_fits(
+            "plan",
+            "tokens",
+            T_all,
+            32 * T * (1 if is_hash else E),
+            "cpu",
+            detail=f"one rank's {T} routed tokens x E={E} logits at once (capacity_factor ranks a "
+            f"whole batch)",
+            fix="plan fewer tokens, or drop --exact",
+        )
     gens: dict[int, torch.Generator] = {}
-    blocks = list(_blocks(R, T, E, whole_ranks))
-    for done, (srcs, t0, t1) in enumerate(blocks, 1):
+    num_blocks = _num_blocks(R, T, E, whole_ranks)
+    for done, (srcs, t0, t1) in enumerate(_blocks(R, T, E, whole_ranks), 1):
         n_t = t1 - t0
         parts = []
         for s in srcs:
@@ -466,7 +521,7 @@ def plan_cluster(
             P += pairs_SR.sum(0)
             X += per_expert
         if progress is not None:
-            progress(done, len(blocks) + len(groupings))
+            progress(done, num_blocks + len(groupings))
     if T_sim != T_all:
         for key, parts in acc.items():
             acc[key] = tuple(_scale(c, T, T_all) for c in parts)  # type: ignore[assignment]
@@ -475,9 +530,9 @@ def plan_cluster(
     torch_fmt = torch_row_format(hidden=H, topk=k, elem_size=elem_size)
     deepep_fmt = deepep_row_format(hidden=H, topk=k, internode=N > 1)
     plans = []
-    for i, gr in enumerate(groupings, len(blocks) + 1):
+    for i, gr in enumerate(groupings, num_blocks + 1):
         if progress is not None:
-            progress(i, len(blocks) + len(groupings))
+            progress(i, num_blocks + len(groupings))
         if gr.skip:
             continue
         C, D, P, X = acc[gr.key]

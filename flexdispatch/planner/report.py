@@ -18,7 +18,14 @@ import torch
 from flexdispatch._files import file_kind, write_file
 from flexdispatch.planner.results import ClusterPlan, Stat, VariantPlan
 
-__all__ = ["format_plan", "plot_plan", "format_bytes"]
+__all__ = ["format_plan", "plot_plan", "format_bytes", "MAX_BARS", "MAX_MAP_RANKS"]
+
+MAX_BARS = 256
+"""``plot_plan`` draws at most this many expert bars (more experts: bins of consecutive ones)."""
+MAX_MAP_RANKS = 256
+"""``plot_plan``'s heatmap has at most this many rows and columns (more ranks: groups, summed)."""
+MAX_NODE_LINES = 64
+"""Node boundaries are drawn on the heatmap up to this many nodes."""
 
 _PER_NODE_LIMIT = 16
 
@@ -222,27 +229,51 @@ def plot_plan(plan: ClusterPlan, path: str | Path, *, variant: str = "preset") -
     flat = v.mode("flat")
     bytes_RR = (v.rows_SR * flat.row_format.dispatch_bytes).double()
     bytes_RR.fill_diagonal_(0.0)  # self-sends are not traffic
+    R, L = plan.num_ranks, plan.ranks_per_node
+    # NOTE: a large cluster is drawn in groups of g ranks (sums), at most MAX_MAP_RANKS a side
+    g = -(-R // MAX_MAP_RANKS)
+    if g > 1:
+        pad = -R % g
+        padded = torch.nn.functional.pad(bytes_RR, (0, pad, 0, pad))
+        bytes_RR = padded.view(-(-R // g), g, -(-R // g), g).sum((1, 3))
     fig = Figure(figsize=(13, 5.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax_map, ax_bar = fig.subplots(1, 2, width_ratios=[1, 1.3])
     image = ax_map.imshow(bytes_RR.numpy() / 2**20, cmap="viridis", interpolation="nearest")
     ax_map.set_title(f"flat dispatch MiB, source rank -> destination ({v.name})")
-    ax_map.set_xlabel("destination rank")
-    ax_map.set_ylabel("source rank")
-    L = plan.ranks_per_node
-    for b in range(L, plan.num_ranks, L):
-        ax_map.axhline(b - 0.5, color="white", linewidth=0.4)
-        ax_map.axvline(b - 0.5, color="white", linewidth=0.4)
+    ax_map.set_xlabel("destination rank" if g == 1 else f"destination ranks, {g} a cell (sum)")
+    ax_map.set_ylabel("source rank" if g == 1 else f"source ranks, {g} a cell")
+    if g == 1 and R // L <= MAX_NODE_LINES:
+        for b in range(L, R, L):
+            ax_map.axhline(b - 0.5, color="white", linewidth=0.4)
+            ax_map.axvline(b - 0.5, color="white", linewidth=0.4)
     ax_map.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax_map.yaxis.set_major_locator(MaxNLocator(integer=True))
     fig.colorbar(image, ax=ax_map, shrink=0.8)
-    per_expert = list(v.tokens_per_expert)
-    e = plan.experts_per_rank
-    colors = [f"C{(x // e) // L % 10}" for x in range(plan.num_experts)]
-    ax_bar.bar(range(plan.num_experts), per_expert, width=1.0, color=colors)
-    ax_bar.axhline(sum(per_expert) / len(per_expert), color="black", linewidth=0.8)
-    ax_bar.set_title("(token, expert) pairs per expert (colour = node; line = mean)")
-    ax_bar.set_xlabel("expert")
+    per_expert = torch.tensor(v.tokens_per_expert, dtype=torch.float64)
+    E, e = plan.num_experts, plan.experts_per_rank
+    mean = float(per_expert.mean()) if E else 0.0
+    # NOTE: many experts are drawn as MAX_BARS bars of b consecutive experts each (the hottest
+    # one's load, the bin's mean as a step line): one bar each would take minutes to draw
+    b = -(-E // MAX_BARS)
+    if b > 1:
+        pad = -E % b
+        bins = torch.nn.functional.pad(per_expert, (0, pad), value=float("nan")).view(-1, b)
+        heights = bins.nan_to_num(float("-inf")).amax(1)
+        means = bins.nanmean(1)
+        firsts = range(0, E, b)
+        colors = [f"C{(x // e) // L % 10}" for x in firsts]
+        ax_bar.bar(range(len(heights)), heights.tolist(), width=1.0, color=colors)
+        ax_bar.stairs(means.tolist(), [i - 0.5 for i in range(len(means) + 1)], color="black",
+                      linewidth=0.6)  # fmt: skip
+        ax_bar.set_title(f"pairs per expert, {b} experts a bar: max (bar), mean (steps)")
+        ax_bar.set_xlabel(f"experts / {b}")
+    else:
+        colors = [f"C{(x // e) // L % 10}" for x in range(E)]
+        ax_bar.bar(range(E), per_expert.tolist(), width=1.0, color=colors)
+        ax_bar.set_title("(token, expert) pairs per expert (colour = node; line = mean)")
+        ax_bar.set_xlabel("expert")
+    ax_bar.axhline(mean, color="black", linewidth=0.8)
     ax_bar.set_ylabel("pairs")
     fig.suptitle(
         f"{plan.preset}: {plan.nodes} x {plan.ranks_per_node} ranks, T={plan.tokens_per_rank}, "

@@ -17,6 +17,7 @@ from torch import nn
 from flexdispatch import _limits
 from flexdispatch._validate import check_tensor
 from flexdispatch.config import RouterConfig
+from flexdispatch.distributed import collective_guard
 from flexdispatch.routing.losses import (
     AuxLossAutoScaler,
     aux_loss_scores,
@@ -326,7 +327,8 @@ class TopKRouter(nn.Module):
         # global_aux_loss
         world = 1
         if self.aux_loss_group is not None:
-            dist.all_reduce(counts_E, group=self.aux_loss_group)
+            with collective_guard("all_reduce (global aux loss counts)", self.aux_loss_group):
+                dist.all_reduce(counts_E, group=self.aux_loss_group)
             world = dist.get_world_size(self.aux_loss_group)
         with torch.no_grad():
             self.global_tokens_per_expert += counts_E.to(self.global_tokens_per_expert.dtype)
@@ -366,7 +368,8 @@ class TopKRouter(nn.Module):
             )
         counts_E = self.local_tokens_per_expert.clone()
         if group is not None:
-            dist.all_reduce(counts_E, group=group)
+            with collective_guard("all_reduce (expert bias counts)", group):
+                dist.all_reduce(counts_E, group=group)
         n_E = counts_E.to(torch.float32)
         offset_E = n_E.mean() - n_E
         self.expert_bias += self.config.bias_update_rate * torch.sign(offset_E)

@@ -1,25 +1,96 @@
-# Sourced by the torchrun recipes: resolves the interpreter and the launcher command.
+# Sourced by the torchrun recipes: checks the environment they read, resolves the interpreter and
+# the launcher command.
 #   PYTHON    interpreter (default: the venv's python, else python3)
 #   TORCHRUN  launcher command (default: the venv's torchrun, else `$PYTHON -m torch.distributed.run`)
-# Sets: root, venv, PYTHON, launcher (an array).
+# Sets: root, venv, PYTHON, launcher (an array), and exports TORCH_ELASTIC_SHUTDOWN_TIMEOUT.
+# Every variable a recipe reads is checked before anything starts: a bad one is one line on stderr
+# naming it and what to pass (`refuse`), exit 2.
+me=$(basename "$0")
+refuse() {  # refuse VAR MESSAGE: one line, exit 2
+  printf '%s: %s=%q %s\n' "$me" "$1" "${!1-}" "$2" >&2
+  exit 2
+}
+# check_int VAR LOW HIGH WHAT [HINT]: VAR, when set, is a decimal integer in [LOW, HIGH]
+check_int() {
+  local value=${!1-}
+  [[ -z "$value" ]] && return 0
+  if [[ ! "$value" =~ ^[0-9]{1,9}$ ]] || (( 10#$value < $2 || 10#$value > $3 )); then
+    refuse "$1" "is not $4: pass an integer in [$2, $3]${5:+ ($5)}"
+  fi
+}
+check_port() {  # MASTER_PORT: 0 would hang (torchrun waits for a store nobody serves)
+  check_int MASTER_PORT 1 65535 "a TCP port" "0 makes torchrun wait forever"
+}
+check_ifname() {  # check_ifname VAR: VAR, when set, names interfaces of this machine (a,b,...)
+  local value=${!1-} name
+  [[ -z "$value" || ! -d /sys/class/net ]] && return 0
+  IFS=, read -r -a names <<<"$value"
+  for name in "${names[@]}"; do
+    if [[ ! "$name" =~ ^[A-Za-z0-9_.:@-]+$ || ! -e "/sys/class/net/$name" ]]; then
+      refuse "$1" "is not a network interface of this machine (it has: $(ls /sys/class/net | paste -sd, -))"
+    fi
+  done
+}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+if [[ -n "${FLEXDISPATCH_VENV:-}" && ! -d "$FLEXDISPATCH_VENV" ]]; then
+  refuse FLEXDISPATCH_VENV "is not a folder: point it at the virtual environment (scripts/setup.sh makes .venv)"
+fi
 venv=${FLEXDISPATCH_VENV:-$root/.venv}
 if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x "$venv/bin/python" ]]; then PYTHON=$venv/bin/python; else PYTHON=python3; fi
 fi
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' >/dev/null 2>&1; then
+  refuse PYTHON "does not run Python 3.10+: point PYTHON at the interpreter that has torch and flexdispatch (e.g. .venv/bin/python)"
+fi
 if [[ -n "${TORCHRUN:-}" ]]; then
   read -r -a launcher <<<"$TORCHRUN"
+  if [[ ${#launcher[@]} -eq 0 ]] || ! command -v "${launcher[0]}" >/dev/null 2>&1; then
+    refuse TORCHRUN "is not a command: unset it (the venv's torchrun or \$PYTHON -m torch.distributed.run is used)"
+  fi
 elif [[ -x "$venv/bin/torchrun" && "$PYTHON" == "$venv/bin/python" ]]; then
   launcher=("$venv/bin/torchrun")
 else
   launcher=("$PYTHON" -m torch.distributed.run)
 fi
+case "${FLEXDISPATCH_CMD:-demo}" in
+  demo|bench|doctor|plan|presets|config) ;;
+  *) refuse FLEXDISPATCH_CMD "is not a flexdispatch sub-command: use demo, bench, doctor, plan, presets or config" ;;
+esac
+case "${FLEXDISPATCH_DEVICE:-}" in
+  ""|auto|cpu|cuda|AUTO|CPU|CUDA) ;;
+  *) refuse FLEXDISPATCH_DEVICE "is not a device choice: use cpu, cuda or auto" ;;
+esac
+case "${FLEXDISPATCH_DRY_RUN:-0}" in
+  0|1) ;;
+  *) refuse FLEXDISPATCH_DRY_RUN "must be 1 (print the command) or 0" ;;
+esac
+check_int NPROC_PER_NODE 1 4096 "a number of processes"
+check_int OMP_NUM_THREADS 1 4096 "a number of threads"
+check_int TORCH_ELASTIC_SHUTDOWN_TIMEOUT 0 86400 "a number of seconds"
+check_ifname FLEXDISPATCH_IFNAME
+check_ifname GLOO_SOCKET_IFNAME
+# NOTE: a worker that ignores SIGTERM (stopped, or hung in a collective) is SIGKILLed after this
+# many seconds once torchrun ends the job (torchrun's default is 30): a hung peer ends the job
+# within --timeout plus a few seconds (docs/security.md)
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-5}
+# store_note: one line on stderr, on a single node, saying where torchrun's store listens
+store_note() {
+  local where="a free port"
+  [[ -n "${MASTER_PORT:-}" ]] && where="port $MASTER_PORT"
+  echo "$me: note: torchrun's rendezvous store listens on every interface ($where), not only 127.0.0.1: PyTorch's TCPStore server binds the wildcard address and torchrun has no option to bind it; the workers' own sockets are on ${GLOO_SOCKET_IFNAME:-lo}. On a machine others can reach, run flexdispatch demo / bench without torchrun (loopback only) or firewall the port (docs/security.md)" >&2
+}
 # check_devices L: before torchrun, compare L ranks on this node with the GPUs visible here
 # (`python -m flexdispatch.devices`): refuse with one line and exit 2 when L > GPUs, unless
 # FLEXDISPATCH_DEVICE=cpu, which also hides the GPUs from the workers (gloo on the CPU).
 check_devices() {
+  local rc=0
   PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m flexdispatch.devices --ranks "$1" \
-    || exit 2
+    || rc=$?
+  if (( rc == 2 )); then
+    exit 2  # NOTE: flexdispatch.devices said why, in one line
+  elif (( rc != 0 )); then
+    refuse PYTHON "could not run 'python -m flexdispatch.devices' (exit $rc): install flexdispatch for it (bash scripts/setup.sh)"
+  fi
   if [[ "${FLEXDISPATCH_DEVICE:-}" == cpu ]]; then
     export CUDA_VISIBLE_DEVICES=""
   fi

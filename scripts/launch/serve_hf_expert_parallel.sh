@@ -17,12 +17,14 @@ if [[ -z "${NPROC_PER_NODE:-}" ]]; then
   gpus=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
   NPROC_PER_NODE=$(( gpus > 0 ? gpus : 2 ))
 fi
+check_port
 if [[ -n "${MASTER_PORT:-}" ]]; then
   rdzv=(--nnodes 1 --node-rank 0 --rdzv-backend static --master-addr 127.0.0.1 --master-port "$MASTER_PORT")
 else
   rdzv=(--standalone --nnodes 1)
 fi
 check_devices "$NPROC_PER_NODE"
+store_note
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 args=("${launcher[@]}" "${rdzv[@]}" --nproc-per-node "$NPROC_PER_NODE" --max-restarts 0

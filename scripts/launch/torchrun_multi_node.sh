@@ -24,6 +24,8 @@
 #   FLEXDISPATCH_CMD sub-command: demo (default), bench, doctor, ...
 #   FLEXDISPATCH_VENV, PYTHON, TORCHRUN, FLEXDISPATCH_DRY_RUN, FLEXDISPATCH_DEVICE: as in
 #                    torchrun_single_node.sh (NPROC_PER_NODE > GPUs on this node is refused there)
+#   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds before a worker that ignores SIGTERM is SIGKILLed
+#                    (default here 5, torchrun's 30), as in torchrun_single_node.sh
 #   FLEXDISPATCH_IFNAME  the network interface the ranks talk over (e.g. eth0, ib0): exported as
 #                    GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME (where those are not set), so the
 #                    process-group sockets listen there only (docs/security.md); one node on
@@ -46,6 +48,8 @@
 #   NVSHMEM_DEBUG=INFO               NVSHMEM start-up diagnostics
 #   NVSHMEM_DIR=/opt/nvshmem         where DeepEP's build found NVSHMEM (runtime: LD_LIBRARY_PATH)
 # `flexdispatch doctor` lists every NCCL_*/NVSHMEM_*/GLOO_* variable a process sees.
+# Every variable the script reads is checked before anything starts: a bad one is one line on
+# stderr naming it, exit 2.
 set -euo pipefail
 # shellcheck source=scripts/launch/_launcher.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_launcher.sh"
@@ -53,6 +57,15 @@ NNODES=${NNODES:-${PET_NNODES:-1}}
 NODE_RANK=${NODE_RANK:-${PET_NODE_RANK:-0}}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
+check_port
+check_int NNODES 1 100000 "a number of nodes"
+check_int NODE_RANK 0 99999 "a node index"
+if (( 10#$NODE_RANK >= 10#$NNODES )); then
+  refuse NODE_RANK "is not below NNODES=$NNODES: nodes are numbered 0..NNODES-1"
+fi
+if [[ ! "$MASTER_ADDR" =~ ^[A-Za-z0-9_.:%-]+$ ]]; then
+  refuse MASTER_ADDR "is not a host name or address: pass node 0's address"
+fi
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
   if [[ -n "${PET_NPROC_PER_NODE:-}" && "${PET_NPROC_PER_NODE}" =~ ^[0-9]+$ ]]; then
     NPROC_PER_NODE=$PET_NPROC_PER_NODE
@@ -69,8 +82,7 @@ case "${RDZV_BACKEND:-static}" in
     rdzv=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
           --rdzv-id "${RDZV_ID:-flexdispatch}") ;;
   *)
-    echo "torchrun_multi_node.sh: RDZV_BACKEND must be static or c10d, got '$RDZV_BACKEND'" >&2
-    exit 2 ;;
+    refuse RDZV_BACKEND "must be static or c10d" ;;
 esac
 # The interface the user names carries the process-group sockets (docs/security.md).
 if [[ -n "${FLEXDISPATCH_IFNAME:-}" ]]; then

@@ -24,7 +24,14 @@
 # more processes than GPUs is refused with one line (exit 2) naming both and what to pass.
 #   GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME  interface of the process-group sockets (default lo:
 #                     loopback only; torchrun's rendezvous store itself is not bound, see
-#                     docs/security.md)
+#                     docs/security.md: the script says so on stderr before torchrun starts)
+#   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds torchrun waits for a worker to end after SIGTERM before
+#                     SIGKILL (default here 5; torchrun's own is 30): a hung or stopped worker ends
+#                     the job within --timeout plus a few seconds
+#
+# Every variable above is checked before anything starts (MASTER_PORT 1-65535, NPROC_PER_NODE a
+# positive integer, FLEXDISPATCH_CMD a sub-command, PYTHON a Python 3.10+, TORCHRUN a command, the
+# interface names real ones): a bad one is one line on stderr naming it, exit 2.
 set -euo pipefail
 # shellcheck source=scripts/launch/_launcher.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_launcher.sh"
@@ -33,12 +40,14 @@ if [[ -z "${NPROC_PER_NODE:-}" ]]; then
   NPROC_PER_NODE=$(( gpus > 0 ? gpus : 2 ))
 fi
 cmd=${FLEXDISPATCH_CMD:-demo}
+check_port
 if [[ -n "${MASTER_PORT:-}" ]]; then
   rdzv=(--nnodes 1 --node-rank 0 --rdzv-backend static --master-addr 127.0.0.1 --master-port "$MASTER_PORT")
 else
   rdzv=(--standalone --nnodes 1)
 fi
 check_devices "$NPROC_PER_NODE"
+store_note
 # One node: the workers' process-group sockets (gloo pairs, NCCL bootstrap) listen on the loopback
 # interface only, unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are exported (docs/security.md).
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}

@@ -164,7 +164,7 @@ def test_multi_node_script_options() -> None:
     custom = _dry_run(MULTI, _env(TORCHRUN="python3 -m torch.distributed.run"))
     assert custom[:3] == ["python3", "-m", "torch.distributed.run"]
     bad = _run(["bash", str(MULTI)], _env(RDZV_BACKEND="etcd"), timeout=30)
-    assert bad.returncode == 2 and "RDZV_BACKEND must be static or c10d" in bad.stderr
+    assert bad.returncode == 2 and "RDZV_BACKEND=etcd must be static or c10d" in bad.stderr
     single = _dry_run(SINGLE, _env(NPROC_PER_NODE="3"))
     assert "--standalone" in single and _opt(single, "--nproc-per-node") == "3"
 

@@ -114,10 +114,22 @@ CASES = [
                 hidden_size=1 << 16,
                 ffn_hidden_size=8,
                 router=RouterConfig(num_experts=8, topk=2),
+                dispatch=DispatchConfig(num_worst_tokens=1 << 20),
+            )
+        ),
+        r"MoELayer: dispatch.num_worst_tokens=1048576 " + _EST,
+    ),
+    (
+        "MoELayer/num_worst_tokens/dispatcher",
+        lambda: MoELayer(
+            MoEConfig(
+                hidden_size=1 << 16,
+                ffn_hidden_size=8,
+                router=RouterConfig(num_experts=8, topk=2),
                 dispatch=DispatchConfig(num_worst_tokens=1 << 30),
             )
         ),
-        r"MoELayer: dispatch.num_worst_tokens=1073741824 " + _EST,
+        r"FlexDispatcher: num_worst_tokens=1073741824 " + _EST,
     ),
     (
         "MoELayer/gate",
@@ -169,9 +181,13 @@ def test_check_fits_names_everything_and_caches_what_fitted(monkeypatch):
     with pytest.raises(ValueError) as info:
         _limits.check_fits("f", "n", 9, 3 << 30, "cpu", detail="why", fix="change n")
     assert str(info.value) == (
-        "f: n=9 needs about 3.0 GiB (why), more than the 1.0 GiB available on cpu "
-        "(a test figure): change n"
+        "f: n=9 needs about 3.0 GiB (why), more than the 819.2 MiB available on cpu "
+        "(80% of 1.0 GiB, a test figure; the rest is headroom): change n"
     )
+    # N3: an estimate under the figure but above its 80 % share is refused (headroom)
+    with pytest.raises(ValueError, match=r"n=10 needs about 921\.6 MiB, more than the 819\.2 MiB"):
+        _limits.check_fits("f", "n", 10, int(0.9 * (1 << 30)), "cpu")
+    _limits.check_fits("f", "n", 11, int(0.79 * (1 << 30)), "cpu")
 
 
 def test_available_bytes_reads_the_process_limits():

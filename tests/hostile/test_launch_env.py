@@ -1,0 +1,205 @@
+"""The launch recipes check every variable they read before anything starts, and a hung peer under
+torchrun ends the job within ``--timeout`` plus a few seconds (reliability-4 N23, N24, and the
+single-node store's loopback note).
+
+Each bad variable is one line on stderr naming it, exit 2, no traceback, and torchrun never runs
+(a stand-in ``TORCHRUN`` that records its call). The collectives a hung peer could leave a rank in
+(the demo's timing barrier, the router's global aux-loss and expert-bias all-reduces, the bench
+barriers, the object exchange under a launcher) raise ``CollectiveError`` naming them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flexdispatch.distributed import CollectiveError
+from tests.hostile import ROOT
+
+pytestmark = pytest.mark.timeout(120)
+
+LAUNCH = ROOT / "scripts" / "launch"
+SINGLE, MULTI = LAUNCH / "torchrun_single_node.sh", LAUNCH / "torchrun_multi_node.sh"
+SERVE = LAUNCH / "serve_hf_expert_parallel.sh"
+_CLEAN = ("MASTER_PORT", "MASTER_ADDR", "NNODES", "NODE_RANK", "RANK", "WORLD_SIZE", "PYTHON")
+
+
+@pytest.fixture
+def fake_torchrun(tmp_path: Path) -> Path:
+    fake = tmp_path / "torchrun"
+    fake.write_text(
+        '#!/usr/bin/env bash\necho "TORCHRUN $* SHUTDOWN=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT-unset}"\n'
+    )
+    fake.chmod(0o755)
+    return fake
+
+
+def _recipe(script: Path, fake: Path, **env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in _CLEAN and not k.startswith("PET_")}
+    base.update(NPROC_PER_NODE="2", FLEXDISPATCH_DEVICE="cpu", TORCHRUN=str(fake))
+    return subprocess.run(
+        ["bash", str(script), "--iters", "1"],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+
+
+BAD = [
+    (
+        SINGLE,
+        {"MASTER_PORT": "0"},
+        "MASTER_PORT=0 is not a TCP port: pass an integer in [1, 65535]",
+    ),
+    (SINGLE, {"MASTER_PORT": "99999"}, "MASTER_PORT=99999 is not a TCP port"),
+    (SINGLE, {"MASTER_PORT": "abc"}, "MASTER_PORT=abc is not a TCP port"),
+    (SINGLE, {"PYTHON": "/bin/false"}, "PYTHON=/bin/false does not run Python 3.10+"),
+    (SINGLE, {"PYTHON": "/no/python"}, "PYTHON=/no/python does not run Python 3.10+"),
+    (SINGLE, {"FLEXDISPATCH_CMD": "nonexistent"}, "FLEXDISPATCH_CMD=nonexistent is not a"),
+    (SINGLE, {"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE=0 is not a number of processes"),
+    (SINGLE, {"NPROC_PER_NODE": "2x"}, "NPROC_PER_NODE=2x is not a number of processes"),
+    (SINGLE, {"TORCHRUN": "no-such-torchrun"}, "TORCHRUN=no-such-torchrun is not a command"),
+    (SINGLE, {"FLEXDISPATCH_DEVICE": "gpu"}, "FLEXDISPATCH_DEVICE=gpu is not a device choice"),
+    (SINGLE, {"FLEXDISPATCH_DRY_RUN": "yes"}, "FLEXDISPATCH_DRY_RUN=yes must be 1"),
+    (SINGLE, {"FLEXDISPATCH_VENV": "/no/venv"}, "FLEXDISPATCH_VENV=/no/venv is not a folder"),
+    (SINGLE, {"OMP_NUM_THREADS": "0"}, "OMP_NUM_THREADS=0 is not a number of threads"),
+    (SINGLE, {"GLOO_SOCKET_IFNAME": "bogus0"}, "GLOO_SOCKET_IFNAME=bogus0 is not a network"),
+    (SINGLE, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "x"}, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=x is not"),
+    (SERVE, {"MASTER_PORT": "0"}, "MASTER_PORT=0 is not a TCP port"),
+    (MULTI, {"MASTER_PORT": "0"}, "MASTER_PORT=0 is not a TCP port"),
+    (MULTI, {"NNODES": "2", "FLEXDISPATCH_IFNAME": "bogus0"}, "FLEXDISPATCH_IFNAME=bogus0 is not"),
+    (MULTI, {"NNODES": "2", "NODE_RANK": "2"}, "NODE_RANK=2 is not below NNODES=2"),
+    (MULTI, {"NNODES": "0"}, "NNODES=0 is not a number of nodes"),
+    (MULTI, {"MASTER_ADDR": "a b"}, "MASTER_ADDR=a\\ b is not a host name or address"),
+    (MULTI, {"RDZV_BACKEND": "etcd"}, "RDZV_BACKEND=etcd must be static or c10d"),
+]
+
+
+@pytest.mark.parametrize(
+    ("script", "env", "message"), BAD, ids=[f"{s.stem}-{'-'.join(e)}" for s, e, _ in BAD]
+)
+def test_a_bad_variable_is_one_line_before_torchrun(script, env, message, fake_torchrun):
+    proc = _recipe(script, fake_torchrun, **env)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stdout == "", "torchrun was started"
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith(f"{script.name}: {message}"), proc.stderr
+
+
+def test_single_node_recipe_bounds_the_shutdown_and_says_where_its_store_listens(fake_torchrun):
+    proc = _recipe(SINGLE, fake_torchrun, MASTER_PORT="29517")
+    assert proc.returncode == 0, proc.stderr
+    assert "SHUTDOWN=5" in proc.stdout  # NOTE: torchrun's own default grace is 30 s (N23)
+    assert "--master-addr 127.0.0.1 --master-port 29517" in proc.stdout
+    note = [line for line in proc.stderr.splitlines() if "note:" in line]
+    assert len(note) == 1 and "rendezvous store listens on every interface (port 29517)" in note[0]
+    assert "firewall the port" in note[0]
+
+
+# --------------------------------------------------------------------------- guarded collectives
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _hung(*args, **kwargs):
+    raise RuntimeError("[gloo] Timed out waiting 30000ms for recv operation to complete")
+
+
+def test_router_collectives_name_themselves_when_a_peer_hangs(world_of_one, monkeypatch):
+    import flexdispatch as fd
+
+    cfg = fd.RouterConfig(
+        num_experts=8, topk=2, aux_loss_type="global_aux_loss", aux_loss_coeff=0.01
+    )
+    router = fd.TopKRouter(cfg, 16, aux_loss_group=dist.group.WORLD)
+    monkeypatch.setattr(dist, "all_reduce", _hung)
+    with pytest.raises(CollectiveError, match=r"all_reduce \(global aux loss counts\) failed"):
+        router(torch.randn(4, 16))
+    bias_cfg = fd.RouterConfig(
+        num_experts=8, topk=2, score_function="sigmoid", enable_expert_bias=True
+    )
+    biased = fd.TopKRouter(bias_cfg, 16)
+    with pytest.raises(CollectiveError, match=r"all_reduce \(expert bias counts\) failed"):
+        biased.update_expert_bias(dist.group.WORLD)
+
+
+def test_demo_timing_barrier_names_itself_when_a_peer_hangs(world_of_one, monkeypatch):
+    from flexdispatch.cli.demo import DemoSpec, run_rank
+
+    monkeypatch.setattr(dist, "barrier", _hung)
+    spec = DemoSpec(preset="tiny_cpu", backend="torch", tokens=4, seed=0, iters=1, worst_case=False)
+    with pytest.raises(CollectiveError, match=r"barrier \(demo timing loop\) failed on rank 0"):
+        run_rank(spec)
+
+
+def test_launcher_object_exchange_names_itself_when_a_peer_hangs(world_of_one, monkeypatch):
+    from flexdispatch.launch import broadcast_object, gather_objects
+
+    assert gather_objects({"a": 1}) == [{"a": 1}]
+    monkeypatch.setattr(dist, "all_gather", _hung)
+    monkeypatch.setattr(dist, "broadcast", _hung)
+    with pytest.raises(CollectiveError, match=r"all_gather \(object sizes\) failed"):
+        gather_objects({"a": 1})
+    with pytest.raises(CollectiveError, match=r"broadcast \(object size\) failed"):
+        broadcast_object({"a": 1})
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_failing_rank_ends_the_stopped_workers_of_its_job(monkeypatch):
+    # NOTE: N23: a SIGSTOPped worker ignores torchrun's SIGTERM; torchrun waits 30 s (whatever
+    # TORCH_ELASTIC_SHUTDOWN_TIMEOUT says, for a failed worker group) before its SIGKILL. This
+    # process stands in for the torchrun agent: the "workers" are its children.
+    import signal
+
+    from flexdispatch.launch import end_stopped_local_peers
+
+    def worker(run_id: str) -> subprocess.Popen:
+        env = {**os.environ, "TORCHELASTIC_RUN_ID": run_id}
+        return subprocess.Popen(["sleep", "60"], env=env)
+
+    hung, running, other_job = worker("job1"), worker("job1"), worker("job2")
+    try:
+        for p in (hung, other_job):
+            os.kill(p.pid, signal.SIGSTOP)
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")
+        monkeypatch.setattr(os, "getppid", os.getpid)  # NOTE: "this rank" is the agent's child
+        deadline = time.monotonic() + 10
+        ended: list[int] = []
+        while hung.pid not in ended and time.monotonic() < deadline:
+            ended += end_stopped_local_peers()  # NOTE: until the kernel shows the stop
+            time.sleep(0.05)
+        assert ended == [hung.pid]
+        assert hung.wait(timeout=10) == -signal.SIGKILL
+        assert running.poll() is None and other_job.poll() is None
+    finally:
+        for p in (hung, running, other_job):
+            p.kill()
+            p.wait()
+
+
+def test_a_torchrun_worker_ends_with_its_agent(monkeypatch, capsys):
+    # NOTE: a SIGKILLed torchrun left its workers running (reliability-4 section 5): the command
+    # line arms the parent-death signal of tests/hostile/test_processes.py under a launcher
+    import flexdispatch.launch as launch
+    from flexdispatch.cli import main
+
+    armed: list[int] = []
+    monkeypatch.setattr(launch, "die_with_parent", armed.append)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert main(["presets"]) == 0 and armed == []
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")
+    assert main(["presets"]) == 0 and armed == [os.getppid()]
+    capsys.readouterr()
