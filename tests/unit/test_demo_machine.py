@@ -55,6 +55,18 @@ def test_probe_measures_and_the_estimate_bounds_it(monkeypatch: pytest.MonkeyPat
     assert demo_machine.measure_runtime("cpu")[1] == measured  # cached: probed once
 
 
+def test_an_override_is_not_kept_once_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$FLEXDISPATCH_RUNTIME_BYTES decides only while it is set: the cache does not keep it for
+    the calls after it is unset (a test that set it decided later demos' runtime)."""
+    demo_machine._measure.cache_clear()
+    monkeypatch.setenv(demo_machine.RUNTIME_ENV, "400MiB")
+    assert demo_machine.measure_runtime("cpu")[2] == "$FLEXDISPATCH_RUNTIME_BYTES"
+    monkeypatch.delenv(demo_machine.RUNTIME_ENV)
+    monkeypatch.setattr(demo_machine.sys, "executable", "/nonexistent/python")  # no real probe
+    assert demo_machine.measure_runtime("cpu")[2].startswith("fixed allowance (the probe failed")
+    demo_machine._measure.cache_clear()
+
+
 def test_override_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
     demo_machine._measure.cache_clear()
     monkeypatch.setenv(demo_machine.RUNTIME_ENV, "1GiB")
