@@ -51,6 +51,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "doctor",
             "bench",
             "launch",
+            "_wire",
+            "_lifetime",
             "cli",
             "hf",
             "integrations",

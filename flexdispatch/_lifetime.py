@@ -1,0 +1,93 @@
+"""How a rank's life is tied to its parent's: ``die_with_parent`` (a spawned rank, a torchrun
+worker ends when the process that started it ends, by any signal) and
+``end_stopped_local_peers`` (a failing torchrun worker ends its job's stopped workers, so that
+torchrun does not wait its grace for them). Linux ``prctl`` / ``/proc``; a polling thread
+elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+__all__ = ["die_with_parent", "end_stopped_local_peers"]
+
+
+def end_stopped_local_peers() -> list[int]:
+    """Under torchrun: SIGKILL the other workers of this job on this machine that are stopped.
+
+    A worker stopped by SIGSTOP (or a debugger) cannot act on the SIGTERM torchrun sends when
+    another worker fails, so torchrun waits its full grace (30 s, whatever
+    ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` says for a failed worker group) before its SIGKILL: a hung
+    peer would end the job only at twice ``--timeout``. The command line calls this when it fails
+    under a launcher (a peer that hung makes this rank's collective time out), just before it
+    exits: the job is over either way.
+
+    Only processes with the same parent (the torchrun agent) and the same
+    ``TORCHELASTIC_RUN_ID`` in their environment, in state ``T``/``t``, are ended. Linux only
+    (``/proc``); returns the pids ended.
+    """
+    import signal
+
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id or not os.path.isdir("/proc"):
+        return []
+    me, parent = os.getpid(), os.getppid()
+    ended = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+            if int(ppid) != parent or state not in ("T", "t"):
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+            if f"TORCHELASTIC_RUN_ID={run_id}".encode() not in environ:
+                continue
+            os.kill(int(entry), signal.SIGKILL)
+            ended.append(int(entry))
+        except (OSError, ValueError):
+            continue  # NOTE: gone meanwhile, or not ours to read
+    return ended
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """End this process when its parent ends, by any signal (SIGKILL included).
+
+    Linux: ``prctl(PR_SET_PDEATHSIG, SIGKILL)``: the kernel kills this process when the *thread*
+    that started it ends (``spawn_group`` starts its ranks from the thread that waits for them,
+    so that thread outlives them). The parent may have ended before the call: then this process
+    has been handed to another parent already and exits at once. Elsewhere (no ``prctl``) a
+    daemon thread polls ``os.getppid()`` twice a second and exits the process when it changes.
+    """
+    import signal
+
+    armed = False
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            armed = False
+    if os.getppid() != parent_pid:
+        os._exit(1)  # NOTE: the parent is gone already: nobody waits for this rank
+    if armed:
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    import threading
+
+    threading.Thread(target=watch, name="flexdispatch-parent-watch", daemon=True).start()

@@ -1,0 +1,199 @@
+"""Objects between ranks and from ranks to their parent, as data only.
+
+``_dumps`` writes ``torch.save`` bytes; ``_loads`` reads them back only through
+``torch.load(weights_only=True)``, which allows tensors and plain values, plus the data classes of
+this project that the bytes name (``_data_class``): never an unrestricted pickle (docs/security.md,
+reliability-4 N2). ``gather_objects`` / ``broadcast_object`` carry such bytes in uint8 tensors,
+where ``dist.all_gather_object`` would unpickle a peer's bytes without restriction.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import dataclasses
+import enum
+import io
+import pickle
+import pickletools
+import sys
+import zipfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from flexdispatch._files import excerpt
+
+__all__ = ["broadcast_object", "gather_objects"]
+
+
+def _torch_safe_globals() -> dict[str, Any]:
+    try:
+        from torch._weights_only_unpickler import _get_allowed_globals
+    except ImportError:  # another PyTorch: only the weights_only path is used
+        return {}
+    return dict(_get_allowed_globals())
+
+
+def _is_data_class(cls: type) -> bool:
+    """A class whose instances are plain data: a dataclass, an ``Enum``, a ``NamedTuple`` or a
+    pydantic model (never a function, a module, an exception or a class with behaviour of its
+    own, such as ``subprocess.Popen`` or ``FlexDispatcher``)."""
+    if dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum):
+        return True
+    if issubclass(cls, tuple) and hasattr(cls, "_fields"):
+        return True
+    return any(
+        base.__name__ == "BaseModel" and base.__module__.startswith("pydantic")
+        for base in cls.__mro__
+    )
+
+
+def _data_class(module: str, name: str) -> type | None:
+    """The data class (``_is_data_class``) defined as ``name`` in module ``module`` of the
+    ``flexdispatch`` or ``tests`` packages, already imported by this process; None otherwise.
+
+    ``name`` must be the class's own ``__qualname__`` there (``Outer.Inner`` for a nested class):
+    a dotted path through something the module imported (``flexdispatch.cli.demo_machine`` +
+    ``subprocess.Popen``), a function, a module or a class defined elsewhere is not one.
+    """
+    root = sys.modules.get(module) if module.split(".")[0] in _TRUSTED_PACKAGES else None
+    first, *rest = name.split(".")
+    # NOTE: the module's own namespace, then a class's own attributes: never a step through a
+    # module that the trusted one imported, nor a lookup hook (``vars``, not ``getattr``)
+    obj: Any = vars(root).get(first) if root is not None else None
+    for part in rest:
+        obj = vars(obj).get(part) if isinstance(obj, type) else None
+    if (
+        isinstance(obj, type)
+        and obj.__module__ == module
+        and obj.__qualname__ == name
+        and _is_data_class(obj)
+    ):
+        return obj
+    return None
+
+
+_TRUSTED_PACKAGES = ("flexdispatch", "tests")
+
+# Opcodes that name a global: protocol 0-1 spell it in the opcode (GLOBAL, INST); STACK_GLOBAL
+# (protocol 4+) takes it from the stack, which torch.save (protocol 2) never writes.
+_NAMED_GLOBAL_OPS = frozenset({"GLOBAL", "INST"})
+_STACK_GLOBAL_OPS = frozenset({"STACK_GLOBAL", "OBJ"})
+
+
+def _referenced_globals(data: bytes) -> list[tuple[str, str]]:
+    """``(module, name)`` of every global the pickle inside ``torch.save`` bytes names.
+
+    Raises:
+        pickle.UnpicklingError: not a ``torch.save`` archive, or a pickle that names a global
+            through the stack (``STACK_GLOBAL``, ``OBJ``), which ``_dumps`` never writes.
+    """
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            names = [n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+            if len(names) != 1:
+                raise pickle.UnpicklingError("not one pickle in the archive")
+            pkl = z.read(names[0])
+        found = []
+        for op, arg, _ in pickletools.genops(pkl):
+            if op.name in _STACK_GLOBAL_OPS:
+                raise pickle.UnpicklingError(f"{op.name} opcode")
+            if op.name in _NAMED_GLOBAL_OPS:
+                module, _, name = str(arg).partition(" ")
+                # NOTE: protocol 2 writes Python 2 names (__builtin__.set), read as pickle does
+                if (module, name) in _compat_pickle.NAME_MAPPING:
+                    module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+                module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+                found.append((module, name))
+        return found
+    except (zipfile.BadZipFile, ValueError, EOFError, OSError) as exc:
+        raise pickle.UnpicklingError(f"unreadable result archive ({exc})") from None
+
+
+def _dumps(obj: Any) -> bytes:
+    """A rank's result as bytes (``torch.save``: tensors travel as raw storage)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    """``_dumps``'s bytes back, only ever through ``torch.load(weights_only=True)``: tensors,
+    numbers, strings, None and containers, plus the data classes of this project that the
+    pickle names (``_data_class``: dataclasses, enums, named tuples, pydantic models), allowed
+    for this one load. Never an unrestricted pickle.
+
+    Raises:
+        pickle.UnpicklingError: naming the first global the pickle refers to that is neither
+            allowed by ``weights_only`` nor such a class (``os.system``,
+            ``subprocess.Popen``, a function, ...).
+    """
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError:
+        pass  # NOTE: a class weights_only does not know: allowed below if it is plain data
+    except (RuntimeError, ValueError, EOFError, OSError) as exc:  # e.g. a TorchScript archive
+        raise pickle.UnpicklingError(f"a rank's result is not torch.save bytes: {exc}") from None
+    allowed = _torch_safe_globals()
+    classes: dict[str, type] = {}
+    for module, name in _referenced_globals(data):
+        key = f"{module}.{name}"
+        if key in allowed or key in classes:
+            continue
+        cls = _data_class(module, name)
+        if cls is None:
+            raise pickle.UnpicklingError(
+                f"a rank's result refers to {excerpt(key, 80)}, which flexdispatch.launch does "
+                f"not unpickle: return tensors, numbers, strings, None, lists, tuples and dicts "
+                f"(or dataclasses, enums and named tuples of flexdispatch)"
+            )
+        classes[key] = cls
+    with torch.serialization.safe_globals(list(classes.values())):
+        return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _guard(name: str, group: Any) -> Any:
+    from flexdispatch.distributed import collective_guard
+
+    return collective_guard(name, group)
+
+
+def _collective_device(group: Any) -> torch.device:
+    from flexdispatch.distributed import collective_device
+
+    return collective_device(group)
+
+
+def gather_objects(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``obj`` on every rank, as ``_dumps`` bytes in uint8 tensors read back with
+    ``_loads`` (``dist.all_gather_object`` would unpickle without restriction)."""
+    device = _collective_device(group)
+    payload = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
+    n = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size(group))]
+    with _guard("all_gather (object sizes)", group):
+        dist.all_gather(sizes, n, group=group)
+    counts = [int(c.item()) for c in sizes]
+    buf = torch.zeros(max(counts), dtype=torch.uint8, device=device)
+    buf[: payload.numel()] = payload.to(device)
+    bufs = [torch.empty_like(buf) for _ in counts]
+    with _guard("all_gather (objects)", group):
+        dist.all_gather(bufs, buf, group=group)
+    return [_loads(b[:c].cpu().numpy().tobytes()) for b, c in zip(bufs, counts, strict=True)]
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """``obj`` of rank ``src`` on every rank, the same way as ``gather_objects``."""
+    device = _collective_device(group)
+    mine = dist.get_rank(group) == src
+    payload = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8) if mine else None
+    n = torch.tensor([payload.numel() if payload is not None else 0], device=device)
+    with _guard("broadcast (object size)", group):
+        dist.broadcast(n, src=src, group=group)
+    buf = torch.empty(int(n.item()), dtype=torch.uint8, device=device)
+    if payload is not None:
+        buf.copy_(payload)
+    with _guard("broadcast (object)", group):
+        dist.broadcast(buf, src=src, group=group)
+    return _loads(buf.cpu().numpy().tobytes())
