@@ -23,7 +23,9 @@
 #   bench       benchmarks/bench_gpu.py --quick (routing, permute, dispatch), if it exists
 # The DeepEP emulator tests need the sgl-deep-ep and sgl-deep-ep-v25 wheels' files: without them
 # the multi-process ones are left out of the suite (--ignore) and the summary says so; the unit
-# ones skip themselves with the reason.
+# ones skip themselves with the reason. Likewise the plug-in tests (tests/dist/test_megatron*.py,
+# test_torchtitan.py) need megatron-core and torchtitan (scripts/setup.sh installs them where a
+# registry is reachable; --wheels can carry them): without them they are left out, saying so.
 # Exit status: 0 all ran steps passed (or skipped, with the reason), 1 a step failed, 2 bad usage.
 set -uo pipefail
 
@@ -97,15 +99,31 @@ if [[ -n $wheels ]]; then
     emu_missing=""  # decided after the wheels step
 fi
 emu_ignores() {
-    ignore=()
+    ignore=() emu_count=0
     [[ -z $emu_missing ]] && return
     local f
     while IFS= read -r f; do
         ignore+=("--ignore=$f")
     done < <(grep -rlE --include='test_*.py' 'load_deep_ep|load_v25' tests/dist tests/hardening \
              | sort)
+    emu_count=${#ignore[@]}
 }
 emu_ignores
+
+# The plug-in tests import Megatron-Core / torchtitan (and spmd_types) in their ranks.
+integ_missing=""
+integ_ignores() {
+    integ_missing=$("$py" -c '
+import importlib.util as u
+print(" ".join(m for m in ("megatron", "torchtitan", "spmd_types") if u.find_spec(m) is None))
+' 2>/dev/null) || integ_missing="megatron torchtitan spmd_types"
+    [[ -z $integ_missing ]] && return
+    local f
+    while IFS= read -r f; do
+        ignore+=("--ignore=$f")
+    done < <(grep -rlE --include='test_*.py' 'megatron_host|torchtitan_host' tests/dist | sort)
+}
+[[ -z $wheels ]] && integ_ignores
 
 # step NAME LIMIT CMD...: the plan (dry run) or the run; one summary row each.
 rows=() failed=0 start=$SECONDS
@@ -184,6 +202,7 @@ for n in ("sgl-deep-ep", "sgl-deep-ep-v25"):
         miss.append(n)
 print(" ".join(miss))' 2>/dev/null)
             emu_ignores
+            integ_ignores
         fi
     fi
     if [[ $dry -eq 0 && $cuda_rc -ne 0 ]]; then
@@ -191,8 +210,11 @@ print(" ".join(miss))' 2>/dev/null)
         return
     fi
     if [[ -n $emu_missing ]]; then
-        local why="${#ignore[@]} DeepEP emulator test files left out: $emu_missing not installed"
+        local why="$emu_count DeepEP emulator test files left out: $emu_missing not installed"
         skip deepep_emu "$why (pass --wheels DIR with their wheels)"
+    fi
+    if [[ -n $integ_missing ]]; then
+        skip integrations "plug-in test files left out: $integ_missing not importable (pass --wheels DIR with megatron-core, torchtitan and spmd_types wheels)"
     fi
     step gpu_tests 110 "${PYTEST[@]}" "${timeout_opt[@]}" tests/gpu
     step unit_cuda 50 env FLEXDISPATCH_TEST_DEVICE=cuda "${PYTEST[@]}" "${xdist[@]}" \

@@ -78,6 +78,12 @@ def test_dry_run_without_plugins_or_emulator_wheels_says_what_it_leaves_out(
     assert "pytest-xdist absent" in proc.stdout and "pytest-timeout absent" in proc.stdout
     skip = [line for line in proc.stdout.splitlines() if line.startswith("deepep_emu")]
     assert len(skip) == 1 and "sgl-deep-ep sgl-deep-ep-v25 not installed" in skip[0], proc.stdout
+    # the plug-in tests need Megatron-Core and torchtitan, which a machine without a registry lacks
+    skip = [line for line in proc.stdout.splitlines() if line.startswith("integrations")]
+    assert len(skip) == 1 and "megatron torchtitan spmd_types not importable" in skip[0], skip
+    suite = _plan(proc.stdout)["suite"][1]
+    for name in ("test_megatron.py", "test_megatron_expert_tp.py", "test_torchtitan.py"):
+        assert f"--ignore=tests/dist/{name}" in suite, suite
     plan = _plan(proc.stdout)
     uses = re.compile(r"load_deep_ep|load_v25")
     emulated = sorted(
@@ -87,8 +93,10 @@ def test_dry_run_without_plugins_or_emulator_wheels_says_what_it_leaves_out(
         if uses.search(p.read_text())
     )
     assert "tests/dist/test_contract.py" in emulated and "tests/dist/test_deepep_ep.py" in emulated
+    hosts = [f"tests/dist/{n}" for n in ("test_megatron.py", "test_megatron_expert_tp.py")]
+    hosts.append("tests/dist/test_torchtitan.py")
     ignored = re.findall(r"--ignore=(\S+)", plan["suite"][1])
-    assert sorted(set(ignored) - {"tests/gpu"}) == emulated
+    assert sorted(set(ignored) - {"tests/gpu"}) == sorted(emulated + hosts)
     assert "--ignore" not in plan["unit_cuda"][1]  # the unit files skip themselves
     assert "-n " not in plan["suite"][1] and "--timeout" not in plan["suite"][1]
 
