@@ -163,6 +163,11 @@ class RouterConfig(_Strict):
             )
         if self.router_type == "hash" and (self.capacity_factor is not None):
             raise ValueError("router_type='hash' has no capacity dropping: unset capacity_factor")
+        if self.impl == "triton" and self.router_dtype == "fp64" and self.router_type == "learned":
+            raise ValueError(
+                "impl='triton' routes float32/bfloat16/float16 logits, but router_dtype='fp64' "
+                "gates in float64: set impl='torch' (or 'auto') or router_dtype='fp32'"
+            )
         return self
 
     @property

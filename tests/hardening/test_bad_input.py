@@ -179,6 +179,8 @@ ERRORS: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
      r"num_groups and group_topk go together"),
     ("RouterConfig/bias-with-softmax", lambda t: _router_cfg(enable_expert_bias=True),
      ValueError, r"enable_expert_bias needs score_function 'sigmoid' or 'sqrtsoftplus'"),
+    ("RouterConfig/triton-fp64", lambda t: _router_cfg(impl="triton", router_dtype="fp64"),
+     ValueError, r"impl='triton' routes float32/bfloat16/float16 logits, but router_dtype='fp64'"),
     ("RouterConfig/aux-without-coeff", lambda t: _router_cfg(aux_loss_type="aux_loss"),
      ValueError, r"aux_loss_type='aux_loss' with aux_loss_coeff=0"),
     ("RouterConfig/bool-topk", lambda t: RouterConfig(num_experts=4, topk=True), ValueError,
