@@ -61,7 +61,7 @@ from flexdispatch.backends.deepep.elastic_combine import (
     ElasticCombineMixin,
     ElasticDispatchState,
 )
-from flexdispatch.backends.deepep.ep_support import token_bucket
+from flexdispatch.backends.deepep.ep_support import agree_dropless_bound, token_bucket
 from flexdispatch.backends.deepep.support import load_deep_ep, nvl_peers
 from flexdispatch.distributed import collective_device, group_rank, group_size
 from flexdispatch.types import (
@@ -323,14 +323,9 @@ class DeepEPElasticBackend(ElasticCombineMixin, DispatchBackend):
         X, k, dtype = shape if shape is not None else (0, 0, torch.bfloat16)
         checks = checks_enabled(self.checks) and not is_capturing()
         if not self.worst_case and not is_capturing():
-            Gh = gather_token_rows(
-                T, (X, k, dtype) if checks else None, self.group, name="elastic token count"
+            agree_dropless_bound(
+                self, T, (X, k, dtype), device, checks=checks, name="elastic token count"
             )
-            if device.type == "cuda":
-                self._stats.host_syncs += 1  # the bound's agreement (DeepEP's wait is the other)
-            if checks:
-                check_agreement([r[1:] for r in Gh], num_ranks=0, num_nodes=0)
-            self._grow_bound(max(r[0] for r in Gh))
             return T
         if checks:
             Gh = gather_token_rows(T, (X, k, dtype), self.group, name="elastic token count")

@@ -77,6 +77,7 @@ from flexdispatch.backends.deepep.ep_rows import (
     traffic_rows,
 )
 from flexdispatch.backends.deepep.ep_support import (
+    agree_dropless_bound,
     ep_available,
     ep_rules,
     load_deep_ep_v25,
@@ -285,15 +286,7 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         M, R, rank = self.max_tokens, self.num_ranks, self.rank
         checks = checks_enabled(self.checks) and not is_capturing()
         if not self.worst_case and not is_capturing():
-            X, k, dtype = shape
-            rows = gather_token_rows(
-                T, (X, k, dtype) if checks else None, self.group, name="ep token count"
-            )
-            if device.type == "cuda":
-                self._stats.host_syncs += 1  # the bound's agreement (DeepEP's wait is the other)
-            if checks:
-                check_agreement([r[1:] for r in rows], num_ranks=0, num_nodes=0)
-            self._grow_bound(max(r[0] for r in rows))
+            agree_dropless_bound(self, T, shape, device, checks=checks, name="ep token count")
             return T
         if checks:
             rows = gather_token_rows(T, shape, self.group, name="ep token count")
