@@ -6,6 +6,9 @@ experts · M received rows · N rows grouped by local expert.
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,22 +117,23 @@ class FlexTokenDispatcher(BaseEPTokenDispatcher):
                 self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
             )
         fd = self.dispatcher or self._build(x_TD.shape[0])
-        res = fd.dispatch(
-            x_TD, topk_expert_ids_TK.to(torch.int64), topk_scores_TK.to(torch.float32)
-        )
-        M, K = res.recv_topk_idx.shape
-        worst = fd.config.num_worst_tokens > 0
-        perm = permute(
-            res.recv_x,
-            res.recv_topk_idx,
-            fd.num_local_experts,
-            topk_probs=res.recv_topk_probs,
-            # NOTE: worst-case mode keeps static shapes (zero rows past the real ones)
-            num_out_rows=M * K if worst else None,
-            num_rows=None if worst else res.num_recv_pairs,
-        )
+        with _collective_boundary("dispatch", x_TD) as stamp:
+            res = fd.dispatch(
+                x_TD, topk_expert_ids_TK.to(torch.int64), topk_scores_TK.to(torch.float32)
+            )
+            M, K = res.recv_topk_idx.shape
+            worst = fd.config.num_worst_tokens > 0
+            perm = permute(
+                res.recv_x,
+                res.recv_topk_idx,
+                fd.num_local_experts,
+                topk_probs=res.recv_topk_probs,
+                # NOTE: worst-case mode keeps static shapes (zero rows past the real ones)
+                num_out_rows=M * K if worst else None,
+                num_rows=None if worst else res.num_recv_pairs,
+            )
         meta = FlexDispatchMetadata(handle=res.handle, perm=perm)
-        return perm.x, perm.padded_tokens_per_expert, meta
+        return stamp(perm.x), stamp(perm.padded_tokens_per_expert), meta
 
     def combine(
         self, routed_output_RD: torch.Tensor, metadata: Any, x_TD: torch.Tensor
@@ -140,8 +144,10 @@ class FlexTokenDispatcher(BaseEPTokenDispatcher):
         if not isinstance(metadata, FlexDispatchMetadata) or self.dispatcher is None:
             raise TypeError("combine needs the metadata of this dispatcher's dispatch")
         perm = metadata.perm
-        summed_MD = unpermute(routed_output_RD, perm, probs=perm.probs)
-        return self.dispatcher.combine(summed_MD, metadata.handle)
+        with _collective_boundary("combine", routed_output_RD) as stamp:
+            summed_MD = unpermute(routed_output_RD, perm, probs=perm.probs)
+            out = self.dispatcher.combine(summed_MD, metadata.handle)
+        return stamp(out)
 
 
 def flexdispatch_override(
@@ -163,58 +169,42 @@ flexdispatch_override = override(
 )(flexdispatch_override)
 
 
-def _typecheck_rule(cls: type, collective: bool) -> Any:
-    """A ``typecheck_forward`` for one of flexdispatch's autograd Functions (spmd_types):
-    the SPMD type of the rows it moves (its first typed tensor argument) is checked and given to
-    every tensor it returns; a collective (dispatch, combine) makes every axis varying, as the
-    rows a rank receives differ from rank to rank. The Function itself runs unchecked (the
-    checker's mode is off inside ``typecheck_forward``)."""
+def _spmd_checking() -> bool:
+    """Whether torchtitan's ``spmd_typechecking`` (spmd_types' checker) is active here."""
+    spmd = sys.modules.get("spmd_types")
+    return spmd is not None and bool(spmd.TYPE_CHECKING)
+
+
+@contextlib.contextmanager
+def _collective_boundary(what: str, rows: torch.Tensor) -> Iterator[Callable[[Any], Any]]:
+    """Under spmd_types' checker: one typed boundary around a dispatch (or combine) and the
+    permutation beside it, as ``typecheck_forward`` is for an autograd Function. On entry the
+    rows' type is checked (partial (P) rows are refused); inside, the checker is off
+    (``spmd_types.no_typecheck``: what runs there — the autograd Functions or the custom ops,
+    a no-grad call straight to the backend, the Triton permutation kernels on CUDA — is
+    flexdispatch's own); the ``stamp`` it yields types each result varying (V) on every axis of
+    the rows, as the rows a rank receives (and the sums it gets back) differ from rank to rank.
+    Without the checker: no boundary, ``stamp`` returns its argument."""
+    if not _spmd_checking():
+        yield lambda t: t
+        return
     import spmd_types as spmd
 
-    def typecheck_forward(*args: Any) -> Any:
-        typed = [a for a in args if isinstance(a, torch.Tensor) and spmd.has_local_type(a)]
-        if not typed:
-            raise spmd.SpmdTypeError(
-                f"{cls.__name__}.apply: flexdispatch needs the SPMD type of the rows it moves; "
-                f"annotate them with spmd_types.assert_type"
-            )
-        rows_type = spmd.get_local_type(typed[0])
-        if collective:
-            if any(t is spmd.P for t in rows_type.values()):
-                raise spmd.SpmdTypeError(
-                    f"{cls.__name__}.apply: partial (P) rows cannot be dispatched or combined: "
-                    f"reduce them first (types {rows_type})"
-                )
-            rows_type = {axis: spmd.V for axis in rows_type}
-        out = cls.apply(*args)
-        for t in out if isinstance(out, tuple) else (out,):
-            if isinstance(t, torch.Tensor):
-                spmd.assert_type(t, rows_type)
-        return out
+    rows_type = spmd.get_local_type(rows) if spmd.has_local_type(rows) else {}
+    if any(v is spmd.P for v in rows_type.values()):
+        raise spmd.SpmdTypeError(
+            f"FlexTokenDispatcher.{what}: partial (P) rows cannot be dispatched or combined: "
+            f"reduce them first (types {rows_type})"
+        )
+    varying = {axis: spmd.V for axis in rows_type}
 
-    return staticmethod(typecheck_forward)
+    def stamp(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and varying:
+            spmd.assert_type(t, varying)
+        return t
 
-
-def _register_spmd_types() -> None:
-    """Register the autograd Functions a ``FlexTokenDispatcher`` runs with spmd_types, so that
-    torchtitan's ``spmd_typechecking=True`` accepts them (otherwise: "autograd Function is not
-    registered for SPMD type checking")."""
-    import spmd_types as spmd
-
-    from flexdispatch import dispatch_grad, permutation
-
-    for cls, collective in (
-        (dispatch_grad._Dispatch, True),
-        (dispatch_grad._Combine, True),
-        (permutation._PermuteRows, False),
-        (permutation._UnpermuteRows, False),
-    ):
-        if "typecheck_forward" not in vars(cls):
-            cls.typecheck_forward = _typecheck_rule(cls, collective)  # type: ignore[attr-defined]
-            spmd.register_autograd_function(cls)
-
-
-_register_spmd_types()
+    with spmd.no_typecheck():
+        yield stamp
 
 
 def update_flex_token_dispatcher_config(model_config: Any, job_config: Any) -> None:

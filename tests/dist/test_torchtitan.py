@@ -117,3 +117,10 @@ def test_the_torchtitan_example_runs() -> None:
     for res in spawn_group(th.run_example, 2, timeout_s=240):
         assert res["dispatcher"] == "FlexTokenDispatcher", res
         assert res["dispatch_calls"] == 1 and res["grad_finite"], res
+
+
+@pytest.mark.parametrize("eager_ops", [False, True], ids=["functions", "custom-ops"])
+def test_spmd_typechecking_types_a_dispatch_as_a_collective(eager_ops: bool) -> None:
+    for res in _run(th.spmd_types_of_a_dispatch, eager_ops):
+        assert res["rows"] == ["V"], res  # replicated in, varying out: rows differ per rank
+        assert "partial (P) rows cannot be dispatched" in res["partial"], res

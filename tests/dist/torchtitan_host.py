@@ -351,3 +351,51 @@ def fill_from_job() -> dict[str, Any]:
     except ValueError as exc:
         out["errors"].append(str(exc))
     return out
+
+
+def spmd_types_of_a_dispatch(eager_ops: bool) -> dict[str, Any]:
+    """Under spmd_types' checker (torchtitan's ``spmd_typechecking``), through
+    ``FlexTokenDispatcher``: the received rows of replicated (R) inputs are varying (V) on every
+    axis, and partial (P) rows are refused, on the autograd-Function path and on the custom-op
+    path (``eager_ops``) alike."""
+    import spmd_types as spmd
+    from torchtitan.distributed.utils import get_spmd_context
+
+    from flexdispatch import ops
+    from flexdispatch.integrations.torchtitan import FlexTokenDispatcher
+
+    pd = parallel_dims("spmd_types")
+    before = ops.set_eager_ops(eager_ops)
+    try:
+        with _cpu_device_type(), spmd_backend("spmd_types"):
+            tokdisp = FlexTokenDispatcher.Config(num_experts=4, top_k=2, backend="torch").build()
+            tokdisp.wire_meshes(ep_mesh=pd.get_mesh("ep"))
+            tokdisp.init_buffer()
+        with get_spmd_context(parallel_dims=pd, spmd_typechecking=True)():
+            axes = spmd.current_mesh()
+
+            def typed(t: torch.Tensor, kind: Any) -> torch.Tensor:
+                spmd.assert_type(t, {axis: kind for axis in axes})
+                return t
+
+            def inputs(kind: Any) -> tuple[torch.Tensor, ...]:
+                ids = torch.tensor([[0, 3], [1, 2], [2, 0]])
+                return (
+                    typed(torch.randn(3, 8), kind),
+                    typed(torch.rand(3, 2), spmd.R),
+                    typed(ids, spmd.R),
+                    typed(torch.bincount(ids.flatten(), minlength=4), spmd.R),
+                )
+
+            rows, _, _ = tokdisp.dispatch(*inputs(spmd.R))
+            kinds = sorted(
+                {"V" if v is spmd.V else str(v) for v in spmd.get_local_type(rows).values()}
+            )
+            try:
+                tokdisp.dispatch(*inputs(spmd.P))
+                refused = ""
+            except spmd.SpmdTypeError as exc:
+                refused = str(exc).splitlines()[0]
+    finally:
+        ops.set_eager_ops(before)
+    return {"rows": kinds, "partial": refused}
