@@ -149,9 +149,23 @@ class FlexDispatcher:
             if not ok:
                 raise ValueError(f"cuda_graph=True not supported: {why}")
         self.num_experts = num_experts
-        self._issuer = next_issuer()  # stamped on every handle, checked by combine
-        _ops.register_dispatcher(self._issuer, self)  # the custom ops name it by this serial
         self._guard = CallGuard()  # one thread at a time in the public calls (_guard.py)
+        self._new_serial()
+
+    def _new_serial(self) -> None:
+        """A serial of its own (stamped on every handle, checked by combine) and its entry in the
+        custom ops' registry, which name a dispatcher by ``_op_id``: the serial in a ``[1]``
+        int64 CPU tensor (a graph input under ``torch.compile``, so that identical layers share
+        one compiled graph)."""
+        self._issuer = next_issuer()
+        self._op_id = torch.tensor([self._issuer], dtype=torch.int64)
+        _ops.register_dispatcher(self._issuer, self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy (``copy.deepcopy``, pickle) is a dispatcher of its own: its own serial and
+        registry entry (the original's handles are not its handles)."""
+        self.__dict__.update(state)
+        self._new_serial()
 
     # ----------------------------------------------------------------- properties
     @property
@@ -506,7 +520,10 @@ class FlexDispatcher:
             TypeError / ValueError: a foreign handle or a malformed ``y`` (before any collective).
             flexdispatch.distributed.CollectiveError: a peer rank failed or timed out.
         """
-        check_handle(handle, self.backend_name, self._issuer)
+        # NOTE: traced, the serial is not read (dynamo would guard on it): the op checks it
+        check_handle(
+            handle, self.backend_name, None if torch.compiler.is_compiling() else self._issuer
+        )
         check_tensor("y", y, ndim=2, floating=True)
         self._check_device("y", y)
         if tuple(y.shape) != (handle.num_recv_rows, handle.hidden):

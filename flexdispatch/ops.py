@@ -15,8 +15,11 @@ and their backward halves ``flexdispatch::combine_with_probs`` and
 
 Python objects cannot cross an op boundary, so two int ids stand for them:
 
-- the dispatcher: its issuer serial (``DispatchHandle.issuer``), an ``int`` argument looked up in
-  a weak registry (a dispatcher that is gone has no entry);
+- the dispatcher: its issuer serial (``DispatchHandle.issuer``) in a ``[1]`` int64 CPU tensor
+  (``FlexDispatcher._op_id``), looked up in a weak registry (a dispatcher that is gone has no
+  entry). A tensor, not an int: dynamo guards on an int it reads (one compiled graph per layer,
+  and ``fullgraph=True`` fails past the recompile limit), while a tensor is a graph input, so
+  identical layers share one graph;
 - the handle: the dispatch op returns a ``[2]`` int64 CPU tensor ``(handle id, num_recv_pairs or
   -1)``; the ``DispatchHandle`` it names stays in a registry exactly as long as that tensor lives
   (a weak reference to its storage drops the entry), which is as long as the ``DispatchResult``
@@ -34,7 +37,7 @@ from typing import Any
 
 import torch
 
-from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult
+from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, check_handle
 
 __all__ = [
     "eager_ops",
@@ -82,7 +85,8 @@ def live_handles() -> int:
     return len(_HANDLES)
 
 
-def _dispatcher(issuer: int) -> Any:
+def _dispatcher(op_id: torch.Tensor) -> Any:
+    issuer = int(op_id[0])  # NOTE: a CPU tensor: no device sync
     d = _DISPATCHERS.get(issuer)
     if d is None:
         raise RuntimeError(
@@ -141,7 +145,9 @@ def _dispatch_op(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
     topk_probs: torch.Tensor,
-    dispatcher: int,
+    dispatcher: torch.Tensor,
+    num_worst_tokens: int,
+    num_local_experts: int,
     num_tokens_per_rank: torch.Tensor | None = None,
     num_tokens_per_rdma_rank: torch.Tensor | None = None,
     num_tokens_per_expert: torch.Tensor | None = None,
@@ -149,7 +155,9 @@ def _dispatch_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``FlexDispatcher.dispatch`` as an op: ``(recv_x [M, H], recv_topk_idx [M, k] int64,
     recv_topk_probs [M, k] float32, num_recv_tokens_per_expert [e] int64, handle [2] int64 CPU)``.
-    The four optional tensors are a ``DispatchLayout`` (all None: none given)."""
+    ``num_worst_tokens`` (W, 0 dropless) and ``num_local_experts`` (e) are the dispatcher's, for
+    the fake rule (equal across identical layers: no per-layer guard). The four optional tensors
+    are a ``DispatchLayout`` (all None: none given)."""
     d = _dispatcher(dispatcher)
     layout = None
     if is_token_in_rank is not None:
@@ -172,15 +180,22 @@ def _dispatch_fake(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
     topk_probs: torch.Tensor,
-    dispatcher: int,
+    dispatcher: torch.Tensor,
+    num_worst_tokens: int,
+    num_local_experts: int,
     num_tokens_per_rank: torch.Tensor | None = None,
     num_tokens_per_rdma_rank: torch.Tensor | None = None,
     num_tokens_per_expert: torch.Tensor | None = None,
     is_token_in_rank: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    d = _dispatcher(dispatcher)
-    d._check_inputs(x, topk_idx, topk_probs, None, read_values=False)
-    W = d.config.num_worst_tokens
+    # NOTE: shapes only: the dispatcher's checks run in the op itself, before any collective
+    # (a fake rule cannot look the dispatcher up: its id tensor has no data here)
+    if x.dim() != 2 or topk_idx.dim() != 2 or topk_probs.shape != topk_idx.shape:
+        raise ValueError(
+            f"flexdispatch::dispatch takes x [T, H], topk_idx [T, k] and topk_probs [T, k], got "
+            f"{tuple(x.shape)}, {tuple(topk_idx.shape)} and {tuple(topk_probs.shape)}"
+        )
+    W = num_worst_tokens
     # NOTE: worst-case mode has W rows whatever the routing; dropless has a data-dependent M
     M = W if W else torch.library.get_ctx().new_dynamic_size()
     k = topk_idx.shape[1]
@@ -188,24 +203,23 @@ def _dispatch_fake(
         x.new_empty(M, x.shape[1]),
         topk_idx.new_empty(M, k),
         topk_probs.new_empty(M, k),
-        torch.empty(d.num_local_experts, dtype=torch.int64, device=x.device),
+        torch.empty(num_local_experts, dtype=torch.int64, device=x.device),
         torch.empty(2, dtype=torch.int64, device="cpu"),
     )
 
 
 def _dispatch_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
     x, dispatcher = inputs[0], inputs[3]
-    ctx.save_for_backward(output[1], output[4])
-    ctx.dispatcher = dispatcher
+    ctx.save_for_backward(output[1], output[4], dispatcher)
     ctx.num_tokens, ctx.hidden, ctx.x_dtype = x.shape[0], x.shape[1], x.dtype
 
 
 def _dispatch_backward(ctx: Any, grad_x: Any, _gi: Any, grad_probs: Any, _gc: Any, _gh: Any):
     """``grad x = combine(grad recv_x)``; ``grad topk_probs = combine(grad recv_topk_probs)``
     with the gradient zeroed where ``recv_topk_idx == -1`` (the rule of ``_Dispatch``)."""
-    recv_idx, handle_t = ctx.saved_tensors
+    recv_idx, handle_t, d = ctx.saved_tensors
     want_x, want_p = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
-    T, d = ctx.num_tokens, ctx.dispatcher
+    T = ctx.num_tokens
     dx = dp = None
     # NOTE: every rank must run the same collectives; a missing gradient becomes zeros.
     if want_x and grad_x is None:
@@ -217,8 +231,8 @@ def _dispatch_backward(ctx: Any, grad_x: Any, _gi: Any, grad_probs: Any, _gc: An
         gx = grad_x.contiguous() if want_x else None
         dx, dp = torch.ops.flexdispatch.combine_with_probs(gx, masked, handle_t, d, T)
         dx = dx if want_x else None
-    elif want_x:
-        dx = torch.ops.flexdispatch.combine(grad_x.contiguous(), handle_t, d, T)
+    elif want_x:  # NOTE: the non-differentiable backward op, as ``_Dispatch.backward`` calls
+        dx, _ = torch.ops.flexdispatch.combine_with_probs(grad_x.contiguous(), None, handle_t, d, T)
     # NOTE: one gradient per argument the op was called with (trailing defaults may be absent)
     return (dx, None, dp, *[None] * (len(ctx.needs_input_grad) - 3))
 
@@ -231,12 +245,14 @@ _dispatch_op.register_autograd(_dispatch_backward, setup_context=_dispatch_setup
 def _combine_op(
     y: torch.Tensor,
     handle: torch.Tensor,
-    dispatcher: int,
+    dispatcher: torch.Tensor,
     num_tokens: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``FlexDispatcher.combine(y, handle, bias=bias)`` as an op: ``[T, H]``."""
-    out = _dispatcher(dispatcher)._combine(y, _handle(handle), bias, grad=False)
+    d, h = _dispatcher(dispatcher), _handle(handle)
+    check_handle(h, d.backend_name, d._issuer)  # NOTE: the serial a trace could not check
+    out = d._combine(y, h, bias, grad=False)
     return _fresh((out,), (y, bias))[0]
 
 
@@ -244,7 +260,7 @@ def _combine_op(
 def _combine_fake(
     y: torch.Tensor,
     handle: torch.Tensor,
-    dispatcher: int,
+    dispatcher: torch.Tensor,
     num_tokens: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -253,17 +269,17 @@ def _combine_fake(
 
 def _combine_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
     y, handle_t, dispatcher = inputs[0], inputs[1], inputs[2]
-    ctx.save_for_backward(handle_t)
-    ctx.dispatcher, ctx.num_rows = dispatcher, y.shape[0]
+    ctx.save_for_backward(handle_t, dispatcher)
+    ctx.num_rows = y.shape[0]
 
 
 def _combine_backward(ctx: Any, grad: torch.Tensor):
     """``grad y = cached_dispatch(grad out)`` along the same handle; ``grad bias = grad out``."""
-    (handle_t,) = ctx.saved_tensors
+    handle_t, d = ctx.saved_tensors
     g = grad.contiguous()
     gy = None
     if ctx.needs_input_grad[0]:
-        gy = torch.ops.flexdispatch.cached_dispatch(g, handle_t, ctx.dispatcher, ctx.num_rows)
+        gy = torch.ops.flexdispatch.cached_dispatch(g, handle_t, d, ctx.num_rows)
     want_bias = len(ctx.needs_input_grad) > 4 and ctx.needs_input_grad[4]
     return (gy, None, None, None, g if want_bias else None)[: len(ctx.needs_input_grad)]
 
@@ -275,34 +291,43 @@ _combine_op.register_autograd(_combine_backward, setup_context=_combine_setup)
 @torch.library.custom_op("flexdispatch::combine_with_probs", mutates_args=())
 def _combine_with_probs_op(
     y: torch.Tensor | None,
-    probs: torch.Tensor,
+    probs: torch.Tensor | None,
     handle: torch.Tensor,
-    dispatcher: int,
+    dispatcher: torch.Tensor,
     num_tokens: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backward of dispatch with probs: ``(combine(y) [T, H] or [0] when y is None,
-    combine(probs) [T, k] float32)`` in one backend call (DeepEP: one combine)."""
+    """The backward of dispatch: ``(combine(y) [T, H], combine(probs) [T, k] float32)`` in one
+    backend call (DeepEP: one combine); ``[0]`` for the one that is None (not both)."""
     backend = _dispatcher(dispatcher)._backend
-    dx, dp = backend.combine_with_probs(y, probs, _handle(handle))
-    dx = probs.new_empty(0) if dx is None else dx
+    if probs is None:
+        if y is None:
+            raise ValueError("flexdispatch::combine_with_probs needs y or probs")
+        dx, dp = backend.combine(y, _handle(handle)), y.new_empty(0, dtype=torch.float32)
+    else:
+        dx, dp = backend.combine_with_probs(y, probs, _handle(handle))
+        dx = probs.new_empty(0) if dx is None else dx
     return tuple(_fresh((dx, dp), (y, probs)))  # type: ignore[return-value]
 
 
 @_combine_with_probs_op.register_fake
 def _combine_with_probs_fake(
     y: torch.Tensor | None,
-    probs: torch.Tensor,
+    probs: torch.Tensor | None,
     handle: torch.Tensor,
-    dispatcher: int,
+    dispatcher: torch.Tensor,
     num_tokens: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if probs is None:
+        if y is None:
+            raise ValueError("flexdispatch::combine_with_probs needs y or probs")
+        return y.new_empty(num_tokens, y.shape[1]), y.new_empty(0, dtype=torch.float32)
     dx = probs.new_empty(0) if y is None else y.new_empty(num_tokens, y.shape[1])
     return dx, probs.new_empty(num_tokens, probs.shape[1])
 
 
 @torch.library.custom_op("flexdispatch::cached_dispatch", mutates_args=())
 def _cached_dispatch_op(
-    x: torch.Tensor, handle: torch.Tensor, dispatcher: int, num_recv_rows: int
+    x: torch.Tensor, handle: torch.Tensor, dispatcher: torch.Tensor, num_recv_rows: int
 ) -> torch.Tensor:
     """The backward of combine: ``x [T, X]`` sent along the handle's layout, ``[M, X]``."""
     out = _dispatcher(dispatcher)._backend.cached_dispatch(x, _handle(handle))
@@ -311,7 +336,7 @@ def _cached_dispatch_op(
 
 @_cached_dispatch_op.register_fake
 def _cached_dispatch_fake(
-    x: torch.Tensor, handle: torch.Tensor, dispatcher: int, num_recv_rows: int
+    x: torch.Tensor, handle: torch.Tensor, dispatcher: torch.Tensor, num_recv_rows: int
 ) -> torch.Tensor:
     return x.new_empty(num_recv_rows, x.shape[1])
 
@@ -335,7 +360,7 @@ def dispatch(
             layout.is_token_in_rank,
         )
     recv_x, recv_idx, recv_probs, counts, handle_t = torch.ops.flexdispatch.dispatch(
-        x, topk_idx, topk_probs, d._issuer, *lay
+        x, topk_idx, topk_probs, d._op_id, d.config.num_worst_tokens, d.num_local_experts, *lay
     )
     pairs = None
     if not d.config.num_worst_tokens or not torch.compiler.is_compiling():
@@ -349,7 +374,8 @@ def dispatch(
         hidden=x.shape[1],
         num_recv_rows=recv_x.shape[0],
         state=handle_t,
-        issuer=d._issuer,
+        # NOTE: traced, no serial (dynamo would guard on it): the op checks it when it runs
+        issuer=-1 if torch.compiler.is_compiling() else d._issuer,
     )
     return DispatchResult(
         recv_x=recv_x,
@@ -369,4 +395,4 @@ def combine(
     handle_t = handle.state
     if not isinstance(handle_t, torch.Tensor):
         handle_t = _register(handle, None)
-    return torch.ops.flexdispatch.combine(y, handle_t, d._issuer, handle.num_tokens, bias)
+    return torch.ops.flexdispatch.combine(y, handle_t, d._op_id, handle.num_tokens, bias)

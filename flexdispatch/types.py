@@ -37,8 +37,9 @@ def next_issuer() -> int:
     return next(_ISSUERS)
 
 
-def check_handle(handle: object, backend: str, issuer: int) -> None:
-    """Raise unless ``handle`` is a ``DispatchHandle`` issued by dispatcher ``issuer``.
+def check_handle(handle: object, backend: str, issuer: int | None) -> None:
+    """Raise unless ``handle`` is a ``DispatchHandle`` issued by dispatcher ``issuer`` (None: of
+    ``backend``, whoever issued it; ``flexdispatch::combine`` checks the issuer when it runs).
 
     Host ints only: no device value is read.
 
@@ -50,7 +51,7 @@ def check_handle(handle: object, backend: str, issuer: int) -> None:
         raise TypeError(
             "handle must be the DispatchHandle of this dispatcher's dispatch (result.handle)"
         )
-    if handle.issuer != issuer:
+    if issuer is not None and handle.issuer != issuer:
         raise ValueError(
             f"handle was issued by another FlexDispatcher (#{handle.issuer}), not this one "
             f"(#{issuer}): combine with the dispatcher whose dispatch returned it"

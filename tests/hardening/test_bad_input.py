@@ -118,7 +118,7 @@ def _combine(y: Callable[[torch.Tensor], Any], handle: Callable[[Any], Any] = la
 
 def _op_combine(handle: torch.Tensor) -> Any:
     d = _disp()
-    return torch.ops.flexdispatch.combine(torch.zeros(T, H), handle, d._issuer, T)
+    return torch.ops.flexdispatch.combine(torch.zeros(T, H), handle, d._op_id, T)
 
 
 def _perm() -> Any:
@@ -419,7 +419,8 @@ ERRORS: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
      r"dispatch handle #1000000000 is not registered: combine with the handle tensor its "
      r"dispatch returned"),
     ("ops/unknown-dispatcher", lambda t: torch.ops.flexdispatch.dispatch(_x(), _idx(), _probs(),
-     10**9), RuntimeError, r"no live FlexDispatcher #1000000000 in this process"),
+     torch.tensor([10**9]), 0, 2), RuntimeError,
+     r"no live FlexDispatcher #1000000000 in this process"),
     # ---- MoELayer
     ("MoELayer/config-type", lambda t: MoELayer(_router_cfg()), TypeError,
      r"config must be a MoEConfig, got RouterConfig"),

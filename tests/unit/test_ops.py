@@ -10,8 +10,10 @@ over a minute on the CI machine: docs/compile.md).
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
+import pickle
 
 import pytest
 import torch
@@ -45,9 +47,12 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.rand(T, K, generator=g).masked_fill(IDX < 0, 0.0)
 
 
-def _step(d: FlexDispatcher, x: torch.Tensor, p: torch.Tensor, bias: bool) -> dict:
-    """dispatch -> rows * probs -> combine (+ bias) -> backward; every result and gradient."""
-    xg, pg = x.clone().requires_grad_(), p.clone().requires_grad_()
+def _step(
+    d: FlexDispatcher, x: torch.Tensor, p: torch.Tensor, bias: bool, grads: str = "xp"
+) -> dict:
+    """dispatch -> rows * probs -> combine (+ bias) -> backward; every result and gradient
+    (``grads``: which of x and p require one)."""
+    xg, pg = x.clone().requires_grad_("x" in grads), p.clone().requires_grad_("p" in grads)
     bg = torch.ones(T, H, requires_grad=True) if bias else None
     res = d.dispatch(xg, IDX, pg)
     y = torch.tanh(res.recv_x) * res.recv_topk_probs.sum(1, keepdim=True)
@@ -73,14 +78,15 @@ def test_op_names_and_schemas_are_stable() -> None:
     schemas (docs/compile.md)."""
     want = {
         "dispatch": "flexdispatch::dispatch(Tensor x, Tensor topk_idx, Tensor topk_probs, "
-        "SymInt dispatcher, Tensor? num_tokens_per_rank=None, Tensor? num_tokens_per_rdma_rank"
-        "=None, Tensor? num_tokens_per_expert=None, Tensor? is_token_in_rank=None) -> "
+        "Tensor dispatcher, SymInt num_worst_tokens, SymInt num_local_experts, Tensor? "
+        "num_tokens_per_rank=None, Tensor? num_tokens_per_rdma_rank=None, Tensor? "
+        "num_tokens_per_expert=None, Tensor? is_token_in_rank=None) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor)",
-        "combine": "flexdispatch::combine(Tensor y, Tensor handle, SymInt dispatcher, SymInt "
+        "combine": "flexdispatch::combine(Tensor y, Tensor handle, Tensor dispatcher, SymInt "
         "num_tokens, Tensor? bias=None) -> Tensor",
-        "combine_with_probs": "flexdispatch::combine_with_probs(Tensor? y, Tensor probs, Tensor "
-        "handle, SymInt dispatcher, SymInt num_tokens) -> (Tensor, Tensor)",
-        "cached_dispatch": "flexdispatch::cached_dispatch(Tensor x, Tensor handle, SymInt "
+        "combine_with_probs": "flexdispatch::combine_with_probs(Tensor? y, Tensor? probs, Tensor "
+        "handle, Tensor dispatcher, SymInt num_tokens) -> (Tensor, Tensor)",
+        "cached_dispatch": "flexdispatch::cached_dispatch(Tensor x, Tensor handle, Tensor "
         "dispatcher, SymInt num_recv_rows) -> Tensor",
     }
     for name, schema in want.items():
@@ -88,13 +94,19 @@ def test_op_names_and_schemas_are_stable() -> None:
 
 
 @pytest.mark.parametrize("W", [0, 12], ids=["dropless", "worst"])
-@pytest.mark.parametrize("bias", [False, True], ids=["plain", "bias"])
-def test_eager_ops_equal_the_autograd_functions(W: int, bias: bool) -> None:
+@pytest.mark.parametrize(
+    ("bias", "grads"),
+    [(False, "xp"), (True, "xp"), (False, "x"), (False, "p")],
+    ids=["plain", "bias", "x-only", "p-only"],
+)
+def test_eager_ops_equal_the_autograd_functions(W: int, bias: bool, grads: str) -> None:
+    """Results, gradients and statistics are those of the Functions (the backward is counted
+    as no call on either path)."""
     d = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=W), num_experts=E)
     x, p = _inputs()
-    plain = _step(d, x, p, bias)
+    plain = _step(d, x, p, bias, grads)
     ops.set_eager_ops(True)
-    via = _step(d, x, p, bias)
+    via = _step(d, x, p, bias, grads)
     assert plain.pop("state") != "Tensor" and via.pop("state") == "Tensor"
     for name, value in plain.items():
         if isinstance(value, torch.Tensor):
@@ -102,6 +114,31 @@ def test_eager_ops_equal_the_autograd_functions(W: int, bias: bool) -> None:
         else:
             assert via[name] == value, name
     assert d.stats.dispatch_calls == 2 and d.stats.combine_calls == 2
+
+
+def test_a_copied_dispatcher_is_a_dispatcher_of_its_own() -> None:
+    """``copy.deepcopy`` and pickle give a new serial: the ops route a copy's calls to the copy
+    (not to the original's backend), and a copy outlives its original; handles stay with the
+    dispatcher that issued them."""
+    d = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=12), num_experts=E)
+    x, p = _inputs()
+    ops.set_eager_ops(True)
+    twin = copy.deepcopy(d)
+    res = twin.dispatch(x, IDX, p)
+    assert (twin.stats.dispatch_calls, d.stats.dispatch_calls) == (1, 0)
+    with pytest.raises(ValueError, match="issued by another FlexDispatcher"):
+        d.combine(res.recv_x, res.handle)
+    assert torch.equal(twin.combine(res.recv_x, res.handle), d.combine(*_rows(d, x, p)))
+    thawed = pickle.loads(pickle.dumps(d))
+    del d, res
+    gc.collect()
+    assert thawed.dispatch(x, IDX, p).recv_x.shape == (12, H)
+    assert thawed._issuer != twin._issuer
+
+
+def _rows(d: FlexDispatcher, x: torch.Tensor, p: torch.Tensor) -> tuple:
+    res = d.dispatch(x, IDX, p)
+    return res.recv_x, res.handle
 
 
 def _metadata(t: torch.Tensor) -> tuple:
@@ -120,11 +157,12 @@ def test_fake_implementations_describe_the_real_outputs() -> None:
     y = torch.randn(12, H)
     f = torch.ops.flexdispatch
     calls = [
-        (f.dispatch.default, (x, IDX, p, d._issuer)),
-        (f.combine.default, (y, handle, d._issuer, T, torch.ones(T, H))),
-        (f.combine_with_probs.default, (y, torch.rand(12, K), handle, d._issuer, T)),
-        (f.combine_with_probs.default, (None, torch.rand(12, K), handle, d._issuer, T)),
-        (f.cached_dispatch.default, (torch.randn(T, 3), handle, d._issuer, 12)),
+        (f.dispatch.default, (x, IDX, p, d._op_id, 12, d.num_local_experts)),
+        (f.combine.default, (y, handle, d._op_id, T, torch.ones(T, H))),
+        (f.combine_with_probs.default, (y, torch.rand(12, K), handle, d._op_id, T)),
+        (f.combine_with_probs.default, (None, torch.rand(12, K), handle, d._op_id, T)),
+        (f.combine_with_probs.default, (y, None, handle, d._op_id, T)),
+        (f.cached_dispatch.default, (torch.randn(T, 3), handle, d._op_id, 12)),
         (
             f.grouped_mm.default,
             (torch.randn(10, H), torch.randn(3, H, 4), torch.tensor([3, 7, 10], dtype=torch.int32)),
@@ -163,16 +201,16 @@ def test_handle_registry_lives_as_long_as_the_result() -> None:
     gc.collect()
     assert ops.live_handles() == 1
     y = torch.zeros(12, H)
-    out = torch.ops.flexdispatch.combine(y, alias, d._issuer, T)
+    out = torch.ops.flexdispatch.combine(y, alias, d._op_id, T)
     assert out.shape == (T, H)
     del alias
     gc.collect()
     assert ops.live_handles() == 0
     stale = torch.tensor([10**9, -1])
     with pytest.raises(RuntimeError, match="not registered"):
-        torch.ops.flexdispatch.combine(y, stale, d._issuer, T)
+        torch.ops.flexdispatch.combine(y, stale, d._op_id, T)
     with pytest.raises(RuntimeError, match="no live FlexDispatcher"):
-        torch.ops.flexdispatch.dispatch(x, IDX, p, 10**9)
+        torch.ops.flexdispatch.dispatch(x, IDX, p, torch.tensor([10**9]), 12, 2)
     with pytest.raises(TypeError, match="enabled must be a bool"):
         ops.set_eager_ops(1)  # type: ignore[arg-type]
 
@@ -262,6 +300,28 @@ def test_compile_fullgraph_worst_case_layer_equals_eager() -> None:
         assert torch.equal(a, b)
     assert layer.dispatcher.stats.host_syncs == syncs
     torch._dynamo.reset()
+
+
+def test_identical_layers_share_one_compiled_graph() -> None:
+    """A model has many MoE layers, each with its own dispatcher, compiled block by block
+    (``torch.compile(block, fullgraph=True)``, as torchtitan does): identical layers share one
+    graph (nothing of a layer's identity is a guard), so the recompile limit (8) is never hit,
+    and each compiled layer still equals its eager self."""
+    torch._dynamo.reset()
+    try:
+        counter = CompileCounterWithBackend("aot_eager")
+        layers = [_layer(12, torch.float32) for _ in range(10)]
+        for layer, x0 in layers:
+            state = {k: v.clone() for k, v in layer.state_dict().items()}
+            eager = _train_step(layer, lambda x, m=layer: m(x).output, x0)
+            layer.load_state_dict(state)
+            compiled_layer = torch.compile(layer, fullgraph=True, backend=counter)
+            compiled = _train_step(layer, lambda x, m=compiled_layer: m(x).output, x0)
+            for a, b in zip(eager, compiled, strict=True):
+                assert torch.equal(a, b)
+        assert counter.frame_count == 1, counter.frame_count
+    finally:
+        torch._dynamo.reset()
 
 
 def test_compile_dropless_breaks_the_graph_and_equals_eager() -> None:
