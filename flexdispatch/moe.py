@@ -22,13 +22,13 @@ import torch.distributed as dist
 from torch import nn
 
 from flexdispatch import _limits
-from flexdispatch._guard import guarded
+from flexdispatch._guard import CallGuard, guarded
 from flexdispatch._validate import check_tensor
 from flexdispatch.config import MoEConfig
 from flexdispatch.dispatcher import FlexDispatcher
 from flexdispatch.distributed import check_fingerprint
 from flexdispatch.experts import GroupedExperts, SharedExperts
-from flexdispatch.experts.init import MAX_SEED
+from flexdispatch.experts.init import check_seed
 from flexdispatch.permutation import permute, unpermute
 from flexdispatch.routing import TopKRouter
 from flexdispatch.types import DispatchResult, ExpandedDispatchResult, RoutingResult
@@ -96,11 +96,7 @@ def _weights_refusal(
 def _check_build_args(seed: object, dtype: object, device: object) -> torch.device | str | None:
     """``MoELayer``'s ``seed``, ``dtype`` and ``device``, checked before anything is built;
     returns ``device`` (None, or a device that exists here)."""
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
-        raise ValueError(
-            f"seed must be an int in [0, {MAX_SEED}] (each expert's generator is seeded with "
-            f"seed * 1000003 + its id, below 2**64), got {seed!r}"
-        )
+    check_seed(seed)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(
             f"dtype must be a floating-point torch.dtype such as torch.bfloat16 or "
@@ -218,8 +214,6 @@ class MoELayer(nn.Module):
         # dispatcher has checked DeepEP's topology against the deep_ep module it runs already
         config.check_world(R, self.dispatcher.ranks_per_node, check_dispatch=False)
         e = config.router.num_experts // R
-        # NOTE: the dispatcher's guard: one thread at a time in the layer and its dispatcher
-        self._guard = self.dispatcher._guard
         self.num_local_experts = e
         self.seed = seed
         self.router = self._seeded_router(seed)
@@ -267,9 +261,7 @@ class MoELayer(nn.Module):
         For a layer built on ``device="meta"``: ``layer.to_empty(device=d)`` then this. A no-op
         on parameters still on the meta device.
         """
-        seed = self.seed if seed is None else seed
-        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        seed = check_seed(self.seed if seed is None else seed)
         fresh = self._seeded_router(seed)
         for mine, theirs in (
             (dict(self.router.named_parameters()), dict(fresh.named_parameters())),
@@ -299,6 +291,12 @@ class MoELayer(nn.Module):
     @property
     def backend_name(self) -> str:
         return self.dispatcher.backend_name
+
+    @property
+    def _guard(self) -> CallGuard:
+        """The dispatcher's guard (``_guard.py``): one thread at a time in the layer and its
+        dispatcher."""
+        return self.dispatcher._guard
 
     @guarded("MoELayer.forward")
     def forward(self, hidden: torch.Tensor, *, token_ids: torch.Tensor | None = None) -> MoEOutput:

@@ -133,8 +133,11 @@ class _ContiguousGrad(torch.autograd.Function):
 @torch.library.custom_op("flexdispatch::grouped_mm", mutates_args=())
 def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm(a, b, offs=offs)``: ``[N, K] x [G, K, F] -> [N, F]`` (a row block
-    per group), or ``[K, N] x [N, F] -> [G, K, F]`` (the weight gradient)."""
-    return torch._grouped_mm(a, b, offs=offs)
+    per group), or ``[K, N] x [N, F] -> [G, K, F]`` (the weight gradient). Contiguous, as the
+    fake rule describes it: on a CUDA build torch pads the output's rows to 16 bytes (an fp32
+    F % 4 != 0 would otherwise differ from what the compiler planned)."""
+    out = torch._grouped_mm(a, b, offs=offs)
+    return out if out.is_contiguous() else out.contiguous()
 
 
 @_grouped_mm_op.register_fake

@@ -37,6 +37,20 @@ MAX_SEED = ((1 << 64) - 1 - (1 << 31)) // _SEED_STRIDE
 shared experts' included) stays below 2**64, the range of ``torch.Generator.manual_seed``."""
 
 
+def check_seed(seed: object) -> int:
+    """``seed`` as a model-wide seed (an int in ``[0, MAX_SEED]``, not a bool).
+
+    Raises:
+        ValueError: naming the range and why.
+    """
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(
+            f"seed must be an int in [0, {MAX_SEED}] (each expert's generator is seeded with "
+            f"seed * 1000003 + its id, below 2**64), got {seed!r}"
+        )
+    return seed
+
+
 def expert_seed(global_expert_id: int, seed: int) -> int:
     """The generator seed of one expert: ``seed * 1_000_003 + global_expert_id``."""
     if global_expert_id < 0 or seed < 0:

@@ -86,7 +86,9 @@ class FlexdispatchManager(_DispatchManager):
         self.token_probs: torch.Tensor | None = None  # [T, k] float32
         self.handle: Any = None
         self.dispatched_indices: torch.Tensor | None = None  # [M, k] local ids, -1
-        self.dispatched_probs: torch.Tensor | None = None  # [M, k], then [N] after permute
+        self.dispatched_probs: torch.Tensor | None = (
+            None  # [M, k] float32 (permute reads it; [N] probs are its result)
+        )
         self.tokens_per_expert: torch.Tensor | None = None  # [e] int64 (padded after permute)
         self._num_pairs: int | None = None
         self._perm: Permutation | None = None

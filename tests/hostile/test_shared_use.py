@@ -186,6 +186,7 @@ def test_two_threads_sharing_a_layer_never_get_a_different_answer():
     with torch.no_grad():
         ref = [layer(x).output.clone() for x in xs]
     wrong: list[int] = []
+    right: list[int] = []
     refused: list[int] = []
 
     def work(offset: int) -> None:
@@ -193,10 +194,11 @@ def test_two_threads_sharing_a_layer_never_get_a_different_answer():
             for i in range(offset, len(xs), 2):
                 for _ in range(3):
                     try:
-                        if not torch.equal(layer(xs[i]).output, ref[i]):
-                            wrong.append(i)
+                        same = torch.equal(layer(xs[i]).output, ref[i])
                     except ConcurrentUseError:
                         refused.append(i)
+                    else:
+                        (right if same else wrong).append(i)
 
     threads = [threading.Thread(target=work, args=(o,)) for o in (0, 1)]
     for t in threads:
@@ -204,7 +206,10 @@ def test_two_threads_sharing_a_layer_never_get_a_different_answer():
     for t in threads:
         t.join(60)
     assert wrong == []
-    assert len(refused) <= len(xs) * 3
+    # NOTE: every call was right or refused (a thread that raised anything else would have
+    # stopped counting); whether the threads collided at all is up to the scheduler: the
+    # collisions themselves are forced in the tests above (``_while_held``)
+    assert len(right) + len(refused) == len(xs) * 3, (len(right), len(refused))
 
 
 def test_copies_have_their_own_guard():

@@ -36,8 +36,11 @@ IDX = torch.tensor([[0, 1], [2, -1], [3, 0], [1, 2], [-1, -1], [2, 3]])
 @pytest.fixture(autouse=True)
 def _eager_ops_off():
     before = ops.set_eager_ops(False)
-    yield
-    ops.set_eager_ops(before)
+    try:
+        yield
+    finally:
+        ops.set_eager_ops(before)
+        torch._dynamo.reset()  # NOTE: a failed compile test leaves no cache to the next one
     assert ops.live_handles() == 0  # NOTE: freed by reference counting, no gc pass needed
 
 
