@@ -105,3 +105,5 @@ def test_to_empty_then_reset_equals_a_direct_build(dtype):
     assert not torch.equal(lazy.experts.w1, direct.experts.w1)
     with pytest.raises(ValueError, match="seed"):
         lazy.reset_parameters_from_seed(-1)
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, "):
+        lazy.reset_parameters_from_seed(2**70)  # the build's own bound (was an OverflowError)
