@@ -61,9 +61,10 @@ def test_97_percent_of_the_available_memory_is_refused(machine):
     # NOTE: the probe's one-liner (reliability-4 section 6, #3), on this machine's own figure
     machine(4 * GiB)
     a, _ = _limits.available_bytes("cpu")
+    per = _limits.expert_bytes(1, 1)  # NOTE: bytes per expert on one rank
     with pytest.raises(ValueError, match=r"num_experts=\d+ " + _EST + r" \(80% of"):
-        fd.FlexDispatcher(fd.DispatchConfig(backend="torch"), num_experts=int(a * 0.97) // 24)
-    d = fd.FlexDispatcher(fd.DispatchConfig(backend="torch"), num_experts=int(a * 0.7) // 24)
+        fd.FlexDispatcher(fd.DispatchConfig(backend="torch"), num_experts=int(a * 0.97) // per)
+    d = fd.FlexDispatcher(fd.DispatchConfig(backend="torch"), num_experts=int(a * 0.7) // per)
     assert d.num_experts > 0  # NOTE: 70 % of it fits (nothing is allocated at construction)
 
 

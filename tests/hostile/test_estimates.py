@@ -6,8 +6,12 @@ worst-case, with and without autograd), ``layer_bytes`` (``MoELayer.forward``) a
 ``flexdispatch.cli.bench.bench_rank_bytes`` (one ``flexdispatch bench`` rank). Here each is
 compared with the peak resident memory the call really adds (``tests/hostile/peak_probe.py``) at
 several sizes, on one rank (a subprocess under ``RLIMIT_AS``) and on two gloo ranks: the estimate
-must be at least the peak (the check refuses what would not fit) and at most ``SLACK`` times it
-(it does not refuse what fits).
+must be at least ``LOW`` of the peak (the check refuses what would not fit: it plans for 80 % of
+the memory, so an estimate a few percent under the peak still keeps the machine safe) and at most
+``SLACK`` times it (it does not refuse what fits). The window leaves room for what differs between
+machines (glibc's allocator, oneDNN's scratch, torch's kernels: the estimates are 1.25 to 2.4
+times the peaks measured here) and still fails a missing term (an estimate per local expert where
+every rank holds ``[E]`` tables was 2 to 4 times too low).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ pytestmark = [
     ),
 ]
 
-SLACK = 2.5
+LOW, SLACK = 0.9, 3.0
 
 
 def _case(kind: str, T: int, H: int, k: int, E: int, W: int = 0, **kw) -> dict:
@@ -64,6 +68,7 @@ ONE_RANK = [
 ]
 TWO_RANKS = [
     _case("dispatch", 10000, 256, 2, 8),
+    _case("dispatch", 16, 32, 2, 4 * 10**6),  # every rank holds [E] id tables, not [E / R]
     _case("dispatch", 16, 32, 2, 8, W=100000),
     _case("layer", 4000, 128, 2, 8, F=64, grad=True),
     _case("bench", 4000, 256, 2, 8, W=1, dtype="bf16"),
@@ -85,7 +90,7 @@ def _estimate(case: dict, R: int) -> int:
 
 def _check(case: dict, R: int, peak: int) -> str | None:
     est = _estimate(case, R)
-    if peak <= est <= SLACK * peak:
+    if LOW * peak <= est <= SLACK * peak:
         return None
     return f"R={R} {case}: estimate {est >> 20} MiB vs measured peak {peak >> 20} MiB"
 

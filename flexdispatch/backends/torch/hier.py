@@ -84,9 +84,12 @@ def _node_lut(n: int, L: int, e: int, E: int, device: torch.device) -> torch.Ten
     """``[E + 3]`` int64 table from ``clamp_ids`` ids (negative ones wrap) to the local index
     ``j`` of the rank of node ``n`` that holds the expert, ``L`` for every other id (another
     node's expert, dropped or bad)."""
-    lut = torch.full((E + 3,), L, dtype=torch.int64, device=device)
     lo = n * L * e
-    lut[lo : lo + L * e] = torch.arange(L * e, device=device) // e
+    # NOTE: built in place (no [L * e] temporary: the table alone is its peak)
+    lut = torch.arange(-lo, E + 3 - lo, dtype=torch.int64, device=device)
+    lut.div_(e, rounding_mode="floor")
+    lut[:lo] = L
+    lut[lo + L * e :] = L
     return lut
 
 

@@ -224,8 +224,10 @@ def rank_lut(width: int, num_ids: int, device: torch.device) -> torch.Tensor:
     (``num_ids`` and ``-2``), ``R + 1`` for ``-1``. Counting the ranks then counts the bad ids
     too (bin ``R``), at no cost."""
     R = num_ids // width
-    lut = torch.full((num_ids + 3,), R, dtype=torch.int64, device=device)
-    lut[:num_ids] = torch.arange(num_ids, device=device) // width
+    # NOTE: built in place (no [num_ids] temporaries: the table alone is its peak)
+    lut = torch.arange(num_ids + 3, dtype=torch.int64, device=device)
+    lut.div_(width, rounding_mode="floor")
+    lut[num_ids : num_ids + 2] = R
     lut[num_ids + 2] = R + 1
     return lut
 
@@ -234,8 +236,10 @@ def local_lut(lo: int, width: int, num_ids: int, device: torch.device) -> torch.
     """``[num_ids + 3]`` int64: ``id - lo + 1`` for ids in ``[lo, lo + width)``, else 0 (also
     for the dropped id ``num_ids`` and, wrapping, for ``clamp_ids``'s ``-1`` and ``-2``). Built
     once per backend (``unpack_local``'s table)."""
-    lut = torch.zeros(num_ids + 3, dtype=torch.int64, device=device)
-    lut[lo : lo + width] = torch.arange(1, width + 1, dtype=torch.int64, device=device)
+    # NOTE: built in place (no [width] temporary: the table alone is its peak)
+    lut = torch.arange(1 - lo, num_ids + 4 - lo, dtype=torch.int64, device=device)
+    lut[:lo] = 0
+    lut[lo + width :] = 0
     return lut
 
 
