@@ -179,13 +179,15 @@ def expert_bytes(E: int, R: int, hierarchical: bool = False) -> int:
     return per * E + _PER_LOCAL_EXPERT * max(1, E // max(1, R))
 
 
-_ROWS_T, _ROWS_S, _ROWS_M, _ROWS_W = 1.0, 2.25, 1.25, 5.5
+_ROWS_T, _ROWS_S, _ROWS_M, _ROWS_W = 1.0, 2.25, 1.5, 5.5
 """Copies of a row (``H`` x element size) a dispatch + combine holds at its peak, per token of
 ``x`` (T), per row sent (S), per row received in dropless mode (M) and per worst-case row (W):
 the packed send rows, the received rows, their ordering, the rows sent back and the combined
-output. Measured on 1, 2, 4 and 8 gloo ranks: about 0.95 T + 2.1 S + 1.1 M dropless; a
-worst-case row costs 2.9 copies on one rank, 3.7 on two and 4.7 on four or eight (the first
-call, which also sizes the dispatcher's scratch buffers)."""
+output. Measured on 1, 2, 4 and 8 gloo ranks: about 0.95 T + 2.1 S + 1.1 M dropless (up to
+1.2 M on the rank of four that receives the most, k = 2); a worst-case row costs 2.9 copies on
+one rank, 3.7 on two and 4.7 on four or eight (the first call, which also sizes the
+dispatcher's scratch buffers). A hierarchical dispatch's first hop costs the same per row
+(the estimate is 1.3 to 2.1 times the peak measured on 2 and 4 ranks)."""
 
 _ROWS_GRAD = 1.75
 """Factor on the rows when autograd records the dispatch (the backward's combine and dispatch
@@ -197,21 +199,40 @@ copies): measured about 115 bytes per worst-case row with k = 2."""
 
 
 def dispatch_bytes(
-    *, T: int, H: int, elem: int, k: int, R: int, E: int, W: int = 0, grad: bool = False
+    *,
+    T: int,
+    H: int,
+    elem: int,
+    k: int,
+    R: int,
+    E: int,
+    W: int = 0,
+    grad: bool = False,
+    L: int = 0,
 ) -> int:
     """Peak bytes one rank's ``dispatch`` and ``combine`` allocate (torch backend).
 
     S = T * min(k, R) rows sent at most (one per token and destination rank); M = W rows
     received in worst-case mode, else S (balanced routing: a rank that receives more than it
     sends, a hot expert's rank, needs more). ``x`` is counted once (its contiguous copy).
+    Hierarchical mode (``0 < L < R`` ranks per node) adds its first hop, across the nodes:
+    S1 = T * min(k, R / L) rows sent, W or S1 received, at the same rates per row.
     """
+    hierarchical = 0 < L < R
     S = T * min(k, R)
     M = W if W else S
-    row = H * elem
-    rows = T * row * _ROWS_T + S * row * _ROWS_S + M * row * (_ROWS_W if W else _ROWS_M)
+    rows = T * _ROWS_T + S * _ROWS_S + M * (_ROWS_W if W else _ROWS_M)
+    pairs = S + M
+    if hierarchical:
+        S1 = T * min(k, R // L)
+        M1 = W if W else S1
+        rows += S1 * _ROWS_S + M1 * _ROWS_M
+        pairs += S1 + M1
     if grad:
         rows *= _ROWS_GRAD
-    return int(rows) + (S + M) * (_PER_ROW + _PER_SLOT * k) + expert_bytes(E, R)
+    return (
+        int(rows * H * elem) + pairs * (_PER_ROW + _PER_SLOT * k) + expert_bytes(E, R, hierarchical)
+    )
 
 
 _LAYER_TOKEN, _LAYER_TOKEN_GRAD = 4.5, 8.0
@@ -226,13 +247,25 @@ _LAYER_PAIR_H, _LAYER_PAIR_H_GRAD = 2.0, 3.5
 
 
 def layer_bytes(
-    *, T: int, H: int, F: int, Fs: int, E: int, k: int, R: int, elem: int, W: int, grad: bool
+    *,
+    T: int,
+    H: int,
+    F: int,
+    Fs: int,
+    E: int,
+    k: int,
+    R: int,
+    elem: int,
+    W: int,
+    grad: bool,
+    L: int = 0,
 ) -> int:
     """Peak bytes of one ``MoELayer.forward`` (and its backward when ``grad``) on one rank: the
     router's ``[T, E]`` fp32 logits and scores, the dispatch and combine (``dispatch_bytes``),
     the (token, expert) pairs this rank computes (P = T * k for balanced routing, in both modes:
     worst-case mode pads the received rows, not the pairs the experts compute) and the shared
-    experts' ``[T, Fs]`` hidden states."""
+    experts' ``[T, Fs]`` hidden states. ``L``: ranks per node of a hierarchical dispatch (0:
+    flat)."""
     P = T * k  # NOTE: worst-case mode computes only the real pairs too (measured)
     # NOTE: with autograd, half-precision experts keep float32 copies for the backward on the CPU
     # (measured: a bf16 layer with its backward peaks at 1.5x the fp32 one)
@@ -247,15 +280,16 @@ def layer_bytes(
         + (5 if grad else 3) * 4 * T * E
         + P * (F * compute * pair_f + H * compute * pair_h)
         + 6 * T * Fs * compute
-        + dispatch_bytes(T=T, H=H, elem=elem, k=k, R=R, E=E, W=W, grad=grad)
+        + dispatch_bytes(T=T, H=H, elem=elem, k=k, R=R, E=E, W=W, grad=grad, L=L)
     )
 
 
 def check_dispatch_rows(
-    x: torch.Tensor, k: int, R: int, E: int, W: int, backend: str = "torch"
+    x: torch.Tensor, k: int, R: int, E: int, W: int, backend: str = "torch", L: int = 0
 ) -> None:
     """Refuse a dispatch of ``x`` (``[T, H]``, ``k`` ids per row, ``R`` ranks, ``E`` experts,
-    ``W`` worst-case rows) whose rows cannot fit, before anything is allocated: the torch
+    ``W`` worst-case rows, ``L`` ranks per node when hierarchical, else 0) whose rows cannot
+    fit, before anything is allocated: the torch
     backend's ``dispatch_bytes``; DeepEP moves rows through its own preallocated buffers, so for
     it what it hands back (x's contiguous copy, the received rows, their ids and probs). Host
     ints only, one comparison below ``SMALL_BYTES``. An ``expand``ed x of a few bytes counts as
@@ -264,7 +298,7 @@ def check_dispatch_rows(
     T, H = x.shape
     elem = x.element_size()
     if backend == "torch":
-        nbytes = dispatch_bytes(T=T, H=H, elem=elem, k=k, R=R, E=E, W=W, grad=x.requires_grad)
+        nbytes = dispatch_bytes(T=T, H=H, elem=elem, k=k, R=R, E=E, W=W, grad=x.requires_grad, L=L)
     else:
         nbytes = (T + (W or T * min(k, R))) * (H * elem + 12 * k)
     if nbytes < SMALL_BYTES:
@@ -282,6 +316,7 @@ def check_dispatch_rows(
         nbytes,
         x.device,
         detail=f"x of T={T} rows of H={H} at {elem} bytes, k={k}, R={R}"
+        f"{f', hierarchical with L={L}' if 0 < L < R else ''}"
         f"{f', W={W} rows received' if W else ''}: the rows sent, received, sent back and "
         f"combined, with their ids and probs",
         fix=fix,
@@ -317,7 +352,9 @@ def dispatch_refusal(
     )
     if why is None and W:
         H = hidden_size or 1
-        nbytes = dispatch_bytes(T=W // max(1, R), H=H, elem=2, k=1, R=R, E=E, W=W)
+        # NOTE: k = 1: a hierarchical first hop sends one row per token whatever L is
+        L = 1 if hierarchical else 0
+        nbytes = dispatch_bytes(T=W // max(1, R), H=H, elem=2, k=1, R=R, E=E, W=W, L=L)
         why = refusal(
             "FlexDispatcher",
             "num_worst_tokens",

@@ -285,7 +285,7 @@ class FlexDispatcher:
             )
         _limits.check_dispatch_rows(
             x, topk_idx.shape[1], self.num_ranks, self.num_experts, self.config.num_worst_tokens,
-            self.backend_name,
+            self.backend_name, self.ranks_per_node if self.config.hierarchical else 0,
         )  # fmt: skip
         if layout is not None:
             mask = layout.is_token_in_rank

@@ -379,6 +379,7 @@ class MoELayer(nn.Module):
             elem=hidden.element_size(),
             W=c.dispatch.num_worst_tokens,
             grad=grad,
+            L=self.dispatcher.ranks_per_node if c.dispatch.hierarchical else 0,
         )
         if nbytes >= _limits.SMALL_BYTES:
             _limits.check_fits(

@@ -11,7 +11,8 @@ tensor leaves the resident set at once and the high-water mark is the most the c
 never less (glibc would otherwise reuse freed heap blocks of up to 32 MiB).
 
 A case is a dict: ``kind`` (``dispatch`` or ``layer``), ``T``, ``H``, ``k``, ``E``, ``W``,
-``dtype`` (``fp32`` or ``bf16``), ``grad``; a layer case also has ``F``.
+``dtype`` (``fp32`` or ``bf16``), ``grad``, ``L`` (ranks per node of a hierarchical dispatch; 0
+or absent: flat); a layer case also has ``F``.
 
 The warm-ups below load kernels and lazy state through a dispatcher or layer of their own; the
 tables a first dispatch builds and keeps (``flexdispatch._memory.cached``: the expert id tables)
@@ -61,13 +62,15 @@ def _run(case: dict[str, Any], rank: int) -> int:
     if case["kind"] == "bench":
         return _bench(case)
     dtype, grad = _DTYPES[case["dtype"]], case["grad"]
+    L = case.get("L", 0)
+    hier = {"hierarchical": True, "ranks_per_node": L} if L else {}
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(rank)).to(dtype)
     if case["kind"] == "layer":
         cfg = fd.MoEConfig(
             hidden_size=H,
             ffn_hidden_size=case["F"],
             router=fd.RouterConfig(num_experts=E, topk=k),
-            dispatch=fd.DispatchConfig(backend="torch", num_worst_tokens=W),
+            dispatch=fd.DispatchConfig(backend="torch", num_worst_tokens=W, **hier),
         )
         # NOTE: a full-size step of another layer first: oneDNN's one-time caches of the process
         # (about 40 MB for a first bf16 step with its backward, whatever its size) are runtime,
@@ -92,13 +95,15 @@ def _run(case: dict[str, Any], rank: int) -> int:
         # NOTE: kernels and lazy state loaded by a small dispatcher of its own: the measured one
         # allocates its scratch buffers (kept for the next calls) in the measured call
         warm = fd.FlexDispatcher(
-            fd.DispatchConfig(backend="torch", num_worst_tokens=min(W, 64)), num_experts=E
+            fd.DispatchConfig(backend="torch", num_worst_tokens=min(W, 64), **hier), num_experts=E
         )
         res = warm.dispatch(x[:4], idx[:4], probs[:4])
         warm.combine(res.recv_x, res.handle)
         del res, warm
         _memory._CACHED.clear()
-        d = fd.FlexDispatcher(fd.DispatchConfig(backend="torch", num_worst_tokens=W), num_experts=E)
+        d = fd.FlexDispatcher(
+            fd.DispatchConfig(backend="torch", num_worst_tokens=W, **hier), num_experts=E
+        )
 
         def call() -> None:
             res = d.dispatch(x.requires_grad_(grad), idx, probs)

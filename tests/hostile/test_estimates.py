@@ -49,6 +49,7 @@ def _case(kind: str, T: int, H: int, k: int, E: int, W: int = 0, **kw) -> dict:
         "W": W,
         "dtype": kw.get("dtype", "fp32"),
         "grad": kw.get("grad", False),
+        "L": kw.get("L", 0),
         **({"F": kw["F"]} if "F" in kw else {}),
     }
 
@@ -69,6 +70,8 @@ ONE_RANK = [
 TWO_RANKS = [
     _case("dispatch", 10000, 256, 2, 8),
     _case("dispatch", 16, 32, 2, 4 * 10**6),  # every rank holds [E] id tables, not [E / R]
+    _case("dispatch", 10000, 256, 4, 8, L=1),  # hierarchical: two hops
+    _case("dispatch", 16, 32, 2, 4 * 10**6, L=1),  # hierarchical: a third [E] table
     _case("dispatch", 16, 32, 2, 8, W=100000),
     _case("layer", 4000, 128, 2, 8, F=64, grad=True),
     _case("bench", 4000, 256, 2, 8, W=1, dtype="bf16"),
@@ -83,9 +86,11 @@ def _estimate(case: dict, R: int) -> int:
     if case["kind"] == "layer":
         F = case["F"]
         return _limits.layer_bytes(
-            T=T, H=H, F=F, Fs=0, E=E, k=k, R=R, elem=elem, W=W, grad=case["grad"]
+            T=T, H=H, F=F, Fs=0, E=E, k=k, R=R, elem=elem, W=W, grad=case["grad"], L=case["L"]
         )
-    return _limits.dispatch_bytes(T=T, H=H, elem=elem, k=k, R=R, E=E, W=W, grad=case["grad"])
+    return _limits.dispatch_bytes(
+        T=T, H=H, elem=elem, k=k, R=R, E=E, W=W, grad=case["grad"], L=case["L"]
+    )
 
 
 def _check(case: dict, R: int, peak: int) -> str | None:
