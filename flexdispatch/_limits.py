@@ -11,7 +11,9 @@ available, with what to change. What is available:
   stream synchronisation) and what PyTorch's caching allocator holds unused;
 - on CPU, ``flexdispatch._sysmem.available``: the smallest of ``MemAvailable``, the address space
   left under ``RLIMIT_AS`` and the room under the cgroup memory limits (the one memory model of
-  every check, the command line's too).
+  every check, the command line's too); with ``tree=True`` (what several processes take
+  together: ``spawn_group``'s ranks, ``bench``'s) without ``RLIMIT_AS``, a limit of each
+  process on its own.
 
 An estimate fits when it is at most ``SHARE`` (80 %) of that figure: the rest is headroom.
 
@@ -64,9 +66,12 @@ _FITTED_MAX = 4096
 _LOCK = threading.Lock()
 
 
-def available_bytes(device: torch.device | str | None = None) -> tuple[int | None, str]:
+def available_bytes(
+    device: torch.device | str | None = None, *, tree: bool = False
+) -> tuple[int | None, str]:
     """Memory a new allocation on ``device`` can take, and where the figure comes from (the raw
-    figure: ``refusal`` plans for ``SHARE`` of it).
+    figure: ``refusal`` plans for ``SHARE`` of it). ``tree``: what this process and the
+    processes it starts can take together (``_sysmem.available(tree=True)``; CPU only).
 
     None (unknown: nothing is refused) for meta tensors and where no figure can be read.
     """
@@ -86,7 +91,7 @@ def available_bytes(device: torch.device | str | None = None) -> tuple[int | Non
         return int(free) + max(0, int(cached)), f"free memory of {dev} (and its unused cache)"
     if dev.type != "cpu":
         return None, f"no memory figure for {dev.type}"
-    return _sysmem.available()
+    return _sysmem.available(tree=tree)
 
 
 def refusal(
@@ -98,15 +103,17 @@ def refusal(
     *,
     detail: str = "",
     fix: str = "",
+    tree: bool = False,
 ) -> str | None:
-    """The refusal message when ``nbytes`` cannot fit on ``device``, else None (see module doc)."""
+    """The refusal message when ``nbytes`` cannot fit on ``device``, else None (see module doc;
+    ``tree``: ``nbytes`` is what several processes take together, ``available_bytes``)."""
     if nbytes < SMALL_BYTES:
         return None
     dev = str(torch.device("cpu" if device is None else device))
-    key = (what, arg, value, nbytes, dev)
+    key = (what, arg, value, nbytes, dev, tree)
     if key in _FITTED:
         return None
-    avail, source = available_bytes(dev)
+    avail, source = available_bytes(dev, tree=tree)
     if avail is None or nbytes <= SHARE * avail:
         with _LOCK:
             if len(_FITTED) >= _FITTED_MAX:
@@ -138,6 +145,7 @@ def check_fits(
     *,
     detail: str = "",
     fix: str = "",
+    tree: bool = False,
 ) -> None:
     """Raise ValueError when ``nbytes`` (the estimate for ``arg=value``) cannot fit on ``device``.
 
@@ -148,8 +156,10 @@ def check_fits(
         device: where it would be allocated.
         detail: how the estimate is made up, e.g. ``"[E] int64 counts x 3"``.
         fix: what to change.
+        tree: ``nbytes`` is the sum over several processes (spawned ranks and their parent):
+            compared with what they can take together, without this process's ``RLIMIT_AS``.
     """
-    msg = refusal(what, arg, value, nbytes, device, detail=detail, fix=fix)
+    msg = refusal(what, arg, value, nbytes, device, detail=detail, fix=fix, tree=tree)
     if msg is not None:
         raise ValueError(msg)
 

@@ -1,16 +1,27 @@
-"""The memory this process may still take on the CPU: one model for every size check.
+"""The memory this process, or the processes it starts, may still take on the CPU: one model for
+every size check.
 
 Every check of flexdispatch that compares an estimate with the machine (the API's
 ``flexdispatch._limits``, ``flexdispatch demo``'s fit, ``flexdispatch bench`` before it spawns,
-``flexdispatch plan``) reads ``available()`` here, and plans for at most ``SHARE`` of it
-(``usable()``): the rest is headroom for what no estimate counts (the allocator's slack, other
-processes, the page cache the kernel needs).
+``spawn_group``, ``flexdispatch plan``) reads ``available()`` here, and plans for at most
+``SHARE`` of it (``usable()``): the rest is headroom for what no estimate counts (the allocator's
+slack, other processes, the page cache the kernel needs).
 
-``available()`` is the smallest of what can be read:
+Two figures, because one limit is per process:
+
+- ``available(tree=True)``, what a tree of processes may take together (the demo's and bench's
+  ranks and their parent, ``spawn_group``'s ranks): the smallest of ``MemAvailable`` and the
+  cgroup room below, which every process of the tree shares;
+- ``available()`` (``tree=False``), what one process may take: the same, and the address space
+  left under this process's ``RLIMIT_AS``. ``RLIMIT_AS`` bounds each process on its own (a
+  child inherits the limit, not a share of it), so it bounds the in-process checks
+  (``flexdispatch._limits``) and the largest single process of a tree, never the tree's sum.
+
+What is read:
 
 - ``MemAvailable`` in ``/proc/meminfo`` (the kernel's estimate of memory that can be allocated
   without swapping);
-- the address space left under ``RLIMIT_AS`` (its soft limit minus ``VmSize``);
+- the address space left under ``RLIMIT_AS`` (its soft limit minus ``VmSize``), per process only;
 - the room left under every cgroup memory limit that applies to this process, at its own level
   and at each ancestor's: v2 ``memory.max`` minus the working set (``memory.current`` less
   ``inactive_file`` of ``memory.stat``, the page cache the kernel can drop), v1
@@ -19,7 +30,8 @@ processes, the page cache the kernel needs).
   so a container (which sees its own cgroup as the root) and a nested cgroup on a host both
   read their own limit.
 
-``$FLEXDISPATCH_MEMORY_AVAILABLE`` (a size such as ``6GiB``) replaces the detection, for tests.
+``$FLEXDISPATCH_MEMORY_AVAILABLE`` (a size such as ``6GiB``) replaces the detection (both
+figures), for tests.
 
 No torch import: the command line's parent process reads this before it imports torch.
 """
@@ -178,8 +190,9 @@ def cgroup_room(proc: str = "/proc") -> tuple[int, str] | None:
     return best
 
 
-def figures(proc: str = "/proc") -> list[tuple[int, str]]:
-    """Every figure of the memory this process may still take (bytes, where it comes from)."""
+def figures(proc: str = "/proc", *, tree: bool = False) -> list[tuple[int, str]]:
+    """Every figure of the memory this process (``tree``: this process and the processes it
+    starts, together) may still take: (bytes, where it comes from)."""
     env = os.environ.get(AVAILABLE_ENV, "").strip()
     if env:
         return [(parse_size(env), f"${AVAILABLE_ENV}")]
@@ -187,7 +200,7 @@ def figures(proc: str = "/proc") -> list[tuple[int, str]]:
     avail = _meminfo_available(proc)
     if avail is not None:
         found.append((avail, "MemAvailable in /proc/meminfo"))
-    left = _address_space_left(proc)
+    left = None if tree else _address_space_left(proc)
     if left is not None:
         found.append((left, "address space left under RLIMIT_AS"))
     room = cgroup_room(proc)
@@ -202,17 +215,18 @@ def figures(proc: str = "/proc") -> list[tuple[int, str]]:
     return found
 
 
-def available(proc: str = "/proc") -> tuple[int | None, str]:
-    """(bytes, source): the smallest of ``figures()``; ``(None, why)`` when none can be read."""
-    found = figures(proc)
+def available(proc: str = "/proc", *, tree: bool = False) -> tuple[int | None, str]:
+    """(bytes, source): the smallest of ``figures()`` (one process; ``tree``: the processes it
+    starts and itself, together, with no ``RLIMIT_AS``); ``(None, why)`` when none can be read."""
+    found = figures(proc, tree=tree)
     if not found:
         return None, "no memory figure on this platform"
     return min(found)
 
 
-def usable(proc: str = "/proc") -> tuple[int | None, str]:
+def usable(proc: str = "/proc", *, tree: bool = False) -> tuple[int | None, str]:
     """(bytes, source): ``SHARE`` of ``available()``, what a size check may plan for."""
-    avail, source = available(proc)
+    avail, source = available(proc, tree=tree)
     if avail is None:
         return None, source
     return int(SHARE * avail), f"{SHARE:.0%} of the {format_bytes(avail)} available: {source}"

@@ -299,6 +299,7 @@ def _check_spawn_args(
         detail=f"{_limits.format_bytes(RANK_RUNTIME_BYTES)} at least per rank: Python, torch "
         f"and its process group",
         fix="spawn fewer ranks",
+        tree=True,  # NOTE: RLIMIT_AS bounds each rank on its own, not their sum
     )
 
 

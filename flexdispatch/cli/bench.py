@@ -99,11 +99,13 @@ def check_bench_memory(spec, runtime: int | None = None, runtime_source: str = "
 
     R ranks and the parent run here: each holds a runtime (Python, torch, its process group:
     ``runtime``, else measured as ``flexdispatch demo`` does, ``demo_machine.measure_runtime``)
-    and each rank ``bench_rank_bytes``. The probe process runs only when needed: not when the
-    ranks' rows alone already do not fit, nor when everything fits with the largest runtime
-    allowance (``demo_machine.FALLBACK_BYTES``). The flag named is the part that drives the
-    estimate: ``--world-size`` (the runtimes), ``--tokens`` (the rows) or ``--experts`` (the
-    gate).
+    and each rank ``bench_rank_bytes``. Their sum is compared with what the tree of processes can
+    take (``_sysmem.available(tree=True)``: ``MemAvailable``, the cgroup limits), one rank with
+    what one process can take (``RLIMIT_AS`` too: it bounds each process on its own). The probe
+    process runs only when needed: not when the ranks' rows alone already do not fit, nor when
+    everything fits with the largest runtime allowance (``demo_machine.FALLBACK_BYTES``). The
+    flag named is the part that drives the estimate: ``--world-size`` (the runtimes),
+    ``--tokens`` (the rows) or ``--experts`` (the gate).
     """
     from flexdispatch import _limits, _sysmem
     from flexdispatch.bench import DTYPES
@@ -113,11 +115,13 @@ def check_bench_memory(spec, runtime: int | None = None, runtime_source: str = "
     elem = DTYPES[spec.dtype].itemsize
     rank = bench_rank_bytes(T=T, H=H, E=E, k=spec.topk, R=R, elem=elem, worst_case=spec.worst_case)
     if runtime is None:
-        usable, _ = _sysmem.usable()
+        usable, _ = _sysmem.usable(tree=True)
         if usable is not None and R * rank > usable:
             runtime, runtime_source = 0, "not counted: the rows alone do not fit"
         elif usable is None or R * rank + (R + 1) * demo_machine.FALLBACK_BYTES <= usable:
-            return  # NOTE: fits with the largest runtime allowance: nothing to measure
+            # NOTE: fits with the largest runtime allowance: nothing to measure
+            _check_one_rank(T, H, E, spec.dtype, rank, demo_machine.FALLBACK_BYTES)
+            return
         else:
             runtime, _measured, runtime_source = demo_machine.measure_runtime("cpu")
     parts = {
@@ -141,6 +145,26 @@ def check_bench_memory(spec, runtime: int | None = None, runtime_source: str = "
         detail=f"R={R} spawned ranks{processes}; each rank with T={T} x H={H} {spec.dtype} "
         f"rows, their dispatch, combine and baselines, and an [E={E}, H] fp32 gate",
         fix="lower --world-size, --tokens, --hidden or --experts",
+        tree=True,
+    )
+    _check_one_rank(T, H, E, spec.dtype, rank, runtime)
+
+
+def _check_one_rank(T: int, H: int, E: int, dtype: str, rank: int, runtime: int) -> None:
+    """One spawned rank (``rank`` bytes and ``runtime``) against what one process may take (this
+    process's ``RLIMIT_AS``, which every rank inherits, counts here)."""
+    from flexdispatch import _limits
+
+    flag = "--experts" if rank < 8 * E * H else "--tokens"
+    _limits.check_fits(
+        "",
+        flag,
+        {"--experts": E, "--tokens": T}[flag],
+        runtime + rank,
+        "cpu",
+        detail=f"one spawned rank: T={T} x H={H} {dtype} rows, their dispatch, combine and "
+        f"baselines, an [E={E}, H] fp32 gate, and its runtime",
+        fix="lower --tokens, --hidden or --experts",
     )
 
 

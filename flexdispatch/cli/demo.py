@@ -529,6 +529,7 @@ def _plan(
     cfg.check_world(num_ranks, local_ranks if launcher else args.ranks_per_node)
     max_memory = None if args.max_memory is None else demo_fit.parse_size(args.max_memory)
     limit, why = demo_fit.memory_limit(max_memory)
+    largest, largest_why = demo_fit.process_limit()
     plan = demo_fit.fit_demo(
         cfg,
         num_ranks,
@@ -539,6 +540,8 @@ def _plan(
         launcher=launcher,
         local_ranks=local_ranks,
         runtime=demo_fit.RUNTIME_BYTES if runtime is None else runtime[0],
+        largest_limit=largest,
+        largest_reason=largest_why,
     )
     spec = DemoSpec(
         preset=args.preset,

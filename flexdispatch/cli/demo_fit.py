@@ -41,6 +41,7 @@ __all__ = [
     "format_bytes",
     "memory_limit",
     "parse_size",
+    "process_limit",
 ]
 
 GiB = 1 << 30
@@ -57,19 +58,35 @@ CPU build of torch 2.13, about 690 MB with a CUDA build."""
 MIN_HIDDEN, MIN_FFN = 32, 16
 
 
-def available_memory() -> tuple[int | None, str]:
-    """Bytes this process tree can still use, and where the number comes from: the one memory
-    model of every size check (``flexdispatch._sysmem.available``: ``MemAvailable``, the
-    address space left under ``RLIMIT_AS``, the room under the cgroup limits;
-    ``$FLEXDISPATCH_MEMORY_AVAILABLE`` replaces them). ``(None, why)`` when none can be read."""
+def available_memory(*, tree: bool = True) -> tuple[int | None, str]:
+    """Bytes this process tree (``tree=False``: one process of it) can still use, and where the
+    number comes from: the one memory model of every size check
+    (``flexdispatch._sysmem.available``: ``MemAvailable`` and the room under the cgroup limits,
+    for one process also the address space left under ``RLIMIT_AS``, which bounds each process
+    on its own; ``$FLEXDISPATCH_MEMORY_AVAILABLE`` replaces them). ``(None, why)`` when none can
+    be read."""
     from flexdispatch import _sysmem
 
-    return _sysmem.available()
+    return _sysmem.available(tree=tree)
+
+
+def process_limit() -> tuple[int | None, str]:
+    """What the demo's largest process may plan for, and why: ``SHARE`` of what one process may
+    take, when that is less than what the tree may take (an ``RLIMIT_AS`` below the machine's
+    memory); ``(None, "")`` otherwise (the tree's limit bounds every process already)."""
+    one, source = available_memory(tree=False)
+    whole, _ = available_memory(tree=True)
+    if one is None or (whole is not None and one >= whole):
+        return None, ""
+    return int(SHARE * one), (
+        f"{SHARE:.0%} of the {format_bytes(one)} one process may take ({source})"
+    )
 
 
 def memory_limit(max_memory: int | None) -> tuple[int, str]:
-    """What the demo may plan for: ``--max-memory`` (default ``DEFAULT_MAX_MEMORY``), but never
-    more than ``AVAILABLE_SHARE`` of the memory available now. Returns (bytes, why)."""
+    """What the demo may plan for in all: ``--max-memory`` (default ``DEFAULT_MAX_MEMORY``), but
+    never more than ``AVAILABLE_SHARE`` of the memory its processes may take together now.
+    Returns (bytes, why)."""
     asked = DEFAULT_MAX_MEMORY if max_memory is None else max_memory
     why = (
         f"--max-memory {format_bytes(asked)}"
@@ -105,6 +122,12 @@ class MemoryEstimate:
     def total(self) -> int:
         # NOTE: under a launcher rank 0 is the parent (it runs the reference beside its rank).
         return self.ranks * self.per_rank + self.parent
+
+    @property
+    def largest(self) -> int:
+        """The largest single process: a rank or the parent (under a launcher rank 0, which is
+        both)."""
+        return self.per_rank + self.parent if self.launcher else max(self.per_rank, self.parent)
 
     def describe(self) -> str:
         if self.launcher:
@@ -294,8 +317,12 @@ def fit_demo(
     launcher: bool = False,
     local_ranks: int | None = None,
     runtime: int = RUNTIME_BYTES,
+    largest_limit: int | None = None,
+    largest_reason: str = "",
 ) -> FitPlan:
-    """The largest sizes (see the module docstring) at which the demo's estimate fits ``limit``.
+    """The largest sizes (see the module docstring) at which the demo's estimate fits ``limit``
+    in all and, when given, ``largest_limit`` in its largest process (``process_limit``: each
+    process's own ``RLIMIT_AS``).
 
     Raises:
         ValueError: it does not fit even at the smallest sizes; the message gives the memory it
@@ -313,19 +340,22 @@ def fit_demo(
             runtime=runtime,
         )
 
+    def over(m: MemoryEstimate) -> bool:
+        return m.total > limit or (largest_limit is not None and m.largest > largest_limit)
+
     H0 = cfg.hidden_size
     h_min = min(H0, MIN_HIDDEN)
     chosen, T = cfg, tokens
-    if est(cfg, T).total > limit:
+    if over(est(cfg, T)):
         # Candidates: multiples of 8 below H0 down to h_min; the estimate grows with H.
         lo, hi = max(1, math.ceil(h_min / 8)), (H0 - 1) // 8
         smallest = _resized(cfg, 8 * lo if 8 * lo < H0 else H0)
-        if est(smallest, T).total > limit:
+        if over(est(smallest, T)):
             chosen = smallest
-            while T > 1 and est(chosen, T).total > limit:
+            while T > 1 and over(est(chosen, T)):
                 T //= 2
-            if est(chosen, T).total > limit:
-                need = est(chosen, T)
+            need = est(chosen, T)
+            if need.total > limit:
                 raise ValueError(
                     f"preset {cfg.name!r} on {num_ranks} rank(s) does not fit: even shrunk to "
                     f"hidden_size={chosen.hidden_size}, ffn_hidden_size={chosen.ffn_hidden_size}"
@@ -333,10 +363,18 @@ def fit_demo(
                     f"{format_bytes(limit)} ({limit_reason}); use fewer ranks (--nodes, "
                     f"--ranks-per-node) or a larger --max-memory if the machine has it"
                 )
+            if over(need):
+                raise ValueError(
+                    f"preset {cfg.name!r} on {num_ranks} rank(s) does not fit: even shrunk to "
+                    f"hidden_size={chosen.hidden_size}, ffn_hidden_size={chosen.ffn_hidden_size}"
+                    f" and {T} token(s) per rank its largest process would need "
+                    f"{format_bytes(need.largest)}, more than {format_bytes(largest_limit or 0)}"
+                    f" ({largest_reason}); raise the address-space limit (ulimit -v)"
+                )
         else:
             while lo < hi:  # the largest multiple of 8 in [8*lo, 8*hi] that fits
                 mid = (lo + hi + 1) // 2
-                if est(_resized(cfg, 8 * mid), T).total <= limit:
+                if not over(est(_resized(cfg, 8 * mid), T)):
                     lo = mid
                 else:
                     hi = mid - 1

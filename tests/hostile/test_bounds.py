@@ -146,7 +146,7 @@ def test_the_cgroup_limit_bounds_every_size_check(tmp_path, monkeypatch):
     monkeypatch.delenv(_sysmem.AVAILABLE_ENV, raising=False)
     monkeypatch.setattr(_limits, "_FITTED", {})
     real = _sysmem.figures
-    monkeypatch.setattr(_sysmem, "figures", lambda proc_=None: real(proc))
+    monkeypatch.setattr(_sysmem, "figures", lambda proc_=None, tree=False: real(proc, tree=tree))
     avail, source = _limits.available_bytes("cpu")
     assert avail == 3 * GiB // 2 - GiB // 4 and "cgroup memory limit" in source
     with pytest.raises(ValueError, match=r"num_experts=100000000 .*cgroup memory limit"):
@@ -161,11 +161,61 @@ def test_this_machine_has_one_figure_for_every_check(monkeypatch):
     found = _sysmem.figures()
     assert found and all(n >= 0 and src for n, src in found)
     assert any(src == "MemAvailable in /proc/meminfo" for _, src in found)
-    monkeypatch.setattr(_sysmem, "figures", lambda proc=None: found)  # NOTE: memory moves
+    monkeypatch.setattr(_sysmem, "figures", lambda proc=None, tree=False: found)  # NOTE: moves
     avail, source = _sysmem.available()
     assert (avail, source) == min(found) == _limits.available_bytes("cpu")
     usable, why = _sysmem.usable()
     assert usable == int(0.8 * avail) and why.startswith("80% of")
+
+
+@pytest.fixture
+def address_space_limit(monkeypatch):
+    """A machine with 22 GiB available and no cgroup limit, this process under an ``RLIMIT_AS``
+    that leaves it 1 GiB (the detection's readings, not a real limit)."""
+    monkeypatch.delenv(_sysmem.AVAILABLE_ENV, raising=False)
+    monkeypatch.setattr(_limits, "_FITTED", {})
+    monkeypatch.setattr(_sysmem, "_meminfo_available", lambda proc: 22 * GiB)
+    monkeypatch.setattr(_sysmem, "_address_space_left", lambda proc: GiB)
+    monkeypatch.setattr(_sysmem, "cgroup_room", lambda proc="/proc": None)
+
+
+def test_rlimit_as_bounds_each_process_never_the_tree(address_space_limit):
+    # NOTE: RLIMIT_AS is per process: under `prlimit --as=4GiB`, `demo --nodes 2
+    # --ranks-per-node 4` and spawn_group(f, 20) were refused although each rank has its own
+    # 4 GiB and 22 GiB was free
+    from flexdispatch.bench import BenchSpec
+    from flexdispatch.cli import demo_fit
+    from flexdispatch.cli.bench import check_bench_memory
+    from flexdispatch.config import load_config
+    from flexdispatch.launch import _check_spawn_args
+
+    assert _sysmem.available() == (GiB, "address space left under RLIMIT_AS")
+    assert _sysmem.available(tree=True) == (22 * GiB, "MemAvailable in /proc/meminfo")
+    assert _limits.available_bytes("cpu") == (GiB, "address space left under RLIMIT_AS")
+    # the tree: the demo's total, spawn_group's ranks, bench's ranks
+    assert demo_fit.memory_limit(None) == (4 * GiB, "the default --max-memory 4.0 GiB")
+    _check_spawn_args(os.getpid, 20, (), None, 60.0, None, "gloo", None)
+    spec = BenchSpec(world_size=8, tokens=64, hidden=64, experts=8, topk=2)
+    check_bench_memory(spec, runtime=300 << 20, runtime_source="given")
+    # one process: what an API call allocates, a bench rank, the demo's largest process
+    with pytest.raises(ValueError, match=r"num_experts=100000000 .*address space left under"):
+        fd.FlexDispatcher(fd.DispatchConfig(backend="torch"), num_experts=10**8)
+    big = BenchSpec(world_size=2, tokens=1 << 17, hidden=256, experts=8, topk=2)
+    with pytest.raises(ValueError, match=r"--tokens=131072 .*one spawned rank.*RLIMIT_AS"):
+        check_bench_memory(big, runtime=300 << 20, runtime_source="given")
+    largest, why = demo_fit.process_limit()
+    assert largest == int(0.8 * GiB) and "RLIMIT_AS" in why
+    cfg = load_config("deepseek_v3")
+    with pytest.raises(ValueError, match=r"its largest process would need .*RLIMIT_AS"):
+        demo_fit.fit_demo(
+            cfg, 2, 64, worst_case=False, limit=100 * GiB, limit_reason="test", runtime=GiB,
+            largest_limit=largest, largest_reason=why,
+        )  # fmt: skip
+    plan = demo_fit.fit_demo(
+        load_config("tiny_cpu"), 8, 64, worst_case=False, limit=4 * GiB, limit_reason="test",
+        largest_limit=largest, largest_reason=why,
+    )  # fmt: skip
+    assert plan.estimate.largest <= largest
 
 
 # --------------------------------------------------------------------------- shapes (N5-N8)
