@@ -65,10 +65,21 @@ def _int_arg(args: Mapping[str, Any], key: str) -> int | None:
 
 
 def _float_arg(args: Mapping[str, Any], key: str, value: Any = None) -> float | None:
-    """Megatron argument ``key`` (or ``value``) as a finite float, or None when absent or null."""
+    """Megatron argument ``key`` (or ``value``) as a finite float, or None when absent or null.
+
+    A string that ``float()`` reads is a number too, as Megatron's argparse reads it (``type=
+    float``): YAML reads ``1e-2`` as the string ``'1e-2'`` (YAML 1.1 floats need a dot), which
+    is how an arguments file spells a coefficient. A bool is never a number."""
     value = args.get(key) if value is None else value
     if value is None:
         return None
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(
+                f"Megatron argument {key} must be a number, got {_show(value)}"
+            ) from None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"Megatron argument {key} must be a number, got {_show(value)}")
     try:
@@ -122,7 +133,8 @@ def moe_config_from_megatron(args: Mapping[str, Any], *, name: str = "megatron")
     non-``moe_`` keys are ignored; ``None`` means Megatron's default. Group scores use Megatron's
     sum rule. Values have the types Megatron's argparse gives them: an integer argument is an
     int (never a bool, a string such as ``'8'`` or a float such as ``2.0``), a float argument a
-    finite number (never a bool or a string), a flag true or false.
+    finite number (never a bool; a string only when ``float()`` reads it, as ``'1e-2'``: YAML
+    reads ``1e-2`` as a string), a flag true or false.
 
     Raises:
         ValueError: an unknown ``moe_*`` key (all listed), a missing ``num_moe_experts`` or

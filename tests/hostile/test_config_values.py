@@ -15,7 +15,7 @@ import torch
 
 from flexdispatch import RouterConfig, topk_routing
 from flexdispatch.cli import main as cli_main
-from flexdispatch.config import DispatchConfig, MoEConfig
+from flexdispatch.config import DispatchConfig, MoEConfig, load_config
 from flexdispatch.importers import moe_config_from_hf, moe_config_from_megatron
 from flexdispatch.routing.hash import hash_routing
 
@@ -123,7 +123,10 @@ def test_hf_infinite_coefficient_from_a_file_exits_2(tmp_path, capsys):
         ("moe_router_topk_scaling_factor", INF, "moe_router_topk_scaling_factor must be a finite"),
         ("moe_expert_capacity_factor", INF, "moe_expert_capacity_factor must be a finite number"),
         ("moe_router_bias_update_rate", NAN, "moe_router_bias_update_rate must be a finite"),
-        ("moe_router_topk_scaling_factor", "2.5", "must be a number, got '2.5' \\(str\\)"),
+        ("moe_router_topk_scaling_factor", "2.5x", "must be a number, got '2.5x' \\(str\\)"),
+        ("moe_router_topk_scaling_factor", True, "must be a number, got True \\(bool\\)"),
+        ("moe_aux_loss_coeff", "nan", "moe_aux_loss_coeff must be a finite number"),
+        ("moe_aux_loss_coeff", "-1e400", "moe_aux_loss_coeff must be a finite number"),
     ],
 )
 def test_megatron_coefficients_are_finite(key, value, message):
@@ -138,6 +141,21 @@ def test_megatron_infinite_coefficient_from_yaml_exits_2(tmp_path, capsys):
     )
     err = _cli(["config", "--from-megatron", str(path)], capsys)
     assert "moe_aux_loss_coeff must be a finite number, got 'inf'" in err
+
+
+def test_megatron_scientific_notation_from_yaml_is_a_number(tmp_path):
+    # NOTE: PyYAML reads 1e-2 as the string '1e-2' (YAML 1.1 floats need a dot); Megatron's
+    # argparse reads it with float(), and so does the importer
+    path = tmp_path / "args.yaml"
+    path.write_text(
+        "num_moe_experts: 8\nhidden_size: 64\nffn_hidden_size: 128\nmoe_aux_loss_coeff: 1e-2\n"
+        "moe_z_loss_coeff: 1E-3\nmoe_router_topk_scaling_factor: '2.5'\n"
+    )
+    out = tmp_path / "out.yaml"
+    assert cli_main(["config", "--from-megatron", str(path), "-o", str(out)]) == 0
+    cfg = load_config(out)
+    assert (cfg.router.aux_loss_coeff, cfg.router.z_loss_coeff) == (0.01, 0.001)
+    assert cfg.router.scaling_factor == 2.5
 
 
 # --------------------------------------------------------------------------- N16: bools
