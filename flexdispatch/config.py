@@ -469,6 +469,10 @@ def preset_path(name: str) -> Path:
 def load_config(preset_name_or_path: str | Path) -> MoEConfig:
     """Load a ``MoEConfig`` from a preset name (see ``list_presets()``) or a YAML file path.
 
+    A ``Path``, a name with a folder separator or a ``.yaml`` / ``.yml`` suffix is a file; a
+    preset's name is the preset (a file or folder of that name in the working directory does
+    not hide it: pass ``./name`` for the file); any other name is a file when one exists.
+
     Raises:
         ValueError: unknown preset, unreadable file, or a config that fails validation (the
             message names the offending fields).
@@ -476,9 +480,16 @@ def load_config(preset_name_or_path: str | Path) -> MoEConfig:
     text = str(preset_name_or_path)
     path = Path(text)
     # NOTE: a name with a folder in it (/dev/zero, ./x) or a YAML suffix is a path, whatever is
-    # there (read_config_file names what it is); anything else is a preset unless a file has
-    # that name
-    is_path = path.suffix in (".yaml", ".yml") or os.sep in text or os.path.lexists(path)
+    # there (read_config_file names what it is); a preset's name is the preset, even where a
+    # file or folder of that name sits in the working directory (`tiny_cpu/`); any other name
+    # is a file when one has that name, else an unknown preset
+    separators = {"/", os.sep, *([os.altsep] if os.altsep else [])}
+    is_path = (
+        isinstance(preset_name_or_path, Path)
+        or path.suffix in (".yaml", ".yml")
+        or any(sep in text for sep in separators)
+        or (text not in list_presets() and os.path.lexists(path))
+    )
     if not is_path:
         path = preset_path(text)
     data = read_config_file(path, kind="yaml", what="config file")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
 from flexdispatch import DispatchConfig, MoEConfig, RouterConfig, list_presets, load_config
+from flexdispatch.config import preset_path
 
 
 def _router(**kw):
@@ -80,6 +83,20 @@ def test_tiny_preset_loads_by_name_and_path(tmp_path):
     path = tmp_path / "x.yaml"
     path.write_text(cfg.model_dump_json())  # JSON is valid YAML
     assert load_config(path) == cfg
+
+
+def test_a_preset_name_is_the_preset_whatever_the_working_directory_holds(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny_cpu").mkdir()  # NOTE: `flexdispatch demo` (preset tiny_cpu) run here
+    (tmp_path / "deepseek_v3").write_text("not: a config\n")
+    assert load_config("tiny_cpu") == load_config(preset_path("tiny_cpu"))
+    assert load_config("deepseek_v3").router.num_experts == 256
+    with pytest.raises(ValueError, match=r"config file tiny_cpu is a folder"):
+        load_config(Path("tiny_cpu"))  # NOTE: a Path, or ./tiny_cpu, is the file system's
+    with pytest.raises(ValueError, match=r"config file deepseek_v3 is invalid"):
+        load_config("./deepseek_v3")
+    (tmp_path / "mine").write_text(load_config("tiny_cpu").model_dump_json())
+    assert load_config("mine") == load_config("tiny_cpu")  # NOTE: no preset of that name
 
 
 def test_load_config_errors(tmp_path):
