@@ -18,6 +18,29 @@ check_int() {
     refuse "$1" "is not $4: pass an integer in [$2, $3]${5:+ ($5)}"
   fi
 }
+# check_int_list VAR LOW HIGH WHAT: VAR, when set, is a comma-separated list of decimal integers
+# in [LOW, HIGH] (OpenMP's OMP_NUM_THREADS=4,2: threads per nesting level)
+check_int_list() {
+  local value=${!1-} item
+  [[ -z "$value" ]] && return 0
+  if [[ ! "$value" =~ ^[0-9]{1,9}(,[0-9]{1,9})*$ ]]; then
+    refuse "$1" "is not $4: pass an integer in [$2, $3] (or a list of them, e.g. 4,2)"
+  fi
+  IFS=, read -r -a items <<<"$value"
+  for item in "${items[@]}"; do
+    if (( 10#$item < $2 || 10#$item > $3 )); then
+      refuse "$1" "is not $4: pass an integer in [$2, $3] (or a list of them, e.g. 4,2)"
+    fi
+  done
+}
+# check_host VAR WHAT: VAR is a host name, an IPv4 address or an IPv6 one (bracketed or not),
+# optionally with :PORT (an endpoint)
+check_host() {
+  local value=${!1-}
+  if [[ ! "$value" =~ ^(\[[0-9A-Za-z_.:%-]+\](:[0-9]{1,5})?|[0-9A-Za-z_.:%-]+)$ ]]; then
+    refuse "$1" "is not a host name or address: pass $2"
+  fi
+}
 check_port() {  # MASTER_PORT: 0 would hang (torchrun waits for a store nobody serves)
   check_int MASTER_PORT 1 65535 "a TCP port" "0 makes torchrun wait forever"
 }
@@ -65,7 +88,7 @@ case "${FLEXDISPATCH_DRY_RUN:-0}" in
   *) refuse FLEXDISPATCH_DRY_RUN "must be 1 (print the command) or 0" ;;
 esac
 check_int NPROC_PER_NODE 1 4096 "a number of processes"
-check_int OMP_NUM_THREADS 1 4096 "a number of threads"
+check_int_list OMP_NUM_THREADS 1 4096 "a number of threads"
 check_int TORCH_ELASTIC_SHUTDOWN_TIMEOUT 0 86400 "a number of seconds"
 check_ifname FLEXDISPATCH_IFNAME
 check_ifname GLOO_SOCKET_IFNAME

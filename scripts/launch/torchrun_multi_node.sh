@@ -12,15 +12,21 @@
 # real node boundaries. Rank 0 (on NODE_RANK 0) prints the report.
 #
 # Environment:
-#   NNODES           number of nodes (default: $PET_NNODES, else 1)
+#   NNODES           number of nodes (default: $PET_NNODES, else 1); with c10d also MIN:MAX, an
+#                    elastic job of MIN to MAX nodes (torchrun's --nnodes 1:4)
 #   NODE_RANK        this node's index 0..NNODES-1 (default: $PET_NODE_RANK, else 0); static only
-#   MASTER_ADDR      address of node 0, reachable from every node (default 127.0.0.1)
+#                    (c10d assigns node ranks by arrival: NODE_RANK is neither read nor checked)
+#   MASTER_ADDR      address of node 0, reachable from every node (default 127.0.0.1); a host
+#                    name, an IPv4 address or an IPv6 one, bracketed ([fd00::1]) or not
 #   MASTER_PORT      a free TCP port on node 0 (default 29500)
 #   NPROC_PER_NODE   processes per node = GPUs per node (default: $PET_NPROC_PER_NODE, else the
 #                    GPU count from nvidia-smi, else 2 CPU processes over gloo)
-#   RDZV_BACKEND     static (default: fixed NODE_RANKs, nothing elastic) or c10d (rendezvous at
-#                    MASTER_ADDR:MASTER_PORT, node ranks assigned by arrival; needs RDZV_ID)
-#   RDZV_ID          job id for c10d (default flexdispatch)
+#   RDZV_BACKEND     static (default: $PET_RDZV_BACKEND, else static: fixed NODE_RANKs, nothing
+#                    elastic) or c10d (rendezvous at RDZV_ENDPOINT, node ranks assigned by arrival)
+#   RDZV_ENDPOINT    c10d's host:port (default: $PET_RDZV_ENDPOINT, else MASTER_ADDR:MASTER_PORT)
+#   RDZV_ID          job id for c10d (default: $PET_RDZV_ID, else flexdispatch)
+#   (A Kubeflow elastic PyTorchJob exports PET_NNODES=MIN:MAX, PET_RDZV_BACKEND=c10d and
+#   PET_RDZV_ENDPOINT: the recipe reads them as they are.)
 #   FLEXDISPATCH_CMD sub-command: demo (default), bench, doctor, ...
 #   FLEXDISPATCH_VENV, PYTHON, TORCHRUN, FLEXDISPATCH_DRY_RUN, FLEXDISPATCH_DEVICE: as in
 #                    torchrun_single_node.sh (NPROC_PER_NODE > GPUs on this node is refused there)
@@ -57,15 +63,33 @@ NNODES=${NNODES:-${PET_NNODES:-1}}
 NODE_RANK=${NODE_RANK:-${PET_NODE_RANK:-0}}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
+RDZV_BACKEND=${RDZV_BACKEND:-${PET_RDZV_BACKEND:-static}}
 check_port
-check_int NNODES 1 100000 "a number of nodes"
-check_int NODE_RANK 0 99999 "a node index"
-if (( 10#$NODE_RANK >= 10#$NNODES )); then
-  refuse NODE_RANK "is not below NNODES=$NNODES: nodes are numbered 0..NNODES-1"
-fi
-if [[ ! "$MASTER_ADDR" =~ ^[A-Za-z0-9_.:%-]+$ ]]; then
-  refuse MASTER_ADDR "is not a host name or address: pass node 0's address"
-fi
+check_host MASTER_ADDR "node 0's address"
+case "$RDZV_BACKEND" in
+  static)
+    check_int NNODES 1 100000 "a number of nodes" "static rendezvous: MIN:MAX needs RDZV_BACKEND=c10d"
+    check_int NODE_RANK 0 99999 "a node index"
+    if (( 10#$NODE_RANK >= 10#$NNODES )); then
+      refuse NODE_RANK "is not below NNODES=$NNODES: nodes are numbered 0..NNODES-1"
+    fi ;;
+  c10d)
+    # NOTE: NODE_RANK is not read: c10d numbers the nodes as they arrive
+    if [[ "$NNODES" =~ ^([0-9]{1,6}):([0-9]{1,6})$ ]]; then
+      lo=$((10#${BASH_REMATCH[1]})) hi=$((10#${BASH_REMATCH[2]}))
+      if (( lo < 1 || lo > hi || hi > 100000 )); then
+        refuse NNODES "is not MIN:MAX nodes with 1 <= MIN <= MAX <= 100000"
+      fi
+    else
+      check_int NNODES 1 100000 "a number of nodes" "or MIN:MAX for an elastic job"
+    fi
+    host=$MASTER_ADDR
+    [[ "$host" == *:* && "$host" != \[* ]] && host="[$host]"  # NOTE: an IPv6 address
+    RDZV_ENDPOINT=${RDZV_ENDPOINT:-${PET_RDZV_ENDPOINT:-$host:$MASTER_PORT}}
+    check_host RDZV_ENDPOINT "the rendezvous host:port" ;;
+  *)
+    refuse RDZV_BACKEND "must be static or c10d" ;;
+esac
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
   if [[ -n "${PET_NPROC_PER_NODE:-}" && "${PET_NPROC_PER_NODE}" =~ ^[0-9]+$ ]]; then
     NPROC_PER_NODE=$PET_NPROC_PER_NODE
@@ -74,16 +98,13 @@ if [[ -z "${NPROC_PER_NODE:-}" ]]; then
     NPROC_PER_NODE=$(( gpus > 0 ? gpus : 2 ))
   fi
 fi
-case "${RDZV_BACKEND:-static}" in
-  static)
-    rdzv=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --rdzv-backend static
-          --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT") ;;
-  c10d)
-    rdzv=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
-          --rdzv-id "${RDZV_ID:-flexdispatch}") ;;
-  *)
-    refuse RDZV_BACKEND "must be static or c10d" ;;
-esac
+if [[ "$RDZV_BACKEND" == static ]]; then
+  rdzv=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --rdzv-backend static
+        --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
+else
+  rdzv=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT"
+        --rdzv-id "${RDZV_ID:-${PET_RDZV_ID:-flexdispatch}}")
+fi
 # The interface the user names carries the process-group sockets (docs/security.md).
 if [[ -n "${FLEXDISPATCH_IFNAME:-}" ]]; then
   export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$FLEXDISPATCH_IFNAME}

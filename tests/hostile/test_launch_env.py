@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -27,14 +28,27 @@ pytestmark = pytest.mark.timeout(120)
 LAUNCH = ROOT / "scripts" / "launch"
 SINGLE, MULTI = LAUNCH / "torchrun_single_node.sh", LAUNCH / "torchrun_multi_node.sh"
 SERVE = LAUNCH / "serve_hf_expert_parallel.sh"
-_CLEAN = ("MASTER_PORT", "MASTER_ADDR", "NNODES", "NODE_RANK", "RANK", "WORLD_SIZE", "PYTHON")
+_CLEAN = (
+    "MASTER_PORT",
+    "MASTER_ADDR",
+    "NNODES",
+    "NODE_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "PYTHON",
+    "RDZV_BACKEND",
+    "RDZV_ENDPOINT",
+    "RDZV_ID",
+    "OMP_NUM_THREADS",
+)
 
 
 @pytest.fixture
 def fake_torchrun(tmp_path: Path) -> Path:
     fake = tmp_path / "torchrun"
     fake.write_text(
-        '#!/usr/bin/env bash\necho "TORCHRUN $* SHUTDOWN=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT-unset}"\n'
+        '#!/usr/bin/env bash\necho "TORCHRUN $* SHUTDOWN=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT-unset}'
+        ' OMP=${OMP_NUM_THREADS-unset}"\n'
     )
     fake.chmod(0o755)
     return fake
@@ -80,6 +94,12 @@ BAD = [
     (MULTI, {"NNODES": "0"}, "NNODES=0 is not a number of nodes"),
     (MULTI, {"MASTER_ADDR": "a b"}, "MASTER_ADDR=a\\ b is not a host name or address"),
     (MULTI, {"RDZV_BACKEND": "etcd"}, "RDZV_BACKEND=etcd must be static or c10d"),
+    (MULTI, {"NNODES": "1:4"}, "NNODES=1:4 is not a number of nodes: pass an integer in"),
+    (MULTI, {"RDZV_BACKEND": "c10d", "NNODES": "4:2"}, "NNODES=4:2 is not MIN:MAX nodes"),
+    (MULTI, {"RDZV_BACKEND": "c10d", "NNODES": "0:2"}, "NNODES=0:2 is not MIN:MAX nodes"),
+    (MULTI, {"MASTER_ADDR": "[fd00::1"}, "MASTER_ADDR=\\[fd00::1 is not a host name"),
+    (SINGLE, {"OMP_NUM_THREADS": "4,0"}, "OMP_NUM_THREADS=4\\,0 is not a number of threads"),
+    (SINGLE, {"OMP_NUM_THREADS": "4,"}, "OMP_NUM_THREADS=4\\, is not a number of threads"),
 ]
 
 
@@ -92,6 +112,71 @@ def test_a_bad_variable_is_one_line_before_torchrun(script, env, message, fake_t
     assert proc.stdout == "", "torchrun was started"
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith(f"{script.name}: {message}"), proc.stderr
+
+
+# NOTE: the environments that Slurm (slurm_flexdispatch.sbatch), a Kubeflow PyTorchJob (static,
+# and elastic: the operator's PET_* variables) and torchrun's own elastic mode give the multi-node
+# recipe, and what torchrun receives (the device check is stood in for: the cases above run it)
+GOOD = [
+    (
+        "slurm",
+        {"NNODES": "4", "NODE_RANK": "3", "MASTER_ADDR": "node-a", "MASTER_PORT": "29500"},
+        "--nnodes 4 --node-rank 3 --rdzv-backend static --master-addr node-a --master-port 29500",
+    ),
+    (
+        "kubeflow-static",
+        {
+            "PET_NNODES": "2",
+            "PET_NODE_RANK": "1",
+            "PET_NPROC_PER_NODE": "2",
+            "MASTER_ADDR": "flexdispatch-demo-master-0",
+            "MASTER_PORT": "23456",
+        },
+        "--nnodes 2 --node-rank 1 --rdzv-backend static --master-addr "
+        "flexdispatch-demo-master-0 --master-port 23456",
+    ),
+    (
+        "kubeflow-elastic",
+        {
+            "PET_NNODES": "2:4",
+            "PET_RDZV_BACKEND": "c10d",
+            "PET_RDZV_ENDPOINT": "flexdispatch-demo-master-0:23456",
+            "PET_NPROC_PER_NODE": "2",
+        },
+        "--nnodes 2:4 --rdzv-backend c10d --rdzv-endpoint flexdispatch-demo-master-0:23456 "
+        "--rdzv-id flexdispatch",
+    ),
+    (
+        "torchrun-elastic",
+        {"RDZV_BACKEND": "c10d", "NNODES": "1:4", "NODE_RANK": "7", "MASTER_ADDR": "10.0.0.1"},
+        "--nnodes 1:4 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 --rdzv-id flexdispatch",
+    ),
+    (
+        "ipv6",
+        {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "[fd00::1]", "OMP_NUM_THREADS": "4,2"},
+        "--nnodes 2 --node-rank 1 --rdzv-backend static --master-addr [fd00::1] --master-port",
+    ),
+    (
+        "ipv6-c10d",
+        {"RDZV_BACKEND": "c10d", "NNODES": "2", "MASTER_ADDR": "fd00::1", "RDZV_ID": "job7"},
+        "--nnodes 2 --rdzv-backend c10d --rdzv-endpoint [fd00::1]:29500 --rdzv-id job7",
+    ),
+]
+
+
+@pytest.mark.parametrize(("env", "expected"), [g[1:] for g in GOOD], ids=[g[0] for g in GOOD])
+def test_the_launchers_environments_reach_torchrun(env, expected, fake_torchrun, tmp_path):
+    python = tmp_path / "python"
+    python.write_text(
+        '#!/usr/bin/env bash\n[[ "$1 $2" == "-m flexdispatch.devices" ]] && exit 0\n'
+        f'exec {sys.executable} "$@"\n'
+    )
+    python.chmod(0o755)
+    proc = _recipe(MULTI, fake_torchrun, PYTHON=str(python), **env)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.startswith(f"TORCHRUN {expected}"), proc.stdout
+    omp = env.get("OMP_NUM_THREADS")
+    assert omp is None or f"OMP={omp}" in proc.stdout
 
 
 def test_single_node_recipe_bounds_the_shutdown_and_says_where_its_store_listens(fake_torchrun):
