@@ -219,6 +219,17 @@ def write_file(path: Path | str, data: bytes, what: str) -> None:
 # --------------------------------------------------------------------------- YAML
 
 
+# NOTE: what a YAML error is, by the parser's stage: PyYAML's own text ("problem") quotes the
+# input (a tag, an alias, a character: "could not determine a constructor for the tag
+# '!SECRET…'"), so a message says where and what kind, and quotes only ``_at``'s excerpt
+_YAML_PROBLEMS = {
+    "ScannerError": "a character or token the scanner cannot read (a tab, an unclosed quote)",
+    "ParserError": "a structure that does not parse (the indentation, a missing ':' or bracket)",
+    "ComposerError": "an anchor or alias that cannot be resolved",
+    "ConstructorError": "a tag or key that cannot be built (an unknown !tag, a list as a key)",
+}
+
+
 def _yaml_error(exc: yaml.YAMLError, path: Path | str, what: str, text: str) -> ValueError:
     if isinstance(exc, yaml.reader.ReaderError):  # NOTE: a character the reader refuses
         line, col = _line_col(text, exc.position)
@@ -228,13 +239,25 @@ def _yaml_error(exc: yaml.YAMLError, path: Path | str, what: str, text: str) -> 
             f"U+{char:04X}; a config is printable text)"
         )
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
-    problem = getattr(exc, "problem", None) or type(exc).__name__
+    problem = _YAML_PROBLEMS.get(type(exc).__name__, "malformed YAML")
     if mark is None:
         return ValueError(f"{what} {path} is not valid YAML: {problem}")
     return ValueError(
         f"{what} {_where(path, mark.line, mark.column)} is not valid YAML: {problem} "
         f"(at {_at(text, mark.index)})"
     )
+
+
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that remembers where the node it builds starts: a tagged value that
+    does not convert (``!!int SECRET``, ``!!timestamp x``) is named by its position, never by
+    the converter's message (which quotes it)."""
+
+    building: Any = None
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        self.building = node.start_mark
+        return super().construct_object(node, deep=deep)
 
 
 def _check_yaml_tree(root: yaml.Node, path: Path | str, what: str) -> None:
@@ -304,13 +327,17 @@ def _load_yaml(text: str, path: Path | str, what: str) -> Any:
         _check_yaml_depth(text, path, what)
     except yaml.YAMLError as exc:
         raise _yaml_error(exc, path, what, text) from None
-    loader = yaml.SafeLoader(text)
+    loader = _Loader(text)
     try:
         node = loader.get_single_node()
         if node is None:
             return None
         _check_yaml_tree(node, path, what)
-        return loader.construct_document(node)
+        try:
+            return loader.construct_document(node)
+        except (ValueError, TypeError, AttributeError, OverflowError, LookupError) as exc:
+            # NOTE: a tagged value the constructor could not convert (int(), float(), a date)
+            raise _number_error(exc, text, path, what, loader.building) from None
     except yaml.YAMLError as exc:
         raise _yaml_error(exc, path, what, text) from None
     except RecursionError:
@@ -318,8 +345,6 @@ def _load_yaml(text: str, path: Path | str, what: str) -> Any:
             f"{what} {path} nests deeper than {MAX_CONFIG_DEPTH} levels (the YAML parser ran "
             f"out of stack): a config needs about 4"
         ) from None
-    except ValueError as exc:  # NOTE: an int() the constructor could not convert
-        raise _number_error(exc, text, path, what) from None
     finally:
         loader.dispose()
 
@@ -378,13 +403,21 @@ def _load_json(text: str, path: Path | str, what: str) -> Any:
         raise _number_error(exc, text, path, what) from None
 
 
-def _number_error(exc: ValueError, text: str, path: Path | str, what: str) -> ValueError:
-    """A number the parser could not convert (an integer of more digits than Python converts),
-    as an error with its position and no quote of it."""
+def _number_error(
+    exc: Exception, text: str, path: Path | str, what: str, mark: Any = None
+) -> ValueError:
+    """A value the parser could not convert (an integer of more digits than Python converts, a
+    tagged YAML value such as ``!!int x`` or ``!!timestamp x``), as an error with its position
+    (``mark``: where the YAML node starts) and no quote of it: never ``exc``'s text, which
+    quotes the value."""
     limit = sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 0
     found = re.search(rf"[0-9][0-9_]{{{max(limit - 1, 0)},}}", text) if limit else None
-    if found is None:
-        return ValueError(f"{what} {path} holds a value that cannot be converted: {exc}")
+    if found is None or not isinstance(exc, ValueError):
+        where = _where(path, mark.line, mark.column) if mark is not None else f"{path}"
+        return ValueError(
+            f"{what} {where} holds a value that cannot be converted ({type(exc).__name__}): "
+            f"check its tag (!!int, !!float, !!timestamp, ...) or write it plainly"
+        )
     line, col = _line_col(text, found.start())
     return ValueError(
         f"{what} {_where(path, line, col)} holds an integer of more than {limit} digits: a config "

@@ -114,9 +114,14 @@ def _one_coeff(name: str, value: Any) -> float:
     return 0.0 if coeff is None else coeff
 
 
-def _arg_name(key: object) -> str:
-    text = str(key)
-    return text if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", text) else key_text(key)
+_ARG_NAME = re.compile(r"moe_[a-z0-9_]{1,44}")
+"""An unknown key named in full: shaped like a Megatron argument (argparse's lower-case names,
+at most 48 characters: Megatron-Core's own reach 40); any other key as a config file's keys are
+(``key_text``: position, length, 3 characters)."""
+
+
+def _arg_name(key: str, known: list[str], position: int) -> str:
+    return key if _ARG_NAME.fullmatch(key) else key_text(key, known, str(position))
 
 
 def moe_config_from_megatron(args: Mapping[str, Any], *, name: str = "megatron") -> MoEConfig:
@@ -144,13 +149,11 @@ def moe_config_from_megatron(args: Mapping[str, Any], *, name: str = "megatron")
     """
     if not isinstance(args, Mapping):
         raise TypeError(f"args must be a mapping of Megatron argument names, got {type(args)}")
+    known = [*_MEGATRON_ROUTER, *_MEGATRON_OTHER]
     unknown = sorted(
-        _arg_name(key)
-        for key in args
-        if isinstance(key, str)
-        and key.startswith("moe_")
-        and key not in _MEGATRON_ROUTER
-        and key not in _MEGATRON_OTHER
+        _arg_name(key, known, i)
+        for i, key in enumerate(args, 1)
+        if isinstance(key, str) and key.startswith("moe_") and key not in known
     )
     if unknown:
         raise ValueError(

@@ -51,6 +51,47 @@ def test_a_shadow_file_is_not_quoted(tmp_path, capsys):
     assert "key #2 (" in err and "characters, starting 'ali'…)" in err
 
 
+SECRET = "S3CR3TS3CR3TS3CR3TS3CR3T"
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "what"),
+    [
+        (f"hidden_size: !!int {SECRET}\n", "line 1, column 14", "cannot be converted"),
+        (f"x: !{SECRET} 3\n", "line 1, column 4", "a tag or key that cannot be built"),
+        (f"x: !!timestamp {SECRET}\n", "line 1, column 4", "cannot be converted"),
+        (f"x: !!bool {SECRET}\n", "line 1, column 4", "cannot be converted"),
+        (f"x: !!float {SECRET}\n", "line 1, column 4", "cannot be converted"),
+        (f"x: *{SECRET}\n", "line 1, column 4", "an anchor or alias that cannot be resolved"),
+        (f"x: '{SECRET}\n", "line 2, column 1", "a character or token the scanner"),
+    ],
+    ids=["int-tag", "unknown-tag", "timestamp", "bool", "float", "alias", "unclosed-quote"],
+)
+def test_a_yaml_error_gives_the_position_not_the_value(tmp_path, capsys, text, where, what):
+    # NOTE: PyYAML's messages and the converters' quote the value (an unknown tag in full); a
+    # malformed !!timestamp raised a bare AttributeError ('NoneType' ... 'groupdict')
+    path = tmp_path / "t.yaml"
+    path.write_text(text)
+    err = _cli(["presets", str(path)], capsys)
+    assert f"{path} at {where} " in err and what in err, err
+    assert SECRET[:13] not in err, err  # NOTE: at most 12 characters of the file
+
+
+def test_megatron_unknown_keys_are_named_in_full_only_when_shaped_like_arguments():
+    from flexdispatch.importers import moe_config_from_megatron
+
+    args = {"num_moe_experts": 8, "hidden_size": 64, "ffn_hidden_size": 128}
+    args["moe_pad_experts_for_cuda_graph_inference"] = True  # Megatron's longest: in full
+    args["moe_" + "s3cr3t" * 8] = 1  # 52 characters: by position
+    args["moe_SK-live-" + SECRET] = 1
+    with pytest.raises(ValueError, match="unknown Megatron MoE argument") as info:
+        moe_config_from_megatron(args)
+    msg = str(info.value)
+    assert "moe_pad_experts_for_cuda_graph_inference" in msg
+    assert "key #5 (52 characters, starting 'moe'…)" in msg and "s3cr3ts3" not in msg
+    assert "key #6 (" in msg and "S3CR3T" not in msg
+
+
 def test_unknown_keys_are_named_by_position_or_in_full_when_they_look_like_fields(tmp_path):
     cfg = load_config("tiny_cpu").model_dump(mode="json")
     cfg["router"]["top_kk"] = 2  # a typo: quoted, with the field it resembles
