@@ -17,11 +17,11 @@ R ranks · L ranks per node (exported as ``LOCAL_WORLD_SIZE``, as torchrun does)
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
-import pickle
 import socket
 import time
 import traceback
@@ -263,14 +263,21 @@ def _check_spawn_args(
         raise TypeError("env must be a dict of str to str (environment variables) or None")
     if not callable(fn):
         raise TypeError(f"fn must be a function, got {type(fn).__name__}")
-    try:
-        pickle.dumps(fn)
-    except Exception as exc:  # PicklingError, AttributeError (a local object), TypeError
-        name = getattr(fn, "__qualname__", repr(fn))
+    # NOTE: only what can never travel by name is refused here; a plain pickle.dumps would
+    # refuse what the spawning context can send (a functools.partial over a multiprocessing
+    # Event pickles only while a process is being spawned). Anything else that does not pickle
+    # fails at the start, with every store, pipe and process ended.
+    target = fn
+    while isinstance(target, functools.partial):
+        target = target.func
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", "")
+    if "<lambda>" in name or "<locals>" in name:
+        what = "a lambda" if "<lambda>" in name else "a function defined inside another"
         raise TypeError(
             f"fn must be picklable to reach the spawned ranks (a function defined at module "
-            f"level), got {name}: {type(exc).__name__}: {exc}"
-        ) from None
+            f"level, or a functools.partial of one), got {name}: {what} is pickled by name and "
+            f"cannot be found there"
+        )
     # NOTE: the parent holds a pipe and a store connection per rank; each rank needs a runtime.
     try:
         import resource
@@ -340,8 +347,9 @@ def spawn_group(
             exists: ``world_size`` not a positive int, or more ranks than this machine's memory
             holds (``RANK_RUNTIME_BYTES`` each, ``flexdispatch._limits``) or than its open-file
             limit allows; ``timeout_s`` / ``pg_timeout_s`` not a finite number of seconds in
-            ``[0.001, MAX_TIMEOUT_S]``; ``backend`` not ``"gloo"`` or ``"nccl"``; ``fn`` not
-            picklable (a lambda or a local function).
+            ``[0.001, MAX_TIMEOUT_S]``; ``backend`` not ``"gloo"`` or ``"nccl"``; ``fn`` a
+            lambda or a local function (also inside a ``functools.partial``). Other objects
+            that do not pickle raise when the ranks start, with nothing left behind.
         GroupError: a rank raised (its traceback is in the message), died, or the deadline passed.
     """
     _check_spawn_args(fn, world_size, args, ranks_per_node, timeout_s, pg_timeout_s, backend, env)

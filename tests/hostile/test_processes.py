@@ -8,7 +8,9 @@ SIGKILL: its rank and multiprocessing's resource tracker must be gone seconds la
 
 from __future__ import annotations
 
+import functools
 import math
+import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -46,6 +48,13 @@ def _children() -> set[int]:
     return set(_children_of(os.getpid()))
 
 
+def _local():
+    def work() -> int:
+        return 0
+
+    return work
+
+
 BAD_ARGS = [
     ({"world_size": 2.0}, TypeError, r"world_size must be an int, got float"),
     ({"world_size": True}, TypeError, r"world_size must be an int, got bool"),
@@ -61,7 +70,9 @@ BAD_ARGS = [
     ({"timeout_s": "5"}, TypeError, r"timeout_s must be a number of seconds, got str"),
     ({"pg_timeout_s": 1e-9}, ValueError, r"pg_timeout_s must be .* got 1e-09"),
     ({"backend": "mpi-bogus"}, ValueError, r"backend must be 'gloo' .* got 'mpi-bogus'"),
-    ({"fn": lambda: 0}, TypeError, r"fn must be picklable .* got <lambda>"),
+    ({"fn": lambda: 0}, TypeError, r"fn must be picklable .* got <lambda>: a lambda"),
+    ({"fn": functools.partial(lambda x: x, 1)}, TypeError, r"fn must be picklable .*<lambda>"),
+    ({"fn": _local()}, TypeError, r"got _local.<locals>.work: a function defined inside"),
     ({"fn": 3}, TypeError, r"fn must be a function, got int"),
     ({"args": [1]}, TypeError, r"args must be a tuple, got list"),
     ({"env": {"A": 1}}, TypeError, r"env must be a dict of str to str"),
@@ -82,6 +93,21 @@ def test_spawn_group_checks_its_arguments_before_anything_exists(kwargs, error, 
     assert time.perf_counter() - t0 < 2
     assert _open_fds() == fds, "no store, pipe or socket was left open"
     assert _children() == children, "no process was started"
+
+
+def _set(event) -> int:
+    event.set()
+    return 1
+
+
+def test_what_the_spawning_context_can_send_is_not_refused_up_front():
+    # NOTE: a multiprocessing Event pickles only while a process is being spawned: a plain
+    # pickle.dumps of partial(work, event) raised TypeError, while args=(event,) worked
+    from flexdispatch.launch import _check_spawn_args
+
+    event = mp.get_context("spawn").Event()
+    for fn in (functools.partial(_set, event), functools.partial(functools.partial(_set), event)):
+        _check_spawn_args(fn, 2, (), None, 20.0, None, "gloo", None)
 
 
 def test_spawn_group_counts_each_rank_runtime(monkeypatch):
