@@ -4,7 +4,12 @@
 ``torch.load(weights_only=True)``, which allows tensors and plain values, plus the data classes of
 this project that the bytes name (``_data_class``): never an unrestricted pickle (docs/security.md,
 reliability-4 N2). ``gather_objects`` / ``broadcast_object`` carry such bytes in uint8 tensors,
-where ``dist.all_gather_object`` would unpickle a peer's bytes without restriction.
+where ``dist.all_gather_object`` would unpickle a peer's bytes without restriction; the sizes the
+peers announce are checked before anything of that size is allocated (``_check_sizes``).
+
+The data classes admitted define none of the hooks unpickling calls with the payload's values
+(``__post_init__``, ``__setstate__``, ``__new__``, ``__del__``, an enum's ``_missing_``):
+``tests/hostile/test_security.py`` pins it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import pickle
 import pickletools
 import sys
 import zipfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,15 +55,31 @@ def _is_data_class(cls: type) -> bool:
     )
 
 
+def _trusted(module: str) -> bool:
+    """``module`` belongs to ``flexdispatch`` or to this repository's own ``tests`` package: the
+    ``tests`` beside this checkout's ``flexdispatch`` (a third-party wheel that ships a top-level
+    ``tests`` package is not this project's)."""
+    top = module.split(".")[0]
+    if top == "flexdispatch":
+        return True
+    if top != "tests":
+        return False
+    package = sys.modules.get("tests")
+    mine = Path(__file__).resolve().parents[1] / "tests"
+    paths = list(getattr(package, "__path__", None) or [])
+    return bool(paths) and all(Path(p).resolve() == mine for p in paths)
+
+
 def _data_class(module: str, name: str) -> type | None:
     """The data class (``_is_data_class``) defined as ``name`` in module ``module`` of the
-    ``flexdispatch`` or ``tests`` packages, already imported by this process; None otherwise.
+    ``flexdispatch`` package or of this repository's ``tests`` (``_trusted``), already imported
+    by this process; None otherwise.
 
     ``name`` must be the class's own ``__qualname__`` there (``Outer.Inner`` for a nested class):
     a dotted path through something the module imported (``flexdispatch.cli.demo_machine`` +
     ``subprocess.Popen``), a function, a module or a class defined elsewhere is not one.
     """
-    root = sys.modules.get(module) if module.split(".")[0] in _TRUSTED_PACKAGES else None
+    root = sys.modules.get(module) if _trusted(module) else None
     first, *rest = name.split(".")
     # NOTE: the module's own namespace, then a class's own attributes: never a step through a
     # module that the trusted one imported, nor a lookup hook (``vars``, not ``getattr``)
@@ -73,8 +95,6 @@ def _data_class(module: str, name: str) -> type | None:
         return obj
     return None
 
-
-_TRUSTED_PACKAGES = ("flexdispatch", "tests")
 
 # Opcodes that name a global: protocol 0-1 spell it in the opcode (GLOBAL, INST); STACK_GLOBAL
 # (protocol 4+) takes it from the stack, which torch.save (protocol 2) never writes.
@@ -165,9 +185,45 @@ def _collective_device(group: Any) -> torch.device:
     return collective_device(group)
 
 
+def _check_sizes(counts: list[int], what: str, device: torch.device, copies: int) -> None:
+    """Refuse the sizes peers announced (``counts``: bytes per rank) before anything of that size
+    is allocated: a negative one, or ``copies`` buffers of the largest that cannot fit in memory
+    (``flexdispatch._limits``).
+
+    Raises:
+        CollectiveError: naming the rank and the size (every rank sees the same ``counts``).
+    """
+    from flexdispatch import _limits
+    from flexdispatch.distributed import CollectiveError
+
+    for rank, count in enumerate(counts):
+        if count < 0:
+            raise CollectiveError(
+                f"{what}: rank {rank} announced {count} bytes: a peer that is not running the "
+                f"same flexdispatch (or a corrupted exchange); nothing was allocated"
+            )
+    largest = max(counts, default=0)
+    why = _limits.refusal(
+        what,
+        f"rank {counts.index(largest)}'s object",
+        f"{largest} bytes",
+        copies * largest,
+        device,
+        detail=f"{copies} buffers of the largest size",
+        fix="a peer sent more than this rank can hold: return smaller results",
+    )
+    if why is not None:
+        raise CollectiveError(why)
+
+
 def gather_objects(obj: Any, group: Any = None) -> list[Any]:
     """Every rank's ``obj`` on every rank, as ``_dumps`` bytes in uint8 tensors read back with
-    ``_loads`` (``dist.all_gather_object`` would unpickle without restriction)."""
+    ``_loads`` (``dist.all_gather_object`` would unpickle without restriction).
+
+    Raises:
+        CollectiveError: a peer failed, or announced a size this rank cannot hold (checked
+            before it is allocated).
+    """
     device = _collective_device(group)
     payload = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
     n = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
@@ -175,6 +231,8 @@ def gather_objects(obj: Any, group: Any = None) -> list[Any]:
     with _guard("all_gather (object sizes)", group):
         dist.all_gather(sizes, n, group=group)
     counts = [int(c.item()) for c in sizes]
+    # NOTE: one buffer per rank, its own, and the bytes each is read from
+    _check_sizes(counts, "gather_objects", device, 2 * len(counts) + 1)
     buf = torch.zeros(max(counts), dtype=torch.uint8, device=device)
     buf[: payload.numel()] = payload.to(device)
     bufs = [torch.empty_like(buf) for _ in counts]
@@ -184,13 +242,15 @@ def gather_objects(obj: Any, group: Any = None) -> list[Any]:
 
 
 def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
-    """``obj`` of rank ``src`` on every rank, the same way as ``gather_objects``."""
+    """``obj`` of rank ``src`` on every rank, the same way as ``gather_objects`` (the size is
+    checked the same way: ``CollectiveError``)."""
     device = _collective_device(group)
     mine = dist.get_rank(group) == src
     payload = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8) if mine else None
     n = torch.tensor([payload.numel() if payload is not None else 0], device=device)
     with _guard("broadcast (object size)", group):
         dist.broadcast(n, src=src, group=group)
+    _check_sizes([int(n.item())], "broadcast_object", device, 2)
     buf = torch.empty(int(n.item()), dtype=torch.uint8, device=device)
     if payload is not None:
         buf.copy_(payload)

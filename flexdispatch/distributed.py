@@ -46,6 +46,7 @@ __all__ = [
     "start_gather_int64",
     "all_reduce_min_flag",
     "all_reduce_min_flags",
+    "MAX_JSON_BYTES",
     "all_gather_json",
     "env_int",
     "join_launcher_group",
@@ -357,22 +358,34 @@ def all_reduce_min_flags(
     return tuple(bool(v) for v in t.tolist())
 
 
+MAX_JSON_BYTES = 1 << 20
+"""Most bytes of JSON one rank may announce to ``all_gather_json`` (a fingerprint is a few KiB)."""
+
+
 def all_gather_json(
     obj: dict[str, str], group: dist.ProcessGroup | None = None, *, name: str = "json"
 ) -> list[dict[str, str]]:
     """Every rank's ``obj`` (a mapping of strings) on every rank, as JSON text in uint8 tensors.
 
     Unlike ``dist.all_gather_object``, which unpickles the peers' bytes without restriction, a
-    peer's bytes are only ever parsed as JSON; anything but a mapping of strings reads as
-    ``{"<unreadable>": "<what it was>"}``.
+    peer's bytes are only ever parsed as JSON; anything but a mapping of strings (also JSON
+    nested too deep for the parser) reads as ``{"<unreadable>": "<what it was>"}``.
 
     Raises:
-        CollectiveError: a peer failed or the process-group timeout passed.
+        CollectiveError: a peer failed or the process-group timeout passed, or a peer announced
+            a size outside ``[0, MAX_JSON_BYTES]`` (checked before anything is allocated).
     """
     device = collective_device(group)
     payload = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
     n = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     counts = all_gather_int64(n, group, name=f"all_gather ({name} sizes)").flatten().tolist()
+    for rank, count in enumerate(counts):
+        if not 0 <= count <= MAX_JSON_BYTES:
+            raise CollectiveError(
+                f"all_gather ({name}): rank {rank} announced {count} bytes of JSON, outside [0, "
+                f"{MAX_JSON_BYTES}] (a peer that is not running the same flexdispatch); nothing "
+                f"was allocated"
+            )
     buf = torch.zeros(max(counts), dtype=torch.uint8, device=device)
     buf[: payload.numel()] = payload.to(device)
     out = torch.empty(len(counts) * buf.numel(), dtype=torch.uint8, device=device)
@@ -383,8 +396,8 @@ def all_gather_json(
     for row, count in zip(rows, counts, strict=True):
         try:
             value = json.loads(row[:count].numpy().tobytes().decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
-            value = None
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            value = None  # NOTE: RecursionError: JSON nested deeper than the parser's stack
         ok = isinstance(value, dict) and all(
             isinstance(k, str) and isinstance(v, str) for k, v in value.items()
         )

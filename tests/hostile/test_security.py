@@ -240,3 +240,136 @@ def test_only_plain_values_and_data_classes_come_back():
     torch.jit.save(torch.jit.script(torch.nn.Identity()), buf)
     with pytest.raises(pickle.UnpicklingError, match=r"not torch\.save bytes.*TorchScript"):
         _loads(buf.getvalue())  # NOTE: never handed to torch.jit.load
+
+
+# --------------------------------------------------------------------------- what _wire trusts
+
+
+def test_a_third_party_tests_package_is_not_trusted(tmp_path, monkeypatch):
+    # NOTE: wheels ship top-level `tests` packages; only this repository's own is trusted
+    import importlib.util
+    import sys
+
+    from flexdispatch import _wire
+    from tests.hostile import peak_probe  # NOTE: a module of this repository's tests
+
+    assert _wire._trusted("tests.hostile.peak_probe") and _wire._trusted("flexdispatch.types")
+    fake = tmp_path / "tests"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "evil.py").write_text(
+        "import dataclasses\n@dataclasses.dataclass\nclass Evil:\n    x: int = 0\n"
+        "    def __post_init__(self):\n        raise SystemExit('ran')\n"
+    )
+    spec = importlib.util.spec_from_file_location(
+        "tests", fake / "__init__.py", submodule_search_locations=[str(fake)]
+    )
+    package = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "tests", package)
+    evil_spec = importlib.util.spec_from_file_location("tests.evil", fake / "evil.py")
+    evil = importlib.util.module_from_spec(evil_spec)
+    monkeypatch.setitem(sys.modules, "tests.evil", evil)
+    evil_spec.loader.exec_module(evil)
+    assert _wire._data_class("tests.evil", "Evil") is None
+    assert not _wire._trusted("tests.hostile.peak_probe")  # NOTE: another `tests` is loaded
+    with pytest.raises(pickle.UnpicklingError, match=r"refers to 'tests.evil.Evil'"):
+        _loads(_archive(_call("tests.evil", "Evil")))
+    assert peak_probe
+
+
+_HOOKS = ("__post_init__", "__setstate__", "__new__", "__del__", "_missing_")
+_HEAVY = ("flexdispatch.integrations._",)  # NOTE: import Megatron-Core / torchtitan: read as text
+
+
+def test_the_data_classes_wire_admits_define_no_hook_unpickling_calls():
+    # NOTE: torch's weights_only REDUCE / BUILD call a class with the payload's values: its
+    # __new__, __init__ (a dataclass's generated one only assigns), __post_init__, __setstate__,
+    # an Enum's _missing_; __del__ runs later. None may be code of this project.
+    import ast
+    import importlib
+    import pkgutil
+
+    import flexdispatch
+    from flexdispatch._wire import _is_data_class
+
+    checked, found = 0, []
+    for info in pkgutil.walk_packages(flexdispatch.__path__, "flexdispatch."):
+        if info.name.endswith("__main__"):
+            continue
+        if info.name.startswith(_HEAVY):
+            path = Path(flexdispatch.__file__).parent / (
+                info.name.removeprefix("flexdispatch.").replace(".", "/") + ".py"
+            )
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef):
+                    names = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
+                    found += [f"{info.name}.{node.name}.{h}" for h in names & set(_HOOKS)]
+            continue
+        module = importlib.import_module(info.name)
+        for cls in [v for v in vars(module).values() if isinstance(v, type)]:
+            if cls.__module__ != info.name or not _is_data_class(cls):
+                continue
+            checked += 1
+            for base in cls.__mro__:
+                if base.__module__.startswith("flexdispatch"):
+                    found += [f"{base.__qualname__}.{h}" for h in _HOOKS if h in vars(base)]
+    assert checked > 20, checked  # NOTE: the configs, results, handles, stats, enums
+    assert not found, found
+
+
+def _world_of_one():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def test_a_peer_announcing_a_huge_or_negative_size_is_refused_before_allocating(monkeypatch):
+    import json as real_json
+    import types
+
+    import torch.distributed as dist
+
+    from flexdispatch import _limits, _wire, distributed
+    from flexdispatch.distributed import CollectiveError, all_gather_json
+
+    monkeypatch.setenv("FLEXDISPATCH_MEMORY_AVAILABLE", "1GiB")
+    monkeypatch.setattr(_limits, "_FITTED", {})
+    _world_of_one()
+    try:
+        real = dist.all_gather
+        for size, match in ((1 << 50, r"rank 0's object=\d+ bytes needs about"), (-5, "-5 bytes")):
+
+            def lying(sizes, n, group=None, size=size):
+                real(sizes, n, group=group)
+                sizes[0].fill_(size)
+
+            monkeypatch.setattr(_wire.dist, "all_gather", lying)
+            with pytest.raises(CollectiveError, match=match):
+                _wire.gather_objects({"a": 1})
+            monkeypatch.setattr(_wire.dist, "all_gather", real)
+        real_bc = dist.broadcast
+
+        def lying_bc(t, src, group=None):
+            real_bc(t, src=src, group=group)
+            t.fill_(1 << 50)
+
+        monkeypatch.setattr(_wire.dist, "broadcast", lying_bc)
+        with pytest.raises(CollectiveError, match=r"broadcast_object: .* needs about"):
+            _wire.broadcast_object({"a": 1})
+        monkeypatch.setattr(_wire.dist, "broadcast", real_bc)
+        monkeypatch.setattr(
+            distributed,
+            "all_gather_int64",
+            lambda n, group, name: torch.tensor([[1 << 40]]),
+        )
+        with pytest.raises(CollectiveError, match=r"rank 0 announced 1099511627776 bytes of JSON"):
+            all_gather_json({"a": "b"})
+        monkeypatch.undo()
+        # a peer's JSON nested past the parser's stack reads as unreadable, never RecursionError
+        deep = "[" * 100_000 + "]" * 100_000
+        fake = types.SimpleNamespace(dumps=lambda obj: deep, loads=real_json.loads)
+        monkeypatch.setattr(distributed, "json", fake)
+        assert all_gather_json({"a": "b"}) == [{"<unreadable>": "not a JSON mapping of strings"}]
+        assert _wire.gather_objects({"a": 1}) == [{"a": 1}]  # NOTE: the ordinary path still works
+    finally:
+        dist.destroy_process_group()
