@@ -1,5 +1,6 @@
 """How a rank's life is tied to its parent's: ``die_with_parent`` (a spawned rank, a torchrun
-worker ends when the process that started it ends, by any signal) and
+worker ends when the process that started it ends, by any signal), ``die_with_agent`` (the same
+for a torchrun worker, which also finds its agent gone before it could arm) and
 ``end_stopped_local_peers`` (a failing torchrun worker ends its job's stopped workers, so that
 torchrun does not wait its grace for them). Linux ``prctl`` / ``/proc``; a polling thread
 elsewhere.
@@ -11,7 +12,11 @@ import os
 import sys
 import time
 
-__all__ = ["die_with_parent", "end_stopped_local_peers"]
+__all__ = ["LAUNCHER_PID_ENV", "die_with_agent", "die_with_parent", "end_stopped_local_peers"]
+
+LAUNCHER_PID_ENV = "FLEXDISPATCH_LAUNCHER_PID"
+"""The torchrun agent's pid, recorded by the launch recipes at spawn (``exec torchrun`` keeps the
+recipe's own pid, ``$$``): what a worker's parent was before it could be re-parented."""
 
 
 def end_stopped_local_peers() -> list[int]:
@@ -91,3 +96,47 @@ def die_with_parent(parent_pid: int) -> None:
     import threading
 
     threading.Thread(target=watch, name="flexdispatch-parent-watch", daemon=True).start()
+
+
+def _gone(pid: int) -> bool:
+    """``pid`` no longer runs: no such process, or a zombie its parent has not reaped yet (a
+    SIGKILLed torchrun stays one until its shell waits for it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return stat[stat.rindex(")") + 2 :].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, ValueError, IndexError):
+        pass  # NOTE: no /proc here: ask the kernel
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def die_with_agent() -> None:
+    """A torchrun worker: end with the agent that started it, however the agent ends.
+
+    ``die_with_parent(os.getppid())`` alone cannot see an agent that ended before the worker
+    armed its parent-death signal: by then the worker has been re-parented, and ``getppid()``
+    names its new parent. The launch recipes record the agent's pid at spawn
+    (``LAUNCHER_PID_ENV``): a worker whose parent is not that process while that process is
+    gone says so on stderr and exits 1. (Started by torchrun without the recipes the variable is
+    unset, and only the signal, armed from here on, ties the worker to its parent; a parent that
+    is not the recorded pid but that still runs, a wrapper between them, is the one watched.)
+    """
+    parent = os.getppid()
+    text = os.environ.get(LAUNCHER_PID_ENV, "").strip()
+    agent = int(text) if text.isdigit() else None
+    if agent is not None and agent != parent and _gone(agent):
+        sys.stderr.write(
+            f"flexdispatch: the torchrun agent (pid {agent}, ${LAUNCHER_PID_ENV}) ended before "
+            f"this worker started: exiting\n"
+        )
+        sys.stderr.flush()
+        os._exit(1)
+    die_with_parent(parent)

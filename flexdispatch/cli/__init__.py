@@ -108,12 +108,13 @@ def _drop_stdout(stream: Any) -> None:
 
 def _die_with_launcher() -> None:
     """A torchrun worker ends with its agent, however the agent ends (a SIGKILLed torchrun
-    otherwise leaves its workers running until their process-group timeout):
-    ``flexdispatch.launch.die_with_parent``. Nothing without a launcher."""
+    otherwise leaves its workers running until their process-group timeout), also one that ended
+    before this worker got here (``flexdispatch._lifetime.die_with_agent``: the pid the launch
+    recipes record). Nothing without a launcher."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        from flexdispatch.launch import die_with_parent
+        from flexdispatch._lifetime import die_with_agent
 
-        die_with_parent(os.getppid())
+        die_with_agent()
 
 
 def _end_stopped_peers() -> None:

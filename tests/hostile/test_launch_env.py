@@ -48,7 +48,7 @@ def fake_torchrun(tmp_path: Path) -> Path:
     fake = tmp_path / "torchrun"
     fake.write_text(
         '#!/usr/bin/env bash\necho "TORCHRUN $* SHUTDOWN=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT-unset}'
-        ' OMP=${OMP_NUM_THREADS-unset}"\n'
+        ' OMP=${OMP_NUM_THREADS-unset} AGENT=${FLEXDISPATCH_LAUNCHER_PID-unset} SELF=$$"\n'
     )
     fake.chmod(0o755)
     return fake
@@ -177,12 +177,16 @@ def test_the_launchers_environments_reach_torchrun(env, expected, fake_torchrun,
     assert proc.stdout.startswith(f"TORCHRUN {expected}"), proc.stdout
     omp = env.get("OMP_NUM_THREADS")
     assert omp is None or f"OMP={omp}" in proc.stdout
+    agent, me = proc.stdout.split(" AGENT=")[1].split()
+    assert me == f"SELF={agent}"  # NOTE: the agent's pid, for its workers (die_with_agent)
 
 
 def test_single_node_recipe_bounds_the_shutdown_and_says_where_its_store_listens(fake_torchrun):
     proc = _recipe(SINGLE, fake_torchrun, MASTER_PORT="29517")
     assert proc.returncode == 0, proc.stderr
     assert "SHUTDOWN=5" in proc.stdout  # NOTE: torchrun's own default grace is 30 s (N23)
+    agent, me = proc.stdout.split(" AGENT=")[1].split()
+    assert me == f"SELF={agent}"
     assert "--master-addr 127.0.0.1 --master-port 29517" in proc.stdout
     note = [line for line in proc.stderr.splitlines() if "note:" in line]
     assert len(note) == 1 and "rendezvous store listens on every interface (port 29517)" in note[0]
@@ -275,16 +279,42 @@ def test_a_failing_rank_ends_the_stopped_workers_of_its_job(monkeypatch):
             p.wait()
 
 
-def test_a_torchrun_worker_ends_with_its_agent(monkeypatch, capsys):
+def test_a_torchrun_worker_ends_with_its_agent(monkeypatch, capsys, tmp_path):
     # NOTE: a SIGKILLed torchrun left its workers running (reliability-4 section 5): the command
-    # line arms the parent-death signal of tests/hostile/test_processes.py under a launcher
-    import flexdispatch.launch as launch
+    # line arms the parent-death signal of tests/hostile/test_processes.py under a launcher, and
+    # a worker whose agent (the pid the recipes record) ended before that exits at once
+    import flexdispatch._lifetime as lifetime
     from flexdispatch.cli import main
 
     armed: list[int] = []
-    monkeypatch.setattr(launch, "die_with_parent", armed.append)
+    monkeypatch.setattr(lifetime, "die_with_parent", armed.append)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv(lifetime.LAUNCHER_PID_ENV, raising=False)
     assert main(["presets"]) == 0 and armed == []
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")
     assert main(["presets"]) == 0 and armed == [os.getppid()]
+    for agent in (os.getppid(), os.getpid()):  # the parent itself; a wrapper's agent, running
+        monkeypatch.setenv(lifetime.LAUNCHER_PID_ENV, str(agent))
+        armed.clear()
+        assert main(["presets"]) == 0 and armed == [os.getppid()]
     capsys.readouterr()
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    zombie = subprocess.Popen(["true"])  # NOTE: not waited for: a SIGKILLed, unreaped agent
+    deadline = time.monotonic() + 10
+    while not lifetime._gone(zombie.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+    def exits(code: int) -> None:
+        raise SystemExit(code)
+
+    monkeypatch.setattr(lifetime.os, "_exit", exits)
+    for gone in (ended.pid, zombie.pid):
+        monkeypatch.setenv(lifetime.LAUNCHER_PID_ENV, str(gone))
+        armed.clear()
+        with pytest.raises(SystemExit) as info:
+            lifetime.die_with_agent()
+        assert info.value.code == 1 and armed == []
+        err = capsys.readouterr().err
+        assert f"the torchrun agent (pid {gone}, $FLEXDISPATCH_LAUNCHER_PID) ended before" in err
+    zombie.wait()
