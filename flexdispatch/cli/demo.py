@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from flexdispatch._sysmem import format_bytes
 from flexdispatch.cli._common import int_range, json_text, timeout_seconds
 
 __all__ = ["DemoSpec", "register", "run", "run_rank", "check_against_reference"]
@@ -421,14 +422,6 @@ def _worst(values: Iterable[float]) -> float:
 # --------------------------------------------------------------------------- the report
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
 def build_report(
     spec: DemoSpec, results: list[dict[str, Any]], diffs: dict[str, float], tol: float
 ) -> dict[str, Any]:
@@ -493,8 +486,8 @@ def print_report(report: dict[str, Any]) -> None:
     )
     for mode, m in report["modes"].items():
         print(
-            f"{mode:<13} {_fmt_bytes(m['bytes_intra_node']):>11} "
-            f"{_fmt_bytes(m['bytes_inter_node']):>11} {m['host_syncs_per_step']:>10.0f} "
+            f"{mode:<13} {format_bytes(m['bytes_intra_node']):>11} "
+            f"{format_bytes(m['bytes_inter_node']):>11} {m['host_syncs_per_step']:>10.0f} "
             f"{m['forward_ms']:>8.1f} {m['backward_ms']:>8.1f}"
         )
     flat, hier = report["modes"]["flat"], report["modes"]["hierarchical"]

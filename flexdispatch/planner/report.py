@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from flexdispatch._files import file_kind, write_file
+from flexdispatch._sysmem import format_bytes
 from flexdispatch.planner.results import ClusterPlan, Stat, VariantPlan
 
 __all__ = ["format_plan", "plot_plan", "format_bytes", "MAX_BARS", "MAX_MAP_RANKS"]
@@ -28,16 +29,6 @@ MAX_NODE_LINES = 64
 """Node boundaries are drawn on the heatmap up to this many nodes."""
 
 _PER_NODE_LIMIT = 16
-
-
-def format_bytes(n: float) -> str:
-    """``1536`` → ``'1.5 KiB'`` (binary units)."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _grouping(v: VariantPlan) -> str:
