@@ -291,12 +291,17 @@ def bench_rank(spec: BenchSpec) -> dict[str, Any]:
     """Body of one rank (the process group is initialised); returns its samples and counts."""
     from flexdispatch.config import DispatchConfig
     from flexdispatch.dispatcher import FlexDispatcher
-    from flexdispatch.distributed import all_gather_int64, collective_device, collective_guard
+    from flexdispatch.distributed import (
+        all_gather_int64,
+        collective_device,
+        collective_guard,
+        local_world_size,
+    )
     from flexdispatch.layout import get_dispatch_layout
     from flexdispatch.permutation import permute, unpermute
 
     R, rank = dist.get_world_size(), dist.get_rank()
-    L = min(int(os.environ.get("LOCAL_WORLD_SIZE", R)), R)
+    L = min(local_world_size() or R, R)
     device = _device()
     on_cuda = device.type == "cuda"
     E, T, H = spec.experts, spec.tokens, spec.hidden

@@ -51,6 +51,7 @@ __all__ = [
     "env_int",
     "join_launcher_group",
     "launcher_env",
+    "local_world_size",
     "stable_hash",
     "check_fingerprint",
 ]
@@ -152,20 +153,9 @@ def resolve_ranks_per_node(configured: int | None, num_ranks: int) -> tuple[int,
     """
     if configured is not None:
         value, source = configured, "config"
-    elif os.environ.get("LOCAL_WORLD_SIZE"):
-        text = os.environ["LOCAL_WORLD_SIZE"]
-        try:
-            value = int(text)
-        except ValueError:
-            raise ValueError(
-                f"LOCAL_WORLD_SIZE={text!r} is not an integer: fix the launcher environment or set "
-                f"DispatchConfig.ranks_per_node"
-            ) from None
-        source = "LOCAL_WORLD_SIZE"
-        if value <= 0:
-            raise ValueError(f"LOCAL_WORLD_SIZE={value} must be positive")
+    elif (local := local_world_size()) is not None:
         # NOTE: an EP group smaller than the launcher's node (e.g. EP inside a node) is one node.
-        value = min(value, num_ranks)
+        value, source = min(local, num_ranks), "LOCAL_WORLD_SIZE"
     else:
         value, source = num_ranks, "world"
     if num_ranks % value:
@@ -235,6 +225,18 @@ def env_int(name: str, *, minimum: int | None = None, maximum: int | None = None
             f"environment"
         )
     return value
+
+
+def local_world_size() -> int | None:
+    """``$LOCAL_WORLD_SIZE`` (the launcher's ranks per node), or None when unset (``env_int``).
+
+    Raises:
+        ValueError: naming the variable, when it is not an integer >= 1.
+    """
+    try:
+        return env_int("LOCAL_WORLD_SIZE", minimum=1)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (or set DispatchConfig.ranks_per_node)") from None
 
 
 def launcher_env() -> dict[str, int]:

@@ -165,11 +165,11 @@ def run_rank(spec: DemoSpec) -> dict[str, Any]:
     """Body of one rank (the process group is already initialised). Returns CPU tensors."""
     import torch.distributed as dist
 
-    from flexdispatch.distributed import collective_guard
+    from flexdispatch.distributed import collective_guard, local_world_size
     from flexdispatch.moe import MoELayer
 
     R, rank = dist.get_world_size(), dist.get_rank()
-    L = int(os.environ.get("LOCAL_WORLD_SIZE", R))
+    L = local_world_size() or R
     device = torch.device("cpu")
     if dist.get_backend() == "nccl" and torch.cuda.is_available():
         # NOTE: bound by whoever started the rank (spawn_group: cuda:rank; torchrun: LOCAL_RANK).

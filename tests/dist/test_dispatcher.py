@@ -137,6 +137,16 @@ def test_resolve_ranks_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "x")
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE='x'"):
         resolve_ranks_per_node(None, 8)
+    # NOTE: one parser (distributed.env_int): a value is quoted short, the bound named
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "S3CR3T" * 10)
+    with pytest.raises(
+        ValueError, match=r"LOCAL_WORLD_SIZE='S3CR3TS3CR3T'… is not an integer"
+    ) as e:
+        resolve_ranks_per_node(None, 8)
+    assert "S3CR3T" * 3 not in str(e.value) and "DispatchConfig.ranks_per_node" in str(e.value)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "0")
+    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE=0 must be >= 1"):
+        resolve_ranks_per_node(None, 8)
 
 
 def test_stable_hash_is_not_salted() -> None:
