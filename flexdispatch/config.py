@@ -22,6 +22,7 @@ from pydantic import (
 
 from flexdispatch import deepep_limits
 from flexdispatch._files import read_config_file, validation_message
+from flexdispatch._values import not_bool
 
 __all__ = [
     "RouterConfig",
@@ -38,21 +39,10 @@ _MAX = (1 << 31) - 1
 DeepEP and the Triton kernels (memory is checked where the sizes are used: flexdispatch._limits)."""
 
 
-def _not_bool(value: object) -> object:
-    # NOTE: pydantic's lax mode reads True as 1 (and YAML reads yes/on/true as True): refused, so
-    # that `hidden_size: yes` or `topk: on` is an error rather than 1
-    if isinstance(value, bool):
-        raise ValueError(
-            f"{str(value).lower()} is not a number (YAML also reads yes/no and on/off as "
-            f"true/false): write the number"
-        )
-    return value
-
-
-_Int = Annotated[int, BeforeValidator(_not_bool)]
+_Int = Annotated[int, BeforeValidator(not_bool)]
 """An integer field: never a bool (pydantic's lax mode still takes "8" and 8.0)."""
 
-_Float = Annotated[float, BeforeValidator(_not_bool)]
+_Float = Annotated[float, BeforeValidator(not_bool)]
 """A float field: never a bool; finite (``allow_inf_nan=False`` on every model)."""
 
 

@@ -27,6 +27,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_validate",
             "_memory",
             "_files",
+            "_values",
             "_guard",
             "_limits",
             "_sysmem",

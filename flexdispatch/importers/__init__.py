@@ -52,8 +52,9 @@ import yaml
 from pydantic import ValidationError
 
 from flexdispatch._files import excerpt, validation_message
+from flexdispatch._values import show
 from flexdispatch.config import MoEConfig, RouterConfig
-from flexdispatch.importers._keys import _DEFAULTS_FROM, _NESTED, _Keys, _read_hf, _show
+from flexdispatch.importers._keys import _DEFAULTS_FROM, _NESTED, _Keys, _read_hf
 from flexdispatch.importers.deepseek import _deepseek, _nemotron_h, _v3_style
 from flexdispatch.importers.megatron import moe_config_from_megatron
 from flexdispatch.importers.softmax import _gpt_oss, _llama4, _minimax_m2, _mixtral, _qwen
@@ -138,7 +139,7 @@ def moe_config_from_hf(
     mt = top.get("model_type")
     if not isinstance(mt, str):
         raise ValueError(
-            f"model_type must be a string, got {_show(mt)}: supported are "
+            f"model_type must be a string, got {show(mt)}: supported are "
             f"{', '.join(supported_model_types())}"
         )
     if mt in _REFUSED:
@@ -152,7 +153,7 @@ def moe_config_from_hf(
     archs = top.get("architectures")
     if archs:
         if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
-            raise ValueError(f"architectures must be a list of strings, got {_show(archs)}")
+            raise ValueError(f"architectures must be a list of strings, got {show(archs)}")
         source["hf_architectures"] = ",".join(archs)
     cfg, prefix, inner = top, "", mt
     if mt in _NESTED:
@@ -160,7 +161,7 @@ def moe_config_from_hf(
         if text is None:
             text = {}
         if not isinstance(text, Mapping):
-            raise ValueError(f"{mt} config: text_config must be an object, got {_show(text)}")
+            raise ValueError(f"{mt} config: text_config must be an object, got {show(text)}")
         inner = text.get("model_type") or _NESTED[mt]
         if mt == "kimi_k25" and inner == "kimi_k2":
             inner = "deepseek_v3"  # as transformers' Kimi-K2.5 config maps it

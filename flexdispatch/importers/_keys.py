@@ -5,12 +5,12 @@ shared-expert pieces (``flexdispatch.importers`` has the family table)."""
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from flexdispatch._files import excerpt, read_config_file
+from flexdispatch._values import finite, integer, show
 
 _GATED_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu"}
 
@@ -309,32 +309,6 @@ _NOT_NULL = frozenset(
 )
 
 
-def _show(value: Any) -> str:
-    """A config value in a message, with its type: short non-strings as Python writes them,
-    anything else as a short escaped excerpt."""
-    text = repr(value)
-    if isinstance(value, str) or len(text) > 24:
-        text = excerpt(value)
-    return f"{text} ({type(value).__name__})"
-
-
-def _finite(value: Any, name: str) -> float:
-    """``value`` as a finite float, or ValueError naming ``name`` (a bool, a string, NaN,
-    Infinity, 1e400, or an integer too large for a float)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {_show(value)}")
-    try:
-        number = float(value)
-    except OverflowError:
-        number = math.inf
-    if not math.isfinite(number):
-        shown = (
-            _show(value) if isinstance(value, float) else f"an integer of {len(str(value))} digits"
-        )
-        raise ValueError(f"{name} must be a finite number, got {shown}")
-    return number
-
-
 class _Keys:
     """Typed reads of one config mapping; absent keys take the family's defaults (recorded)."""
 
@@ -352,8 +326,8 @@ class _Keys:
         if alias is not None and alias in self.cfg and self.cfg[alias] is not None:
             if here and self.cfg[key] != self.cfg[alias]:
                 raise ValueError(
-                    f"{self.mt} config has {self.name(key)}={_show(self.cfg[key])} and its "
-                    f"alias {self.name(alias)}={_show(self.cfg[alias])}: they must agree"
+                    f"{self.mt} config has {self.name(key)}={show(self.cfg[key])} and its "
+                    f"alias {self.name(alias)}={show(self.cfg[alias])}: they must agree"
                 )
             if not here:
                 return self.cfg[alias]
@@ -389,24 +363,19 @@ class _Keys:
         ) or (self.defaults.get(key) is not None)
 
     def int(self, key: str) -> int:
-        value = self.raw(key)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(
-                f"{self.mt} config: {self.name(key)} must be an integer, got {_show(value)}"
-            )
-        return value
+        return integer(self.raw(key), f"{self.mt} config: {self.name(key)}")
 
     def opt_int(self, key: str) -> int | None:
         return self.int(key) if self.has(key) else None
 
     def float(self, key: str) -> float:
-        return _finite(self.raw(key), f"{self.mt} config: {self.name(key)}")
+        return finite(self.raw(key), f"{self.mt} config: {self.name(key)}")
 
     def bool(self, key: str) -> bool:
         value = self.raw(key)
         if not isinstance(value, bool):
             raise ValueError(
-                f"{self.mt} config: {self.name(key)} must be true or false, got {_show(value)}"
+                f"{self.mt} config: {self.name(key)} must be true or false, got {show(value)}"
             )
         return value
 
@@ -414,7 +383,7 @@ class _Keys:
         value = self.raw(key)
         if not isinstance(value, str):
             raise ValueError(
-                f"{self.mt} config: {self.name(key)} must be a string, got {_show(value)}"
+                f"{self.mt} config: {self.name(key)} must be a string, got {show(value)}"
             )
         return value
 
@@ -454,8 +423,8 @@ def _aux(cfg: Mapping[str, Any], source: dict[str, str]) -> dict[str, Any]:
     models add the loss only when asked to, ``output_router_logits``)."""
     for key in ("aux_loss_alpha", "router_aux_loss_coef"):
         value = cfg.get(key)
-        if value is not None and _finite(value, key) < 0:
-            raise ValueError(f"{key} must be >= 0, got {_show(value)}")
+        if value is not None and finite(value, key) < 0:
+            raise ValueError(f"{key} must be >= 0, got {show(value)}")
     if cfg.get("aux_loss_alpha"):
         kind = "seq_aux_loss" if cfg.get("seq_aux") else "aux_loss"
         source["aux_loss"] = (

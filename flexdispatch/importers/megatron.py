@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -10,8 +9,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from flexdispatch._files import excerpt, key_text, validation_message
+from flexdispatch._values import finite, integer, show
 from flexdispatch.config import MoEConfig
-from flexdispatch.importers._keys import _show
 
 # Megatron-Core argument -> RouterConfig field, by the type Megatron's argparse gives it (a
 # value of another type is refused naming the argument: `vars(args)` never holds one).
@@ -50,15 +49,11 @@ def _int_arg(args: Mapping[str, Any], key: str) -> int | None:
 
     Megatron's argparse types these as ``int``, so ``vars(args)`` holds an int: a bool
     (YAML ``true``), a string (``'8'``) or a float (``2.0``) is refused, as the Hugging Face
-    importer refuses them."""
+    importer refuses them (``_values.integer``)."""
     value = args.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(
-            f"Megatron argument {key} must be an integer (Megatron's argparse reads it as int), "
-            f"got {_show(value)}"
-        )
+    value = integer(value, f"Megatron argument {key}", why=" (Megatron's argparse reads it as int)")
     if value <= 0:
         raise ValueError(f"Megatron argument {key} must be a positive integer, got {value}")
     return value
@@ -69,35 +64,19 @@ def _float_arg(args: Mapping[str, Any], key: str, value: Any = None) -> float | 
 
     A string that ``float()`` reads is a number too, as Megatron's argparse reads it (``type=
     float``): YAML reads ``1e-2`` as the string ``'1e-2'`` (YAML 1.1 floats need a dot), which
-    is how an arguments file spells a coefficient. A bool is never a number."""
+    is how an arguments file spells a coefficient. A bool is never a number (``_values.finite``).
+    """
     value = args.get(key) if value is None else value
     if value is None:
         return None
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            raise ValueError(
-                f"Megatron argument {key} must be a number, got {_show(value)}"
-            ) from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"Megatron argument {key} must be a number, got {_show(value)}")
-    try:
-        number = float(value)
-    except OverflowError:
-        number = math.inf
-    if not math.isfinite(number):
-        raise ValueError(
-            f"Megatron argument {key} must be a finite number, got {excerpt(repr(value))}"
-        )
-    return number
+    return finite(value, f"Megatron argument {key}", strings=True)
 
 
 def _typed_arg(args: Mapping[str, Any], key: str, kind: type) -> Any:
     value = args.get(key)
     if value is not None and not isinstance(value, kind):
         what = {bool: "true or false", str: "a string"}[kind]
-        raise ValueError(f"Megatron argument {key} must be {what}, got {_show(value)}")
+        raise ValueError(f"Megatron argument {key} must be {what}, got {show(value)}")
     return value
 
 

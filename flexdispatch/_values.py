@@ -1,0 +1,71 @@
+"""Typed reads of configuration values, one rule for every reader: the configs' pydantic
+validators (``flexdispatch.config``), the Hugging Face importer (``importers._keys``) and the
+Megatron importer (``importers.megatron``).
+
+- A bool is never a number (YAML reads ``yes`` / ``on`` as true; Python's ``True == 1``).
+- A float is finite (an infinite loss coefficient turns the gradients into NaN).
+- A message shows a value short and escaped (``show``: never a whole line of a file).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from flexdispatch._files import excerpt
+
+__all__ = ["finite", "integer", "not_bool", "show"]
+
+
+def show(value: Any) -> str:
+    """A config value in a message, with its type: short non-strings as Python writes them,
+    anything else as a short escaped excerpt (``_files.excerpt``)."""
+    text = repr(value)
+    if isinstance(value, str) or len(text) > 24:
+        text = excerpt(value)
+    return f"{text} ({type(value).__name__})"
+
+
+def not_bool(value: object) -> object:
+    """``value`` unchanged, or ValueError for a bool (a pydantic ``BeforeValidator``: its lax
+    mode reads True as 1, and YAML reads yes/on/true as True)."""
+    if isinstance(value, bool):
+        raise ValueError(
+            f"{str(value).lower()} is not a number (YAML also reads yes/no and on/off as "
+            f"true/false): write the number"
+        )
+    return value
+
+
+def integer(value: Any, name: str, *, why: str = "") -> int:
+    """``value`` as an int, or ValueError naming ``name`` (a bool, a string such as ``'8'`` or a
+    float such as ``2.0`` is not one; ``why`` is appended to the rule, e.g. who reads it so)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer{why}, got {show(value)}")
+    return value
+
+
+def finite(value: Any, name: str, *, strings: bool = False) -> float:
+    """``value`` as a finite float, or ValueError naming ``name``: a bool, NaN, Infinity, 1e400,
+    an integer too large for a float; a string unless ``strings`` (then one ``float()`` reads:
+    ``'1e-2'``, as argparse's ``type=float`` reads it)."""
+    given = value
+    if strings and isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ValueError(f"{name} must be a number, got {show(given)}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {show(given)}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        shown = (
+            show(given)
+            if isinstance(given, (float, str))
+            else f"an integer of {len(str(value))} digits"
+        )
+        raise ValueError(f"{name} must be a finite number, got {shown}")
+    return number
