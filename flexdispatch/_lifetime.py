@@ -8,11 +8,48 @@ elsewhere.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
 
-__all__ = ["LAUNCHER_PID_ENV", "die_with_agent", "die_with_parent", "end_stopped_local_peers"]
+__all__ = [
+    "LAUNCHER_PID_ENV",
+    "MAX_TIMEOUT_S",
+    "MIN_TIMEOUT_S",
+    "check_timeout",
+    "die_with_agent",
+    "die_with_parent",
+    "end_stopped_local_peers",
+]
+
+MIN_TIMEOUT_S = 0.001
+"""Shortest timeout or deadline (one millisecond: the process group counts whole milliseconds)."""
+
+MAX_TIMEOUT_S = 2_147_483.0
+"""Longest timeout or deadline, about 24.8 days: c10d's store waits on its sockets with
+``poll()``, whose timeout is an ``int`` of milliseconds, so a longer one wraps (measured with
+torch 2.13: 4294968 s made every wait return after about 0.7 s, retried with a warning each
+time; 1e10 s failed to connect at once). ``spawn_group``'s ``timeout_s`` / ``pg_timeout_s`` and
+the command line's ``--timeout`` take this one range."""
+
+
+def check_timeout(name: str, value: object) -> float:
+    """``value`` seconds as a float in ``[MIN_TIMEOUT_S, MAX_TIMEOUT_S]``.
+
+    Raises:
+        TypeError: not a number (a bool is not one).
+        ValueError: not finite, or outside the range; naming ``name``.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    if not math.isfinite(value) or not MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S:
+        raise ValueError(
+            f"{name} must be a finite number of seconds in [{MIN_TIMEOUT_S:g}, "
+            f"{MAX_TIMEOUT_S:.0f}], got {value!r}"
+        )
+    return float(value)
+
 
 LAUNCHER_PID_ENV = "FLEXDISPATCH_LAUNCHER_PID"
 """The torchrun agent's pid, recorded by the launch recipes at spawn (``exec torchrun`` keeps the

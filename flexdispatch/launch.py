@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
@@ -32,7 +31,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexdispatch._lifetime import die_with_parent, end_stopped_local_peers
+from flexdispatch._lifetime import (
+    MAX_TIMEOUT_S,
+    check_timeout,
+    die_with_parent,
+    end_stopped_local_peers,
+)
 from flexdispatch._wire import _dumps, _loads, broadcast_object, gather_objects
 
 __all__ = [
@@ -208,19 +212,6 @@ group (measured: 250 MiB with a CPU build of torch 2.13, about 690 MB with a CUD
 ``flexdispatch.cli.demo_machine``). ``spawn_group`` refuses a world whose ranks cannot all hold
 this much; ``demo`` and ``bench`` count the measured figure instead."""
 
-MAX_TIMEOUT_S = 10**7
-"""The longest deadline ``spawn_group`` takes (about 116 days): a longer one is not a deadline."""
-
-
-def _check_seconds(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
-    if not math.isfinite(value) or not 1e-3 <= value <= MAX_TIMEOUT_S:
-        raise ValueError(
-            f"{name} must be a finite number of seconds in [0.001, {MAX_TIMEOUT_S}], got {value!r}"
-        )
-    return float(value)
-
 
 def _check_spawn_args(
     fn: Any,
@@ -247,9 +238,9 @@ def _check_spawn_args(
     L = world_size if ranks_per_node is None else ranks_per_node
     if L <= 0 or world_size % L:
         raise ValueError(f"world_size={world_size} is not a multiple of ranks_per_node={L}")
-    _check_seconds("timeout_s", timeout_s)
+    check_timeout("timeout_s", timeout_s)
     if pg_timeout_s is not None:
-        _check_seconds("pg_timeout_s", pg_timeout_s)
+        check_timeout("pg_timeout_s", pg_timeout_s)
     if backend not in ("gloo", "nccl"):
         raise ValueError(
             f"backend must be 'gloo' (CPU) or 'nccl' (one GPU per rank), got {backend!r}"
@@ -347,9 +338,10 @@ def spawn_group(
             exists: ``world_size`` not a positive int, or more ranks than this machine's memory
             holds (``RANK_RUNTIME_BYTES`` each, ``flexdispatch._limits``) or than its open-file
             limit allows; ``timeout_s`` / ``pg_timeout_s`` not a finite number of seconds in
-            ``[0.001, MAX_TIMEOUT_S]``; ``backend`` not ``"gloo"`` or ``"nccl"``; ``fn`` a
-            lambda or a local function (also inside a ``functools.partial``). Other objects
-            that do not pickle raise when the ranks start, with nothing left behind.
+            ``[MIN_TIMEOUT_S, MAX_TIMEOUT_S]`` (``flexdispatch._lifetime``: 0.001 to 2147483);
+            ``backend`` not ``"gloo"`` or ``"nccl"``; ``fn`` a lambda or a local function
+            (also inside a ``functools.partial``). Other objects that do not pickle raise when
+            the ranks start, with nothing left behind.
         GroupError: a rank raised (its traceback is in the message), died, or the deadline passed.
     """
     _check_spawn_args(fn, world_size, args, ranks_per_node, timeout_s, pg_timeout_s, backend, env)

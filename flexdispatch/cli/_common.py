@@ -94,15 +94,11 @@ def positive_float(text: str) -> float:
     return value
 
 
-MIN_TIMEOUT_S = 0.1
-"""Shortest ``--timeout``: the process group's own timeouts count whole milliseconds."""
-
-MAX_TIMEOUT_S = 2_147_483.0
-"""Longest ``--timeout`` (about 24.8 days): gloo and NCCL keep timeouts as 32-bit milliseconds."""
-
-
 def timeout_seconds(text: str) -> float:
-    """An argparse type: a timeout in seconds, in ``[MIN_TIMEOUT_S, MAX_TIMEOUT_S]``."""
+    """An argparse type: a timeout in seconds, in ``flexdispatch._lifetime``'s one range
+    (``[MIN_TIMEOUT_S, MAX_TIMEOUT_S]``, ``spawn_group``'s too)."""
+    from flexdispatch._lifetime import MAX_TIMEOUT_S, MIN_TIMEOUT_S
+
     value = positive_float(text)
     if not MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S:
         raise argparse.ArgumentTypeError(

@@ -65,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--timeout",
         type=timeout_seconds,
         default=300.0,
-        help="seconds before giving up (0.1 to 2147483)",
+        help="seconds before giving up (0.001 to 2147483)",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

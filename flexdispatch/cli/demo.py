@@ -90,7 +90,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--timeout",
         type=timeout_seconds,
         default=300.0,
-        help="seconds before giving up (0.1 to 2147483)",
+        help="seconds before giving up (0.001 to 2147483)",
     )
     p.add_argument(
         "--max-memory",

@@ -213,10 +213,10 @@ def test_cli_in_subprocesses_under_a_memory_limit(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["demo", "--timeout", "1e-9"], "argument --timeout: must be between 0.1 and 2147483"),
-        (["demo", "--timeout", "1e300"], "argument --timeout: must be between 0.1 and 2147483"),
-        (["bench", "--timeout", "0.01"], "argument --timeout: must be between 0.1 and 2147483"),
-        (["bench", "--timeout", "3e6"], "argument --timeout: must be between 0.1 and 2147483"),
+        (["demo", "--timeout", "1e-9"], "argument --timeout: must be between 0.001 and 2147483"),
+        (["demo", "--timeout", "1e300"], "argument --timeout: must be between 0.001 and 2147483"),
+        (["bench", "--timeout", "1e-4"], "argument --timeout: must be between 0.001 and 2147483"),
+        (["bench", "--timeout", "3e6"], "argument --timeout: must be between 0.001 and 2147483"),
     ],
 )
 def test_timeouts_the_process_group_cannot_take_are_refused(argv, message, capsys):

@@ -67,6 +67,8 @@ BAD_ARGS = [
     ({"timeout_s": math.inf}, ValueError, r"timeout_s must be .* got inf"),
     ({"timeout_s": math.nan}, ValueError, r"timeout_s must be .* got nan"),
     ({"timeout_s": 1e300}, ValueError, r"timeout_s must be .* got 1e\+300"),
+    # NOTE: one range with the command line's --timeout (c10d's store polls with int ms)
+    ({"timeout_s": 3e6}, ValueError, r"timeout_s must be .* in \[0.001, 2147483\], got 3000000"),
     ({"timeout_s": "5"}, TypeError, r"timeout_s must be a number of seconds, got str"),
     ({"pg_timeout_s": 1e-9}, ValueError, r"pg_timeout_s must be .* got 1e-09"),
     ({"backend": "mpi-bogus"}, ValueError, r"backend must be 'gloo' .* got 'mpi-bogus'"),
