@@ -17,8 +17,8 @@ Error messages quote at most ``EXCERPT_CHARS`` characters of the file, escaped (
 whole lines: a file that is not a config at all (a system file passed by mistake) is not echoed
 back. ``validation_message`` formats pydantic's errors the same way (field, message, a short
 escaped excerpt of the offending value); an unknown key is named by ``key_text`` (in full only
-when it looks like a config key). ``write_file`` writes an output file (``-o``, ``--plot``)
-to regular files only.
+when it looks like a config key). ``check_output_path`` is the one check of an output path
+(``-o``, ``--plot``), and ``write_file`` writes one to regular files only.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ __all__ = [
     "MAX_CONFIG_NODES",
     "MAX_CONFIG_DEPTH",
     "EXCERPT_CHARS",
+    "check_output_path",
     "excerpt",
     "file_kind",
     "key_text",
@@ -183,9 +184,43 @@ def _read_bounded(path: Path, what: str) -> str:
         ) from None
 
 
+def check_output_path(path: Path | str, what: str, example: str = "out.yaml") -> Path:
+    """The one check of an output path (``config --output``, ``plan --plot``, ``plot_plan``,
+    ``write_file``), before any work: refused when it is a folder, when it is not a regular file
+    (``file_kind``: a FIFO, which would block; a device, a socket, a ``/proc`` or ``/sys``
+    file), or when its folder is missing, not a folder, in ``/proc`` or ``/sys``, or not
+    writable.
+
+    Args:
+        path: the file to write.
+        what: how messages name it, e.g. ``"--output out.yaml"``.
+        example: the file name a message suggests inside a folder.
+
+    Raises:
+        ValueError: naming ``what`` and the fix.
+    """
+    out = Path(path)
+    kind = file_kind(out)
+    if kind == "a folder":
+        raise ValueError(f"{what} is a folder: pass a file name, e.g. {out / example}")
+    if kind is not None:
+        raise ValueError(f"{what} is not a regular file ({kind}): pass the name of a file to write")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.exists():
+        raise ValueError(f"{what}: folder {parent} does not exist (create it first)")
+    if not parent.is_dir():
+        raise ValueError(f"{what}: {parent} is not a folder")
+    if on_pseudo_fs(parent):
+        raise ValueError(f"{what}: folder {parent} is in /proc or /sys: write elsewhere")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"{what}: folder {parent} is not writable")
+    return out
+
+
 def write_file(path: Path | str, data: bytes, what: str) -> None:
     """Write ``data`` to the regular file ``path`` (created or truncated), never blocking on a
-    FIFO or writing into a device or a ``/proc`` / ``/sys`` file.
+    FIFO or writing into a device or a ``/proc`` / ``/sys`` file: ``check_output_path`` first,
+    then the kind again on the opened descriptor (the path may have changed since).
 
     Args:
         path: the file.
@@ -193,12 +228,10 @@ def write_file(path: Path | str, data: bytes, what: str) -> None:
         what: how messages name the file, e.g. ``"--output out.yaml"``.
 
     Raises:
-        ValueError: ``path`` is not a regular file (``file_kind``), or the write failed (full
-            disk, no permission, ...), naming ``what`` and the system's reason.
+        ValueError: ``path`` cannot be written there (``check_output_path``), or the write
+            failed (full disk, no permission, ...), naming ``what`` and the system's reason.
     """
-    kind = file_kind(path)
-    if kind is not None:
-        raise ValueError(f"{what} is not a regular file ({kind}): pass the name of a file")
+    check_output_path(path, what)
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOCTTY", 0)
     try:
         fd = os.open(
@@ -210,7 +243,9 @@ def write_file(path: Path | str, data: bytes, what: str) -> None:
         with os.fdopen(fd, "wb") as f:
             kind = _kind(os.fstat(fd), path)
             if kind is not None:
-                raise ValueError(f"{what} is not a regular file ({kind}): pass the name of a file")
+                raise ValueError(
+                    f"{what} is not a regular file ({kind}): pass the name of a file to write"
+                )
             f.write(data)
     except OSError as exc:
         raise ValueError(f"{what} cannot be written: {exc.strerror or exc}") from None

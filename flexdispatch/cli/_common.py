@@ -108,34 +108,16 @@ def timeout_seconds(text: str) -> float:
 
 
 def check_output_path(path: str | Path, flag: str, example: str = "out.yaml") -> Path:
-    """Refuse, before any work, an output path that cannot be written: its folder is missing or
-    not a folder, the path is a folder itself, or it is not a regular file (a FIFO, which would
-    block; a device, a socket, a ``/proc`` or ``/sys`` file); ``example`` is the file name the
-    message suggests inside a folder.
+    """Refuse, before any work, an output path that cannot be written
+    (``flexdispatch._files.check_output_path``, named ``FLAG PATH``); ``example`` is the file
+    name the message suggests inside a folder.
 
     Raises:
         ValueError: naming the flag, the path and the fix.
     """
-    from flexdispatch._files import file_kind, on_pseudo_fs
+    from flexdispatch import _files
 
-    out = Path(path)
-    kind = file_kind(out)
-    if kind == "a folder":
-        raise ValueError(f"{flag} {path} is a folder: pass a file name, e.g. {out / example}")
-    if kind is not None:
-        raise ValueError(
-            f"{flag} {path} is not a regular file ({kind}): pass the name of a file to write"
-        )
-    parent = out.parent if str(out.parent) else Path(".")
-    if not parent.exists():
-        raise ValueError(f"{flag} {path}: folder {parent} does not exist (create it first)")
-    if not parent.is_dir():
-        raise ValueError(f"{flag} {path}: {parent} is not a folder")
-    if on_pseudo_fs(parent):
-        raise ValueError(f"{flag} {path}: folder {parent} is in /proc or /sys: write elsewhere")
-    if not os.access(parent, os.W_OK):
-        raise ValueError(f"{flag} {path}: folder {parent} is not writable")
-    return out
+    return _files.check_output_path(path, f"{flag} {path}", example)
 
 
 def write_output(path: str | Path, text: str, flag: str) -> None:

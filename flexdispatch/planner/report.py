@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from flexdispatch._files import file_kind, write_file
+from flexdispatch._files import check_output_path, write_file
 from flexdispatch._sysmem import format_bytes
 from flexdispatch.planner.results import ClusterPlan, Stat, VariantPlan
 
@@ -270,10 +270,8 @@ def plot_plan(plan: ClusterPlan, path: str | Path, *, variant: str = "preset") -
         f"{plan.preset}: {plan.nodes} x {plan.ranks_per_node} ranks, T={plan.tokens_per_rank}, "
         f"skew {plan.skew:g}"
     )
-    kind = file_kind(path)
-    if kind is not None:  # NOTE: before the suffix: `/dev/null` is refused, not `/dev/null.png`
-        raise ValueError(f"plot file {path} is not a regular file ({kind}): pass a file name")
-    out = Path(path)
+    # NOTE: the path as given, before the suffix: `/dev/null` is refused, not `/dev/null.png`
+    out = check_output_path(path, f"plot file {path}", "out.png")
     if not out.suffix:  # NOTE: matplotlib would write NAME.png; say so
         out = out.with_name(out.name + ".png")
     # NOTE: rendered in memory, then written to a regular file only: never /dev/null.png, a FIFO

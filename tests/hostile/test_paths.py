@@ -144,6 +144,26 @@ def test_plot_plan_never_writes_beside_a_device(tmp_path):
         plot_plan(plan, fifo)  # NOTE: would block in matplotlib's open
 
 
+def test_every_layer_checks_an_output_path_the_same_way(tmp_path):
+    # NOTE: one check (_files.check_output_path) behind --output / --plot, plot_plan and
+    # write_file: a missing folder is named as such, not as the system's "No such file"
+    pytest.importorskip("matplotlib")
+    from flexdispatch.config import load_config
+    from flexdispatch.planner import plan_cluster, plot_plan
+
+    missing = tmp_path / "missing"
+    with pytest.raises(ValueError, match=rf"^--output {missing}/x.yaml: folder {missing} does"):
+        write_file(missing / "x.yaml", b"x", f"--output {missing / 'x.yaml'}")
+    plan = plan_cluster(load_config("tiny_cpu"), nodes=1, ranks_per_node=2, tokens=8)
+    with pytest.raises(ValueError, match=rf"^plot file {missing}/p: folder {missing} does not"):
+        plot_plan(plan, missing / "p")
+    with pytest.raises(
+        ValueError, match=rf"plot file {tmp_path} is a folder: .*{tmp_path}/out.png"
+    ):
+        plot_plan(plan, tmp_path)
+    assert not missing.exists()
+
+
 def test_a_failed_write_names_the_flag_and_path(tmp_path, monkeypatch, capsys):
     if Path("/dev/full").exists():
         with pytest.raises(ValueError, match=r"--output /dev/full is not a regular file"):
