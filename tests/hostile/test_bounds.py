@@ -402,14 +402,14 @@ def test_plan_exact_is_bounded_with_its_estimate(capsys):
     assert err.count("\n") == 1, err
     assert "= 4 x 1000000000000000 x 16 x 2 = 128000000000000000 router logits" in err
     assert "about 812 years at the 5 M logits/s the planner routes on 2 CPU cores" in err
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # NOTE: CPU time: the work done, whatever else loads the machine
     assert _cli([*argv, "--tokens", "100000000"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert "routing every token means R x T x E x variants = 4 x 100000000 x 16 x 2" in err
     assert "about 43 minutes at the 5 M logits/s" in err
     assert "more than its exact limit of 2147483648 logits: drop --exact" in err
-    assert time.perf_counter() - t0 < 30
+    assert time.process_time() - t0 < 30
     from flexdispatch.planner import plan_cluster
 
     cfg = fd.load_config("tiny_cpu")
@@ -430,8 +430,8 @@ def test_plan_plot_of_many_experts_is_drawn_in_seconds(tmp_path):
     router = cfg.router.model_copy(update=flat)
     cfg = cfg.model_copy(update={"router": router})
     plan = plan_cluster(cfg, nodes=1, ranks_per_node=1, tokens=1)
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # NOTE: CPU time (82 s of it before), not the machine's load
     path = plot_plan(plan, tmp_path / "e")
-    assert time.perf_counter() - t0 < 30
+    assert time.process_time() - t0 < 30
     assert path == tmp_path / "e.png" and path.stat().st_size > 10_000
     assert MAX_BARS <= 512

@@ -30,6 +30,29 @@ def _code(argv: list[str]) -> int:
         return int(exc.code or 0)
 
 
+@pytest.fixture
+def opened(monkeypatch) -> list[str]:
+    """Every path this process opens (``os.open``, ``open``) while the test runs: a file that must
+    never be written is checked by its name here, never by what the machine holds (another run
+    or another user may have made it)."""
+    import builtins
+
+    seen: list[str] = []
+    real_os_open, real_open = os.open, builtins.open
+
+    def os_open(path, *a, **k):
+        seen.append(os.fspath(path) if not isinstance(path, int) else "")
+        return real_os_open(path, *a, **k)
+
+    def py_open(file, *a, **k):
+        seen.append(os.fspath(file) if not isinstance(file, int) else "")
+        return real_open(file, *a, **k)
+
+    monkeypatch.setattr(os, "open", os_open)
+    monkeypatch.setattr(builtins, "open", py_open)
+    return seen
+
+
 def _one_line(capsys: pytest.CaptureFixture[str], command: str) -> str:
     err = capsys.readouterr().err
     assert err.startswith(f"flexdispatch {command}: error: "), err
@@ -92,7 +115,9 @@ def test_missing_and_folder_config_paths(tmp_path, capsys):
 
 
 @LINUX
-def test_output_paths_that_are_not_files_are_refused_before_the_work(specials, capsys, monkeypatch):
+def test_output_paths_that_are_not_files_are_refused_before_the_work(
+    specials, capsys, monkeypatch, opened
+):
     import flexdispatch.importers as importers
     import flexdispatch.planner as planner
 
@@ -117,7 +142,7 @@ def test_output_paths_that_are_not_files_are_refused_before_the_work(specials, c
         assert _code(argv) == 2
         err = _one_line(capsys, argv[0])
         assert f"{flag} {path}: folder /{path.split('/')[1]} is in /proc or /sys" in err, err
-    assert not Path("/dev/null.png").exists() and not Path("/dev/full.png").exists()
+    assert not [p for p in opened if p in ("/dev/null.png", "/dev/full.png")], opened
 
 
 def test_plot_folder_suggests_a_png(tmp_path, capsys):
@@ -128,7 +153,7 @@ def test_plot_folder_suggests_a_png(tmp_path, capsys):
 
 
 @LINUX
-def test_plot_plan_never_writes_beside_a_device(tmp_path):
+def test_plot_plan_never_writes_beside_a_device(tmp_path, opened):
     pytest.importorskip("matplotlib")
     from flexdispatch.config import load_config
     from flexdispatch.planner import plan_cluster, plot_plan
@@ -137,7 +162,7 @@ def test_plot_plan_never_writes_beside_a_device(tmp_path):
     for device in ("/dev/null", "/dev/full"):
         with pytest.raises(ValueError, match=rf"plot file {device} is not a regular file"):
             plot_plan(plan, device)
-        assert not Path(f"{device}.png").exists()
+        assert f"{device}.png" not in opened, opened
     fifo = tmp_path / "p.png"
     os.mkfifo(fifo)
     with pytest.raises(ValueError, match=r"is not a regular file \(a FIFO\)"):
