@@ -48,9 +48,6 @@ GiB = 1 << 30
 MiB = 1 << 20
 DEFAULT_MAX_MEMORY = 4 * GiB
 """The default of ``--max-memory``: what the demo may use in all, runtime included."""
-AVAILABLE_SHARE = SHARE
-"""The demo never plans for more than this share of the memory available when it starts (the
-share every size check of flexdispatch keeps: ``flexdispatch._sysmem``)."""
 RUNTIME_BYTES = 400 * MiB
 """The runtime per process ``estimate_memory`` counts when not given one. ``flexdispatch demo``
 passes the measured one (``flexdispatch.cli.demo_machine.measure_runtime``): about 250 MiB with a
@@ -85,8 +82,9 @@ def process_limit() -> tuple[int | None, str]:
 
 def memory_limit(max_memory: int | None) -> tuple[int, str]:
     """What the demo may plan for in all: ``--max-memory`` (default ``DEFAULT_MAX_MEMORY``), but
-    never more than ``AVAILABLE_SHARE`` of the memory its processes may take together now.
-    Returns (bytes, why)."""
+    never more than ``SHARE`` (80 %, the share every size check of flexdispatch keeps:
+    ``flexdispatch._sysmem``) of the memory its processes may take together now. Returns
+    (bytes, why)."""
     asked = DEFAULT_MAX_MEMORY if max_memory is None else max_memory
     why = (
         f"--max-memory {format_bytes(asked)}"
@@ -94,11 +92,10 @@ def memory_limit(max_memory: int | None) -> tuple[int, str]:
         else f"the default --max-memory {format_bytes(asked)}"
     )
     avail, source = available_memory()
-    if avail is not None and AVAILABLE_SHARE * avail < asked:
-        share = int(AVAILABLE_SHARE * avail)
+    if avail is not None and SHARE * avail < asked:
+        share = int(SHARE * avail)
         return share, (
-            f"{AVAILABLE_SHARE:.0%} of the {format_bytes(avail)} available ({source}), "
-            f"less than {why}"
+            f"{SHARE:.0%} of the {format_bytes(avail)} available ({source}), less than {why}"
         )
     return asked, why
 
@@ -177,7 +174,8 @@ def estimate_memory(
 
     Per rank: runtime + max(run, return) where run = the layer's parameters and gradients + the
     previous mode's results + activations, and return = the results of both modes, three times
-    (the tensors, their serialised bytes, the queue's pickled copy). The parent: runtime + every
+    (the tensors, their ``torch.save`` bytes, the copy sent down the pipe with its tag byte:
+    ``flexdispatch.launch``). The parent: runtime + every
     rank's results + two in flight + the reference (all experts: weights, gradients and the
     gradient the backward stacks) + the comparison's copies of one weight + its activations.
     Under a launcher every rank also receives every rank's results (all-gather) and rank 0 runs
@@ -211,7 +209,8 @@ def estimate_memory(
     run = mode_result + 2 * params_rank + activations
     ret = 3 * result
     if launcher:
-        # all_gather_object: this rank's pickled result, then every rank's bytes and tensors.
+        # gather_objects: this rank's torch.save bytes and their uint8 tensor, then every rank's
+        # bytes and what they load back as (flexdispatch._wire; never a pickle of the object)
         ret = result + 2 * result + 2 * R * result
     per_rank = runtime + max(run, ret)
 
