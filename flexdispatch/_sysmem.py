@@ -79,19 +79,29 @@ _UNITS = {
 }
 
 
-def parse_size(text: str) -> int:
-    """``"4GiB"``, ``"512MiB"``, ``"1.5G"``, ``"2"`` (GiB) → bytes (binary units throughout)."""
+def parse_size(text: str, name: str = "") -> int:
+    """``"4GiB"``, ``"512MiB"``, ``"1.5G"``, ``"2"`` (GiB) → bytes (binary units throughout).
+
+    ``name``: where the text comes from (an environment variable, ``$NAME``), named by the
+    error with the text cut short; without it the text alone (a flag's argument)."""
+    shown = f"{text!r}" if not name else f"{name}={_short(text)}"
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:
         raise ValueError(
-            f"{text!r} is not a memory size: write a number with a unit, e.g. 4GiB or 512MiB "
+            f"{shown} is not a memory size: write a number with a unit, e.g. 4GiB or 512MiB "
             f"(a bare number is GiB)"
         )
     value = float(m.group(1)) * _UNITS[unit]
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{text!r} is not a positive memory size")
+        raise ValueError(f"{shown} is not a positive memory size")
     return int(value)
+
+
+def _short(text: str, limit: int = 12) -> str:
+    s = str(text)
+    quoted = repr(s[:limit])
+    return quoted + ("…" if len(s) > limit else "")
 
 
 def _read(path: str | Path) -> str | None:
@@ -195,7 +205,7 @@ def figures(proc: str = "/proc", *, tree: bool = False) -> list[tuple[int, str]]
     starts, together) may still take: (bytes, where it comes from)."""
     env = os.environ.get(AVAILABLE_ENV, "").strip()
     if env:
-        return [(parse_size(env), f"${AVAILABLE_ENV}")]
+        return [(parse_size(env, f"${AVAILABLE_ENV}"), f"${AVAILABLE_ENV}")]
     found: list[tuple[int, str]] = []
     avail = _meminfo_available(proc)
     if avail is not None:

@@ -105,7 +105,7 @@ def _measure(device_type: str, env_value: str) -> tuple[int, int | None, str]:
     if env_value:
         from flexdispatch.cli.demo_fit import parse_size
 
-        size = parse_size(env_value)
+        size = parse_size(env_value, f"${RUNTIME_ENV}")
         return size, None, f"${RUNTIME_ENV}"
     if not os.path.exists("/proc/self/status"):
         return FALLBACK_BYTES, None, "fixed allowance (no /proc on this system to measure)"

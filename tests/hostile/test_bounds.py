@@ -156,6 +156,20 @@ def test_the_cgroup_limit_bounds_every_size_check(tmp_path, monkeypatch):
     assert demo_fit.available_memory() == (avail, source)  # one model for the demo too
 
 
+def test_a_bad_memory_variable_is_named(monkeypatch):
+    from flexdispatch.cli.demo_machine import RUNTIME_ENV, measure_runtime
+
+    monkeypatch.setenv(_sysmem.AVAILABLE_ENV, "lots")
+    with pytest.raises(ValueError, match=r"^\$FLEXDISPATCH_MEMORY_AVAILABLE='lots' is not a memo"):
+        _sysmem.available()
+    monkeypatch.setenv(_sysmem.AVAILABLE_ENV, "S3CR3T" * 5)
+    with pytest.raises(ValueError, match=r"AVAILABLE='S3CR3TS3CR3T'… is not a memory size"):
+        _sysmem.available(tree=True)
+    monkeypatch.setenv(RUNTIME_ENV, "-1GiB")
+    with pytest.raises(ValueError, match=r"^\$FLEXDISPATCH_RUNTIME_BYTES='-1GiB' is not a memory"):
+        measure_runtime("cpu")
+
+
 def test_this_machine_has_one_figure_for_every_check(monkeypatch):
     monkeypatch.delenv(_sysmem.AVAILABLE_ENV, raising=False)
     found = _sysmem.figures()
