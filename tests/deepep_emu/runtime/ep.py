@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections import Counter
 from typing import Any
 
@@ -92,11 +93,10 @@ def _h(cond: bool, lid: str, detail: str = "") -> None:
 
 
 def _gin_disabled() -> bool:
-    """``get_env("EP_DISABLE_GIN", 0) != 0`` as the runtime reads it."""
-    try:
-        return int(os.environ.get("EP_DISABLE_GIN", "0") or "0") != 0
-    except ValueError:
-        return False
+    """``get_env("EP_DISABLE_GIN", 0) != 0`` as the runtime reads it: ``sscanf("%d")`` takes the
+    leading integer ("2abc" is 2), into an int (utils/system.hpp); no integer: not skipped."""
+    m = re.match(r"\s*([+-]?\d+)", os.environ.get("EP_DISABLE_GIN", "0"))
+    return m is not None and (int(m.group(1)) & 0xFFFFFFFF) != 0
 
 
 def _shape2(t: torch.Tensor, what: str) -> tuple[int, int]:
