@@ -265,6 +265,10 @@ def decode(rank: int, out: dict[str, Any]) -> None:
     out["ev7_region"] = _raises(
         lambda: buf.low_latency_dispatch(torch.randn(n, H).bfloat16(), five, n, E), RuntimeError
     )
+    # ids < 0 are skipped by DeepEP's kernel (dst_expert_idx >= 0), not trapped: 2 pairs sent
+    below = torch.tensor([[-2, 1], [-5, -1], [3, -7], [-1, -1]])
+    _, count, *_ = buf.low_latency_dispatch(torch.randn(n, H).bfloat16(), below, n, E)
+    out["ev7_below"] = int(count.sum())
     ll.close()
 
 
@@ -380,6 +384,7 @@ def expect(name: str, outs: list[dict[str, Any]]) -> None:
             assert "ep.hybrid_combine_smem" in out["ev5_emulator"], out
     if name == "decode":  # the group still works: every (token, expert) pair arrived
         assert sum(out["p7_after"] for out in outs) == 4 * 2 * 2
+        assert sum(out["ev7_below"] for out in outs) == 4 * 2
 
 
 @pytest.mark.dist
