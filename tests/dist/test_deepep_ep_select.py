@@ -345,17 +345,28 @@ def overlap_hazards(rank: int, R: int) -> dict[str, str]:
 
 def beyond_the_bound(rank: int, R: int) -> dict[str, Any]:
     """Audit-4 P3: dropless V2 (``elastic``) and V2.5 (``ep``, and ``auto`` where only DeepEP 2.5
-    imports) with checks off, the default bound (128) and more tokens than it on every rank
-    (rank 1 the most): every token comes back, forward and gradient, with nothing to report.
+    imports), the default bound (128), rank 0 under it (T = 50) and rank 1 over it (T = 140):
+    every rank grows to rank 1's bucket (256; a rank grown alone to its own T would leave the
+    ranks on different bounds, which DeepEP's kernels trap on), and every token comes back,
+    forward and gradient, with nothing to report. Rank 0 runs with FLEXDISPATCH_CHECKS=1 and
+    rank 1 without (a per-process setting: both agree the same four ints), and the agreement runs
+    over the group's host (gloo) side group, as on an NCCL group (created once).
 
     Identities that need no reference: combine of ``recv_x * recv_topk_probs.sum(1)`` (expanded:
     ``recv_x * recv_probs``) is ``x[t] * probs[t].sum()``; with ``g`` the output's gradient,
     ``x.grad[t] = g[t] * probs[t].sum()`` and ``probs.grad[t, j] = (g[t] * x[t]).sum()``."""
-    from flexdispatch import DispatchConfig, FlexDispatcher
+    import os
+
+    import torch.distributed as dist
+
+    from flexdispatch import DispatchConfig, FlexDispatcher, distributed
 
     E, k, H = 4 * R, 2, 2  # NOTE: fp32 rows this narrow are combined exactly, one per column
     v25, v2, _ = _emus(R)
-    T = 130 + 10 * rank  # > 128 on every rank: bucket 256
+    T = 50 if rank == 0 else 140  # rank 0 under the default bound 128, rank 1 over it
+    if rank == 0:
+        os.environ["FLEXDISPATCH_CHECKS"] = "1"
+    distributed._runs_on_host = lambda group: False  # type: ignore[attr-defined]  # as NCCL
     g = torch.Generator().manual_seed(rank + 7)
     x0 = torch.randn(T, H, generator=g)
     idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
@@ -399,6 +410,9 @@ def beyond_the_bound(rank: int, R: int) -> dict[str, Any]:
             "overflow": _raises(d.check_overflow),
         }
         d.close()
+    os.environ.pop("FLEXDISPATCH_CHECKS", None)
+    sides = [side for pg, side in distributed._HOST_GROUPS.values()]
+    out["host_groups"] = [dist.get_backend(side) for side in sides if side is not dist.group.WORLD]
     return out
 
 
@@ -443,6 +457,7 @@ def test_ep_selection_refusals_jit_and_features() -> None:
         assert "direct mode over 2 nodes" in s["hybrid_auto"][1], s["hybrid_auto"]
         assert "hybrid mode over 2 nodes" in s["hybrid_small"][1], s["hybrid_small"]
 
+        assert out["beyond"].pop("host_groups") == ["gloo"], out["beyond"]  # created once
         for name, b in out["beyond"].items():  # P3: more tokens than the default bound
             assert b["api"] == ("elastic" if name == "elastic" else "ep"), (name, b)
             assert b["err"] < 1e-4 and b["overflow"] == "", (name, b)

@@ -21,10 +21,11 @@ Selected with ``DispatchConfig.deepep_api="ep"``, and by ``"auto"`` where every 
   ``M = bucket(W / R)``. In worst-case mode a rank may send at most ``W / R`` tokens, which
   keeps every receive within the contract's W rows; DeepEP's ``R * M`` rows are cut back to W
   after the sort (expanded: ``R * (W / R) * min(k, e)`` rows, aligned).
-- **Dropless**: ``do_cpu_sync=True``. Every token is sent (audit-4 P3): one small all-gather of
-  every rank's T comes first, and when a rank has more than the bound every rank raises it to
-  that T's bucket (the buffer grows with it). Two host syncs: that agreement and DeepEP's CPU
-  wait. **Worst-case**: ``do_cpu_sync=False``, no host sync, inside a node and across nodes;
+- **Dropless**: ``do_cpu_sync=True``. Every token is sent (audit-4 P3): every rank's T is agreed
+  on the host first (four ints over a gloo group of the same ranks: no device collective, no host
+  sync), and when a rank has more than the bound every rank raises it to that T's bucket (the
+  buffer grows with it). One host sync: DeepEP's CPU wait. Not capturable (refused inside a CUDA
+  graph). **Worst-case**: ``do_cpu_sync=False``, no host sync, inside a node and across nodes;
   rows past the real ones are masked on the device.
 - **JIT**: each kernel template compiles at first use; ``ep_buffer.KernelRegistry`` knows which
   ran, and a first use inside a CUDA-graph capture raises with the fix
@@ -54,10 +55,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexdispatch._validate import checks_enabled, cuda_code_path, is_capturing
+from flexdispatch._validate import checks_enabled, cuda_code_path
 from flexdispatch.backends.base import Capability, DispatchBackend
-from flexdispatch.backends.counts import check_agreement, gather_token_rows
-from flexdispatch.backends.deepep import sizing
+from flexdispatch.backends.counts import agree_tokens
+from flexdispatch.backends.deepep import refusals, sizing
 from flexdispatch.backends.deepep.counters import TrafficCounters
 from flexdispatch.backends.deepep.ep_buffer import EPSize, acquire_ep, kernel_key, kernels_of
 from flexdispatch.backends.deepep.ep_combine import _COMBINE_COLS, EPCombineMixin, sent_tokens
@@ -77,7 +78,6 @@ from flexdispatch.backends.deepep.ep_rows import (
     traffic_rows,
 )
 from flexdispatch.backends.deepep.ep_support import (
-    agree_dropless_bound,
     ep_available,
     ep_rules,
     load_deep_ep_v25,
@@ -105,8 +105,9 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         ranks_per_node: L as launched (the emulator's NVLink domain in tests).
         num_worst_tokens: W (0 = dropless), a multiple of R.
         hierarchical: accepted; DeepEP routes across nodes itself (hybrid mode).
-        checks: one small all-gather of every rank's token count and row shape before the
-            dispatch, so that any rank over its bound (or a shape mismatch) raises everywhere.
+        checks: in worst-case mode, every rank's token count and row shape agreed on the host
+            before the dispatch, so that any rank over ``W / R`` (or a shape mismatch) raises
+            everywhere (dropless mode always agrees them).
         stats: counters to add to.
         num_sms: SMs per kernel (None: DeepEP 2.5's bandwidth model, agreed across ranks).
         num_max_tokens_per_rank: the dropless per-rank token bound (bucketed for the JIT), the
@@ -270,38 +271,33 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         self._kernels.add(key)
         return out
 
-    def _check_tokens(self, T: int, device: torch.device, shape: tuple) -> int:
+    def _check_tokens(self, T: int, shape: tuple) -> int:
         """The tokens this rank sends, after every rank agreed on the bound (audit-4 P3).
 
-        Dropless: nothing is dropped. One small all-gather of every rank's T (with checks on,
-        and its row shape) first; when a rank has more than the bound, every rank raises it to
-        that T's bucket at this same call (``_grow_bound``; the buffer grows with it), as V1's
-        buffers grow. Its host read is a second host sync beside DeepEP's CPU wait (counted).
+        Dropless: nothing is dropped. Every rank's T (and row shape) is agreed on the host first
+        (``counts.agree_tokens``: a gloo all-gather, no host sync); when a rank has more than the
+        bound, every rank raises it to that T's bucket at this same call (``_grow_bound``; the
+        buffer grows with it), as V1's buffers grow.
 
-        Worst-case: a rank may send at most ``W / R`` tokens. With checks on, the all-gather of
-        ``[T, X, k, dtype]`` makes every rank raise alike; with checks off a rank over it sends
-        its first ``W / R`` tokens (its others combine to zero) and ``check_overflow`` raises:
-        raising on that rank alone would leave its peers inside DeepEP's collective (audit-3
-        N7, as on V2)."""
-        M, R, rank = self.max_tokens, self.num_ranks, self.rank
-        checks = checks_enabled(self.checks) and not is_capturing()
-        if not self.worst_case and not is_capturing():
-            agree_dropless_bound(self, T, shape, device, checks=checks, name="ep token count")
+        Worst-case: a rank may send at most ``W / R`` tokens. With checks on, the same agreement
+        makes every rank raise alike; with checks off a rank over it sends its first ``W / R``
+        tokens (its others combine to zero) and ``check_overflow`` raises: raising on that rank
+        alone would leave its peers inside DeepEP's collective (audit-3 N7, as on V2)."""
+        M, R = self.max_tokens, self.num_ranks
+        if not self.worst_case:
+            self._grow_bound(max(agree_tokens(T, shape, self.group, name="ep token count")))
             return T
-        if checks:
-            rows = gather_token_rows(T, shape, self.group, name="ep token count")
-            if device.type == "cuda":
-                self._stats.extra["check_syncs"] = self._stats.extra.get("check_syncs", 0) + 1
-            check_agreement([r[1:] for r in rows], num_ranks=0, num_nodes=0)
-            rank = max(range(R), key=lambda r: rows[r][0])
-            T = rows[rank][0]
-        elif T > M and self.worst_case:
+        if checks_enabled(self.checks):
+            counts = agree_tokens(T, shape, self.group, name="ep token count")
+            worst = max(range(R), key=counts.__getitem__)
+            if counts[worst] > M:
+                W = self.num_worst_tokens
+                raise ValueError(tokens_message(worst, counts[worst], M=M, R=R, W=W))
+            return T
+        if T > M:
             self._need_tokens = max(self._need_tokens, T)
             return M
-        if T <= M:
-            return T
-        # NOTE: also a dropless call over the bound inside a capture (no agreement possible)
-        raise ValueError(tokens_message(rank, T, M=M, R=R, W=self.num_worst_tokens))
+        return T
 
     def _grow_bound(self, need: int) -> None:
         """Dropless: raise the per-rank token bound to ``need`` (every rank at the same call:
@@ -338,7 +334,9 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         T, X = x.shape
         k = topk_idx.shape[1]
         sizing.check_topk(k, "DeepEP 2.5 kernels")
-        sent = self._check_tokens(T, x.device, (X, k, x.dtype))
+        if not self.worst_case:
+            refusals.check_dropless_capture("DeepEP 2.5")
+        sent = self._check_tokens(T, (X, k, x.dtype))
         if sent < T:  # NOTE: worst-case, checks off, over W / R: the first ones (_check_tokens)
             x, topk_idx, topk_probs = x[:sent], topk_idx[:sent], topk_probs[:sent]
             scales = None if scales is None else scales[:sent]

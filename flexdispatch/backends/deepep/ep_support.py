@@ -31,10 +31,7 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-import torch
-
 from flexdispatch.backends.base import Capability
-from flexdispatch.backends.counts import check_agreement, gather_token_rows
 
 __all__ = [
     "EP_DEVICE_SMEM",
@@ -101,28 +98,6 @@ def split_hook(hook: Any) -> tuple[ModuleType | None, ModuleType | None, bool]:
     if getattr(hook, "EPBuffer", None) is not None and getattr(hook, "Buffer", None) is None:
         return None, hook, True
     return hook, None, True
-
-
-def agree_dropless_bound(
-    backend: Any,
-    T: int,
-    shape: tuple[int, int, torch.dtype],
-    device: torch.device,
-    *,
-    checks: bool,
-    name: str,
-) -> None:
-    """Dropless V2 / V2.5 (audit-4 P3): every rank's T (with ``checks``, its row shape ``(X, k,
-    dtype)`` too, refused alike on every rank when they differ) in one all-gather, and every
-    rank's bound raised to the largest T at this same call (``backend._grow_bound``: DeepEP needs
-    one bound on every rank). Nothing is dropped. On CUDA its host read is a host sync beside
-    DeepEP's own CPU wait, counted in ``backend._stats.host_syncs``."""
-    rows = gather_token_rows(T, shape if checks else None, backend.group, name=name)
-    if device.type == "cuda":
-        backend._stats.host_syncs += 1
-    if checks:
-        check_agreement([r[1:] for r in rows], num_ranks=0, num_nodes=0)
-    backend._grow_bound(max(r[0] for r in rows))
 
 
 def token_bucket(n: int) -> int:

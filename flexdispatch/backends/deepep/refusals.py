@@ -18,6 +18,8 @@ nodes · k top-k. Each rule names DeepEP's limit, the value and what to change (
 - ``check_no_capture`` (N18): creating or growing a DeepEP buffer (cudaMalloc, IPC handles, a
   barrier) and DeepEP V2's JIT compilation of a new shape cannot happen inside a CUDA-graph
   capture: refused with the fix (warm up first).
+- ``check_dropless_capture``: a dropless dispatch (V1, V2, V2.5) waits on the CPU for DeepEP's
+  receive counts, so it is refused inside a CUDA-graph capture (worst-case mode is capturable).
 - ``check_low_latency_graph`` (N6): low-latency kernels captured in a CUDA graph replay on the
   signal buffers as they were at capture; a normal *internode* kernel on the same buffer dirties
   them (the clean before the next low-latency kernel is host-side and is not replayed), so it is
@@ -36,6 +38,7 @@ from flexdispatch.distributed import all_gather_int64, collective_device
 __all__ = [
     "INT_MAX",
     "MAX_TOPK_NODES",
+    "check_dropless_capture",
     "check_low_latency_graph",
     "check_no_capture",
     "check_normal_buffer_bytes",
@@ -137,6 +140,18 @@ def check_no_capture(what: str) -> None:
             f"{what} inside a CUDA-graph capture, which cannot be captured (cudaMalloc, IPC "
             f"handles, a barrier, a compile): call FlexDispatcher.warmup(...) (or run one eager "
             f"step) with the shapes of the captured step before capturing"
+        )
+
+
+def check_dropless_capture(what: str) -> None:
+    """Raise RuntimeError when a dropless DeepEP ``what`` dispatch would run inside a CUDA-graph
+    capture: DeepEP waits on the CPU for its receive counts (and V2 / V2.5 first agree the token
+    bound on the host), which a captured graph cannot replay."""
+    if _validate.is_capturing():
+        raise RuntimeError(
+            f"{what}'s dropless dispatch waits on the CPU for its receive counts, which cannot "
+            f"be captured in a CUDA graph: build the dispatcher with num_worst_tokens (worst-case "
+            f"mode: static shapes, no host sync) to capture it"
         )
 
 
