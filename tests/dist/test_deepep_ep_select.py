@@ -416,6 +416,52 @@ def beyond_the_bound(rank: int, R: int) -> dict[str, Any]:
     return out
 
 
+def growth_fits(rank: int, R: int) -> dict[str, Any]:
+    """A dropless bound that grows past what one rank's memory holds (rank 1's memory model, for
+    DeepEP's buffers, says 1.5 times the first buffer): every rank raises at the same call,
+    naming the rank, T, M, the bytes and the setting, instead of rank 1 failing its allocation
+    inside the collective rebuild while its peer waits; afterwards the old bound serves a small
+    batch again."""
+    from flexdispatch import DispatchConfig, FlexDispatcher, _limits
+
+    E, k, H = 4 * R, 2, 1024  # NOTE: wide enough that 1024 tokens outgrow the 2 MiB first build
+    v25, v2, _ = _emus(R)
+    real = _limits.refusal
+    room = [0]
+
+    def refusal(what: str, *args: Any, **kw: Any) -> str | None:
+        if rank != 1 or not room[0] or not what.startswith("DeepEP"):
+            return real(what, *args, **kw)
+        saved = _limits.SMALL_BYTES, _limits.available_bytes
+        _limits.SMALL_BYTES, _limits.available_bytes = 0, lambda dev=None: (room[0], "test")
+        try:
+            return real(what, *args, **kw)
+        finally:
+            _limits.SMALL_BYTES, _limits.available_bytes = saved
+
+    _limits.refusal = refusal  # NOTE: the pool puts it back after the call
+    out: dict[str, Any] = {}
+    for api, hook in (("ep", v25), ("elastic", v2)):
+        cfg = DispatchConfig(backend="deepep", deepep_api=api, checks=False)
+        d = FlexDispatcher(cfg, num_experts=E, _deep_ep=hook)
+
+        def step(T: int, d: Any = d) -> None:
+            idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+            res = d.dispatch(torch.randn(T, H), idx, torch.rand(T, k))
+            d.combine(res.recv_x, res.handle)
+
+        step(50)  # built for the default bound (128)
+        room[0] = int(1.5 * d.backend._shared.num_bytes / _limits.SHARE)
+        T = 600 if rank == 1 else 50  # bucket 1024 on every rank: about 5 times the bytes
+        out[api] = _raises(lambda T=T, step=step: step(T))
+        out[f"{api}_after"] = (
+            _raises(lambda step=step: step(50)) or d.backend.num_max_tokens_per_rank
+        )
+        room[0] = 0
+        d.close()
+    return out
+
+
 def worker(rank: int, R: int) -> dict[str, Any]:
     return {
         "selection": selection(rank, R),
@@ -425,6 +471,7 @@ def worker(rank: int, R: int) -> dict[str, Any]:
         "features": features(rank, R),
         "overlap": overlap_hazards(rank, R),
         "beyond": beyond_the_bound(rank, R),
+        "fits": growth_fits(rank, R),
     }
 
 
@@ -463,6 +510,13 @@ def test_ep_selection_refusals_jit_and_features() -> None:
             assert b["err"] < 1e-4 and b["overflow"] == "", (name, b)
             assert b["bound"] == 256, (name, b)  # bucket(140), grown on every rank
         assert "grown to the largest T" in out["beyond"]["auto_v25_only"]["reason"], out
+        for api in ("ep", "elastic"):  # every rank raises, naming rank 1, T, M and the bytes
+            msg = out["fits"][api]
+            assert "num_max_dispatch_tokens_per_rank=1024" in msg and "rank(s) 1" in msg, msg
+            assert "largest T a rank dispatched 600" in msg, msg
+            assert "10485760 bytes in all for M=1024" in msg, msg
+            assert "DispatchConfig.num_max_dispatch_tokens_per_rank" in msg, msg
+            assert out["fits"][f"{api}_after"] == 128, out["fits"]  # the old bound serves again
         bad = {case: why for case, why in out["overlap"].items() if why}
         assert len(out["overlap"]) == 12 and not bad, bad
 

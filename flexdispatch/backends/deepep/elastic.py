@@ -196,6 +196,8 @@ class DeepEPElasticBackend(ElasticCombineMixin, DispatchBackend):
         self._shared = deepep_buffer.acquire_elastic(module, self.group, id(self))
         self._traffic = TrafficCounters(collective_device(self.group))  # no host read in calls
         self._need_tokens = 0  # most tokens a rank had to dispatch, when over M (checks off)
+        self._peak_tokens = 0  # dropless: the largest T the ranks agreed on so far
+        self._grown_from: int | None = None  # M before a growth not yet built
         self._closed = False
 
     # ----------------------------------------------------------------- capabilities
@@ -295,7 +297,16 @@ class DeepEPElasticBackend(ElasticCombineMixin, DispatchBackend):
             raise RuntimeError("this deepep backend was closed")
         before = self._shared.allocations
         need = deepep_buffer.ElasticSize(self.num_max_tokens_per_rank, hidden, max(topk, 1))
-        buffer = self._shared.ensure(need)
+        try:
+            buffer = self._shared.ensure(
+                need, tokens=self._peak_tokens, worst=self.num_worst_tokens
+            )
+        except ValueError:  # NOTE: it does not fit on some rank: every rank keeps its old M
+            if self._grown_from is not None:
+                self.num_max_tokens_per_rank = self._grown_from
+            self._grown_from = None
+            raise
+        self._grown_from = None
         if self._shared.allocations != before:
             extra = self._stats.extra
             extra["deepep_buffer_allocations"] = extra.get("deepep_buffer_allocations", 0) + 1
@@ -334,9 +345,13 @@ class DeepEPElasticBackend(ElasticCombineMixin, DispatchBackend):
 
     def _grow_bound(self, need: int) -> None:
         """Dropless: raise M to ``bucket(need)`` (every rank at the same call: ``need`` is the
-        agreed maximum); the shared buffer is rebuilt for it at this call's ``_buffer``."""
+        agreed maximum); the shared buffer is rebuilt for it at this call's ``_buffer``, once
+        every rank agreed it fits (else every rank raises and keeps its old M)."""
+        self._peak_tokens = max(self._peak_tokens, need)
         if need <= self.num_max_tokens_per_rank:
             return
+        if self._grown_from is None:
+            self._grown_from = self.num_max_tokens_per_rank
         self.num_max_tokens_per_rank = token_bucket(need)
         self._stats.extra["deepep_token_bound"] = self.num_max_tokens_per_rank
 

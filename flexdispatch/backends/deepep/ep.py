@@ -178,6 +178,8 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         self._traffic: EPTraffic | None = None
         self._counters = TrafficCounters(collective_device(self.group))  # no host read in calls
         self._need_tokens = 0  # most tokens a rank had to dispatch, when over the bound
+        self._peak_tokens = 0  # dropless: the largest T the ranks agreed on so far
+        self._grown_from: tuple[int, int] | None = None  # the bound before a growth not yet built
         self._closed = False
 
     # ----------------------------------------------------------------- capabilities
@@ -250,7 +252,17 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         if self._closed:
             raise RuntimeError("this deepep backend was closed")
         before = self._shared.allocations
-        buffer = self._shared.ensure(EPSize(self.num_max_tokens_per_rank, hidden, max(topk, 1)))
+        size = EPSize(self.num_max_tokens_per_rank, hidden, max(topk, 1))
+        try:
+            buffer = self._shared.ensure(
+                size, tokens=self._peak_tokens, worst=self.num_worst_tokens
+            )
+        except ValueError:  # NOTE: it does not fit on some rank: every rank keeps its old bound
+            if self._grown_from is not None:
+                self.max_tokens, self.num_max_tokens_per_rank = self._grown_from
+            self._grown_from = None
+            raise
+        self._grown_from = None
         if self._shared.allocations != before:
             extra = self._stats.extra
             extra["deepep_buffer_allocations"] = extra.get("deepep_buffer_allocations", 0) + 1
@@ -302,9 +314,13 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
     def _grow_bound(self, need: int) -> None:
         """Dropless: raise the per-rank token bound to ``need`` (every rank at the same call:
         ``need`` is the agreed maximum); DeepEP compiles ``bucket(need)`` and the shared buffer
-        is rebuilt for it at this call's ``_buffer``."""
+        is rebuilt for it at this call's ``_buffer``, once every rank agreed it fits (else every
+        rank raises and keeps its old bound)."""
+        self._peak_tokens = max(self._peak_tokens, need)
         if need <= self.max_tokens:
             return
+        if self._grown_from is None:
+            self._grown_from = (self.max_tokens, self.num_max_tokens_per_rank)
         self.max_tokens = need
         self.num_max_tokens_per_rank = max(self.num_max_tokens_per_rank, token_bucket(need))
         extra = self._stats.extra

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from flexdispatch._validate import is_capturing
+from flexdispatch.backends.deepep import refusals
 from flexdispatch.backends.deepep.ep_links import Links, agree_links
 from flexdispatch.distributed import collective_device, collective_guard, is_distributed
 
@@ -171,13 +172,16 @@ class SharedEPBuffer:
         if p is not None and p.settle():
             self.epilogues_run_early += 1
 
-    def ensure(self, need: EPSize) -> Any:
+    def ensure(self, need: EPSize, *, tokens: int = 0, worst: int = 0) -> Any:
         """The live buffer, (re)built collectively when ``need`` needs more bytes. A pending
         deferred dispatch's epilogue runs first (``settle``): every DeepEP call on the buffer
-        comes through here.
+        comes through here. Before a (re)build every rank checks that the new size fits its
+        memory and all agree (``refusals.agree_buffer_fits``; ``tokens``: the largest T a rank
+        dispatched, ``worst``: W, for its message).
 
         Raises:
             RuntimeError: it would be (re)built inside a CUDA-graph capture.
+            ValueError: on every rank, the new buffer does not fit on some rank.
         """
         self.settle()
         new = need if self.size is None else self.size.union(need)
@@ -203,6 +207,17 @@ class SharedEPBuffer:
                 f"CUDA-graph capture: call "
                 f"FlexDispatcher.warmup(...) with the captured shapes before capturing"
             )
+        refusals.agree_buffer_fits(
+            self.group,
+            "DeepEP 2.5 EPBuffer",
+            num_bytes=num_bytes,
+            held=self.num_bytes,
+            M=new.num_max_tokens_per_rank,
+            tokens=tokens,
+            worst=worst,
+            shape=f"H={new.hidden} bf16 columns, k={new.num_topk}",
+            device=collective_device(self.group),
+        )
         if self.links is None:
             self.links = agree_links(self.deep_ep, self.group, hybrid=self.hybrid, rdma=self.rdma)
         self._destroy()

@@ -20,6 +20,12 @@ nodes · k top-k. Each rule names DeepEP's limit, the value and what to change (
   capture: refused with the fix (warm up first).
 - ``check_dropless_capture``: a dropless dispatch (V1, V2, V2.5) waits on the CPU for DeepEP's
   receive counts, so it is refused inside a CUDA-graph capture (worst-case mode is capturable).
+- ``agree_buffer_fits``: a DeepEP V2 / V2.5 buffer is built collectively (a dropless bound that
+  grows rebuilds it at the same call on every rank); a rank that cannot allocate it would leave
+  its peers inside the collective build, so every rank first checks the new size against its
+  memory (``_limits.refusal``: the project's one memory model) and all agree (one gloo
+  all-gather of a flag): where one does not fit, every rank raises, naming the rank, T, M, the
+  bytes and the setting to change.
 - ``check_low_latency_graph`` (N6): low-latency kernels captured in a CUDA graph replay on the
   signal buffers as they were at capture; a normal *internode* kernel on the same buffer dirties
   them (the clean before the next low-latency kernel is host-side and is not replayed), so it is
@@ -32,11 +38,12 @@ from typing import Any
 
 import torch
 
-from flexdispatch import _validate
-from flexdispatch.distributed import all_gather_int64, collective_device
+from flexdispatch import _limits, _validate
+from flexdispatch.distributed import all_gather_int64, collective_device, host_group
 
 __all__ = [
     "INT_MAX",
+    "agree_buffer_fits",
     "MAX_TOPK_NODES",
     "check_dropless_capture",
     "check_low_latency_graph",
@@ -141,6 +148,58 @@ def check_no_capture(what: str) -> None:
             f"handles, a barrier, a compile): call FlexDispatcher.warmup(...) (or run one eager "
             f"step) with the shapes of the captured step before capturing"
         )
+
+
+def agree_buffer_fits(
+    group: Any,
+    what: str,
+    *,
+    num_bytes: int,
+    held: int,
+    M: int,
+    tokens: int,
+    worst: int,
+    shape: str,
+    device: torch.device,
+) -> None:
+    """Raise ValueError on every rank, before a collective (re)build, when the buffer cannot fit
+    on some rank.
+
+    Args:
+        group: the process group (the flags travel over its ``host_group``).
+        what: the buffer, e.g. ``"DeepEP 2.5 EPBuffer"``.
+        num_bytes: its size (the same on every rank: every rank computes it from the same M, H,
+            k); ``held`` of them are freed first (the buffer it replaces).
+        M: the token bound it is built for; ``tokens``: the largest T a rank dispatched (0 when
+            unknown); ``worst``: W in worst-case mode (0 dropless).
+        shape: the rest of its size (``"H=..., k=..."``).
+        device: where it is allocated.
+    """
+    setting = "num_worst_tokens" if worst else "num_max_dispatch_tokens_per_rank"
+    value = worst if worst else M
+    peak = f", the largest T a rank dispatched {tokens}" if tokens else ""
+    detail = (
+        f"{num_bytes} bytes in all for M={M} tokens per rank{peak}, {shape}; the {held} bytes of "
+        f"the buffer it replaces are freed first"
+    )
+    fix = (
+        f"dispatch fewer tokens per rank in one call (split the batch), or set a smaller "
+        f"DispatchConfig.{setting}"
+    )
+    mine = _limits.refusal(what, setting, value, num_bytes - held, device, detail=detail, fix=fix)
+    flag = torch.tensor([int(mine is not None)], dtype=torch.int64)
+    name = f"all_gather ({what} fits)"
+    flags = all_gather_int64(flag, host_group(group), name=name).view(-1).tolist()
+    bad = [r for r, f in enumerate(flags) if f]
+    if not bad:
+        return
+    where = f"rank(s) {', '.join(map(str, bad))}"
+    if mine is not None:
+        raise ValueError(f"{mine} (it does not fit on {where}: every rank raises)")
+    raise ValueError(
+        f"{what}: {setting}={value} needs {detail}, which does not fit on {where} (their error "
+        f"names the memory there; every rank raises): {fix}"
+    )
 
 
 def check_dropless_capture(what: str) -> None:
