@@ -416,6 +416,44 @@ def beyond_the_bound(rank: int, R: int) -> dict[str, Any]:
     return out
 
 
+def capture_epilogue(rank: int, R: int) -> dict[str, str]:
+    """A worst-case ``dispatch_expanded_start`` launched eagerly, then a CUDA-graph capture
+    (emulated) begins before its ``wait()``: a dispatch on the same buffer, or the ``wait()``,
+    inside the capture raises (its epilogue would only be recorded into the graph, never run);
+    after the capture the ``wait()`` gives the eager rows."""
+    from flexdispatch import DispatchConfig, FlexDispatcher
+    from flexdispatch.backends.deepep import ep_buffer
+    from tests.deepep_emu.runtime import ep as emu_ep
+
+    E = E_PER_RANK * R
+    v25 = _emus(R)[0]
+    mine = all_inputs(23, R=R, E=E, k=K, H=H)[rank]
+    T = 9  # NOTE: more than any rank's tokens (5 + 2 * rank)
+    cfg = DispatchConfig(backend="deepep", deepep_api="ep", num_worst_tokens=R * T)
+    d = FlexDispatcher(cfg, num_experts=E, _deep_ep=v25)
+    emu_ep.ATOMIC_ORDER = False  # NOTE: rows in arrival order, so eager and overlapped compare
+    out: dict[str, str] = {}
+    real = ep_buffer.is_capturing
+    try:
+        d.warmup(H, K, dtype=mine.x.dtype, expanded=True)
+        want = d.dispatch_expanded(mine.x, mine.idx, mine.probs)
+        p = d.dispatch_expanded_start(mine.x, mine.idx, mine.probs)
+        ep_buffer.is_capturing = lambda: True
+        with v25.runtime.emu_capture():
+            out["dispatch"] = _raises(
+                lambda: d.dispatch_expanded(mine.x, mine.idx, mine.probs), RuntimeError
+            )
+            out["wait"] = _raises(p.wait, RuntimeError)
+        ep_buffer.is_capturing = real
+        got = p.wait()
+        out["after"] = "" if torch.equal(got.recv_x, want.recv_x) else "rows differ"
+    finally:
+        ep_buffer.is_capturing = real
+        emu_ep.ATOMIC_ORDER = True
+        d.close()
+    return out
+
+
 def growth_fits(rank: int, R: int) -> dict[str, Any]:
     """A dropless bound that grows past what one rank's memory holds (rank 1's memory model, for
     DeepEP's buffers, says 1.5 times the first buffer): every rank raises at the same call,
@@ -472,6 +510,7 @@ def worker(rank: int, R: int) -> dict[str, Any]:
         "overlap": overlap_hazards(rank, R),
         "beyond": beyond_the_bound(rank, R),
         "fits": growth_fits(rank, R),
+        "capture": capture_epilogue(rank, R),
     }
 
 
@@ -517,6 +556,10 @@ def test_ep_selection_refusals_jit_and_features() -> None:
             assert "10485760 bytes in all for M=1024" in msg, msg
             assert "DispatchConfig.num_max_dispatch_tokens_per_rank" in msg, msg
             assert out["fits"][f"{api}_after"] == 128, out["fits"]  # the old bound serves again
+        c = out["capture"]  # a deferred epilogue never recorded into a capture (refused)
+        for key in ("dispatch", "wait"):
+            assert "outside this CUDA-graph capture" in c[key] and ".wait()" in c[key], c
+        assert c["after"] == "", c
         bad = {case: why for case, why in out["overlap"].items() if why}
         assert len(out["overlap"]) == 12 and not bad, bad
 

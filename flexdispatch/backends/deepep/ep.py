@@ -60,7 +60,13 @@ from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import agree_tokens
 from flexdispatch.backends.deepep import refusals, sizing
 from flexdispatch.backends.deepep.counters import TrafficCounters
-from flexdispatch.backends.deepep.ep_buffer import EPSize, acquire_ep, kernel_key, kernels_of
+from flexdispatch.backends.deepep.ep_buffer import (
+    EPSize,
+    acquire_ep,
+    check_epilogue,
+    kernel_key,
+    kernels_of,
+)
 from flexdispatch.backends.deepep.ep_combine import _COMBINE_COLS, EPCombineMixin, sent_tokens
 from flexdispatch.backends.deepep.ep_layout import (
     cached_pieces,
@@ -501,12 +507,18 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
             x, topk_idx, topk_probs, expand=True, defer=True
         )
         pending = PendingExpanded(out, wire, fp8, T, X, k, sms, traffic, row)
-        self._shared.pending = pending  # NOTE: the next call on the buffer settles it first
+        self._shared.hold(pending)  # NOTE: the next call on the buffer settles it first
         return pending
+
+    def check_finish(self, p: PendingExpanded) -> None:
+        """Raise RuntimeError when ``p`` cannot be finished now (``ep_buffer.check_epilogue``:
+        inside a CUDA-graph capture it was not launched in)."""
+        check_epilogue(p)
 
     def finish_expanded(self, p: PendingExpanded) -> ExpandedDispatchResult:
         """Wait for a ``launch_expanded`` and build its result (its epilogue may have run
         already, when another call on the buffer came first)."""
+        check_epilogue(p)
         if self._shared.pending is p:
             self._shared.pending = None
         p.settle()
