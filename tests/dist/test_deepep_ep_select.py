@@ -454,6 +454,28 @@ def capture_epilogue(rank: int, R: int) -> dict[str, str]:
     return out
 
 
+def agreed_rows(rank: int, R: int) -> dict[str, str]:
+    """A row refusal that holds on one rank only (rank 1's device has too little shared memory
+    for one dispatch warp): every rank raises before any kernel, rank 1 with DeepEP's limit, rank
+    0 naming rank 1, dropless and worst-case with checks (before: rank 1 alone, its peer left in
+    the dispatch)."""
+    from flexdispatch import DispatchConfig, FlexDispatcher
+    from flexdispatch.backends.deepep import ep_layout
+
+    E = E_PER_RANK * R
+    v25 = _emus(R)[0]
+    mine = all_inputs(24, R=R, E=E, k=K, H=H)[rank]
+    real = ep_layout.device_smem
+    ep_layout.device_smem = lambda device: 64 if rank == 1 else real(device)  # restored by the pool
+    out: dict[str, str] = {}
+    for name, W, checks in (("dropless", 0, False), ("worst", 16 * R, True)):
+        cfg = DispatchConfig(backend="deepep", deepep_api="ep", num_worst_tokens=W, checks=checks)
+        d = FlexDispatcher(cfg, num_experts=E, _deep_ep=v25)
+        out[name] = _raises(lambda d=d: d.dispatch(mine.x, mine.idx, mine.probs))
+        d.close()
+    return out
+
+
 def growth_fits(rank: int, R: int) -> dict[str, Any]:
     """A dropless bound that grows past what one rank's memory holds (rank 1's memory model, for
     DeepEP's buffers, says 1.5 times the first buffer): every rank raises at the same call,
@@ -511,6 +533,7 @@ def worker(rank: int, R: int) -> dict[str, Any]:
         "beyond": beyond_the_bound(rank, R),
         "fits": growth_fits(rank, R),
         "capture": capture_epilogue(rank, R),
+        "rows": agreed_rows(rank, R),
     }
 
 
@@ -556,6 +579,9 @@ def test_ep_selection_refusals_jit_and_features() -> None:
             assert "10485760 bytes in all for M=1024" in msg, msg
             assert "DispatchConfig.num_max_dispatch_tokens_per_rank" in msg, msg
             assert out["fits"][f"{api}_after"] == 128, out["fits"]  # the old bound serves again
+        for name, msg in out["rows"].items():  # one rank's row refusal, raised on every rank
+            want = "no dispatch warp" if rank == 1 else "rank(s) 1 cannot send these rows"
+            assert want in msg, (name, msg)
         c = out["capture"]  # a deferred epilogue never recorded into a capture (refused)
         for key in ("dispatch", "wait"):
             assert "outside this CUDA-graph capture" in c[key] and ".wait()" in c[key], c

@@ -70,9 +70,10 @@ from flexdispatch.backends.deepep.ep_buffer import (
 from flexdispatch.backends.deepep.ep_combine import _COMBINE_COLS, EPCombineMixin, sent_tokens
 from flexdispatch.backends.deepep.ep_layout import (
     cached_pieces,
-    check_rows,
+    cached_refusal,
     dispatch_cols,
     pad,
+    row_refusal,
 )
 from flexdispatch.backends.deepep.ep_rows import (
     EPDispatchState,
@@ -289,29 +290,34 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         self._kernels.add(key)
         return out
 
-    def _check_tokens(self, T: int, shape: tuple) -> int:
-        """The tokens this rank sends, after every rank agreed on the bound (audit-4 P3).
+    def _check_tokens(self, T: int, shape: tuple, refusal: str | None) -> int:
+        """The tokens this rank sends, after every rank agreed on the bound (audit-4 P3) and on
+        its rows (``refusal``: why DeepEP 2.5 cannot run them here, or None).
 
-        Dropless: nothing is dropped. Every rank's T (and row shape) is agreed on the host first
-        (``counts.agree_tokens``: a gloo all-gather, no host sync); when a rank has more than the
-        bound, every rank raises it to that T's bucket at this same call (``_grow_bound``; the
-        buffer grows with it), as V1's buffers grow.
+        Dropless: nothing is dropped. Every rank's T, row shape and refusal are agreed on the
+        host first (``counts.agree_tokens``: a gloo all-gather, no host sync; a refusal or a
+        shape mismatch anywhere raises on every rank); when a rank has more than the bound,
+        every rank raises it to that T's bucket at this same call (``_grow_bound``; the buffer
+        grows with it), as V1's buffers grow.
 
         Worst-case: a rank may send at most ``W / R`` tokens. With checks on, the same agreement
-        makes every rank raise alike; with checks off a rank over it sends its first ``W / R``
+        makes every rank raise alike; with checks off (no collective: the rows' refusal is a
+        function of the shape the ranks must agree on) a rank over it sends its first ``W / R``
         tokens (its others combine to zero) and ``check_overflow`` raises: raising on that rank
         alone would leave its peers inside DeepEP's collective (audit-3 N7, as on V2)."""
         M, R = self.max_tokens, self.num_ranks
-        if not self.worst_case:
-            self._grow_bound(max(agree_tokens(T, shape, self.group, name="ep token count")))
-            return T
-        if checks_enabled(self.checks):
-            counts = agree_tokens(T, shape, self.group, name="ep token count")
+        if not self.worst_case or checks_enabled(self.checks):
+            counts = agree_tokens(T, shape, self.group, refusal=refusal, name="ep token count")
+            if not self.worst_case:
+                self._grow_bound(max(counts))
+                return T
             worst = max(range(R), key=counts.__getitem__)
             if counts[worst] > M:
                 W = self.num_worst_tokens
                 raise ValueError(tokens_message(worst, counts[worst], M=M, R=R, W=W))
             return T
+        if refusal is not None:
+            raise ValueError(refusal)
         if T > M:
             self._need_tokens = max(self._need_tokens, T)
             return M
@@ -356,9 +362,29 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         T, X = x.shape
         k = topk_idx.shape[1]
         sizing.check_topk(k, "DeepEP 2.5 kernels")
+        packs = 0 if scales is None else scales.shape[1]
+        if scales is not None:  # NOTE: X fp8 bytes; the backward's gradient is bf16
+            hidden, elem, grad_elem = X, 1, 2
+        else:
+            mult = self._dispatch_cols(wire.wire_width, k, x.device)
+            hidden = pad(wire.wire_width, mult)
+            elem, grad_elem = 2, max(x.element_size(), 2)
+        # NOTE: audit-4 P10 / EV5 / EV6: refused before any kernel, alike on every rank
+        why = row_refusal(
+            self.hybrid,
+            self.num_ranks,
+            self.num_experts,
+            X=X,
+            hidden=hidden,
+            elem=elem,
+            packs=packs,
+            k=k,
+            grad_elem=grad_elem,
+            device=x.device,
+        )
         if not self.worst_case:
             refusals.check_dropless_capture("DeepEP 2.5")
-        sent = self._check_tokens(T, (X, k, x.dtype))
+        sent = self._check_tokens(T, (X, k, x.dtype), why)
         if sent < T:  # NOTE: worst-case, checks off, over W / R: the first ones (_check_tokens)
             x, topk_idx, topk_probs = x[:sent], topk_idx[:sent], topk_probs[:sent]
             scales = None if scales is None else scales[:sent]
@@ -366,22 +392,10 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         idx = guard_ids(topk_idx.to(torch.int64), self.num_experts, raise_now=raise_now)
         if scales is not None:
             send: Any = (x.contiguous(), scales.contiguous())
-            hidden, row = X, dispatch_row_bytes(X, scales.shape[1], k)
+            row = dispatch_row_bytes(X, packs, k)
         else:
-            w = wire.send(x)
-            w = sizing.pad_cols(w, self._dispatch_cols(w.shape[1], k, x.device))
-            send, hidden, row = w, w.shape[1], dispatch_row_bytes(2 * w.shape[1], 0, k)
-        check_rows(  # NOTE: audit-4 P10 / EV5 / EV6: refused before any kernel
-            self.hybrid,
-            self.num_ranks,
-            self.num_experts,
-            X=X,
-            hidden=hidden,
-            elem=1 if scales is not None else 2,
-            packs=0 if scales is None else scales.shape[1],
-            k=k,
-            device=x.device,
-        )
+            send = sizing.pad_cols(wire.send(x), mult)
+            row = dispatch_row_bytes(2 * hidden, 0, k)
         # NOTE: sized for the combine of these rows too (bf16, padded to 256 columns)
         buffer = self._buffer(max(hidden, -(-X // _COMBINE_COLS) * _COMBINE_COLS), k)
         sms = self._sms(k)
@@ -612,6 +626,11 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         wire = sizing.WireFormat.of(x.dtype, x.shape[1])
         w = wire.send(x)
         w = sizing.pad_cols(w, self._dispatch_cols(w.shape[1], state.topk, x.device))
+        if not self.hybrid:  # NOTE: a gradient wider than the dispatch foresaw (P10)
+            R, E, k = self.num_ranks, self.num_experts, state.topk
+            why = cached_refusal(R, E, row_bytes=2 * w.shape[1], k=k, device=x.device)
+            if why is not None:
+                raise ValueError(why)
         buffer = self._buffer(max(w.shape[1], _COMBINE_COLS), state.topk)
         fp8 = state.recv_scales is not None
         packs = state.recv_scales.shape[1] if state.recv_scales is not None else 0

@@ -141,12 +141,23 @@ def direct_thread_rule(
     smem: int = EP_DEVICE_SMEM,
 ) -> str | None:
     """Why DeepEP 2.5's direct mode cannot dispatch these rows on R ranks (its kernel needs a
-    thread per rank: ``kNumThreads >= kNumRanks``, include/deep_ep/impls/ep/dispatch.cuh:402),
-    checking the forward kernel and the cached one of the backward (``backward_row_bytes``
-    rows); None when it can."""
+    thread per rank: ``kNumThreads >= kNumRanks``, include/deep_ep/impls/ep/dispatch.cuh:402,
+    and at least one dispatch warp: with none, rows too wide for shared memory, no token is ever
+    sent, dispatch.cuh:278), checking the forward kernel and the cached one of the backward
+    (``backward_row_bytes`` rows); None when it can."""
     R, E = num_ranks, num_experts
     forward, _ = direct_threads(R, E, row_bytes, scale_packs, topk, smem)
     _, cached = direct_threads(R, E, backward_row_bytes, 0, topk, smem)
+    for threads, wide, kernel in (
+        (forward - 32 * _NOTIFY_WARPS, row_bytes, "dispatch"),
+        (cached, backward_row_bytes, "cached dispatch (the backward)"),
+    ):
+        if threads <= 0:
+            return (
+                f"DeepEP 2.5's direct-mode {kernel} kernel fits no {wide}-byte row in {smem} "
+                f"bytes of shared memory (it would have no dispatch warp, dispatch.cuh:278): "
+                f"dispatch narrower rows (split the hidden size) or use hybrid mode"
+            )
     if min(forward, cached) >= R:
         return None
     return (

@@ -382,6 +382,7 @@ class EPRuntime:
             warps = lay.dispatch_warps(R, E, H * elem, packs, k, cached)
             threads = ((0 if cached else lay.NOTIFY_WARPS) + warps) * 32
             _h(threads >= R, "ep.dispatch_threads", f"R={R} > {threads} threads")
+            limits.device_trap(warps > 0, "ep.dispatch_no_warps", REL, f"{H * elem}-byte rows")
             template: tuple = (d.nvlink, do_cpu_sync, cached, num_sms, warps, U)
         else:
             _h(N <= 32, "ep.hybrid_scaleout", f"{N} scale-out ranks")
