@@ -139,16 +139,25 @@ class PendingDispatch:
     ``wait()`` returns its ``ExpandedDispatchResult`` (``DispatchResult`` from
     ``dispatch_start``) (once). Between the two, the caller may run
     work that does not need the received rows (a layer's shared experts): on DeepEP 2.5 the rows
-    are still moving then (``defer_epilogue``); other backends finished at the start.
+    are still moving then (``defer_epilogue``); other backends finished at the start. ``ready``,
+    when given, runs first and may refuse the wait now (DeepEP 2.5: inside a CUDA-graph capture
+    the dispatch was not launched in); a refused wait can be called again later.
     """
 
-    def __init__(self, finish: Callable[[], ExpandedDispatchResult]) -> None:
+    def __init__(
+        self,
+        finish: Callable[[], ExpandedDispatchResult],
+        ready: Callable[[], None] | None = None,
+    ) -> None:
         self._finish: Callable[[], ExpandedDispatchResult] | None = finish
+        self._ready = ready
 
     def wait(self) -> ExpandedDispatchResult:
         """The dispatch's result (differentiable in ``x`` and ``topk_probs`` as ever)."""
         if self._finish is None:
             raise RuntimeError("PendingDispatch.wait() was already called")
+        if self._ready is not None:
+            self._ready()
         finish, self._finish = self._finish, None
         return finish()
 

@@ -495,7 +495,9 @@ class FlexDispatcher:
                 recv_x=recv_x, recv_probs=recv_probs, tokens_per_expert=counts, handle=handle
             )
 
-        return PendingDispatch(finish)
+        check = getattr(self._backend, "check_finish", None)
+        ready = None if pending is None or check is None else (lambda: check(pending))
+        return PendingDispatch(finish, ready)
 
     @guarded("FlexDispatcher.combine")
     def combine(

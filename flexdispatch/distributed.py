@@ -22,6 +22,7 @@ import json
 import math
 import os
 import socket
+import threading
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -38,6 +39,7 @@ __all__ = [
     "group_size",
     "group_rank",
     "collective_device",
+    "host_group",
     "resolve_ranks_per_node",
     "cut_to_hosts",
     "host_id",
@@ -135,6 +137,43 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
         if "nccl" in backend:
             return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+_HOST_GROUPS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+_HOST_GROUPS_LOCK = threading.Lock()
+
+
+def _runs_on_host(group: dist.ProcessGroup | None) -> bool:
+    return collective_device(group).type == "cpu"
+
+
+def host_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
+    """A process group of ``group``'s ranks whose collectives take CPU tensors: for agreeing on
+    a few host ints (token counts, a "fits" flag) without a device collective, whose host read
+    would wait for the device stream (a host sync on CUDA).
+
+    ``group`` itself when its collectives run on the CPU already (gloo, a world of one). For an
+    NCCL group, a gloo group of the same ranks, created at the first call and kept for the
+    process (one per group): every rank of ``group`` makes that first call at the same point of
+    its sequence of collectives (a dispatch is collective), and only they take part
+    (``new_group(use_local_synchronization=True)``: the other ranks of the world need not call).
+
+    Raises:
+        CollectiveError: the gloo group could not be created (a peer failed, the timeout passed).
+    """
+    if not is_distributed(group) or _runs_on_host(group):
+        return group
+    pg = group if group is not None else dist.group.WORLD
+    with _HOST_GROUPS_LOCK:
+        known = _HOST_GROUPS.get(id(pg))
+        if known is not None and known[0] is pg:
+            return known[1]
+        with collective_guard("new_group (gloo, host ints of the group)", group):
+            side = dist.new_group(
+                dist.get_process_group_ranks(pg), backend="gloo", use_local_synchronization=True
+            )
+        _HOST_GROUPS[id(pg)] = (pg, side)
+        return side
 
 
 def resolve_ranks_per_node(configured: int | None, num_ranks: int) -> tuple[int, str]:

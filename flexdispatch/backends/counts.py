@@ -17,9 +17,9 @@ import torch.distributed as dist
 from flexdispatch._validate import is_capturing
 from flexdispatch.distributed import (
     all_gather_int64,
-    collective_device,
     collective_guard,
     group_size,
+    host_group,
     is_distributed,
     start_gather_int64,
 )
@@ -28,8 +28,8 @@ __all__ = [
     "DTYPE_CODES",
     "check_agreement",
     "count_vector",
+    "agree_tokens",
     "exchange_counts",
-    "gather_token_rows",
     "recv_pairs",
     "start_exchange",
 ]
@@ -81,21 +81,44 @@ def exchange_counts(
     return G
 
 
-def gather_token_rows(
+def agree_tokens(
     T: int,
-    shape: tuple[int, int, torch.dtype] | None,
+    shape: tuple[int, int, torch.dtype],
     group: dist.ProcessGroup | None,
     *,
+    refusal: str | None = None,
     name: str,
-) -> list[list[int]]:
-    """Every rank's token count T, and with ``shape`` = ``(X, k, dtype)`` its row shape, on the
-    host: ``[R]`` rows ``[T]`` or ``[T, X, k, dtype code]``. One all-gather of a 1- or 4-element
-    int64 vector built by fills (no host-to-device copy) and one host read (a host sync on
-    CUDA); ``name`` names the collective in a ``CollectiveError``."""
-    dev = collective_device(group)
-    vals = [T] if shape is None else [T, shape[0], shape[1], DTYPE_CODES.get(shape[2], -1)]
-    mine = torch.stack([torch.full((), v, dtype=torch.int64, device=dev) for v in vals])
-    return all_gather_int64(mine, group, name=name).tolist()
+) -> list[int]:
+    """Every rank's token count T, agreed on the host (a dropless DeepEP V2 / V2.5 bound, or a
+    worst-case check), with its row shape ``(X, k, dtype)`` and whether it refuses its rows: one
+    all-gather of the same five ints ``[T, X, k, dtype code, refused]`` on every rank, whatever
+    its checks setting, as a CPU tensor over ``host_group(group)`` (gloo): no device collective,
+    so no host sync on CUDA.
+
+    Args:
+        refusal: why this rank cannot send its rows (a backend's limit), or None.
+
+    Returns:
+        ``[R]`` token counts, rank-major.
+
+    Raises:
+        ValueError: on every rank alike, when the ranks' row shapes differ (``check_agreement``)
+            or a rank refuses its rows (that rank raises its reason, the others name it).
+        CollectiveError: ``name``'s all-gather failed (a peer failed or timed out).
+    """
+    vals = [T, shape[0], shape[1], DTYPE_CODES.get(shape[2], -1), int(refusal is not None)]
+    rows = all_gather_int64(torch.tensor(vals, dtype=torch.int64), host_group(group), name=name)
+    got = rows.tolist()
+    check_agreement([r[1:4] for r in got], num_ranks=0, num_nodes=0)
+    refused = [r for r, row in enumerate(got) if row[4]]
+    if refusal is not None:
+        raise ValueError(refusal)
+    if refused:
+        raise ValueError(
+            f"rank(s) {', '.join(map(str, refused))} cannot send these rows (their error names "
+            f"the limit), so every rank raises before any row moves"
+        )
+    return [r[0] for r in got]
 
 
 EXCHANGE_NAME = "all_gather (dispatch count exchange)"

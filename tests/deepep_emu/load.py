@@ -191,5 +191,6 @@ def load_deep_ep(nvl_peers: int = 8, release: str = "2.1.0") -> types.ModuleType
         pkg.get_physical_domain_size = envs.get_physical_domain_size
         pkg.get_logical_domain_size = envs.get_logical_domain_size
         pkg.elastic = elastic
+        pkg.emu_nccl_properties = lambda: dict(runtime.emu_gin)
     _CACHE[key] = pkg
     return pkg

@@ -351,6 +351,14 @@ def capture_rules(rank: int, R: int) -> dict[str, Any]:
     except limits.DeepEPHostAssert as exc:
         out["emu"] = str(exc)
     d.close()
+    # a dropless dispatch (DeepEP waits on the CPU for its counts) is refused inside a capture,
+    # after a warm eager one (so nothing else would be refused): V1, V2, V2.5
+    for api, rel in (("legacy", "2.1.0"), ("elastic", "2.1.0"), ("ep", "2.5.0")):
+        cfg = DispatchConfig(backend="deepep", deepep_api=api)
+        dl = FlexDispatcher(cfg, num_experts=E, _deep_ep=_emu(R, R, rel))
+        dl.dispatch(x, idx, p)
+        out[f"dropless_{api}"] = captured(lambda dl=dl: dl.dispatch(x, idx, p))
+        dl.close()
     v1 = FlexDispatcher(DispatchConfig(backend="deepep", deepep_api="legacy"), num_experts=E,
                         _deep_ep=_emu(R, R, "2.1.0"))  # fmt: skip
     rows = torch.zeros(T, 48).to(torch.float8_e4m3fn)
@@ -372,3 +380,6 @@ def test_capture_rules_and_fp8_rows() -> None:
         assert "compile its dispatch kernel" in out["new_shape"], out["new_shape"]
         assert "elastic.jit_capture" in out["emu"], out["emu"]
         assert "multiple of 32" in out["fp8"] and "H=48" in out["fp8"], out["fp8"]
+        for api in ("legacy", "elastic", "ep"):
+            msg = out[f"dropless_{api}"]
+            assert msg.startswith("RuntimeError") and "dropless dispatch waits" in msg, msg

@@ -113,36 +113,54 @@ def probes(rank: int, out: dict[str, Any]) -> None:
 
 
 def gin_selection(rank: int, out: dict[str, Any]) -> None:
-    """P6 / EV3: no GIN on the (emulated) communicator: ``auto`` falls back naming it,
-    ``deepep_api='ep'`` refuses before any buffer, ``EP_DISABLE_GIN=1`` runs; the emulated
-    ``EPBuffer`` asserts as DeepEP's does."""
+    """P6 / EV3: no GIN on the (emulated) communicator: ``auto`` falls back past V2.5 and V2
+    (both assert NCCL's GIN type, V2 for R > 1: main:csrc/kernels/backend/nccl.cu:86-90) to V1,
+    naming it; ``deepep_api='ep'`` / ``'elastic'`` refuse before any buffer; ``EP_DISABLE_GIN``
+    (read as DeepEP's ``sscanf``: "2abc" is 2) runs; the emulated ``EPBuffer`` and
+    ``ElasticBuffer`` assert as DeepEP's do."""
     import torch.distributed as dist
 
     from flexdispatch import DispatchConfig, FlexDispatcher
 
     E = 16
     v25, v2 = _emu(4), _emu(4, "2.1.0")
-    v25.runtime.emu_gin["ginType"] = 0
+    v25.runtime.emu_gin["ginType"] = v2.runtime.emu_gin["ginType"] = 0
     both = {"deep_ep": v2, "deep_ep_v25": v25}
-    d = FlexDispatcher(DispatchConfig(num_worst_tokens=8), num_experts=E, _deep_ep=both)
-    out["p6_auto"] = (getattr(d.backend, "api", "legacy"), d.backend_reason)
-    d.close()
-    out["p6_ep"] = _raises(lambda: _ep(E, v25))
-    out["ev3_emulator"] = _raises(
-        lambda: v25.EPBuffer(
-            dist.group.WORLD, num_bytes=2 << 20, allow_hybrid_mode=False, explicitly_destroy=True
-        ).destroy(),
-        RuntimeError,
-    )
-    os.environ["EP_DISABLE_GIN"] = "1"
     try:
-        d = _ep(E, v25)
-        res = d.dispatch(torch.randn(2, 64), torch.tensor([[0, 5], [9, 14]]), torch.rand(2, 2))
-        out["p6_disabled"] = (d.backend_name, res.recv_x.shape[1])
+        d = FlexDispatcher(DispatchConfig(num_worst_tokens=8), num_experts=E, _deep_ep=both)
+        out["p6_auto"] = (getattr(d.backend, "api", "legacy"), d.backend_reason)
         d.close()
+        out["p6_ep"] = _raises(lambda: _ep(E, v25))
+        cfg = DispatchConfig(backend="deepep", deepep_api="elastic", num_worst_tokens=8)
+        out["p6_v2"] = _raises(lambda: FlexDispatcher(cfg, num_experts=E, _deep_ep=v2))
+        out["ev3_emulator"] = _raises(
+            lambda: v25.EPBuffer(
+                dist.group.WORLD,
+                num_bytes=2 << 20,
+                allow_hybrid_mode=False,
+                explicitly_destroy=True,
+            ).destroy(),
+            RuntimeError,
+        )
+        out["ev3_v2_emulator"] = _raises(
+            lambda: v2.ElasticBuffer(
+                dist.group.WORLD,
+                num_bytes=2 << 20,
+                allow_hybrid_mode=False,
+                explicitly_destroy=True,
+            ).destroy(),
+            RuntimeError,
+        )
+        os.environ["EP_DISABLE_GIN"] = "2abc"
+        try:
+            d = _ep(E, v25)
+            res = d.dispatch(torch.randn(2, 64), torch.tensor([[0, 5], [9, 14]]), torch.rand(2, 2))
+            out["p6_disabled"] = (d.backend_name, res.recv_x.shape[1])
+            d.close()
+        finally:
+            del os.environ["EP_DISABLE_GIN"]
     finally:
-        del os.environ["EP_DISABLE_GIN"]
-    v25.runtime.emu_gin["ginType"] = 3
+        v25.runtime.emu_gin["ginType"] = v2.runtime.emu_gin["ginType"] = 3
 
 
 def domain(rank: int, out: dict[str, Any]) -> None:
@@ -247,6 +265,10 @@ def decode(rank: int, out: dict[str, Any]) -> None:
     out["ev7_region"] = _raises(
         lambda: buf.low_latency_dispatch(torch.randn(n, H).bfloat16(), five, n, E), RuntimeError
     )
+    # ids < 0 are skipped by DeepEP's kernel (dst_expert_idx >= 0), not trapped: 2 pairs sent
+    below = torch.tensor([[-2, 1], [-5, -1], [3, -7], [-1, -1]])
+    _, count, *_ = buf.low_latency_dispatch(torch.randn(n, H).bfloat16(), below, n, E)
+    out["ev7_below"] = int(count.sum())
     ll.close()
 
 
@@ -332,10 +354,14 @@ def expect(name: str, outs: list[dict[str, Any]]) -> None:
             assert out["p5_sms"] == out["p5_model"] > out["p5_failed_model"] == 4, out
         elif name == "gin_selection":
             api, why = out["p6_auto"]
-            assert api == "elastic" and "ginType = NONE" in why and "EP_DISABLE_GIN=1" in why, why
-            assert "ginType = NONE" in out["p6_ep"] and "ValueError" in out["p6_ep"], out
+            assert api == "legacy" and "V2 cannot run: NCCL reports ginType = NONE" in why, why
+            assert "DeepEP 2.5 not used: NCCL reports ginType = NONE" in why, why
+            for key in ("p6_ep", "p6_v2"):
+                assert "ginType = NONE" in out[key] and "ValueError" in out[key], out
+                assert "EP_DISABLE_GIN=1" in out[key], out
             assert out["p6_disabled"] == ("deepep", 64), out
             assert "ep.gin_type" in out["ev3_emulator"], out
+            assert "elastic.gin_type" in out["ev3_v2_emulator"], out
         elif name == "domain":
             backend, why = out["p15_auto"]
             assert backend == "torch" and "L + e = 2 + 127" in why, why
@@ -358,6 +384,7 @@ def expect(name: str, outs: list[dict[str, Any]]) -> None:
             assert "ep.hybrid_combine_smem" in out["ev5_emulator"], out
     if name == "decode":  # the group still works: every (token, expert) pair arrived
         assert sum(out["p7_after"] for out in outs) == 4 * 2 * 2
+        assert sum(out["ev7_below"] for out in outs) == 4 * 2
 
 
 @pytest.mark.dist

@@ -228,12 +228,19 @@ def selection_worker(rank: int, R: int) -> dict[str, Any]:
     out["over_w"] = over(d)
     out["over_w_T"] = mine.x.shape[0]
     d.close()
+    # rank 0 under M = 2, the others over it: every rank grows to the largest T's bucket (a rank
+    # grown alone would leave the ranks on different M, which DeepEP's kernels trap on)
     d = _make(R, R, num_max_dispatch_tokens_per_rank=2)
+    under = [
+        type(i)(i.x[:2], i.idx[:2], i.probs[:2]) if r == 0 else i for r, i in enumerate(inputs)
+    ]
+    mine = under[rank]
     res = d.dispatch(mine.x, mine.idx, mine.probs)
-    out["over_m_rows"] = bool(torch.equal(res.recv_x, ref_dispatch(inputs, rank, E).x))
+    out["over_m_rows"] = bool(torch.equal(res.recv_x, ref_dispatch(under, rank, E).x))
     out["over_m_bound"] = d.backend.num_max_tokens_per_rank
     out["over_m"] = _raises(d.check_overflow)
     d.close()
+    mine = inputs[rank]
     out["odd_w"] = _raises(lambda: _make(R, R, 2 * R + 1))
     # checks on: only the last rank is over W / R, and every rank raises naming it
     W = R * inputs[0].x.shape[0]

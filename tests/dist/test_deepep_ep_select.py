@@ -345,17 +345,28 @@ def overlap_hazards(rank: int, R: int) -> dict[str, str]:
 
 def beyond_the_bound(rank: int, R: int) -> dict[str, Any]:
     """Audit-4 P3: dropless V2 (``elastic``) and V2.5 (``ep``, and ``auto`` where only DeepEP 2.5
-    imports) with checks off, the default bound (128) and more tokens than it on every rank
-    (rank 1 the most): every token comes back, forward and gradient, with nothing to report.
+    imports), the default bound (128), rank 0 under it (T = 50) and rank 1 over it (T = 140):
+    every rank grows to rank 1's bucket (256; a rank grown alone to its own T would leave the
+    ranks on different bounds, which DeepEP's kernels trap on), and every token comes back,
+    forward and gradient, with nothing to report. Rank 0 runs with FLEXDISPATCH_CHECKS=1 and
+    rank 1 without (a per-process setting: both agree the same four ints), and the agreement runs
+    over the group's host (gloo) side group, as on an NCCL group (created once).
 
     Identities that need no reference: combine of ``recv_x * recv_topk_probs.sum(1)`` (expanded:
     ``recv_x * recv_probs``) is ``x[t] * probs[t].sum()``; with ``g`` the output's gradient,
     ``x.grad[t] = g[t] * probs[t].sum()`` and ``probs.grad[t, j] = (g[t] * x[t]).sum()``."""
-    from flexdispatch import DispatchConfig, FlexDispatcher
+    import os
+
+    import torch.distributed as dist
+
+    from flexdispatch import DispatchConfig, FlexDispatcher, distributed
 
     E, k, H = 4 * R, 2, 2  # NOTE: fp32 rows this narrow are combined exactly, one per column
     v25, v2, _ = _emus(R)
-    T = 130 + 10 * rank  # > 128 on every rank: bucket 256
+    T = 50 if rank == 0 else 140  # rank 0 under the default bound 128, rank 1 over it
+    if rank == 0:
+        os.environ["FLEXDISPATCH_CHECKS"] = "1"
+    distributed._runs_on_host = lambda group: False  # type: ignore[attr-defined]  # as NCCL
     g = torch.Generator().manual_seed(rank + 7)
     x0 = torch.randn(T, H, generator=g)
     idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
@@ -399,6 +410,115 @@ def beyond_the_bound(rank: int, R: int) -> dict[str, Any]:
             "overflow": _raises(d.check_overflow),
         }
         d.close()
+    os.environ.pop("FLEXDISPATCH_CHECKS", None)
+    sides = [side for pg, side in distributed._HOST_GROUPS.values()]
+    out["host_groups"] = [dist.get_backend(side) for side in sides if side is not dist.group.WORLD]
+    return out
+
+
+def capture_epilogue(rank: int, R: int) -> dict[str, str]:
+    """A worst-case ``dispatch_expanded_start`` launched eagerly, then a CUDA-graph capture
+    (emulated) begins before its ``wait()``: a dispatch on the same buffer, or the ``wait()``,
+    inside the capture raises (its epilogue would only be recorded into the graph, never run);
+    after the capture the ``wait()`` gives the eager rows."""
+    from flexdispatch import DispatchConfig, FlexDispatcher
+    from flexdispatch.backends.deepep import ep_buffer
+    from tests.deepep_emu.runtime import ep as emu_ep
+
+    E = E_PER_RANK * R
+    v25 = _emus(R)[0]
+    mine = all_inputs(23, R=R, E=E, k=K, H=H)[rank]
+    T = 9  # NOTE: more than any rank's tokens (5 + 2 * rank)
+    cfg = DispatchConfig(backend="deepep", deepep_api="ep", num_worst_tokens=R * T)
+    d = FlexDispatcher(cfg, num_experts=E, _deep_ep=v25)
+    emu_ep.ATOMIC_ORDER = False  # NOTE: rows in arrival order, so eager and overlapped compare
+    out: dict[str, str] = {}
+    real = ep_buffer.is_capturing
+    try:
+        d.warmup(H, K, dtype=mine.x.dtype, expanded=True)
+        want = d.dispatch_expanded(mine.x, mine.idx, mine.probs)
+        p = d.dispatch_expanded_start(mine.x, mine.idx, mine.probs)
+        ep_buffer.is_capturing = lambda: True
+        with v25.runtime.emu_capture():
+            out["dispatch"] = _raises(
+                lambda: d.dispatch_expanded(mine.x, mine.idx, mine.probs), RuntimeError
+            )
+            out["wait"] = _raises(p.wait, RuntimeError)
+        ep_buffer.is_capturing = real
+        got = p.wait()
+        out["after"] = "" if torch.equal(got.recv_x, want.recv_x) else "rows differ"
+    finally:
+        ep_buffer.is_capturing = real
+        emu_ep.ATOMIC_ORDER = True
+        d.close()
+    return out
+
+
+def agreed_rows(rank: int, R: int) -> dict[str, str]:
+    """A row refusal that holds on one rank only (rank 1's device has too little shared memory
+    for one dispatch warp): every rank raises before any kernel, rank 1 with DeepEP's limit, rank
+    0 naming rank 1, dropless and worst-case with checks (before: rank 1 alone, its peer left in
+    the dispatch)."""
+    from flexdispatch import DispatchConfig, FlexDispatcher
+    from flexdispatch.backends.deepep import ep_layout
+
+    E = E_PER_RANK * R
+    v25 = _emus(R)[0]
+    mine = all_inputs(24, R=R, E=E, k=K, H=H)[rank]
+    real = ep_layout.device_smem
+    ep_layout.device_smem = lambda device: 64 if rank == 1 else real(device)  # restored by the pool
+    out: dict[str, str] = {}
+    for name, W, checks in (("dropless", 0, False), ("worst", 16 * R, True)):
+        cfg = DispatchConfig(backend="deepep", deepep_api="ep", num_worst_tokens=W, checks=checks)
+        d = FlexDispatcher(cfg, num_experts=E, _deep_ep=v25)
+        out[name] = _raises(lambda d=d: d.dispatch(mine.x, mine.idx, mine.probs))
+        d.close()
+    return out
+
+
+def growth_fits(rank: int, R: int) -> dict[str, Any]:
+    """A dropless bound that grows past what one rank's memory holds (rank 1's memory model, for
+    DeepEP's buffers, says 1.5 times the first buffer): every rank raises at the same call,
+    naming the rank, T, M, the bytes and the setting, instead of rank 1 failing its allocation
+    inside the collective rebuild while its peer waits; afterwards the old bound serves a small
+    batch again."""
+    from flexdispatch import DispatchConfig, FlexDispatcher, _limits
+
+    E, k, H = 4 * R, 2, 1024  # NOTE: wide enough that 1024 tokens outgrow the 2 MiB first build
+    v25, v2, _ = _emus(R)
+    real = _limits.refusal
+    room = [0]
+
+    def refusal(what: str, *args: Any, **kw: Any) -> str | None:
+        if rank != 1 or not room[0] or not what.startswith("DeepEP"):
+            return real(what, *args, **kw)
+        saved = _limits.SMALL_BYTES, _limits.available_bytes
+        _limits.SMALL_BYTES, _limits.available_bytes = 0, lambda dev=None: (room[0], "test")
+        try:
+            return real(what, *args, **kw)
+        finally:
+            _limits.SMALL_BYTES, _limits.available_bytes = saved
+
+    _limits.refusal = refusal  # NOTE: the pool puts it back after the call
+    out: dict[str, Any] = {}
+    for api, hook in (("ep", v25), ("elastic", v2)):
+        cfg = DispatchConfig(backend="deepep", deepep_api=api, checks=False)
+        d = FlexDispatcher(cfg, num_experts=E, _deep_ep=hook)
+
+        def step(T: int, d: Any = d) -> None:
+            idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+            res = d.dispatch(torch.randn(T, H), idx, torch.rand(T, k))
+            d.combine(res.recv_x, res.handle)
+
+        step(50)  # built for the default bound (128)
+        room[0] = int(1.5 * d.backend._shared.num_bytes / _limits.SHARE)
+        T = 600 if rank == 1 else 50  # bucket 1024 on every rank: about 5 times the bytes
+        out[api] = _raises(lambda T=T, step=step: step(T))
+        out[f"{api}_after"] = (
+            _raises(lambda step=step: step(50)) or d.backend.num_max_tokens_per_rank
+        )
+        room[0] = 0
+        d.close()
     return out
 
 
@@ -411,6 +531,9 @@ def worker(rank: int, R: int) -> dict[str, Any]:
         "features": features(rank, R),
         "overlap": overlap_hazards(rank, R),
         "beyond": beyond_the_bound(rank, R),
+        "fits": growth_fits(rank, R),
+        "capture": capture_epilogue(rank, R),
+        "rows": agreed_rows(rank, R),
     }
 
 
@@ -443,11 +566,26 @@ def test_ep_selection_refusals_jit_and_features() -> None:
         assert "direct mode over 2 nodes" in s["hybrid_auto"][1], s["hybrid_auto"]
         assert "hybrid mode over 2 nodes" in s["hybrid_small"][1], s["hybrid_small"]
 
+        assert out["beyond"].pop("host_groups") == ["gloo"], out["beyond"]  # created once
         for name, b in out["beyond"].items():  # P3: more tokens than the default bound
             assert b["api"] == ("elastic" if name == "elastic" else "ep"), (name, b)
             assert b["err"] < 1e-4 and b["overflow"] == "", (name, b)
             assert b["bound"] == 256, (name, b)  # bucket(140), grown on every rank
         assert "grown to the largest T" in out["beyond"]["auto_v25_only"]["reason"], out
+        for api in ("ep", "elastic"):  # every rank raises, naming rank 1, T, M and the bytes
+            msg = out["fits"][api]
+            assert "num_max_dispatch_tokens_per_rank=1024" in msg and "rank(s) 1" in msg, msg
+            assert "largest T a rank dispatched 600" in msg, msg
+            assert "10485760 bytes in all for M=1024" in msg, msg
+            assert "DispatchConfig.num_max_dispatch_tokens_per_rank" in msg, msg
+            assert out["fits"][f"{api}_after"] == 128, out["fits"]  # the old bound serves again
+        for name, msg in out["rows"].items():  # one rank's row refusal, raised on every rank
+            want = "no dispatch warp" if rank == 1 else "rank(s) 1 cannot send these rows"
+            assert want in msg, (name, msg)
+        c = out["capture"]  # a deferred epilogue never recorded into a capture (refused)
+        for key in ("dispatch", "wait"):
+            assert "outside this CUDA-graph capture" in c[key] and ".wait()" in c[key], c
+        assert c["after"] == "", c
         bad = {case: why for case, why in out["overlap"].items() if why}
         assert len(out["overlap"]) == 12 and not bad, bad
 

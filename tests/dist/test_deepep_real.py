@@ -184,7 +184,10 @@ def collectives_worker(rank: int, R: int, L: int) -> dict[str, Any]:
     out["kernels"] = dict(deep_ep._C.emu_counters())
     if L == R:
         W = 16 * R
-        out["worst"] = one_step(_dispatcher(deep_ep, E, ranks_per_node=L, num_worst_tokens=W))
+        worst = _dispatcher(deep_ep, E, ranks_per_node=L, num_worst_tokens=W)
+        # NOTE: its first step builds V2's buffer, after one gloo all-gather agreeing it fits
+        out["worst_build"] = one_step(worst)
+        out["worst"] = one_step(worst)
     out["checks"] = one_step(_dispatcher(deep_ep, E, ranks_per_node=L, checks=True))
     return out
 
@@ -197,6 +200,7 @@ def test_layout_kernel_and_no_extra_collectives(R: int, L: int) -> None:
         assert all(out["layout"]), out
         assert out["dropless"] == 0, out  # nothing beyond DeepEP's own kernels
         assert out.get("worst", 0) == 0, out
+        assert out.get("worst_build", 1) == 1, out  # the buffer build's "fits" agreement
         assert out["checks"] == 1, out  # checks on: the one agreement all-gather
         # DeepEP's own work per dispatch + combine: its layout kernel, one dispatch, one combine;
         # their collectives are the runtime's (notify + rows; rows back; internode: two hops)

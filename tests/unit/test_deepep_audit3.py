@@ -135,20 +135,17 @@ def test_int_max_buffer_bytes_refused_for_internode_normal_kernels() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_node_span_refuses_or_drops_past_eight_nodes() -> None:
+def test_node_span_refuses_past_eight_nodes() -> None:
     import torch
 
     from flexdispatch.backends.deepep import refusals
 
     N, E = 16, 16 * 4  # 4 experts per node
     idx = torch.tensor([[4 * n for n in range(10)], [0, 1, 2, 3, 4, 5, 6, 7, 8, -1]])
+    assert refusals.node_spans(idx, E, N).tolist() == [10, 3]
     with pytest.raises(ValueError, match=r"token 0 has experts on 10 nodes.*at most 8 nodes"):
-        refusals.node_span(idx, E, N, raise_now=True)
-    got, span = refusals.node_span(idx, E, N, raise_now=False)
-    assert int(span) == 10
-    assert got[0].tolist() == [4 * n for n in range(8)] + [-1, -1]  # the first 8 nodes kept
-    assert torch.equal(got[1], idx[1])  # 3 nodes: unchanged
-    refusals.node_span(idx[1:], E, N, raise_now=True)  # fine
+        refusals.agree_node_span(idx, E, N, group=None, rank=0)
+    assert refusals.agree_node_span(idx[1:], E, N, group=None, rank=0) == 0  # fine, no sync
 
 
 @pytest.mark.timeout(60)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import types
 
 import pytest
+import torch
 
 from flexdispatch import DispatchConfig
 from flexdispatch.backends.deepep import ep_links, gin
@@ -64,6 +65,24 @@ def test_direct_mode_thread_rule_refuses_before_the_backward() -> None:
         576, 1152, row_bytes=7168, scale_packs=56, topk=8, backward_row_bytes=14336
     )
     assert why and "backward" in why, why  # fp8 forward fits, its bf16 backward does not
+
+
+def test_row_refusal_takes_the_gradients_width_and_any_rank_count() -> None:
+    """P10 follow-up: the backward's gradient travels as its own bit view, so an fp32 one is
+    twice a bf16 one (fp32 H = 7168, k = 8: 352 forward threads, 256 cached; a bf16-width guess
+    said 512 and passed R = 300); rows too wide for one dispatch warp are refused at any R (the
+    forward keeps its 128 notify threads but sends nothing; the emulated kernel traps)."""
+    from flexdispatch.backends.deepep.ep_layout import row_refusal
+
+    cpu = torch.device("cpu")
+    kw = {"X": 7168, "hidden": 14336, "elem": 2, "packs": 0, "k": 8, "device": cpu}
+    why = row_refusal(False, 300, 300, grad_elem=4, **kw)
+    assert why and "256" in why and "352" in why and "R=300" in why, why
+    assert row_refusal(False, 300, 300, grad_elem=2, **kw) is None  # a bf16 gradient fits
+    wide = {"X": 120000, "hidden": 120000, "elem": 2, "packs": 0, "k": 2, "device": cpu}
+    why = row_refusal(False, 8, 8, grad_elem=2, **wide)
+    assert why and "no dispatch warp" in why and "240000-byte" in why, why
+    assert emu.dispatch_warps(8, 8, 240000, 0, 2, False) == 0  # the emulator's kernel: none
 
 
 def test_hybrid_row_rule_is_the_emulated_channel_count() -> None:
@@ -129,13 +148,14 @@ def test_failed_probes_take_documented_defaults_and_never_win() -> None:
 
 
 def test_gin_rule_follows_deepep() -> None:
-    """P6: V2.5 asserts the (railed, in hybrid mode) GIN type and GDAKI; V2 the GIN type for
-    R > 1; ``EP_DISABLE_GIN`` (a non-zero integer) waives both; unknown does not refuse."""
+    """P6: V2.5 asserts the (railed, in hybrid mode) GIN type (its GDAKI assert is left to
+    DeepEP: that field's offset is not verified); V2 the GIN type for R > 1; ``EP_DISABLE_GIN``
+    (a non-zero integer) waives both; unknown does not refuse."""
     none = {"ginType": 0, "railedGinType": 3, "gdaki": True}
     assert not gin.gin_rule(none, hybrid=False, generation="v25")[0]
     assert gin.gin_rule(none, hybrid=True, generation="v25")[0]
     no_gdaki = {"ginType": 2, "railedGinType": 2, "gdaki": False}
-    assert not gin.gin_rule(no_gdaki, hybrid=False, generation="v25")[0]
+    assert gin.gin_rule(no_gdaki, hybrid=False, generation="v25")[0]
     assert gin.gin_rule(no_gdaki, hybrid=False, generation="v2")[0]
     fake = types.SimpleNamespace(emu_nccl_properties=lambda: dict(none))
     ok, why = gin.gin_support(fake, None, hybrid=False, generation="v25", num_ranks=8, env={})

@@ -36,6 +36,7 @@ from typing import Any
 import torch.distributed as dist
 
 from flexdispatch.backends.deepep import refusals, sizing
+from flexdispatch.distributed import collective_device
 
 __all__ = [
     "ElasticSize",
@@ -220,8 +221,14 @@ class SharedElasticBuffer:
     num_bytes: int = 0
     allocations: int = 0
 
-    def ensure(self, need: ElasticSize) -> Any:
-        """The live buffer, (re)built collectively when ``need`` needs more bytes."""
+    def ensure(self, need: ElasticSize, *, tokens: int = 0, worst: int = 0) -> Any:
+        """The live buffer, (re)built collectively when ``need`` needs more bytes, after every
+        rank agreed that the new size fits (``refusals.agree_buffer_fits``; ``tokens``: the
+        largest T a rank dispatched, ``worst``: W, for its message).
+
+        Raises:
+            ValueError: on every rank, the new buffer does not fit on some rank.
+        """
         new = need if self.size is None else self.size.union(need)
         if self.buffer is not None and new == self.size:
             return self.buffer
@@ -235,12 +242,23 @@ class SharedElasticBuffer:
             False,  # allow_hybrid_mode: direct mode
             True,  # allow_multiple_reduction
         )
-        self.size = new
         if self.buffer is not None and num_bytes <= self.num_bytes:
+            self.size = new
             return self.buffer
         refusals.check_no_capture(
             f"DeepEP's ElasticBuffer would be {'created' if self.buffer is None else 'grown'} "
             f"({num_bytes} bytes)"
+        )
+        refusals.agree_buffer_fits(
+            self.group,
+            "DeepEP V2 ElasticBuffer",
+            num_bytes=num_bytes,
+            held=self.num_bytes,
+            M=new.num_max_tokens_per_rank,
+            tokens=tokens,
+            worst=worst,
+            shape=f"H={new.hidden} bf16 columns, k={new.num_topk}",
+            device=collective_device(self.group),
         )
         self._destroy()
         self.buffer = cls(
@@ -253,7 +271,7 @@ class SharedElasticBuffer:
             allow_multiple_reduction=True,
             explicitly_destroy=True,
         )
-        self.num_bytes = num_bytes
+        self.size, self.num_bytes = new, num_bytes
         self.allocations += 1
         return self.buffer
 

@@ -23,10 +23,11 @@ Selected with ``DispatchConfig.deepep_api="elastic"``, and by ``"auto"`` where e
   combine kernel's rule). fp8 ``(x, scales)`` tuples pass through.
 - **Dropless** (``num_worst_tokens=0``): ``do_cpu_sync=True`` with
   ``M = DispatchConfig.num_max_dispatch_tokens_per_rank`` at first, a bound every rank shares (the
-  buffer is sized for it). Every token is sent (audit-4 P3): one small all-gather of every
-  rank's T comes first, and when a rank has more than M every rank raises M to that T's bucket
-  (``ep_support.token_bucket``; the buffer grows with it). Two host syncs (counted): that
-  agreement and DeepEP's CPU wait for the counts.
+  buffer is sized for it). Every token is sent (audit-4 P3): every rank's T is agreed on the
+  host first (four ints over a gloo group of the same ranks: no device collective, no host
+  sync), and when a rank has more than M every rank raises M to that T's bucket
+  (``ep_support.token_bucket``; the buffer grows with it). One host sync (counted): DeepEP's CPU
+  wait for the counts. Not capturable (refused inside a CUDA graph).
 - **Worst-case** (``num_worst_tokens = W``, W a multiple of R): ``do_cpu_sync=False`` with
   ``M = W / R``: DeepEP returns ``R * M = W`` rows, the first ones equal to the dropless rows; the
   real row count is ``psum_num_recv_tokens_per_scaleup_rank[-1]`` on the device, from which the
@@ -50,9 +51,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexdispatch._validate import checks_enabled, is_capturing
+from flexdispatch._validate import checks_enabled
 from flexdispatch.backends.base import Capability, DispatchBackend
-from flexdispatch.backends.counts import check_agreement, gather_token_rows
+from flexdispatch.backends.counts import agree_tokens
 from flexdispatch.backends.deepep import buffer as deepep_buffer
 from flexdispatch.backends.deepep import refusals, sizing
 from flexdispatch.backends.deepep.counters import TrafficCounters
@@ -61,7 +62,7 @@ from flexdispatch.backends.deepep.elastic_combine import (
     ElasticCombineMixin,
     ElasticDispatchState,
 )
-from flexdispatch.backends.deepep.ep_support import agree_dropless_bound, token_bucket
+from flexdispatch.backends.deepep.ep_support import token_bucket
 from flexdispatch.backends.deepep.support import load_deep_ep, nvl_peers
 from flexdispatch.distributed import collective_device, group_rank, group_size
 from flexdispatch.types import (
@@ -126,9 +127,9 @@ class DeepEPElasticBackend(ElasticCombineMixin, DispatchBackend):
         ranks_per_node: L as launched.
         num_worst_tokens: W (0 = dropless), a multiple of R; intranode and internode.
         hierarchical: accepted; DeepEP routes across nodes itself.
-        checks: one small all-gather of every rank's token count and row shape (H, k, dtype)
-            before the dispatch, so that a rank over M, or ranks that disagree on the shape, make
-            every rank raise.
+        checks: in worst-case mode, every rank's token count and row shape (H, k, dtype) agreed
+            on the host before the dispatch, so that a rank over M, or ranks that disagree on the
+            shape, make every rank raise (dropless mode always agrees them).
         stats: counters to add to.
         num_sms: SMs per kernel (default 20), passed explicitly to every call.
         num_max_tokens_per_rank: M for dropless dispatch, shared by every rank (the first one: it
@@ -195,6 +196,8 @@ class DeepEPElasticBackend(ElasticCombineMixin, DispatchBackend):
         self._shared = deepep_buffer.acquire_elastic(module, self.group, id(self))
         self._traffic = TrafficCounters(collective_device(self.group))  # no host read in calls
         self._need_tokens = 0  # most tokens a rank had to dispatch, when over M (checks off)
+        self._peak_tokens = 0  # dropless: the largest T the ranks agreed on so far
+        self._grown_from: int | None = None  # M before a growth not yet built
         self._closed = False
 
     # ----------------------------------------------------------------- capabilities
@@ -294,60 +297,61 @@ class DeepEPElasticBackend(ElasticCombineMixin, DispatchBackend):
             raise RuntimeError("this deepep backend was closed")
         before = self._shared.allocations
         need = deepep_buffer.ElasticSize(self.num_max_tokens_per_rank, hidden, max(topk, 1))
-        buffer = self._shared.ensure(need)
+        try:
+            buffer = self._shared.ensure(
+                need, tokens=self._peak_tokens, worst=self.num_worst_tokens
+            )
+        except ValueError:  # NOTE: it does not fit on some rank: every rank keeps its old M
+            if self._grown_from is not None:
+                self.num_max_tokens_per_rank = self._grown_from
+            self._grown_from = None
+            raise
+        self._grown_from = None
         if self._shared.allocations != before:
             extra = self._stats.extra
             extra["deepep_buffer_allocations"] = extra.get("deepep_buffer_allocations", 0) + 1
         return buffer
 
-    def _check_tokens(
-        self, T: int, device: torch.device, shape: tuple[int, int, torch.dtype] | None = None
-    ) -> int:
+    def _check_tokens(self, T: int, shape: tuple[int, int, torch.dtype]) -> int:
         """The tokens this rank sends, after every rank agreed on M (audit-4 P3).
 
-        Dropless: nothing is dropped. One small all-gather of every rank's T (with checks on,
-        and its row shape ``shape`` = ``(X, k, dtype)``) first; when a rank has more than M,
-        every rank raises M to that T's bucket at this same call (``_grow_bound``; the buffer
-        grows with it: DeepEP needs one M on every rank), as V1's buffers grow. Its host read is
-        a second host sync beside DeepEP's CPU wait (counted).
+        Dropless: nothing is dropped. Every rank's T and row shape ``shape`` = ``(X, k, dtype)``
+        are agreed on the host first (``counts.agree_tokens``: a gloo all-gather, no host sync);
+        when a rank has more than M, every rank raises M to that T's bucket at this same call
+        (``_grow_bound``; the buffer grows with it: DeepEP needs one M on every rank), as V1's
+        buffers grow.
 
         Worst-case: a rank may dispatch at most M = W / R tokens (its receive slots on every
-        rank). With checks on, the all-gather of ``[T, X, k, dtype]`` makes every rank raise
-        for the worst rank, and for ranks that disagree on the row shape. With checks off a rank
-        over M sends its first M tokens (the others get nothing, their combine rows are zero)
-        and ``check_overflow`` raises: raising on that rank alone would leave its peers in
-        DeepEP's GPU barrier until its 100 s timeout (audit-3 N7).
+        rank). With checks on, the same agreement makes every rank raise for the worst rank, and
+        for ranks that disagree on the row shape. With checks off a rank over M sends its first
+        M tokens (the others get nothing, their combine rows are zero) and ``check_overflow``
+        raises: raising on that rank alone would leave its peers in DeepEP's GPU barrier until
+        its 100 s timeout (audit-3 N7).
         """
         M, R = self.num_max_tokens_per_rank, self.num_ranks
-        rank = self.rank
-        X, k, dtype = shape if shape is not None else (0, 0, torch.bfloat16)
-        checks = checks_enabled(self.checks) and not is_capturing()
-        if not self.worst_case and not is_capturing():
-            agree_dropless_bound(
-                self, T, (X, k, dtype), device, checks=checks, name="elastic token count"
-            )
+        if not self.worst_case:
+            self._grow_bound(max(agree_tokens(T, shape, self.group, name="elastic token count")))
             return T
-        if checks:
-            Gh = gather_token_rows(T, (X, k, dtype), self.group, name="elastic token count")
-            if device.type == "cuda":
-                self._stats.extra["check_syncs"] = self._stats.extra.get("check_syncs", 0) + 1
-            check_agreement([r[1:] for r in Gh], num_ranks=0, num_nodes=0)
-            counts = [r[0] for r in Gh]
-            rank = max(range(R), key=counts.__getitem__)
-            T = counts[rank]
-        elif T > M and self.worst_case:
+        if checks_enabled(self.checks):
+            counts = agree_tokens(T, shape, self.group, name="elastic token count")
+            worst = max(range(R), key=counts.__getitem__)
+            if counts[worst] > M:
+                raise ValueError(self._tokens_message(worst, counts[worst]))
+            return T
+        if T > M:
             self._need_tokens = max(self._need_tokens, T)
             return M
-        if T <= M:
-            return T
-        # NOTE: also a dropless call over M inside a capture (no agreement possible)
-        raise ValueError(self._tokens_message(rank, T))
+        return T
 
     def _grow_bound(self, need: int) -> None:
         """Dropless: raise M to ``bucket(need)`` (every rank at the same call: ``need`` is the
-        agreed maximum); the shared buffer is rebuilt for it at this call's ``_buffer``."""
+        agreed maximum); the shared buffer is rebuilt for it at this call's ``_buffer``, once
+        every rank agreed it fits (else every rank raises and keeps its old M)."""
+        self._peak_tokens = max(self._peak_tokens, need)
         if need <= self.num_max_tokens_per_rank:
             return
+        if self._grown_from is None:
+            self._grown_from = self.num_max_tokens_per_rank
         self.num_max_tokens_per_rank = token_bucket(need)
         self._stats.extra["deepep_token_bound"] = self.num_max_tokens_per_rank
 
@@ -391,7 +395,9 @@ class DeepEPElasticBackend(ElasticCombineMixin, DispatchBackend):
         num_scales = 0 if scales is None else scales.shape[1]
         k = topk_idx.shape[1]
         sizing.check_topk(k, "elastic kernels")
-        sent = self._check_tokens(T, x.device, (X, k, x.dtype))
+        if not self.worst_case:
+            refusals.check_dropless_capture("DeepEP V2")
+        sent = self._check_tokens(T, (X, k, x.dtype))
         if sent < T:  # NOTE: worst-case, checks off, over M = W / R: the first M (_check_tokens)
             x, topk_idx, topk_probs = x[:sent], topk_idx[:sent], topk_probs[:sent]
             scales = None if scales is None else scales[:sent]

@@ -21,10 +21,11 @@ Selected with ``DispatchConfig.deepep_api="ep"``, and by ``"auto"`` where every 
   ``M = bucket(W / R)``. In worst-case mode a rank may send at most ``W / R`` tokens, which
   keeps every receive within the contract's W rows; DeepEP's ``R * M`` rows are cut back to W
   after the sort (expanded: ``R * (W / R) * min(k, e)`` rows, aligned).
-- **Dropless**: ``do_cpu_sync=True``. Every token is sent (audit-4 P3): one small all-gather of
-  every rank's T comes first, and when a rank has more than the bound every rank raises it to
-  that T's bucket (the buffer grows with it). Two host syncs: that agreement and DeepEP's CPU
-  wait. **Worst-case**: ``do_cpu_sync=False``, no host sync, inside a node and across nodes;
+- **Dropless**: ``do_cpu_sync=True``. Every token is sent (audit-4 P3): every rank's T is agreed
+  on the host first (four ints over a gloo group of the same ranks: no device collective, no host
+  sync), and when a rank has more than the bound every rank raises it to that T's bucket (the
+  buffer grows with it). One host sync: DeepEP's CPU wait. Not capturable (refused inside a CUDA
+  graph). **Worst-case**: ``do_cpu_sync=False``, no host sync, inside a node and across nodes;
   rows past the real ones are masked on the device.
 - **JIT**: each kernel template compiles at first use; ``ep_buffer.KernelRegistry`` knows which
   ran, and a first use inside a CUDA-graph capture raises with the fix
@@ -54,18 +55,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexdispatch._validate import checks_enabled, cuda_code_path, is_capturing
+from flexdispatch._validate import checks_enabled, cuda_code_path
 from flexdispatch.backends.base import Capability, DispatchBackend
-from flexdispatch.backends.counts import check_agreement, gather_token_rows
-from flexdispatch.backends.deepep import sizing
+from flexdispatch.backends.counts import agree_tokens
+from flexdispatch.backends.deepep import refusals, sizing
 from flexdispatch.backends.deepep.counters import TrafficCounters
-from flexdispatch.backends.deepep.ep_buffer import EPSize, acquire_ep, kernel_key, kernels_of
+from flexdispatch.backends.deepep.ep_buffer import (
+    EPSize,
+    acquire_ep,
+    check_epilogue,
+    kernel_key,
+    kernels_of,
+)
 from flexdispatch.backends.deepep.ep_combine import _COMBINE_COLS, EPCombineMixin, sent_tokens
 from flexdispatch.backends.deepep.ep_layout import (
     cached_pieces,
-    check_rows,
+    cached_refusal,
     dispatch_cols,
     pad,
+    row_refusal,
 )
 from flexdispatch.backends.deepep.ep_rows import (
     EPDispatchState,
@@ -77,7 +85,6 @@ from flexdispatch.backends.deepep.ep_rows import (
     traffic_rows,
 )
 from flexdispatch.backends.deepep.ep_support import (
-    agree_dropless_bound,
     ep_available,
     ep_rules,
     load_deep_ep_v25,
@@ -105,8 +112,9 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         ranks_per_node: L as launched (the emulator's NVLink domain in tests).
         num_worst_tokens: W (0 = dropless), a multiple of R.
         hierarchical: accepted; DeepEP routes across nodes itself (hybrid mode).
-        checks: one small all-gather of every rank's token count and row shape before the
-            dispatch, so that any rank over its bound (or a shape mismatch) raises everywhere.
+        checks: in worst-case mode, every rank's token count and row shape agreed on the host
+            before the dispatch, so that any rank over ``W / R`` (or a shape mismatch) raises
+            everywhere (dropless mode always agrees them).
         stats: counters to add to.
         num_sms: SMs per kernel (None: DeepEP 2.5's bandwidth model, agreed across ranks).
         num_max_tokens_per_rank: the dropless per-rank token bound (bucketed for the JIT), the
@@ -177,6 +185,8 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         self._traffic: EPTraffic | None = None
         self._counters = TrafficCounters(collective_device(self.group))  # no host read in calls
         self._need_tokens = 0  # most tokens a rank had to dispatch, when over the bound
+        self._peak_tokens = 0  # dropless: the largest T the ranks agreed on so far
+        self._grown_from: tuple[int, int] | None = None  # the bound before a growth not yet built
         self._closed = False
 
     # ----------------------------------------------------------------- capabilities
@@ -249,7 +259,17 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         if self._closed:
             raise RuntimeError("this deepep backend was closed")
         before = self._shared.allocations
-        buffer = self._shared.ensure(EPSize(self.num_max_tokens_per_rank, hidden, max(topk, 1)))
+        size = EPSize(self.num_max_tokens_per_rank, hidden, max(topk, 1))
+        try:
+            buffer = self._shared.ensure(
+                size, tokens=self._peak_tokens, worst=self.num_worst_tokens
+            )
+        except ValueError:  # NOTE: it does not fit on some rank: every rank keeps its old bound
+            if self._grown_from is not None:
+                self.max_tokens, self.num_max_tokens_per_rank = self._grown_from
+            self._grown_from = None
+            raise
+        self._grown_from = None
         if self._shared.allocations != before:
             extra = self._stats.extra
             extra["deepep_buffer_allocations"] = extra.get("deepep_buffer_allocations", 0) + 1
@@ -270,45 +290,49 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         self._kernels.add(key)
         return out
 
-    def _check_tokens(self, T: int, device: torch.device, shape: tuple) -> int:
-        """The tokens this rank sends, after every rank agreed on the bound (audit-4 P3).
+    def _check_tokens(self, T: int, shape: tuple, refusal: str | None) -> int:
+        """The tokens this rank sends, after every rank agreed on the bound (audit-4 P3) and on
+        its rows (``refusal``: why DeepEP 2.5 cannot run them here, or None).
 
-        Dropless: nothing is dropped. One small all-gather of every rank's T (with checks on,
-        and its row shape) first; when a rank has more than the bound, every rank raises it to
-        that T's bucket at this same call (``_grow_bound``; the buffer grows with it), as V1's
-        buffers grow. Its host read is a second host sync beside DeepEP's CPU wait (counted).
+        Dropless: nothing is dropped. Every rank's T, row shape and refusal are agreed on the
+        host first (``counts.agree_tokens``: a gloo all-gather, no host sync; a refusal or a
+        shape mismatch anywhere raises on every rank); when a rank has more than the bound,
+        every rank raises it to that T's bucket at this same call (``_grow_bound``; the buffer
+        grows with it), as V1's buffers grow.
 
-        Worst-case: a rank may send at most ``W / R`` tokens. With checks on, the all-gather of
-        ``[T, X, k, dtype]`` makes every rank raise alike; with checks off a rank over it sends
-        its first ``W / R`` tokens (its others combine to zero) and ``check_overflow`` raises:
-        raising on that rank alone would leave its peers inside DeepEP's collective (audit-3
-        N7, as on V2)."""
-        M, R, rank = self.max_tokens, self.num_ranks, self.rank
-        checks = checks_enabled(self.checks) and not is_capturing()
-        if not self.worst_case and not is_capturing():
-            agree_dropless_bound(self, T, shape, device, checks=checks, name="ep token count")
+        Worst-case: a rank may send at most ``W / R`` tokens. With checks on, the same agreement
+        makes every rank raise alike; with checks off (no collective: the rows' refusal is a
+        function of the shape the ranks must agree on) a rank over it sends its first ``W / R``
+        tokens (its others combine to zero) and ``check_overflow`` raises: raising on that rank
+        alone would leave its peers inside DeepEP's collective (audit-3 N7, as on V2)."""
+        M, R = self.max_tokens, self.num_ranks
+        if not self.worst_case or checks_enabled(self.checks):
+            counts = agree_tokens(T, shape, self.group, refusal=refusal, name="ep token count")
+            if not self.worst_case:
+                self._grow_bound(max(counts))
+                return T
+            worst = max(range(R), key=counts.__getitem__)
+            if counts[worst] > M:
+                W = self.num_worst_tokens
+                raise ValueError(tokens_message(worst, counts[worst], M=M, R=R, W=W))
             return T
-        if checks:
-            rows = gather_token_rows(T, shape, self.group, name="ep token count")
-            if device.type == "cuda":
-                self._stats.extra["check_syncs"] = self._stats.extra.get("check_syncs", 0) + 1
-            check_agreement([r[1:] for r in rows], num_ranks=0, num_nodes=0)
-            rank = max(range(R), key=lambda r: rows[r][0])
-            T = rows[rank][0]
-        elif T > M and self.worst_case:
+        if refusal is not None:
+            raise ValueError(refusal)
+        if T > M:
             self._need_tokens = max(self._need_tokens, T)
             return M
-        if T <= M:
-            return T
-        # NOTE: also a dropless call over the bound inside a capture (no agreement possible)
-        raise ValueError(tokens_message(rank, T, M=M, R=R, W=self.num_worst_tokens))
+        return T
 
     def _grow_bound(self, need: int) -> None:
         """Dropless: raise the per-rank token bound to ``need`` (every rank at the same call:
         ``need`` is the agreed maximum); DeepEP compiles ``bucket(need)`` and the shared buffer
-        is rebuilt for it at this call's ``_buffer``."""
+        is rebuilt for it at this call's ``_buffer``, once every rank agreed it fits (else every
+        rank raises and keeps its old bound)."""
+        self._peak_tokens = max(self._peak_tokens, need)
         if need <= self.max_tokens:
             return
+        if self._grown_from is None:
+            self._grown_from = (self.max_tokens, self.num_max_tokens_per_rank)
         self.max_tokens = need
         self.num_max_tokens_per_rank = max(self.num_max_tokens_per_rank, token_bucket(need))
         extra = self._stats.extra
@@ -338,7 +362,29 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         T, X = x.shape
         k = topk_idx.shape[1]
         sizing.check_topk(k, "DeepEP 2.5 kernels")
-        sent = self._check_tokens(T, x.device, (X, k, x.dtype))
+        packs = 0 if scales is None else scales.shape[1]
+        if scales is not None:  # NOTE: X fp8 bytes; the backward's gradient is bf16
+            hidden, elem, grad_elem = X, 1, 2
+        else:
+            mult = self._dispatch_cols(wire.wire_width, k, x.device)
+            hidden = pad(wire.wire_width, mult)
+            elem, grad_elem = 2, max(x.element_size(), 2)
+        # NOTE: audit-4 P10 / EV5 / EV6: refused before any kernel, alike on every rank
+        why = row_refusal(
+            self.hybrid,
+            self.num_ranks,
+            self.num_experts,
+            X=X,
+            hidden=hidden,
+            elem=elem,
+            packs=packs,
+            k=k,
+            grad_elem=grad_elem,
+            device=x.device,
+        )
+        if not self.worst_case:
+            refusals.check_dropless_capture("DeepEP 2.5")
+        sent = self._check_tokens(T, (X, k, x.dtype), why)
         if sent < T:  # NOTE: worst-case, checks off, over W / R: the first ones (_check_tokens)
             x, topk_idx, topk_probs = x[:sent], topk_idx[:sent], topk_probs[:sent]
             scales = None if scales is None else scales[:sent]
@@ -346,22 +392,10 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         idx = guard_ids(topk_idx.to(torch.int64), self.num_experts, raise_now=raise_now)
         if scales is not None:
             send: Any = (x.contiguous(), scales.contiguous())
-            hidden, row = X, dispatch_row_bytes(X, scales.shape[1], k)
+            row = dispatch_row_bytes(X, packs, k)
         else:
-            w = wire.send(x)
-            w = sizing.pad_cols(w, self._dispatch_cols(w.shape[1], k, x.device))
-            send, hidden, row = w, w.shape[1], dispatch_row_bytes(2 * w.shape[1], 0, k)
-        check_rows(  # NOTE: audit-4 P10 / EV5 / EV6: refused before any kernel
-            self.hybrid,
-            self.num_ranks,
-            self.num_experts,
-            X=X,
-            hidden=hidden,
-            elem=1 if scales is not None else 2,
-            packs=0 if scales is None else scales.shape[1],
-            k=k,
-            device=x.device,
-        )
+            send = sizing.pad_cols(wire.send(x), mult)
+            row = dispatch_row_bytes(2 * hidden, 0, k)
         # NOTE: sized for the combine of these rows too (bf16, padded to 256 columns)
         buffer = self._buffer(max(hidden, -(-X // _COMBINE_COLS) * _COMBINE_COLS), k)
         sms = self._sms(k)
@@ -487,12 +521,18 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
             x, topk_idx, topk_probs, expand=True, defer=True
         )
         pending = PendingExpanded(out, wire, fp8, T, X, k, sms, traffic, row)
-        self._shared.pending = pending  # NOTE: the next call on the buffer settles it first
+        self._shared.hold(pending)  # NOTE: the next call on the buffer settles it first
         return pending
+
+    def check_finish(self, p: PendingExpanded) -> None:
+        """Raise RuntimeError when ``p`` cannot be finished now (``ep_buffer.check_epilogue``:
+        inside a CUDA-graph capture it was not launched in)."""
+        check_epilogue(p)
 
     def finish_expanded(self, p: PendingExpanded) -> ExpandedDispatchResult:
         """Wait for a ``launch_expanded`` and build its result (its epilogue may have run
         already, when another call on the buffer came first)."""
+        check_epilogue(p)
         if self._shared.pending is p:
             self._shared.pending = None
         p.settle()
@@ -586,6 +626,11 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         wire = sizing.WireFormat.of(x.dtype, x.shape[1])
         w = wire.send(x)
         w = sizing.pad_cols(w, self._dispatch_cols(w.shape[1], state.topk, x.device))
+        if not self.hybrid:  # NOTE: a gradient wider than the dispatch foresaw (P10)
+            R, E, k = self.num_ranks, self.num_experts, state.topk
+            why = cached_refusal(R, E, row_bytes=2 * w.shape[1], k=k, device=x.device)
+            if why is not None:
+                raise ValueError(why)
         buffer = self._buffer(max(w.shape[1], _COMBINE_COLS), state.topk)
         fp8 = state.recv_scales is not None
         packs = state.recv_scales.shape[1] if state.recv_scales is not None else 0

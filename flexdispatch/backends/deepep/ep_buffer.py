@@ -33,7 +33,9 @@ epilogue is pending (``pending``) and runs that epilogue (``settle``: the rows a
 stream order) before any other call reaches the buffer, and before a growth or a destroy. The
 overlap is kept where nothing else runs on the buffer in between (``MoELayer``: start, shared
 experts, wait); a second micro-batch started before the first's ``wait()`` gets correct rows,
-the first's epilogue run at the second's start (``epilogues_run_early`` counts them).
+the first's epilogue run at the second's start (``epilogues_run_early`` counts them). Inside a
+CUDA-graph capture the epilogue of a dispatch launched outside it cannot run (it would only be
+recorded): a call that would run it there raises (``check_epilogue``).
 
 ``KernelRegistry`` mirrors DeepJIT's per-process cache: the kernel templates (``kernel_key``)
 that have run. A call whose template is new would compile at its first use; inside a CUDA-graph
@@ -52,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from flexdispatch._validate import is_capturing
+from flexdispatch.backends.deepep import refusals
 from flexdispatch.backends.deepep.ep_links import Links, agree_links
 from flexdispatch.distributed import collective_device, collective_guard, is_distributed
 
@@ -62,6 +65,7 @@ __all__ = [
     "KernelRegistry",
     "SharedEPBuffer",
     "acquire_ep",
+    "check_epilogue",
     "kernels_of",
     "live_ep",
 ]
@@ -164,20 +168,35 @@ class SharedEPBuffer:
     pending: Any = None
     epilogues_run_early: int = 0
 
+    def hold(self, pending: Any) -> None:
+        """Keep ``pending`` (a ``launch_expanded``) as the dispatch whose epilogue has not run,
+        noting whether it was launched inside a CUDA-graph capture."""
+        pending.captured = is_capturing()
+        self.pending = pending
+
     def settle(self) -> None:
         """Run the pending deferred dispatch's epilogue now, on the current stream: its rows
-        leave the shared receive slots before the next call on this buffer can overwrite them."""
+        leave the shared receive slots before the next call on this buffer can overwrite them.
+
+        Raises:
+            RuntimeError: a CUDA graph is being captured and the pending dispatch was launched
+                outside it (``check_epilogue``).
+        """
+        check_epilogue(self.pending)
         p, self.pending = self.pending, None
         if p is not None and p.settle():
             self.epilogues_run_early += 1
 
-    def ensure(self, need: EPSize) -> Any:
+    def ensure(self, need: EPSize, *, tokens: int = 0, worst: int = 0) -> Any:
         """The live buffer, (re)built collectively when ``need`` needs more bytes. A pending
         deferred dispatch's epilogue runs first (``settle``): every DeepEP call on the buffer
-        comes through here.
+        comes through here. Before a (re)build every rank checks that the new size fits its
+        memory and all agree (``refusals.agree_buffer_fits``; ``tokens``: the largest T a rank
+        dispatched, ``worst``: W, for its message).
 
         Raises:
             RuntimeError: it would be (re)built inside a CUDA-graph capture.
+            ValueError: on every rank, the new buffer does not fit on some rank.
         """
         self.settle()
         new = need if self.size is None else self.size.union(need)
@@ -203,6 +222,17 @@ class SharedEPBuffer:
                 f"CUDA-graph capture: call "
                 f"FlexDispatcher.warmup(...) with the captured shapes before capturing"
             )
+        refusals.agree_buffer_fits(
+            self.group,
+            "DeepEP 2.5 EPBuffer",
+            num_bytes=num_bytes,
+            held=self.num_bytes,
+            M=new.num_max_tokens_per_rank,
+            tokens=tokens,
+            worst=worst,
+            shape=f"H={new.hidden} bf16 columns, k={new.num_topk}",
+            device=collective_device(self.group),
+        )
         if self.links is None:
             self.links = agree_links(self.deep_ep, self.group, hybrid=self.hybrid, rdma=self.rdma)
         self._destroy()
@@ -267,6 +297,20 @@ class SharedEPBuffer:
                 del _BUFFERS[key]
         self._destroy()
         self.size, self.num_bytes = None, 0
+
+
+def check_epilogue(pending: Any) -> None:
+    """Raise RuntimeError when ``pending``'s epilogue (a ``launch_expanded`` not finished yet)
+    would run now inside a CUDA-graph capture while its dispatch was launched outside it: the
+    epilogue would only be recorded into the graph, so the eager dispatch's rows would never be
+    copied out (and every replay would copy stale slots)."""
+    if pending is None or pending.result is not None or pending.captured or not is_capturing():
+        return
+    raise RuntimeError(
+        "a DeepEP 2.5 dispatch started with dispatch_expanded_start / launch_expanded outside "
+        "this CUDA-graph capture has not been waited on: its receive epilogue would only be "
+        "recorded into the graph, not run: call .wait() on it before capturing"
+    )
 
 
 def _key(deep_ep: ModuleType, group: Any, hybrid: bool) -> tuple[int, int, bool]:

@@ -16,6 +16,7 @@ k) and the device's shared memory, and some of those sizes must agree between ca
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -24,10 +25,19 @@ import torch
 from flexdispatch.backends.deepep.ep_support import (
     EP_DEVICE_SMEM,
     direct_thread_rule,
+    direct_threads,
     hybrid_row_rule,
 )
 
-__all__ = ["COMBINE_COLS", "DISPATCH_COLS", "cached_pieces", "check_rows", "dispatch_cols", "pad"]
+__all__ = [
+    "COMBINE_COLS",
+    "DISPATCH_COLS",
+    "cached_pieces",
+    "cached_refusal",
+    "dispatch_cols",
+    "pad",
+    "row_refusal",
+]
 
 DISPATCH_COLS = 16  # 32-byte token rows (layout/ep/token.cuh:29)
 COMBINE_COLS = 256  # combine hidden % 256 (impls/ep/combine.cuh:110)
@@ -64,7 +74,7 @@ def dispatch_cols(hybrid: bool, R: int, E: int, cols: int, k: int, device: torch
     return DISPATCH_COLS if why is None else COMBINE_COLS
 
 
-def check_rows(
+def row_refusal(
     hybrid: bool,
     R: int,
     E: int,
@@ -74,36 +84,68 @@ def check_rows(
     elem: int,
     packs: int,
     k: int,
+    grad_elem: int,
     device: torch.device,
-) -> None:
-    """Raise ValueError, before any kernel and alike on every rank, where DeepEP 2.5 would fail
-    to build or assert on these dispatch rows (``hidden`` columns of ``elem`` bytes, ``packs``
-    scale packs, k) or on their backward / combine (X columns of the caller's rows)."""
-    smem = device_smem(device)
-    why = None
-    if not hybrid and R > 32:
-        why = direct_thread_rule(
+) -> str | None:
+    """Why DeepEP 2.5 would fail to build or assert on these dispatch rows (``hidden`` columns
+    of ``elem`` bytes, ``packs`` scale packs, k) or on their backward / combine (X columns of the
+    caller's rows; the backward's gradient of ``grad_elem`` bytes per element travels as its
+    bf16 bit view, an fp32 one twice as wide as bf16), or None. Direct mode: its kernel's thread
+    rule at any R (rows too wide for one dispatch warp leave it no threads); hybrid mode: the
+    channel and combine rules. A pure function of the shapes and the device's shared memory, so
+    ranks that agree on the shape agree on it (the caller agrees it across ranks)."""
+    return _row_refusal(hybrid, R, E, X, hidden, elem, packs, k, grad_elem, device_smem(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _row_refusal(
+    hybrid: bool,
+    R: int,
+    E: int,
+    X: int,
+    hidden: int,
+    elem: int,
+    packs: int,
+    k: int,
+    grad_elem: int,
+    smem: int,
+) -> str | None:
+    if not hybrid:
+        grad_cols = -(-X * grad_elem // 2)  # NOTE: the gradient's bf16 view (WireFormat)
+        return direct_thread_rule(
             R,
             E,
             row_bytes=hidden * elem,
             scale_packs=packs,
             topk=k,
-            backward_row_bytes=2 * pad(X, DISPATCH_COLS),  # a bf16 gradient of X columns
+            backward_row_bytes=2 * pad(grad_cols, DISPATCH_COLS),
             smem=smem,
         )
-    elif hybrid:
-        why = hybrid_row_rule(
-            R,
-            E,
-            row_bytes=hidden * elem,
-            scale_packs=packs,
-            topk=k,
-            dispatch_cols=hidden,
-            combine_cols=pad(X, COMBINE_COLS),
-            smem=smem,
-        )
-    if why:
-        raise ValueError(why)
+    return hybrid_row_rule(
+        R,
+        E,
+        row_bytes=hidden * elem,
+        scale_packs=packs,
+        topk=k,
+        dispatch_cols=hidden,
+        combine_cols=pad(X, COMBINE_COLS),
+        smem=smem,
+    )
+
+
+def cached_refusal(R: int, E: int, *, row_bytes: int, k: int, device: torch.device) -> str | None:
+    """Why DeepEP 2.5's direct-mode cached dispatch (the backward) cannot send ``row_bytes``-byte
+    rows to R ranks (its kernel needs a thread per rank, dispatch.cuh:402), or None: checked on
+    the gradient as it is, in case it is wider than the dispatch foresaw (an fp32 gradient of
+    bf16 rows)."""
+    _, threads = direct_threads(R, E, row_bytes, 0, k, device_smem(device))
+    if threads >= R:
+        return None
+    return (
+        f"DeepEP 2.5's direct-mode cached dispatch (the backward) gives {row_bytes}-byte gradient "
+        f"rows {threads} threads, fewer than R={R} (dispatch.cuh:402): pass a narrower gradient "
+        f"(bf16 rather than fp32 combine outputs), use hybrid mode or fewer ranks"
+    )
 
 
 def cached_pieces(

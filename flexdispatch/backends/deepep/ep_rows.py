@@ -195,6 +195,7 @@ class PendingExpanded:
     traffic: torch.Tensor
     row_bytes: int
     result: Any = None  # the epilogue's (recv_x, recv_topk_idx, recv_topk_weights, handle)
+    captured: bool = False  # launched inside a CUDA-graph capture (``SharedEPBuffer.hold``)
 
     def settle(self) -> bool:
         """Run DeepEP's deferred epilogue (``EventOverlap.current_stream_wait``) unless it ran;

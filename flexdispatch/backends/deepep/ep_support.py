@@ -31,10 +31,7 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-import torch
-
 from flexdispatch.backends.base import Capability
-from flexdispatch.backends.counts import check_agreement, gather_token_rows
 
 __all__ = [
     "EP_DEVICE_SMEM",
@@ -103,28 +100,6 @@ def split_hook(hook: Any) -> tuple[ModuleType | None, ModuleType | None, bool]:
     return hook, None, True
 
 
-def agree_dropless_bound(
-    backend: Any,
-    T: int,
-    shape: tuple[int, int, torch.dtype],
-    device: torch.device,
-    *,
-    checks: bool,
-    name: str,
-) -> None:
-    """Dropless V2 / V2.5 (audit-4 P3): every rank's T (with ``checks``, its row shape ``(X, k,
-    dtype)`` too, refused alike on every rank when they differ) in one all-gather, and every
-    rank's bound raised to the largest T at this same call (``backend._grow_bound``: DeepEP needs
-    one bound on every rank). Nothing is dropped. On CUDA its host read is a host sync beside
-    DeepEP's own CPU wait, counted in ``backend._stats.host_syncs``."""
-    rows = gather_token_rows(T, shape if checks else None, backend.group, name=name)
-    if device.type == "cuda":
-        backend._stats.host_syncs += 1
-    if checks:
-        check_agreement([r[1:] for r in rows], num_ranks=0, num_nodes=0)
-    backend._grow_bound(max(r[0] for r in rows))
-
-
 def token_bucket(n: int) -> int:
     """``num_max_tokens_per_rank`` as compiled: ``n`` rounded up to a power of two, >= 16.
 
@@ -166,12 +141,23 @@ def direct_thread_rule(
     smem: int = EP_DEVICE_SMEM,
 ) -> str | None:
     """Why DeepEP 2.5's direct mode cannot dispatch these rows on R ranks (its kernel needs a
-    thread per rank: ``kNumThreads >= kNumRanks``, include/deep_ep/impls/ep/dispatch.cuh:402),
-    checking the forward kernel and the cached one of the backward (``backward_row_bytes``
-    rows); None when it can."""
+    thread per rank: ``kNumThreads >= kNumRanks``, include/deep_ep/impls/ep/dispatch.cuh:402,
+    and at least one dispatch warp: with none, rows too wide for shared memory, no token is ever
+    sent, dispatch.cuh:278), checking the forward kernel and the cached one of the backward
+    (``backward_row_bytes`` rows); None when it can."""
     R, E = num_ranks, num_experts
     forward, _ = direct_threads(R, E, row_bytes, scale_packs, topk, smem)
     _, cached = direct_threads(R, E, backward_row_bytes, 0, topk, smem)
+    for threads, wide, kernel in (
+        (forward - 32 * _NOTIFY_WARPS, row_bytes, "dispatch"),
+        (cached, backward_row_bytes, "cached dispatch (the backward)"),
+    ):
+        if threads <= 0:
+            return (
+                f"DeepEP 2.5's direct-mode {kernel} kernel fits no {wide}-byte row in {smem} "
+                f"bytes of shared memory (it would have no dispatch warp, dispatch.cuh:278): "
+                f"dispatch narrower rows (split the hidden size) or use hybrid mode"
+            )
     if min(forward, cached) >= R:
         return None
     return (

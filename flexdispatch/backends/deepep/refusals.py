@@ -7,17 +7,23 @@ nodes · k top-k. Each rule names DeepEP's limit, the value and what to change (
   ``num_rdma_bytes < INT_MAX`` and ``num_nvl_bytes < INT_MAX`` (v1.2.1 internode.cu:341-342,
   1207-1208; main legacy/internode.cu:432-433, 1517-1518), but the one shared buffer of a group
   also holds the low-latency bytes, which pass 2 GiB at e.g. E = 384, H = 7168, 128 tokens.
-- ``node_span`` / ``agree_node_span`` (N4; audit-4, P3's class): V1's internode dispatch sends a
-  token to at most ``min(N, 8)`` nodes (``kNumTopkRDMARanks``, a device assert, v1.2.1
+- ``node_spans`` / ``agree_node_span`` (N4; audit-4, P3's class): V1's internode dispatch sends
+  a token to at most ``min(N, 8)`` nodes (``kNumTopkRDMARanks``, a device assert, v1.2.1
   internode.cu:543); reachable only with k > 8 on more than 8 nodes. Every rank learns every
-  rank's widest span first (one small all-gather; V1's internode dispatch is dropless and waits
-  on the CPU anyway) and all raise before any token moves, naming the rank (and, on it, the
-  token). Only inside a CUDA-graph capture, where no agreement can run, the ids on a token's
-  nodes past its eighth become -1 on the device and the widest span is recorded for
-  ``check_overflow``.
+  rank's widest span first (one small all-gather; V1's internode dispatch is dropless, waits on
+  the CPU anyway and is never captured) and all raise before any token moves, naming the rank
+  (and, on it, the token).
 - ``check_no_capture`` (N18): creating or growing a DeepEP buffer (cudaMalloc, IPC handles, a
   barrier) and DeepEP V2's JIT compilation of a new shape cannot happen inside a CUDA-graph
   capture: refused with the fix (warm up first).
+- ``check_dropless_capture``: a dropless dispatch (V1, V2, V2.5) waits on the CPU for DeepEP's
+  receive counts, so it is refused inside a CUDA-graph capture (worst-case mode is capturable).
+- ``agree_buffer_fits``: a DeepEP V2 / V2.5 buffer is built collectively (a dropless bound that
+  grows rebuilds it at the same call on every rank); a rank that cannot allocate it would leave
+  its peers inside the collective build, so every rank first checks the new size against its
+  memory (``_limits.refusal``: the project's one memory model) and all agree (one gloo
+  all-gather of a flag): where one does not fit, every rank raises, naming the rank, T, M, the
+  bytes and the setting to change.
 - ``check_low_latency_graph`` (N6): low-latency kernels captured in a CUDA graph replay on the
   signal buffers as they were at capture; a normal *internode* kernel on the same buffer dirties
   them (the clean before the next low-latency kernel is host-side and is not replayed), so it is
@@ -30,17 +36,19 @@ from typing import Any
 
 import torch
 
-from flexdispatch import _validate
-from flexdispatch.distributed import all_gather_int64, collective_device
+from flexdispatch import _limits, _validate
+from flexdispatch.distributed import all_gather_int64, collective_device, host_group
 
 __all__ = [
     "INT_MAX",
+    "agree_buffer_fits",
     "MAX_TOPK_NODES",
+    "check_dropless_capture",
     "check_low_latency_graph",
     "check_no_capture",
     "check_normal_buffer_bytes",
     "first_use",
-    "node_span",
+    "node_spans",
 ]
 
 INT_MAX = 2**31 - 1
@@ -65,67 +73,43 @@ def check_normal_buffer_bytes(size: Any, *, internode: bool, low_latency_need: s
             )
 
 
-def node_span(
-    topk_idx: torch.Tensor, num_experts: int, num_nodes: int, *, raise_now: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Ids whose token reaches at most ``MAX_TOPK_NODES`` nodes (N4).
-
-    Args:
-        topk_idx: ``[T, k]`` global ids in ``[-1, E)``.
-        num_experts: E (``E / N`` experts per node).
-        num_nodes: N.
-        raise_now: raise ValueError for a token on more nodes (checks on / CPU code path).
-
-    Returns:
-        ``(ids, span)``: the ids (a token's ids on its nodes past the eighth, in node order, as
-        -1) and the 0-dim int64 widest node span of a token (None when ``raise_now``).
-    """
+def node_spans(topk_idx: torch.Tensor, num_experts: int, num_nodes: int) -> torch.Tensor:
+    """``[T]`` int64: the nodes each token's experts are on (``topk_idx`` ``[T, k]`` global ids
+    in ``[-1, E)``, ``E / N`` experts per node)."""
     T = topk_idx.shape[0]
-    per_node = num_experts // num_nodes
-    node = torch.where(topk_idx >= 0, topk_idx // per_node, num_nodes)
+    node = torch.where(topk_idx >= 0, topk_idx // (num_experts // num_nodes), num_nodes)
     hit = torch.zeros(T, num_nodes + 1, dtype=torch.int64, device=topk_idx.device)
-    hit = hit.scatter_(1, node, 1)[:, :num_nodes]
-    nodes_per_token = hit.sum(1)
-    if raise_now:
-        if T and int(nodes_per_token.max()) > MAX_TOPK_NODES:
-            t = int(nodes_per_token.argmax())
-            raise ValueError(
-                f"token {t} has experts on {int(nodes_per_token[t])} nodes (ids "
-                f"{topk_idx[t].tolist()}), but DeepEP's internode dispatch sends a token to at "
-                f"most {MAX_TOPK_NODES} nodes (kNumTopkRDMARanks, a device assert in "
-                f"internode.cu): use node-limited routing (RouterConfig num_groups = {num_nodes} "
-                f"node groups, group_topk <= {MAX_TOPK_NODES}), k <= {MAX_TOPK_NODES}, or "
-                f"backend='torch'"
-            )
-        return topk_idx, None
-    order = hit.cumsum(1) * hit  # 1.. for the nodes a token reaches, in node order
-    keep_node = torch.cat([(order >= 1) & (order <= MAX_TOPK_NODES), hit.new_zeros(T, 1) > 0], 1)
-    keep = keep_node.gather(1, node)
-    span = nodes_per_token.amax() if T else hit.new_zeros(())
-    return torch.where(keep, topk_idx, -1), span
+    return hit.scatter_(1, node, 1)[:, :num_nodes].sum(1)
+
+
+def _span_message(who: str, num_nodes: int) -> str:
+    return (
+        f"{who}, but DeepEP's internode dispatch sends a token to at most {MAX_TOPK_NODES} nodes "
+        f"(kNumTopkRDMARanks, a device assert in internode.cu): use node-limited routing "
+        f"(RouterConfig num_groups = {num_nodes} node groups, group_topk <= {MAX_TOPK_NODES}), "
+        f"k <= {MAX_TOPK_NODES}, or backend='torch'"
+    )
 
 
 def agree_node_span(
     topk_idx: torch.Tensor, num_experts: int, num_nodes: int, *, group: Any, rank: int
 ) -> int:
     """Raise ValueError on every rank, before any token moves, when a token of any rank names
-    experts on more than ``MAX_TOPK_NODES`` nodes (``node_span``'s rule): one all-gather of each
-    rank's widest span, read on the host. Returns 1 where that read was a host sync (CUDA)."""
-    _, span = node_span(topk_idx, num_experts, num_nodes, raise_now=False)
-    assert span is not None
-    mine = span.to(collective_device(group), torch.int64).reshape(1)
+    experts on more than ``MAX_TOPK_NODES`` nodes (N4): one all-gather of each rank's widest span,
+    read on the host; the rank with such a token names it. Returns 1 where that read was a host
+    sync (CUDA)."""
+    spans_T = node_spans(topk_idx, num_experts, num_nodes)
+    widest = spans_T.amax() if spans_T.numel() else spans_T.new_zeros(())
+    mine = widest.to(collective_device(group), torch.int64).reshape(1)
     spans = all_gather_int64(mine, group, name="all_gather (DeepEP node span)").view(-1).tolist()
     worst = max(spans)
     if worst > MAX_TOPK_NODES:
         if spans[rank] > MAX_TOPK_NODES:
-            node_span(topk_idx, num_experts, num_nodes, raise_now=True)  # names the token
-        raise ValueError(
-            f"rank {spans.index(worst)} has a token with experts on {worst} nodes, but DeepEP's "
-            f"internode dispatch sends a token to at most {MAX_TOPK_NODES} nodes "
-            f"(kNumTopkRDMARanks, a device assert in internode.cu): use node-limited routing "
-            f"(RouterConfig num_groups = {num_nodes} node groups, group_topk <= "
-            f"{MAX_TOPK_NODES}), k <= {MAX_TOPK_NODES}, or backend='torch'"
-        )
+            t = int(spans_T.argmax())
+            who = f"token {t} has experts on {spans[rank]} nodes (ids {topk_idx[t].tolist()})"
+        else:
+            who = f"rank {spans.index(worst)} has a token with experts on {worst} nodes"
+        raise ValueError(_span_message(who, num_nodes))
     return int(topk_idx.device.type == "cuda")
 
 
@@ -137,6 +121,70 @@ def check_no_capture(what: str) -> None:
             f"{what} inside a CUDA-graph capture, which cannot be captured (cudaMalloc, IPC "
             f"handles, a barrier, a compile): call FlexDispatcher.warmup(...) (or run one eager "
             f"step) with the shapes of the captured step before capturing"
+        )
+
+
+def agree_buffer_fits(
+    group: Any,
+    what: str,
+    *,
+    num_bytes: int,
+    held: int,
+    M: int,
+    tokens: int,
+    worst: int,
+    shape: str,
+    device: torch.device,
+) -> None:
+    """Raise ValueError on every rank, before a collective (re)build, when the buffer cannot fit
+    on some rank.
+
+    Args:
+        group: the process group (the flags travel over its ``host_group``).
+        what: the buffer, e.g. ``"DeepEP 2.5 EPBuffer"``.
+        num_bytes: its size (the same on every rank: every rank computes it from the same M, H,
+            k); ``held`` of them are freed first (the buffer it replaces).
+        M: the token bound it is built for; ``tokens``: the largest T a rank dispatched (0 when
+            unknown); ``worst``: W in worst-case mode (0 dropless).
+        shape: the rest of its size (``"H=..., k=..."``).
+        device: where it is allocated.
+    """
+    setting = "num_worst_tokens" if worst else "num_max_dispatch_tokens_per_rank"
+    value = worst if worst else M
+    peak = f", the largest T a rank dispatched {tokens}" if tokens else ""
+    detail = (
+        f"{num_bytes} bytes in all for M={M} tokens per rank{peak}, {shape}; the {held} bytes of "
+        f"the buffer it replaces are freed first"
+    )
+    fix = (
+        f"dispatch fewer tokens per rank in one call (split the batch), or set a smaller "
+        f"DispatchConfig.{setting}"
+    )
+    mine = _limits.refusal(what, setting, value, num_bytes - held, device, detail=detail, fix=fix)
+    flag = torch.tensor([int(mine is not None)], dtype=torch.int64)
+    name = f"all_gather ({what} fits)"
+    flags = all_gather_int64(flag, host_group(group), name=name).view(-1).tolist()
+    bad = [r for r, f in enumerate(flags) if f]
+    if not bad:
+        return
+    where = f"rank(s) {', '.join(map(str, bad))}"
+    if mine is not None:
+        raise ValueError(f"{mine} (it does not fit on {where}: every rank raises)")
+    raise ValueError(
+        f"{what}: {setting}={value} needs {detail}, which does not fit on {where} (their error "
+        f"names the memory there; every rank raises): {fix}"
+    )
+
+
+def check_dropless_capture(what: str) -> None:
+    """Raise RuntimeError when a dropless DeepEP ``what`` dispatch would run inside a CUDA-graph
+    capture: DeepEP waits on the CPU for its receive counts (and V2 / V2.5 first agree the token
+    bound on the host), which a captured graph cannot replay."""
+    if _validate.is_capturing():
+        raise RuntimeError(
+            f"{what}'s dropless dispatch waits on the CPU for its receive counts, which cannot "
+            f"be captured in a CUDA graph: build the dispatcher with num_worst_tokens (worst-case "
+            f"mode: static shapes, no host sync) to capture it"
         )
 
 

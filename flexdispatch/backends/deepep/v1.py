@@ -207,7 +207,6 @@ class DeepEPBackend(LowLatencyMixin, CombineMixin, DispatchBackend):
         self._closed = False
         device = collective_device(self.group)
         self._need_w = DeviceMax(device)  # largest W a worst-case dispatch needed
-        self._node_span = DeviceMax(device)  # most nodes a token named (N > 8, inside a capture)
         self._traffic = TrafficCounters(device)  # statistics, no host read on the hot path
 
     # ----------------------------------------------------------------- capabilities
@@ -286,16 +285,6 @@ class DeepEPBackend(LowLatencyMixin, CombineMixin, DispatchBackend):
     def check_overflow(self) -> None:
         """Raise if a worst-case dispatch since construction overflowed (reads a device value)."""
         self.flush_stats()
-        span = self._node_span.read()
-        if span > refusals.MAX_TOPK_NODES:
-            raise ValueError(
-                f"a dispatch had a token with experts on {span} nodes, but DeepEP's internode "
-                f"dispatch reaches at most {refusals.MAX_TOPK_NODES} nodes per token (a device "
-                f"assert): its ids past the {refusals.MAX_TOPK_NODES}th node were sent as -1: use "
-                f"node-limited routing (RouterConfig num_groups = {self.num_nodes}, group_topk "
-                f"<= {refusals.MAX_TOPK_NODES}), k <= {refusals.MAX_TOPK_NODES}, or "
-                f"backend='torch'"
-            )
         need = self._need_w.read()
         if need > self.num_worst_tokens:
             R = self.num_ranks
@@ -511,6 +500,8 @@ class DeepEPBackend(LowLatencyMixin, CombineMixin, DispatchBackend):
         T, X = x.shape
         k = topk_idx.shape[1]
         sizing.check_topk(k, "normal kernels (num_topk <= 32 in intranode.cu / internode.cu)")
+        if not self.worst_case:  # NOTE: so V1 across nodes (dropless only) is never captured
+            refusals.check_dropless_capture("DeepEP V1")
         num_scales = 0 if scales is None else scales.shape[1]
         chunks = self._dispatch_chunks(wire.wire_width, num_scales=num_scales, topk=k)
         if scales is not None and len(chunks) > 1:
@@ -536,17 +527,11 @@ class DeepEPBackend(LowLatencyMixin, CombineMixin, DispatchBackend):
         buffer = self._buffer_for_rows(widest, max(c.padded for c in comb))
         idx = topk_idx
         if self.num_nodes > refusals.MAX_TOPK_NODES and k > refusals.MAX_TOPK_NODES:
-            if not is_capturing():  # every rank raises alike before any token moves (N4)
-                self._stats.host_syncs += refusals.agree_node_span(
-                    idx, self.num_experts, self.num_nodes, group=self.group, rank=self.rank
-                )
-            else:  # NOTE: no agreement inside a capture: dropped on the device, reported
-                idx, span = refusals.node_span(
-                    idx, self.num_experts, self.num_nodes, raise_now=False
-                )
-                assert span is not None
-                self._node_span.update(span)
-                layout = None  # NOTE: DeepEP's layout kernel, of the ids actually sent
+            # NOTE: every rank raises alike before any token moves (N4); V1 across nodes is
+            # dropless, so never inside a capture (refused above)
+            self._stats.host_syncs += refusals.agree_node_span(
+                idx, self.num_experts, self.num_nodes, group=self.group, rank=self.rank
+            )
         if idx.dtype != self.topk_idx_dtype:
             idx = idx.to(self.topk_idx_dtype)
         idx = idx.contiguous()

@@ -48,6 +48,7 @@ import torch
 
 from . import limits, strict, transport
 from .config import EventHandle
+from .ep import gin_disabled
 
 __all__ = [
     "ALIGNMENT",
@@ -163,6 +164,11 @@ class ElasticRuntime:
         )
         if num_cpu_bytes:
             raise NotImplementedError("the emulated ElasticBuffer has no CPU buffer (Engram)")
+        if num_ranks > 1 and not gin_disabled():  # kernels/backend/nccl.cu:86-90
+            key = "railedGinType" if allow_hybrid_mode else "ginType"
+            limits.host_assert(
+                module.emu_gin[key] != 0, "elastic.gin_type", rel, f"NCCL reports {key} = NONE"
+            )
         self.group = group
         self.rank, self.num_ranks = rank_idx, num_ranks
         self.num_bytes = num_bytes
@@ -661,6 +667,9 @@ def install(mod: Any) -> None:
             use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction,
         )  # fmt: skip
 
+    # the communicator's GIN types as NCCL's ncclCommQueryProperties reports them (GDAKI by
+    # default; a test sets one to 0 = NONE, as DeepEP #629's single B300 node)
+    mod.emu_gin = {"version": 23203, "ginType": 3, "railedGinType": 3}
     mod.ElasticBuffer = ElasticBuffer
     mod.get_local_nccl_unique_id = get_local_nccl_unique_id
     mod.create_nccl_comm = create_nccl_comm

@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections import Counter
 from typing import Any
 
@@ -81,7 +82,7 @@ from . import ep_layout as lay
 from . import limits, transport
 from .config import EventHandle
 
-__all__ = ["ATOMIC_ORDER", "EPRuntime", "make_ep_runtime_module"]
+__all__ = ["ATOMIC_ORDER", "EPRuntime", "gin_disabled", "make_ep_runtime_module"]
 
 ATOMIC_ORDER = True  # receive slots in a shuffled (atomic-like) order, as on a GPU
 REL = lay.REL
@@ -91,12 +92,11 @@ def _h(cond: bool, lid: str, detail: str = "") -> None:
     limits.host_assert(bool(cond), lid, REL, detail)
 
 
-def _gin_disabled() -> bool:
-    """``get_env("EP_DISABLE_GIN", 0) != 0`` as the runtime reads it."""
-    try:
-        return int(os.environ.get("EP_DISABLE_GIN", "0") or "0") != 0
-    except ValueError:
-        return False
+def gin_disabled() -> bool:
+    """``get_env("EP_DISABLE_GIN", 0) != 0`` as the runtime reads it: ``sscanf("%d")`` takes the
+    leading integer ("2abc" is 2), into an int (utils/system.hpp); no integer: not skipped."""
+    m = re.match(r"\s*([+-]?\d+)", os.environ.get("EP_DISABLE_GIN", "0"))
+    return m is not None and (int(m.group(1)) & 0xFFFFFFFF) != 0
 
 
 def _shape2(t: torch.Tensor, what: str) -> tuple[int, int]:
@@ -156,7 +156,7 @@ class EPRuntime:
         _h(num_lb_buffer_bytes >= 0 and num_lb_buffer_bytes % lay.ALIGNMENT == 0, "ep.lb_bytes")
         _h(0 < num_ranks <= 1024, "ep.num_ranks", f"R={num_ranks}")
         _h(0 < num_allocated_qps <= 1024, "ep.qps", f"{num_allocated_qps} QPs")
-        if not _gin_disabled():  # kernels/comm/context.cpp:124-132, also on one node
+        if not gin_disabled():  # kernels/comm/context.cpp:124-132, also on one node
             props = module.emu_gin
             key = "railedGinType" if allow_hybrid_mode else "ginType"
             _h(props[key] != 0, "ep.gin_type", f"NCCL reports {key} = NONE")
@@ -382,6 +382,7 @@ class EPRuntime:
             warps = lay.dispatch_warps(R, E, H * elem, packs, k, cached)
             threads = ((0 if cached else lay.NOTIFY_WARPS) + warps) * 32
             _h(threads >= R, "ep.dispatch_threads", f"R={R} > {threads} threads")
+            limits.device_trap(warps > 0, "ep.dispatch_no_warps", REL, f"{H * elem}-byte rows")
             template: tuple = (d.nvlink, do_cpu_sync, cached, num_sms, warps, U)
         else:
             _h(N <= 32, "ep.hybrid_scaleout", f"{N} scale-out ranks")

@@ -399,6 +399,14 @@ EP_ROWS: list[Row] = [
         402,
     ),
     _L(
+        "ep.dispatch_no_warps",
+        "device",
+        "V2.5 direct dispatch kernel with no dispatch warp (rows too wide to fit one in shared memory beside the notify counters): no token is ever sent and the receivers wait until the GPU timeout (the emulator traps)",
+        "const auto token_stride = kNumDispatchWarps * kNumSMs;",
+        _I + "dispatch.cuh",
+        278,
+    ),
+    _L(
         "ep.hybrid_scaleout",
         "host",
         "V2.5 hybrid dispatch kernel: scale-out ranks (nodes) <= 32 (EP_STATIC_ASSERT)",

@@ -617,6 +617,13 @@ _ALL = [
         {"2.1.0": ("csrc/elastic/buffer.hpp", 98)},
     ),
     _L(
+        "elastic.gin_type",
+        "host",
+        "V2 NCCL context: with R > 1 NCCL reports a GIN type for the communicator (the railed one in hybrid mode), unless EP_DISABLE_GIN is a non-zero integer — also on one node",
+        "(allow_hybrid_mode ? props.railedGinType : props.ginType) != NCCL_GIN_TYPE_NONE and",
+        {"2.1.0": ("csrc/kernels/backend/nccl.cu", 88)},
+    ),
+    _L(
         "elastic.nvl_ranks",
         "host",
         "V2 domains: num_ranks is a multiple of the NVLink (LSA) domain size",

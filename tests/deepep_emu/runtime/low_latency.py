@@ -15,9 +15,10 @@ saying the GPU would hang or read garbage); results live in one of two alternati
 ``return_recv_hook`` result is garbage once two more low-latency kernels ran (``ll.two_buffers``).
 Ids are DeepEP's to trust: it indexes its per-expert send counters with them unchecked, and each
 sender owns ``num_max`` receive slots per expert on the destination (``rank * num_max + slot``,
-v1.2.1 internode_ll.cu:153-161), so an id outside ``[-1, E)`` and a sender naming one expert more
-than ``num_max`` times (a repeated id) are modelled as traps (``ll.expert_id_range``,
-``ll.source_region``; on a GPU: undefined behaviour and another source rank's rows overwritten).
+v1.2.1 internode_ll.cu:153-161), so an id >= E (an id < 0 is skipped, as DeepEP's
+``dst_expert_idx >= 0``, :152) and a sender naming one expert more than ``num_max`` times (a
+repeated id) are modelled as traps (``ll.expert_id_range``, ``ll.source_region``; on a GPU:
+undefined behaviour and another source rank's rows overwritten).
 The received rows are then packed per expert as DeepEP's receive warps pack them (the per-source
 regions live in its RDMA buffer only).
 Not emulated: UE8M0 / NVFP4 packing, LogFMT, zero-copy combine, overlap signals.
@@ -135,12 +136,12 @@ class LowLatencyKernels:
         del dispatch_wait_recv_cost_stats
         e, cap = num_experts // R, R * num_max
         self.ll_launches += 1
-        bad = (topk_idx >= num_experts) | (topk_idx < -1)
+        bad = topk_idx >= num_experts  # NOTE: ids < 0 are skipped (dst_expert_idx >= 0, :152)
         limits.device_trap(
             not bool(bad.any()),
             "ll.expert_id_range",
             rel,
-            f"{int(bad.sum())} id(s) outside [-1, E={num_experts}), e.g. {int(topk_idx[bad][0])}"
+            f"{int(bad.sum())} id(s) >= E={num_experts}, e.g. {int(topk_idx[bad][0])}"
             if bool(bad.any())
             else "",
         )
