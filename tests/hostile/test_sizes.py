@@ -166,8 +166,8 @@ def test_config_size_fields_are_bounded(field):
 def test_check_fits_names_everything_and_caches_what_fitted(monkeypatch):
     calls = []
 
-    def fake(device):
-        calls.append(device)
+    def fake(device, tree=False):
+        calls.append((device, tree))
         return 1 << 30, "a test figure"
 
     monkeypatch.setattr(_limits, "available_bytes", fake)
@@ -197,7 +197,7 @@ def test_available_bytes_reads_the_process_limits():
 
 
 def test_ordinary_calls_do_not_query_memory(monkeypatch):
-    def boom(device):
+    def boom(device, tree=False):
         raise AssertionError("queried memory on an ordinary call")
 
     monkeypatch.setattr(_limits, "available_bytes", boom)
