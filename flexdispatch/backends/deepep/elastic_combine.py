@@ -68,7 +68,9 @@ class ElasticCombineMixin:
         wide = y is not None and not self._narrow(y)
         if wide:
             assert y is not None
-            part = sizing.pad_cols(y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16), 256)
+            part = sizing.pad_cols(
+                y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16), _COMBINE_COL_MULTIPLE
+            )
         else:
             part = torch.zeros(
                 w.shape[0], _COMBINE_COL_MULTIPLE, dtype=torch.bfloat16, device=w.device

@@ -67,8 +67,9 @@ from flexdispatch.backends.deepep.ep_buffer import (
     kernel_key,
     kernels_of,
 )
-from flexdispatch.backends.deepep.ep_combine import _COMBINE_COLS, EPCombineMixin, sent_tokens
+from flexdispatch.backends.deepep.ep_combine import EPCombineMixin, sent_tokens
 from flexdispatch.backends.deepep.ep_layout import (
+    COMBINE_COLS,
     cached_pieces,
     cached_refusal,
     dispatch_cols,
@@ -397,7 +398,7 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
             send = sizing.pad_cols(wire.send(x), mult)
             row = dispatch_row_bytes(2 * hidden, 0, k)
         # NOTE: sized for the combine of these rows too (bf16, padded to 256 columns)
-        buffer = self._buffer(max(hidden, -(-X // _COMBINE_COLS) * _COMBINE_COLS), k)
+        buffer = self._buffer(max(hidden, -(-X // COMBINE_COLS) * COMBINE_COLS), k)
         sms = self._sms(k)
         if self.topk_idx_dtype != torch.int64:
             idx = idx.to(self.topk_idx_dtype)
@@ -631,7 +632,7 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
             why = cached_refusal(R, E, row_bytes=2 * w.shape[1], k=k, device=x.device)
             if why is not None:
                 raise ValueError(why)
-        buffer = self._buffer(max(w.shape[1], _COMBINE_COLS), state.topk)
+        buffer = self._buffer(max(w.shape[1], COMBINE_COLS), state.topk)
         fp8 = state.recv_scales is not None
         packs = state.recv_scales.shape[1] if state.recv_scales is not None else 0
         # the dispatch's row: X fp8 bytes and its scales, or its padded bf16 columns

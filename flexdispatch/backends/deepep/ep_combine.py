@@ -17,12 +17,12 @@ import torch
 
 from flexdispatch.backends.deepep import sizing
 from flexdispatch.backends.deepep.ep_buffer import kernel_key
+from flexdispatch.backends.deepep.ep_layout import COMBINE_COLS
 from flexdispatch.backends.deepep.ep_rows import EPDispatchState, combine_row_bytes
 from flexdispatch.types import DispatchHandle
 
 __all__ = ["EPCombineMixin", "sent_tokens"]
 
-_COMBINE_COLS = 256  # combine hidden % 256 (impls/ep/combine.cuh:110)
 _NARROW = sizing.MAX_TOPK  # fp32 rows this narrow are summed exactly
 
 
@@ -89,9 +89,9 @@ class EPCombineMixin:
             out = sizing.pad_tokens(self._combine_fp32(yd, state), handle.num_tokens)
             return out if bias is None else out + bias
         yb = yd if yd.dtype == torch.bfloat16 else yd.to(torch.bfloat16)
-        part = sizing.pad_cols(yb, _COMBINE_COLS)
+        part = sizing.pad_cols(yb, COMBINE_COLS)
         sent = sent_tokens(state)
-        b = None if bias is None else sizing.pad_cols(bias[:sent], _COMBINE_COLS)
+        b = None if bias is None else sizing.pad_cols(bias[:sent], COMBINE_COLS)
         out, _ = self._combine_call(part, state, bias=b)
         out = out[:, :X]
         out = out if out.dtype == y.dtype else out.to(y.dtype)
@@ -115,7 +115,7 @@ class EPCombineMixin:
         if state.local is not None:
             local = state.to_deepep(state.local)
             first = torch.nn.functional.one_hot(local.to(torch.int8).argmax(1), k).bool() & local
-        dummy = torch.zeros(rows, _COMBINE_COLS, dtype=torch.bfloat16, device=y.device)
+        dummy = torch.zeros(rows, COMBINE_COLS, dtype=torch.bfloat16, device=y.device)
         yf = y.float()
         cols = []
         for c in range(X):
@@ -138,11 +138,11 @@ class EPCombineMixin:
         if state.local is None or (y is not None and self._narrow(y)):
             return super().combine_with_probs(y, probs, handle)
         w = state.to_deepep(probs.float()).contiguous()
-        part = torch.zeros(w.shape[0], _COMBINE_COLS, dtype=torch.bfloat16, device=w.device)
+        part = torch.zeros(w.shape[0], COMBINE_COLS, dtype=torch.bfloat16, device=w.device)
         if y is not None:
             yd = state.to_deepep(y)
             part = sizing.pad_cols(
-                yd if yd.dtype == torch.bfloat16 else yd.to(torch.bfloat16), _COMBINE_COLS
+                yd if yd.dtype == torch.bfloat16 else yd.to(torch.bfloat16), COMBINE_COLS
             )
         out, out_w = self._combine_call(part, state, weights=w)  # out_w: owner rank's value
         assert out_w is not None
@@ -164,10 +164,10 @@ class EPCombineMixin:
         if wide:
             assert y is not None
             part = sizing.pad_cols(
-                y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16), _COMBINE_COLS
+                y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16), COMBINE_COLS
             )
         else:
-            part = torch.zeros(w.shape[0], _COMBINE_COLS, dtype=torch.bfloat16, device=w.device)
+            part = torch.zeros(w.shape[0], COMBINE_COLS, dtype=torch.bfloat16, device=w.device)
         out, out_w = self._combine_call(part, state, weights=w)
         assert out_w is not None
         out_w = sizing.pad_tokens(out_w, handle.num_tokens)
