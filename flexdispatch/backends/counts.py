@@ -16,10 +16,9 @@ import torch.distributed as dist
 
 from flexdispatch._validate import is_capturing
 from flexdispatch.distributed import (
-    all_gather_int64,
     collective_guard,
     group_size,
-    host_group,
+    host_gather_int64,
     is_distributed,
     start_gather_int64,
 )
@@ -92,8 +91,8 @@ def agree_tokens(
     """Every rank's token count T, agreed on the host (a dropless DeepEP V2 / V2.5 bound, or a
     worst-case check), with its row shape ``(X, k, dtype)`` and whether it refuses its rows: one
     all-gather of the same five ints ``[T, X, k, dtype code, refused]`` on every rank, whatever
-    its checks setting, as a CPU tensor over ``host_group(group)`` (gloo): no device collective,
-    so no host sync on CUDA.
+    its checks setting, gathered on the host (``host_gather_int64``: gloo, no device collective,
+    so no host sync on CUDA).
 
     Args:
         refusal: why this rank cannot send its rows (a backend's limit), or None.
@@ -107,8 +106,7 @@ def agree_tokens(
         CollectiveError: ``name``'s all-gather failed (a peer failed or timed out).
     """
     vals = [T, shape[0], shape[1], DTYPE_CODES.get(shape[2], -1), int(refusal is not None)]
-    rows = all_gather_int64(torch.tensor(vals, dtype=torch.int64), host_group(group), name=name)
-    got = rows.tolist()
+    got = host_gather_int64(vals, group, name=name)
     check_agreement([r[1:4] for r in got], num_ranks=0, num_nodes=0)
     refused = [r for r, row in enumerate(got) if row[4]]
     if refusal is not None:

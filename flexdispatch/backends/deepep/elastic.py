@@ -24,10 +24,10 @@ Selected with ``DispatchConfig.deepep_api="elastic"``, and by ``"auto"`` where e
 - **Dropless** (``num_worst_tokens=0``): ``do_cpu_sync=True`` with
   ``M = DispatchConfig.num_max_dispatch_tokens_per_rank`` at first, a bound every rank shares (the
   buffer is sized for it). Every token is sent (audit-4 P3): every rank's T is agreed on the
-  host first (four ints over a gloo group of the same ranks: no device collective, no host
-  sync), and when a rank has more than M every rank raises M to that T's bucket
-  (``ep_support.token_bucket``; the buffer grows with it). One host sync (counted): DeepEP's CPU
-  wait for the counts. Not capturable (refused inside a CUDA graph).
+  host first (five ints gathered over gloo, ``distributed.host_gather_int64``: no device
+  collective, no host sync), and when a rank has more than M every rank raises M to that T's
+  bucket (``ep_support.token_bucket``; the buffer grows with it). One host sync (counted):
+  DeepEP's CPU wait for the counts. Not capturable (refused inside a CUDA graph).
 - **Worst-case** (``num_worst_tokens = W``, W a multiple of R): ``do_cpu_sync=False`` with
   ``M = W / R``: DeepEP returns ``R * M = W`` rows, the first ones equal to the dropless rows; the
   real row count is ``psum_num_recv_tokens_per_scaleup_rank[-1]`` on the device, from which the

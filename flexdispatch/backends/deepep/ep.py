@@ -22,11 +22,11 @@ Selected with ``DispatchConfig.deepep_api="ep"``, and by ``"auto"`` where every 
   keeps every receive within the contract's W rows; DeepEP's ``R * M`` rows are cut back to W
   after the sort (expanded: ``R * (W / R) * min(k, e)`` rows, aligned).
 - **Dropless**: ``do_cpu_sync=True``. Every token is sent (audit-4 P3): every rank's T is agreed
-  on the host first (four ints over a gloo group of the same ranks: no device collective, no host
-  sync), and when a rank has more than the bound every rank raises it to that T's bucket (the
-  buffer grows with it). One host sync: DeepEP's CPU wait. Not capturable (refused inside a CUDA
-  graph). **Worst-case**: ``do_cpu_sync=False``, no host sync, inside a node and across nodes;
-  rows past the real ones are masked on the device.
+  on the host first (five ints gathered over gloo, ``distributed.host_gather_int64``: no device
+  collective, no host sync), and when a rank has more than the bound every rank raises it to
+  that T's bucket (the buffer grows with it). One host sync: DeepEP's CPU wait. Not capturable
+  (refused inside a CUDA graph). **Worst-case**: ``do_cpu_sync=False``, no host sync, inside a
+  node and across nodes; rows past the real ones are masked on the device.
 - **JIT**: each kernel template compiles at first use; ``ep_buffer.KernelRegistry`` knows which
   ran, and a first use inside a CUDA-graph capture raises with the fix
   (``FlexDispatcher.warmup``).

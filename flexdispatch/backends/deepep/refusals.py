@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from flexdispatch import _limits, _validate
-from flexdispatch.distributed import all_gather_int64, collective_device, host_group
+from flexdispatch.distributed import all_gather_int64, collective_device, host_gather_int64
 
 __all__ = [
     "INT_MAX",
@@ -140,7 +140,7 @@ def agree_buffer_fits(
     on some rank.
 
     Args:
-        group: the process group (the flags travel over its ``host_group``).
+        group: the process group (the flags are gathered on the host, ``host_gather_int64``).
         what: the buffer, e.g. ``"DeepEP 2.5 EPBuffer"``.
         num_bytes: its size (the same on every rank: every rank computes it from the same M, H,
             k); ``held`` of them are freed first (the buffer it replaces).
@@ -161,9 +161,8 @@ def agree_buffer_fits(
         f"DispatchConfig.{setting}"
     )
     mine = _limits.refusal(what, setting, value, num_bytes - held, device, detail=detail, fix=fix)
-    flag = torch.tensor([int(mine is not None)], dtype=torch.int64)
     name = f"all_gather ({what} fits)"
-    flags = all_gather_int64(flag, host_group(group), name=name).view(-1).tolist()
+    flags = [r[0] for r in host_gather_int64([int(mine is not None)], group, name=name)]
     bad = [r for r, f in enumerate(flags) if f]
     if not bad:
         return
