@@ -520,6 +520,38 @@ def growth_fits(rank: int, R: int) -> dict[str, Any]:
     return out
 
 
+def sm_models_across_growth(rank: int, R: int) -> list[int]:
+    """DeepEP 2.5's SM model (its bandwidth probes and an all-reduce with a host read) runs once
+    per (E, k): a dropless bound that grows mid-run (rank 1 T = 8, then 600) rebuilds the buffer
+    but keeps the agreed count. Returns the model's runs after each dispatch, then the bound and
+    the buffers built."""
+    from flexdispatch import DispatchConfig, FlexDispatcher
+
+    E, k, H = 4 * R, 2, 1024  # NOTE: wide enough that 600 tokens outgrow the 2 MiB first build
+    v25, _, _ = _emus(R)
+    runs = [0]
+    real = v25.EPBuffer.get_theoretical_num_sms
+
+    def counted(self: Any, *args: Any, **kw: Any) -> int:
+        runs[0] += 1
+        return real(self, *args, **kw)
+
+    v25.EPBuffer.get_theoretical_num_sms = counted
+    cfg = DispatchConfig(backend="deepep", deepep_api="ep", checks=False)
+    d = FlexDispatcher(cfg, num_experts=E, _deep_ep=v25)
+    seen = []
+    try:
+        for T in (8, 600 if rank == 1 else 8, 8):
+            idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+            d.dispatch(torch.randn(T, H), idx, torch.rand(T, k))
+            seen.append(runs[0])
+        seen += [d.backend.num_max_tokens_per_rank, d.backend._shared.allocations]
+    finally:
+        v25.EPBuffer.get_theoretical_num_sms = real
+        d.close()
+    return seen
+
+
 def worker(rank: int, R: int) -> dict[str, Any]:
     return {
         "selection": selection(rank, R),
@@ -531,6 +563,7 @@ def worker(rank: int, R: int) -> dict[str, Any]:
         "beyond": beyond_the_bound(rank, R),
         "fits": growth_fits(rank, R),
         "capture": capture_epilogue(rank, R),
+        "sm_models": sm_models_across_growth(rank, R),
         "rows": agreed_rows(rank, R),
     }
 
@@ -564,6 +597,7 @@ def test_ep_selection_refusals_jit_and_features() -> None:
         assert "direct mode over 2 nodes" in s["hybrid_auto"][1], s["hybrid_auto"]
         assert "hybrid mode over 2 nodes" in s["hybrid_small"][1], s["hybrid_small"]
 
+        assert out["sm_models"] == [1, 1, 1, 1024, 2], out["sm_models"]  # rebuilt, not re-run
         assert out["beyond"].pop("host_groups") == ["ProcessGroupGloo"], out  # made once
         for name, b in out["beyond"].items():  # P3: more tokens than the default bound
             assert b["api"] == ("elastic" if name == "elastic" else "ep"), (name, b)

@@ -284,7 +284,6 @@ class SharedEPBuffer:
         if self.buffer is not None:
             self.buffer.destroy()
             self.buffer = None
-            self.sms.clear()
 
     def leave(self, user: int) -> None:
         """``user`` closes; the buffer is destroyed when nobody uses it any more."""
@@ -297,6 +296,7 @@ class SharedEPBuffer:
                 del _BUFFERS[key]
         self._destroy()
         self.size, self.num_bytes = None, 0
+        self.sms.clear()  # NOTE: a rebuild keeps them: they follow the group's ranks and links
 
 
 def check_epilogue(pending: Any) -> None:
