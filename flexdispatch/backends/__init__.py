@@ -429,8 +429,9 @@ def _build(
     everywhere: bool | None = None,
 ) -> tuple[DispatchBackend, str]:
     """Build the deepep backend of ``api`` (or, with ``backend='auto'``, torch when it cannot
-    serve every rank). ``everywhere``: the support already agreed across ranks (None: agree here
-    with one small all-reduce when ``backend='auto'``)."""
+    serve every rank; with ``backend='deepep'``, raise on every rank when one cannot build it).
+    ``everywhere``: the support already agreed across ranks (None: agree here with one small
+    all-reduce)."""
     ok, why = support
     make = {
         "ep": make_deepep_ep_backend,
@@ -439,6 +440,8 @@ def _build(
     }[api]
     what = "deepep backend" + (f" with deepep_api={api!r}" if api != "legacy" else "")
     if config.backend == "deepep":
+        if everywhere is None:  # NOTE: a rank that cannot build it makes every rank raise
+            everywhere = all_reduce_min_flag(ok, group)
         if not ok:
             alt = {"ep": "deepep_api='elastic' / 'legacy', ", "elastic": "deepep_api='legacy', "}
             alt = alt.get(api, "")

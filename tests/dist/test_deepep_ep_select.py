@@ -68,6 +68,14 @@ def selection(rank: int, R: int) -> dict[str, Any]:
     out["ep"] = pick(DispatchConfig(backend="deepep", deepep_api="ep"), v25)
     out["ep_missing"] = _raises(lambda: pick(DispatchConfig(backend="deepep", deepep_api="ep"), v1))
     out["ep_auto_missing"] = pick(DispatchConfig(deepep_api="ep"), v1)
+    # rank 1 has no DeepEP 2.5 / no V2: backend='deepep' raises on every rank, not on rank 1
+    # alone (rank 0 built V2 and waited in its first collective)
+    out["ep_split"] = _raises(
+        lambda: pick(DispatchConfig(backend="deepep", deepep_api="ep"), v25 if rank == 0 else v1)
+    )
+    out["v2_split"] = _raises(
+        lambda: pick(DispatchConfig(backend="deepep", deepep_api="elastic"), v1 if rank else v2)
+    )
     out["ep_ll"] = _raises(
         lambda: pick(DispatchConfig(backend="deepep", deepep_api="ep", mode="low_latency"), v25)
     )
@@ -589,6 +597,9 @@ def test_ep_selection_refusals_jit_and_features() -> None:
         assert rank == 1 or "DeepEP 2.5 is not the choice of every rank" in reason, reason
         assert "deep_ep_v25" in s["ep_missing"] and "'elastic' / 'legacy'" in s["ep_missing"]
         assert s["ep_auto_missing"][2] == "torch", s["ep_auto_missing"]
+        for key, missing in (("ep_split", "deep_ep_v25"), ("v2_split", "no ElasticBuffer")):
+            want = missing if rank == 1 else "but not on every rank"
+            assert want in s[key], (key, s[key])
         assert "deepep_api='ep'" in s["ep_auto_missing"][1], s["ep_auto_missing"]
         assert "low-latency" in s["ep_ll"], s["ep_ll"]
         assert "not a multiple of R=2" in s["ep_odd_w"], s["ep_odd_w"]
