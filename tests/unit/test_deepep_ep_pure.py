@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -192,3 +193,68 @@ def test_v25_container_recipe_and_setup_pin_what_the_tests_use() -> None:
         want = re.search(r"torch==([0-9.]+)", pinned[0]) if pinned else None
         assert want and f"ARG TORCH_VERSION={want.group(1)}" in recipe, pinned
     assert "whl/cu130" in recipe
+
+
+def test_an_epilogue_run_early_on_another_stream_is_joined_by_the_waiter(monkeypatch) -> None:
+    """Audit-4 P2's early epilogue: another call on the buffer runs a pending deferred dispatch's
+    epilogue on its own stream (B); the waiter (stream A) then waits for it through an event and
+    records the rows as used on A. CUDA streams stand in as objects here (no GPU)."""
+    from flexdispatch.backends.deepep import ep_rows
+
+    log: list[tuple[str, ...]] = []
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def wait_event(self, event: Any) -> None:
+            log.append((self.name, "waits for", event.on))
+
+    class Event:
+        def record(self, stream: Stream) -> None:
+            self.on = stream.name
+            log.append(("event on", stream.name))
+
+    class Rows(torch.Tensor):  # NOTE: a CPU tensor that says it lives on the GPU
+        @property
+        def is_cuda(self) -> bool:  # type: ignore[override]
+            return True
+
+        def record_stream(self, stream: Any) -> None:  # type: ignore[override]
+            log.append(("rows used on", stream.name))
+
+    def rows() -> Rows:
+        return torch.zeros(1).as_subclass(Rows)  # type: ignore[return-value]
+
+    class Overlap:
+        def current_stream_wait(self) -> tuple[Any, ...]:
+            log.append(("epilogue on", now[0].name))
+            return (rows(), (rows(), rows()), rows(), "handle")
+
+    now = [Stream("B")]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: now[0])
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+
+    def pending() -> ep_rows.PendingExpanded:
+        return ep_rows.PendingExpanded(Overlap(), None, False, 1, 1, 1, 4, torch.zeros(3), 0)
+
+    p = pending()
+    assert p.settle(early=True) and not p.settle(early=True)  # runs once
+    now[0] = Stream("A")
+    p.join()
+    assert log == [
+        ("epilogue on", "B"),
+        ("event on", "B"),
+        ("A", "waits for", "B"),
+        *[("rows used on", "A")] * 4,
+    ], log
+    log.clear()
+    p = pending()  # run early, but on the waiter's own stream: nothing to join
+    p.settle(early=True)
+    p.join()
+    assert log == [("epilogue on", "A"), ("event on", "A")], log
+    log.clear()
+    p = pending()  # run by its own wait(): no event at all
+    p.settle()
+    p.join()
+    assert log == [("epilogue on", "A")], log

@@ -537,6 +537,7 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         if self._shared.pending is p:
             self._shared.pending = None
         p.settle()
+        p.join()  # NOTE: an epilogue run early on another stream: this stream waits for it
         recv, _, recv_w, handle = p.result
         return self._expanded(recv, recv_w, handle, p)
 

@@ -184,7 +184,7 @@ class SharedEPBuffer:
         """
         check_epilogue(self.pending)
         p, self.pending = self.pending, None
-        if p is not None and p.settle():
+        if p is not None and p.settle(early=True):
             self.epilogues_run_early += 1
 
     def ensure(self, need: EPSize, *, tokens: int = 0, worst: int = 0) -> Any:

@@ -196,11 +196,41 @@ class PendingExpanded:
     row_bytes: int
     result: Any = None  # the epilogue's (recv_x, recv_topk_idx, recv_topk_weights, handle)
     captured: bool = False  # launched inside a CUDA-graph capture (``SharedEPBuffer.hold``)
+    ran_on: Any = None  # the CUDA stream the epilogue ran on (None: not yet, or not CUDA)
+    done: Any = None  # a CUDA event recorded on ``ran_on`` right after the epilogue
 
-    def settle(self) -> bool:
-        """Run DeepEP's deferred epilogue (``EventOverlap.current_stream_wait``) unless it ran;
-        True when it ran now."""
+    def settle(self, *, early: bool = False) -> bool:
+        """Run DeepEP's deferred epilogue (``EventOverlap.current_stream_wait``) on the current
+        stream unless it ran; True when it ran now. ``early``: another call on the buffer runs
+        it, maybe on another stream than the waiter's (``join``)."""
         if self.result is not None or self.event is None:
             return False
         self.result = self.event.current_stream_wait()
+        if early and any(t.is_cuda for t in _tensors(self.result)):
+            self.ran_on = torch.cuda.current_stream()
+            self.done = torch.cuda.Event()
+            self.done.record(self.ran_on)
         return True
+
+    def join(self) -> None:
+        """The waiter's side: where the epilogue ran on another stream (another call on the
+        buffer settled it there first), the current stream waits for it (an event, no host
+        sync), and the rows it wrote are recorded as used here, so the allocator does not hand
+        their blocks to the other stream while this one still reads them."""
+        if self.done is None:
+            return
+        here = torch.cuda.current_stream()
+        if here == self.ran_on:
+            return
+        here.wait_event(self.done)
+        for t in _tensors(self.result):
+            t.record_stream(here)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of an epilogue's result (nested tuples: fp8 rows with their scales)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
