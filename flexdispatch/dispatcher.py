@@ -522,10 +522,11 @@ class FlexDispatcher:
             TypeError / ValueError: a foreign handle or a malformed ``y`` (before any collective).
             flexdispatch.distributed.CollectiveError: a peer rank failed or timed out.
         """
-        # NOTE: traced, the serial is not read (dynamo would guard on it): the op checks it
-        check_handle(
-            handle, self.backend_name, None if torch.compiler.is_compiling() else self._issuer
-        )
+        # NOTE: traced, the serial is not read (dynamo would guard on it), nor on an op handle
+        # (a compiled dispatch stamps none): ``flexdispatch::combine`` checks it when it runs
+        op_handle = isinstance(getattr(handle, "state", None), torch.Tensor)
+        issuer = None if op_handle or torch.compiler.is_compiling() else self._issuer
+        check_handle(handle, self.backend_name, issuer)
         check_tensor("y", y, ndim=2, floating=True)
         self._check_device("y", y)
         if tuple(y.shape) != (handle.num_recv_rows, handle.hidden):
@@ -533,7 +534,7 @@ class FlexDispatcher:
                 f"y must have shape [{handle.num_recv_rows}, {handle.hidden}] (the rows dispatch "
                 f"returned), got {tuple(y.shape)}"
             )
-        if isinstance(handle.state, torch.Tensor) or _ops.use_ops():  # NOTE: see ``dispatch``
+        if op_handle or _ops.use_ops():  # NOTE: see ``dispatch``
             return _ops.combine(self, y, handle, bias)
         return self._combine(y, handle, bias)
 

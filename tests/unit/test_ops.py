@@ -355,3 +355,20 @@ def test_compile_dropless_breaks_the_graph_and_equals_eager() -> None:
     assert "combine" in _compiled_ops(counter)
     torch._dynamo.reset()
     gc.collect()  # NOTE: the refused compile's traceback held a dispatch result
+
+
+def test_a_compiled_dispatch_combines_eagerly() -> None:
+    """A dispatch compiled whole (its handle stamped with no issuer) is combined on the eager
+    path equal to an eager dispatch + combine; the op still refuses another dispatcher's handle
+    (docs/compile.md: combine takes the op handle on either path)."""
+    torch._dynamo.reset()
+    d = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=12), num_experts=E)
+    other = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=12), num_experts=E)
+    x, p = _inputs()
+    res = torch.compile(lambda a, b: d.dispatch(a, IDX, b), fullgraph=True, backend="eager")(x, p)
+    assert isinstance(res.handle.state, torch.Tensor)
+    eager = d.dispatch(x, IDX, p)
+    assert torch.equal(d.combine(res.recv_x, res.handle), d.combine(eager.recv_x, eager.handle))
+    with pytest.raises(ValueError, match="issued by another FlexDispatcher"):
+        other.combine(res.recv_x, res.handle)
+    torch._dynamo.reset()
