@@ -158,7 +158,7 @@ class FlexDispatcher:
         int64 CPU tensor (a graph input under ``torch.compile``, so that identical layers share
         one compiled graph)."""
         self._issuer = next_issuer()
-        self._op_id = torch.tensor([self._issuer], dtype=torch.int64)
+        self._op_id = torch.tensor([self._issuer], dtype=torch.int64, device="cpu")
         _ops.register_dispatcher(self._issuer, self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -103,7 +103,7 @@ def _forget(hid: int, _ref: weakref.ref) -> None:
 def _register(handle: DispatchHandle, pairs: int | None) -> torch.Tensor:
     """The ``[2]`` int64 CPU tensor ``(id, pairs or -1)`` naming ``handle`` while it lives."""
     hid = next(_IDS)
-    t = torch.tensor([hid, -1 if pairs is None else pairs], dtype=torch.int64)
+    t = torch.tensor([hid, -1 if pairs is None else pairs], dtype=torch.int64, device="cpu")
     # NOTE: a weak reference to the storage, not to the tensor: an alias (``detach()``, as
     # selective checkpointing caches outputs) keeps the entry alive as the storage does
     _HANDLES[hid] = (handle, weakref.ref(t.untyped_storage(), functools.partial(_forget, hid)))

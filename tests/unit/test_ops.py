@@ -372,3 +372,20 @@ def test_a_compiled_dispatch_combines_eagerly() -> None:
     with pytest.raises(ValueError, match="issued by another FlexDispatcher"):
         other.combine(res.recv_x, res.handle)
     torch._dynamo.reset()
+
+
+def test_op_ids_stay_on_the_cpu_under_a_default_device() -> None:
+    """Under ``with torch.device(...)`` (vLLM and SGLang build models so; ``meta`` stands in for
+    ``cuda`` here) the dispatcher's id and the handle tensor are still CPU tensors (reading them
+    is no device sync, as the fake rule says), and dispatch + combine through the ops work."""
+    x, p = _inputs()
+    ref = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=12), num_experts=E)
+    res = ref.dispatch(x, IDX, p)
+    want = ref.combine(res.recv_x * 2, res.handle)
+    ops.set_eager_ops(True)
+    with torch.device("meta"):
+        d = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=12), num_experts=E)
+        res = d.dispatch(x, IDX, p)
+        assert d._op_id.device.type == "cpu"
+        assert res.handle.state.device.type == "cpu"
+        assert torch.equal(d.combine(res.recv_x * 2, res.handle), want)
