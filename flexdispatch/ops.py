@@ -387,12 +387,27 @@ def dispatch(
     )
 
 
+@torch.compiler.disable(
+    reason="flexdispatch: combine of a handle from the eager path (dispatch_expanded, or a "
+    "dispatch outside the compiled region) registers it when it runs, outside the graph; "
+    "with fullgraph=True, call dispatch (not dispatch_expanded) inside the compiled region too, "
+    "or compile without fullgraph"
+)
+def _register_eager(handle: DispatchHandle) -> torch.Tensor:
+    """``_register(handle, None)`` when the code runs, never while dynamo traces it (a graph
+    break: the tensor is then an input of the next graph). Traced, the id would be baked into
+    the graph as a constant and its entry dropped with the trace's tensor."""
+    return _register(handle, None)
+
+
 def combine(
     d: Any, y: torch.Tensor, handle: DispatchHandle, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``FlexDispatcher.combine`` through ``flexdispatch::combine`` (inputs already checked). A
-    handle of the eager path (dispatched before the ops were switched on) is registered now."""
+    handle of the eager path (dispatched before the ops were switched on, or by
+    ``dispatch_expanded``) is registered now, at run time (``_register_eager``)."""
     handle_t = handle.state
     if not isinstance(handle_t, torch.Tensor):
-        handle_t = _register(handle, None)
+        compiling = torch.compiler.is_compiling()
+        handle_t = _register_eager(handle) if compiling else _register(handle, None)
     return torch.ops.flexdispatch.combine(y, handle_t, d._op_id, handle.num_tokens, bias)

@@ -389,3 +389,31 @@ def test_op_ids_stay_on_the_cpu_under_a_default_device() -> None:
         assert d._op_id.device.type == "cpu"
         assert res.handle.state.device.type == "cpu"
         assert torch.equal(d.combine(res.recv_x * 2, res.handle), want)
+
+
+def test_compiled_combine_of_an_eager_handle_equals_eager() -> None:
+    """A handle of the eager path (``dispatch_expanded``, or a dispatch outside the compiled
+    region) combined inside one: registered when the code runs (a graph break), not while
+    tracing (its id baked into the graph, its entry gone with the trace): every call, each with
+    a new handle through the same graph, equals eager, forward and backward; ``fullgraph=True``
+    refuses it naming the fix."""
+    torch._dynamo.reset()
+    d = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=12), num_experts=E)
+    compiled = torch.compile(lambda y, h: d.combine(y, h), backend="aot_eager")
+    x, p = _inputs()
+    for scale in (1.0, 2.0):
+        res = d.dispatch(x * scale, IDX, p)
+        got, want = [], []
+        for f, out in ((compiled, got), (d.combine, want)):
+            y = res.recv_x.clone().requires_grad_()
+            z = f(y, res.handle)
+            z.square().sum().backward()
+            out += [z.detach(), y.grad]
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+    full = torch.compile(lambda y, h: d.combine(y, h), backend="aot_eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="not dispatch_expanded"):
+        full(res.recv_x, res.handle)
+    del res
+    torch._dynamo.reset()
+    gc.collect()
