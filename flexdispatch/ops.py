@@ -342,6 +342,24 @@ def _cached_dispatch_fake(
 
 
 # --------------------------------------------------------------------------- callers
+def _pairs(handle_t: torch.Tensor) -> int | None:
+    """``num_recv_pairs`` from the handle tensor (a CPU tensor: no device sync), None if -1."""
+    pairs = int(handle_t[1])
+    return None if pairs < 0 else pairs
+
+
+# NOTE: traced, ``int()`` either breaks the graph or (``capture_scalar_outputs``, as torchtitan
+# sets) becomes an unbacked symbol that ``< 0`` cannot guard on: always a graph break, with a
+# message naming the fix where ``fullgraph=True`` refuses it
+_pairs_outside_graph = torch.compiler.disable(
+    _pairs,
+    reason="flexdispatch: a dropless dispatch (DispatchConfig.num_worst_tokens=0) has a "
+    "data-dependent row count and reads it on the host, so it cannot be compiled with "
+    "fullgraph=True: set num_worst_tokens > 0 (worst-case mode, static shapes) or compile "
+    "without fullgraph",
+)
+
+
 def dispatch(
     d: Any,
     x: torch.Tensor,
@@ -363,11 +381,12 @@ def dispatch(
         x, topk_idx, topk_probs, d._op_id, d.config.num_worst_tokens, d.num_local_experts, *lay
     )
     pairs = None
-    if not d.config.num_worst_tokens or not torch.compiler.is_compiling():
-        # NOTE: a CPU tensor (no device sync). Dropless under torch.compile: dynamo breaks the
-        # graph here (data-dependent), and permute gets the row count without a sync of its own
-        pairs = int(handle_t[1])
-        pairs = None if pairs < 0 else pairs
+    if not torch.compiler.is_compiling():
+        pairs = _pairs(handle_t)
+    elif not d.config.num_worst_tokens:
+        # NOTE: dropless under torch.compile: a graph break here (data-dependent), and permute
+        # gets the row count without a sync of its own
+        pairs = _pairs_outside_graph(handle_t)
     handle = DispatchHandle(
         backend=d.backend_name,
         num_tokens=x.shape[0],

@@ -417,3 +417,25 @@ def test_compiled_combine_of_an_eager_handle_equals_eager() -> None:
     del res
     torch._dynamo.reset()
     gc.collect()
+
+
+def test_compile_dropless_fullgraph_names_the_fix_under_captured_scalars() -> None:
+    """torchtitan compiles each block with ``fullgraph=True`` and ``capture_scalar_outputs``:
+    a dropless dispatch is refused with a message naming ``num_worst_tokens > 0`` (not
+    dynamo's data-dependent guard error), and without ``fullgraph`` it equals eager."""
+    torch._dynamo.reset()
+    d = FlexDispatcher(DispatchConfig(backend="torch"), num_experts=E)
+    x, p = _inputs()
+
+    def fn(xg: torch.Tensor, pg: torch.Tensor) -> torch.Tensor:
+        res = d.dispatch(xg, IDX, pg)
+        return d.combine(res.recv_x * 2, res.handle)
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        full = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="num_worst_tokens > 0"):
+            full(x, p)
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(fn, backend="aot_eager")(x, p), fn(x, p))
+    torch._dynamo.reset()
+    gc.collect()  # NOTE: the refused compile's traceback held a dispatch result
