@@ -237,12 +237,9 @@ class FlexDispatcher:
         topk_idx: torch.Tensor,
         topk_probs: torch.Tensor,
         layout: DispatchLayout | None,
-        *,
-        read_values: bool = True,
     ) -> torch.Tensor:
-        """Check the inputs (metadata always, values as ``_check_values`` unless ``read_values``
-        is False: the fake op, shapes only); returns the ids to dispatch (bad ones as -1 on the
-        deferred path)."""
+        """Check the inputs (metadata, then values as ``_check_values``); returns the ids to
+        dispatch (bad ones as -1 on the deferred path)."""
         values = x  # what the non-finite check reads (fp8 rows: their float32 scales)
         if isinstance(x, tuple):
             x = _validate.check_fp8_rows(x, self.backend_name)
@@ -295,8 +292,6 @@ class FlexDispatcher:
                     f"{tuple(mask.shape)} {mask.dtype}: build the layout with "
                     f"get_dispatch_layout(topk_idx, num_experts, num_ranks)"
                 )
-        if not read_values:
-            return topk_idx
         return self._check_values(topk_idx, values, topk_probs)
 
     def _check_values(

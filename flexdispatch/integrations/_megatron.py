@@ -29,7 +29,13 @@ __all__ = ["FlexdispatchManager", "FlexdispatchTokenDispatcher", "refusal"]
 
 
 def refusal(config: Any) -> str | None:
-    """Why the plug-in cannot serve a layer of this ``TransformerConfig``, or None."""
+    """Why the plug-in cannot serve a layer of this ``TransformerConfig``, or None.
+
+    Megatron's own ``TransformerConfig`` checks already refuse both options for a ``"flex"``
+    layer with the ``"deepep"`` backend, so this is reached only by a config that passed them
+    as another dispatcher: an ``"alltoall"`` layer routed to the plug-in (as
+    ``scripts/megatron_acceptance``'s ``MLM_VIA=a2a-flex`` does), or one changed after it was
+    built. Kept so that such a layer is refused naming the option, not run wrongly."""
     if getattr(config, "moe_pad_expert_input_to_capacity", False):
         return (
             "flexdispatch's Megatron plug-in does not pad expert inputs to capacity "
