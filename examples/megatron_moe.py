@@ -1,5 +1,8 @@
 """Megatron-Core's MoE layer moving its tokens through flexdispatch, on CPU (2 gloo ranks).
 
+A CPU example: its tensors and process group stay on the CPU on a GPU node too (the CPU
+workaround below is applied always).
+
     python examples/megatron_moe.py                        # spawns 2 local gloo ranks
     torchrun --nproc-per-node 2 examples/megatron_moe.py   # or under torchrun
 
@@ -29,11 +32,9 @@ from flexdispatch import DispatchConfig
 
 @contextlib.contextmanager
 def cpu_router() -> Iterator[None]:
-    """CPU-only torch builds: Megatron's router moves its weight to torch.cuda.current_device()
-    at every forward (router.py); point that at the CPU. (flexdispatch itself needs nothing.)"""
-    if torch.cuda.is_available():
-        yield
-        return
+    """Megatron's router moves its weight to torch.cuda.current_device() at every forward
+    (router.py); this example's tensors and gloo group are on the CPU (on a GPU node too), so
+    point that at the CPU. (flexdispatch itself needs nothing.)"""
     before = torch.cuda.current_device
     torch.cuda.current_device = lambda: torch.device("cpu")
     try:

@@ -1,5 +1,7 @@
 """torchtitan's MoE module moving its tokens through flexdispatch, on CPU (2 gloo ranks).
 
+A CPU example: its tensors, meshes and process group stay on the CPU on a GPU node too.
+
     python examples/torchtitan_moe.py                        # spawns 2 local gloo ranks
     torchrun --nproc-per-node 2 examples/torchtitan_moe.py   # or under torchrun
 
@@ -67,9 +69,9 @@ def run_rank(dims: Any = None) -> dict[str, Any]:
     moe = cfg.build()
     moe.init_states()
     if dims is None:
-        # CPU only: torchtitan falls back to "cuda" meshes when it finds no accelerator
-        if not torch.cuda.is_available():
-            parallel_dims_module.device_type = "cpu"
+        # NOTE: CPU meshes, on a GPU node too (this example's tensors and gloo group are on
+        # the CPU; torchtitan picks "cuda" meshes otherwise)
+        parallel_dims_module.device_type = "cpu"
         dims = ParallelDims(dp_replicate=1, dp_shard=R, cp=1, tp=1, pp=1, ep=R, world_size=R)
         dims.build_mesh()
     moe.parallelize(dims)

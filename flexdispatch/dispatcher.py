@@ -158,7 +158,7 @@ class FlexDispatcher:
         int64 CPU tensor (a graph input under ``torch.compile``, so that identical layers share
         one compiled graph)."""
         self._issuer = next_issuer()
-        self._op_id = torch.tensor([self._issuer], dtype=torch.int64)
+        self._op_id = torch.tensor([self._issuer], dtype=torch.int64, device="cpu")
         _ops.register_dispatcher(self._issuer, self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -237,12 +237,9 @@ class FlexDispatcher:
         topk_idx: torch.Tensor,
         topk_probs: torch.Tensor,
         layout: DispatchLayout | None,
-        *,
-        read_values: bool = True,
     ) -> torch.Tensor:
-        """Check the inputs (metadata always, values as ``_check_values`` unless ``read_values``
-        is False: the fake op, shapes only); returns the ids to dispatch (bad ones as -1 on the
-        deferred path)."""
+        """Check the inputs (metadata, then values as ``_check_values``); returns the ids to
+        dispatch (bad ones as -1 on the deferred path)."""
         values = x  # what the non-finite check reads (fp8 rows: their float32 scales)
         if isinstance(x, tuple):
             x = _validate.check_fp8_rows(x, self.backend_name)
@@ -295,8 +292,6 @@ class FlexDispatcher:
                     f"{tuple(mask.shape)} {mask.dtype}: build the layout with "
                     f"get_dispatch_layout(topk_idx, num_experts, num_ranks)"
                 )
-        if not read_values:
-            return topk_idx
         return self._check_values(topk_idx, values, topk_probs)
 
     def _check_values(
@@ -522,10 +517,11 @@ class FlexDispatcher:
             TypeError / ValueError: a foreign handle or a malformed ``y`` (before any collective).
             flexdispatch.distributed.CollectiveError: a peer rank failed or timed out.
         """
-        # NOTE: traced, the serial is not read (dynamo would guard on it): the op checks it
-        check_handle(
-            handle, self.backend_name, None if torch.compiler.is_compiling() else self._issuer
-        )
+        # NOTE: traced, the serial is not read (dynamo would guard on it), nor on an op handle
+        # (a compiled dispatch stamps none): ``flexdispatch::combine`` checks it when it runs
+        op_handle = isinstance(getattr(handle, "state", None), torch.Tensor)
+        issuer = None if op_handle or torch.compiler.is_compiling() else self._issuer
+        check_handle(handle, self.backend_name, issuer)
         check_tensor("y", y, ndim=2, floating=True)
         self._check_device("y", y)
         if tuple(y.shape) != (handle.num_recv_rows, handle.hidden):
@@ -533,7 +529,7 @@ class FlexDispatcher:
                 f"y must have shape [{handle.num_recv_rows}, {handle.hidden}] (the rows dispatch "
                 f"returned), got {tuple(y.shape)}"
             )
-        if isinstance(handle.state, torch.Tensor) or _ops.use_ops():  # NOTE: see ``dispatch``
+        if op_handle or _ops.use_ops():  # NOTE: see ``dispatch``
             return _ops.combine(self, y, handle, bias)
         return self._combine(y, handle, bias)
 

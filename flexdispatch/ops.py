@@ -103,7 +103,7 @@ def _forget(hid: int, _ref: weakref.ref) -> None:
 def _register(handle: DispatchHandle, pairs: int | None) -> torch.Tensor:
     """The ``[2]`` int64 CPU tensor ``(id, pairs or -1)`` naming ``handle`` while it lives."""
     hid = next(_IDS)
-    t = torch.tensor([hid, -1 if pairs is None else pairs], dtype=torch.int64)
+    t = torch.tensor([hid, -1 if pairs is None else pairs], dtype=torch.int64, device="cpu")
     # NOTE: a weak reference to the storage, not to the tensor: an alias (``detach()``, as
     # selective checkpointing caches outputs) keeps the entry alive as the storage does
     _HANDLES[hid] = (handle, weakref.ref(t.untyped_storage(), functools.partial(_forget, hid)))
@@ -342,6 +342,24 @@ def _cached_dispatch_fake(
 
 
 # --------------------------------------------------------------------------- callers
+def _pairs(handle_t: torch.Tensor) -> int | None:
+    """``num_recv_pairs`` from the handle tensor (a CPU tensor: no device sync), None if -1."""
+    pairs = int(handle_t[1])
+    return None if pairs < 0 else pairs
+
+
+# NOTE: traced, ``int()`` either breaks the graph or (``capture_scalar_outputs``, as torchtitan
+# sets) becomes an unbacked symbol that ``< 0`` cannot guard on: always a graph break, with a
+# message naming the fix where ``fullgraph=True`` refuses it
+_pairs_outside_graph = torch.compiler.disable(
+    _pairs,
+    reason="flexdispatch: a dropless dispatch (DispatchConfig.num_worst_tokens=0) has a "
+    "data-dependent row count and reads it on the host, so it cannot be compiled with "
+    "fullgraph=True: set num_worst_tokens > 0 (worst-case mode, static shapes) or compile "
+    "without fullgraph",
+)
+
+
 def dispatch(
     d: Any,
     x: torch.Tensor,
@@ -363,11 +381,12 @@ def dispatch(
         x, topk_idx, topk_probs, d._op_id, d.config.num_worst_tokens, d.num_local_experts, *lay
     )
     pairs = None
-    if not d.config.num_worst_tokens or not torch.compiler.is_compiling():
-        # NOTE: a CPU tensor (no device sync). Dropless under torch.compile: dynamo breaks the
-        # graph here (data-dependent), and permute gets the row count without a sync of its own
-        pairs = int(handle_t[1])
-        pairs = None if pairs < 0 else pairs
+    if not torch.compiler.is_compiling():
+        pairs = _pairs(handle_t)
+    elif not d.config.num_worst_tokens:
+        # NOTE: dropless under torch.compile: a graph break here (data-dependent), and permute
+        # gets the row count without a sync of its own
+        pairs = _pairs_outside_graph(handle_t)
     handle = DispatchHandle(
         backend=d.backend_name,
         num_tokens=x.shape[0],
@@ -387,12 +406,27 @@ def dispatch(
     )
 
 
+@torch.compiler.disable(
+    reason="flexdispatch: combine of a handle from the eager path (dispatch_expanded, or a "
+    "dispatch outside the compiled region) registers it when it runs, outside the graph; "
+    "with fullgraph=True, call dispatch (not dispatch_expanded) inside the compiled region too, "
+    "or compile without fullgraph"
+)
+def _register_eager(handle: DispatchHandle) -> torch.Tensor:
+    """``_register(handle, None)`` when the code runs, never while dynamo traces it (a graph
+    break: the tensor is then an input of the next graph). Traced, the id would be baked into
+    the graph as a constant and its entry dropped with the trace's tensor."""
+    return _register(handle, None)
+
+
 def combine(
     d: Any, y: torch.Tensor, handle: DispatchHandle, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``FlexDispatcher.combine`` through ``flexdispatch::combine`` (inputs already checked). A
-    handle of the eager path (dispatched before the ops were switched on) is registered now."""
+    handle of the eager path (dispatched before the ops were switched on, or by
+    ``dispatch_expanded``) is registered now, at run time (``_register_eager``)."""
     handle_t = handle.state
     if not isinstance(handle_t, torch.Tensor):
-        handle_t = _register(handle, None)
+        compiling = torch.compiler.is_compiling()
+        handle_t = _register_eager(handle) if compiling else _register(handle, None)
     return torch.ops.flexdispatch.combine(y, handle_t, d._op_id, handle.num_tokens, bias)

@@ -132,16 +132,18 @@ def demo_config(spec: DemoSpec):
 
 
 def _layer_config(spec: DemoSpec, mode: str, num_ranks: int, ranks_per_node: int):
+    from flexdispatch.config import MoEConfig
+
     cfg = demo_config(spec)
-    dispatch = cfg.dispatch.model_copy(
-        update={
-            "backend": spec.backend,
-            "hierarchical": mode == "hierarchical",
-            "ranks_per_node": ranks_per_node,
-            "num_worst_tokens": spec.tokens * num_ranks if spec.worst_case else 0,
-        }
-    )
-    return cfg.model_copy(update={"dispatch": dispatch})
+    dispatch = {
+        **cfg.dispatch.model_dump(),
+        "backend": spec.backend,
+        "hierarchical": mode == "hierarchical",
+        "ranks_per_node": ranks_per_node,
+        "num_worst_tokens": spec.tokens * num_ranks if spec.worst_case else 0,
+    }
+    # NOTE: validated (model_copy would not check the preset's fields against the demo's)
+    return MoEConfig.model_validate({**cfg.model_dump(), "dispatch": dispatch})
 
 
 def global_inputs(spec: DemoSpec, num_ranks: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ from megatron.core.transformer.moe.token_dispatcher import (
     MoETokenDispatcher,
     _DispatchManager,
 )
+from pydantic import ValidationError
 
 from flexdispatch.config import DispatchConfig
 from flexdispatch.dispatcher import FlexDispatcher
@@ -28,7 +29,13 @@ __all__ = ["FlexdispatchManager", "FlexdispatchTokenDispatcher", "refusal"]
 
 
 def refusal(config: Any) -> str | None:
-    """Why the plug-in cannot serve a layer of this ``TransformerConfig``, or None."""
+    """Why the plug-in cannot serve a layer of this ``TransformerConfig``, or None.
+
+    Megatron's own ``TransformerConfig`` checks already refuse both options for a ``"flex"``
+    layer with the ``"deepep"`` backend, so this is reached only by a config that passed them
+    as another dispatcher: an ``"alltoall"`` layer routed to the plug-in (as
+    ``scripts/megatron_acceptance``'s ``MLM_VIA=a2a-flex`` does), or one changed after it was
+    built. Kept so that such a layer is refused naming the option, not run wrongly."""
     if getattr(config, "moe_pad_expert_input_to_capacity", False):
         return (
             "flexdispatch's Megatron plug-in does not pad expert inputs to capacity "
@@ -79,7 +86,16 @@ class FlexdispatchManager(_DispatchManager):
             self.align = max(1, get_align_size_for_quantization(config))
         num_sms = getattr(config, "moe_flex_dispatcher_num_sms", None)
         if num_sms is not None and dispatch_config.deepep_num_sms is None:
-            dispatch_config = dispatch_config.model_copy(update={"deepep_num_sms": num_sms})
+            # NOTE: validated (model_copy would not check it), named as the Megatron option
+            fields = {**dispatch_config.model_dump(), "deepep_num_sms": num_sms}
+            try:
+                dispatch_config = DispatchConfig.model_validate(fields)
+            except ValidationError as exc:
+                why = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+                raise ValueError(
+                    f"moe_flex_dispatcher_num_sms={num_sms!r} is not a valid "
+                    f"DispatchConfig.deepep_num_sms: {why}"
+                ) from None
         self.dispatcher = FlexDispatcher(dispatch_config, num_experts=num_experts, group=group)
         # DeepEP's names (see the class docstring)
         self.token_indices: torch.Tensor | None = None  # [T, k] int64, -1 = empty

@@ -417,6 +417,11 @@ def plugin_lifecycle() -> dict[str, Any]:
             config.moe_flex_dispatcher_num_sms = 24
             sms = _build_layer_as_is(config).token_dispatcher.dispatcher.config.deepep_num_sms
             out["num_sms"] = sms
+            config.moe_flex_dispatcher_num_sms = 21  # NOTE: odd: DispatchConfig's own check
+            try:
+                _build_layer_as_is(config)
+            except ValueError as exc:
+                out["odd_num_sms"] = str(exc)
             config.moe_flex_dispatcher_num_sms = None
             config.moe_flex_dispatcher_backend = "hybridep"
             try:

@@ -122,6 +122,8 @@ def test_install_and_uninstall() -> None:
         assert "num_worst_tokens" in res["refusal"], res
         assert "flexdispatch" not in res["hybridep_manager"].lower(), res
         assert res["num_sms"] == 24, res  # moe_flex_dispatcher_num_sms -> deepep_num_sms
+        odd = res.get("odd_num_sms", "")  # validated, named as the Megatron option
+        assert "moe_flex_dispatcher_num_sms=21" in odd and "must be even" in odd, res
         assert res["restored"] is True and res["config_after"] is None, res
 
 

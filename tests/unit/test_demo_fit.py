@@ -3,6 +3,7 @@ the refusal up front, without spawning anything."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -191,3 +192,19 @@ def test_cli_refusal_in_a_subprocess_is_quick_and_clean() -> None:
     assert proc.returncode == 2, proc.stderr
     assert "does not fit" in proc.stderr and "600.0 MiB (--max-memory 600.0 MiB)" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_the_demo_layer_config_is_validated(tmp_path: Path) -> None:
+    """The demo's own dispatch fields are checked with the preset's (a preset file with
+    ``cuda_graph: true`` run without ``--worst-case`` is dropless: refused, not built)."""
+    from flexdispatch.cli.demo import DemoSpec, _layer_config
+
+    data = load_config("tiny_cpu").model_dump()
+    data["dispatch"].update(cuda_graph=True, num_worst_tokens=64)
+    path = tmp_path / "graph.yaml"
+    path.write_text(json.dumps(data))  # NOTE: JSON is YAML
+    spec = DemoSpec(preset=str(path), backend="torch", tokens=8, seed=0, iters=1, worst_case=True)
+    assert _layer_config(spec, "flat", 2, 2).dispatch.num_worst_tokens == 16
+    spec = DemoSpec(preset=str(path), backend="torch", tokens=8, seed=0, iters=1, worst_case=False)
+    with pytest.raises(ValueError, match="cuda_graph=True with a dropless dispatch"):
+        _layer_config(spec, "flat", 2, 2)

@@ -355,3 +355,87 @@ def test_compile_dropless_breaks_the_graph_and_equals_eager() -> None:
     assert "combine" in _compiled_ops(counter)
     torch._dynamo.reset()
     gc.collect()  # NOTE: the refused compile's traceback held a dispatch result
+
+
+def test_a_compiled_dispatch_combines_eagerly() -> None:
+    """A dispatch compiled whole (its handle stamped with no issuer) is combined on the eager
+    path equal to an eager dispatch + combine; the op still refuses another dispatcher's handle
+    (docs/compile.md: combine takes the op handle on either path)."""
+    torch._dynamo.reset()
+    d = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=12), num_experts=E)
+    other = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=12), num_experts=E)
+    x, p = _inputs()
+    res = torch.compile(lambda a, b: d.dispatch(a, IDX, b), fullgraph=True, backend="eager")(x, p)
+    assert isinstance(res.handle.state, torch.Tensor)
+    eager = d.dispatch(x, IDX, p)
+    assert torch.equal(d.combine(res.recv_x, res.handle), d.combine(eager.recv_x, eager.handle))
+    with pytest.raises(ValueError, match="issued by another FlexDispatcher"):
+        other.combine(res.recv_x, res.handle)
+    torch._dynamo.reset()
+
+
+def test_op_ids_stay_on_the_cpu_under_a_default_device() -> None:
+    """Under ``with torch.device(...)`` (vLLM and SGLang build models so; ``meta`` stands in for
+    ``cuda`` here) the dispatcher's id and the handle tensor are still CPU tensors (reading them
+    is no device sync, as the fake rule says), and dispatch + combine through the ops work."""
+    x, p = _inputs()
+    ref = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=12), num_experts=E)
+    res = ref.dispatch(x, IDX, p)
+    want = ref.combine(res.recv_x * 2, res.handle)
+    ops.set_eager_ops(True)
+    with torch.device("meta"):
+        d = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=12), num_experts=E)
+        res = d.dispatch(x, IDX, p)
+        assert d._op_id.device.type == "cpu"
+        assert res.handle.state.device.type == "cpu"
+        assert torch.equal(d.combine(res.recv_x * 2, res.handle), want)
+
+
+def test_compiled_combine_of_an_eager_handle_equals_eager() -> None:
+    """A handle of the eager path (``dispatch_expanded``, or a dispatch outside the compiled
+    region) combined inside one: registered when the code runs (a graph break), not while
+    tracing (its id baked into the graph, its entry gone with the trace): every call, each with
+    a new handle through the same graph, equals eager, forward and backward; ``fullgraph=True``
+    refuses it naming the fix."""
+    torch._dynamo.reset()
+    d = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=12), num_experts=E)
+    compiled = torch.compile(lambda y, h: d.combine(y, h), backend="aot_eager")
+    x, p = _inputs()
+    for scale in (1.0, 2.0):
+        res = d.dispatch(x * scale, IDX, p)
+        got, want = [], []
+        for f, out in ((compiled, got), (d.combine, want)):
+            y = res.recv_x.clone().requires_grad_()
+            z = f(y, res.handle)
+            z.square().sum().backward()
+            out += [z.detach(), y.grad]
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+    full = torch.compile(lambda y, h: d.combine(y, h), backend="aot_eager", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="not dispatch_expanded"):
+        full(res.recv_x, res.handle)
+    del res
+    torch._dynamo.reset()
+    gc.collect()
+
+
+def test_compile_dropless_fullgraph_names_the_fix_under_captured_scalars() -> None:
+    """torchtitan compiles each block with ``fullgraph=True`` and ``capture_scalar_outputs``:
+    a dropless dispatch is refused with a message naming ``num_worst_tokens > 0`` (not
+    dynamo's data-dependent guard error), and without ``fullgraph`` it equals eager."""
+    torch._dynamo.reset()
+    d = FlexDispatcher(DispatchConfig(backend="torch"), num_experts=E)
+    x, p = _inputs()
+
+    def fn(xg: torch.Tensor, pg: torch.Tensor) -> torch.Tensor:
+        res = d.dispatch(xg, IDX, pg)
+        return d.combine(res.recv_x * 2, res.handle)
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        full = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="num_worst_tokens > 0"):
+            full(x, p)
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(fn, backend="aot_eager")(x, p), fn(x, p))
+    torch._dynamo.reset()
+    gc.collect()  # NOTE: the refused compile's traceback held a dispatch result
