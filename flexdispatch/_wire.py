@@ -7,9 +7,13 @@ reliability-4 N2). ``gather_objects`` / ``broadcast_object`` carry such bytes in
 where ``dist.all_gather_object`` would unpickle a peer's bytes without restriction; the sizes the
 peers announce are checked before anything of that size is allocated (``_check_sizes``).
 
-The data classes admitted define none of the hooks unpickling calls with the payload's values
-(``__post_init__``, ``__setstate__``, ``__new__``, ``__del__``, an enum's ``_missing_``):
-``tests/hostile/test_security.py`` pins it.
+No code of this project runs with the payload's values: the data classes admitted define none
+of the hooks unpickling calls (``__post_init__``, ``__setstate__``, ``__new__``, ``__del__``, an
+enum's ``_missing_``; ``tests/hostile/test_security.py`` pins it). What does run is the library's
+own: a pydantic model inherits ``BaseModel.__setstate__``, which ``weights_only``'s BUILD calls and
+which assigns the fields as sent; a dataclass is filled without its ``__init__``. So nothing a peer
+sends is re-validated: a config that arrives this way holds whatever values the peer put in it
+(``RouterConfig(num_experts=-5)`` loads as such).
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from __future__ import annotations
 import _compat_pickle
 import dataclasses
 import enum
+import functools
 import io
 import pickle
 import pickletools
+import re
 import sys
 import zipfile
 from pathlib import Path
@@ -57,17 +63,31 @@ def _is_data_class(cls: type) -> bool:
 
 def _trusted(module: str) -> bool:
     """``module`` belongs to ``flexdispatch`` or to this repository's own ``tests`` package: the
-    ``tests`` beside this checkout's ``flexdispatch`` (a third-party wheel that ships a top-level
-    ``tests`` package is not this project's)."""
+    ``tests`` beside ``flexdispatch`` in a source checkout of this project (a third-party wheel
+    that ships a top-level ``tests`` package is not this project's, neither beside an installed
+    ``flexdispatch`` in site-packages nor elsewhere)."""
     top = module.split(".")[0]
     if top == "flexdispatch":
         return True
     if top != "tests":
         return False
+    root = Path(__file__).resolve().parents[1]
+    if not _source_checkout(root):
+        return False  # NOTE: an installed wheel: root is site-packages, whose `tests` is not ours
     package = sys.modules.get("tests")
-    mine = Path(__file__).resolve().parents[1] / "tests"
     paths = list(getattr(package, "__path__", None) or [])
-    return bool(paths) and all(Path(p).resolve() == mine for p in paths)
+    return bool(paths) and all(Path(p).resolve() == root / "tests" for p in paths)
+
+
+@functools.lru_cache(maxsize=4)
+def _source_checkout(root: Path) -> bool:
+    """``root`` (the folder above ``flexdispatch/``) is this project's source checkout: its
+    ``pyproject.toml`` names the project ``flexdispatch`` (site-packages has none)."""
+    try:
+        text = (root / "pyproject.toml").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    return re.search(r'^name\s*=\s*"flexdispatch"\s*$', text, re.MULTILINE) is not None
 
 
 def _data_class(module: str, name: str) -> type | None:

@@ -236,6 +236,9 @@ def test_only_plain_values_and_data_classes_come_back():
     assert back["spec"] == spec and back["stats"] == DispatchStats(rows_sent=3)
     assert back["router"] == value["router"] and torch.equal(back["t"], value["t"])
     assert back["plain"] == value["plain"]
+    # NOTE: as _wire / docs/security.md say: BaseModel.__setstate__ assigns, nothing re-validates
+    bad = RouterConfig.model_construct(num_experts=-5, topk=2)
+    assert _loads(_dumps(bad)).num_experts == -5
     buf = io.BytesIO()
     torch.jit.save(torch.jit.script(torch.nn.Identity()), buf)
     with pytest.raises(pickle.UnpicklingError, match=r"not torch\.save bytes.*TorchScript"):
@@ -274,6 +277,15 @@ def test_a_third_party_tests_package_is_not_trusted(tmp_path, monkeypatch):
     assert not _wire._trusted("tests.hostile.peak_probe")  # NOTE: another `tests` is loaded
     with pytest.raises(pickle.UnpicklingError, match=r"refers to 'tests.evil.Evil'"):
         _loads(_archive(_call("tests.evil", "Evil")))
+    # an installed wheel: flexdispatch and a third-party `tests` side by side in site-packages
+    site = tmp_path / "site-packages"
+    (site / "flexdispatch").mkdir(parents=True)
+    fake.rename(site / "tests")
+    package.__path__[:] = [str(site / "tests")]
+    monkeypatch.setattr(_wire, "__file__", str(site / "flexdispatch" / "_wire.py"))
+    assert not _wire._trusted("tests.evil") and _wire._data_class("tests.evil", "Evil") is None
+    (site / "pyproject.toml").write_text('[project]\nname = "something-else"\n')
+    assert not _wire._trusted("tests.evil")  # NOTE: a pyproject.toml, not this project's
     assert peak_probe
 
 
