@@ -5,7 +5,7 @@
 this project that the bytes name (``_data_class``): never an unrestricted pickle (docs/security.md,
 reliability-4 N2). ``gather_objects`` / ``broadcast_object`` carry such bytes in uint8 tensors,
 where ``dist.all_gather_object`` would unpickle a peer's bytes without restriction; the sizes the
-peers announce are checked before anything of that size is allocated (``_check_sizes``).
+peers announce are checked before anything of that size is allocated (``_agree_sizes``).
 
 No code of this project runs with the payload's values: the data classes admitted define none
 of the hooks unpickling calls (``__post_init__``, ``__setstate__``, ``__new__``, ``__del__``, an
@@ -205,25 +205,20 @@ def _collective_device(group: Any) -> torch.device:
     return collective_device(group)
 
 
-def _check_sizes(counts: list[int], what: str, device: torch.device, copies: int) -> None:
-    """Refuse the sizes peers announced (``counts``: bytes per rank) before anything of that size
-    is allocated: a negative one, or ``copies`` buffers of the largest that cannot fit in memory
-    (``flexdispatch._limits``).
-
-    Raises:
-        CollectiveError: naming the rank and the size (every rank sees the same ``counts``).
-    """
+def _size_refusal(counts: list[int], what: str, device: torch.device, copies: int) -> str | None:
+    """Why this rank refuses the sizes peers announced (``counts``: bytes per rank), before
+    anything of that size is allocated: a negative one, or ``copies`` buffers of the largest that
+    cannot fit in its memory (``flexdispatch._limits``); None when it takes them."""
     from flexdispatch import _limits
-    from flexdispatch.distributed import CollectiveError
 
     for rank, count in enumerate(counts):
         if count < 0:
-            raise CollectiveError(
+            return (
                 f"{what}: rank {rank} announced {count} bytes: a peer that is not running the "
                 f"same flexdispatch (or a corrupted exchange); nothing was allocated"
             )
     largest = max(counts, default=0)
-    why = _limits.refusal(
+    return _limits.refusal(
         what,
         f"rank {counts.index(largest)}'s object",
         f"{largest} bytes",
@@ -232,8 +227,35 @@ def _check_sizes(counts: list[int], what: str, device: torch.device, copies: int
         detail=f"{copies} buffers of the largest size",
         fix="a peer sent more than this rank can hold: return smaller results",
     )
+
+
+def _agree_sizes(
+    counts: list[int], what: str, device: torch.device, copies: int, group: Any
+) -> None:
+    """``_size_refusal`` on every rank, then agreed on the group (one all-gather of a flag): a
+    rank's refusal comes from its own free memory, and a rank that raised alone would leave its
+    peers waiting in the next collective until the timeout.
+
+    Raises:
+        CollectiveError: on every rank when one refuses: its own reason on a refusing rank, the
+            refusing ranks named on the others.
+    """
+    from flexdispatch.distributed import CollectiveError
+
+    why = _size_refusal(counts, what, device, copies)
+    flag = torch.tensor([0 if why is None else 1], dtype=torch.int64, device=device)
+    flags = [torch.zeros_like(flag) for _ in range(dist.get_world_size(group))]
+    with _guard(f"all_gather ({what} size verdicts)", group):
+        dist.all_gather(flags, flag, group=group)
+    refused = [rank for rank, f in enumerate(flags) if int(f.item())]
     if why is not None:
-        raise CollectiveError(why)
+        raise CollectiveError(f"{why} (refused on rank {dist.get_rank(group)}; every rank raises)")
+    if refused:
+        raise CollectiveError(
+            f"{what}: rank(s) {', '.join(map(str, refused))} cannot hold the objects the peers "
+            f"announced ({max(counts, default=0)} bytes at most; see their error): every rank "
+            f"raises, nothing was allocated"
+        )
 
 
 def gather_objects(obj: Any, group: Any = None) -> list[Any]:
@@ -241,8 +263,9 @@ def gather_objects(obj: Any, group: Any = None) -> list[Any]:
     ``_loads`` (``dist.all_gather_object`` would unpickle without restriction).
 
     Raises:
-        CollectiveError: a peer failed, or announced a size this rank cannot hold (checked
-            before it is allocated).
+        CollectiveError: a peer failed, or announced a size that some rank cannot hold
+            (checked before it is allocated, and agreed: every rank raises, naming the rank
+            that refused).
     """
     device = _collective_device(group)
     payload = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
@@ -252,7 +275,7 @@ def gather_objects(obj: Any, group: Any = None) -> list[Any]:
         dist.all_gather(sizes, n, group=group)
     counts = [int(c.item()) for c in sizes]
     # NOTE: one buffer per rank, its own, and the bytes each is read from
-    _check_sizes(counts, "gather_objects", device, 2 * len(counts) + 1)
+    _agree_sizes(counts, "gather_objects", device, 2 * len(counts) + 1, group)
     buf = torch.zeros(max(counts), dtype=torch.uint8, device=device)
     buf[: payload.numel()] = payload.to(device)
     bufs = [torch.empty_like(buf) for _ in counts]
@@ -270,7 +293,7 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     n = torch.tensor([payload.numel() if payload is not None else 0], device=device)
     with _guard("broadcast (object size)", group):
         dist.broadcast(n, src=src, group=group)
-    _check_sizes([int(n.item())], "broadcast_object", device, 2)
+    _agree_sizes([int(n.item())], "broadcast_object", device, 2, group)
     buf = torch.empty(int(n.item()), dtype=torch.uint8, device=device)
     if payload is not None:
         buf.copy_(payload)
