@@ -5,11 +5,15 @@
 this project that the bytes name (``_data_class``): never an unrestricted pickle (docs/security.md,
 reliability-4 N2). ``gather_objects`` / ``broadcast_object`` carry such bytes in uint8 tensors,
 where ``dist.all_gather_object`` would unpickle a peer's bytes without restriction; the sizes the
-peers announce are checked before anything of that size is allocated (``_check_sizes``).
+peers announce are checked before anything of that size is allocated (``_agree_sizes``).
 
-The data classes admitted define none of the hooks unpickling calls with the payload's values
-(``__post_init__``, ``__setstate__``, ``__new__``, ``__del__``, an enum's ``_missing_``):
-``tests/hostile/test_security.py`` pins it.
+No code of this project runs with the payload's values: the data classes admitted define none
+of the hooks unpickling calls (``__post_init__``, ``__setstate__``, ``__new__``, ``__del__``, an
+enum's ``_missing_``; ``tests/hostile/test_security.py`` pins it). What does run is the library's
+own: a pydantic model inherits ``BaseModel.__setstate__``, which ``weights_only``'s BUILD calls and
+which assigns the fields as sent; a dataclass is filled without its ``__init__``. So nothing a peer
+sends is re-validated: a config that arrives this way holds whatever values the peer put in it
+(``RouterConfig(num_experts=-5)`` loads as such).
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from __future__ import annotations
 import _compat_pickle
 import dataclasses
 import enum
+import functools
 import io
 import pickle
 import pickletools
+import re
 import sys
 import zipfile
 from pathlib import Path
@@ -57,17 +63,31 @@ def _is_data_class(cls: type) -> bool:
 
 def _trusted(module: str) -> bool:
     """``module`` belongs to ``flexdispatch`` or to this repository's own ``tests`` package: the
-    ``tests`` beside this checkout's ``flexdispatch`` (a third-party wheel that ships a top-level
-    ``tests`` package is not this project's)."""
+    ``tests`` beside ``flexdispatch`` in a source checkout of this project (a third-party wheel
+    that ships a top-level ``tests`` package is not this project's, neither beside an installed
+    ``flexdispatch`` in site-packages nor elsewhere)."""
     top = module.split(".")[0]
     if top == "flexdispatch":
         return True
     if top != "tests":
         return False
+    root = Path(__file__).resolve().parents[1]
+    if not _source_checkout(root):
+        return False  # NOTE: an installed wheel: root is site-packages, whose `tests` is not ours
     package = sys.modules.get("tests")
-    mine = Path(__file__).resolve().parents[1] / "tests"
     paths = list(getattr(package, "__path__", None) or [])
-    return bool(paths) and all(Path(p).resolve() == mine for p in paths)
+    return bool(paths) and all(Path(p).resolve() == root / "tests" for p in paths)
+
+
+@functools.lru_cache(maxsize=4)
+def _source_checkout(root: Path) -> bool:
+    """``root`` (the folder above ``flexdispatch/``) is this project's source checkout: its
+    ``pyproject.toml`` names the project ``flexdispatch`` (site-packages has none)."""
+    try:
+        text = (root / "pyproject.toml").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    return re.search(r'^name\s*=\s*"flexdispatch"\s*$', text, re.MULTILINE) is not None
 
 
 def _data_class(module: str, name: str) -> type | None:
@@ -185,25 +205,20 @@ def _collective_device(group: Any) -> torch.device:
     return collective_device(group)
 
 
-def _check_sizes(counts: list[int], what: str, device: torch.device, copies: int) -> None:
-    """Refuse the sizes peers announced (``counts``: bytes per rank) before anything of that size
-    is allocated: a negative one, or ``copies`` buffers of the largest that cannot fit in memory
-    (``flexdispatch._limits``).
-
-    Raises:
-        CollectiveError: naming the rank and the size (every rank sees the same ``counts``).
-    """
+def _size_refusal(counts: list[int], what: str, device: torch.device, copies: int) -> str | None:
+    """Why this rank refuses the sizes peers announced (``counts``: bytes per rank), before
+    anything of that size is allocated: a negative one, or ``copies`` buffers of the largest that
+    cannot fit in its memory (``flexdispatch._limits``); None when it takes them."""
     from flexdispatch import _limits
-    from flexdispatch.distributed import CollectiveError
 
     for rank, count in enumerate(counts):
         if count < 0:
-            raise CollectiveError(
+            return (
                 f"{what}: rank {rank} announced {count} bytes: a peer that is not running the "
                 f"same flexdispatch (or a corrupted exchange); nothing was allocated"
             )
     largest = max(counts, default=0)
-    why = _limits.refusal(
+    return _limits.refusal(
         what,
         f"rank {counts.index(largest)}'s object",
         f"{largest} bytes",
@@ -212,8 +227,35 @@ def _check_sizes(counts: list[int], what: str, device: torch.device, copies: int
         detail=f"{copies} buffers of the largest size",
         fix="a peer sent more than this rank can hold: return smaller results",
     )
+
+
+def _agree_sizes(
+    counts: list[int], what: str, device: torch.device, copies: int, group: Any
+) -> None:
+    """``_size_refusal`` on every rank, then agreed on the group (one all-gather of a flag): a
+    rank's refusal comes from its own free memory, and a rank that raised alone would leave its
+    peers waiting in the next collective until the timeout.
+
+    Raises:
+        CollectiveError: on every rank when one refuses: its own reason on a refusing rank, the
+            refusing ranks named on the others.
+    """
+    from flexdispatch.distributed import CollectiveError
+
+    why = _size_refusal(counts, what, device, copies)
+    flag = torch.tensor([0 if why is None else 1], dtype=torch.int64, device=device)
+    flags = [torch.zeros_like(flag) for _ in range(dist.get_world_size(group))]
+    with _guard(f"all_gather ({what} size verdicts)", group):
+        dist.all_gather(flags, flag, group=group)
+    refused = [rank for rank, f in enumerate(flags) if int(f.item())]
     if why is not None:
-        raise CollectiveError(why)
+        raise CollectiveError(f"{why} (refused on rank {dist.get_rank(group)}; every rank raises)")
+    if refused:
+        raise CollectiveError(
+            f"{what}: rank(s) {', '.join(map(str, refused))} cannot hold the objects the peers "
+            f"announced ({max(counts, default=0)} bytes at most; see their error): every rank "
+            f"raises, nothing was allocated"
+        )
 
 
 def gather_objects(obj: Any, group: Any = None) -> list[Any]:
@@ -221,8 +263,9 @@ def gather_objects(obj: Any, group: Any = None) -> list[Any]:
     ``_loads`` (``dist.all_gather_object`` would unpickle without restriction).
 
     Raises:
-        CollectiveError: a peer failed, or announced a size this rank cannot hold (checked
-            before it is allocated).
+        CollectiveError: a peer failed, or announced a size that some rank cannot hold
+            (checked before it is allocated, and agreed: every rank raises, naming the rank
+            that refused).
     """
     device = _collective_device(group)
     payload = torch.frombuffer(bytearray(_dumps(obj)), dtype=torch.uint8)
@@ -232,7 +275,7 @@ def gather_objects(obj: Any, group: Any = None) -> list[Any]:
         dist.all_gather(sizes, n, group=group)
     counts = [int(c.item()) for c in sizes]
     # NOTE: one buffer per rank, its own, and the bytes each is read from
-    _check_sizes(counts, "gather_objects", device, 2 * len(counts) + 1)
+    _agree_sizes(counts, "gather_objects", device, 2 * len(counts) + 1, group)
     buf = torch.zeros(max(counts), dtype=torch.uint8, device=device)
     buf[: payload.numel()] = payload.to(device)
     bufs = [torch.empty_like(buf) for _ in counts]
@@ -250,7 +293,7 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     n = torch.tensor([payload.numel() if payload is not None else 0], device=device)
     with _guard("broadcast (object size)", group):
         dist.broadcast(n, src=src, group=group)
-    _check_sizes([int(n.item())], "broadcast_object", device, 2)
+    _agree_sizes([int(n.item())], "broadcast_object", device, 2, group)
     buf = torch.empty(int(n.item()), dtype=torch.uint8, device=device)
     if payload is not None:
         buf.copy_(payload)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flexdispatch._files import excerpt
 from flexdispatch._lifetime import (
     MAX_TIMEOUT_S,
     check_timeout,
@@ -89,16 +90,28 @@ def loopback_interface() -> str:
     )
 
 
-def threads_per_rank() -> int:
+def threads_per_rank(env: dict[str, str] | None = None) -> int:
     """torch's thread count in each spawned rank: ``$FLEXDISPATCH_THREADS`` (default 1; the
-    ``env`` of ``spawn_group`` may set it).
+    ``env`` of ``spawn_group`` may set it: its value, when it has one, wins over this process's).
 
     Raises:
-        ValueError: naming the variable, when it is not an integer >= 1.
+        ValueError: naming the variable, when it is not an integer in [1, 4096].
     """
     from flexdispatch.distributed import env_int
 
-    return env_int(THREADS_ENV, minimum=1, maximum=4096) or 1
+    if env is None or THREADS_ENV not in env:
+        return env_int(THREADS_ENV, minimum=1, maximum=4096) or 1
+    text = env[THREADS_ENV].strip()
+    try:
+        value = int(text) if text else 1
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 4096:
+        raise ValueError(
+            f"spawn_group's env sets {THREADS_ENV}={excerpt(text)}, which is not an integer in "
+            f"[1, 4096] (torch threads per rank): pass one, or leave it out (1)"
+        )
+    return value
 
 
 THREADS_ENV = "FLEXDISPATCH_THREADS"
@@ -153,8 +166,8 @@ def _worker(
             "GROUP_RANK": str(rank // ranks_per_node),
         }
     )
-    torch.set_num_threads(threads_per_rank())
     try:
+        torch.set_num_threads(threads_per_rank())  # NOTE: inside: a bad value is reported
         if backend == "nccl":
             # NOTE: every rank runs on this machine (simulated nodes included): rank i on
             # cuda:i, bound before NCCL builds its communicator.
@@ -252,6 +265,7 @@ def _check_spawn_args(
         and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
     ):
         raise TypeError("env must be a dict of str to str (environment variables) or None")
+    threads_per_rank(env)  # NOTE: what each rank will read, named here rather than in every rank
     if not callable(fn):
         raise TypeError(f"fn must be a function, got {type(fn).__name__}")
     # NOTE: only what can never travel by name is refused here; a plain pickle.dumps would

@@ -48,7 +48,8 @@ def routing_map_to_topk(
     Returns:
         ``RoutingResult`` with ``topk_idx`` ``[T, k]`` int64 (``-1`` = empty slot),
         ``topk_probs`` ``[T, k]`` float32 (``probs`` gathered, 0 where ``-1``; differentiable in
-        ``probs``) and ``tokens_per_expert`` ``[E]`` int64 (pairs per expert).
+        ``probs``) and ``tokens_per_expert`` ``[E]`` int64 (the kept pairs per expert: the ids
+        ``>= 0`` of ``topk_idx`` counted).
 
     Raises:
         TypeError: ``routing_map`` not bool, ``probs`` not floating, ``topk`` not an int.
@@ -93,8 +94,12 @@ def routing_map_to_topk(
     topk_idx = torch.where(marked_TK, idx_TK, -1)
     picked_TK = probs.gather(1, idx_TK).to(torch.float32)
     topk_probs = torch.where(marked_TK, picked_TK, 0.0)
+    # NOTE: the kept slots counted, not the map's marks: unchecked, a row marking more than k
+    # experts keeps k (a [E] scatter-add on the device: no host sync, capturable)
+    tokens_per_expert = torch.zeros(E, dtype=torch.int64, device=routing_map.device)
+    tokens_per_expert.scatter_add_(0, idx_TK.reshape(-1), marked_TK.reshape(-1).to(torch.int64))
     return RoutingResult(
         topk_idx=topk_idx,
         topk_probs=topk_probs,
-        tokens_per_expert=routing_map.sum(dim=0),
+        tokens_per_expert=tokens_per_expert,
     )

@@ -33,12 +33,47 @@ check_int_list() {
     fi
   done
 }
-# check_host VAR WHAT: VAR is a host name, an IPv4 address or an IPv6 one (bracketed or not),
-# optionally with :PORT (an endpoint)
+# is_ipv6 TEXT: TEXT is an IPv6 literal without brackets: eight groups of 1-4 hex digits, or
+# fewer around one `::`, and an optional %zone
+is_ipv6() {
+  local a=${1%%\%*} side n=0 colons
+  if [[ "$1" == *%* && ! "${1#*%}" =~ ^[0-9A-Za-z_.-]+$ ]]; then return 1; fi
+  if [[ "$a" != *::* ]]; then
+    [[ "$a" =~ ^[0-9A-Fa-f]{1,4}(:[0-9A-Fa-f]{1,4}){7}$ ]]
+    return
+  fi
+  [[ "$a" == *::*::* ]] && return 1
+  for side in "${a%%::*}" "${a#*::}"; do
+    [[ -z "$side" ]] && continue
+    [[ "$side" =~ ^[0-9A-Fa-f]{1,4}(:[0-9A-Fa-f]{1,4})*$ ]] || return 1
+    colons=${side//[^:]/}
+    n=$(( n + ${#colons} + 1 ))
+  done
+  (( n <= 7 ))
+}
+# check_host VAR WHAT: VAR is a host alone (no port): a host name, an IPv4 address or an IPv6 one
+# (bracketed or not); host:PORT is refused, saying the port goes in MASTER_PORT
 check_host() {
   local value=${!1-}
-  if [[ ! "$value" =~ ^(\[[0-9A-Za-z_.:%-]+\](:[0-9]{1,5})?|[0-9A-Za-z_.:%-]+)$ ]]; then
-    refuse "$1" "is not a host name or address: pass $2"
+  [[ "$value" =~ ^[0-9A-Za-z_.%-]+$ ]] && return 0
+  is_ipv6 "$value" && return 0
+  [[ "$value" =~ ^\[(.*)\]$ ]] && is_ipv6 "${BASH_REMATCH[1]}" && return 0
+  if [[ "$value" =~ ^(\[[^]]*\]|[^:]+):[0-9]+$ ]]; then
+    refuse "$1" "is host:port: pass $2 alone and the port in MASTER_PORT"
+  fi
+  refuse "$1" "is not a host name or address: pass $2 (a host name, an IPv4 or an IPv6 address)"
+}
+# check_endpoint VAR WHAT: VAR is HOST or HOST:PORT, HOST a host name, an IPv4 address or a
+# bracketed IPv6 one, PORT in [1, 65535]
+check_endpoint() {
+  local value=${!1-} host port=1
+  if [[ "$value" =~ ^(\[[^]]*\]|[^:]*)(:([0-9]{1,5}))?$ ]]; then
+    host=${BASH_REMATCH[1]} port=${BASH_REMATCH[3]:-1}
+  fi
+  if [[ -z "$host" ]] || (( 10#$port < 1 || 10#$port > 65535 )) \
+    || ! { [[ "$host" =~ ^[0-9A-Za-z_.%-]+$ ]] \
+           || { [[ "$host" =~ ^\[(.*)\]$ ]] && is_ipv6 "${BASH_REMATCH[1]}"; }; }; then
+    refuse "$1" "is not a host:port endpoint: pass $2 (an IPv6 host in brackets)"
   fi
 }
 check_port() {  # MASTER_PORT: 0 would hang (torchrun waits for a store nobody serves)

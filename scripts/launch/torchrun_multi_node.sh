@@ -86,7 +86,7 @@ case "$RDZV_BACKEND" in
     host=$MASTER_ADDR
     [[ "$host" == *:* && "$host" != \[* ]] && host="[$host]"  # NOTE: an IPv6 address
     RDZV_ENDPOINT=${RDZV_ENDPOINT:-${PET_RDZV_ENDPOINT:-$host:$MASTER_PORT}}
-    check_host RDZV_ENDPOINT "the rendezvous host:port" ;;
+    check_endpoint RDZV_ENDPOINT "the rendezvous host:port" ;;
   *)
     refuse RDZV_BACKEND "must be static or c10d" ;;
 esac

@@ -98,6 +98,23 @@ BAD = [
     (MULTI, {"RDZV_BACKEND": "c10d", "NNODES": "4:2"}, "NNODES=4:2 is not MIN:MAX nodes"),
     (MULTI, {"RDZV_BACKEND": "c10d", "NNODES": "0:2"}, "NNODES=0:2 is not MIN:MAX nodes"),
     (MULTI, {"MASTER_ADDR": "[fd00::1"}, "MASTER_ADDR=\\[fd00::1 is not a host name"),
+    (
+        MULTI,
+        {"MASTER_ADDR": "10.0.0.1:29500"},
+        "MASTER_ADDR=10.0.0.1:29500 is host:port: pass node 0's address alone and the port in "
+        "MASTER_PORT",
+    ),
+    (MULTI, {"MASTER_ADDR": "a:b:c"}, "MASTER_ADDR=a:b:c is not a host name or address"),
+    (
+        MULTI,
+        {"RDZV_BACKEND": "c10d", "MASTER_ADDR": "[fd00::1]:29500"},
+        "MASTER_ADDR=\\[fd00::1\\]:29500 is host:port",
+    ),
+    (
+        MULTI,
+        {"RDZV_BACKEND": "c10d", "RDZV_ENDPOINT": "[fd00::1]:99999"},
+        "RDZV_ENDPOINT=\\[fd00::1\\]:99999 is not a host:port endpoint",
+    ),
     (SINGLE, {"OMP_NUM_THREADS": "4,0"}, "OMP_NUM_THREADS=4\\,0 is not a number of threads"),
     (SINGLE, {"OMP_NUM_THREADS": "4,"}, "OMP_NUM_THREADS=4\\, is not a number of threads"),
 ]

@@ -78,6 +78,9 @@ BAD_ARGS = [
     ({"fn": 3}, TypeError, r"fn must be a function, got int"),
     ({"args": [1]}, TypeError, r"args must be a tuple, got list"),
     ({"env": {"A": 1}}, TypeError, r"env must be a dict of str to str"),
+    # NOTE: each rank reads it first: a rank that raised on it died "before reporting"
+    ({"env": {"FLEXDISPATCH_THREADS": "abc"}}, ValueError, r"FLEXDISPATCH_THREADS='abc', which"),
+    ({"env": {"FLEXDISPATCH_THREADS": "0"}}, ValueError, r"FLEXDISPATCH_THREADS='0', which is"),
     ({"ranks_per_node": 3}, ValueError, r"world_size=2 is not a multiple of ranks_per_node=3"),
 ]
 
@@ -94,6 +97,14 @@ def test_spawn_group_checks_its_arguments_before_anything_exists(kwargs, error, 
         spawn_group(fn, R, **call)
     assert time.process_time() - t0 < 2
     assert _open_fds() == fds, "no store, pipe or socket was left open"
+    assert _children() == children, "no process was started"
+
+
+def test_a_bad_thread_count_in_the_environment_is_named_before_spawning(monkeypatch):
+    monkeypatch.setenv("FLEXDISPATCH_THREADS", "abc")
+    children = _children()
+    with pytest.raises(ValueError, match=r"\$FLEXDISPATCH_THREADS='abc' is not an integer"):
+        spawn_group(os.getpid, 1, timeout_s=20.0)
     assert _children() == children, "no process was started"
 
 

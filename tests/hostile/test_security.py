@@ -236,6 +236,9 @@ def test_only_plain_values_and_data_classes_come_back():
     assert back["spec"] == spec and back["stats"] == DispatchStats(rows_sent=3)
     assert back["router"] == value["router"] and torch.equal(back["t"], value["t"])
     assert back["plain"] == value["plain"]
+    # NOTE: as _wire / docs/security.md say: BaseModel.__setstate__ assigns, nothing re-validates
+    bad = RouterConfig.model_construct(num_experts=-5, topk=2)
+    assert _loads(_dumps(bad)).num_experts == -5
     buf = io.BytesIO()
     torch.jit.save(torch.jit.script(torch.nn.Identity()), buf)
     with pytest.raises(pickle.UnpicklingError, match=r"not torch\.save bytes.*TorchScript"):
@@ -274,6 +277,15 @@ def test_a_third_party_tests_package_is_not_trusted(tmp_path, monkeypatch):
     assert not _wire._trusted("tests.hostile.peak_probe")  # NOTE: another `tests` is loaded
     with pytest.raises(pickle.UnpicklingError, match=r"refers to 'tests.evil.Evil'"):
         _loads(_archive(_call("tests.evil", "Evil")))
+    # an installed wheel: flexdispatch and a third-party `tests` side by side in site-packages
+    site = tmp_path / "site-packages"
+    (site / "flexdispatch").mkdir(parents=True)
+    fake.rename(site / "tests")
+    package.__path__[:] = [str(site / "tests")]
+    monkeypatch.setattr(_wire, "__file__", str(site / "flexdispatch" / "_wire.py"))
+    assert not _wire._trusted("tests.evil") and _wire._data_class("tests.evil", "Evil") is None
+    (site / "pyproject.toml").write_text('[project]\nname = "something-else"\n')
+    assert not _wire._trusted("tests.evil")  # NOTE: a pyproject.toml, not this project's
     assert peak_probe
 
 
@@ -373,3 +385,41 @@ def test_a_peer_announcing_a_huge_or_negative_size_is_refused_before_allocating(
         assert _wire.gather_objects({"a": 1}) == [{"a": 1}]  # NOTE: the ordinary path still works
     finally:
         dist.destroy_process_group()
+
+
+def _one_rank_refuses_the_sizes() -> list[str]:
+    """Rank 1's memory figure is tiny (and no size too small to check): it refuses what its
+    peer takes."""
+    import torch.distributed as dist
+
+    from flexdispatch import _limits, _wire
+    from flexdispatch.distributed import CollectiveError
+
+    saved = _limits.SMALL_BYTES, _limits.available_bytes
+    if dist.get_rank() == 1:
+        _limits.SMALL_BYTES = 0
+        _limits.available_bytes = lambda device, tree=False: (1, "a test's figure")
+        _limits._FITTED.clear()
+    said = []
+    for exchange in (_wire.gather_objects, _wire.broadcast_object):
+        try:
+            exchange({"rank": dist.get_rank()})
+            said.append("no error")
+        except CollectiveError as exc:
+            said.append(str(exc))
+    _limits.SMALL_BYTES, _limits.available_bytes = saved
+    assert _wire.gather_objects(dist.get_rank()) == [0, 1]  # NOTE: the group is still in step
+    return said
+
+
+def test_a_size_one_rank_refuses_is_refused_on_every_rank():
+    # NOTE: the refusal comes from each rank's own free memory: a rank that raised alone left its
+    # peers waiting in the next all_gather until the timeout
+    from tests.dist.harness import spawn_group
+
+    said = spawn_group(_one_rank_refuses_the_sizes, 2, timeout_s=60, pg_timeout_s=20)
+    for i, what in enumerate(("gather_objects", "broadcast_object")):
+        peer, refusing = said[0][i], said[1][i]
+        assert refusing.startswith(f"{what}: rank 0's object=") and "a test's figure" in refusing
+        assert refusing.endswith("(refused on rank 1; every rank raises)")
+        assert peer.startswith(f"{what}: rank(s) 1 cannot hold the objects"), peer

@@ -74,3 +74,14 @@ def test_traced_by_torch_compile_without_a_graph_break() -> None:
     idx, p = compiled(routing_map, probs)
     want_idx, want_probs = _loop(routing_map, probs, 8)
     assert torch.equal(idx, want_idx) and torch.equal(p, want_probs)
+
+
+def test_unchecked_a_row_over_k_counts_only_the_pairs_it_keeps(monkeypatch) -> None:
+    # NOTE: the path CUDA takes without checks (and a compiled call): the map is not read on
+    # the host, a row marking k + 1 experts keeps its k lowest ids
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    routing_map = torch.tensor([[True, True, True, False], [False, True, False, True]])
+    got = fd.routing_map_to_topk(routing_map, torch.rand(2, 4), 2)
+    assert got.topk_idx.tolist() == [[0, 1], [1, 3]]
+    kept = got.topk_idx[got.topk_idx >= 0]
+    assert torch.equal(got.tokens_per_expert, torch.bincount(kept, minlength=4))
