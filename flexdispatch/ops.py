@@ -190,6 +190,7 @@ def _dispatch_fake(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # NOTE: shapes only: the dispatcher's checks run in the op itself, before any collective
     # (a fake rule cannot look the dispatcher up: its id tensor has no data here)
+    _outside_graph("pairs"), _outside_graph("register")  # NOTE: made before traced code needs them
     if x.dim() != 2 or topk_idx.dim() != 2 or topk_probs.shape != topk_idx.shape:
         raise ValueError(
             f"flexdispatch::dispatch takes x [T, H], topk_idx [T, k] and topk_probs [T, k], got "
@@ -264,6 +265,7 @@ def _combine_fake(
     num_tokens: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    _outside_graph("register")  # NOTE: made for the next trace (see _outside_graph)
     return y.new_empty(num_tokens, y.shape[1])
 
 
@@ -351,13 +353,36 @@ def _pairs(handle_t: torch.Tensor) -> int | None:
 # NOTE: traced, ``int()`` either breaks the graph or (``capture_scalar_outputs``, as torchtitan
 # sets) becomes an unbacked symbol that ``< 0`` cannot guard on: always a graph break, with a
 # message naming the fix where ``fullgraph=True`` refuses it
-_pairs_outside_graph = torch.compiler.disable(
-    _pairs,
-    reason="flexdispatch: a dropless dispatch (DispatchConfig.num_worst_tokens=0) has a "
+_PAIRS_REASON = (
+    "flexdispatch: a dropless dispatch (DispatchConfig.num_worst_tokens=0) has a "
     "data-dependent row count and reads it on the host, so it cannot be compiled with "
     "fullgraph=True: set num_worst_tokens > 0 (worst-case mode, static shapes) or compile "
-    "without fullgraph",
+    "without fullgraph"
 )
+_REGISTER_REASON = (
+    "flexdispatch: combine of a handle from the eager path (dispatch_expanded, or a "
+    "dispatch outside the compiled region) registers it when it runs, outside the graph; "
+    "with fullgraph=True, call dispatch (not dispatch_expanded) inside the compiled region too, "
+    "or compile without fullgraph"
+)
+_OUTSIDE_GRAPH: dict[str, Any] = {}  # name -> its torch.compiler.disable'd helper
+
+
+def _outside_graph(name: str) -> Any:
+    """The helper ``name`` (``"pairs"``, ``"register"``) behind ``torch.compiler.disable``,
+    made at its first use. It is used only while compiling, when torch._dynamo is imported
+    anyway: made when this module is imported, it imported torch._dynamo and with it triton
+    (about 2 s more to import the dispatcher, and triton before a CPU user sets
+    TRITON_INTERPRET). The fake rules make both (they run while dynamo traces, before the
+    helpers are reached), so a fullgraph refusal names the fix."""
+    wrapped = _OUTSIDE_GRAPH.get(name)
+    if wrapped is None:
+        fn, reason = {
+            "pairs": (_pairs, _PAIRS_REASON),
+            "register": (_register_now, _REGISTER_REASON),
+        }[name]
+        wrapped = _OUTSIDE_GRAPH[name] = torch.compiler.disable(fn, reason=reason)
+    return wrapped
 
 
 def dispatch(
@@ -386,7 +411,7 @@ def dispatch(
     elif not d.config.num_worst_tokens:
         # NOTE: dropless under torch.compile: a graph break here (data-dependent), and permute
         # gets the row count without a sync of its own
-        pairs = _pairs_outside_graph(handle_t)
+        pairs = _outside_graph("pairs")(handle_t)
     handle = DispatchHandle(
         backend=d.backend_name,
         num_tokens=x.shape[0],
@@ -406,16 +431,11 @@ def dispatch(
     )
 
 
-@torch.compiler.disable(
-    reason="flexdispatch: combine of a handle from the eager path (dispatch_expanded, or a "
-    "dispatch outside the compiled region) registers it when it runs, outside the graph; "
-    "with fullgraph=True, call dispatch (not dispatch_expanded) inside the compiled region too, "
-    "or compile without fullgraph"
-)
-def _register_eager(handle: DispatchHandle) -> torch.Tensor:
-    """``_register(handle, None)`` when the code runs, never while dynamo traces it (a graph
-    break: the tensor is then an input of the next graph). Traced, the id would be baked into
-    the graph as a constant and its entry dropped with the trace's tensor."""
+def _register_now(handle: DispatchHandle) -> torch.Tensor:
+    """``_register(handle, None)`` when the code runs, never while dynamo traces it (behind
+    ``_outside_graph``: a graph break, the tensor then an input of the next graph). Traced, the
+    id would be baked into the graph as a constant and its entry dropped with the trace's
+    tensor."""
     return _register(handle, None)
 
 
@@ -424,9 +444,9 @@ def combine(
 ) -> torch.Tensor:
     """``FlexDispatcher.combine`` through ``flexdispatch::combine`` (inputs already checked). A
     handle of the eager path (dispatched before the ops were switched on, or by
-    ``dispatch_expanded``) is registered now, at run time (``_register_eager``)."""
+    ``dispatch_expanded``) is registered now, at run time (``_register_now``)."""
     handle_t = handle.state
     if not isinstance(handle_t, torch.Tensor):
         compiling = torch.compiler.is_compiling()
-        handle_t = _register_eager(handle) if compiling else _register(handle, None)
+        handle_t = _outside_graph("register")(handle) if compiling else _register(handle, None)
     return torch.ops.flexdispatch.combine(y, handle_t, d._op_id, handle.num_tokens, bias)

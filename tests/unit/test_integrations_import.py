@@ -1,6 +1,7 @@
 """``import flexdispatch`` never imports Megatron-Core or torchtitan, and neither does importing
-the integration modules until something of theirs that subclasses the framework is used (checked
-in a fresh interpreter, where nothing else has imported them)."""
+the integration modules until something of theirs that subclasses the framework is used, and
+none of them imports torch._dynamo or triton (checked in a fresh interpreter, where nothing else
+has imported them)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ except TypeError:
 frameworks = ("megatron", "torchtitan", "spmd_types")
 loaded = sorted(m for m in sys.modules if m.split(".")[0] in frameworks)
 print("LOADED", loaded)
+# NOTE: nor torch.compile's machinery: torch._dynamo imports triton, which must wait for a CPU
+# user's TRITON_INTERPRET (and adds about 2 s)
+print("COMPILER", sorted(m for m in ("torch._dynamo", "triton") if m in sys.modules))
 """
 
 
@@ -32,3 +36,4 @@ def test_flexdispatch_and_its_integrations_import_no_framework() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "LOADED []" in out.stdout, out.stdout
+    assert "COMPILER []" in out.stdout, out.stdout
