@@ -205,13 +205,15 @@ def _collective_device(group: Any) -> torch.device:
     return collective_device(group)
 
 
-def _size_refusal(counts: list[int], what: str, device: torch.device, copies: int) -> str | None:
-    """Why this rank refuses the sizes peers announced (``counts``: bytes per rank), before
-    anything of that size is allocated: a negative one, or ``copies`` buffers of the largest that
-    cannot fit in its memory (``flexdispatch._limits``); None when it takes them."""
+def _size_refusal(
+    counts: list[int], what: str, device: torch.device, copies: int, ranks: list[int]
+) -> str | None:
+    """Why this rank refuses the sizes peers announced (``counts``: bytes of ``ranks``' objects),
+    before anything of that size is allocated: a negative one, or ``copies`` buffers of the
+    largest that cannot fit in its memory (``flexdispatch._limits``); None when it takes them."""
     from flexdispatch import _limits
 
-    for rank, count in enumerate(counts):
+    for rank, count in zip(ranks, counts, strict=True):
         if count < 0:
             return (
                 f"{what}: rank {rank} announced {count} bytes: a peer that is not running the "
@@ -220,7 +222,7 @@ def _size_refusal(counts: list[int], what: str, device: torch.device, copies: in
     largest = max(counts, default=0)
     return _limits.refusal(
         what,
-        f"rank {counts.index(largest)}'s object",
+        f"rank {ranks[counts.index(largest)]}'s object",
         f"{largest} bytes",
         copies * largest,
         device,
@@ -230,7 +232,12 @@ def _size_refusal(counts: list[int], what: str, device: torch.device, copies: in
 
 
 def _agree_sizes(
-    counts: list[int], what: str, device: torch.device, copies: int, group: Any
+    counts: list[int],
+    what: str,
+    device: torch.device,
+    copies: int,
+    group: Any,
+    ranks: list[int] | None = None,
 ) -> None:
     """``_size_refusal`` on every rank, then agreed on the group (one all-gather of a flag): a
     rank's refusal comes from its own free memory, and a rank that raised alone would leave its
@@ -242,7 +249,7 @@ def _agree_sizes(
     """
     from flexdispatch.distributed import CollectiveError
 
-    why = _size_refusal(counts, what, device, copies)
+    why = _size_refusal(counts, what, device, copies, ranks or list(range(len(counts))))
     flag = torch.tensor([0 if why is None else 1], dtype=torch.int64, device=device)
     flags = [torch.zeros_like(flag) for _ in range(dist.get_world_size(group))]
     with _guard(f"all_gather ({what} size verdicts)", group):
@@ -293,7 +300,7 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     n = torch.tensor([payload.numel() if payload is not None else 0], device=device)
     with _guard("broadcast (object size)", group):
         dist.broadcast(n, src=src, group=group)
-    _agree_sizes([int(n.item())], "broadcast_object", device, 2, group)
+    _agree_sizes([int(n.item())], "broadcast_object", device, 2, group, ranks=[src])
     buf = torch.empty(int(n.item()), dtype=torch.uint8, device=device)
     if payload is not None:
         buf.copy_(payload)

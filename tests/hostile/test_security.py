@@ -5,6 +5,7 @@ when fingerprints differed)."""
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
@@ -401,7 +402,8 @@ def _one_rank_refuses_the_sizes() -> list[str]:
         _limits.available_bytes = lambda device, tree=False: (1, "a test's figure")
         _limits._FITTED.clear()
     said = []
-    for exchange in (_wire.gather_objects, _wire.broadcast_object):
+    from_1 = functools.partial(_wire.broadcast_object, src=1)
+    for exchange in (_wire.gather_objects, _wire.broadcast_object, from_1):
         try:
             exchange({"rank": dist.get_rank()})
             said.append("no error")
@@ -418,8 +420,10 @@ def test_a_size_one_rank_refuses_is_refused_on_every_rank():
     from tests.dist.harness import spawn_group
 
     said = spawn_group(_one_rank_refuses_the_sizes, 2, timeout_s=60, pg_timeout_s=20)
-    for i, what in enumerate(("gather_objects", "broadcast_object")):
+    for i, (what, src) in enumerate((("gather_objects", 0), ("broadcast_object", 0),
+                                     ("broadcast_object", 1))):  # fmt: skip
         peer, refusing = said[0][i], said[1][i]
-        assert refusing.startswith(f"{what}: rank 0's object=") and "a test's figure" in refusing
+        assert refusing.startswith(f"{what}: rank {src}'s object="), refusing
+        assert "a test's figure" in refusing, refusing
         assert refusing.endswith("(refused on rank 1; every rank raises)")
         assert peer.startswith(f"{what}: rank(s) 1 cannot hold the objects"), peer
