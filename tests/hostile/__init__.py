@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["ROOT", "run_cli", "AS_LIMIT"]
+__all__ = ["ROOT", "run_cli", "AS_LIMIT", "cli_error"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,3 +40,18 @@ def run_cli(*argv: str, timeout: float = 60, env: dict[str, str] | None = None, 
         cwd=cwd or ROOT,
         preexec_fn=_limit_memory,
     )
+
+
+def cli_error(argv: list[str], capsys) -> str:
+    """``flexdispatch.cli.main(argv)`` in process, which must exit 2 with one line on stderr
+    (``flexdispatch <command>: error: ...``); that line. ``capsys``: pytest's fixture."""
+    from flexdispatch.cli import main as cli_main
+
+    try:
+        code = cli_main(argv)
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith(f"flexdispatch {argv[0]}: error: ") and err.count("\n") == 1, err
+    return err

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from flexdispatch import load_config
-from flexdispatch.cli import main as cli_main
+from tests.hostile import cli_error
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -20,17 +20,6 @@ SHADOW = (
     f"alice:$6$Zx9Q2sd8${HASH * 8}:19000:0:99999:7:::\n"
     f"bob:$6$salt$S3CR3TS3CR3TS3CR3T{'x' * 60}:19000:0:99999:7:::\n"
 )
-
-
-def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    try:
-        code = cli_main(argv)
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert err.startswith(f"flexdispatch {argv[0]}: error: ") and err.count("\n") == 1, err
-    return err
 
 
 # --------------------------------------------------------------------------- N1: no quotes
@@ -44,10 +33,10 @@ def test_a_shadow_file_is_not_quoted(tmp_path, capsys):
         ["plan", "--config", str(path), "--nodes", "1", "--ranks-per-node", "2"],
         ["config", "--from-megatron", str(path)],
     ):
-        err = _cli(argv, capsys)
+        err = cli_error(argv, capsys)
         for secret in ("S3CR3T", "Zx9Q2sd8", "$6$", "salt", "20228", "19000"):
             assert secret not in err, (argv, err)
-    err = _cli(["presets", str(path)], capsys)
+    err = cli_error(["presets", str(path)], capsys)
     assert "key #2 (" in err and "characters, starting 'ali'…)" in err
 
 
@@ -72,7 +61,7 @@ def test_a_yaml_error_gives_the_position_not_the_value(tmp_path, capsys, text, w
     # malformed !!timestamp raised a bare AttributeError ('NoneType' ... 'groupdict')
     path = tmp_path / "t.yaml"
     path.write_text(text)
-    err = _cli(["presets", str(path)], capsys)
+    err = cli_error(["presets", str(path)], capsys)
     assert f"{path} at {where} " in err and what in err, err
     assert SECRET[:13] not in err, err  # NOTE: at most 12 characters of the file
 
@@ -144,7 +133,7 @@ def test_a_bad_value_is_quoted_in_a_few_characters(tmp_path):
 def test_a_huge_integer_is_named_with_its_position(tmp_path, capsys, name, text, argv):
     path = tmp_path / name
     path.write_text(text)
-    err = _cli([*argv, str(path)], capsys)
+    err = cli_error([*argv, str(path)], capsys)
     line = 2 if name.endswith(".json") else 1
     column = text.splitlines()[line - 1].index("7") + 1
     assert (
@@ -164,6 +153,6 @@ def test_a_huge_integer_is_named_with_its_position(tmp_path, capsys, name, text,
 def test_control_characters_in_yaml_have_a_position(tmp_path, capsys, text, where, char):
     path = tmp_path / "c.yaml"
     path.write_bytes(text.encode())
-    err = _cli(["presets", str(path)], capsys)
+    err = cli_error(["presets", str(path)], capsys)
     assert f"{path} at {where} is not valid YAML: special characters are not allowed" in err
     assert char in err and "secret" not in err

@@ -18,6 +18,7 @@ from flexdispatch.cli import main as cli_main
 from flexdispatch.config import DispatchConfig, MoEConfig, load_config
 from flexdispatch.importers import moe_config_from_hf, moe_config_from_megatron
 from flexdispatch.routing.hash import hash_routing
+from tests.hostile import cli_error
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -30,17 +31,6 @@ def _hf(name: str, **patch: Any) -> dict[str, Any]:
 
 
 MEGATRON = {"num_moe_experts": 8, "moe_router_topk": 2, "hidden_size": 64, "ffn_hidden_size": 128}
-
-
-def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    try:
-        code = cli_main(argv)
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert err.startswith(f"flexdispatch {argv[0]}: error: ") and err.count("\n") == 1, err
-    return err
 
 
 # --------------------------------------------------------------------------- N15: finite only
@@ -108,7 +98,7 @@ def test_hf_infinite_coefficient_from_a_file_exits_2(tmp_path, capsys):
     path = tmp_path / "aux.json"
     path.write_text(text.replace('"router_aux_loss_coef": 0.02', '"router_aux_loss_coef": 1e400'))
     assert '"router_aux_loss_coef": 1e400' in path.read_text()
-    err = _cli(["config", "--from-hf", str(path)], capsys)
+    err = cli_error(["config", "--from-hf", str(path)], capsys)
     assert "router_aux_loss_coef must be a finite number, got inf" in err
 
 
@@ -139,7 +129,7 @@ def test_megatron_infinite_coefficient_from_yaml_exits_2(tmp_path, capsys):
     path.write_text(
         "num_moe_experts: 8\nhidden_size: 64\nffn_hidden_size: 128\nmoe_aux_loss_coeff: .inf\n"
     )
-    err = _cli(["config", "--from-megatron", str(path)], capsys)
+    err = cli_error(["config", "--from-megatron", str(path)], capsys)
     assert "moe_aux_loss_coeff must be a finite number, got inf (float)" in err  # as HF's
 
 
@@ -166,7 +156,7 @@ def test_yaml_booleans_are_not_integers(tmp_path, capsys):
     path.write_text(
         "name: t\nhidden_size: yes\nffn_hidden_size: 96\nrouter:\n  num_experts: 16\n  topk: on\n"
     )
-    err = _cli(["presets", str(path)], capsys)
+    err = cli_error(["presets", str(path)], capsys)
     assert "hidden_size: Value error, true is not a number" in err
     assert "router.topk: Value error, true is not a number" in err
 
@@ -208,7 +198,7 @@ def test_megatron_values_have_argparse_types(key, value, message):
 def test_megatron_true_experts_from_yaml_names_the_key(tmp_path, capsys):
     path = tmp_path / "args.yaml"
     path.write_text("num_moe_experts: true\nhidden_size: 64\nffn_hidden_size: 128\n")
-    err = _cli(["config", "--from-megatron", str(path)], capsys)
+    err = cli_error(["config", "--from-megatron", str(path)], capsys)
     assert "num_moe_experts must be an integer" in err and "topk=2 exceeds" not in err
 
 
@@ -253,7 +243,7 @@ def test_deepseek_v2_group_limited_greedy_needs_its_groups():
 def test_deepseek_bad_groups_from_a_file_exit_2(tmp_path, capsys):
     path = tmp_path / "ng3.json"
     path.write_text(json.dumps(_hf("deepseek_v3", n_group=3)))
-    assert "n_group=3 must be a positive divisor" in _cli(
+    assert "n_group=3 must be a positive divisor" in cli_error(
         ["config", "--from-hf", str(path)], capsys
     )
 
@@ -285,7 +275,7 @@ def test_megatron_zero_moe_ffn_hidden_size_is_not_replaced(tmp_path, capsys):
         "num_moe_experts: 8\nmoe_router_topk: 2\nhidden_size: 64\nmoe_ffn_hidden_size: 0\n"
         "ffn_hidden_size: 128\n"
     )
-    assert "moe_ffn_hidden_size must be a positive" in _cli(
+    assert "moe_ffn_hidden_size must be a positive" in cli_error(
         ["config", "--from-megatron", str(path)], capsys
     )
     # absent or null: Megatron's fallback to ffn_hidden_size
@@ -296,7 +286,7 @@ def test_megatron_zero_moe_ffn_hidden_size_is_not_replaced(tmp_path, capsys):
 def test_hf_model_type_must_be_a_string(tmp_path, capsys):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(_hf("mixtral_8x7b", model_type=["mixtral"])))
-    err = _cli(["config", "--from-hf", str(path)], capsys)
+    err = cli_error(["config", "--from-hf", str(path)], capsys)
     assert "model_type must be a string, got ['mixtral'] (list)" in err
     path.write_text(json.dumps(_hf("mixtral_8x7b", model_type="x" * 500)))
-    assert "x" * 13 not in _cli(["config", "--from-hf", str(path)], capsys)
+    assert "x" * 13 not in cli_error(["config", "--from-hf", str(path)], capsys)
