@@ -16,7 +16,7 @@ the host, which adds no op).
 
 The dispatcher's input value checks (expert ids in range, finite rows and probs; every backend)
 are part of the count: on CPU they read the values (``--where`` names their lines in
-``_validate.py``), on CUDA they are counted on the device instead (``--cuda-path`` runs that
+``tensors.py``), on CUDA they are counted on the device instead (``--cuda-path`` runs that
 code on CPU to count its ops).
 
 ``--api elastic`` counts the V2 path (``deep_ep.ElasticBuffer``; the emulated ``_C.ElasticBuffer``
@@ -127,9 +127,9 @@ def _worker(
 
     if cuda_path:
         # the dispatcher's value checks as they run on CUDA: counted on the device, no host read
-        from flexdispatch import _validate
+        from flexdispatch._checks import tensors
 
-        _validate.defer_value_checks = lambda device: True
+        tensors.defer_value_checks = lambda device: True
     skip = [0]
     _wrap_runtime(Runtime, skip)
     _wrap_runtime(ElasticRuntime, skip)

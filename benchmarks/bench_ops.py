@@ -24,7 +24,7 @@ Rows:
   ``unpermute(perm.x, perm, probs=perm.probs)`` (exact size, one process).
 
 Code paths: ``cpu`` is what runs on CPU. ``cuda (forced)`` runs the CUDA branch of every
-device-dependent choice on CPU: ``flexdispatch._validate.cuda_code_path`` and
+device-dependent choice on CPU: ``flexdispatch._checks.tensors.cuda_code_path`` and
 ``defer_value_checks`` are forced to True (value checks counted on the device, no CPU memory
 reuse, synchronous collectives, ``scatter_add_`` instead of ``bincount``), and the Triton
 kernels CUDA runs when triton imports (the deferred value checks, ``kernels.screen``; the in-band

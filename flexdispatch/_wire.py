@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexdispatch._files import excerpt
+from flexdispatch._checks.files import excerpt
 
 __all__ = ["broadcast_object", "gather_objects"]
 
@@ -210,8 +210,9 @@ def _size_refusal(
 ) -> str | None:
     """Why this rank refuses the sizes peers announced (``counts``: bytes of ``ranks``' objects),
     before anything of that size is allocated: a negative one, or ``copies`` buffers of the
-    largest that cannot fit in its memory (``flexdispatch._limits``); None when it takes them."""
-    from flexdispatch import _limits
+    largest that cannot fit in its memory (``flexdispatch._checks.fits``); None when it takes
+    them."""
+    from flexdispatch._checks import fits
 
     for rank, count in zip(ranks, counts, strict=True):
         if count < 0:
@@ -220,7 +221,7 @@ def _size_refusal(
                 f"same flexdispatch (or a corrupted exchange); nothing was allocated"
             )
     largest = max(counts, default=0)
-    return _limits.refusal(
+    return fits.refusal(
         what,
         f"rank {ranks[counts.index(largest)]}'s object",
         f"{largest} bytes",

@@ -21,8 +21,8 @@ from pydantic import (
 )
 
 from flexdispatch import deepep_limits
-from flexdispatch._files import read_config_file, validation_message
-from flexdispatch._values import not_bool
+from flexdispatch._checks.files import read_config_file, validation_message
+from flexdispatch._checks.values import not_bool
 
 __all__ = [
     "RouterConfig",
@@ -36,7 +36,8 @@ __all__ = [
 
 _MAX = (1 << 31) - 1
 """Bound of every size field: rows, experts and hidden sizes are indexed with 32-bit integers by
-DeepEP and the Triton kernels (memory is checked where the sizes are used: flexdispatch._limits)."""
+DeepEP and the Triton kernels (memory is checked where the sizes are used:
+flexdispatch._checks.fits)."""
 
 
 _Int = Annotated[int, BeforeValidator(not_bool)]
@@ -494,5 +495,5 @@ def load_config(preset_name_or_path: str | Path) -> MoEConfig:
 
 def _field_names() -> set[str]:
     """Every field name of ``MoEConfig``, ``RouterConfig`` and ``DispatchConfig`` (what an error
-    may quote of a config file's keys; ``flexdispatch._files.key_text``)."""
+    may quote of a config file's keys; ``flexdispatch._checks.files.key_text``)."""
     return {n for m in (MoEConfig, RouterConfig, DispatchConfig) for n in m.model_fields}

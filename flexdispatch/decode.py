@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flexdispatch._validate import check_tensor
+from flexdispatch._checks.tensors import check_tensor
 from flexdispatch.types import DispatchResult, ExpertMajorHandle, ExpertMajorResult
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from flexdispatch import ops as _ops
-from flexdispatch._validate import check_tensor
+from flexdispatch._checks.tensors import check_tensor
 from flexdispatch.backends.base import DispatchBackend
 from flexdispatch.types import DispatchHandle, DispatchLayout, ExpandedDispatchResult
 

@@ -30,13 +30,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexdispatch import _limits, _validate
 from flexdispatch import ops as _ops
-from flexdispatch._guard import CallGuard, guarded
-from flexdispatch._validate import (
+from flexdispatch._checks import fits, tensors
+from flexdispatch._checks.tensors import (
     check_tensor,
     checks_enabled,
 )
+from flexdispatch._checks.threads import CallGuard, guarded
 from flexdispatch.backends import select_backend
 from flexdispatch.backends.base import DispatchBackend
 from flexdispatch.config import DispatchConfig
@@ -117,16 +117,16 @@ class FlexDispatcher:
         L, self.ranks_per_node_source = resolve_ranks_per_node(config.ranks_per_node, R)
         fields: dict[str, object] = {**config.model_dump(), "num_experts": num_experts}
         fields["ranks_per_node (resolved)"] = L
-        too_big = _limits.dispatch_refusal(config, num_experts, R, self._comm_device)
+        too_big = fits.dispatch_refusal(config, num_experts, R, self._comm_device)
         fields["fits in memory"] = too_big is None
         # NOTE: so a rank that cannot fit makes all raise; the hosts come with it (audit-4 P9)
         hosts = check_fingerprint(fields, group, extra=host_id())
-        _limits.raise_refusal(too_big)
+        fits.raise_refusal(too_big)
         L, self.ranks_per_node_source = cut_to_hosts(
             L, self.ranks_per_node_source, config.ranks_per_node, hosts
         )
         self._stats = DispatchStats()
-        self._bad_log = _validate.BadValueLog()  # device counts of bad inputs, not yet folded
+        self._bad_log = tensors.BadValueLog()  # device counts of bad inputs, not yet folded
         self._deferred_parts: tuple[torch.Tensor, ...] | None = None
         self._backend, self.backend_reason = select_backend(
             config,
@@ -242,7 +242,7 @@ class FlexDispatcher:
         dispatch (bad ones as -1 on the deferred path)."""
         values = x  # what the non-finite check reads (fp8 rows: their float32 scales)
         if isinstance(x, tuple):
-            x = _validate.check_fp8_rows(x, self.backend_name)
+            x = tensors.check_fp8_rows(x, self.backend_name)
             values = values[1]
         else:
             check_tensor("x", x, ndim=2, floating=True)
@@ -280,7 +280,7 @@ class FlexDispatcher:
                 f"of the hidden size the config names (or build the dispatcher with "
                 f"hidden_size={x.shape[1]}, or None)"
             )
-        _limits.check_dispatch_rows(
+        fits.check_dispatch_rows(
             x, topk_idx.shape[1], self.num_ranks, self.num_experts, self.config.num_worst_tokens,
             self.backend_name, self.ranks_per_node if self.config.hierarchical else 0,
         )  # fmt: skip
@@ -303,17 +303,17 @@ class FlexDispatcher:
         Checks on (or CPU, where reading values costs no sync): raise now. CUDA without checks
         (or while capturing a graph): the bad ids become -1 on the device (no backend kernel
         sees them) and everything is counted on the device into
-        ``stats.pending_bad_values`` (``_validate.BadValueLog``: after the first dispatch, kept
+        ``stats.pending_bad_values`` (``tensors.BadValueLog``: after the first dispatch, kept
         without a launch and folded in at the check); ``check_overflow`` raises naming them.
         Under CUDA-graph capture the counter accumulates across replays when it already exists
         (one eager dispatch before capturing, as warm-up does); created inside the capture it
         holds the latest replay's counts.
         """
         E = self.num_experts
-        if checks_enabled(self.config.checks or None) or not _validate.defer_value_checks(
+        if checks_enabled(self.config.checks or None) or not tensors.defer_value_checks(
             topk_idx.device
         ):
-            _validate.check_dispatch_values(topk_idx, E, values, topk_probs)
+            tensors.check_dispatch_values(topk_idx, E, values, topk_probs)
             return topk_idx
         if _screen.screen_on_device(topk_idx.device):
             # NOTE: one fused launch: every bad id as -1, the counts added into the pending
@@ -324,8 +324,8 @@ class FlexDispatcher:
         # counts) gives them after its dispatch (``dispatch`` adds the parts then); it takes ids
         # >= E as -1 itself, the others get them as -1 (DeepEP V2 would index past its counters)
         own = getattr(self._backend, "counts_bad_ids", False)
-        idx, repeats, oob = _validate.mask_bad_ids(topk_idx, E, out_of_range=not own)
-        parts = _validate.count_bad_parts(
+        idx, repeats, oob = tensors.mask_bad_ids(topk_idx, E, out_of_range=not own)
+        parts = tensors.count_bad_parts(
             topk_idx, E, values, topk_probs, count_ids=False, repeats=repeats
         )
         if own:
@@ -595,7 +595,7 @@ class FlexDispatcher:
         safe point, e.g. after a step, to turn that record into an error.
         """
         self._fold_bad_values()
-        problems = _validate.bad_input_problems(self.stats.extra, self.num_experts)
+        problems = tensors.bad_input_problems(self.stats.extra, self.num_experts)
         if problems:
             raise ValueError("; ".join(problems))
         self._backend.check_overflow()

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexdispatch._files import excerpt
+from flexdispatch._checks.files import excerpt
 
 __all__ = [
     "CollectiveError",

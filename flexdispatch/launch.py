@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexdispatch._files import excerpt
+from flexdispatch._checks.files import excerpt
 from flexdispatch._lifetime import (
     MAX_TIMEOUT_S,
     check_timeout,
@@ -300,15 +300,15 @@ def _check_spawn_args(
             f"process (a pipe and a store connection per rank), more than its limit of "
             f"{soft} (ulimit -n): spawn fewer ranks"
         )
-    from flexdispatch import _limits
+    from flexdispatch._checks import fits
 
-    _limits.check_fits(
+    fits.check_fits(
         "spawn_group",
         "world_size",
         world_size,
         world_size * RANK_RUNTIME_BYTES,
         "cpu",
-        detail=f"{_limits.format_bytes(RANK_RUNTIME_BYTES)} at least per rank: Python, torch "
+        detail=f"{fits.format_bytes(RANK_RUNTIME_BYTES)} at least per rank: Python, torch "
         f"and its process group",
         fix="spawn fewer ranks",
         tree=True,  # NOTE: RLIMIT_AS bounds each rank on its own, not their sum
@@ -350,7 +350,7 @@ def spawn_group(
     Raises:
         TypeError / ValueError: a bad argument, naming it, before any store, pipe or process
             exists: ``world_size`` not a positive int, or more ranks than this machine's memory
-            holds (``RANK_RUNTIME_BYTES`` each, ``flexdispatch._limits``) or than its open-file
+            holds (``RANK_RUNTIME_BYTES`` each, ``flexdispatch._checks.fits``) or than its open-file
             limit allows; ``timeout_s`` / ``pg_timeout_s`` not a finite number of seconds in
             ``[MIN_TIMEOUT_S, MAX_TIMEOUT_S]`` (``flexdispatch._lifetime``: 0.001 to 2147483);
             ``backend`` not ``"gloo"`` or ``"nccl"``; ``fn`` a lambda or a local function

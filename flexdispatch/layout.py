@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from flexdispatch import _limits
-from flexdispatch._validate import check_ids_in_range, check_tensor, checks_enabled
+from flexdispatch._checks import fits
+from flexdispatch._checks.tensors import check_ids_in_range, check_tensor, checks_enabled
 from flexdispatch.types import DispatchLayout
 
 __all__ = ["get_dispatch_layout"]
@@ -65,9 +65,9 @@ def get_dispatch_layout(
             f"num_ranks={num_ranks} is not a multiple of ranks_per_node={ranks_per_node}"
         )
     T, k = topk_idx.shape
-    # NOTE: host ints only: an estimate under _limits.SMALL_BYTES costs one comparison.
-    if 4 * num_experts + T * (2 * num_ranks + 24 * k) >= _limits.SMALL_BYTES:
-        _limits.check_fits(
+    # NOTE: host ints only: an estimate under fits.SMALL_BYTES costs one comparison.
+    if 4 * num_experts + T * (2 * num_ranks + 24 * k) >= fits.SMALL_BYTES:
+        fits.check_fits(
             "get_dispatch_layout",
             "num_experts",
             num_experts,
@@ -75,7 +75,7 @@ def get_dispatch_layout(
             topk_idx.device,
             detail="[E] int32 counts",
         )
-        _limits.check_fits(
+        fits.check_fits(
             "get_dispatch_layout",
             "num_ranks" if num_ranks > 12 * k else "topk_idx.shape",
             num_ranks if num_ranks > 12 * k else (T, k),

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flexdispatch import _limits
-from flexdispatch._guard import CallGuard, guarded
-from flexdispatch._validate import check_tensor
+from flexdispatch._checks import fits
+from flexdispatch._checks.tensors import check_tensor
+from flexdispatch._checks.threads import CallGuard, guarded
 from flexdispatch.config import MoEConfig
 from flexdispatch.dispatcher import FlexDispatcher
 from flexdispatch.distributed import check_fingerprint
@@ -60,18 +60,18 @@ class MoEOutput:
 def _weights_refusal(
     config: MoEConfig, R: int, dtype: torch.dtype, device: torch.device | str | None
 ) -> str | None:
-    """Why this rank's parameters cannot fit on ``device`` (``flexdispatch._limits``), or None:
+    """Why this rank's parameters cannot fit on ``device`` (``flexdispatch._checks.fits``), or None:
     the ``[E, H]`` fp32 gate (built on CPU, then moved), the local experts' and the shared
     experts' projections (2 or 3 of ``H x F`` each, in ``dtype``)."""
     c, E, H = config, config.router.num_experts, config.hidden_size
     mats = 3 if c.activation in ("swiglu", "swiglu_oai") else 2
     elem = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 4
     shared = c.shared_expert_ffn_hidden_size or c.num_shared_experts * c.ffn_hidden_size
-    gate = _limits.refusal(
+    gate = fits.refusal(
         "MoELayer", "router.num_experts", E, 4 * E * H, "cpu", detail=f"[E, H={H}] fp32 gate"
     )
     W = c.dispatch.num_worst_tokens
-    rows = _limits.refusal(
+    rows = fits.refusal(
         "MoELayer", "dispatch.num_worst_tokens", W, W * H * elem, device,
         detail=f"the [W, H={H}] rows every worst-case dispatch returns, in {dtype}",
         fix="use W = R * T (tokens per rank times ranks) or dropless mode (num_worst_tokens=0)",
@@ -80,7 +80,7 @@ def _weights_refusal(
     return (
         gate
         or rows
-        or _limits.refusal(
+        or fits.refusal(
             "MoELayer",
             "ffn_hidden_size",
             c.ffn_hidden_size,
@@ -209,7 +209,7 @@ class MoELayer(nn.Module):
             what="MoELayer configs",
             fix="every rank must build the layer from the same MoEConfig, seed and dtype",
         )
-        _limits.raise_refusal(too_big)
+        fits.raise_refusal(too_big)
         # NOTE: the L the dispatcher resolved (config, LOCAL_WORLD_SIZE or R; audit-3 N1); the
         # dispatcher has checked DeepEP's topology against the deep_ep module it runs already
         config.check_world(R, self.dispatcher.ranks_per_node, check_dispatch=False)
@@ -360,7 +360,7 @@ class MoELayer(nn.Module):
 
     def _check_fits(self, hidden: torch.Tensor) -> None:
         """Refuse a ``forward`` whose activations cannot fit before anything is allocated
-        (``_limits.layer_bytes``; host ints, one comparison below ``_limits.SMALL_BYTES``). An
+        (``fits.layer_bytes``; host ints, one comparison below ``fits.SMALL_BYTES``). An
         ``expand``ed ``hidden`` of a few bytes counts as the T rows it stands for."""
         c = self.config
         T = hidden.numel() // c.hidden_size
@@ -368,7 +368,7 @@ class MoELayer(nn.Module):
         Fs = 0
         if c.num_shared_experts:
             Fs = c.shared_expert_ffn_hidden_size or c.num_shared_experts * c.ffn_hidden_size
-        nbytes = _limits.layer_bytes(
+        nbytes = fits.layer_bytes(
             T=T,
             H=c.hidden_size,
             F=c.ffn_hidden_size,
@@ -381,8 +381,8 @@ class MoELayer(nn.Module):
             grad=grad,
             L=self.dispatcher.ranks_per_node if c.dispatch.hierarchical else 0,
         )
-        if nbytes >= _limits.SMALL_BYTES:
-            _limits.check_fits(
+        if nbytes >= fits.SMALL_BYTES:
+            fits.check_fits(
                 "MoELayer.forward",
                 "T",
                 T,

@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from flexdispatch import _limits, _memory
-from flexdispatch._validate import check_ids_in_range, check_tensor, checks_enabled
+from flexdispatch import _memory
+from flexdispatch._checks import fits
+from flexdispatch._checks.tensors import check_ids_in_range, check_tensor, checks_enabled
 from flexdispatch.kernels import resolve_impl
 from flexdispatch.types import Permutation
 
@@ -239,13 +240,13 @@ def _check_same_device(name: str, value: torch.Tensor, ref_name: str, ref: torch
 def _check_permute_fits(
     x: torch.Tensor, E: int, align: int, num_out_rows: int | None, rows: int, row_bytes: int
 ) -> None:
-    """Refuse a ``permute`` whose output cannot fit (``flexdispatch._limits``)."""
+    """Refuse a ``permute`` whose output cannot fit (``flexdispatch._checks.fits``)."""
     where = x.device
     detail = "[E] int64 counts and segment bounds"
-    _limits.check_fits("permute", "num_experts", E, 32 * E, where, detail=detail)
+    fits.check_fits("permute", "num_experts", E, 32 * E, where, detail=detail)
     detail = f"rows of H={x.shape[1]} {x.dtype} plus int64 row indices"
     if num_out_rows is not None:
-        _limits.check_fits(
+        fits.check_fits(
             "permute",
             "num_out_rows",
             num_out_rows,
@@ -255,7 +256,7 @@ def _check_permute_fits(
             fix="pass the static bound T*k + E*(align-1)",
         )
     elif align > 1:
-        _limits.check_fits(
+        fits.check_fits(
             "permute",
             "align",
             align,
@@ -265,7 +266,7 @@ def _check_permute_fits(
             fix="pass the alignment the grouped GEMM needs (e.g. 8, 16 or 128)",
         )
     else:
-        _limits.check_fits(
+        fits.check_fits(
             "permute",
             "T*k",
             rows,
@@ -377,7 +378,7 @@ def permute(
     rows = (
         num_out_rows if num_out_rows is not None else T * k + min(T * k, num_experts) * (align - 1)
     )
-    if rows * row_bytes + 32 * num_experts >= _limits.SMALL_BYTES:  # NOTE: host ints only
+    if rows * row_bytes + 32 * num_experts >= fits.SMALL_BYTES:  # NOTE: host ints only
         _check_permute_fits(x, num_experts, align, num_out_rows, rows, row_bytes)
     do_checks = checks_enabled(checks)
     if do_checks:
@@ -620,8 +621,8 @@ def unpermute(
                 f"weight per row, e.g. perm.probs"
             )
     out_bytes = perm.num_tokens * y.shape[1] * 8  # [T, H] fp32 sums and the output
-    if out_bytes >= _limits.SMALL_BYTES:
-        _limits.check_fits(
+    if out_bytes >= fits.SMALL_BYTES:
+        fits.check_fits(
             "unpermute",
             "perm.num_tokens",
             perm.num_tokens,

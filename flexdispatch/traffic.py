@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flexdispatch._validate import check_tensor
+from flexdispatch._checks.tensors import check_tensor
 
 __all__ = [
     "SourceRows",

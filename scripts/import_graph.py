@@ -24,13 +24,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "types and configs",
         (
-            "_validate",
+            "_checks",
             "_memory",
-            "_files",
-            "_values",
-            "_guard",
-            "_limits",
-            "_sysmem",
             "devices",
             "types",
             "deepep_limits",

@@ -118,6 +118,6 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 def deferred_value_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Drive the CUDA-without-checks path of the dispatcher's value checks on any device: bad ids
     and NaN/inf are counted on the device and raised by ``check_overflow``, not in ``dispatch``."""
-    from flexdispatch import _validate
+    from flexdispatch._checks import tensors
 
-    monkeypatch.setattr(_validate, "defer_value_checks", lambda device: True)
+    monkeypatch.setattr(tensors, "defer_value_checks", lambda device: True)

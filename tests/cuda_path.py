@@ -1,7 +1,7 @@
 """Run flexdispatch's CUDA code path on CPU tensors: what a GPU runs, op for op.
 
-Every device-dependent choice in flexdispatch goes through ``_validate.cuda_code_path`` (and the
-deferred value checks through ``_validate.defer_value_checks``); pointing both at "yes" makes the
+Every device-dependent choice in flexdispatch goes through ``tensors.cuda_code_path`` (and the
+deferred value checks through ``tensors.defer_value_checks``); pointing both at "yes" makes the
 CPU take the CUDA branch, which is how the tests and ``benchmarks/`` count the CUDA path's ops,
 bytes and host reads without a GPU. ``force_triton_kernels`` adds the Triton kernels that the
 CUDA branch runs when triton imports (the dispatcher's value screen, the in-band pack),
@@ -27,12 +27,12 @@ def force_cuda_path(patch: Callable[[Any, str, Any], None] = setattr) -> None:
             or a test's ``monkeypatch.setattr`` (undone after the test). Modules imported later
             keep their own ``cuda_code_path``: import what the code under test uses first.
     """
-    from flexdispatch import _validate
+    from flexdispatch._checks import tensors
 
     def yes(device: torch.device) -> bool:
         return True
 
-    patch(_validate, "defer_value_checks", yes)
+    patch(tensors, "defer_value_checks", yes)
     for name, mod in list(sys.modules.items()):
         if name.startswith("flexdispatch") and hasattr(mod, "cuda_code_path"):
             patch(mod, "cuda_code_path", yes)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flexdispatch._validate import is_capturing
+from flexdispatch._checks.tensors import is_capturing
 from flexdispatch.distributed import (
     collective_guard,
     group_size,

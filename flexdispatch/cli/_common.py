@@ -109,21 +109,21 @@ def timeout_seconds(text: str) -> float:
 
 def check_output_path(path: str | Path, flag: str, example: str = "out.yaml") -> Path:
     """Refuse, before any work, an output path that cannot be written
-    (``flexdispatch._files.check_output_path``, named ``FLAG PATH``); ``example`` is the file
+    (``flexdispatch._checks.files.check_output_path``, named ``FLAG PATH``); ``example`` is the file
     name the message suggests inside a folder.
 
     Raises:
         ValueError: naming the flag, the path and the fix.
     """
-    from flexdispatch import _files
+    from flexdispatch._checks import files
 
-    return _files.check_output_path(path, f"{flag} {path}", example)
+    return files.check_output_path(path, f"{flag} {path}", example)
 
 
 def write_output(path: str | Path, text: str, flag: str) -> None:
     """Write ``text`` to the file of ``flag`` (checked by ``check_output_path``); a failure (a
     full disk, a path that became a FIFO) is a ``ValueError`` naming the flag and the path."""
-    from flexdispatch._files import write_file
+    from flexdispatch._checks.files import write_file
 
     write_file(path, text.encode("utf-8"), f"{flag} {path}")
 

@@ -78,18 +78,18 @@ def bench_rank_bytes(*, T: int, H: int, E: int, k: int, R: int, elem: int, worst
 
     What every stage keeps: ``x``, the received rows of the kept dispatch (M), the baselines'
     rows (S sent, M received, S back, P pairs twice) and the ``[E, H]`` fp32 gate. On top, the
-    dispatch and combine being timed (``_limits.dispatch_bytes``) and the largest other
+    dispatch and combine being timed (``fits.dispatch_bytes``) and the largest other
     temporary: the permute of the P received pairs, the router's fp32 copy of x and its
     ``[T, E]`` scores, or a baseline's rows drawn in fp32. S = T * min(k, R) rows sent,
     M = W = R * T received in worst-case mode (else S), P = T * k pairs.
     """
-    from flexdispatch import _limits
+    from flexdispatch._checks import fits
 
     S = T * min(k, R)
     M = R * T if worst_case else S
     P = T * k
     kept = (T + M + 2 * S + M + 2 * P) * H * elem + 4 * E * H
-    timed = _limits.dispatch_bytes(T=T, H=H, elem=elem, k=k, R=R, E=E, W=M if worst_case else 0)
+    timed = fits.dispatch_bytes(T=T, H=H, elem=elem, k=k, R=R, E=E, W=M if worst_case else 0)
     other = max(P * (2 * H * elem + 64), T * H * 4 + 3 * 4 * T * E, max(S, P) * H * 4)
     return int(kept + timed + other)
 
@@ -100,14 +100,14 @@ def check_bench_memory(spec, runtime: int | None = None, runtime_source: str = "
     R ranks and the parent run here: each holds a runtime (Python, torch, its process group:
     ``runtime``, else measured as ``flexdispatch demo`` does, ``demo_machine.measure_runtime``)
     and each rank ``bench_rank_bytes``. Their sum is compared with what the tree of processes can
-    take (``_sysmem.available(tree=True)``: ``MemAvailable``, the cgroup limits), one rank with
+    take (``sysmem.available(tree=True)``: ``MemAvailable``, the cgroup limits), one rank with
     what one process can take (``RLIMIT_AS`` too: it bounds each process on its own). The probe
     process runs only when needed: not when the ranks' rows alone already do not fit, nor when
     everything fits with the largest runtime allowance (``demo_machine.FALLBACK_BYTES``). The
     flag named is the part that drives the estimate: ``--world-size`` (the runtimes),
     ``--tokens`` (the rows) or ``--experts`` (the gate).
     """
-    from flexdispatch import _limits, _sysmem
+    from flexdispatch._checks import fits, sysmem
     from flexdispatch.bench import DTYPES
     from flexdispatch.cli import demo_machine
 
@@ -115,7 +115,7 @@ def check_bench_memory(spec, runtime: int | None = None, runtime_source: str = "
     elem = DTYPES[spec.dtype].itemsize
     rank = bench_rank_bytes(T=T, H=H, E=E, k=spec.topk, R=R, elem=elem, worst_case=spec.worst_case)
     if runtime is None:
-        usable, _ = _sysmem.usable(tree=True)
+        usable, _ = sysmem.usable(tree=True)
         if usable is not None and R * rank > usable:
             runtime, runtime_source = 0, "not counted: the rows alone do not fit"
         elif usable is None or R * rank + (R + 1) * demo_machine.FALLBACK_BYTES <= usable:
@@ -130,13 +130,13 @@ def check_bench_memory(spec, runtime: int | None = None, runtime_source: str = "
         "--experts": R * 4 * E * H,
     }
     processes = (
-        f" and the parent, each with {_limits.format_bytes(runtime)} runtime ({runtime_source})"
+        f" and the parent, each with {fits.format_bytes(runtime)} runtime ({runtime_source})"
         if runtime
         else f" (runtime {runtime_source})"
     )
     flag = max(parts, key=lambda f: parts[f])
     value = {"--world-size": R, "--experts": E, "--tokens": T}[flag]
-    _limits.check_fits(
+    fits.check_fits(
         "",
         flag,
         value,
@@ -153,10 +153,10 @@ def check_bench_memory(spec, runtime: int | None = None, runtime_source: str = "
 def _check_one_rank(T: int, H: int, E: int, dtype: str, rank: int, runtime: int) -> None:
     """One spawned rank (``rank`` bytes and ``runtime``) against what one process may take (this
     process's ``RLIMIT_AS``, which every rank inherits, counts here)."""
-    from flexdispatch import _limits
+    from flexdispatch._checks import fits
 
     flag = "--experts" if rank < 8 * E * H else "--tokens"
-    _limits.check_fits(
+    fits.check_fits(
         "",
         flag,
         {"--experts": E, "--tokens": T}[flag],

@@ -54,7 +54,7 @@ def read_megatron_args(path: str | Path) -> dict[str, Any]:
     Raises:
         ValueError: the file is missing, does not parse, or does not hold a mapping.
     """
-    from flexdispatch._files import read_config_file
+    from flexdispatch._checks.files import read_config_file
 
     path = Path(path)
     kind = "json" if path.suffix == ".json" else "yaml"

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from flexdispatch._sysmem import format_bytes
+from flexdispatch._checks.sysmem import format_bytes
 from flexdispatch.cli._common import int_range, json_text, timeout_seconds
 
 __all__ = ["DemoSpec", "register", "run", "run_rank", "check_against_reference"]

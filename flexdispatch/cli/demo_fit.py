@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from flexdispatch._sysmem import AVAILABLE_ENV, SHARE, format_bytes, parse_size
+from flexdispatch._checks.sysmem import AVAILABLE_ENV, SHARE, format_bytes, parse_size
 
 __all__ = [
     "AVAILABLE_ENV",
@@ -58,13 +58,13 @@ MIN_HIDDEN, MIN_FFN = 32, 16
 def available_memory(*, tree: bool = True) -> tuple[int | None, str]:
     """Bytes this process tree (``tree=False``: one process of it) can still use, and where the
     number comes from: the one memory model of every size check
-    (``flexdispatch._sysmem.available``: ``MemAvailable`` and the room under the cgroup limits,
-    for one process also the address space left under ``RLIMIT_AS``, which bounds each process
-    on its own; ``$FLEXDISPATCH_MEMORY_AVAILABLE`` replaces them). ``(None, why)`` when none can
-    be read."""
-    from flexdispatch import _sysmem
+    (``flexdispatch._checks.sysmem.available``: ``MemAvailable`` and the room under the cgroup
+    limits, for one process also the address space left under ``RLIMIT_AS``, which bounds each
+    process on its own; ``$FLEXDISPATCH_MEMORY_AVAILABLE`` replaces them). ``(None, why)`` when
+    none can be read."""
+    from flexdispatch._checks import sysmem
 
-    return _sysmem.available(tree=tree)
+    return sysmem.available(tree=tree)
 
 
 def process_limit() -> tuple[int | None, str]:
@@ -83,7 +83,7 @@ def process_limit() -> tuple[int | None, str]:
 def memory_limit(max_memory: int | None) -> tuple[int, str]:
     """What the demo may plan for in all: ``--max-memory`` (default ``DEFAULT_MAX_MEMORY``), but
     never more than ``SHARE`` (80 %, the share every size check of flexdispatch keeps:
-    ``flexdispatch._sysmem``) of the memory its processes may take together now. Returns
+    ``flexdispatch._checks.sysmem``) of the memory its processes may take together now. Returns
     (bytes, why)."""
     asked = DEFAULT_MAX_MEMORY if max_memory is None else max_memory
     why = (

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from flexdispatch._validate import check_tensor, checks_enabled, is_capturing
+from flexdispatch._checks.tensors import check_tensor, checks_enabled, is_capturing
 from flexdispatch.experts.activations import GATED_ACTIVATIONS, _check_activation, apply_activation
 from flexdispatch.experts.grouped_mm import (
     GroupedMMSupport,

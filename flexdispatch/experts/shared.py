@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from flexdispatch._validate import check_tensor
+from flexdispatch._checks.tensors import check_tensor
 from flexdispatch.experts.activations import GATED_ACTIVATIONS, _check_activation, apply_activation
 from flexdispatch.experts.init import draw_into, expert_draws, expert_generator, expert_seed
 

@@ -51,8 +51,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from flexdispatch._files import excerpt, validation_message
-from flexdispatch._values import show
+from flexdispatch._checks.files import excerpt, validation_message
+from flexdispatch._checks.values import show
 from flexdispatch.config import MoEConfig, RouterConfig
 from flexdispatch.importers._keys import _DEFAULTS_FROM, _NESTED, _Keys, _read_hf
 from flexdispatch.importers.deepseek import _deepseek, _nemotron_h, _v3_style

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from flexdispatch._files import excerpt, read_config_file
-from flexdispatch._values import finite, integer, show
+from flexdispatch._checks.files import excerpt, read_config_file
+from flexdispatch._checks.values import finite, integer, show
 
 _GATED_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu"}
 

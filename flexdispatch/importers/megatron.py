@@ -8,8 +8,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from flexdispatch._files import excerpt, key_text, validation_message
-from flexdispatch._values import finite, integer, show
+from flexdispatch._checks.files import excerpt, key_text, validation_message
+from flexdispatch._checks.values import finite, integer, show
 from flexdispatch.config import MoEConfig
 
 # Megatron-Core argument -> RouterConfig field, by the type Megatron's argparse gives it (a

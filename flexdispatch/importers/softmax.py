@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from flexdispatch._files import excerpt
+from flexdispatch._checks.files import excerpt
 from flexdispatch.importers._keys import (
     _activation,
     _aux,

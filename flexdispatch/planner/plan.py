@@ -137,12 +137,12 @@ def _duration(minutes: float) -> str:
 
 
 def _check_plan_memory(R: int, N: int, E: int, variants: int) -> None:
-    """Refuse a plan whose count matrices cannot fit (``flexdispatch._limits``): per variant
+    """Refuse a plan whose count matrices cannot fit (``flexdispatch._checks.fits``): per variant
     ``[R, R]`` and ``[R, N]`` int64 counts (and their priced copies), ``[E]`` counts and the
     per-expert tuple of the result."""
-    from flexdispatch import _limits
+    from flexdispatch._checks import fits
 
-    _limits.check_fits(
+    fits.check_fits(
         "plan",
         "num_experts",
         E,
@@ -150,7 +150,7 @@ def _check_plan_memory(R: int, N: int, E: int, variants: int) -> None:
         "cpu",
         detail="[E] counts and the result's list",
     )
-    _limits.check_fits(
+    fits.check_fits(
         "plan",
         "nodes x ranks_per_node",
         R,
@@ -478,9 +478,9 @@ def plan_cluster(
     if whole_ranks:
         # NOTE: the capacity drop ranks a whole rank's batch at once: [T_sim, E] logits, scores
         # and their sort (about 32 bytes per logit)
-        from flexdispatch import _limits
+        from flexdispatch._checks import fits
 
-        _limits.check_fits(
+        fits.check_fits(
             "plan",
             "tokens",
             T_all,

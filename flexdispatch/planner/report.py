@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from flexdispatch._files import check_output_path, write_file
-from flexdispatch._sysmem import format_bytes
+from flexdispatch._checks.files import check_output_path, write_file
+from flexdispatch._checks.sysmem import format_bytes
 from flexdispatch.planner.results import ClusterPlan, Stat, VariantPlan
 
 __all__ = ["format_plan", "plot_plan", "format_bytes", "MAX_BARS", "MAX_MAP_RANKS"]
@@ -275,7 +275,7 @@ def plot_plan(plan: ClusterPlan, path: str | Path, *, variant: str = "preset") -
     if not out.suffix:  # NOTE: matplotlib would write NAME.png; say so
         out = out.with_name(out.name + ".png")
     # NOTE: rendered in memory, then written to a regular file only: never /dev/null.png, a FIFO
-    # or a /proc file (flexdispatch._files.write_file)
+    # or a /proc file (flexdispatch._checks.files.write_file)
     buf = io.BytesIO()
     fig.savefig(buf, dpi=110, format=out.suffix[1:].lower())
     write_file(out, buf.getvalue(), f"plot file {out}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from flexdispatch._validate import check_tensor, checks_enabled
+from flexdispatch._checks.tensors import check_tensor, checks_enabled
 from flexdispatch.types import RoutingResult
 
 __all__ = ["routing_map_to_topk"]

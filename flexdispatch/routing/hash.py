@@ -44,7 +44,12 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from flexdispatch._validate import check_finite, check_ids_in_range, check_tensor, checks_enabled
+from flexdispatch._checks.tensors import (
+    check_finite,
+    check_ids_in_range,
+    check_tensor,
+    checks_enabled,
+)
 from flexdispatch.types import RoutingResult
 
 __all__ = ["hash_routing", "hash_experts", "hash_expert_table"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from flexdispatch._validate import check_tensor
+from flexdispatch._checks.tensors import check_tensor
 from flexdispatch.routing.topk import _topk
 
 __all__ = [

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flexdispatch import _limits
-from flexdispatch._validate import check_tensor
+from flexdispatch._checks import fits
+from flexdispatch._checks.tensors import check_tensor
 from flexdispatch.config import RouterConfig
 from flexdispatch.distributed import collective_guard
 from flexdispatch.routing.losses import (
@@ -144,7 +144,7 @@ class TopKRouter(nn.Module):
         self.aux_loss_group = aux_loss_group
         self.aux_loss_scale = 1.0
         E = config.num_experts
-        _limits.check_fits(
+        fits.check_fits(
             "TopKRouter",
             "hidden_size",
             hidden_size,

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from flexdispatch._validate import check_finite, check_tensor, checks_enabled
+from flexdispatch._checks.tensors import check_finite, check_tensor, checks_enabled
 from flexdispatch.kernels import resolve_impl
 from flexdispatch.types import RoutingResult
 

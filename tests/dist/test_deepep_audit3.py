@@ -304,7 +304,8 @@ def capture_rules(rank: int, R: int) -> dict[str, Any]:
     adapter; after ``warmup`` the captured step compiles nothing (the emulator, which raises
     ``elastic.jit_capture`` for a new template, agrees); V1: fp8 rows with H % 32 == 16
     intranode are refused before DeepEP's receive path would trap (N5)."""
-    from flexdispatch import DispatchConfig, FlexDispatcher, _validate
+    from flexdispatch import DispatchConfig, FlexDispatcher
+    from flexdispatch._checks import tensors
     from tests.deepep_emu.runtime import limits, strict
 
     E, k, H, T = 4 * R, 2, 64, 3
@@ -316,10 +317,10 @@ def capture_rules(rank: int, R: int) -> dict[str, Any]:
     idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     p = torch.rand(T, k, generator=g)
     out: dict[str, Any] = {}
-    real = _validate.is_capturing
+    real = tensors.is_capturing
 
     def captured(fn: Any) -> str:
-        _validate.is_capturing = lambda: True
+        tensors.is_capturing = lambda: True
         try:
             with strict.emu_capture(emu._C):
                 fn()
@@ -327,7 +328,7 @@ def capture_rules(rank: int, R: int) -> dict[str, Any]:
         except (RuntimeError, ValueError) as exc:
             return f"{type(exc).__name__}: {exc}"
         finally:
-            _validate.is_capturing = real
+            tensors.is_capturing = real
 
     out["cold"] = captured(lambda: d.dispatch(x, idx, p))
     d.warmup(H, k, expanded=False, backward=False)

@@ -487,25 +487,26 @@ def growth_fits(rank: int, R: int) -> dict[str, Any]:
     naming the rank, T, M, the bytes and the setting, instead of rank 1 failing its allocation
     inside the collective rebuild while its peer waits; afterwards the old bound serves a small
     batch again."""
-    from flexdispatch import DispatchConfig, FlexDispatcher, _limits
+    from flexdispatch import DispatchConfig, FlexDispatcher
+    from flexdispatch._checks import fits
 
     E, k, H = 4 * R, 2, 1024  # NOTE: wide enough that 1024 tokens outgrow the 2 MiB first build
     v25, v2, _ = _emus(R)
-    real = _limits.refusal
+    real = fits.refusal
     room = [0]
 
     def refusal(what: str, *args: Any, **kw: Any) -> str | None:
         if rank != 1 or not room[0] or not what.startswith("DeepEP"):
             return real(what, *args, **kw)
-        saved = _limits.SMALL_BYTES, _limits.available_bytes
-        _limits.SMALL_BYTES = 0
-        _limits.available_bytes = lambda dev=None, tree=False: (room[0], "test")
+        saved = fits.SMALL_BYTES, fits.available_bytes
+        fits.SMALL_BYTES = 0
+        fits.available_bytes = lambda dev=None, tree=False: (room[0], "test")
         try:
             return real(what, *args, **kw)
         finally:
-            _limits.SMALL_BYTES, _limits.available_bytes = saved
+            fits.SMALL_BYTES, fits.available_bytes = saved
 
-    _limits.refusal = refusal  # NOTE: the pool puts it back after the call
+    fits.refusal = refusal  # NOTE: the pool puts it back after the call
     out: dict[str, Any] = {}
     for api, hook in (("ep", v25), ("elastic", v2)):
         cfg = DispatchConfig(backend="deepep", deepep_api=api, checks=False)
@@ -517,7 +518,7 @@ def growth_fits(rank: int, R: int) -> dict[str, Any]:
             d.combine(res.recv_x, res.handle)
 
         step(50)  # built for the default bound (128)
-        room[0] = int(1.5 * d.backend._shared.num_bytes / _limits.SHARE)
+        room[0] = int(1.5 * d.backend._shared.num_bytes / fits.SHARE)
         T = 600 if rank == 1 else 50  # bucket 1024 on every rank: about 5 times the bytes
         out[api] = _raises(lambda T=T, step=step: step(T))
         out[f"{api}_after"] = (

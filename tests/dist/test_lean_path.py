@@ -1,7 +1,7 @@
 """The hot path's CUDA branch, run on CPU, and its op counts (issue 13).
 
 Every device-dependent choice of the torch backend goes through
-``flexdispatch._validate.cuda_code_path`` (and value checks through ``defer_value_checks``);
+``flexdispatch._checks.tensors.cuda_code_path`` (and value checks through ``defer_value_checks``);
 forcing both to True inside the spawned ranks runs the CUDA branch on gloo: ``scatter_add_``
 instead of ``bincount``, synchronous collectives, no CPU buffer reuse, the gather-first combine,
 value checks counted on the device. Its results must equal the slow reference exactly, like

@@ -21,7 +21,7 @@ from tests.dist.pool import GroupPool, fn_reference
 def _state(tag: str) -> dict:
     import torch.distributed as dist
 
-    from flexdispatch import _validate
+    from flexdispatch._checks import tensors
     from flexdispatch.backends.deepep import buffer
 
     before = {
@@ -31,7 +31,7 @@ def _state(tag: str) -> dict:
         "parent": os.environ.get("POOL_TEST_PARENT", ""),
         "local": (os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"]),
         "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        "patched": _validate.defer_value_checks(torch.device("cpu")),
+        "patched": tensors.defer_value_checks(torch.device("cpu")),
         "dtype": str(torch.get_default_dtype()),
         "rand": torch.rand(4),
         "left": os.environ.get("POOL_TEST_LEFT", ""),
@@ -39,7 +39,7 @@ def _state(tag: str) -> dict:
     }
     # what a careless test leaves behind
     os.environ["POOL_TEST_LEFT"] = tag
-    _validate.defer_value_checks = lambda device: True
+    tensors.defer_value_checks = lambda device: True
     buffer._BUFFERS[(-1, -1)] = tag  # a process-wide registry entry
     torch.set_default_dtype(torch.float64)
     t = torch.ones(1) * (dist.get_rank() + 1)

@@ -2,7 +2,7 @@
 
 Shape letters (ARCHITECTURE.md): T tokens · H hidden · E experts · R ranks · k top-k.
 
-Two paths, chosen by ``flexdispatch._validate.defer_value_checks(device)``:
+Two paths, chosen by ``flexdispatch._checks.tensors.defer_value_checks(device)``:
 
 - CPU (or checks on): reading values costs no sync, so ``dispatch`` raises at once;
 - CUDA without checks: ``dispatch`` counts the bad values on the device (no sync) into
@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from flexdispatch import DispatchConfig, FlexDispatcher, _validate
+from flexdispatch import DispatchConfig, FlexDispatcher
+from flexdispatch._checks import tensors
 from tests.dist.harness import run_group
 from tests.dist.reference import Inputs, all_inputs, ref_dispatch
 
@@ -36,9 +37,9 @@ def _disp(**kw: Any) -> FlexDispatcher:
 
 
 def test_defer_value_checks_follows_the_device() -> None:
-    assert _validate.defer_value_checks(torch.device("cuda")) is True
-    assert _validate.defer_value_checks(torch.device("cuda", 1)) is True
-    assert _validate.defer_value_checks(torch.device("cpu")) is False
+    assert tensors.defer_value_checks(torch.device("cuda")) is True
+    assert tensors.defer_value_checks(torch.device("cuda", 1)) is True
+    assert tensors.defer_value_checks(torch.device("cpu")) is False
 
 
 # --------------------------------------------------------------------------- CPU: raise now
@@ -191,11 +192,11 @@ def test_count_bad_values_vector() -> None:
     idx = torch.tensor([[0, 8], [-1, -2], [3, 12]])
     x = torch.tensor([[1.0, float("nan")], [0.0, 0.0], [float("inf"), 1.0]])
     p = torch.tensor([[0.5, float("-inf")], [0.0, 0.0], [1.0, 0.0]])
-    got = _validate.count_bad_values(idx, 8, x, p).tolist()
+    got = tensors.count_bad_values(idx, 8, x, p).tolist()
     assert got == [3, 2, 1, 0, 12, -2]
-    none = _validate.count_bad_values(idx.clamp(-1, 7), 8, x.nan_to_num(), p.nan_to_num())
+    none = tensors.count_bad_values(idx.clamp(-1, 7), 8, x.nan_to_num(), p.nan_to_num())
     assert none.tolist()[:3] == [0, 0, 0]
-    empty = _validate.count_bad_values(
+    empty = tensors.count_bad_values(
         torch.zeros(0, 2, dtype=torch.int64), 8, torch.zeros(0, 3), torch.zeros(0, 2)
     )
     assert empty.tolist()[:3] == [0, 0, 0]
@@ -217,7 +218,7 @@ def _rank_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def deferred_worker(rank: int, world: int) -> dict[str, Any]:
-    _validate.defer_value_checks = lambda device: True  # the CUDA-without-checks path
+    tensors.defer_value_checks = lambda device: True  # the CUDA-without-checks path
     x, idx, p = _rank_inputs(rank)
     out: dict[str, Any] = {}
     for W in (0, 32):
@@ -287,7 +288,7 @@ def test_bad_value_log_folds_what_it_kept() -> None:
     from flexdispatch.types import DispatchStats
 
     stats = DispatchStats()
-    log = _validate.BadValueLog(max_kept=3)
+    log = tensors.BadValueLog(max_kept=3)
     rows = [
         [1, 0, 2, 0, 9, -3],
         [0, 0, 0, 1, 5, 0],

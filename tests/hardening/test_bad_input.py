@@ -33,7 +33,6 @@ from flexdispatch import (
     MoELayer,
     RouterConfig,
     TopKRouter,
-    _validate,
     get_dispatch_layout,
     load_config,
     ops,
@@ -42,6 +41,7 @@ from flexdispatch import (
     topk_routing,
     unpermute,
 )
+from flexdispatch._checks import tensors
 from flexdispatch.cli import main as cli_main
 from flexdispatch.integrations import megatron as fd_megatron
 from tests.dist.reference import Inputs, ref_dispatch
@@ -100,13 +100,13 @@ def _with_nan(x: torch.Tensor) -> torch.Tensor:
 
 def _deferred_check(x: torch.Tensor, idx: torch.Tensor, probs: torch.Tensor) -> None:
     """Dispatch on the CUDA-without-checks path (forced), then the safe-point check."""
-    saved = _validate.defer_value_checks
-    _validate.defer_value_checks = lambda device: True
+    saved = tensors.defer_value_checks
+    tensors.defer_value_checks = lambda device: True
     try:
         d = _disp()
         d.dispatch(x, idx, probs)
     finally:
-        _validate.defer_value_checks = saved
+        tensors.defer_value_checks = saved
     d.check_overflow()
 
 
@@ -783,7 +783,7 @@ def test_environment_checks_flag_turns_value_checks_on(monkeypatch: pytest.Monke
     monkeypatch.setenv("FLEXDISPATCH_CHECKS", "0")
     with pytest.raises(ValueError, match=r"outside \[-1, 8\)"):  # CPU: checked without a sync
         _disp().dispatch(_x(), _out_of_range(), _probs())
-    monkeypatch.setattr(_validate, "defer_value_checks", lambda device: True)
+    monkeypatch.setattr(tensors, "defer_value_checks", lambda device: True)
     d = _disp()  # the CUDA path: counted, raised at the safe point
     assert d.dispatch(_x(), _out_of_range(), _probs()).recv_x.shape[1] == H
     with pytest.raises(ValueError, match=r"held 1 id\(s\) outside \[-1, 8\) \(highest 8\)"):

@@ -1,5 +1,5 @@
 """Bounds that hold on a real machine (reliability-4: #5, N3-N8, N20): one memory model
-(``flexdispatch._sysmem``: ``MemAvailable``, ``RLIMIT_AS`` and the cgroup limits, 80 % of it
+(``flexdispatch._checks.sysmem``: ``MemAvailable``, ``RLIMIT_AS`` and the cgroup limits, 80 % of it
 planned for), estimates that count temporaries, and the shapes no estimate may trust.
 
 Every probe that could allocate a lot runs in a subprocess under ``RLIMIT_AS`` (4 GiB) or against
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import flexdispatch as fd
-from flexdispatch import _limits, _sysmem
+from flexdispatch._checks import fits, sysmem
 from tests.hostile import AS_LIMIT, ROOT
 
 pytestmark = pytest.mark.timeout(240)
@@ -40,9 +40,9 @@ def machine(monkeypatch):
     """Pretend this machine has ``n`` bytes available (and forget what fitted before)."""
 
     def set_available(n: int) -> None:
-        monkeypatch.setenv(_sysmem.AVAILABLE_ENV, f"{n}b")
+        monkeypatch.setenv(sysmem.AVAILABLE_ENV, f"{n}b")
 
-    monkeypatch.setattr(_limits, "_FITTED", {})
+    monkeypatch.setattr(fits, "_FITTED", {})
     return set_available
 
 
@@ -60,8 +60,8 @@ def test_old_5_is_refused_on_the_idle_machine_of_the_probe(machine):
 def test_97_percent_of_the_available_memory_is_refused(machine):
     # NOTE: the probe's one-liner (reliability-4 section 6, #3), on this machine's own figure
     machine(4 * GiB)
-    a, _ = _limits.available_bytes("cpu")
-    per = _limits.expert_bytes(1, 1)  # NOTE: bytes per expert on one rank
+    a, _ = fits.available_bytes("cpu")
+    per = fits.expert_bytes(1, 1)  # NOTE: bytes per expert on one rank
     with pytest.raises(ValueError, match=r"num_experts=\d+ " + _EST + r" \(80% of"):
         fd.FlexDispatcher(fd.DispatchConfig(backend="torch"), num_experts=int(a * 0.97) // per)
     d = fd.FlexDispatcher(fd.DispatchConfig(backend="torch"), num_experts=int(a * 0.7) // per)
@@ -98,12 +98,12 @@ def test_cgroup_v2_limit_of_the_process_and_of_its_ancestors(tmp_path):
             "cg2/job/step/memory.current": "123\n",
         },
     )
-    room, source = _sysmem.cgroup_room(proc)
+    room, source = sysmem.cgroup_room(proc)
     assert room == 3 * GiB - GiB // 2  # the parent's limit less its working set
     assert source.endswith("cg2/job/memory.max")
     # the process's own, tighter limit wins
     (fs / "job" / "step" / "memory.max").write_text(f"{GiB}\n")
-    assert _sysmem.cgroup_room(proc) == (
+    assert sysmem.cgroup_room(proc) == (
         GiB - 123,
         f"the cgroup memory limit {fs}/job/step/memory.max",
     )
@@ -125,13 +125,13 @@ def test_cgroup_v1_memory_controller_under_a_container_root(tmp_path):
             "memory/memory.stat": f"cache 5\ntotal_inactive_file {GiB // 4}\n",
         },
     )
-    assert _sysmem.cgroup_room(proc) == (
+    assert sysmem.cgroup_room(proc) == (
         2 * GiB - (GiB - GiB // 4),
         f"the cgroup memory limit {fs}/memory.limit_in_bytes",
     )
     # "no limit" (2^63 rounded down to a page) is no figure
     (fs / "memory.limit_in_bytes").write_text("9223372036854771712\n")
-    assert _sysmem.cgroup_room(proc) is None
+    assert sysmem.cgroup_room(proc) is None
 
 
 def test_the_cgroup_limit_bounds_every_size_check(tmp_path, monkeypatch):
@@ -143,11 +143,11 @@ def test_the_cgroup_limit_bounds_every_size_check(tmp_path, monkeypatch):
         mounts=[f"41 31 0:38 / {fs} rw - cgroup2 cgroup2 rw"],
         files={"cg2/memory.max": f"{3 * GiB // 2}\n", "cg2/memory.current": f"{GiB // 4}\n"},
     )
-    monkeypatch.delenv(_sysmem.AVAILABLE_ENV, raising=False)
-    monkeypatch.setattr(_limits, "_FITTED", {})
-    real = _sysmem.figures
-    monkeypatch.setattr(_sysmem, "figures", lambda proc_=None, tree=False: real(proc, tree=tree))
-    avail, source = _limits.available_bytes("cpu")
+    monkeypatch.delenv(sysmem.AVAILABLE_ENV, raising=False)
+    monkeypatch.setattr(fits, "_FITTED", {})
+    real = sysmem.figures
+    monkeypatch.setattr(sysmem, "figures", lambda proc_=None, tree=False: real(proc, tree=tree))
+    avail, source = fits.available_bytes("cpu")
     assert avail == 3 * GiB // 2 - GiB // 4 and "cgroup memory limit" in source
     with pytest.raises(ValueError, match=r"num_experts=100000000 .*cgroup memory limit"):
         fd.FlexDispatcher(fd.DispatchConfig(backend="torch"), num_experts=10**8)
@@ -159,26 +159,26 @@ def test_the_cgroup_limit_bounds_every_size_check(tmp_path, monkeypatch):
 def test_a_bad_memory_variable_is_named(monkeypatch):
     from flexdispatch.cli.demo_machine import RUNTIME_ENV, measure_runtime
 
-    monkeypatch.setenv(_sysmem.AVAILABLE_ENV, "lots")
+    monkeypatch.setenv(sysmem.AVAILABLE_ENV, "lots")
     with pytest.raises(ValueError, match=r"^\$FLEXDISPATCH_MEMORY_AVAILABLE='lots' is not a memo"):
-        _sysmem.available()
-    monkeypatch.setenv(_sysmem.AVAILABLE_ENV, "S3CR3T" * 5)
+        sysmem.available()
+    monkeypatch.setenv(sysmem.AVAILABLE_ENV, "S3CR3T" * 5)
     with pytest.raises(ValueError, match=r"AVAILABLE='S3CR3TS3CR3T'… is not a memory size"):
-        _sysmem.available(tree=True)
+        sysmem.available(tree=True)
     monkeypatch.setenv(RUNTIME_ENV, "-1GiB")
     with pytest.raises(ValueError, match=r"^\$FLEXDISPATCH_RUNTIME_BYTES='-1GiB' is not a memory"):
         measure_runtime("cpu")
 
 
 def test_this_machine_has_one_figure_for_every_check(monkeypatch):
-    monkeypatch.delenv(_sysmem.AVAILABLE_ENV, raising=False)
-    found = _sysmem.figures()
+    monkeypatch.delenv(sysmem.AVAILABLE_ENV, raising=False)
+    found = sysmem.figures()
     assert found and all(n >= 0 and src for n, src in found)
     assert any(src == "MemAvailable in /proc/meminfo" for _, src in found)
-    monkeypatch.setattr(_sysmem, "figures", lambda proc=None, tree=False: found)  # NOTE: moves
-    avail, source = _sysmem.available()
-    assert (avail, source) == min(found) == _limits.available_bytes("cpu")
-    usable, why = _sysmem.usable()
+    monkeypatch.setattr(sysmem, "figures", lambda proc=None, tree=False: found)  # NOTE: moves
+    avail, source = sysmem.available()
+    assert (avail, source) == min(found) == fits.available_bytes("cpu")
+    usable, why = sysmem.usable()
     assert usable == int(0.8 * avail) and why.startswith("80% of")
 
 
@@ -186,11 +186,11 @@ def test_this_machine_has_one_figure_for_every_check(monkeypatch):
 def address_space_limit(monkeypatch):
     """A machine with 22 GiB available and no cgroup limit, this process under an ``RLIMIT_AS``
     that leaves it 1 GiB (the detection's readings, not a real limit)."""
-    monkeypatch.delenv(_sysmem.AVAILABLE_ENV, raising=False)
-    monkeypatch.setattr(_limits, "_FITTED", {})
-    monkeypatch.setattr(_sysmem, "_meminfo_available", lambda proc: 22 * GiB)
-    monkeypatch.setattr(_sysmem, "_address_space_left", lambda proc: GiB)
-    monkeypatch.setattr(_sysmem, "cgroup_room", lambda proc="/proc": None)
+    monkeypatch.delenv(sysmem.AVAILABLE_ENV, raising=False)
+    monkeypatch.setattr(fits, "_FITTED", {})
+    monkeypatch.setattr(sysmem, "_meminfo_available", lambda proc: 22 * GiB)
+    monkeypatch.setattr(sysmem, "_address_space_left", lambda proc: GiB)
+    monkeypatch.setattr(sysmem, "cgroup_room", lambda proc="/proc": None)
 
 
 def test_rlimit_as_bounds_each_process_never_the_tree(address_space_limit):
@@ -203,9 +203,9 @@ def test_rlimit_as_bounds_each_process_never_the_tree(address_space_limit):
     from flexdispatch.config import load_config
     from flexdispatch.launch import _check_spawn_args
 
-    assert _sysmem.available() == (GiB, "address space left under RLIMIT_AS")
-    assert _sysmem.available(tree=True) == (22 * GiB, "MemAvailable in /proc/meminfo")
-    assert _limits.available_bytes("cpu") == (GiB, "address space left under RLIMIT_AS")
+    assert sysmem.available() == (GiB, "address space left under RLIMIT_AS")
+    assert sysmem.available(tree=True) == (22 * GiB, "MemAvailable in /proc/meminfo")
+    assert fits.available_bytes("cpu") == (GiB, "address space left under RLIMIT_AS")
     # the tree: the demo's total, spawn_group's ranks, bench's ranks
     assert demo_fit.memory_limit(None) == (4 * GiB, "the default --max-memory 4.0 GiB")
     _check_spawn_args(os.getpid, 20, (), None, 60.0, None, "gloo", None)
@@ -242,7 +242,7 @@ def _under_as_limit(code: str, timeout: float = 180) -> subprocess.CompletedProc
         resource.setrlimit(resource.RLIMIT_AS, (AS_LIMIT, AS_LIMIT))
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop(_sysmem.AVAILABLE_ENV, None)
+    env.pop(sysmem.AVAILABLE_ENV, None)
     return subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -362,7 +362,7 @@ def no_spawn(monkeypatch):
 
     monkeypatch.setattr(launch, "spawn_group", lambda *a, **k: pytest.fail("spawned"))
     monkeypatch.setenv(demo_machine.RUNTIME_ENV, "300MiB")
-    monkeypatch.setattr(_limits, "_FITTED", {})
+    monkeypatch.setattr(fits, "_FITTED", {})
     demo_machine._measure.cache_clear()
     yield
     demo_machine._measure.cache_clear()
@@ -374,7 +374,7 @@ BENCH = ["bench", "--tokens", "1", "--hidden", "8", "--experts", "64", "--topk",
 @pytest.mark.parametrize("ranks", [64, 4096])
 def test_bench_counts_the_runtime_of_every_spawned_rank(ranks, no_spawn, monkeypatch, capsys):
     # NOTE: N11: --world-size 64 (up to 4096) spawned without counting each process's runtime
-    monkeypatch.setenv(_sysmem.AVAILABLE_ENV, "16GiB")
+    monkeypatch.setenv(sysmem.AVAILABLE_ENV, "16GiB")
     argv = [*BENCH, "--world-size", str(ranks), "--warmup", "0", "--what", "layout"]
     argv[argv.index("--experts") + 1] = str(ranks)
     assert _cli(argv) == 2
@@ -389,7 +389,7 @@ def test_bench_small_worlds_still_fit(no_spawn, monkeypatch):
     from flexdispatch.bench import BenchSpec
     from flexdispatch.cli.bench import check_bench_memory
 
-    monkeypatch.setenv(_sysmem.AVAILABLE_ENV, "16GiB")
+    monkeypatch.setenv(sysmem.AVAILABLE_ENV, "16GiB")
     check_bench_memory(BenchSpec(world_size=4, tokens=1, hidden=8, experts=64, topk=2))
     check_bench_memory(BenchSpec())  # the defaults
 
@@ -399,7 +399,7 @@ def test_bench_rows_are_counted_with_their_temporaries(no_spawn, monkeypatch, ca
     # the rank was OOM-killed; the audit measured 4.19 GB for 200000 tokens
     from flexdispatch.cli.bench import bench_rank_bytes
 
-    monkeypatch.setenv(_sysmem.AVAILABLE_ENV, "5GiB")
+    monkeypatch.setenv(sysmem.AVAILABLE_ENV, "5GiB")
     argv = ["bench", "--world-size", "1", "--tokens", "600000", "--hidden", "1024"]
     argv += ["--experts", "8", "--topk", "2", "--what", "layout", "--reps", "1", "--warmup", "0"]
     assert _cli(argv) == 2

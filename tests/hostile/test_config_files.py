@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flexdispatch._files import (
+from flexdispatch._checks.files import (
     MAX_CONFIG_BYTES,
     MAX_CONFIG_DEPTH,
     MAX_CONFIG_NODES,

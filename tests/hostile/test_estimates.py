@@ -1,7 +1,7 @@
 """The memory estimates are measured, not assumed (reliability-4 N5, N12, item 2).
 
 Every size check of flexdispatch compares an estimate with the memory available
-(``flexdispatch._limits``): ``dispatch_bytes`` (a dispatch and its combine, dropless and
+(``flexdispatch._checks.fits``): ``dispatch_bytes`` (a dispatch and its combine, dropless and
 worst-case, with and without autograd), ``layer_bytes`` (``MoELayer.forward``) and
 ``flexdispatch.cli.bench.bench_rank_bytes`` (one ``flexdispatch bench`` rank). Here each is
 compared with the peak resident memory the call really adds (``tests/hostile/peak_probe.py``) at
@@ -23,7 +23,7 @@ import sys
 
 import pytest
 
-from flexdispatch import _limits
+from flexdispatch._checks import fits
 from flexdispatch.cli.bench import bench_rank_bytes
 from tests.dist.harness import spawn_group
 from tests.hostile import AS_LIMIT, ROOT
@@ -85,10 +85,10 @@ def _estimate(case: dict, R: int) -> int:
         return bench_rank_bytes(T=T, H=H, E=E, k=k, R=R, elem=elem, worst_case=W > 0)
     if case["kind"] == "layer":
         F = case["F"]
-        return _limits.layer_bytes(
+        return fits.layer_bytes(
             T=T, H=H, F=F, Fs=0, E=E, k=k, R=R, elem=elem, W=W, grad=case["grad"], L=case["L"]
         )
-    return _limits.dispatch_bytes(
+    return fits.dispatch_bytes(
         T=T, H=H, elem=elem, k=k, R=R, E=E, W=W, grad=case["grad"], L=case["L"]
     )
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from flexdispatch._files import file_kind, read_config_file, write_file
+from flexdispatch._checks.files import file_kind, read_config_file, write_file
 from flexdispatch.cli import main as cli_main
 
 pytestmark = pytest.mark.timeout(60)

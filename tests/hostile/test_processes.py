@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from flexdispatch import _limits, _sysmem
+from flexdispatch._checks import fits, sysmem
 from flexdispatch.launch import spawn_group
 from tests.hostile import ROOT
 
@@ -124,8 +124,8 @@ def test_what_the_spawning_context_can_send_is_not_refused_up_front():
 
 
 def test_spawn_group_counts_each_rank_runtime(monkeypatch):
-    monkeypatch.setenv(_sysmem.AVAILABLE_ENV, "2GiB")
-    monkeypatch.setattr(_limits, "_FITTED", {})
+    monkeypatch.setenv(sysmem.AVAILABLE_ENV, "2GiB")
+    monkeypatch.setattr(fits, "_FITTED", {})
     with pytest.raises(ValueError, match=r"spawn_group: world_size=16 needs about 2.5 GiB .*"):
         spawn_group(os.getpid, 16, timeout_s=20)
 

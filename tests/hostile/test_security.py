@@ -342,11 +342,12 @@ def test_a_peer_announcing_a_huge_or_negative_size_is_refused_before_allocating(
 
     import torch.distributed as dist
 
-    from flexdispatch import _limits, _wire, distributed
+    from flexdispatch import _wire, distributed
+    from flexdispatch._checks import fits
     from flexdispatch.distributed import CollectiveError, all_gather_json
 
     monkeypatch.setenv("FLEXDISPATCH_MEMORY_AVAILABLE", "1GiB")
-    monkeypatch.setattr(_limits, "_FITTED", {})
+    monkeypatch.setattr(fits, "_FITTED", {})
     _world_of_one()
     try:
         real = dist.all_gather
@@ -393,14 +394,15 @@ def _one_rank_refuses_the_sizes() -> list[str]:
     peer takes."""
     import torch.distributed as dist
 
-    from flexdispatch import _limits, _wire
+    from flexdispatch import _wire
+    from flexdispatch._checks import fits
     from flexdispatch.distributed import CollectiveError
 
-    saved = _limits.SMALL_BYTES, _limits.available_bytes
+    saved = fits.SMALL_BYTES, fits.available_bytes
     if dist.get_rank() == 1:
-        _limits.SMALL_BYTES = 0
-        _limits.available_bytes = lambda device, tree=False: (1, "a test's figure")
-        _limits._FITTED.clear()
+        fits.SMALL_BYTES = 0
+        fits.available_bytes = lambda device, tree=False: (1, "a test's figure")
+        fits._FITTED.clear()
     said = []
     from_1 = functools.partial(_wire.broadcast_object, src=1)
     for exchange in (_wire.gather_objects, _wire.broadcast_object, from_1):
@@ -409,7 +411,7 @@ def _one_rank_refuses_the_sizes() -> list[str]:
             said.append("no error")
         except CollectiveError as exc:
             said.append(str(exc))
-    _limits.SMALL_BYTES, _limits.available_bytes = saved
+    fits.SMALL_BYTES, fits.available_bytes = saved
     assert _wire.gather_objects(dist.get_rank()) == [0, 1]  # NOTE: the group is still in step
     return said
 

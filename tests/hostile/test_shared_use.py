@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from flexdispatch import DispatchConfig, FlexDispatcher, MoEConfig, MoELayer, RouterConfig
-from flexdispatch._guard import ConcurrentUseError
+from flexdispatch._checks.threads import ConcurrentUseError
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,5 +1,5 @@
 """Sizes refused before anything is allocated: one ValueError naming the argument, the value, the
-estimate and the memory available (``flexdispatch._limits``)."""
+estimate and the memory available (``flexdispatch._checks.fits``)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from flexdispatch import (
     MoELayer,
     RouterConfig,
     TopKRouter,
-    _limits,
     get_dispatch_layout,
     permute,
     unpermute,
 )
+from flexdispatch._checks import fits
 from flexdispatch.types import Permutation
 
 pytestmark = pytest.mark.timeout(60)
@@ -170,37 +170,37 @@ def test_check_fits_names_everything_and_caches_what_fitted(monkeypatch):
         calls.append((device, tree))
         return 1 << 30, "a test figure"
 
-    monkeypatch.setattr(_limits, "available_bytes", fake)
-    monkeypatch.setattr(_limits, "_FITTED", {})
-    big = _limits.SMALL_BYTES
-    _limits.check_fits("f", "n", 7, big, "cpu")
-    _limits.check_fits("f", "n", 7, big, "cpu")
+    monkeypatch.setattr(fits, "available_bytes", fake)
+    monkeypatch.setattr(fits, "_FITTED", {})
+    big = fits.SMALL_BYTES
+    fits.check_fits("f", "n", 7, big, "cpu")
+    fits.check_fits("f", "n", 7, big, "cpu")
     assert len(calls) == 1, "a shape that fitted is not checked again"
-    _limits.check_fits("f", "n", 7, 1 << 20, "cpu")  # small: nothing queried
+    fits.check_fits("f", "n", 7, 1 << 20, "cpu")  # small: nothing queried
     assert len(calls) == 1
     with pytest.raises(ValueError) as info:
-        _limits.check_fits("f", "n", 9, 3 << 30, "cpu", detail="why", fix="change n")
+        fits.check_fits("f", "n", 9, 3 << 30, "cpu", detail="why", fix="change n")
     assert str(info.value) == (
         "f: n=9 needs about 3.0 GiB (why), more than the 819.2 MiB available on cpu "
         "(80% of 1.0 GiB, a test figure; the rest is headroom): change n"
     )
     # N3: an estimate under the figure but above its 80 % share is refused (headroom)
     with pytest.raises(ValueError, match=r"n=10 needs about 921\.6 MiB, more than the 819\.2 MiB"):
-        _limits.check_fits("f", "n", 10, int(0.9 * (1 << 30)), "cpu")
-    _limits.check_fits("f", "n", 11, int(0.79 * (1 << 30)), "cpu")
+        fits.check_fits("f", "n", 10, int(0.9 * (1 << 30)), "cpu")
+    fits.check_fits("f", "n", 11, int(0.79 * (1 << 30)), "cpu")
 
 
 def test_available_bytes_reads_the_process_limits():
-    avail, source = _limits.available_bytes("cpu")
+    avail, source = fits.available_bytes("cpu")
     assert avail is not None and avail > 0 and source
-    assert _limits.available_bytes("meta")[0] is None
+    assert fits.available_bytes("meta")[0] is None
 
 
 def test_ordinary_calls_do_not_query_memory(monkeypatch):
     def boom(device, tree=False):
         raise AssertionError("queried memory on an ordinary call")
 
-    monkeypatch.setattr(_limits, "available_bytes", boom)
+    monkeypatch.setattr(fits, "available_bytes", boom)
     x, idx = torch.randn(64, 16), _idx(64, 2, 8)
     get_dispatch_layout(idx, 8, 2)
     perm = permute(x, idx, 8, topk_probs=torch.rand(64, 2))

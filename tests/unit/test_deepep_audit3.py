@@ -80,9 +80,10 @@ def test_repeated_and_out_of_range_ids_are_masked_and_counted_when_deferred(
 ) -> None:
     import torch
 
-    from flexdispatch import FlexDispatcher, _validate
+    from flexdispatch import FlexDispatcher
+    from flexdispatch._checks import tensors
 
-    monkeypatch.setattr(_validate, "defer_value_checks", lambda device: True)
+    monkeypatch.setattr(tensors, "defer_value_checks", lambda device: True)
     x, idx, p = _routing()
     bad = idx.clone()
     bad[1] = bad.new_tensor([2, 2, 2])
@@ -109,7 +110,7 @@ def test_repeated_and_out_of_range_ids_are_masked_and_counted_when_deferred(
 def test_mask_bad_ids_keeps_the_first_slot() -> None:
     import torch
 
-    from flexdispatch._validate import mask_bad_ids
+    from flexdispatch._checks.tensors import mask_bad_ids
 
     idx = torch.tensor([[3, 3, -1, -1], [7, 1, 7, 12], [0, 1, 2, 3]])
     got, repeats, oob = mask_bad_ids(idx, 8, out_of_range=True)
@@ -154,7 +155,7 @@ def test_buffer_creation_and_growth_refused_inside_a_capture(
 ) -> None:
     import types
 
-    from flexdispatch import _validate
+    from flexdispatch._checks import tensors
     from flexdispatch.backends.deepep import buffer as deepep_buffer
     from flexdispatch.backends.deepep import refusals
     from flexdispatch.backends.deepep.sizing import BufferSize
@@ -171,13 +172,13 @@ def test_buffer_creation_and_growth_refused_inside_a_capture(
     module = types.SimpleNamespace(Buffer=Buffer)
     shared = deepep_buffer.SharedBuffer(deep_ep=module, group=None)
     need = BufferSize(num_nvl_bytes=1 << 20, num_rdma_bytes=0)
-    monkeypatch.setattr(_validate, "is_capturing", lambda: True)
+    monkeypatch.setattr(tensors, "is_capturing", lambda: True)
     with pytest.raises(RuntimeError, match=r"created.*inside a CUDA-graph capture.*warmup"):
         shared.ensure(need, low_latency=False, num_qps_per_rank=24)
     assert not built
-    monkeypatch.setattr(_validate, "is_capturing", lambda: False)
+    monkeypatch.setattr(tensors, "is_capturing", lambda: False)
     shared.ensure(need, low_latency=False, num_qps_per_rank=24)
-    monkeypatch.setattr(_validate, "is_capturing", lambda: True)
+    monkeypatch.setattr(tensors, "is_capturing", lambda: True)
     shared.ensure(need, low_latency=False, num_qps_per_rank=24)  # no growth: fine
     with pytest.raises(RuntimeError, match="grown"):
         shared.ensure(
@@ -188,9 +189,9 @@ def test_buffer_creation_and_growth_refused_inside_a_capture(
     assert len(built) == 1
     with pytest.raises(RuntimeError, match="compile its dispatch kernel"):
         refusals.first_use(module, ("new",), "dispatch")
-    monkeypatch.setattr(_validate, "is_capturing", lambda: False)
+    monkeypatch.setattr(tensors, "is_capturing", lambda: False)
     refusals.first_use(module, ("new",), "dispatch")
-    monkeypatch.setattr(_validate, "is_capturing", lambda: True)
+    monkeypatch.setattr(tensors, "is_capturing", lambda: True)
     refusals.first_use(module, ("new",), "dispatch")  # seen: fine inside the capture
 
 

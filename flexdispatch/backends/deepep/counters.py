@@ -13,7 +13,7 @@ of a training step, a crash inside a CUDA-graph capture, and up to 256 handles k
 - ``drain`` (``stats``, ``check_overflow``, ``close``: the safe points) reads the accumulator on
   the host (one read) and never runs while a capture is in progress.
 
-On the CPU code path (``_validate.cuda_code_path`` False) reading a value costs no sync, so the
+On the CPU code path (``tensors.cuda_code_path`` False) reading a value costs no sync, so the
 kept calls are summed on the host. ``DeviceMax`` is the same for the largest W a worst-case dispatch
 needed (updated in place, so a replayed graph keeps raising it).
 """
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from flexdispatch import _validate
+from flexdispatch._checks import tensors
 
 __all__ = ["DeviceMax", "TrafficCounters"]
 
@@ -33,7 +33,7 @@ Values = Sequence[Any]  # four 0-d int64 tensors or ints: intra bytes, inter byt
 
 
 def _deferred(device: torch.device) -> bool:
-    return _validate.cuda_code_path(device)
+    return tensors.cuda_code_path(device)
 
 
 class TrafficCounters:
@@ -61,7 +61,7 @@ class TrafficCounters:
 
     def record(self, compute: Callable[[], Values]) -> None:
         """Count one call; ``compute`` returns its four counters (run now, later or never twice)."""
-        if self._acc is not None and _validate.is_capturing():
+        if self._acc is not None and tensors.is_capturing():
             self._acc.add_(self._stack([compute()]))
             return
         self._kept.append(compute)
@@ -83,7 +83,7 @@ class TrafficCounters:
     def fold(self) -> None:
         """Sum the kept calls into the device accumulator (no host read; not while capturing:
         the kept calls ran eagerly and must not be replayed)."""
-        if not self._kept or _validate.is_capturing():
+        if not self._kept or tensors.is_capturing():
             return
         kept, self._kept = self._kept, []
         if self._acc is None:  # CPU code path: reading values costs no sync
@@ -97,7 +97,7 @@ class TrafficCounters:
         """Add everything counted so far to ``stats`` (one host read on the device path; skipped
         while a capture is in progress)."""
         if self._acc is not None:
-            if _validate.is_capturing():
+            if tensors.is_capturing():
                 return
             self.fold()
             vals = self._acc.tolist()

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexdispatch._validate import checks_enabled
+from flexdispatch._checks.tensors import checks_enabled
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import agree_tokens
 from flexdispatch.backends.deepep import buffer as deepep_buffer

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexdispatch._validate import checks_enabled, cuda_code_path
+from flexdispatch._checks.tensors import checks_enabled, cuda_code_path
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import agree_tokens
 from flexdispatch.backends.deepep import refusals, sizing

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexdispatch._validate import is_capturing
+from flexdispatch._checks.tensors import is_capturing
 from flexdispatch.backends.deepep import refusals
 from flexdispatch.backends.deepep.ep_links import Links, agree_links
 from flexdispatch.distributed import collective_device, collective_guard, is_distributed

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from flexdispatch._validate import is_capturing
+from flexdispatch._checks.tensors import is_capturing
 from flexdispatch.backends.deepep import sizing
 from flexdispatch.types import DispatchStats, ExpertMajorHandle, ExpertMajorResult
 

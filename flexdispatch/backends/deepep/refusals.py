@@ -21,7 +21,7 @@ nodes · k top-k. Each rule names DeepEP's limit, the value and what to change (
 - ``agree_buffer_fits``: a DeepEP V2 / V2.5 buffer is built collectively (a dropless bound that
   grows rebuilds it at the same call on every rank); a rank that cannot allocate it would leave
   its peers inside the collective build, so every rank first checks the new size against its
-  memory (``_limits.refusal``: the project's one memory model) and all agree (one gloo
+  memory (``fits.refusal``: the project's one memory model) and all agree (one gloo
   all-gather of a flag): where one does not fit, every rank raises, naming the rank, T, M, the
   bytes and the setting to change.
 - ``check_low_latency_graph`` (N6): low-latency kernels captured in a CUDA graph replay on the
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from flexdispatch import _limits, _validate
+from flexdispatch._checks import fits, tensors
 from flexdispatch.distributed import all_gather_int64, collective_device, host_gather_int64
 
 __all__ = [
@@ -116,7 +116,7 @@ def agree_node_span(
 def check_no_capture(what: str) -> None:
     """Raise RuntimeError when ``what`` (a buffer creation or growth, a first-use compile) would
     run inside a CUDA-graph capture (N18)."""
-    if _validate.is_capturing():
+    if tensors.is_capturing():
         raise RuntimeError(
             f"{what} inside a CUDA-graph capture, which cannot be captured (cudaMalloc, IPC "
             f"handles, a barrier, a compile): call FlexDispatcher.warmup(...) (or run one eager "
@@ -160,7 +160,7 @@ def agree_buffer_fits(
         f"dispatch fewer tokens per rank in one call (split the batch), or set a smaller "
         f"DispatchConfig.{setting}"
     )
-    mine = _limits.refusal(what, setting, value, num_bytes - held, device, detail=detail, fix=fix)
+    mine = fits.refusal(what, setting, value, num_bytes - held, device, detail=detail, fix=fix)
     name = f"all_gather ({what} fits)"
     flags = [r[0] for r in host_gather_int64([int(mine is not None)], group, name=name)]
     bad = [r for r, f in enumerate(flags) if f]
@@ -179,7 +179,7 @@ def check_dropless_capture(what: str) -> None:
     """Raise RuntimeError when a dropless DeepEP ``what`` dispatch would run inside a CUDA-graph
     capture: DeepEP waits on the CPU for its receive counts (and V2 / V2.5 first agree the token
     bound on the host), which a captured graph cannot replay."""
-    if _validate.is_capturing():
+    if tensors.is_capturing():
         raise RuntimeError(
             f"{what}'s dropless dispatch waits on the CPU for its receive counts, which cannot "
             f"be captured in a CUDA graph: build the dispatcher with num_worst_tokens (worst-case "

@@ -57,7 +57,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from flexdispatch._validate import checks_enabled, is_capturing
+from flexdispatch._checks.tensors import checks_enabled, is_capturing
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import check_agreement, exchange_counts
 from flexdispatch.backends.deepep import buffer as deepep_buffer

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from flexdispatch import _validate
+from flexdispatch._checks import tensors
 
 __all__ = ["LazyLinks", "Links", "handle_links"]
 
@@ -104,6 +104,6 @@ def handle_links(
             sent=ntr.to(torch.int64).sum(),
             received=gbl[-1],
         )
-    if not _validate.cuda_code_path(device):
+    if not tensors.cuda_code_path(device):
         links = Links(**{k: int(v) for k, v in links.__dict__.items()})
     return links

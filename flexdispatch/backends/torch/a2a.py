@@ -66,8 +66,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from flexdispatch import _memory, _validate
-from flexdispatch._validate import checks_enabled, cuda_code_path, is_capturing
+from flexdispatch import _memory
+from flexdispatch._checks import tensors
+from flexdispatch._checks.tensors import checks_enabled, cuda_code_path, is_capturing
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import (
     DTYPE_CODES,
@@ -560,7 +561,7 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
         # one kernel it set them to -1 and counted them: nothing to clamp. (The same tests as
         # the dispatcher's, read through their modules, which the tests patch.)
         dev = x.device
-        deferred = _validate.defer_value_checks(dev) and not _screen.screen_on_device(dev)
+        deferred = tensors.defer_value_checks(dev) and not _screen.screen_on_device(dev)
         key_TK = clamp_ids(topk_idx, self.num_experts) if deferred else topk_idx
         rank_TK = self.rank_lut(x.device)[key_TK]
         if layout is not None:

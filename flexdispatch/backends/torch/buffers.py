@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from flexdispatch._validate import cuda_code_path
+from flexdispatch._checks.tensors import cuda_code_path
 from flexdispatch.backends.cpu_pool import OUTPUT_POOL
 
 __all__ = ["RowBuffers"]

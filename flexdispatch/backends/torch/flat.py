@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from flexdispatch import _memory
-from flexdispatch._validate import checks_enabled, cuda_code_path
+from flexdispatch._checks.tensors import checks_enabled, cuda_code_path
 from flexdispatch.backends.torch.hops import (
     A2AHost,
     Hop,

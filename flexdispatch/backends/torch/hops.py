@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from flexdispatch import _memory
-from flexdispatch._validate import cuda_code_path
+from flexdispatch._checks.tensors import cuda_code_path
 from flexdispatch.backends.counts import EXCHANGE_NAME
 from flexdispatch.backends.torch.rows import unpack_local
 from flexdispatch.distributed import collective_guard

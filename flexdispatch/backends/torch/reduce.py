@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexdispatch._validate import cuda_code_path
+from flexdispatch._checks.tensors import cuda_code_path
 from flexdispatch.backends.torch.hops import Hop, first_rows, row_of_input
 
 __all__ = ["reduce_compacted", "reduce_hop"]

@@ -16,7 +16,7 @@ import math
 import torch
 
 from flexdispatch import _memory
-from flexdispatch._validate import cuda_code_path
+from flexdispatch._checks.tensors import cuda_code_path
 from flexdispatch.kernels import inband as _inband
 
 __all__ = [

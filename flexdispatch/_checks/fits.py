@@ -9,10 +9,10 @@ available, with what to change. What is available:
 
 - on a CUDA device, the device's free memory (``torch.cuda.mem_get_info``: a driver query, no
   stream synchronisation) and what PyTorch's caching allocator holds unused;
-- on CPU, ``flexdispatch._sysmem.available``: the smallest of ``MemAvailable``, the address space
-  left under ``RLIMIT_AS`` and the room under the cgroup memory limits (the one memory model of
-  every check, the command line's too); with ``tree=True`` (what several processes take
-  together: ``spawn_group``'s ranks, ``bench``'s) without ``RLIMIT_AS``, a limit of each
+- on CPU, ``flexdispatch._checks.sysmem.available``: the smallest of ``MemAvailable``, the
+  address space left under ``RLIMIT_AS`` and the room under the cgroup memory limits (the one
+  memory model of every check, the command line's too); with ``tree=True`` (what several processes
+  take together: ``spawn_group``'s ranks, ``bench``'s) without ``RLIMIT_AS``, a limit of each
   process on its own.
 
 An estimate fits when it is at most ``SHARE`` (80 %) of that figure: the rest is headroom.
@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from flexdispatch import _sysmem
-from flexdispatch._sysmem import SHARE, format_bytes
+from flexdispatch._checks import sysmem
+from flexdispatch._checks.sysmem import SHARE, format_bytes
 
 __all__ = [
     "INT32_MAX",
@@ -71,7 +71,7 @@ def available_bytes(
 ) -> tuple[int | None, str]:
     """Memory a new allocation on ``device`` can take, and where the figure comes from (the raw
     figure: ``refusal`` plans for ``SHARE`` of it). ``tree``: what this process and the
-    processes it starts can take together (``_sysmem.available(tree=True)``; CPU only).
+    processes it starts can take together (``sysmem.available(tree=True)``; CPU only).
 
     None (unknown: nothing is refused) for meta tensors and where no figure can be read.
     """
@@ -91,7 +91,7 @@ def available_bytes(
         return int(free) + max(0, int(cached)), f"free memory of {dev} (and its unused cache)"
     if dev.type != "cpu":
         return None, f"no memory figure for {dev.type}"
-    return _sysmem.available(tree=tree)
+    return sysmem.available(tree=tree)
 
 
 def refusal(

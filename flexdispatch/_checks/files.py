@@ -174,7 +174,8 @@ def _read_bounded(path: Path, what: str) -> str:
     if len(raw) > MAX_CONFIG_BYTES:
         raise ValueError(
             f"{what} {path} is larger than {MAX_CONFIG_BYTES} bytes (the limit for config files,"
-            f" flexdispatch._files.MAX_CONFIG_BYTES): pass the config itself, not a data file"
+            f" flexdispatch._checks.files.MAX_CONFIG_BYTES): pass the config itself, not a data "
+            f"file"
         )
     try:
         return raw.decode("utf-8")

@@ -2,7 +2,7 @@
 every size check.
 
 Every check of flexdispatch that compares an estimate with the machine (the API's
-``flexdispatch._limits``, ``flexdispatch demo``'s fit, ``flexdispatch bench`` before it spawns,
+``flexdispatch._checks.fits``, ``flexdispatch demo``'s fit, ``flexdispatch bench`` before it spawns,
 ``spawn_group``, ``flexdispatch plan``) reads ``available()`` here, and plans for at most
 ``SHARE`` of it (``usable()``): the rest is headroom for what no estimate counts (the allocator's
 slack, other processes, the page cache the kernel needs).
@@ -15,7 +15,7 @@ Two figures, because one limit is per process:
 - ``available()`` (``tree=False``), what one process may take: the same, and the address space
   left under this process's ``RLIMIT_AS``. ``RLIMIT_AS`` bounds each process on its own (a
   child inherits the limit, not a share of it), so it bounds the in-process checks
-  (``flexdispatch._limits``) and the largest single process of a tree, never the tree's sum.
+  (``flexdispatch._checks.fits``) and the largest single process of a tree, never the tree's sum.
 
 What is read:
 

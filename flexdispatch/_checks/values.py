@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from flexdispatch._files import excerpt
+from flexdispatch._checks.files import excerpt
 
 __all__ = ["finite", "integer", "not_bool", "show"]
 
