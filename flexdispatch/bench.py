@@ -427,8 +427,8 @@ def run_under_launcher(spec: BenchSpec, *, timeout_s: float = 300.0) -> list[dic
     Returns:
         Every rank's result on rank 0, None on the other ranks.
     """
-    from flexdispatch.devices import plan_devices
     from flexdispatch.distributed import join_launcher_group, launcher_env
+    from flexdispatch.launch.devices import plan_devices
 
     env = launcher_env()  # NOTE: every variable checked, each error naming its variable
     # NOTE: refused here, before the group exists, when the local ranks outnumber the GPUs.

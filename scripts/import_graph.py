@@ -26,7 +26,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "_checks",
             "_memory",
-            "devices",
             "types",
             "deepep_limits",
             "config",
@@ -47,8 +46,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "doctor",
             "bench",
             "launch",
-            "_wire",
-            "_lifetime",
             "cli",
             "hf",
             "integrations",

@@ -109,10 +109,10 @@ def _drop_stdout(stream: Any) -> None:
 def _die_with_launcher() -> None:
     """A torchrun worker ends with its agent, however the agent ends (a SIGKILLed torchrun
     otherwise leaves its workers running until their process-group timeout), also one that ended
-    before this worker got here (``flexdispatch._lifetime.die_with_agent``: the pid the launch
+    before this worker got here (``flexdispatch.launch.lifetime.die_with_agent``: the pid the launch
     recipes record). Nothing without a launcher."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        from flexdispatch._lifetime import die_with_agent
+        from flexdispatch.launch.lifetime import die_with_agent
 
         die_with_agent()
 

@@ -95,9 +95,9 @@ def positive_float(text: str) -> float:
 
 
 def timeout_seconds(text: str) -> float:
-    """An argparse type: a timeout in seconds, in ``flexdispatch._lifetime``'s one range
+    """An argparse type: a timeout in seconds, in ``flexdispatch.launch.lifetime``'s one range
     (``[MIN_TIMEOUT_S, MAX_TIMEOUT_S]``, ``spawn_group``'s too)."""
-    from flexdispatch._lifetime import MAX_TIMEOUT_S, MIN_TIMEOUT_S
+    from flexdispatch.launch.lifetime import MAX_TIMEOUT_S, MIN_TIMEOUT_S
 
     value = positive_float(text)
     if not MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S:

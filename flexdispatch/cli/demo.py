@@ -3,7 +3,7 @@
 By default it spawns a simulated group on this machine: on a GPU machine one rank per GPU over
 NCCL, else 2 nodes × 2 ranks over gloo on the CPUs (``--cpu`` forces that). Under ``torchrun``
 it joins the group the launcher set up (NCCL on GPUs, gloo otherwise). More ranks than GPUs is
-refused before any process starts (``flexdispatch.devices``). Each rank runs ``MoELayer``
+refused before any process starts (``flexdispatch.launch.devices``). Each rank runs ``MoELayer``
 forward and backward in the flat and the hierarchical mode; the results are compared with a
 single-process dense reference (every rank's tokens routed by the same router and sent through
 every expert in one process), and a report is printed.

@@ -210,7 +210,7 @@ def estimate_memory(
     ret = 3 * result
     if launcher:
         # gather_objects: this rank's torch.save bytes and their uint8 tensor, then every rank's
-        # bytes and what they load back as (flexdispatch._wire; never a pickle of the object)
+        # bytes and what they load back as (flexdispatch.launch.wire; never a pickle of the object)
         ret = result + 2 * result + 2 * R * result
     per_rank = runtime + max(run, ret)
 

@@ -1,7 +1,7 @@
 """What this machine gives ``flexdispatch demo``: the ranks' devices and the resident memory of
 one process before its tensors.
 
-Devices (``spawned_topology``, ``launcher_devices``): see ``flexdispatch.devices``. Spawned
+Devices (``spawned_topology``, ``launcher_devices``): see ``flexdispatch.launch.devices``. Spawned
 here, without ``--nodes``/``--ranks-per-node``: one rank per GPU on a GPU machine, 2 x 2 over
 gloo on the CPU; more ranks than GPUs is refused before anything starts.
 
@@ -159,9 +159,9 @@ def spawned_topology(
 
     ``--nodes``/``--ranks-per-node`` as given; when neither is given, one rank per GPU on a GPU
     machine (``_gpu_topology``), 2 × 2 on the CPU. All R ranks run here, so R is compared with
-    the GPUs visible (``flexdispatch.devices.plan_devices``): more is refused, naming both.
+    the GPUs visible (``flexdispatch.launch.devices.plan_devices``): more is refused, naming both.
     """
-    from flexdispatch.devices import plan_devices, requested_device, visible_gpus
+    from flexdispatch.launch.devices import plan_devices, requested_device, visible_gpus
 
     device = requested_device(getattr(args, "cpu", False))
     gpus, source = visible_gpus()
@@ -191,7 +191,7 @@ def spawned_topology(
 def launcher_devices(args: argparse.Namespace, local_ranks: int):
     """The ``DevicePlan`` of this node's ``local_ranks`` torchrun ranks (refused, on every rank
     alike, before the process group exists when they outnumber the GPUs)."""
-    from flexdispatch.devices import plan_devices, requested_device
+    from flexdispatch.launch.devices import plan_devices, requested_device
 
     return plan_devices(
         local_ranks,

@@ -138,16 +138,16 @@ store_note() {
   echo "$me: note: torchrun's rendezvous store listens on every interface ($where), not only 127.0.0.1: PyTorch's TCPStore server binds the wildcard address and torchrun has no option to bind it; the workers' own sockets are on ${GLOO_SOCKET_IFNAME:-lo}. On a machine others can reach, run flexdispatch demo / bench without torchrun (loopback only) or firewall the port (docs/security.md)" >&2
 }
 # check_devices L: before torchrun, compare L ranks on this node with the GPUs visible here
-# (`python -m flexdispatch.devices`): refuse with one line and exit 2 when L > GPUs, unless
+# (`python -m flexdispatch.launch.devices`): refuse with one line and exit 2 when L > GPUs, unless
 # FLEXDISPATCH_DEVICE=cpu, which also hides the GPUs from the workers (gloo on the CPU).
 check_devices() {
   local rc=0
-  PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m flexdispatch.devices --ranks "$1" \
+  PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m flexdispatch.launch.devices --ranks "$1" \
     || rc=$?
   if (( rc == 2 )); then
-    exit 2  # NOTE: flexdispatch.devices said why, in one line
+    exit 2  # NOTE: flexdispatch.launch.devices said why, in one line
   elif (( rc != 0 )); then
-    refuse PYTHON "could not run 'python -m flexdispatch.devices' (exit $rc): install flexdispatch for it (bash scripts/setup.sh)"
+    refuse PYTHON "could not run 'python -m flexdispatch.launch.devices' (exit $rc): install flexdispatch for it (bash scripts/setup.sh)"
   fi
   if [[ "${FLEXDISPATCH_DEVICE:-}" == cpu ]]; then
     export CUDA_VISIBLE_DEVICES=""

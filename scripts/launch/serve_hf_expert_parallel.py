@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from flexdispatch.config import DispatchConfig
-    from flexdispatch.devices import plan_devices
     from flexdispatch.hf import EPSparseMoeBlock, expert_parallel
+    from flexdispatch.launch.devices import plan_devices
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     try:  # NOTE: before the process group: more local ranks than GPUs is refused, not a hang

@@ -123,6 +123,6 @@ if [[ "${FLEXDISPATCH_DRY_RUN:-0}" == "1" ]]; then
   printf '%q ' "${args[@]}"; echo
   exit 0
 fi
-# the agent's pid for its workers (exec keeps this shell's pid: flexdispatch._lifetime)
+# the agent's pid for its workers (exec keeps this shell's pid: flexdispatch.launch.lifetime)
 export FLEXDISPATCH_LAUNCHER_PID=$$
 exec "${args[@]}"

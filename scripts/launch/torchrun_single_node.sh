@@ -20,7 +20,7 @@
 #   FLEXDISPATCH_DRY_RUN=1  print the command instead of running it
 #   FLEXDISPATCH_DEVICE=cpu gloo on the CPU even with GPUs visible (they are hidden from the workers)
 #
-# Before torchrun, `python -m flexdispatch.devices` compares NPROC_PER_NODE with the GPUs visible:
+# Before torchrun, `python -m flexdispatch.launch.devices` compares NPROC_PER_NODE with the GPUs visible:
 # more processes than GPUs is refused with one line (exit 2) naming both and what to pass.
 #   GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME  interface of the process-group sockets (default lo:
 #                     loopback only; torchrun's rendezvous store itself is not bound, see
@@ -60,6 +60,6 @@ if [[ "${FLEXDISPATCH_DRY_RUN:-0}" == "1" ]]; then
   printf '%q ' "${args[@]}"; echo
   exit 0
 fi
-# the agent's pid for its workers (exec keeps this shell's pid: flexdispatch._lifetime)
+# the agent's pid for its workers (exec keeps this shell's pid: flexdispatch.launch.lifetime)
 export FLEXDISPATCH_LAUNCHER_PID=$$
 exec "${args[@]}"

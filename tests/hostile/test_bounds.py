@@ -201,7 +201,7 @@ def test_rlimit_as_bounds_each_process_never_the_tree(address_space_limit):
     from flexdispatch.cli import demo_fit
     from flexdispatch.cli.bench import check_bench_memory
     from flexdispatch.config import load_config
-    from flexdispatch.launch import _check_spawn_args
+    from flexdispatch.launch.spawn import _check_spawn_args
 
     assert sysmem.available() == (GiB, "address space left under RLIMIT_AS")
     assert sysmem.available(tree=True) == (22 * GiB, "MemAvailable in /proc/meminfo")

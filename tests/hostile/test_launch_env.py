@@ -185,7 +185,7 @@ GOOD = [
 def test_the_launchers_environments_reach_torchrun(env, expected, fake_torchrun, tmp_path):
     python = tmp_path / "python"
     python.write_text(
-        '#!/usr/bin/env bash\n[[ "$1 $2" == "-m flexdispatch.devices" ]] && exit 0\n'
+        '#!/usr/bin/env bash\n[[ "$1 $2" == "-m flexdispatch.launch.devices" ]] && exit 0\n'
         f'exec {sys.executable} "$@"\n'
     )
     python.chmod(0o755)
@@ -300,7 +300,7 @@ def test_a_torchrun_worker_ends_with_its_agent(monkeypatch, capsys, tmp_path):
     # NOTE: a SIGKILLed torchrun left its workers running (reliability-4 section 5): the command
     # line arms the parent-death signal of tests/hostile/test_processes.py under a launcher, and
     # a worker whose agent (the pid the recipes record) ended before that exits at once
-    import flexdispatch._lifetime as lifetime
+    import flexdispatch.launch.lifetime as lifetime
     from flexdispatch.cli import main
 
     armed: list[int] = []

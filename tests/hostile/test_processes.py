@@ -116,7 +116,7 @@ def _set(event) -> int:
 def test_what_the_spawning_context_can_send_is_not_refused_up_front():
     # NOTE: a multiprocessing Event pickles only while a process is being spawned: a plain
     # pickle.dumps of partial(work, event) raised TypeError, while args=(event,) worked
-    from flexdispatch.launch import _check_spawn_args
+    from flexdispatch.launch.spawn import _check_spawn_args
 
     event = mp.get_context("spawn").Event()
     for fn in (functools.partial(_set, event), functools.partial(functools.partial(_set), event)):

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexdispatch.launch import GroupError, _dumps, _loads, spawn_group
+from flexdispatch.launch import GroupError, spawn_group
+from flexdispatch.launch.wire import _dumps, _loads
 from flexdispatch.types import DispatchStats
 
 pytestmark = pytest.mark.timeout(120)
@@ -254,10 +255,10 @@ def test_a_third_party_tests_package_is_not_trusted(tmp_path, monkeypatch):
     import importlib.util
     import sys
 
-    from flexdispatch import _wire
+    from flexdispatch.launch import wire
     from tests.hostile import peak_probe  # NOTE: a module of this repository's tests
 
-    assert _wire._trusted("tests.hostile.peak_probe") and _wire._trusted("flexdispatch.types")
+    assert wire._trusted("tests.hostile.peak_probe") and wire._trusted("flexdispatch.types")
     fake = tmp_path / "tests"
     fake.mkdir()
     (fake / "__init__.py").write_text("")
@@ -274,8 +275,8 @@ def test_a_third_party_tests_package_is_not_trusted(tmp_path, monkeypatch):
     evil = importlib.util.module_from_spec(evil_spec)
     monkeypatch.setitem(sys.modules, "tests.evil", evil)
     evil_spec.loader.exec_module(evil)
-    assert _wire._data_class("tests.evil", "Evil") is None
-    assert not _wire._trusted("tests.hostile.peak_probe")  # NOTE: another `tests` is loaded
+    assert wire._data_class("tests.evil", "Evil") is None
+    assert not wire._trusted("tests.hostile.peak_probe")  # NOTE: another `tests` is loaded
     with pytest.raises(pickle.UnpicklingError, match=r"refers to 'tests.evil.Evil'"):
         _loads(_archive(_call("tests.evil", "Evil")))
     # an installed wheel: flexdispatch and a third-party `tests` side by side in site-packages
@@ -283,10 +284,10 @@ def test_a_third_party_tests_package_is_not_trusted(tmp_path, monkeypatch):
     (site / "flexdispatch").mkdir(parents=True)
     fake.rename(site / "tests")
     package.__path__[:] = [str(site / "tests")]
-    monkeypatch.setattr(_wire, "__file__", str(site / "flexdispatch" / "_wire.py"))
-    assert not _wire._trusted("tests.evil") and _wire._data_class("tests.evil", "Evil") is None
+    monkeypatch.setattr(wire, "__file__", str(site / "flexdispatch" / "launch" / "wire.py"))
+    assert not wire._trusted("tests.evil") and wire._data_class("tests.evil", "Evil") is None
     (site / "pyproject.toml").write_text('[project]\nname = "something-else"\n')
-    assert not _wire._trusted("tests.evil")  # NOTE: a pyproject.toml, not this project's
+    assert not wire._trusted("tests.evil")  # NOTE: a pyproject.toml, not this project's
     assert peak_probe
 
 
@@ -303,7 +304,7 @@ def test_the_data_classes_wire_admits_define_no_hook_unpickling_calls():
     import pkgutil
 
     import flexdispatch
-    from flexdispatch._wire import _is_data_class
+    from flexdispatch.launch.wire import _is_data_class
 
     checked, found = 0, []
     for info in pkgutil.walk_packages(flexdispatch.__path__, "flexdispatch."):
@@ -342,9 +343,10 @@ def test_a_peer_announcing_a_huge_or_negative_size_is_refused_before_allocating(
 
     import torch.distributed as dist
 
-    from flexdispatch import _wire, distributed
+    from flexdispatch import distributed
     from flexdispatch._checks import fits
     from flexdispatch.distributed import CollectiveError, all_gather_json
+    from flexdispatch.launch import wire
 
     monkeypatch.setenv("FLEXDISPATCH_MEMORY_AVAILABLE", "1GiB")
     monkeypatch.setattr(fits, "_FITTED", {})
@@ -357,20 +359,20 @@ def test_a_peer_announcing_a_huge_or_negative_size_is_refused_before_allocating(
                 real(sizes, n, group=group)
                 sizes[0].fill_(size)
 
-            monkeypatch.setattr(_wire.dist, "all_gather", lying)
+            monkeypatch.setattr(wire.dist, "all_gather", lying)
             with pytest.raises(CollectiveError, match=match):
-                _wire.gather_objects({"a": 1})
-            monkeypatch.setattr(_wire.dist, "all_gather", real)
+                wire.gather_objects({"a": 1})
+            monkeypatch.setattr(wire.dist, "all_gather", real)
         real_bc = dist.broadcast
 
         def lying_bc(t, src, group=None):
             real_bc(t, src=src, group=group)
             t.fill_(1 << 50)
 
-        monkeypatch.setattr(_wire.dist, "broadcast", lying_bc)
+        monkeypatch.setattr(wire.dist, "broadcast", lying_bc)
         with pytest.raises(CollectiveError, match=r"broadcast_object: .* needs about"):
-            _wire.broadcast_object({"a": 1})
-        monkeypatch.setattr(_wire.dist, "broadcast", real_bc)
+            wire.broadcast_object({"a": 1})
+        monkeypatch.setattr(wire.dist, "broadcast", real_bc)
         monkeypatch.setattr(
             distributed,
             "all_gather_int64",
@@ -384,7 +386,7 @@ def test_a_peer_announcing_a_huge_or_negative_size_is_refused_before_allocating(
         fake = types.SimpleNamespace(dumps=lambda obj: deep, loads=real_json.loads)
         monkeypatch.setattr(distributed, "json", fake)
         assert all_gather_json({"a": "b"}) == [{"<unreadable>": "not a JSON mapping of strings"}]
-        assert _wire.gather_objects({"a": 1}) == [{"a": 1}]  # NOTE: the ordinary path still works
+        assert wire.gather_objects({"a": 1}) == [{"a": 1}]  # NOTE: the ordinary path still works
     finally:
         dist.destroy_process_group()
 
@@ -394,9 +396,9 @@ def _one_rank_refuses_the_sizes() -> list[str]:
     peer takes."""
     import torch.distributed as dist
 
-    from flexdispatch import _wire
     from flexdispatch._checks import fits
     from flexdispatch.distributed import CollectiveError
+    from flexdispatch.launch import wire
 
     saved = fits.SMALL_BYTES, fits.available_bytes
     if dist.get_rank() == 1:
@@ -404,15 +406,15 @@ def _one_rank_refuses_the_sizes() -> list[str]:
         fits.available_bytes = lambda device, tree=False: (1, "a test's figure")
         fits._FITTED.clear()
     said = []
-    from_1 = functools.partial(_wire.broadcast_object, src=1)
-    for exchange in (_wire.gather_objects, _wire.broadcast_object, from_1):
+    from_1 = functools.partial(wire.broadcast_object, src=1)
+    for exchange in (wire.gather_objects, wire.broadcast_object, from_1):
         try:
             exchange({"rank": dist.get_rank()})
             said.append("no error")
         except CollectiveError as exc:
             said.append(str(exc))
     fits.SMALL_BYTES, fits.available_bytes = saved
-    assert _wire.gather_objects(dist.get_rank()) == [0, 1]  # NOTE: the group is still in step
+    assert wire.gather_objects(dist.get_rank()) == [0, 1]  # NOTE: the group is still in step
     return said
 
 

@@ -1,4 +1,4 @@
-"""Which backend and device the ranks of this machine get (``flexdispatch.devices``), decided
+"""Which backend and device the ranks of this machine get (``flexdispatch.launch.devices``), decided
 before any process group exists; GPU machines are faked with ``$FLEXDISPATCH_VISIBLE_GPUS`` or an
 explicit GPU count, so every branch runs on a CPU machine.
 
@@ -11,9 +11,9 @@ import argparse
 
 import pytest
 
-from flexdispatch import devices
 from flexdispatch.cli import demo_machine
 from flexdispatch.config import load_config
+from flexdispatch.launch import devices
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -32,13 +32,13 @@ import torch
 import torch.distributed as dist
 
 from flexdispatch._checks.files import excerpt
-from flexdispatch._lifetime import (
+from flexdispatch.launch.lifetime import (
     MAX_TIMEOUT_S,
     check_timeout,
     die_with_parent,
     end_stopped_local_peers,
 )
-from flexdispatch._wire import _dumps, _loads, broadcast_object, gather_objects
+from flexdispatch.launch.wire import _dumps, _loads, broadcast_object, gather_objects
 
 __all__ = [
     "GroupError",
@@ -352,7 +352,7 @@ def spawn_group(
             exists: ``world_size`` not a positive int, or more ranks than this machine's memory
             holds (``RANK_RUNTIME_BYTES`` each, ``flexdispatch._checks.fits``) or than its open-file
             limit allows; ``timeout_s`` / ``pg_timeout_s`` not a finite number of seconds in
-            ``[MIN_TIMEOUT_S, MAX_TIMEOUT_S]`` (``flexdispatch._lifetime``: 0.001 to 2147483);
+            ``[MIN_TIMEOUT_S, MAX_TIMEOUT_S]`` (``flexdispatch.launch.lifetime``: 0.001 to 2147483);
             ``backend`` not ``"gloo"`` or ``"nccl"``; ``fn`` a lambda or a local function
             (also inside a ``functools.partial``). Other objects that do not pickle raise when
             the ranks start, with nothing left behind.

@@ -13,7 +13,7 @@ One rule for ``flexdispatch demo``, the launch recipes in ``scripts/launch/`` an
 ``FLEXDISPATCH_DEVICE=cuda`` asks for the GPUs (refused without one). ``FLEXDISPATCH_VISIBLE_GPUS``
 overrides the GPU count (tests fake a GPU machine with it). The launch scripts call
 
-    python -m flexdispatch.devices --ranks L [--cpu]
+    python -m flexdispatch.launch.devices --ranks L [--cpu]
 
 before ``torchrun``: it prints the decision on one line and exits 2 when refused.
 
@@ -174,7 +174,7 @@ def plan_devices(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m flexdispatch.devices",
+        prog="python -m flexdispatch.launch.devices",
         description="Check that L ranks per node fit the GPUs of this machine, before torchrun.",
     )
     p.add_argument("--ranks", type=int, required=True, help="ranks (processes) on this node")

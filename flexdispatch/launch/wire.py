@@ -71,7 +71,7 @@ def _trusted(module: str) -> bool:
         return True
     if top != "tests":
         return False
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # NOTE: flexdispatch/launch/wire.py
     if not _source_checkout(root):
         return False  # NOTE: an installed wheel: root is site-packages, whose `tests` is not ours
     package = sys.modules.get("tests")
