@@ -52,7 +52,7 @@ RUN stubs=$(mktemp -d) \
     && ln -s /usr/local/cuda/lib64/stubs/libcuda.so "${stubs}/libcuda.so.1" \
     && LD_LIBRARY_PATH="${stubs}:${LD_LIBRARY_PATH:-}" python3 -c "\
 import deep_ep, flexdispatch; \
-from flexdispatch.backends import deepep_available; \
+from flexdispatch.dispatch.select import deepep_available; \
 from flexdispatch.backends.deepep.support import deepep_support; \
 print('deep_ep', deep_ep.__file__, 'flexdispatch', flexdispatch.__version__); \
 print('deepep_available:', deepep_available()); \

@@ -36,7 +36,7 @@ _EXPORTS: dict[str, str] = {
     "permute": "flexdispatch.permutation",
     "unpermute": "flexdispatch.permutation",
     # dispatch and the layer
-    "FlexDispatcher": "flexdispatch.dispatcher",
+    "FlexDispatcher": "flexdispatch.dispatch.dispatcher",
     "GroupedExperts": "flexdispatch.experts",
     "MoELayer": "flexdispatch.moe",
     "MoEOutput": "flexdispatch.moe",

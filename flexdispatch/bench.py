@@ -290,7 +290,7 @@ def _device() -> torch.device:
 def bench_rank(spec: BenchSpec) -> dict[str, Any]:
     """Body of one rank (the process group is initialised); returns its samples and counts."""
     from flexdispatch.config import DispatchConfig
-    from flexdispatch.dispatcher import FlexDispatcher
+    from flexdispatch.dispatch.dispatcher import FlexDispatcher
     from flexdispatch.distributed import (
         all_gather_int64,
         collective_device,

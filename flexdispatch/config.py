@@ -200,7 +200,8 @@ class DispatchConfig(_Strict):
     mode: Literal["normal", "low_latency"] = Field(
         "normal",
         description="'low_latency': decode with DeepEP's low-latency kernels (expert-major "
-        "[e, R*num_max, H], see flexdispatch.decode); other backends decode in worst-case mode.",
+        "[e, R*num_max, H], see flexdispatch.dispatch.decode); other backends decode in "
+        "worst-case mode.",
     )
     num_max_dispatch_tokens_per_rank: _Int = Field(
         128,

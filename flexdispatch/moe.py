@@ -25,7 +25,7 @@ from flexdispatch._checks import fits
 from flexdispatch._checks.tensors import check_tensor
 from flexdispatch._checks.threads import CallGuard, guarded
 from flexdispatch.config import MoEConfig
-from flexdispatch.dispatcher import FlexDispatcher
+from flexdispatch.dispatch.dispatcher import FlexDispatcher
 from flexdispatch.distributed import check_fingerprint
 from flexdispatch.experts import GroupedExperts, SharedExperts
 from flexdispatch.experts.init import check_seed

@@ -151,8 +151,8 @@ class DispatchHandle:
         hidden: H of the dispatched rows.
         num_recv_rows: M (W in worst-case mode).
         state: backend-specific, opaque to callers; through the custom ops
-            (``flexdispatch.ops``, docs/compile.md) the ``[2]`` int64 CPU handle tensor that
-            names the backend's handle in a registry.
+            (``flexdispatch.dispatch.ops``, docs/compile.md) the ``[2]`` int64 CPU handle tensor
+            that names the backend's handle in a registry.
         issuer: the serial number of the ``FlexDispatcher`` that issued it (0: none); its
             ``combine`` refuses a handle of another dispatcher, comparing this int on the host.
     """

@@ -37,7 +37,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("routing", "layout", "permutation", "distributed", "kernels"),
     ),
     ("backends", ("backends",)),
-    ("dispatcher", ("dispatcher", "dispatch_grad", "dispatch_overlap", "decode", "ops")),
+    ("dispatcher", ("dispatch",)),
     ("model", ("experts", "reference", "moe", "importers")),
     (
         "tools and command line",

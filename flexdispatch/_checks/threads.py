@@ -15,7 +15,7 @@ of host time (``docs/errors.md``, "Shared use").
 
 Under ``torch.compile`` the guard is left out of the trace (dynamo cannot trace a lock or a thread
 id, and ``fullgraph=True`` would refuse the graph): a compiled caller runs the custom ops
-(``flexdispatch.ops``) without it, so one compiled module must not be shared by two threads
+(``flexdispatch.dispatch.ops``) without it, so one compiled module must not be shared by two threads
 either, and nothing detects it there.
 """
 

@@ -149,7 +149,7 @@ def check_backend(backend: str, flag: str = "--backend") -> None:
     """Refuse ``--backend deepep`` where ``deep_ep`` does not import (one line, before spawning)."""
     if backend != "deepep":
         return
-    from flexdispatch.backends import deepep_available
+    from flexdispatch.dispatch.select import deepep_available
 
     ok, why = deepep_available()
     if not ok:

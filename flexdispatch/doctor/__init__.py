@@ -130,7 +130,7 @@ class HostFacts:
         nccl_available: ``dist.is_nccl_available()``.
         gloo_available: ``dist.is_gloo_available()``.
         num_gpus: visible CUDA devices (0 without CUDA).
-        deepep: ``(ok, reason)`` of ``flexdispatch.backends.deepep_available()``.
+        deepep: ``(ok, reason)`` of ``flexdispatch.dispatch.select.deepep_available()``.
     """
 
     cuda_available: bool
@@ -279,7 +279,7 @@ def would_select(
 ) -> BackendChoice:
     """What ``DispatchConfig.backend = requested`` would run on R ranks with L per node.
 
-    The rule of ``flexdispatch.backends.select_backend`` and ARCHITECTURE.md: ``auto`` picks
+    The rule of ``flexdispatch.dispatch.select.select_backend`` and ARCHITECTURE.md: ``auto`` picks
     ``deepep`` only when it imports, the group can be NCCL on CUDA and DeepEP supports the
     topology (and row size), else ``torch``; ``deepep`` that cannot be honoured is an error.
 
@@ -351,7 +351,7 @@ def deepep_api_choice(
 ) -> dict[str, Any]:
     """Which DeepEP API (``DispatchConfig.deepep_api``) the deepep backend would run, and why.
 
-    The rule of ``flexdispatch.backends.select_backend``: ``"auto"`` runs V2
+    The rule of ``flexdispatch.dispatch.select.select_backend``: ``"auto"`` runs V2
     (``deep_ep.ElasticBuffer``) where it exists in worst-case mode (``num_worst_tokens > 0``),
     else V1 ``deep_ep.Buffer`` (``auto_deepep_api``); ``"elastic"`` needs ``ElasticBuffer``.
 
@@ -385,8 +385,8 @@ def deepep_api_choice(
     elif requested == "legacy":
         api, reason = "legacy", "deepep_api='legacy': DeepEP V1 deep_ep.Buffer"
     else:
-        from flexdispatch.backends import auto_deepep_api
         from flexdispatch.config import DispatchConfig
+        from flexdispatch.dispatch.select import auto_deepep_api
 
         has = (
             (True, "deep_ep.ElasticBuffer exists")

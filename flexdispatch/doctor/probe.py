@@ -117,7 +117,7 @@ def _dist_version(*names: str) -> str | None:
 
 def probe_deep_ep() -> dict[str, Any]:
     """Whether ``deep_ep`` imports (through the backends' guarded import) and is usable."""
-    from flexdispatch.backends import deepep_available
+    from flexdispatch.dispatch.select import deepep_available
 
     try:
         usable, reason = deepep_available()

@@ -19,7 +19,7 @@ from megatron.core.transformer.moe.token_dispatcher import (
 from pydantic import ValidationError
 
 from flexdispatch.config import DispatchConfig
-from flexdispatch.dispatcher import FlexDispatcher
+from flexdispatch.dispatch.dispatcher import FlexDispatcher
 from flexdispatch.integrations import _installed
 from flexdispatch.permutation import permute, unpermute
 from flexdispatch.routing.dense import routing_map_to_topk

@@ -21,7 +21,7 @@ from torchtitan.models.common.token_dispatcher import (
 )
 
 from flexdispatch.config import DispatchConfig
-from flexdispatch.dispatcher import FlexDispatcher
+from flexdispatch.dispatch.dispatcher import FlexDispatcher
 from flexdispatch.permutation import permute, unpermute
 from flexdispatch.types import DispatchHandle, Permutation
 

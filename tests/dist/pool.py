@@ -80,7 +80,7 @@ def _resolve(module: str, qualname: str) -> Callable[..., Any]:
 
 # modules whose globals a call may patch (e.g. ``_validate.defer_value_checks = ...``) and that
 # are put back after every call; imported when a rank starts so that they are there to snapshot
-_PRELOAD = ("flexdispatch.dispatcher", "flexdispatch.moe", "flexdispatch.backends")
+_PRELOAD = ("flexdispatch.dispatch.dispatcher", "flexdispatch.moe", "flexdispatch.backends")
 _RESTORED = ("torch.distributed", "torch.distributed.distributed_c10d")
 _MISSING = object()
 

@@ -29,8 +29,8 @@ def _train_step(layer: Any, fn: Any, x0: torch.Tensor) -> list[torch.Tensor]:
 def _compile_worker(rank: int, R: int) -> dict[str, Any]:
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from flexdispatch import ops
     from flexdispatch.config import RouterConfig, load_config
+    from flexdispatch.dispatch import ops
     from flexdispatch.moe import MoELayer
 
     torch._dynamo.reset()
@@ -74,7 +74,8 @@ def test_compile_fullgraph_worst_case_layer_on_two_ranks() -> None:
 
 
 def _deepep_worker(rank: int, R: int) -> dict[str, Any]:
-    from flexdispatch import DispatchConfig, FlexDispatcher, ops
+    from flexdispatch import DispatchConfig, FlexDispatcher
+    from flexdispatch.dispatch import ops
     from tests.deepep_emu.load import load_deep_ep
     from tests.dist.reference import all_inputs
 

@@ -242,7 +242,7 @@ def decode(rank: int, out: dict[str, Any]) -> None:
     """P7 / EV7: the low-latency decode path refuses an id >= E and a repeated id on CPU, as
     every other path does (the emulator models both as traps)."""
     from flexdispatch import DispatchConfig, FlexDispatcher
-    from flexdispatch.decode import DecodeDispatcher
+    from flexdispatch.dispatch.decode import DecodeDispatcher
 
     E, H, n = 8, 2048, 4
     ll = FlexDispatcher(

@@ -180,7 +180,7 @@ def test_worst_case_cap_per_destination() -> None:
 # --------------------------------------------------------------------- decode
 def decode_worker(rank: int, R: int, L: int) -> dict[str, float]:
     from flexdispatch import DispatchConfig, FlexDispatcher
-    from flexdispatch.decode import DecodeDispatcher
+    from flexdispatch.dispatch.decode import DecodeDispatcher
     from tests.deepep_emu.load import load_deep_ep
 
     emu = load_deep_ep(nvl_peers=L if L < R else 8)  # L < R: emulated nodes of L ranks

@@ -82,7 +82,7 @@ def test_world_of_one_matches_the_reference(cuda: bool, W: int, H: int, monkeypa
 def test_autograd_function_only_where_a_gradient_is_recorded(W: int, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Inputs that need no gradient (or ``no_grad``) skip the autograd Functions (host time per
     call); the results are the same either way and gradients still flow where asked for."""
-    from flexdispatch import dispatcher as dispatcher_mod
+    from flexdispatch.dispatch import dispatcher as dispatcher_mod
 
     applied: list[str] = []
     for fn in (dispatcher_mod._Dispatch, dispatcher_mod._Combine):

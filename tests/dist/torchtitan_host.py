@@ -282,7 +282,7 @@ def compare_module(case: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(flex.routed_experts.token_dispatcher, fd_tt.FlexTokenDispatcher):
             raise AssertionError("apply_overrides did not install FlexTokenDispatcher")
         want = _run_module(ref, case, "partial_dtensor")
-        from flexdispatch import ops
+        from flexdispatch.dispatch import ops
 
         # NOTE: eager_ops: eager calls go through the custom ops (flexdispatch::dispatch, ...)
         before = ops.set_eager_ops(bool(case.get("eager_ops")))
@@ -361,7 +361,7 @@ def spmd_types_of_a_dispatch(eager_ops: bool) -> dict[str, Any]:
     import spmd_types as spmd
     from torchtitan.distributed.utils import get_spmd_context
 
-    from flexdispatch import ops
+    from flexdispatch.dispatch import ops
     from flexdispatch.integrations.torchtitan import FlexTokenDispatcher
 
     pd = parallel_dims("spmd_types")

@@ -132,7 +132,7 @@ def low_latency_worker() -> dict[str, Any]:
     import torch.distributed as dist
 
     from flexdispatch import DispatchConfig, FlexDispatcher
-    from flexdispatch.decode import DecodeDispatcher
+    from flexdispatch.dispatch.decode import DecodeDispatcher
 
     rank, R = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)

@@ -63,7 +63,7 @@ def _cases(dev: torch.device) -> dict[str, Any]:
         unpermute,
     )
     from flexdispatch.backends.deepep import sizing
-    from flexdispatch.decode import (
+    from flexdispatch.dispatch.decode import (
         DecodeDispatcher,
         expert_major_maps,
         from_expert_major,

@@ -412,7 +412,7 @@ ERRORS: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
      r"y must be a floating-point tensor, got int64"),
     ("combine/meta-y", lambda t: _combine(lambda y: y.to(META)), ValueError,
      r"y is on the meta device"),
-    # ---- the custom ops (flexdispatch.ops, docs/compile.md)
+    # ---- the custom ops (flexdispatch.dispatch.ops, docs/compile.md)
     ("ops/set-eager-not-bool", lambda t: ops.set_eager_ops(1), TypeError,
      r"enabled must be a bool, got int"),
     ("ops/stale-handle", lambda t: _op_combine(torch.tensor([10**9, -1])), RuntimeError,

@@ -64,10 +64,10 @@ def test_ranges_are_refused_at_parse_time_in_one_line(argv, message, capsys):
 
 
 def test_bench_checks_the_backend_like_demo(monkeypatch, capsys):
-    import flexdispatch.backends as backends
+    import flexdispatch.dispatch.select as select
     import flexdispatch.launch as launch
 
-    monkeypatch.setattr(backends, "deepep_available", lambda: (False, "no deep_ep\nhere"))
+    monkeypatch.setattr(select, "deepep_available", lambda: (False, "no deep_ep\nhere"))
     monkeypatch.setattr(launch, "spawn_group", lambda *a, **k: pytest.fail("spawned"))
     for command in ("bench", "demo"):
         assert _code([command, "--backend", "deepep"]) == 2

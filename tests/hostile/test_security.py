@@ -189,7 +189,7 @@ def _payloads(marker: Path) -> dict[str, bytes]:
         "importlib.import_module": _call("importlib", "import_module", "subprocess"),
         "functools.partial": _call("functools", "partial", "x"),
         # a class of flexdispatch that is not plain data
-        "FlexDispatcher": _call("flexdispatch.dispatcher", "FlexDispatcher", "x"),
+        "FlexDispatcher": _call("flexdispatch.dispatch.dispatcher", "FlexDispatcher", "x"),
         "GroupError": _call("flexdispatch.launch", "GroupError", "x"),
         # a class imported into a flexdispatch module from elsewhere
         "demo_machine.Path": _call("flexdispatch.cli.demo_machine", "Path", str(marker)),
@@ -207,10 +207,11 @@ def _payloads(marker: Path) -> dict[str, bytes]:
 @pytest.mark.parametrize("name", list(_payloads(Path("/x"))))
 def test_a_hostile_result_raises_and_runs_nothing(tmp_path, name):
     import flexdispatch.cli.demo_machine
-    import flexdispatch.dispatcher
+    import flexdispatch.dispatch.dispatcher
 
     # NOTE: the modules the payloads name are imported, as in the demo's parent
-    assert flexdispatch.cli.demo_machine.subprocess and flexdispatch.dispatcher.FlexDispatcher
+    assert flexdispatch.cli.demo_machine.subprocess
+    assert flexdispatch.dispatch.dispatcher.FlexDispatcher
     marker = tmp_path / "PWNED"
     data = _archive(_payloads(marker)[name])
     with pytest.raises(pickle.UnpicklingError) as info:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from flexdispatch.backends import auto_deepep_api
 from flexdispatch.config import DispatchConfig
+from flexdispatch.dispatch.select import auto_deepep_api
 
 OK = (True, "ok")
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flexdispatch.backends import BACKENDS
 from flexdispatch.cli import main
+from flexdispatch.dispatch.select import BACKENDS
 from flexdispatch.doctor import (
     SCHEMA,
     HostFacts,

@@ -39,8 +39,8 @@ def test_no_arrow_points_up_a_layer(ig):
     [
         ("config", "backends.deepep.sizing"),
         ("backends.deepep.v1", "planner.accounting"),
-        ("backends.deepep.ll", "decode"),
-        ("backends.deepep.ll", "dispatcher"),
+        ("backends.deepep.ll", "dispatch.decode"),
+        ("backends.deepep.ll", "dispatch.dispatcher"),
     ],
 )
 def test_the_arrows_that_used_to_point_up_are_gone(ig, low, high):
@@ -59,14 +59,14 @@ def test_lazy_and_relative_imports_count_type_checking_ones_do_not(ig, tmp_path)
 
     src = (
         "from typing import TYPE_CHECKING\n"
-        "if TYPE_CHECKING:\n    from flexdispatch.dispatcher import FlexDispatcher\n"
+        "if TYPE_CHECKING:\n    from flexdispatch.dispatch.dispatcher import FlexDispatcher\n"
         "def f():\n    from flexdispatch.backends.torch import hier as torch_hier\n"
         "from . import base\n"
     )
     found = ig._imports(ast.parse(src), "backends.counts", False)
     targets = {d.partition("|")[0] for d in found}
     assert "backends.torch.hier" in targets and "backends.base" in targets
-    assert not any(t.startswith("dispatcher") for t in targets)
+    assert not any(t.startswith("dispatch") for t in targets)
 
 
 def test_big_modules_were_split():

@@ -1,6 +1,6 @@
-"""The custom ops (``flexdispatch.ops``) in a world of one: stable names and schemas, the eager op
-path equal to the autograd Functions bit for bit, the handle registry freed with the results,
-selective activation checkpointing naming the ops, and ``torch.compile`` of a worst-case
+"""The custom ops (``flexdispatch.dispatch.ops``) in a world of one: stable names and schemas, the
+eager op path equal to the autograd Functions bit for bit, the handle registry freed with the
+results, selective activation checkpointing naming the ops, and ``torch.compile`` of a worst-case
 ``MoELayer`` with ``fullgraph=True`` (forward and backward) equal to eager.
 
 T tokens · H hidden · E experts · k top-k · W worst-case rows. Compiled with ``backend=
@@ -25,8 +25,9 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from flexdispatch import DispatchConfig, FlexDispatcher, _memory, ops
+from flexdispatch import DispatchConfig, FlexDispatcher, _memory
 from flexdispatch.config import load_config
+from flexdispatch.dispatch import ops
 from flexdispatch.moe import MoELayer
 
 T, H, E, K = 6, 8, 4, 2

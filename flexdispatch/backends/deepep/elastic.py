@@ -6,7 +6,7 @@ X any row width · Xw wire width (bf16 columns).
 
 Selected with ``DispatchConfig.deepep_api="elastic"``, and by ``"auto"`` where every rank has
 ``ElasticBuffer`` in worst-case mode or with ``num_max_dispatch_tokens_per_rank`` set
-(``backends.auto_deepep_api``). How the contract maps onto ``ElasticBuffer``:
+(``dispatch.select.auto_deepep_api``). How the contract maps onto ``ElasticBuffer``:
 
 - **Direct mode only** (``allow_hybrid_mode=False``): one logical scale-up domain of R ranks, inside
   a node and across nodes. ``dispatch``: non-expand layout (``do_expand=False``), one row per

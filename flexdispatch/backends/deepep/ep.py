@@ -5,7 +5,7 @@ e = E / R local experts · k top-k · L ranks per NVLink domain · N = R / L nod
 rows · M = ``num_max_tokens_per_rank`` as compiled (a ``token_bucket``) · X any row width.
 
 Selected with ``DispatchConfig.deepep_api="ep"``, and by ``"auto"`` where every rank has DeepEP 2.5
-(``backends.auto_deepep_api``). How the contract maps onto ``EPBuffer``:
+(``dispatch.select.auto_deepep_api``). How the contract maps onto ``EPBuffer``:
 
 - **Modes**: one NVLink domain, or across nodes in hybrid mode (``allow_hybrid_mode``: one RDMA
   row per destination node, forwarded over NVLink; ``DispatchConfig.deepep_hybrid``) or direct

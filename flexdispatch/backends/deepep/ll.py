@@ -4,7 +4,7 @@ Shape letters (ARCHITECTURE.md): T tokens on this rank (at most ``num_max`` per 
 E experts · R ranks · e = E / R local experts · k top-k · C = R * num_max rows per local expert.
 
 ``low_latency_dispatch`` sends one row per ``(token, expert)`` pair and returns the expert-major
-``[e, C, H]`` layout of ``flexdispatch.decode`` (bf16, or fp8 with per-128-channel scales);
+``[e, C, H]`` layout of ``flexdispatch.dispatch.decode`` (bf16, or fp8 with per-128-channel scales);
 ``low_latency_combine`` sends the expert outputs back and reduces them *weighted* by the routing
 probs at the source. Shapes are static, so both can be captured in a CUDA graph.
 

@@ -3,8 +3,8 @@
 Shape letters (ARCHITECTURE.md): T tokens on this rank · H hidden · k top-k · M received rows.
 
 ``_Dispatch`` / ``_Combine`` wrap the backend's no-grad primitives where autograd records the call
-(the rules are in ``flexdispatch.dispatcher``'s docstring); ``flexdispatch.ops`` registers the
-same rules on its custom ops, which ``torch.compile`` traces instead.
+(the rules are in ``flexdispatch.dispatch.dispatcher``'s docstring); ``flexdispatch.dispatch.ops``
+registers the same rules on its custom ops, which ``torch.compile`` traces instead.
 """
 
 from __future__ import annotations

@@ -30,17 +30,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexdispatch import ops as _ops
 from flexdispatch._checks import fits, tensors
 from flexdispatch._checks.tensors import (
     check_tensor,
     checks_enabled,
 )
 from flexdispatch._checks.threads import CallGuard, guarded
-from flexdispatch.backends import select_backend
 from flexdispatch.backends.base import DispatchBackend
 from flexdispatch.config import DispatchConfig
-from flexdispatch.dispatch_grad import (
+from flexdispatch.dispatch import ops as _ops
+from flexdispatch.dispatch.autograd import (
     _ROW_DTYPES,
     Rows,
     _backend_combine,
@@ -48,13 +47,14 @@ from flexdispatch.dispatch_grad import (
     _Dispatch,
     _records_grad,
 )
-from flexdispatch.dispatch_overlap import DispatchExpanded as _DispatchExpanded
-from flexdispatch.dispatch_overlap import (
+from flexdispatch.dispatch.overlap import DispatchExpanded as _DispatchExpanded
+from flexdispatch.dispatch.overlap import (
     PendingDispatch,
     combine_with_bias,
     start_dispatch,
     warmup,
 )
+from flexdispatch.dispatch.select import select_backend
 from flexdispatch.distributed import (
     check_fingerprint,
     collective_device,

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from flexdispatch import ops as _ops
 from flexdispatch._checks.tensors import check_tensor
 from flexdispatch.backends.base import DispatchBackend
+from flexdispatch.dispatch import ops as _ops
 from flexdispatch.types import DispatchHandle, DispatchLayout, ExpandedDispatchResult
 
 __all__ = [

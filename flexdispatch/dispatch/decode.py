@@ -32,7 +32,7 @@ from flexdispatch._checks.tensors import check_tensor
 from flexdispatch.types import DispatchResult, ExpertMajorHandle, ExpertMajorResult
 
 if TYPE_CHECKING:
-    from flexdispatch.dispatcher import FlexDispatcher
+    from flexdispatch.dispatch.dispatcher import FlexDispatcher
 
 __all__ = [
     "ExpertMajorHandle",

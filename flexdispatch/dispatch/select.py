@@ -1,0 +1,540 @@
+"""Which backend a dispatcher gets: the registry and the selection rule.
+
+Shape letters (ARCHITECTURE.md): R ranks · L ranks per node · E experts in total.
+
+``select_backend`` turns ``DispatchConfig.backend`` (and ``deepep_api``) into a backend object and
+a reason. Every rank must reach the same decision, so a choice that depends on local facts (can
+``deep_ep`` be imported here? has it ``ElasticBuffer``?) is agreed with one small MIN all-reduce
+over "can use" flags.
+
+``auto`` picks ``deepep`` only when ``deep_ep`` imports, the group is NCCL on CUDA, DeepEP supports
+the topology (and the worst-case request: V1 intranode only, V2 across nodes too) and, in
+low-latency mode with a known ``hidden_size``, the hidden size — on every rank; otherwise
+``torch``, with the reason.
+
+``deepep_api='auto'`` runs DeepEP V2 (``ElasticBuffer``) where every rank has it and its static
+bound is known — worst-case mode (``M = W / R``) or dropless with
+``num_max_dispatch_tokens_per_rank`` set, except a dropless dispatch across nodes, which runs V1's
+node-deduplicated internode kernels unless ``deepep_hybrid=False`` — and V1 (``Buffer``)
+otherwise: low-latency mode, ``deepep_async_finish``, dropless with no per-rank token bound
+(``auto_deepep_api``). DeepEP 2.5
+(``deep_ep_v25.EPBuffer``, ``deepep_api='ep'``) comes first where every rank has it, under the
+same bound rule (and also unbounded where V1 cannot run); the same one all-reduce agrees on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+
+import torch.distributed as dist
+
+from flexdispatch.backends.base import Capability, DispatchBackend
+from flexdispatch.backends.deepep.support import deepep_support, load_deep_ep
+from flexdispatch.config import DispatchConfig
+from flexdispatch.distributed import all_reduce_min_flag, all_reduce_min_flags, group_size
+from flexdispatch.types import DispatchStats
+
+__all__ = [
+    "Capability",
+    "DispatchBackend",
+    "auto_deepep_api",
+    "BACKENDS",
+    "deepep_available",
+    "make_torch_backend",
+    "make_deepep_backend",
+    "make_deepep_elastic_backend",
+    "make_deepep_ep_backend",
+    "select_backend",
+]
+
+BackendFactory = Callable[..., DispatchBackend]
+
+
+def make_torch_backend(
+    config: DispatchConfig,
+    group: dist.ProcessGroup | None,
+    *,
+    num_experts: int,
+    ranks_per_node: int,
+    stats: DispatchStats,
+) -> DispatchBackend:
+    """Build the ``torch`` (``all_to_all_single``) backend from a config."""
+    from flexdispatch.backends.torch.a2a import TorchA2ABackend
+
+    return TorchA2ABackend(
+        group,
+        num_experts=num_experts,
+        ranks_per_node=ranks_per_node,
+        num_worst_tokens=config.num_worst_tokens,
+        hierarchical=config.hierarchical,
+        checks=config.checks or None,
+        stats=stats,
+    )
+
+
+def make_deepep_backend(
+    config: DispatchConfig,
+    group: dist.ProcessGroup | None,
+    *,
+    num_experts: int,
+    ranks_per_node: int,
+    stats: DispatchStats,
+    _deep_ep: ModuleType | None = None,
+) -> DispatchBackend:
+    """Build the ``deepep`` backend from a ``DispatchConfig``.
+
+    Args:
+        config: the ``DispatchConfig``.
+        group: the process group (None = WORLD).
+        num_experts: E.
+        ranks_per_node: L (resolved).
+        stats: counters the backend adds to.
+        _deep_ep: a ``deep_ep`` module to use instead of importing one (test hook, see
+            ``DeepEPBackend``).
+
+    Raises:
+        ValueError: DeepEP cannot serve this group (with the reason).
+    """
+    from flexdispatch.backends.deepep.v1 import DeepEPBackend
+
+    return DeepEPBackend(
+        group,
+        num_experts=num_experts,
+        ranks_per_node=ranks_per_node,
+        num_worst_tokens=config.num_worst_tokens,
+        hierarchical=config.hierarchical,
+        checks=config.checks or None,
+        stats=stats,
+        async_finish=config.deepep_async_finish,
+        num_sms=config.deepep_num_sms,
+        mode=config.mode,
+        num_max_dispatch_tokens_per_rank=config.num_max_dispatch_tokens_per_rank,
+        use_fp8=config.use_fp8,
+        _deep_ep=_deep_ep,
+    )
+
+
+def make_deepep_elastic_backend(
+    config: DispatchConfig,
+    group: dist.ProcessGroup | None,
+    *,
+    num_experts: int,
+    ranks_per_node: int,
+    stats: DispatchStats,
+    _deep_ep: ModuleType | None = None,
+) -> DispatchBackend:
+    """Build the ``deepep`` backend's V2 path (``deep_ep.ElasticBuffer``) from a config.
+
+    Raises:
+        ValueError: DeepEP V2 cannot serve this group (with the reason).
+    """
+    from flexdispatch.backends.deepep.elastic import DeepEPElasticBackend
+
+    return DeepEPElasticBackend(
+        group,
+        num_experts=num_experts,
+        ranks_per_node=ranks_per_node,
+        num_worst_tokens=config.num_worst_tokens,
+        hierarchical=config.hierarchical,
+        checks=config.checks or None,
+        stats=stats,
+        num_sms=config.deepep_num_sms,
+        num_max_tokens_per_rank=config.num_max_dispatch_tokens_per_rank,
+        _deep_ep=_deep_ep,
+    )
+
+
+def make_deepep_ep_backend(
+    config: DispatchConfig,
+    group: dist.ProcessGroup | None,
+    *,
+    num_experts: int,
+    ranks_per_node: int,
+    stats: DispatchStats,
+    _deep_ep: ModuleType | None = None,
+) -> DispatchBackend:
+    """Build the ``deepep`` backend's DeepEP 2.5 path (``deep_ep_v25.EPBuffer``) from a config.
+
+    Raises:
+        ValueError: DeepEP 2.5 cannot serve this group (with the reason).
+    """
+    from flexdispatch.backends.deepep.ep import DeepEPEPBackend
+
+    return DeepEPEPBackend(
+        group,
+        num_experts=num_experts,
+        ranks_per_node=ranks_per_node,
+        num_worst_tokens=config.num_worst_tokens,
+        hierarchical=config.hierarchical,
+        checks=config.checks or None,
+        stats=stats,
+        num_sms=config.deepep_num_sms,
+        num_max_tokens_per_rank=config.num_max_dispatch_tokens_per_rank,
+        hybrid=config.deepep_hybrid,
+        expert_alignment=config.expert_alignment,
+        _deep_ep=_deep_ep,
+    )
+
+
+_EP_NOT_EVERYWHERE = "deep_ep_v25.EPBuffer is usable here but not on every rank"
+
+
+def _ep_support(
+    config: DispatchConfig,
+    group: dist.ProcessGroup | None,
+    *,
+    num_experts: int,
+    ranks_per_node: int,
+    module: ModuleType | None,
+    hooked: bool,
+) -> tuple[bool, str, bool]:
+    """Whether DeepEP 2.5 can serve this group here (``ep_support.ep_rules``), judged as its
+    constructor will: on DeepEP's own NVLink (NCCL LSA) domain, not ``ranks_per_node`` (audit-4
+    P15), and on NCCL's GIN report (``gin.gin_support``, audit-4 P6).
+
+    Collective whenever it is called with ``mode='normal'``: the domain query needs the group's
+    communicator, so it runs only where every rank has DeepEP 2.5 (one small all-reduce first).
+
+    Returns:
+        ``(ok, reason, present)``: ``present`` says DeepEP 2.5 was usable here before its rules
+        (so a refusal is worth naming when ``auto`` picks another API).
+    """
+    from flexdispatch.backends.deepep.ep_support import ep_available, ep_rules, load_deep_ep_v25
+    from flexdispatch.backends.deepep.gin import gin_support
+    from flexdispatch.backends.deepep.support import group_is_nccl_on_cuda, is_emulator
+
+    del ranks_per_node  # NOTE: DeepEP 2.5 reads its NVLink domain from NCCL, not the launcher
+    if config.mode != "normal":
+        return False, "deepep_api='ep': DeepEP 2.5 has no low-latency kernels (use 'legacy')", False
+    why = "no deep_ep_v25 module given (test hook)"
+    if not hooked:
+        module, why = load_deep_ep_v25()
+    ok, why = ep_available(module, why)
+    if ok and module is not None and not is_emulator(module):
+        ok, nccl = group_is_nccl_on_cuda(group)
+        why = why if ok else nccl
+    R = group_size(group)
+    if ok and module is not None:
+        ok, why = _pcie_rule(module, R, why)
+    if R > 1 and not all_reduce_min_flag(ok, group):
+        return False, why if not ok else _EP_NOT_EVERYWHERE, False
+    if not ok or module is None:
+        return False, why, False
+    world = group if group is not None else dist.group.WORLD
+    _, L = (1, R) if R == 1 else module.get_physical_domain_size(world)
+    ok, rule, hybrid = ep_rules(
+        R,
+        L,
+        num_experts,
+        hybrid=config.deepep_hybrid,
+        num_worst_tokens=config.num_worst_tokens,
+        hidden=config.hidden_size,
+    )
+    if not ok:
+        return False, rule, True
+    ok, gin = gin_support(module, world, hybrid=hybrid, generation="v25", num_ranks=R)
+    if not ok:
+        return False, gin, True
+    return True, f"{why}; {rule}; {gin}", True
+
+
+def _pcie_rule(module: ModuleType, R: int, why: str) -> Capability:
+    """DeepEP 2.5's ``EPBuffer`` asserts at most 2 ranks on PCIe GPUs (pairwise NVLink only,
+    deep_ep_v25/utils/envs.py:156-157), at the first dispatch: refused at selection instead."""
+    import torch
+
+    from flexdispatch.backends.deepep.support import is_emulator
+
+    if is_emulator(module):
+        name = getattr(module, "emu_device_name", "")
+    else:
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    if "PCIE" in name and R > 2:
+        return False, (
+            f"DeepEP 2.5 takes at most 2 ranks on PCIe GPUs ({name}: pairwise NVLink only, an "
+            f"assert in EPBuffer): use deepep_api='legacy' / 'elastic' or backend='torch'"
+        )
+    return True, why
+
+
+def _elastic_support(
+    config: DispatchConfig,
+    group: dist.ProcessGroup | None,
+    *,
+    num_experts: int,
+    ranks_per_node: int,
+    deep_ep: ModuleType | None,
+) -> Capability:
+    """Whether the V2 path can serve this group here (local answer): DeepEP's topology rules
+    (worst-case mode allowed across nodes), normal mode, and ``deep_ep.ElasticBuffer``."""
+    from flexdispatch.backends.deepep.elastic import elastic_available
+    from flexdispatch.backends.deepep.gin import gin_support
+
+    if config.mode != "normal":
+        return False, "deepep_api='elastic' runs mode='normal' only (low-latency: use 'legacy')"
+    ok, why = deepep_support(
+        group=group,
+        num_experts=num_experts,
+        ranks_per_node=ranks_per_node,
+        num_worst_tokens=0,
+        mode=config.mode,
+        hidden_size=config.hidden_size,
+        deep_ep=deep_ep,
+    )
+    if not ok:
+        return False, why
+    W, R = config.num_worst_tokens, group_size(group)
+    if W % R:
+        return False, f"num_worst_tokens={W} is not a multiple of R={R} (V2 takes M = W / R)"
+    # NOTE: V2's own workspace limits (layout.cuh:38-40; audit-3 N16), beside V1's rules above
+    if num_experts > 2048 or R > 1024 or num_experts // R > 256:
+        return False, (
+            f"DeepEP V2 takes E <= 2048 experts, R <= 1024 ranks and at most 256 local experts, "
+            f"got E={num_experts}, R={R}, e={num_experts // R}: use deepep_api='legacy'"
+        )
+    module = deep_ep if deep_ep is not None else load_deep_ep()[0]
+    has, reason = elastic_available(module)
+    if not has:
+        return False, reason
+    # NOTE: V2's buffer asserts NCCL GIN (direct mode: ginType) unless EP_DISABLE_GIN (audit-4 P6)
+    world = group if group is not None else dist.group.WORLD
+    ok, gin = gin_support(module, world, hybrid=False, generation="v2", num_ranks=R)
+    if not ok:
+        return False, gin
+    return True, f"{why}; {reason}; {gin}"
+
+
+BACKENDS: dict[str, BackendFactory] = {"torch": make_torch_backend, "deepep": make_deepep_backend}
+"""Registered backend factories by name."""
+
+
+def deepep_available() -> Capability:
+    """Whether ``deep_ep`` imports here, as ``(ok, reason)``; never raises."""
+    module, why = load_deep_ep()
+    return module is not None, why
+
+
+def select_backend(
+    config: DispatchConfig,
+    group: dist.ProcessGroup | None,
+    *,
+    num_experts: int,
+    ranks_per_node: int,
+    stats: DispatchStats,
+    deep_ep: ModuleType | None = None,
+) -> tuple[DispatchBackend, str]:
+    """Pick and build the backend named by ``config.backend`` (and the DeepEP API).
+
+    Args:
+        config: the dispatch config (``backend`` is ``"auto"``, ``"torch"`` or ``"deepep"``;
+            ``deepep_api`` is ``"auto"``, ``"legacy"`` or ``"elastic"``).
+        group: the process group (None = WORLD, or a world of one).
+        num_experts: E.
+        ranks_per_node: L (already resolved).
+        stats: counters the backend adds to.
+        deep_ep: a ``deep_ep`` module to use instead of importing one (private test hook: the
+            emulator in ``tests/deepep_emu``).
+
+    Returns:
+        ``(backend, reason)``; the reason says why this backend (and DeepEP API) was chosen.
+
+    Raises:
+        ValueError: ``backend="deepep"`` cannot be honoured (the message says why).
+    """
+    kwargs = {"num_experts": num_experts, "ranks_per_node": ranks_per_node, "stats": stats}
+    if config.backend == "torch":
+        return make_torch_backend(config, group, **kwargs), "backend='torch' requested"
+    from flexdispatch.backends.deepep.ep_support import split_hook
+
+    deep_ep, v25, hooked = split_hook(deep_ep)
+    ep3 = (False, "deepep_api excludes DeepEP 2.5", False)
+    if config.deepep_api in ("ep", "auto"):
+        ep3 = _ep_support(
+            config,
+            group,
+            num_experts=num_experts,
+            ranks_per_node=ranks_per_node,
+            module=v25,
+            hooked=hooked,
+        )
+    ep = ep3[:2]
+    if config.deepep_api == "ep":
+        note = "DeepEP API: ep deep_ep_v25.EPBuffer (deepep_api='ep' requested)"
+        return _build(config, group, "ep", ep, note, kwargs, v25)
+    if hooked and deep_ep is None:
+        legacy = (False, "no deep_ep module given (test hook)")
+    else:
+        legacy = deepep_support(
+            group=group,
+            num_experts=num_experts,
+            ranks_per_node=ranks_per_node,
+            num_worst_tokens=config.num_worst_tokens,
+            mode=config.mode,
+            hidden_size=config.hidden_size,
+            num_max_dispatch_tokens_per_rank=config.num_max_dispatch_tokens_per_rank,
+            deep_ep=deep_ep,
+        )
+    if config.deepep_api == "legacy":
+        note = "DeepEP API: legacy deep_ep.Buffer (deepep_api='legacy')"
+        return _build(config, group, "legacy", legacy, note, kwargs, deep_ep)
+    if hooked and deep_ep is None:
+        elastic = (False, "no deep_ep module given (test hook)")
+    else:
+        elastic = _elastic_support(
+            config, group, num_experts=num_experts, ranks_per_node=ranks_per_node, deep_ep=deep_ep
+        )
+    if config.deepep_api == "elastic":
+        note = "DeepEP API: elastic deep_ep.ElasticBuffer (deepep_api='elastic' requested)"
+        return _build(config, group, "elastic", elastic, note, kwargs, deep_ep)
+    across = group_size(group) > ranks_per_node
+    api, why = auto_deepep_api(config, elastic, legacy, ep, across_nodes=across)
+    if ep[1] == _EP_NOT_EVERYWHERE:
+        why = f"DeepEP 2.5 is not the choice of every rank; {why}"
+    alt, alt_why = (
+        auto_deepep_api(config, elastic, legacy, across_nodes=across) if api == "ep" else (api, why)
+    )
+    # NOTE: every rank must run the same API: V2.5 / V2 only where every rank would pick it
+    # (the choice without V2.5 is agreed in the same all-reduce).
+    want_ep, ok_ep, want, ok_v2, ok_v1 = all_reduce_min_flags(
+        [api == "ep", ep[0], alt == "elastic", elastic[0], legacy[0]], group
+    )
+    if api == "ep" and not want_ep:
+        api, why = alt, f"DeepEP 2.5 is not the choice of every rank; {alt_why}"
+    if api == "elastic" and not want:
+        api, why = "legacy", "V2 is not the choice of every rank"
+    name = {
+        "ep": "ep deep_ep_v25.EPBuffer",
+        "elastic": "elastic deep_ep.ElasticBuffer",
+        "legacy": "legacy deep_ep.Buffer",
+    }[api]
+    note = f"DeepEP API: {name} (deepep_api='auto': {why})"
+    support = {"ep": ep, "elastic": elastic, "legacy": legacy}[api]
+    if api != "ep" and ep3[2] and not ep[0]:  # NOTE: DeepEP 2.5 is here but refused: say why
+        support = (support[0], f"{support[1]}; DeepEP 2.5 not used: {ep[1]}")
+    everywhere = {"ep": ok_ep, "elastic": ok_v2, "legacy": ok_v1}[api]
+    module = v25 if api == "ep" else deep_ep
+    return _build(config, group, api, support, note, kwargs, module, everywhere=everywhere)
+
+
+def _build(
+    config: DispatchConfig,
+    group: dist.ProcessGroup | None,
+    api: str,
+    support: Capability,
+    note: str,
+    kwargs: dict,
+    deep_ep: ModuleType | None,
+    *,
+    everywhere: bool | None = None,
+) -> tuple[DispatchBackend, str]:
+    """Build the deepep backend of ``api`` (or, with ``backend='auto'``, torch when it cannot
+    serve every rank; with ``backend='deepep'``, raise on every rank when one cannot build it).
+    ``everywhere``: the support already agreed across ranks (None: agree here with one small
+    all-reduce)."""
+    ok, why = support
+    make = {
+        "ep": make_deepep_ep_backend,
+        "elastic": make_deepep_elastic_backend,
+        "legacy": make_deepep_backend,
+    }[api]
+    what = "deepep backend" + (f" with deepep_api={api!r}" if api != "legacy" else "")
+    if config.backend == "deepep":
+        if everywhere is None:  # NOTE: a rank that cannot build it makes every rank raise
+            everywhere = all_reduce_min_flag(ok, group)
+        if not ok:
+            alt = {"ep": "deepep_api='elastic' / 'legacy', ", "elastic": "deepep_api='legacy', "}
+            alt = alt.get(api, "")
+            raise ValueError(f"{what} not available: {why}; use {alt}backend='torch' or 'auto'")
+        if everywhere is False:
+            raise ValueError(
+                f"{what} is usable here ({why}) but not on every rank; use backend='auto'"
+            )
+        return make(config, group, **kwargs, _deep_ep=deep_ep), (
+            f"backend='deepep' requested ({why}); {note}"
+        )
+    if everywhere is None:
+        everywhere = all_reduce_min_flag(ok, group)
+    if everywhere:
+        return make(config, group, **kwargs, _deep_ep=deep_ep), (
+            f"auto: deepep on every rank ({why}); {note}"
+        )
+    if ok:
+        module = {"ep": "deep_ep_v25.EPBuffer", "elastic": "deep_ep.ElasticBuffer"}.get(
+            api, "deep_ep"
+        )
+        why = f"{module} is usable here but not on every rank"
+    prefix = f"deepep_api={config.deepep_api!r}: " if config.deepep_api != "auto" else ""
+    if config.deepep_api == "legacy":
+        prefix = ""
+    return make_torch_backend(config, group, **kwargs), f"auto: torch fallback ({prefix}{why})"
+
+
+def auto_deepep_api(
+    config: DispatchConfig,
+    elastic: Capability,
+    legacy: Capability,
+    ep: Capability | None = None,
+    *,
+    across_nodes: bool = False,
+) -> tuple[str, str]:
+    """``deepep_api='auto'``: which DeepEP API suits this config here (local answer), and why.
+
+    Across nodes (``across_nodes``) the node-deduplicated kernels come first: DeepEP 2.5 (hybrid
+    mode unless ``deepep_hybrid=False``), else V1's internode kernels for a dropless dispatch,
+    not V2's direct mode (one RDMA put per destination *rank*, audit N12) — unless
+    ``deepep_hybrid=False`` asks for direct mode.
+
+    DeepEP 2.5 (``ep``: ``deep_ep_v25.EPBuffer``) first, where it exists and its static bound is
+    known (as V2's below) or V1 cannot run here. V2 (``ElasticBuffer``) runs where it exists and
+    its static bound is known: worst-case mode (``M = W / R``, static shapes without a host sync,
+    intranode and across nodes) or a dropless dispatch with ``num_max_dispatch_tokens_per_rank``
+    set. V1 keeps low-latency mode, ``deepep_async_finish`` and dropless dispatch with no
+    per-rank token bound (V1 takes any T).
+    """
+    if config.mode != "normal":
+        return "legacy", "low-latency kernels are DeepEP V1's"
+    if config.deepep_async_finish:
+        return "legacy", "deepep_async_finish runs on V1's communication stream"
+    bound = "num_max_dispatch_tokens_per_rank" in config.model_fields_set
+    if ep is not None and ep[0]:
+        if config.num_worst_tokens:
+            return "ep", "worst-case mode: DeepEP 2.5 static shapes, no host sync"
+        if bound:
+            M = config.num_max_dispatch_tokens_per_rank
+            return "ep", f"DeepEP 2.5, dropless with num_max_dispatch_tokens_per_rank={M} set"
+        if not legacy[0]:
+            M = config.num_max_dispatch_tokens_per_rank
+            return "ep", (
+                f"DeepEP 2.5, dropless with num_max_dispatch_tokens_per_rank={M} tokens per rank "
+                f"at first, grown to the largest T the ranks dispatch (V1 cannot run: "
+                f"{legacy[1]})"
+            )
+    ok, why = elastic
+    if not ok:
+        return "legacy", f"V2 cannot run: {why}"
+    if (
+        across_nodes
+        and not config.num_worst_tokens
+        and legacy[0]
+        and config.deepep_hybrid is not False
+    ):
+        return "legacy", (
+            "across nodes: V1's internode kernels send a token once per destination node and "
+            "forward it over NVLink (V2 here would be direct mode, one RDMA put per destination "
+            "rank; deepep_hybrid=False or deepep_api='elastic' asks for that)"
+        )
+    if config.num_worst_tokens:
+        if not legacy[0]:
+            return "elastic", "worst-case mode: V2 static shapes (V1 cannot: " + legacy[1] + ")"
+        direct = " (direct mode across nodes: V1 has no internode worst-case mode)"
+        return "elastic", "worst-case mode: V2 static shapes with M = W / R, no host sync" + (
+            direct if across_nodes else ""
+        )
+    if "num_max_dispatch_tokens_per_rank" in config.model_fields_set:
+        M = config.num_max_dispatch_tokens_per_rank
+        return "elastic", f"dropless with num_max_dispatch_tokens_per_rank={M} set"
+    return "legacy", (
+        "dropless with no per-rank token bound: V1 takes any T (set "
+        "num_max_dispatch_tokens_per_rank, or deepep_api='elastic' / 'ep' for V2 / V2.5)"
+    )
