@@ -4,9 +4,10 @@
     python examples/hf_moe.py                        # spawns 2 local gloo ranks
     torchrun --nproc-per-node 2 examples/hf_moe.py   # or under torchrun
 
-The switch is one call, marked ``# SWITCH``: ``flexdispatch.hf.expert_parallel(model)`` replaces
-every supported sparse MoE block in place; each rank keeps its slice of the experts. A real model
-loads its checkpoint with ``from_pretrained`` instead of the random weights here
+The switch is one call, marked ``# SWITCH``:
+``flexdispatch.integrations.hf.expert_parallel(model)`` replaces every supported sparse MoE block
+in place; each rank keeps its slice of the experts. A real model loads its checkpoint with
+``from_pretrained`` instead of the random weights here
 (``scripts/launch/serve_hf_expert_parallel.sh`` serves one).
 """
 
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from flexdispatch import DispatchConfig
-from flexdispatch.hf import expert_parallel
+from flexdispatch.integrations.hf import expert_parallel
 
 
 def run_rank() -> dict[str, Any]:

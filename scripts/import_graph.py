@@ -47,7 +47,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "bench",
             "launch",
             "cli",
-            "hf",
             "integrations",
             "__init__",
             "__main__",

@@ -8,11 +8,11 @@
 to the checkout).
 
 Every rank loads the checkpoint from the local directory (``from_pretrained(path)``, float32:
-flexdispatch routes in fp32), calls ``flexdispatch.hf.expert_parallel`` so that it keeps only its
-slice of each MoE layer's experts (router, attention, embeddings and shared experts stay whole),
-and runs greedy ``generate()`` on the same prompt; the tokens move between the ranks through
-``FlexDispatcher`` (gloo on CPUs, NCCL on GPUs: one rank per GPU, more ranks per node than GPUs
-is refused, ``FLEXDISPATCH_DEVICE=cpu`` runs gloo on the CPU). Rank 0 prints which experts it
+flexdispatch routes in fp32), calls ``flexdispatch.integrations.hf.expert_parallel`` so that it
+keeps only its slice of each MoE layer's experts (router, attention, embeddings and shared experts
+stay whole), and runs greedy ``generate()`` on the same prompt; the tokens move between the ranks
+through ``FlexDispatcher`` (gloo on CPUs, NCCL on GPUs: one rank per GPU, more ranks per node than
+GPUs is refused, ``FLEXDISPATCH_DEVICE=cpu`` runs gloo on the CPU). Rank 0 prints which experts it
 holds, the generated token ids, the text when the directory holds a tokenizer, and the
 dispatcher's host syncs. ``--check`` also runs the unsharded model on rank 0 and exits 1 unless
 it generates the same tokens.
@@ -23,9 +23,9 @@ The prompt is tokenised with the directory's tokenizer (``--prompt``), or given 
 is a collective. ``--worst-case`` uses the static-shape dispatch (no host sync per step;
 ``num_worst_tokens`` = world size × prompt length, the prefill being the largest step).
 
-Supported families are those of ``flexdispatch.hf.SUPPORTED_BLOCKS`` (Mixtral, Qwen2-MoE,
-Qwen3-MoE, DeepSeek-V3, gpt-oss). Each rank holds the whole checkpoint while it loads, then
-only its experts.
+Supported families are those of ``flexdispatch.integrations.hf.SUPPORTED_BLOCKS`` (Mixtral,
+Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, gpt-oss). Each rank holds the whole checkpoint while it loads,
+then only its experts.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from flexdispatch.config import DispatchConfig
-    from flexdispatch.hf import EPSparseMoeBlock, expert_parallel
+    from flexdispatch.integrations.hf import EPSparseMoeBlock, expert_parallel
     from flexdispatch.launch.devices import plan_devices
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))

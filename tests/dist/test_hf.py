@@ -1,7 +1,7 @@
-"""flexdispatch.hf.expert_parallel on tiny random-weight transformers models (no downloads):
-the sharded model on 2 and 4 gloo ranks gives the unsharded model's logits, and the gradients of the
-parameters each rank keeps equal the unsharded model's (replicated ones: the sum over ranks, as a
-data-parallel all-reduce would give; expert slices: this rank's experts).
+"""flexdispatch.integrations.hf.expert_parallel on tiny random-weight transformers models (no
+downloads): the sharded model on 2 and 4 gloo ranks gives the unsharded model's logits, and the
+gradients of the parameters each rank keeps equal the unsharded model's (replicated ones: the sum
+over ranks, as a data-parallel all-reduce would give; expert slices: this rank's experts).
 
 Rank r runs batch r; the reference runs every batch through the unsharded model, loss summed.
 """
@@ -117,7 +117,7 @@ def _worker(family: str, norm: bool) -> dict:
     import torch.distributed as dist
 
     from flexdispatch.config import DispatchConfig
-    from flexdispatch.hf import EPSparseMoeBlock, expert_parallel
+    from flexdispatch.integrations.hf import EPSparseMoeBlock, expert_parallel
 
     R, rank = dist.get_world_size(), dist.get_rank()
     model = _model(family, norm)
@@ -238,7 +238,7 @@ def _generate_worker(family: str, new_tokens: int) -> dict:
     import torch.distributed as dist
 
     from flexdispatch.config import DispatchConfig
-    from flexdispatch.hf import expert_parallel
+    from flexdispatch.integrations.hf import expert_parallel
 
     R, rank = dist.get_world_size(), dist.get_rank()
     model = _model(family).eval()
@@ -259,7 +259,7 @@ def _generate_worker(family: str, new_tokens: int) -> dict:
 
 
 def _host_syncs(model) -> int:
-    from flexdispatch.hf import EPSparseMoeBlock
+    from flexdispatch.integrations.hf import EPSparseMoeBlock
 
     return sum(
         m.layer.dispatcher.stats.host_syncs

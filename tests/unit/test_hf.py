@@ -1,5 +1,5 @@
-"""flexdispatch.hf in one process (a world of one): what it refuses, and that a replaced model
-still computes the original logits."""
+"""flexdispatch.integrations.hf in one process (a world of one): what it refuses, and that a
+replaced model still computes the original logits."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from flexdispatch.config import DispatchConfig
-from flexdispatch.hf import EPSparseMoeBlock, expert_parallel
+from flexdispatch.integrations.hf import EPSparseMoeBlock, expert_parallel
 
 
 def _mixtral(**kw):
@@ -89,7 +89,7 @@ def test_supported_transformers_range_is_declared_once_and_holds_the_installed_r
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
 
-    from flexdispatch.hf import TRANSFORMERS_SUPPORTED
+    from flexdispatch.integrations.hf import TRANSFORMERS_SUPPORTED
 
     tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python 3.11+")
     root = Path(__file__).resolve().parents[2]
