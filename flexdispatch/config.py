@@ -20,9 +20,9 @@ from pydantic import (
     model_validator,
 )
 
-from flexdispatch import deepep_limits
 from flexdispatch._checks.files import read_config_file, validation_message
 from flexdispatch._checks.values import not_bool
+from flexdispatch.backends.deepep import limits as deepep_limits
 
 __all__ = [
     "RouterConfig",

@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "_checks",
             "_memory",
             "types",
-            "deepep_limits",
+            "backends.deepep.limits",
             "config",
             "traffic",
         ),

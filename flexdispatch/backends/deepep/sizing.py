@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from flexdispatch.backends.base import Capability
-from flexdispatch.deepep_limits import (
+from flexdispatch.backends.deepep.limits import (
     INTERNODE_NODE_COUNTS,
     INTRANODE_RANK_COUNTS,
     LOW_LATENCY_HIDDEN_SIZES,
