@@ -13,7 +13,7 @@ drops), bf16 rows. Variants, timed interleaved (one repetition of each per round
 - ``exact+probs``: ``permute(..., topk_probs=p)`` then ``unpermute(..., probs=perm.probs)``.
 - ``exact+probs out=``: the same with ``permute(..., out=buf)`` into a preallocated ``buf``.
 
-On CPU ``permute`` lends its output from the process's output pool (``flexdispatch._memory``):
+On CPU ``permute`` lends its output from the process's output pool (``flexdispatch._pool``):
 each repetition drops the previous one's result, so its memory is reused (no page faults), as in
 a training loop that drops a step's activations before the next one.
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from flexdispatch import _memory
+from flexdispatch import _pool
 from flexdispatch._checks import fits
 from flexdispatch._checks.tensors import check_ids_in_range, check_tensor, checks_enabled
 from flexdispatch.kernels import resolve_impl
@@ -83,7 +83,7 @@ def _token_bags(
     # NOTE: ``-1 mod (T + 1) == T``: padding rows sort last, behind every real token.
     key = row_token if dense else row_token.remainder(num_tokens + 1)
     sorted_key, rows = torch.sort(key, stable=True)
-    offsets = torch.searchsorted(sorted_key, _memory.arange(num_tokens + 1, row_token.device))
+    offsets = torch.searchsorted(sorted_key, _pool.arange(num_tokens + 1, row_token.device))
     if not dense:
         rows.masked_fill_(sorted_key == num_tokens, 0)
     return rows, offsets
@@ -318,7 +318,7 @@ def permute(
         checks: run the host-syncing id-range check (default: ``FLEXDISPATCH_CHECKS``).
         out: an ``[N, H]`` contiguous buffer of ``x``'s dtype and device to write the rows into
             (``perm.x`` is then ``out``), e.g. one kept across steps; must not require grad. None:
-            a new tensor, on CPU from the process's output pool (``flexdispatch._memory``), which
+            a new tensor, on CPU from the process's output pool (``flexdispatch._pool``), which
             lends the memory of an earlier output again once nothing refers to it, sparing the
             page faults of a fresh allocation.
         impl: ``"auto"`` (Triton kernels on CUDA tensors when ``triton`` imports, else torch),
@@ -397,7 +397,7 @@ def permute(
     key_P = topk_idx.reshape(-1).clamp(-1, num_experts).remainder_(num_experts + 1)
     sorted_key_P, order_P = torch.sort(key_P, stable=True)
     # segment starts; [E] = valid pairs
-    bounds_E1 = torch.searchsorted(sorted_key_P, _memory.arange(num_experts + 1, device))
+    bounds_E1 = torch.searchsorted(sorted_key_P, _pool.arange(num_experts + 1, device))
     counts_E = bounds_E1.diff()
 
     if align == 1:
@@ -511,7 +511,7 @@ def _permute_triton(
     # NOTE: the same stable expert sort as the torch path (invalid pairs last under key E).
     key_P = topk_idx.reshape(-1).clamp(-1, num_experts).remainder_(num_experts + 1)
     sorted_key_P, order_P = torch.sort(key_P, stable=True)
-    bounds_E1 = torch.searchsorted(sorted_key_P, _memory.arange(num_experts + 1, device))
+    bounds_E1 = torch.searchsorted(sorted_key_P, _pool.arange(num_experts + 1, device))
     counts_E = bounds_E1.diff()
     if align == 1:
         padded_E, pad_end_E, total = counts_E, None, bounds_E1[-1]
@@ -556,7 +556,7 @@ def _rows_out(out: torch.Tensor | None, x: torch.Tensor, num_rows: int) -> torch
     """The ``[N, H]`` buffer ``permute`` writes: ``out`` (checked) or a new one (CPU: pooled)."""
     shape = (num_rows, x.shape[1])
     if out is None:
-        return _memory.output_empty(shape, x.dtype, x.device)
+        return _pool.output_empty(shape, x.dtype, x.device)
     if tuple(out.shape) != shape or out.dtype != x.dtype or out.device != x.device:
         raise ValueError(
             f"out must be a {list(shape)} {str(x.dtype).replace('torch.', '')} tensor on "

@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "types and configs",
         (
             "_checks",
-            "_memory",
+            "_pool",
             "types",
             "backends.deepep.limits",
             "config",

@@ -15,16 +15,6 @@ W worst-case rows.
 
 from __future__ import annotations
 
-from flexdispatch.planner.accounting import (
-    LinkRows,
-    RowFormat,
-    SourceRows,
-    count_rows_batched,
-    count_source_rows,
-    deepep_row_format,
-    link_rows,
-    torch_row_format,
-)
 from flexdispatch.planner.deepep import (
     DeepEPConfig,
     DeepEPElasticHints,
@@ -56,6 +46,16 @@ from flexdispatch.planner.results import (
     Stat,
     VariantPlan,
     WorstCase,
+)
+from flexdispatch.traffic import (
+    LinkRows,
+    RowFormat,
+    SourceRows,
+    count_rows_batched,
+    count_source_rows,
+    deepep_row_format,
+    link_rows,
+    torch_row_format,
 )
 
 __all__ = [

@@ -42,14 +42,6 @@ from dataclasses import dataclass
 import torch
 
 from flexdispatch.config import MoEConfig, RouterConfig
-from flexdispatch.planner.accounting import (
-    LinkRows,
-    RowFormat,
-    count_rows_batched,
-    deepep_row_format,
-    link_rows,
-    torch_row_format,
-)
 from flexdispatch.planner.deepep import (
     DEEPEP_DEFAULT_NUM_SMS,
     deepep_elastic_hints,
@@ -63,6 +55,14 @@ from flexdispatch.planner.results import (
     WorstCase,
 )
 from flexdispatch.routing import hash_routing, topk_routing
+from flexdispatch.traffic import (
+    LinkRows,
+    RowFormat,
+    count_rows_batched,
+    deepep_row_format,
+    link_rows,
+    torch_row_format,
+)
 
 __all__ = [
     "plan_cluster",

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from flexdispatch.planner.accounting import LinkRows, RowFormat
 from flexdispatch.planner.deepep import DeepEPElasticHints, DeepEPHints, ElasticBufferSize
+from flexdispatch.traffic import LinkRows, RowFormat
 
 __all__ = ["Stat", "DirectionTraffic", "ModeTraffic", "WorstCase", "VariantPlan", "ClusterPlan"]
 

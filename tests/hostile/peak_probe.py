@@ -15,7 +15,7 @@ A case is a dict: ``kind`` (``dispatch`` or ``layer``), ``T``, ``H``, ``k``, ``E
 or absent: flat); a layer case also has ``F``.
 
 The warm-ups below load kernels and lazy state through a dispatcher or layer of their own; the
-tables a first dispatch builds and keeps (``flexdispatch._memory.cached``: the expert id tables)
+tables a first dispatch builds and keeps (``flexdispatch._pool.cached``: the expert id tables)
 are dropped after them, so the measured call builds its own, as a first dispatch does.
 """
 
@@ -55,8 +55,8 @@ def _ids(T: int, k: int, E: int, seed: int) -> torch.Tensor:
 
 def _run(case: dict[str, Any], rank: int) -> int:
     import flexdispatch as fd
-    from flexdispatch import _memory
-    from flexdispatch._memory import OUTPUT_POOL
+    from flexdispatch import _pool
+    from flexdispatch._pool import OUTPUT_POOL
 
     T, H, k, E, W = case["T"], case["H"], case["k"], case["E"], case["W"]
     if case["kind"] == "bench":
@@ -81,7 +81,7 @@ def _run(case: dict[str, Any], rank: int) -> int:
             if grad:
                 out.float().sum().backward()
         del warm, out
-        _memory._CACHED.clear()
+        _pool._CACHED.clear()
         layer = fd.MoELayer(cfg, dtype=dtype)
 
         def call() -> None:
@@ -100,7 +100,7 @@ def _run(case: dict[str, Any], rank: int) -> int:
         res = warm.dispatch(x[:4], idx[:4], probs[:4])
         warm.combine(res.recv_x, res.handle)
         del res, warm
-        _memory._CACHED.clear()
+        _pool._CACHED.clear()
         d = fd.FlexDispatcher(
             fd.DispatchConfig(backend="torch", num_worst_tokens=W, **hier), num_experts=E
         )
@@ -124,7 +124,7 @@ def _bench(case: dict[str, Any]) -> int:
     """``flexdispatch bench``'s rank body on this process's group (every stage, one rep)."""
     import torch.distributed as dist
 
-    from flexdispatch._memory import OUTPUT_POOL
+    from flexdispatch._pool import OUTPUT_POOL
     from flexdispatch.bench import BenchSpec, bench_rank
 
     spec = BenchSpec(

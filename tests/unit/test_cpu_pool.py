@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flexdispatch import DispatchConfig, FlexDispatcher
-from flexdispatch.backends.cpu_pool import CpuOutputPool
+from flexdispatch._pool import CpuOutputPool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -175,7 +175,7 @@ def test_dispatcher_outputs_survive_later_calls(W: int) -> None:
 
 
 def _child_uses_pool(q) -> None:
-    from flexdispatch.backends.cpu_pool import OUTPUT_POOL
+    from flexdispatch._pool import OUTPUT_POOL
 
     t = OUTPUT_POOL.empty(SHAPE, torch.float32).fill_(2.0)
     q.put((len(OUTPUT_POOL._entries), float(t.sum())))
@@ -184,7 +184,7 @@ def _child_uses_pool(q) -> None:
 def test_a_forked_child_starts_with_an_empty_pool_and_a_free_lock() -> None:
     import multiprocessing as mp
 
-    from flexdispatch.backends.cpu_pool import OUTPUT_POOL
+    from flexdispatch._pool import OUTPUT_POOL
 
     if not OUTPUT_POOL.enabled:
         pytest.skip("this PyTorch has no storage use counter: the pool is off")

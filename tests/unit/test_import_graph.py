@@ -38,7 +38,7 @@ def test_no_arrow_points_up_a_layer(ig):
     "low, high",
     [
         ("config", "backends.deepep.sizing"),
-        ("backends.deepep.v1", "planner.accounting"),
+        ("backends.deepep.v1", "planner"),
         ("backends.deepep.ll", "dispatch.decode"),
         ("backends.deepep.ll", "dispatch.dispatcher"),
     ],

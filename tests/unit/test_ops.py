@@ -25,7 +25,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from flexdispatch import DispatchConfig, FlexDispatcher, _memory
+from flexdispatch import DispatchConfig, FlexDispatcher, _pool
 from flexdispatch.config import load_config
 from flexdispatch.dispatch import ops
 from flexdispatch.moe import MoELayer
@@ -293,7 +293,7 @@ def test_compile_fullgraph_worst_case_layer_equals_eager() -> None:
     layer.load_state_dict(state)  # the expert-bias statistics the eager step moved
     counter = CompileCounterWithBackend("aot_eager")
     syncs = layer.dispatcher.stats.host_syncs
-    for cache in (_memory._ARANGES, _memory._SCALARS, _memory._CACHED):
+    for cache in (_pool._ARANGES, _pool._SCALARS, _pool._CACHED):
         cache.clear()  # as in a process that compiles before any eager step
     compiled_fn = torch.compile(fn, fullgraph=True, backend=counter)
     compiled = _train_step(layer, compiled_fn, x0)

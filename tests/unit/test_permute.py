@@ -560,7 +560,7 @@ def test_out_buffer_is_checked():
 
 
 def test_cpu_rows_come_from_the_output_pool_and_are_never_overwritten_while_held():
-    from flexdispatch._memory import MIN_BYTES, OUTPUT_POOL
+    from flexdispatch._pool import MIN_BYTES, OUTPUT_POOL
 
     if not OUTPUT_POOL.enabled:
         pytest.skip("this torch has no storage use count: nothing is pooled")
@@ -583,15 +583,15 @@ def test_cpu_rows_come_from_the_output_pool_and_are_never_overwritten_while_held
 
 
 def test_arange_cache_grows_and_is_not_written():
-    from flexdispatch import _memory
+    from flexdispatch import _pool
 
-    a = _memory.arange(5, torch.device("cpu"))
+    a = _pool.arange(5, torch.device("cpu"))
     assert torch.equal(a, torch.arange(5))
-    b = _memory.arange(1000, torch.device("cpu"))
+    b = _pool.arange(1000, torch.device("cpu"))
     assert torch.equal(b, torch.arange(1000))
-    assert torch.equal(_memory.arange(3, torch.device("cpu")), torch.arange(3))
+    assert torch.equal(_pool.arange(3, torch.device("cpu")), torch.arange(3))
     with torch.inference_mode():
-        c = _memory.arange(5000, torch.device("cpu"))
+        c = _pool.arange(5000, torch.device("cpu"))
     assert not c.is_inference() and torch.equal(c, torch.arange(5000))
 
 

@@ -44,7 +44,7 @@ metadata carries global expert ids and each receiver keeps its own (one offset, 
 
 On CPU, buffers that never leave a call (send buffers, padded receive buffers, returning rows)
 are kept per backend and reused (``buffers.RowBuffers.scratch``): fresh buffers over 32 MiB are
-page-faulted on every call. Tensors handed to the caller come from ``cpu_pool.OUTPUT_POOL``,
+page-faulted on every call. Tensors handed to the caller come from ``_pool.OUTPUT_POOL``,
 which lends an earlier output's memory again only once nothing refers to it any more.
 
 The code is split by concern: this module holds the backend class (counts, hops, combine,
@@ -66,7 +66,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from flexdispatch import _memory
+from flexdispatch import _pool
 from flexdispatch._checks import tensors
 from flexdispatch._checks.tensors import checks_enabled, cuda_code_path, is_capturing
 from flexdispatch.backends.base import Capability, DispatchBackend
@@ -508,7 +508,7 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
     def rank_lut(self, device: torch.device) -> torch.Tensor:
         """``torch_rows.rank_lut`` of this group, built once per device (read-only)."""
         e, E = self.num_local_experts, self.num_experts
-        return _memory.cached(("rank_lut", e, E), device, lambda: rank_lut(e, E, device))
+        return _pool.cached(("rank_lut", e, E), device, lambda: rank_lut(e, E, device))
 
     def local_lut(self, device: torch.device) -> torch.Tensor:
         """``torch_rows.local_lut`` of this rank's experts, built once per device (read-only)."""
@@ -581,7 +581,7 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
         if deferred or not (inband or self.worst_case):
             pairs_R2 = _bin_counts(rank_TK.view(-1), R + 2)
         self.bad_ids = pairs_R2[R] if deferred else None
-        zeros_R = None if pairs_R2 is not None else _memory.scalar(0, torch.int64, dev).expand(R)
+        zeros_R = None if pairs_R2 is not None else _pool.scalar(0, torch.int64, dev).expand(R)
         pairs_R = pairs_R2[:R] if pairs_R2 is not None else zeros_R
         if inband:
             pass

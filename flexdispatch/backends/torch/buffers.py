@@ -3,7 +3,7 @@
 
 On CPU, fresh buffers of more than 32 MiB are ``mmap``-ed by the C allocator and page-faulted on
 every call, which costs about as much as gloo's transfer of the rows: both kinds are reused
-(``scratch`` per key, ``output`` through ``cpu_pool.OUTPUT_POOL`` once nothing refers to an earlier
+(``scratch`` per key, ``output`` through ``_pool.OUTPUT_POOL`` once nothing refers to an earlier
 output any more). On other devices the caching allocator already reuses memory: ``torch.empty``.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from flexdispatch._checks.tensors import cuda_code_path
-from flexdispatch.backends.cpu_pool import OUTPUT_POOL
+from flexdispatch._pool import OUTPUT_POOL
 
 __all__ = ["RowBuffers"]
 
@@ -66,7 +66,7 @@ class RowBuffers:
     ) -> torch.Tensor:
         """An uninitialised tensor handed to the caller (dispatch rows, combine sums).
 
-        On CPU it comes from ``cpu_pool.OUTPUT_POOL``, which lends the memory of an earlier
+        On CPU it comes from ``_pool.OUTPUT_POOL``, which lends the memory of an earlier
         output again once the caller has dropped every reference to it (no page faults); on other
         devices it is ``torch.empty`` (the caching allocator already reuses memory).
         """

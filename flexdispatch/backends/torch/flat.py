@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from flexdispatch import _memory
+from flexdispatch import _pool
 from flexdispatch._checks.tensors import checks_enabled, cuda_code_path
 from flexdispatch.backends.torch.hops import (
     A2AHost,
@@ -281,7 +281,7 @@ def _dispatch_inband(
     device = x.device
     rb = H * x.element_size()
     # this rank's worst send, as count * R + destination (ties: the highest destination)
-    need = torch.add(_memory.arange(R, device), mask_TR.sum(0), alpha=R).max()
+    need = torch.add(_pool.arange(R, device), mask_TR.sum(0), alpha=R).max()
     hop = Hop(
         send_index=send_index,
         send_valid=None,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from flexdispatch import _memory
+from flexdispatch import _pool
 from flexdispatch.backends.torch.hops import A2AHost, Hop, PendingCounts, finish
 from flexdispatch.backends.torch.rows import (
     gather_rows,
@@ -107,7 +107,7 @@ def _dropless_maps(C: list[list[int]], device: torch.device) -> tuple[torch.Tens
     buffer row is returned)."""
     N, L = len(C), len(C[0])
     B = sum(map(sum, C))
-    ar = _memory.arange(B, device)
+    ar = _pool.arange(B, device)
     buf_start = [[0] * L for _ in range(N)]
     out_start = [[0] * L for _ in range(N)]
     pos = 0
@@ -142,22 +142,22 @@ def _worst_maps(C_NL: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tenso
     width = cap + 1
     size = N * L * width
     i64 = torch.int64
-    zero_1L = _memory.cached(
+    zero_1L = _pool.cached(
         ("zeros_1L", L), device, lambda: torch.zeros(1, L, dtype=i64, device=device)
     )
     # NOTE: clamped only matters after an overflow (recorded, rows dropped, never OOB).
     ends = torch.cat([zero_1L, C_NL]).cumsum(0).clamp_(max=cap)  # [N + 1, L]
     starts = ends[:-1]
     sizes = ends[1:] - starts
-    col = _memory.cached(("hier_cols", width), device, lambda: torch.arange(width, device=device))
+    col = _pool.cached(("hier_cols", width), device, lambda: torch.arange(width, device=device))
     real = col < sizes.view(N * L, 1)
     # buffer row of grid slot (n, l, c): l * cap + start[n, l] + c
-    slab_col = _memory.cached(
+    slab_col = _pool.cached(
         ("hier_slab_col", L, cap),
         device,
         lambda: (torch.arange(L, device=device) * cap)[:, None] + col,
     )
-    spare = _memory.cached(
+    spare = _pool.cached(
         ("hier_spare", N, L, cap), device, lambda: _spare_slots(size, cap, B, device)
     )
     row = starts[:, :, None] + slab_col  # [N, L, width]
@@ -244,7 +244,7 @@ def dispatch_hier(
     M1 = rows1.shape[0]
 
     # ---- hop 2: forward inside the node to the ranks that hold the experts
-    lut = _memory.cached(
+    lut = _pool.cached(
         ("hier_node_lut", n_me, L, e, E), device, lambda: _node_lut(n_me, L, e, E, device)
     )
     mask_M1L = torch.zeros(M1, L + 1, dtype=torch.bool, device=device)

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
-from flexdispatch import _memory
+from flexdispatch import _pool
 from flexdispatch._checks.tensors import cuda_code_path
 from flexdispatch.backends.counts import EXCHANGE_NAME
 from flexdispatch.backends.torch.rows import unpack_local
@@ -307,12 +307,12 @@ def row_of_input(
     index = hop.send_index[lo:hi]
     device = index.device
     n = hi - lo
-    rows_from = _memory.arange(base + n, device)[base:]
+    rows_from = _pool.arange(base + n, device)[base:]
     size = rows_out
     valid = hop.valid(lo, hi)
     if valid is not None:
         size += n
-        spare = _memory.arange(rows_out + n, device)[rows_out:]
+        spare = _pool.arange(rows_out + n, device)[rows_out:]
         index = torch.where(valid, index, spare)
     first = torch.full((size,), missing, dtype=torch.int64, device=device)
     first.scatter_(0, index, rows_from)

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from flexdispatch import _memory
+from flexdispatch import _pool
 from flexdispatch._checks.tensors import cuda_code_path
 from flexdispatch.kernels import inband as _inband
 
@@ -127,17 +127,17 @@ def _capped_slots(mask_NP: torch.Tensor, cap: int) -> torch.Tensor:
     i64 = torch.int64
     # slot of the j-th row (1-based count c) for participant p: p * cap + c - 1; everything in
     # the [n, P] layout of the mask (the scatter's order does not matter: its indices are unique)
-    base_1P = _memory.cached(
+    base_1P = _pool.cached(
         ("slot_base", P, cap), device, lambda: (torch.arange(P, device=device) * cap - 1)[None]
     )
     # NOTE: rows that are not sent scatter into unique spare slots past ``size``, so every scatter
     # index is unique (deterministic) and nothing is written out of bounds.
-    spare_NP = _memory.cached(
+    spare_NP = _pool.cached(
         ("slot_spare", P, n, cap),
         device,
         lambda: torch.arange(size, size + P * n, device=device, dtype=i64).view(n, P),
     )
-    rows_NP = _memory.cached(
+    rows_NP = _pool.cached(
         ("slot_rows", P, n),
         device,
         lambda: torch.arange(n, device=device, dtype=i64).repeat_interleave(P),
@@ -159,7 +159,7 @@ def flat_compaction(sizes_R: torch.Tensor, cap: int) -> tuple[torch.Tensor, torc
     R = sizes_R.numel()
     W = R * cap
     device = sizes_R.device
-    col = _memory.cached(("cap_cols", cap), device, lambda: torch.arange(cap, device=device))
+    col = _pool.cached(("cap_cols", cap), device, lambda: torch.arange(cap, device=device))
     return _compaction((col < sizes_R[:, None]).view(-1), W)
 
 
@@ -267,7 +267,7 @@ def unpack_local(
         lut = local_lut(lo, width, num_ids, meta.device)
     shifted = lut[meta[:, :k]]  # id - lo + 1, 0 = not mine
     ids = shifted - 1
-    zero = _memory.scalar(0.0, torch.float32, meta.device)
+    zero = _pool.scalar(0.0, torch.float32, meta.device)
     probs = torch.where(shifted > 0, meta[:, k:].view(torch.float32), zero)
     if not counts:
         return ids, probs
@@ -280,7 +280,7 @@ def _bin_counts(values: torch.Tensor, n: int) -> torch.Tensor:
         return torch.bincount(values, minlength=n)  # 3x faster than scatter_add_ on CPU
     # NOTE: not torch.bincount, which reads the maximum on the host on CUDA.
     out = torch.zeros(n, dtype=torch.int64, device=values.device)
-    return out.scatter_add_(0, values, _memory.ones(values.numel(), torch.int64, values.device))
+    return out.scatter_add_(0, values, _pool.ones(values.numel(), torch.int64, values.device))
 
 
 def overflow_message(what: str, needed: int, cap: int, W: int, divisor: int, R: int) -> str:
