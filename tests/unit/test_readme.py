@@ -34,3 +34,30 @@ def test_python_example_runs():
     out = namespace["out"]
     assert out.output.shape == namespace["hidden"].shape
     assert namespace["layer"].dispatcher.stats.dispatch_calls == 1
+
+
+def test_every_moved_module_path_still_imports_as_its_new_module():
+    import importlib
+    import sys
+    import warnings
+
+    import flexdispatch
+
+    table = _section("Renamed in 0.1")
+    for old, new in flexdispatch._MOVED.items():
+        assert f"`{old}`" in table and f"`{new}`" in table, old
+        sys.modules.pop(old, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = importlib.import_module(old)
+        assert module is importlib.import_module(new)
+        assert module.__spec__.name == new  # NOTE: its own spec, not the old path's
+        assert any(
+            issubclass(w.category, DeprecationWarning) and new in str(w.message) for w in caught
+        )
+    try:
+        importlib.import_module("flexdispatch.no_such_module")
+    except ModuleNotFoundError:
+        pass
+    else:
+        raise AssertionError("the moved-path finder answered for a path that never existed")
