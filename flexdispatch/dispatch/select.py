@@ -96,7 +96,7 @@ def make_deepep_backend(
     Raises:
         ValueError: DeepEP cannot serve this group (with the reason).
     """
-    from flexdispatch.backends.deepep.v1 import DeepEPBackend
+    from flexdispatch.backends.deepep.v1.backend import DeepEPBackend
 
     return DeepEPBackend(
         group,
@@ -129,7 +129,7 @@ def make_deepep_elastic_backend(
     Raises:
         ValueError: DeepEP V2 cannot serve this group (with the reason).
     """
-    from flexdispatch.backends.deepep.elastic import DeepEPElasticBackend
+    from flexdispatch.backends.deepep.v2.backend import DeepEPElasticBackend
 
     return DeepEPElasticBackend(
         group,
@@ -159,7 +159,7 @@ def make_deepep_ep_backend(
     Raises:
         ValueError: DeepEP 2.5 cannot serve this group (with the reason).
     """
-    from flexdispatch.backends.deepep.ep import DeepEPEPBackend
+    from flexdispatch.backends.deepep.v25.backend import DeepEPEPBackend
 
     return DeepEPEPBackend(
         group,
@@ -200,9 +200,9 @@ def _ep_support(
         ``(ok, reason, present)``: ``present`` says DeepEP 2.5 was usable here before its rules
         (so a refusal is worth naming when ``auto`` picks another API).
     """
-    from flexdispatch.backends.deepep.ep_support import ep_available, ep_rules, load_deep_ep_v25
     from flexdispatch.backends.deepep.gin import gin_support
     from flexdispatch.backends.deepep.support import group_is_nccl_on_cuda, is_emulator
+    from flexdispatch.backends.deepep.v25.support import ep_available, ep_rules, load_deep_ep_v25
 
     del ranks_per_node  # NOTE: DeepEP 2.5 reads its NVLink domain from NCCL, not the launcher
     if config.mode != "normal":
@@ -268,8 +268,8 @@ def _elastic_support(
 ) -> Capability:
     """Whether the V2 path can serve this group here (local answer): DeepEP's topology rules
     (worst-case mode allowed across nodes), normal mode, and ``deep_ep.ElasticBuffer``."""
-    from flexdispatch.backends.deepep.elastic import elastic_available
     from flexdispatch.backends.deepep.gin import gin_support
+    from flexdispatch.backends.deepep.v2.backend import elastic_available
 
     if config.mode != "normal":
         return False, "deepep_api='elastic' runs mode='normal' only (low-latency: use 'legacy')"
@@ -345,7 +345,7 @@ def select_backend(
     kwargs = {"num_experts": num_experts, "ranks_per_node": ranks_per_node, "stats": stats}
     if config.backend == "torch":
         return make_torch_backend(config, group, **kwargs), "backend='torch' requested"
-    from flexdispatch.backends.deepep.ep_support import split_hook
+    from flexdispatch.backends.deepep.v25.support import split_hook
 
     deep_ep, v25, hooked = split_hook(deep_ep)
     ep3 = (False, "deepep_api excludes DeepEP 2.5", False)

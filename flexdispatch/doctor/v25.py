@@ -46,7 +46,7 @@ Run = Callable[..., Any]
 def probe_generations(deep_ep: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """Which DeepEP generations import here: V1 ``deep_ep.Buffer``, V2 ``deep_ep.ElasticBuffer``
     (both from ``probe_deep_ep``'s answer ``deep_ep``), V2.5 ``deep_ep_v25.EPBuffer``."""
-    from flexdispatch.backends.deepep.ep_support import ep_available, load_deep_ep_v25
+    from flexdispatch.backends.deepep.v25.support import ep_available, load_deep_ep_v25
 
     module, why = load_deep_ep_v25()
     ok, why = ep_available(module, why)
@@ -228,8 +228,8 @@ def probe_v25_runtime(
 
 
 def _probe_links() -> tuple[float, float, bool] | None:
-    from flexdispatch.backends.deepep.ep_links import probe_links
-    from flexdispatch.backends.deepep.ep_support import load_deep_ep_v25
+    from flexdispatch.backends.deepep.v25.links import probe_links
+    from flexdispatch.backends.deepep.v25.support import load_deep_ep_v25
 
     module, _ = load_deep_ep_v25()
     if module is None or getattr(module, "EPBuffer", None) is None:
@@ -239,7 +239,7 @@ def _probe_links() -> tuple[float, float, bool] | None:
 
 def _links_check(probed: tuple[float, float, bool] | None) -> dict[str, Any]:
     """What DeepEP 2.5's link probes measured and what flexdispatch's SM / QP model uses."""
-    from flexdispatch.backends.deepep.ep_links import choose_links
+    from flexdispatch.backends.deepep.v25.links import choose_links
 
     fix = (
         "for measured values install the NVIDIA driver utilities (nvidia-smi) and "
@@ -348,7 +348,7 @@ def ep_selection(
     Returns:
         ``(backend or None, reason, checks)``, checks as ``{name, ok, detail}``.
     """
-    from flexdispatch.backends.deepep.ep_support import ep_rules
+    from flexdispatch.backends.deepep.v25.support import ep_rules
 
     ok_t, why_t, _ = ep_rules(R, L, R, num_worst_tokens=num_worst_tokens)
     checks = [

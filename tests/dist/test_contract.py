@@ -7,8 +7,8 @@ One spawned group per (backend, topology) runs every mode (flat / hierarchical Ã
 worst-case) and every case inside the worker; each rank knows the answer without communication
 (``reference.py``). ``BACKENDS_UNDER_TEST`` is the list to extend.
 
-``deepep-emulated`` is the real ``deepep`` adapter (``flexdispatch/backends/deepep/v1.py``) on
-top of the DeepEP emulator in ``tests/deepep_emu`` (passed through ``FlexDispatcher``'s private
+``deepep-emulated`` is the real ``deepep`` adapter (``flexdispatch/backends/deepep/v1/backend.py``)
+on top of the DeepEP emulator in ``tests/deepep_emu`` (passed through ``FlexDispatcher``'s private
 ``_deep_ep`` hook). It runs where DeepEP runs: one node of 2 or 4 ranks, and two emulated nodes of
 2 ranks (the emulator's NVLink domain shrunk to 2), where worst-case mode must be refused. Its
 byte counts follow DeepEP's traffic pattern (flat in a node; across nodes one RDMA row per

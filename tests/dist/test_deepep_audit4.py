@@ -205,7 +205,7 @@ def pcie(rank: int, out: dict[str, Any]) -> None:
 def warmup_fp8(rank: int, out: dict[str, Any]) -> None:
     """P11: ``warmup(dtype=float8_e4m3fn)`` compiles the fp8 templates (dispatch, combine and the
     backward's cached dispatch in the fp8 layout), so a captured fp8 step compiles nothing."""
-    from flexdispatch.backends.deepep import ep_buffer
+    from flexdispatch.backends.deepep.v25 import buffer as v25_buffer
 
     E, k, H = 16, 2, 256
     v25 = _emu(2)
@@ -216,8 +216,8 @@ def warmup_fp8(rank: int, out: dict[str, Any]) -> None:
     x8 = torch.randn(2, H).to(torch.float8_e4m3fn)
     idx = torch.tensor([[0, 5], [9, 14]])
     p = torch.rand(2, k, requires_grad=True)
-    real = ep_buffer.is_capturing
-    ep_buffer.is_capturing = lambda: True
+    real = v25_buffer.is_capturing
+    v25_buffer.is_capturing = lambda: True
     try:
         with v25.runtime.emu_capture():
             res = d.dispatch((x8, torch.ones(2, H // 128)), idx, p)
@@ -225,7 +225,7 @@ def warmup_fp8(rank: int, out: dict[str, Any]) -> None:
             d.combine(y, res.handle).float().sum().backward()
             out["p11_compiles"] = sum(jit.values()) - before
     finally:
-        ep_buffer.is_capturing = real
+        v25_buffer.is_capturing = real
     d.close()
 
 

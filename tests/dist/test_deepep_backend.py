@@ -77,7 +77,7 @@ def test_selection_and_fallback() -> None:
 
 # --------------------------------------------------------------------- buffers, dtypes, fp8
 def features_worker(rank: int, R: int) -> dict[str, Any]:
-    from flexdispatch.backends.deepep.v1 import DeepEPBackend
+    from flexdispatch.backends.deepep.v1.backend import DeepEPBackend
 
     emu, E, k = _emu(), 3 * R, 3
     out: dict[str, Any] = {}
@@ -151,7 +151,7 @@ def test_buffers_dtypes_fp8() -> None:
 
 # --------------------------------------------------------------------- worst-case guard
 def limit_worker(rank: int, R: int) -> int:
-    from flexdispatch.backends.deepep.v1 import DeepEPBackend
+    from flexdispatch.backends.deepep.v1.backend import DeepEPBackend
 
     emu, E = _emu(), 2 * R
     W = 2 * R  # W / R = 2 rows per destination and sender

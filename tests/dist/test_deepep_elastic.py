@@ -54,7 +54,7 @@ def _worst(inputs: list[Any]) -> int:
 
 # --------------------------------------------------------------------- contract
 def contract_worker(rank: int, R: int, L: int, seed: int) -> dict[str, Any]:
-    from flexdispatch.backends.deepep.elastic import DeepEPElasticBackend
+    from flexdispatch.backends.deepep.v2.backend import DeepEPElasticBackend
 
     E = E_PER_RANK * R
     kw = {"R": R, "E": E, "k": K, "H": H}
@@ -173,8 +173,8 @@ def test_elastic_contract(R: int, L: int) -> None:
 # --------------------------------------------------------------------- selection and refusals
 def selection_worker(rank: int, R: int) -> dict[str, Any]:
     from flexdispatch import DispatchConfig, FlexDispatcher
-    from flexdispatch.backends.deepep.elastic import DeepEPElasticBackend
-    from flexdispatch.backends.deepep.v1 import DeepEPBackend
+    from flexdispatch.backends.deepep.v1.backend import DeepEPBackend
+    from flexdispatch.backends.deepep.v2.backend import DeepEPElasticBackend
 
     E = E_PER_RANK * R
     v2, v1 = _emu(R, R), _emu(R, R, release="1.2.1")

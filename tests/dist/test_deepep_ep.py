@@ -78,7 +78,7 @@ def expected_bytes(
 def contract(
     rank: int, R: int, L: int, seed: int, hybrid: bool | None, cases: tuple[str, ...] = CASES
 ) -> int:
-    from flexdispatch.backends.deepep.ep import DeepEPEPBackend
+    from flexdispatch.backends.deepep.v25.backend import DeepEPEPBackend
 
     E = E_PER_RANK * R
     kw = {"R": R, "E": E, "k": K, "H": H}

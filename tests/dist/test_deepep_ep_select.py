@@ -160,7 +160,7 @@ def jit_and_capture(rank: int, R: int) -> dict[str, Any]:
     64), not 14; a first use inside a capture raises with the fix, after ``warmup`` nothing
     compiles."""
     from flexdispatch import DispatchConfig, FlexDispatcher
-    from flexdispatch.backends.deepep import ep_buffer
+    from flexdispatch.backends.deepep.v25 import buffer as v25_buffer
 
     E = E_PER_RANK * R
     v25 = _emus(R)[0]
@@ -182,15 +182,15 @@ def jit_and_capture(rank: int, R: int) -> dict[str, Any]:
         d.close()
     out["buckets"] = {k: jit[k] - before.get(k, 0) for k in jit}
     # a first use inside a capture: the adapter refuses before DeepEP would compile
-    real = ep_buffer.is_capturing
-    ep_buffer.is_capturing = lambda: True
+    real = v25_buffer.is_capturing
+    v25_buffer.is_capturing = lambda: True
     d = make(R * 100)  # bucket 128: nothing compiled for it yet
     with v25.runtime.emu_capture():
         out["capture_cold"] = _raises(lambda: d.dispatch_expanded(*_tiny(E, rank)), RuntimeError)
-    ep_buffer.is_capturing = real
+    v25_buffer.is_capturing = real
     d.warmup(H, K, dtype=torch.float32)
     before = dict(jit)
-    ep_buffer.is_capturing = lambda: True
+    v25_buffer.is_capturing = lambda: True
     with v25.runtime.emu_capture():
         x, idx, p = _tiny(E, rank)
         x.requires_grad_()
@@ -198,7 +198,7 @@ def jit_and_capture(rank: int, R: int) -> dict[str, Any]:
         d.combine(res.recv_x * res.recv_probs[:, None], res.handle).sum().backward()
         res = d.dispatch(x, idx, p)
         d.combine(res.recv_x, res.handle).sum().backward()
-    ep_buffer.is_capturing = real
+    v25_buffer.is_capturing = real
     out["capture_warm"] = sum(jit.values()) - sum(before.values())
     # the emulated runtime itself: a first use inside a capture is DeepJIT's error
     buf = d.backend._shared.buffer
@@ -427,7 +427,7 @@ def capture_epilogue(rank: int, R: int) -> dict[str, str]:
     inside the capture raises (its epilogue would only be recorded into the graph, never run);
     after the capture the ``wait()`` gives the eager rows."""
     from flexdispatch import DispatchConfig, FlexDispatcher
-    from flexdispatch.backends.deepep import ep_buffer
+    from flexdispatch.backends.deepep.v25 import buffer as v25_buffer
     from tests.deepep_emu.runtime import ep as emu_ep
 
     E = E_PER_RANK * R
@@ -438,22 +438,22 @@ def capture_epilogue(rank: int, R: int) -> dict[str, str]:
     d = FlexDispatcher(cfg, num_experts=E, _deep_ep=v25)
     emu_ep.ATOMIC_ORDER = False  # NOTE: rows in arrival order, so eager and overlapped compare
     out: dict[str, str] = {}
-    real = ep_buffer.is_capturing
+    real = v25_buffer.is_capturing
     try:
         d.warmup(H, K, dtype=mine.x.dtype, expanded=True)
         want = d.dispatch_expanded(mine.x, mine.idx, mine.probs)
         p = d.dispatch_expanded_start(mine.x, mine.idx, mine.probs)
-        ep_buffer.is_capturing = lambda: True
+        v25_buffer.is_capturing = lambda: True
         with v25.runtime.emu_capture():
             out["dispatch"] = _raises(
                 lambda: d.dispatch_expanded(mine.x, mine.idx, mine.probs), RuntimeError
             )
             out["wait"] = _raises(p.wait, RuntimeError)
-        ep_buffer.is_capturing = real
+        v25_buffer.is_capturing = real
         got = p.wait()
         out["after"] = "" if torch.equal(got.recv_x, want.recv_x) else "rows differ"
     finally:
-        ep_buffer.is_capturing = real
+        v25_buffer.is_capturing = real
         emu_ep.ATOMIC_ORDER = True
         d.close()
     return out
@@ -465,13 +465,14 @@ def agreed_rows(rank: int, R: int) -> dict[str, str]:
     0 naming rank 1, dropless and worst-case with checks (before: rank 1 alone, its peer left in
     the dispatch)."""
     from flexdispatch import DispatchConfig, FlexDispatcher
-    from flexdispatch.backends.deepep import ep_layout
+    from flexdispatch.backends.deepep.v25 import layout as v25_layout
 
     E = E_PER_RANK * R
     v25 = _emus(R)[0]
     mine = all_inputs(24, R=R, E=E, k=K, H=H)[rank]
-    real = ep_layout.device_smem
-    ep_layout.device_smem = lambda device: 64 if rank == 1 else real(device)  # restored by the pool
+    real = v25_layout.device_smem
+    # NOTE: restored by the pool
+    v25_layout.device_smem = lambda device: 64 if rank == 1 else real(device)
     out: dict[str, str] = {}
     for name, W, checks in (("dropless", 0, False), ("worst", 16 * R, True)):
         cfg = DispatchConfig(backend="deepep", deepep_api="ep", num_worst_tokens=W, checks=checks)

@@ -14,14 +14,15 @@ import pytest
 import torch
 
 from flexdispatch import DispatchConfig
-from flexdispatch.backends.deepep import ep_links, gin
-from flexdispatch.backends.deepep.ep_support import (
+from flexdispatch.backends.deepep import gin
+from flexdispatch.backends.deepep.support import deepep_support_checks
+from flexdispatch.backends.deepep.v25 import links as v25_links
+from flexdispatch.backends.deepep.v25.support import (
     direct_thread_rule,
     direct_threads,
     ep_rules,
     hybrid_row_rule,
 )
-from flexdispatch.backends.deepep.support import deepep_support_checks
 from flexdispatch.distributed import ranks_per_host
 from flexdispatch.doctor.v25 import probe_v25_runtime
 from tests.deepep_emu.runtime import ep_layout as emu
@@ -72,7 +73,7 @@ def test_row_refusal_takes_the_gradients_width_and_any_rank_count() -> None:
     twice a bf16 one (fp32 H = 7168, k = 8: 352 forward threads, 256 cached; a bf16-width guess
     said 512 and passed R = 300); rows too wide for one dispatch warp are refused at any R (the
     forward keeps its 128 notify threads but sends nothing; the emulated kernel traps)."""
-    from flexdispatch.backends.deepep.ep_layout import row_refusal
+    from flexdispatch.backends.deepep.v25.layout import row_refusal
 
     cpu = torch.device("cpu")
     kw = {"X": 7168, "hidden": 14336, "elem": 2, "packs": 0, "k": 8, "device": cpu}
@@ -125,12 +126,12 @@ def test_hybrid_row_rule_is_the_emulated_channel_count() -> None:
 def test_failed_probes_take_documented_defaults_and_never_win() -> None:
     """P5: DeepEP's probes answer 0 when nvidia-smi / ibstat fail; the adapter uses its defaults
     then, and a probe that raises counts as failed."""
-    links = ep_links.choose_links(0.0, 0.0, False, hybrid=True, rdma=True)
+    links = v25_links.choose_links(0.0, 0.0, False, hybrid=True, rdma=True)
     assert (links.nvlink_gbs, links.rdma_gbs, links.num_allocated_qps) == (430.0, 50.0, 129)
     assert "default" in links.detail
-    measured = ep_links.choose_links(300.0, float("inf"), True, hybrid=True, rdma=True)
+    measured = v25_links.choose_links(300.0, float("inf"), True, hybrid=True, rdma=True)
     assert (measured.nvlink_gbs, measured.rdma_gbs, measured.num_allocated_qps) == (300.0, 50.0, 65)
-    assert ep_links.choose_links(0.0, 0.0, True, hybrid=False, rdma=False).num_allocated_qps == 17
+    assert v25_links.choose_links(0.0, 0.0, True, hybrid=False, rdma=False).num_allocated_qps == 17
 
     def boom() -> float:
         raise RuntimeError("nvidia-smi: not found")
@@ -141,8 +142,8 @@ def test_failed_probes_take_documented_defaults_and_never_win() -> None:
     init.__globals__["get_nvlink_gbs"] = boom  # type: ignore[index]
     try:
         fake = types.SimpleNamespace(EPBuffer=type("EPBuffer", (), {"__init__": init}))
-        assert ep_links.probe_links(fake, rdma=False) == (0.0, 0.0, False)  # type: ignore[arg-type]
-        assert ep_links.agree_links(fake, None, hybrid=False, rdma=False).nvlink_gbs == 430.0  # type: ignore[arg-type]
+        assert v25_links.probe_links(fake, rdma=False) == (0.0, 0.0, False)  # type: ignore[arg-type]
+        assert v25_links.agree_links(fake, None, hybrid=False, rdma=False).nvlink_gbs == 430.0  # type: ignore[arg-type]
     finally:
         del init.__globals__["get_nvlink_gbs"]  # type: ignore[attr-defined]
 

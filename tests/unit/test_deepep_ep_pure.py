@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from flexdispatch import DispatchConfig
-from flexdispatch.backends.deepep.ep_rows import (
+from flexdispatch.backends.deepep.v25.rows import (
     EPTraffic,
     combine_row_bytes,
     dispatch_row_bytes,
     guard_ids,
     traffic_rows,
 )
-from flexdispatch.backends.deepep.ep_support import ep_rules, split_hook, token_bucket
+from flexdispatch.backends.deepep.v25.support import ep_rules, split_hook, token_bucket
 from tests.deepep_emu.runtime import ep_layout, ep_limits, limits
 
 _WHEEL = importlib.util.find_spec("deep_ep_v25") is not None
@@ -199,7 +199,7 @@ def test_an_epilogue_run_early_on_another_stream_is_joined_by_the_waiter(monkeyp
     """Audit-4 P2's early epilogue: another call on the buffer runs a pending deferred dispatch's
     epilogue on its own stream (B); the waiter (stream A) then waits for it through an event and
     records the rows as used on A. CUDA streams stand in as objects here (no GPU)."""
-    from flexdispatch.backends.deepep import ep_rows
+    from flexdispatch.backends.deepep.v25 import rows as v25_rows
 
     log: list[tuple[str, ...]] = []
 
@@ -235,8 +235,8 @@ def test_an_epilogue_run_early_on_another_stream_is_joined_by_the_waiter(monkeyp
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: now[0])
     monkeypatch.setattr(torch.cuda, "Event", Event)
 
-    def pending() -> ep_rows.PendingExpanded:
-        return ep_rows.PendingExpanded(Overlap(), None, False, 1, 1, 1, 4, torch.zeros(3), 0)
+    def pending() -> v25_rows.PendingExpanded:
+        return v25_rows.PendingExpanded(Overlap(), None, False, 1, 1, 1, 4, torch.zeros(3), 0)
 
     p = pending()
     assert p.settle(early=True) and not p.settle(early=True)  # runs once

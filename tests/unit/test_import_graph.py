@@ -38,9 +38,9 @@ def test_no_arrow_points_up_a_layer(ig):
     "low, high",
     [
         ("config", "backends.deepep.sizing"),
-        ("backends.deepep.v1", "planner"),
-        ("backends.deepep.ll", "dispatch.decode"),
-        ("backends.deepep.ll", "dispatch.dispatcher"),
+        ("backends.deepep.v1.backend", "planner"),
+        ("backends.deepep.v1.low_latency", "dispatch.decode"),
+        ("backends.deepep.v1.low_latency", "dispatch.dispatcher"),
     ],
 )
 def test_the_arrows_that_used_to_point_up_are_gone(ig, low, high):

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from flexdispatch.backends.deepep.ep_support import (
+from flexdispatch.backends.deepep.v25.support import (
     EP_DEVICE_SMEM,
     direct_thread_rule,
     direct_threads,

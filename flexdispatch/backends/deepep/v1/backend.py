@@ -63,10 +63,10 @@ from flexdispatch.backends.counts import check_agreement, exchange_counts
 from flexdispatch.backends.deepep import buffer as deepep_buffer
 from flexdispatch.backends.deepep import refusals, rules, sizing
 from flexdispatch.backends.deepep.counters import DeviceMax, TrafficCounters
-from flexdispatch.backends.deepep.ll import LowLatencyMixin
 from flexdispatch.backends.deepep.support import deepep_support, load_deep_ep, nvl_peers
-from flexdispatch.backends.deepep.v1_combine import CombineMixin, Launched
-from flexdispatch.backends.deepep.v1_links import LazyLinks, handle_links
+from flexdispatch.backends.deepep.v1.combine import CombineMixin, Launched
+from flexdispatch.backends.deepep.v1.links import LazyLinks, handle_links
+from flexdispatch.backends.deepep.v1.low_latency import LowLatencyMixin
 from flexdispatch.distributed import collective_device, group_rank, group_size
 from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, DispatchStats
 

@@ -60,15 +60,15 @@ from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import agree_tokens
 from flexdispatch.backends.deepep import refusals, sizing
 from flexdispatch.backends.deepep.counters import TrafficCounters
-from flexdispatch.backends.deepep.ep_buffer import (
+from flexdispatch.backends.deepep.v25.buffer import (
     EPSize,
     acquire_ep,
     check_epilogue,
     kernel_key,
     kernels_of,
 )
-from flexdispatch.backends.deepep.ep_combine import EPCombineMixin, sent_tokens
-from flexdispatch.backends.deepep.ep_layout import (
+from flexdispatch.backends.deepep.v25.combine import EPCombineMixin, sent_tokens
+from flexdispatch.backends.deepep.v25.layout import (
     COMBINE_COLS,
     cached_pieces,
     cached_refusal,
@@ -76,7 +76,7 @@ from flexdispatch.backends.deepep.ep_layout import (
     pad,
     row_refusal,
 )
-from flexdispatch.backends.deepep.ep_rows import (
+from flexdispatch.backends.deepep.v25.rows import (
     EPDispatchState,
     EPTraffic,
     PendingExpanded,
@@ -85,7 +85,7 @@ from flexdispatch.backends.deepep.ep_rows import (
     token_order,
     traffic_rows,
 )
-from flexdispatch.backends.deepep.ep_support import (
+from flexdispatch.backends.deepep.v25.support import (
     ep_available,
     ep_rules,
     load_deep_ep_v25,

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from flexdispatch.backends.deepep import sizing
-from flexdispatch.backends.deepep.ep_buffer import kernel_key
-from flexdispatch.backends.deepep.ep_layout import COMBINE_COLS
-from flexdispatch.backends.deepep.ep_rows import EPDispatchState, combine_row_bytes
+from flexdispatch.backends.deepep.v25.buffer import kernel_key
+from flexdispatch.backends.deepep.v25.layout import COMBINE_COLS
+from flexdispatch.backends.deepep.v25.rows import EPDispatchState, combine_row_bytes
 from flexdispatch.types import DispatchHandle
 
 __all__ = ["EPCombineMixin", "sent_tokens"]

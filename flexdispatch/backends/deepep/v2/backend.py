@@ -57,13 +57,13 @@ from flexdispatch.backends.counts import agree_tokens
 from flexdispatch.backends.deepep import buffer as deepep_buffer
 from flexdispatch.backends.deepep import refusals, sizing
 from flexdispatch.backends.deepep.counters import TrafficCounters
-from flexdispatch.backends.deepep.elastic_combine import (
+from flexdispatch.backends.deepep.support import load_deep_ep, nvl_peers
+from flexdispatch.backends.deepep.v2.combine import (
     _COMBINE_COL_MULTIPLE,
     ElasticCombineMixin,
     ElasticDispatchState,
 )
-from flexdispatch.backends.deepep.ep_support import token_bucket
-from flexdispatch.backends.deepep.support import load_deep_ep, nvl_peers
+from flexdispatch.backends.deepep.v25.support import token_bucket
 from flexdispatch.distributed import collective_device, group_rank, group_size
 from flexdispatch.types import (
     DispatchHandle,

@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from flexdispatch._checks.tensors import is_capturing
 from flexdispatch.backends.deepep import refusals
-from flexdispatch.backends.deepep.ep_links import Links, agree_links
+from flexdispatch.backends.deepep.v25.links import Links, agree_links
 from flexdispatch.distributed import collective_device, collective_guard, is_distributed
 
 __all__ = [

@@ -1,0 +1,1 @@
+"""DeepEP V2 (``deep_ep.ElasticBuffer``, DeepEP 2.1.0+), direct mode."""
