@@ -152,7 +152,7 @@ def _async(rank: int, R: int, emu: Any, waits: list[int]) -> dict[str, Any]:
     from flexdispatch import DispatchConfig, FlexDispatcher
 
     cfg = DispatchConfig(
-        backend="deepep", deepep_api="legacy", ranks_per_node=R, deepep_async_finish=True
+        backend="deepep", deepep_api="v1", ranks_per_node=R, deepep_async_finish=True
     )
     d = FlexDispatcher(cfg, num_experts=E_PER_RANK * R, _deep_ep=emu)
     x, idx, probs = _inputs(rank, R)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Literal
@@ -44,6 +45,31 @@ _Int = Annotated[int, BeforeValidator(not_bool)]
 """An integer field: never a bool (pydantic's lax mode still takes "8" and 8.0)."""
 
 _Float = Annotated[float, BeforeValidator(not_bool)]
+
+DEEPEP_API_RENAMED = {"legacy": "v1", "elastic": "v2", "ep": "v25"}
+"""``deepep_api`` values before 0.1 (DeepEP's own class names) -> the release names now."""
+
+
+def deepep_release(value: str) -> str:
+    """``DispatchConfig.deepep_api`` as a release name, also for a config that skipped validation
+    (``model_copy(update=...)`` with a name before 0.1)."""
+    return DEEPEP_API_RENAMED.get(value, value)
+
+
+def _deepep_api(value: object) -> object:
+    """An old ``deepep_api`` value as its release name (with a ``DeprecationWarning``)."""
+    if isinstance(value, str) and value in DEEPEP_API_RENAMED:
+        new = DEEPEP_API_RENAMED[value]
+        warnings.warn(
+            f"deepep_api={value!r} is now deepep_api={new!r}; the old value goes in the next "
+            f"release",
+            DeprecationWarning,
+            2,
+        )
+        return new
+    return value
+
+
 """A float field: never a bool; finite (``allow_inf_nan=False`` on every model)."""
 
 
@@ -208,7 +234,7 @@ class DispatchConfig(_Strict):
         gt=0,
         le=_MAX,
         description="Decode: the most tokens a rank dispatches per call (DeepEP: at most 1024); "
-        "deepep_api='elastic' / 'ep' dropless: the first per-rank token bound (the buffer is "
+        "deepep_api='v2' / 'v25' dropless: the first per-rank token bound (the buffer is "
         "sized for it; it grows, on every rank at once, to the largest T a rank dispatches).",
     )
     use_fp8: bool = Field(
@@ -224,7 +250,7 @@ class DispatchConfig(_Strict):
         False,
         description="The dispatch will be captured in a CUDA graph: refused unless it can be "
         "(num_worst_tokens > 0 or mode='low_latency'; DeepEP V1 worst-case mode intranode only, "
-        "V2 (deepep_api 'auto'/'elastic', DeepEP 2.1.0+) across nodes too).",
+        "V2 (deepep_api 'auto'/'v2', DeepEP 2.1.0+) across nodes too).",
     )
     deepep_async_finish: bool = Field(
         False,
@@ -234,17 +260,18 @@ class DispatchConfig(_Strict):
     deepep_num_sms: _Int | None = Field(
         None, gt=0, le=_MAX, description="DeepEP Buffer.set_num_sms (even; process-wide in DeepEP)."
     )
-    deepep_api: Literal["auto", "legacy", "elastic", "ep"] = Field(
+    deepep_api: Annotated[Literal["auto", "v1", "v2", "v25"], BeforeValidator(_deepep_api)] = Field(
         "auto",
-        description="DeepEP API: 'legacy' (V1 deep_ep.Buffer), 'elastic' (V2 "
-        "deep_ep.ElasticBuffer, DeepEP 2.1.0+; a dropless per-rank token bound that starts at "
-        "num_max_dispatch_tokens_per_rank and grows, worst-case at most W / R), 'ep' "
+        description="DeepEP release: 'v1' (deep_ep.Buffer), 'v2' (deep_ep.ElasticBuffer, "
+        "DeepEP 2.1.0+; a dropless per-rank token bound that starts at "
+        "num_max_dispatch_tokens_per_rank and grows, worst-case at most W / R), 'v25' "
         "(DeepEP 2.5 deep_ep_v25.EPBuffer, same bounds) or 'auto' (V2.5, else V2, where every "
-        "rank has it, in worst-case mode or with num_max_dispatch_tokens_per_rank set; else V1)",
+        "rank has it, in worst-case mode or with num_max_dispatch_tokens_per_rank set; else "
+        "V1). The names before 0.1 ('legacy', 'elastic', 'ep') are read as these.",
     )
     deepep_hybrid: bool | None = Field(
         None,
-        description="deepep_api='ep' across nodes: True = DeepEP 2.5 hybrid mode (one RDMA row "
+        description="deepep_api='v25' across nodes: True = DeepEP 2.5 hybrid mode (one RDMA row "
         "per destination node, forwarded over NVLink), False = direct mode, None = hybrid where "
         "its limits hold.",
     )
@@ -295,12 +322,13 @@ class DispatchConfig(_Strict):
             ranks_per_node: L as launched; None takes ``self.ranks_per_node``, then the
                 launcher's ``LOCAL_WORLD_SIZE``, then R (the dispatcher's own order).
         """
-        if self.backend != "deepep" or self.deepep_api == "ep":
-            return  # NOTE: DeepEP 2.5 has rules of its own, applied at selection (ep_rules)
+        api = deepep_release(self.deepep_api)
+        if self.backend != "deepep" or api == "v25":
+            return  # NOTE: DeepEP 2.5 has rules of its own, applied at selection (v25_rules)
         L = deepep_limits.resolve_ranks_per_node(num_ranks, ranks_per_node, self.ranks_per_node)
-        # NOTE: DeepEP's V2 (elastic) path takes worst-case mode across nodes too; 'auto' runs V2
+        # NOTE: DeepEP's V2 path takes worst-case mode across nodes too; 'auto' runs V2
         # in worst-case mode where deep_ep has ElasticBuffer (backend selection raises otherwise)
-        W = self.num_worst_tokens if self.deepep_api == "legacy" else 0
+        W = self.num_worst_tokens if api == "v1" else 0
         # NOTE: every node count some DeepEP release compiles (v1.2.1 and 2.1.0): the backend
         # applies the exact list of the installed release when it is built (audit-3 N14)
         ok, why = deepep_limits.check_topology(

@@ -13,8 +13,10 @@ pairs so that selection and diagnostics can explain themselves.
 from __future__ import annotations
 
 import abc
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from flexdispatch.types import (
     DispatchHandle,
@@ -23,6 +25,9 @@ from flexdispatch.types import (
     DispatchStats,
     ExpandedDispatchResult,
 )
+
+if TYPE_CHECKING:
+    from flexdispatch.config import DispatchConfig
 
 __all__ = ["Capability", "DispatchBackend"]
 
@@ -35,6 +40,7 @@ class DispatchBackend(abc.ABC):
 
     Attributes:
         name: registry name (``"torch"``, ``"deepep"``).
+        api: the DeepEP release of a ``deepep`` backend, else None.
         num_ranks: R.
         rank: this rank inside the group.
         ranks_per_node: L.
@@ -43,11 +49,55 @@ class DispatchBackend(abc.ABC):
     """
 
     name: str
+    api: str | None = None
+    """The DeepEP release a ``deepep`` backend runs (``"v1"``, ``"v2"``, ``"v25"``)."""
     num_ranks: int
     rank: int
     ranks_per_node: int
     num_experts: int
     stats: DispatchStats
+
+    @classmethod
+    def from_config(
+        cls,
+        config: DispatchConfig,
+        group: dist.ProcessGroup | None,
+        *,
+        num_experts: int,
+        ranks_per_node: int,
+        stats: DispatchStats,
+        **hooks: Any,
+    ) -> DispatchBackend:
+        """Build this backend for ``config``: the fields every backend takes, then the ones of
+        this backend (``config_options``).
+
+        Args:
+            config: the ``DispatchConfig``.
+            group: the process group (None = WORLD).
+            num_experts: E.
+            ranks_per_node: L (resolved).
+            stats: counters the backend adds to.
+            hooks: private test hooks the constructor takes (``_deep_ep``).
+
+        Raises:
+            ValueError: the backend cannot serve this group (with the reason).
+        """
+        return cls(  # type: ignore[call-arg]
+            group,
+            num_experts=num_experts,
+            ranks_per_node=ranks_per_node,
+            num_worst_tokens=config.num_worst_tokens,
+            hierarchical=config.hierarchical,
+            checks=config.checks or None,
+            stats=stats,
+            **cls.config_options(config),
+            **hooks,
+        )
+
+    @classmethod
+    def config_options(cls, config: DispatchConfig) -> dict[str, Any]:
+        """The constructor arguments of this backend's own ``DispatchConfig`` fields."""
+        return {}
 
     @property
     def num_local_experts(self) -> int:

@@ -60,9 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--deepep-api",
         default="auto",
-        choices=DEEPEP_API_CHOICES,
-        help="DispatchConfig.deepep_api: which DeepEP API (V1 legacy / V2 elastic / V2.5 ep) to "
-        "report on",
+        choices=[*DEEPEP_API_CHOICES, "legacy", "elastic", "ep"],
+        help="DispatchConfig.deepep_api: which DeepEP release (v1 / v2 / v25; the names before "
+        "0.1, legacy / elastic / ep, are read as these) to report on",
     )
     p.add_argument(
         "--num-worst-tokens",

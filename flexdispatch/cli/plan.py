@@ -11,7 +11,7 @@ Usage::
 
 It simulates the preset's routing on synthetic logits (``flexdispatch.planner.plan_cluster``) and
 reports load, bytes per link class for the flat / hierarchical / DeepEP transports, estimated
-times, DeepEP buffer hints (V1 ``Buffer``; V2 ``ElasticBuffer`` as ``deepep_api='elastic'`` would
+times, DeepEP buffer hints (V1 ``Buffer``; V2 ``ElasticBuffer`` as ``deepep_api='v2'`` would
 size it) and worst-case W suggestions. The default output is a compact table;
 ``--plot`` writes a rank x rank traffic heatmap and expert-load bars (needs
 ``pip install 'flexdispatch[plot]'``).
@@ -45,7 +45,7 @@ size it) and worst-case W suggestions. The default output is a compact table;
   ``num_nvl_bytes``, ``nvl_bytes_dispatch``, ``nvl_bytes_combine``, ``num_rdma_bytes``,
   ``rdma_bytes_dispatch``, ``rdma_bytes_combine`` (null without a tuned config), ``low_latency``
   {``max_tokens_per_rank``, ``rdma_bytes``}, and ``elastic``: DeepEP V2
-  (``ElasticBuffer.get_buffer_size_hint``) as flexdispatch's ``deepep_api='elastic'`` path sizes
+  (``ElasticBuffer.get_buffer_size_hint``) as flexdispatch's ``deepep_api='v2'`` path sizes
   it: ``supported``, ``reason``, ``mode`` (``direct``), ``use_fp8_dispatch`` (false: a bf16-sized
   buffer), ``allow_hybrid_mode`` (false), ``allow_multiple_reduction`` (true); the domains
   ``num_rdma_ranks`` x ``num_nvl_ranks`` (physical: NVLink domains of L ranks) and

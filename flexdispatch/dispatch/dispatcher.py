@@ -445,7 +445,7 @@ class FlexDispatcher:
         res.recv_probs)``), with no ``permute`` / ``unpermute``: ``combine(y, res.handle)`` sums
         every row of a token on every rank (so weight the rows first, as ``GroupedExperts``
         does with ``probs``). Only backends with ``supports_expanded()`` (DeepEP V2 / V2.5,
-        ``deepep_api`` ``'elastic'``, ``'ep'`` or ``'auto'``) run it; the others raise
+        ``deepep_api`` ``'v2'``, ``'v25'`` or ``'auto'``) run it; the others raise
         ``ValueError``.
         Inputs and errors as ``dispatch``.
 

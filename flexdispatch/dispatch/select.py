@@ -12,26 +12,28 @@ the topology (and the worst-case request: V1 intranode only, V2 across nodes too
 low-latency mode with a known ``hidden_size``, the hidden size — on every rank; otherwise
 ``torch``, with the reason.
 
-``deepep_api='auto'`` runs DeepEP V2 (``ElasticBuffer``) where every rank has it and its static
-bound is known — worst-case mode (``M = W / R``) or dropless with
-``num_max_dispatch_tokens_per_rank`` set, except a dropless dispatch across nodes, which runs V1's
-node-deduplicated internode kernels unless ``deepep_hybrid=False`` — and V1 (``Buffer``)
-otherwise: low-latency mode, ``deepep_async_finish``, dropless with no per-rank token bound
-(``auto_deepep_api``). DeepEP 2.5
-(``deep_ep_v25.EPBuffer``, ``deepep_api='ep'``) comes first where every rank has it, under the
-same bound rule (and also unbounded where V1 cannot run); the same one all-reduce agrees on it.
+``DispatchConfig.deepep_api`` names the DeepEP release: ``'v1'`` (``deep_ep.Buffer``), ``'v2'``
+(``deep_ep.ElasticBuffer``) or ``'v25'`` (``deep_ep_v25.EPBuffer``); each backend class builds
+itself from the config (``DispatchBackend.from_config``). ``deepep_api='auto'`` runs DeepEP V2
+where every rank has it and its static bound is known — worst-case mode (``M = W / R``) or
+dropless with ``num_max_dispatch_tokens_per_rank`` set, except a dropless dispatch across nodes,
+which runs V1's node-deduplicated internode kernels unless ``deepep_hybrid=False`` — and V1
+(``Buffer``) otherwise: low-latency mode, ``deepep_async_finish``, dropless with no per-rank
+token bound (``auto_deepep_api``). DeepEP 2.5 (``deepep_api='v25'``) comes first where every
+rank has it, under the same bound rule (and also unbounded where V1 cannot run); the same one
+all-reduce agrees on it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
 from types import ModuleType
 
 import torch.distributed as dist
 
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.deepep.support import deepep_support, load_deep_ep
-from flexdispatch.config import DispatchConfig
+from flexdispatch.config import DispatchConfig, deepep_release
 from flexdispatch.distributed import all_reduce_min_flag, all_reduce_min_flags, group_size
 from flexdispatch.types import DispatchStats
 
@@ -40,147 +42,30 @@ __all__ = [
     "DispatchBackend",
     "auto_deepep_api",
     "BACKENDS",
+    "backend_class",
     "deepep_available",
-    "make_torch_backend",
-    "make_deepep_backend",
-    "make_deepep_elastic_backend",
-    "make_deepep_ep_backend",
     "select_backend",
 ]
 
-BackendFactory = Callable[..., DispatchBackend]
+_CLASSES: dict[str, tuple[str, str]] = {
+    "torch": ("flexdispatch.backends.torch.a2a", "TorchA2ABackend"),
+    "v1": ("flexdispatch.backends.deepep.v1.backend", "DeepEPV1Backend"),
+    "v2": ("flexdispatch.backends.deepep.v2.backend", "DeepEPV2Backend"),
+    "v25": ("flexdispatch.backends.deepep.v25.backend", "DeepEPV25Backend"),
+}
 
 
-def make_torch_backend(
-    config: DispatchConfig,
-    group: dist.ProcessGroup | None,
-    *,
-    num_experts: int,
-    ranks_per_node: int,
-    stats: DispatchStats,
-) -> DispatchBackend:
-    """Build the ``torch`` (``all_to_all_single``) backend from a config."""
-    from flexdispatch.backends.torch.a2a import TorchA2ABackend
-
-    return TorchA2ABackend(
-        group,
-        num_experts=num_experts,
-        ranks_per_node=ranks_per_node,
-        num_worst_tokens=config.num_worst_tokens,
-        hierarchical=config.hierarchical,
-        checks=config.checks or None,
-        stats=stats,
-    )
+def backend_class(api: str) -> type[DispatchBackend]:
+    """The backend class of ``api`` (``"torch"``, or a DeepEP release: ``"v1"``, ``"v2"``,
+    ``"v25"``), imported now (never when this module is)."""
+    module, name = _CLASSES[api]
+    return getattr(importlib.import_module(module), name)
 
 
-def make_deepep_backend(
-    config: DispatchConfig,
-    group: dist.ProcessGroup | None,
-    *,
-    num_experts: int,
-    ranks_per_node: int,
-    stats: DispatchStats,
-    _deep_ep: ModuleType | None = None,
-) -> DispatchBackend:
-    """Build the ``deepep`` backend from a ``DispatchConfig``.
-
-    Args:
-        config: the ``DispatchConfig``.
-        group: the process group (None = WORLD).
-        num_experts: E.
-        ranks_per_node: L (resolved).
-        stats: counters the backend adds to.
-        _deep_ep: a ``deep_ep`` module to use instead of importing one (test hook, see
-            ``DeepEPBackend``).
-
-    Raises:
-        ValueError: DeepEP cannot serve this group (with the reason).
-    """
-    from flexdispatch.backends.deepep.v1.backend import DeepEPBackend
-
-    return DeepEPBackend(
-        group,
-        num_experts=num_experts,
-        ranks_per_node=ranks_per_node,
-        num_worst_tokens=config.num_worst_tokens,
-        hierarchical=config.hierarchical,
-        checks=config.checks or None,
-        stats=stats,
-        async_finish=config.deepep_async_finish,
-        num_sms=config.deepep_num_sms,
-        mode=config.mode,
-        num_max_dispatch_tokens_per_rank=config.num_max_dispatch_tokens_per_rank,
-        use_fp8=config.use_fp8,
-        _deep_ep=_deep_ep,
-    )
+_V25_NOT_EVERYWHERE = "deep_ep_v25.EPBuffer is usable here but not on every rank"
 
 
-def make_deepep_elastic_backend(
-    config: DispatchConfig,
-    group: dist.ProcessGroup | None,
-    *,
-    num_experts: int,
-    ranks_per_node: int,
-    stats: DispatchStats,
-    _deep_ep: ModuleType | None = None,
-) -> DispatchBackend:
-    """Build the ``deepep`` backend's V2 path (``deep_ep.ElasticBuffer``) from a config.
-
-    Raises:
-        ValueError: DeepEP V2 cannot serve this group (with the reason).
-    """
-    from flexdispatch.backends.deepep.v2.backend import DeepEPElasticBackend
-
-    return DeepEPElasticBackend(
-        group,
-        num_experts=num_experts,
-        ranks_per_node=ranks_per_node,
-        num_worst_tokens=config.num_worst_tokens,
-        hierarchical=config.hierarchical,
-        checks=config.checks or None,
-        stats=stats,
-        num_sms=config.deepep_num_sms,
-        num_max_tokens_per_rank=config.num_max_dispatch_tokens_per_rank,
-        _deep_ep=_deep_ep,
-    )
-
-
-def make_deepep_ep_backend(
-    config: DispatchConfig,
-    group: dist.ProcessGroup | None,
-    *,
-    num_experts: int,
-    ranks_per_node: int,
-    stats: DispatchStats,
-    _deep_ep: ModuleType | None = None,
-) -> DispatchBackend:
-    """Build the ``deepep`` backend's DeepEP 2.5 path (``deep_ep_v25.EPBuffer``) from a config.
-
-    Raises:
-        ValueError: DeepEP 2.5 cannot serve this group (with the reason).
-    """
-    from flexdispatch.backends.deepep.v25.backend import DeepEPEPBackend
-
-    return DeepEPEPBackend(
-        group,
-        num_experts=num_experts,
-        ranks_per_node=ranks_per_node,
-        num_worst_tokens=config.num_worst_tokens,
-        hierarchical=config.hierarchical,
-        checks=config.checks or None,
-        stats=stats,
-        num_sms=config.deepep_num_sms,
-        num_max_tokens_per_rank=config.num_max_dispatch_tokens_per_rank,
-        hybrid=config.deepep_hybrid,
-        expert_alignment=config.expert_alignment,
-        _deep_ep=_deep_ep,
-    )
-
-
-_EP_NOT_EVERYWHERE = "deep_ep_v25.EPBuffer is usable here but not on every rank"
-
-
-def _ep_support(
+def _v25_support(
     config: DispatchConfig,
     group: dist.ProcessGroup | None,
     *,
@@ -189,9 +74,10 @@ def _ep_support(
     module: ModuleType | None,
     hooked: bool,
 ) -> tuple[bool, str, bool]:
-    """Whether DeepEP 2.5 can serve this group here (``ep_support.ep_rules``), judged as its
-    constructor will: on DeepEP's own NVLink (NCCL LSA) domain, not ``ranks_per_node`` (audit-4
-    P15), and on NCCL's GIN report (``gin.gin_support``, audit-4 P6).
+    """Whether DeepEP 2.5 can serve this group here (``v25.support.v25_rules``), judged as its
+    constructor will: on DeepEP's own NVLink (NCCL LSA) domain, not ``ranks_per_node`` (a
+    launcher's local world size need not be the NVLink domain), and on NCCL's GIN report
+    (``gin.gin_support``: the buffer asserts on it otherwise).
 
     Collective whenever it is called with ``mode='normal'``: the domain query needs the group's
     communicator, so it runs only where every rank has DeepEP 2.5 (one small all-reduce first).
@@ -202,15 +88,15 @@ def _ep_support(
     """
     from flexdispatch.backends.deepep.gin import gin_support
     from flexdispatch.backends.deepep.support import group_is_nccl_on_cuda, is_emulator
-    from flexdispatch.backends.deepep.v25.support import ep_available, ep_rules, load_deep_ep_v25
+    from flexdispatch.backends.deepep.v25.support import load_deep_ep_v25, v25_available, v25_rules
 
     del ranks_per_node  # NOTE: DeepEP 2.5 reads its NVLink domain from NCCL, not the launcher
     if config.mode != "normal":
-        return False, "deepep_api='ep': DeepEP 2.5 has no low-latency kernels (use 'legacy')", False
+        return False, "deepep_api='v25': DeepEP 2.5 has no low-latency kernels (use 'v1')", False
     why = "no deep_ep_v25 module given (test hook)"
     if not hooked:
         module, why = load_deep_ep_v25()
-    ok, why = ep_available(module, why)
+    ok, why = v25_available(module, why)
     if ok and module is not None and not is_emulator(module):
         ok, nccl = group_is_nccl_on_cuda(group)
         why = why if ok else nccl
@@ -218,12 +104,12 @@ def _ep_support(
     if ok and module is not None:
         ok, why = _pcie_rule(module, R, why)
     if R > 1 and not all_reduce_min_flag(ok, group):
-        return False, why if not ok else _EP_NOT_EVERYWHERE, False
+        return False, why if not ok else _V25_NOT_EVERYWHERE, False
     if not ok or module is None:
         return False, why, False
     world = group if group is not None else dist.group.WORLD
     _, L = (1, R) if R == 1 else module.get_physical_domain_size(world)
-    ok, rule, hybrid = ep_rules(
+    ok, rule, hybrid = v25_rules(
         R,
         L,
         num_experts,
@@ -253,12 +139,12 @@ def _pcie_rule(module: ModuleType, R: int, why: str) -> Capability:
     if "PCIE" in name and R > 2:
         return False, (
             f"DeepEP 2.5 takes at most 2 ranks on PCIe GPUs ({name}: pairwise NVLink only, an "
-            f"assert in EPBuffer): use deepep_api='legacy' / 'elastic' or backend='torch'"
+            f"assert in EPBuffer): use deepep_api='v1' / 'v2' or backend='torch'"
         )
     return True, why
 
 
-def _elastic_support(
+def _v2_support(
     config: DispatchConfig,
     group: dist.ProcessGroup | None,
     *,
@@ -269,10 +155,10 @@ def _elastic_support(
     """Whether the V2 path can serve this group here (local answer): DeepEP's topology rules
     (worst-case mode allowed across nodes), normal mode, and ``deep_ep.ElasticBuffer``."""
     from flexdispatch.backends.deepep.gin import gin_support
-    from flexdispatch.backends.deepep.v2.backend import elastic_available
+    from flexdispatch.backends.deepep.v2.backend import v2_available
 
     if config.mode != "normal":
-        return False, "deepep_api='elastic' runs mode='normal' only (low-latency: use 'legacy')"
+        return False, "deepep_api='v2' runs mode='normal' only (low-latency: use 'v1')"
     ok, why = deepep_support(
         group=group,
         num_experts=num_experts,
@@ -287,17 +173,17 @@ def _elastic_support(
     W, R = config.num_worst_tokens, group_size(group)
     if W % R:
         return False, f"num_worst_tokens={W} is not a multiple of R={R} (V2 takes M = W / R)"
-    # NOTE: V2's own workspace limits (layout.cuh:38-40; audit-3 N16), beside V1's rules above
+    # NOTE: V2's own workspace limits (layout.cuh:38-40), beside V1's rules above
     if num_experts > 2048 or R > 1024 or num_experts // R > 256:
         return False, (
             f"DeepEP V2 takes E <= 2048 experts, R <= 1024 ranks and at most 256 local experts, "
-            f"got E={num_experts}, R={R}, e={num_experts // R}: use deepep_api='legacy'"
+            f"got E={num_experts}, R={R}, e={num_experts // R}: use deepep_api='v1'"
         )
     module = deep_ep if deep_ep is not None else load_deep_ep()[0]
-    has, reason = elastic_available(module)
+    has, reason = v2_available(module)
     if not has:
         return False, reason
-    # NOTE: V2's buffer asserts NCCL GIN (direct mode: ginType) unless EP_DISABLE_GIN (audit-4 P6)
+    # NOTE: V2's buffer asserts NCCL GIN (direct mode: ginType) unless EP_DISABLE_GIN
     world = group if group is not None else dist.group.WORLD
     ok, gin = gin_support(module, world, hybrid=False, generation="v2", num_ranks=R)
     if not ok:
@@ -305,8 +191,8 @@ def _elastic_support(
     return True, f"{why}; {reason}; {gin}"
 
 
-BACKENDS: dict[str, BackendFactory] = {"torch": make_torch_backend, "deepep": make_deepep_backend}
-"""Registered backend factories by name."""
+BACKENDS = ("torch", "deepep")
+"""The backends ``DispatchConfig.backend`` names (``"auto"`` picks one of them)."""
 
 
 def deepep_available() -> Capability:
@@ -328,7 +214,7 @@ def select_backend(
 
     Args:
         config: the dispatch config (``backend`` is ``"auto"``, ``"torch"`` or ``"deepep"``;
-            ``deepep_api`` is ``"auto"``, ``"legacy"`` or ``"elastic"``).
+            ``deepep_api`` is ``"auto"``, ``"v1"``, ``"v2"`` or ``"v25"``).
         group: the process group (None = WORLD, or a world of one).
         num_experts: E.
         ranks_per_node: L (already resolved).
@@ -343,29 +229,32 @@ def select_backend(
         ValueError: ``backend="deepep"`` cannot be honoured (the message says why).
     """
     kwargs = {"num_experts": num_experts, "ranks_per_node": ranks_per_node, "stats": stats}
+    requested = deepep_release(config.deepep_api)
     if config.backend == "torch":
-        return make_torch_backend(config, group, **kwargs), "backend='torch' requested"
+        return backend_class("torch").from_config(config, group, **kwargs), (
+            "backend='torch' requested"
+        )
     from flexdispatch.backends.deepep.v25.support import split_hook
 
-    deep_ep, v25, hooked = split_hook(deep_ep)
-    ep3 = (False, "deepep_api excludes DeepEP 2.5", False)
-    if config.deepep_api in ("ep", "auto"):
-        ep3 = _ep_support(
+    deep_ep, v25_module, hooked = split_hook(deep_ep)
+    v25_3 = (False, "deepep_api excludes DeepEP 2.5", False)
+    if requested in ("v25", "auto"):
+        v25_3 = _v25_support(
             config,
             group,
             num_experts=num_experts,
             ranks_per_node=ranks_per_node,
-            module=v25,
+            module=v25_module,
             hooked=hooked,
         )
-    ep = ep3[:2]
-    if config.deepep_api == "ep":
-        note = "DeepEP API: ep deep_ep_v25.EPBuffer (deepep_api='ep' requested)"
-        return _build(config, group, "ep", ep, note, kwargs, v25)
+    v25 = v25_3[:2]
+    if requested == "v25":
+        note = "DeepEP API: v25 deep_ep_v25.EPBuffer (deepep_api='v25' requested)"
+        return _build(config, group, "v25", v25, note, kwargs, v25_module)
     if hooked and deep_ep is None:
-        legacy = (False, "no deep_ep module given (test hook)")
+        v1 = (False, "no deep_ep module given (test hook)")
     else:
-        legacy = deepep_support(
+        v1 = deepep_support(
             group=group,
             num_experts=num_experts,
             ranks_per_node=ranks_per_node,
@@ -375,46 +264,48 @@ def select_backend(
             num_max_dispatch_tokens_per_rank=config.num_max_dispatch_tokens_per_rank,
             deep_ep=deep_ep,
         )
-    if config.deepep_api == "legacy":
-        note = "DeepEP API: legacy deep_ep.Buffer (deepep_api='legacy')"
-        return _build(config, group, "legacy", legacy, note, kwargs, deep_ep)
+    if requested == "v1":
+        note = "DeepEP API: v1 deep_ep.Buffer (deepep_api='v1')"
+        return _build(config, group, "v1", v1, note, kwargs, deep_ep)
     if hooked and deep_ep is None:
-        elastic = (False, "no deep_ep module given (test hook)")
+        v2 = (False, "no deep_ep module given (test hook)")
     else:
-        elastic = _elastic_support(
+        v2 = _v2_support(
             config, group, num_experts=num_experts, ranks_per_node=ranks_per_node, deep_ep=deep_ep
         )
-    if config.deepep_api == "elastic":
-        note = "DeepEP API: elastic deep_ep.ElasticBuffer (deepep_api='elastic' requested)"
-        return _build(config, group, "elastic", elastic, note, kwargs, deep_ep)
+    if requested == "v2":
+        note = "DeepEP API: v2 deep_ep.ElasticBuffer (deepep_api='v2' requested)"
+        return _build(config, group, "v2", v2, note, kwargs, deep_ep)
     across = group_size(group) > ranks_per_node
-    api, why = auto_deepep_api(config, elastic, legacy, ep, across_nodes=across)
-    if ep[1] == _EP_NOT_EVERYWHERE:
+    api, why = auto_deepep_api(config, v2, v1, v25, across_nodes=across)
+    if v25[1] == _V25_NOT_EVERYWHERE:
         why = f"DeepEP 2.5 is not the choice of every rank; {why}"
     alt, alt_why = (
-        auto_deepep_api(config, elastic, legacy, across_nodes=across) if api == "ep" else (api, why)
+        auto_deepep_api(config, v2, v1, across_nodes=across) if api == "v25" else (api, why)
     )
     # NOTE: every rank must run the same API: V2.5 / V2 only where every rank would pick it
     # (the choice without V2.5 is agreed in the same all-reduce).
-    want_ep, ok_ep, want, ok_v2, ok_v1 = all_reduce_min_flags(
-        [api == "ep", ep[0], alt == "elastic", elastic[0], legacy[0]], group
+    want_v25, ok_v25, want_v2, ok_v2, ok_v1 = all_reduce_min_flags(
+        [api == "v25", v25[0], alt == "v2", v2[0], v1[0]], group
     )
-    if api == "ep" and not want_ep:
+    if api == "v25" and not want_v25:
         api, why = alt, f"DeepEP 2.5 is not the choice of every rank; {alt_why}"
-    if api == "elastic" and not want:
-        api, why = "legacy", "V2 is not the choice of every rank"
-    name = {
-        "ep": "ep deep_ep_v25.EPBuffer",
-        "elastic": "elastic deep_ep.ElasticBuffer",
-        "legacy": "legacy deep_ep.Buffer",
-    }[api]
-    note = f"DeepEP API: {name} (deepep_api='auto': {why})"
-    support = {"ep": ep, "elastic": elastic, "legacy": legacy}[api]
-    if api != "ep" and ep3[2] and not ep[0]:  # NOTE: DeepEP 2.5 is here but refused: say why
-        support = (support[0], f"{support[1]}; DeepEP 2.5 not used: {ep[1]}")
-    everywhere = {"ep": ok_ep, "elastic": ok_v2, "legacy": ok_v1}[api]
-    module = v25 if api == "ep" else deep_ep
+    if api == "v2" and not want_v2:
+        api, why = "v1", "V2 is not the choice of every rank"
+    note = f"DeepEP API: {api} {_BUFFER_CLASS[api]} (deepep_api='auto': {why})"
+    support = {"v25": v25, "v2": v2, "v1": v1}[api]
+    if api != "v25" and v25_3[2] and not v25[0]:  # NOTE: DeepEP 2.5 is here but refused: say why
+        support = (support[0], f"{support[1]}; DeepEP 2.5 not used: {v25[1]}")
+    everywhere = {"v25": ok_v25, "v2": ok_v2, "v1": ok_v1}[api]
+    module = v25_module if api == "v25" else deep_ep
     return _build(config, group, api, support, note, kwargs, module, everywhere=everywhere)
+
+
+_BUFFER_CLASS = {
+    "v25": "deep_ep_v25.EPBuffer",
+    "v2": "deep_ep.ElasticBuffer",
+    "v1": "deep_ep.Buffer",
+}
 
 
 def _build(
@@ -433,48 +324,42 @@ def _build(
     ``everywhere``: the support already agreed across ranks (None: agree here with one small
     all-reduce)."""
     ok, why = support
-    make = {
-        "ep": make_deepep_ep_backend,
-        "elastic": make_deepep_elastic_backend,
-        "legacy": make_deepep_backend,
-    }[api]
-    what = "deepep backend" + (f" with deepep_api={api!r}" if api != "legacy" else "")
+    cls = backend_class(api)
+    what = "deepep backend" + (f" with deepep_api={api!r}" if api != "v1" else "")
     if config.backend == "deepep":
         if everywhere is None:  # NOTE: a rank that cannot build it makes every rank raise
             everywhere = all_reduce_min_flag(ok, group)
         if not ok:
-            alt = {"ep": "deepep_api='elastic' / 'legacy', ", "elastic": "deepep_api='legacy', "}
-            alt = alt.get(api, "")
+            alt = {"v25": "deepep_api='v2' / 'v1', ", "v2": "deepep_api='v1', "}.get(api, "")
             raise ValueError(f"{what} not available: {why}; use {alt}backend='torch' or 'auto'")
         if everywhere is False:
             raise ValueError(
                 f"{what} is usable here ({why}) but not on every rank; use backend='auto'"
             )
-        return make(config, group, **kwargs, _deep_ep=deep_ep), (
+        return cls.from_config(config, group, **kwargs, _deep_ep=deep_ep), (
             f"backend='deepep' requested ({why}); {note}"
         )
     if everywhere is None:
         everywhere = all_reduce_min_flag(ok, group)
     if everywhere:
-        return make(config, group, **kwargs, _deep_ep=deep_ep), (
+        return cls.from_config(config, group, **kwargs, _deep_ep=deep_ep), (
             f"auto: deepep on every rank ({why}); {note}"
         )
     if ok:
-        module = {"ep": "deep_ep_v25.EPBuffer", "elastic": "deep_ep.ElasticBuffer"}.get(
-            api, "deep_ep"
-        )
+        module = "deep_ep" if api == "v1" else _BUFFER_CLASS[api]
         why = f"{module} is usable here but not on every rank"
-    prefix = f"deepep_api={config.deepep_api!r}: " if config.deepep_api != "auto" else ""
-    if config.deepep_api == "legacy":
-        prefix = ""
-    return make_torch_backend(config, group, **kwargs), f"auto: torch fallback ({prefix}{why})"
+    requested = deepep_release(config.deepep_api)
+    prefix = f"deepep_api={requested!r}: " if requested not in ("auto", "v1") else ""
+    return backend_class("torch").from_config(config, group, **kwargs), (
+        f"auto: torch fallback ({prefix}{why})"
+    )
 
 
 def auto_deepep_api(
     config: DispatchConfig,
-    elastic: Capability,
-    legacy: Capability,
-    ep: Capability | None = None,
+    v2: Capability,
+    v1: Capability,
+    v25: Capability | None = None,
     *,
     across_nodes: bool = False,
 ) -> tuple[str, str]:
@@ -482,10 +367,10 @@ def auto_deepep_api(
 
     Across nodes (``across_nodes``) the node-deduplicated kernels come first: DeepEP 2.5 (hybrid
     mode unless ``deepep_hybrid=False``), else V1's internode kernels for a dropless dispatch,
-    not V2's direct mode (one RDMA put per destination *rank*, audit N12) — unless
+    not V2's direct mode (one RDMA put per destination *rank*) — unless
     ``deepep_hybrid=False`` asks for direct mode.
 
-    DeepEP 2.5 (``ep``: ``deep_ep_v25.EPBuffer``) first, where it exists and its static bound is
+    DeepEP 2.5 (``v25``: ``deep_ep_v25.EPBuffer``) first, where it exists and its static bound is
     known (as V2's below) or V1 cannot run here. V2 (``ElasticBuffer``) runs where it exists and
     its static bound is known: worst-case mode (``M = W / R``, static shapes without a host sync,
     intranode and across nodes) or a dropless dispatch with ``num_max_dispatch_tokens_per_rank``
@@ -493,48 +378,43 @@ def auto_deepep_api(
     per-rank token bound (V1 takes any T).
     """
     if config.mode != "normal":
-        return "legacy", "low-latency kernels are DeepEP V1's"
+        return "v1", "low-latency kernels are DeepEP V1's"
     if config.deepep_async_finish:
-        return "legacy", "deepep_async_finish runs on V1's communication stream"
+        return "v1", "deepep_async_finish runs on V1's communication stream"
     bound = "num_max_dispatch_tokens_per_rank" in config.model_fields_set
-    if ep is not None and ep[0]:
+    if v25 is not None and v25[0]:
         if config.num_worst_tokens:
-            return "ep", "worst-case mode: DeepEP 2.5 static shapes, no host sync"
+            return "v25", "worst-case mode: DeepEP 2.5 static shapes, no host sync"
         if bound:
             M = config.num_max_dispatch_tokens_per_rank
-            return "ep", f"DeepEP 2.5, dropless with num_max_dispatch_tokens_per_rank={M} set"
-        if not legacy[0]:
+            return "v25", f"DeepEP 2.5, dropless with num_max_dispatch_tokens_per_rank={M} set"
+        if not v1[0]:
             M = config.num_max_dispatch_tokens_per_rank
-            return "ep", (
+            return "v25", (
                 f"DeepEP 2.5, dropless with num_max_dispatch_tokens_per_rank={M} tokens per rank "
                 f"at first, grown to the largest T the ranks dispatch (V1 cannot run: "
-                f"{legacy[1]})"
+                f"{v1[1]})"
             )
-    ok, why = elastic
+    ok, why = v2
     if not ok:
-        return "legacy", f"V2 cannot run: {why}"
-    if (
-        across_nodes
-        and not config.num_worst_tokens
-        and legacy[0]
-        and config.deepep_hybrid is not False
-    ):
-        return "legacy", (
+        return "v1", f"V2 cannot run: {why}"
+    if across_nodes and not config.num_worst_tokens and v1[0] and config.deepep_hybrid is not False:
+        return "v1", (
             "across nodes: V1's internode kernels send a token once per destination node and "
             "forward it over NVLink (V2 here would be direct mode, one RDMA put per destination "
-            "rank; deepep_hybrid=False or deepep_api='elastic' asks for that)"
+            "rank; deepep_hybrid=False or deepep_api='v2' asks for that)"
         )
     if config.num_worst_tokens:
-        if not legacy[0]:
-            return "elastic", "worst-case mode: V2 static shapes (V1 cannot: " + legacy[1] + ")"
+        if not v1[0]:
+            return "v2", "worst-case mode: V2 static shapes (V1 cannot: " + v1[1] + ")"
         direct = " (direct mode across nodes: V1 has no internode worst-case mode)"
-        return "elastic", "worst-case mode: V2 static shapes with M = W / R, no host sync" + (
+        return "v2", "worst-case mode: V2 static shapes with M = W / R, no host sync" + (
             direct if across_nodes else ""
         )
     if "num_max_dispatch_tokens_per_rank" in config.model_fields_set:
         M = config.num_max_dispatch_tokens_per_rank
-        return "elastic", f"dropless with num_max_dispatch_tokens_per_rank={M} set"
-    return "legacy", (
+        return "v2", f"dropless with num_max_dispatch_tokens_per_rank={M} set"
+    return "v1", (
         "dropless with no per-rank token bound: V1 takes any T (set "
-        "num_max_dispatch_tokens_per_rank, or deepep_api='elastic' / 'ep' for V2 / V2.5)"
+        "num_max_dispatch_tokens_per_rank, or deepep_api='v2' / 'v25' for V2 / V2.5)"
     )

@@ -45,9 +45,10 @@ needs no cluster.
   environment variable, ``"gpus"`` or ``"default"``), ``hidden`` (H or null), ``backend`` (what
   would run, or null when the request cannot be honoured), ``ok``, ``reason``, ``checks``:
   {``deepep``: [...], ``torch``: [...]}, each a list of ``{name, ok, detail}``; ``deepep_api``:
-  {``requested`` (auto | legacy | elastic | ep), ``api`` (``"legacy"`` / ``"elastic"`` / ``"ep"``
-  when deepep would run, else null), ``reason``} (``deepep_api_choice``; with ``ep``, or ``auto``
-  where DeepEP 2.5 imports, DeepEP 2.5's own rules decide the selection).
+  {``requested`` (auto | v1 | v2 | v25), ``api`` (``"v1"`` / ``"v2"`` / ``"v25"`` when deepep
+  would run, else null), ``reason``} (``deepep_api_choice``; with ``v25``, or ``auto`` where
+  DeepEP 2.5 imports, DeepEP 2.5's own rules decide the selection). The names before 0.1
+  (``legacy``, ``elastic``, ``ep``) are read as these.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ __all__ = [
 
 SCHEMA = "flexdispatch.doctor/1"
 BACKEND_CHOICES = ("auto", "torch", "deepep")
-DEEPEP_API_CHOICES = ("auto", "legacy", "elastic", "ep")
+DEEPEP_API_CHOICES = ("auto", "v1", "v2", "v25")
 _ROW_ELEMENT_SIZE = 2  # bf16 activations, the dtype DeepEP moves natively
 
 
@@ -341,6 +342,13 @@ def would_select(
     )
 
 
+def _release(requested: str) -> str:
+    """A ``deepep_api`` value before 0.1 (``legacy``, ``elastic``, ``ep``) as its release name."""
+    from flexdispatch.config import deepep_release
+
+    return deepep_release(requested)
+
+
 def deepep_api_choice(
     requested: str,
     *,
@@ -353,37 +361,38 @@ def deepep_api_choice(
 
     The rule of ``flexdispatch.dispatch.select.select_backend``: ``"auto"`` runs V2
     (``deep_ep.ElasticBuffer``) where it exists in worst-case mode (``num_worst_tokens > 0``),
-    else V1 ``deep_ep.Buffer`` (``auto_deepep_api``); ``"elastic"`` needs ``ElasticBuffer``.
+    else V1 ``deep_ep.Buffer`` (``auto_deepep_api``); ``"v2"`` needs ``ElasticBuffer``.
 
     Args:
-        requested: ``"auto"``, ``"legacy"`` or ``"elastic"``.
+        requested: ``"auto"``, ``"v1"``, ``"v2"`` or ``"v25"`` (or a name before 0.1).
         backend: the backend that would run (``would_select``), or None.
         elastic: the importable ``deep_ep`` has ``ElasticBuffer`` (None: it does not import).
         num_worst_tokens: W of the dispatch to report on (0 = dropless).
         ep: DeepEP 2.5 (``deep_ep_v25.EPBuffer``) imports here (None: not asked).
     """
+    requested = _release(requested)
     if requested not in DEEPEP_API_CHOICES:
         raise ValueError(
             f"deepep_api must be one of {', '.join(DEEPEP_API_CHOICES)}, got {requested!r}"
         )
-    if requested == "elastic":
-        api: str | None = "elastic" if elastic else None
+    if requested == "v2":
+        api: str | None = "v2" if elastic else None
         reason = (
-            "deepep_api='elastic': DeepEP V2 deep_ep.ElasticBuffer"
+            "deepep_api='v2': DeepEP V2 deep_ep.ElasticBuffer"
             if elastic
-            else "deepep_api='elastic' needs deep_ep.ElasticBuffer (DeepEP 2.1.0+), "
+            else "deepep_api='v2' needs deep_ep.ElasticBuffer (DeepEP 2.1.0+), "
             + ("absent here" if elastic is False else "and deep_ep does not import")
         )
-    elif requested == "ep":
-        api = "ep" if ep else None
+    elif requested == "v25":
+        api = "v25" if ep else None
         reason = (
-            "deepep_api='ep': DeepEP 2.5 deep_ep_v25.EPBuffer"
+            "deepep_api='v25': DeepEP 2.5 deep_ep_v25.EPBuffer"
             if ep
-            else "deepep_api='ep' needs deep_ep_v25.EPBuffer (pip install --no-deps "
+            else "deepep_api='v25' needs deep_ep_v25.EPBuffer (pip install --no-deps "
             "sgl-deep-ep-v25), which does not import here"
         )
-    elif requested == "legacy":
-        api, reason = "legacy", "deepep_api='legacy': DeepEP V1 deep_ep.Buffer"
+    elif requested == "v1":
+        api, reason = "v1", "deepep_api='v1': DeepEP V1 deep_ep.Buffer"
     else:
         from flexdispatch.config import DispatchConfig
         from flexdispatch.dispatch.select import auto_deepep_api
@@ -402,9 +411,9 @@ def deepep_api_choice(
         v25 = (True, "deep_ep_v25.EPBuffer exists") if ep else None
         api, why = auto_deepep_api(cfg, has, (backend == "deepep", ""), v25)
         name = {
-            "ep": "V2.5 deep_ep_v25.EPBuffer",
-            "elastic": "V2 deep_ep.ElasticBuffer",
-            "legacy": "V1 deep_ep.Buffer",
+            "v25": "V2.5 deep_ep_v25.EPBuffer",
+            "v2": "V2 deep_ep.ElasticBuffer",
+            "v1": "V1 deep_ep.Buffer",
         }[api]
         reason = f"deepep_api='auto': DeepEP {name} ({why})"
     if backend != "deepep":
@@ -487,14 +496,15 @@ def run_doctor(
     elastic = bool(deep.get("elastic")) if deep["importable"] else None
     gens = probe_generations(deep)
     ep_ok = bool(gens["v25"]["ok"])
-    if deepep_api == "ep" or (
+    deepep_api = _release(deepep_api)
+    if deepep_api == "v25" or (
         deepep_api == "auto" and ep_ok and (num_worst_tokens or choice.backend != "deepep")
     ):
-        # NOTE: DeepEP 2.5's own rules decide (ep_rules), not V1's topology rules
+        # NOTE: DeepEP 2.5's own rules decide (v25_rules), not V1's topology rules
         ep_backend, ep_why, ep_checks = ep_selection(
             backend, R, L, facts, gens["v25"], num_worst_tokens
         )
-        if backend != "torch" and (deepep_api == "ep" or ep_backend == "deepep"):
+        if backend != "torch" and (deepep_api == "v25" or ep_backend == "deepep"):
             choice = dataclasses.replace(choice, backend=ep_backend, ok=ep_backend is not None)
             selection.update(backend=ep_backend, ok=ep_backend is not None, reason=ep_why)
             selection["checks"]["deepep"] = ep_checks
@@ -506,7 +516,7 @@ def run_doctor(
         ep=ep_ok,
     )
     ok = choice.ok
-    if deepep_api == "elastic" and not elastic and choice.backend == "deepep":
+    if deepep_api == "v2" and not elastic and choice.backend == "deepep":
         # select_backend: backend='deepep' raises, 'auto' falls back to torch
         if backend == "deepep":
             ok = False

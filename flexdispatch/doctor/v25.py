@@ -46,10 +46,10 @@ Run = Callable[..., Any]
 def probe_generations(deep_ep: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """Which DeepEP generations import here: V1 ``deep_ep.Buffer``, V2 ``deep_ep.ElasticBuffer``
     (both from ``probe_deep_ep``'s answer ``deep_ep``), V2.5 ``deep_ep_v25.EPBuffer``."""
-    from flexdispatch.backends.deepep.v25.support import ep_available, load_deep_ep_v25
+    from flexdispatch.backends.deepep.v25.support import load_deep_ep_v25, v25_available
 
     module, why = load_deep_ep_v25()
-    ok, why = ep_available(module, why)
+    ok, why = v25_available(module, why)
     v1_ok = bool(deep_ep.get("usable"))
     v2_ok = v1_ok and bool(deep_ep.get("elastic"))
     return {
@@ -342,15 +342,15 @@ def _nccl_checks(
 def ep_selection(
     requested: str, R: int, L: int, facts: Any, v25: Mapping[str, Any], num_worst_tokens: int = 0
 ) -> tuple[str | None, str, list[dict[str, Any]]]:
-    """What ``backend=requested`` with ``deepep_api='ep'`` would run on R ranks with L per node:
-    DeepEP 2.5's own rules (``ep_rules``; E taken as R, any multiple of R passes), not V1's.
+    """What ``backend=requested`` with ``deepep_api='v25'`` would run on R ranks with L per node:
+    DeepEP 2.5's own rules (``v25_rules``; E taken as R, any multiple of R passes), not V1's.
 
     Returns:
         ``(backend or None, reason, checks)``, checks as ``{name, ok, detail}``.
     """
-    from flexdispatch.backends.deepep.v25.support import ep_rules
+    from flexdispatch.backends.deepep.v25.support import v25_rules
 
-    ok_t, why_t, _ = ep_rules(R, L, R, num_worst_tokens=num_worst_tokens)
+    ok_t, why_t, _ = v25_rules(R, L, R, num_worst_tokens=num_worst_tokens)
     checks = [
         {"name": "import", "ok": bool(v25["ok"]), "detail": v25["reason"]},
         {
@@ -374,5 +374,5 @@ def ep_selection(
     if fail is None:
         return "deepep", f"deepep with DeepEP 2.5 ({why_t})", checks
     if requested == "deepep":
-        return None, f"deepep backend with deepep_api='ep' not available: {fail['detail']}", checks
-    return "torch", f"auto: torch fallback (deepep_api='ep': {fail['detail']})", checks
+        return None, f"deepep backend with deepep_api='v25' not available: {fail['detail']}", checks
+    return "torch", f"auto: torch fallback (deepep_api='v25': {fail['detail']})", checks

@@ -545,7 +545,7 @@ def elastic_hidden(hidden: int, elem_size: int) -> tuple[int, int]:
 
 @dataclass(frozen=True, kw_only=True)
 class DeepEPElasticHints:
-    """What flexdispatch's V2 path (``deepep_api='elastic'``) would allocate for a cluster shape.
+    """What flexdispatch's V2 path (``deepep_api='v2'``) would allocate for a cluster shape.
 
     Direct mode (``allow_hybrid_mode=False``), ``allow_multiple_reduction=True``, a bf16-sized
     buffer (``use_fp8_dispatch=False``), hidden = ``max(dispatch_hidden, combine_hidden)``.

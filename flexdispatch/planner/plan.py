@@ -21,7 +21,7 @@ What ``plan_cluster`` does, in one process and without a GPU:
    ``[R, N]`` and ``[E]`` counts are kept, never a ``[T_total, R]`` mask.
 4. Pricing: ``flat`` and ``hierarchical`` with the torch backend's row format and
    ``deepep`` with DeepEP's (FP8 dispatch, BF16 combine); DeepEP buffer hints (V1 ``Buffer``
-   and the V2 ``ElasticBuffer`` that flexdispatch's ``deepep_api='elastic'`` path would build);
+   and the V2 ``ElasticBuffer`` that flexdispatch's ``deepep_api='v2'`` path would build);
    worst-case W.
 
 Time model (per direction): a link class moves ``max(bytes sent, bytes received)`` of a rank at

@@ -117,7 +117,7 @@ def _variant_details(plan: ClusterPlan, v: VariantPlan, top: int) -> list[str]:
         else ""
     )
     lines.append(
-        f"  DeepEP V2 (deepep_api='elastic') worst-case W >= T*R = {w.deepep_v2_w:,} "
+        f"  DeepEP V2 (deepep_api='v2') worst-case W >= T*R = {w.deepep_v2_w:,} "
         f"(W/R = {T:,} slots per source rank must hold its T tokens; intranode and across "
         f"nodes{v1})"
     )
@@ -153,7 +153,7 @@ def _elastic_lines(plan: ClusterPlan) -> list[str]:
     s, w = v2.dropless, v2.worst_case
     links = "one NVLink domain" if s.scaleup_nvlink else "not one NVLink domain: RDMA too"
     lines = [
-        "DeepEP V2 buffer (ElasticBuffer.get_buffer_size_hint as deepep_api='elastic' sizes it: "
+        "DeepEP V2 buffer (ElasticBuffer.get_buffer_size_hint as deepep_api='v2' sizes it: "
         "direct mode, multiple reduction, bf16-sized)",
         f"  domains: physical {s.num_rdma_ranks} x {s.num_nvl_ranks} (NVLink domains x ranks), "
         f"logical {s.num_scaleout_ranks} scale-out x {s.num_scaleup_ranks} scale-up ({links}); "

@@ -108,7 +108,7 @@ class WorstCase:
         torch_flat_w: smallest W the torch backend's flat mode accepts (``W / R`` rows per peer).
         torch_hier_w: same for its hierarchical mode (``W / N`` per node in hop 1, ``W / L`` per
             peer in hop 2), rounded up to a multiple of R.
-        deepep_v2_w: smallest W DeepEP V2 (``deepep_api='elastic'``) takes: ``T * R``, whatever
+        deepep_v2_w: smallest W DeepEP V2 (``deepep_api='v2'``) takes: ``T * R``, whatever
             the routing (``M = W / R`` receive slots per source rank must hold its T tokens);
             intranode and across nodes.
     """

@@ -71,7 +71,7 @@ def _make(backend: str, E: int, **cfg_kw: Any) -> Any:
     R, L = dist.get_world_size(), cfg_kw.get("ranks_per_node") or dist.get_world_size()
     emu = load_deep_ep(nvl_peers=L if L < R else 8)
     # NOTE: the V1 Buffer path here; the V2 (ElasticBuffer) contract is test_deepep_elastic.py
-    cfg = DispatchConfig(backend="deepep", deepep_api="legacy", **cfg_kw)
+    cfg = DispatchConfig(backend="deepep", deepep_api="v1", **cfg_kw)
     return FlexDispatcher(cfg, num_experts=E, _deep_ep=emu)
 
 

@@ -89,7 +89,7 @@ def layer16(rank: int, R: int) -> dict[str, Any]:
 @pytest.mark.timeout(600)
 def test_v1_and_v2_layers_on_16_ranks_as_two_nodes_of_8() -> None:
     for out in run_group(layer16, 16, timeout=560):
-        assert out["legacy"]["api"] == "deepep" and out["elastic"]["api"] == "elastic", out
+        assert out["legacy"]["api"] == "v1" and out["elastic"]["api"] == "v2", out
         for name in ("legacy", "elastic"):
             assert out[name]["nodes"] == 2, out
             # bf16 rows: DeepEP's combine rounds (twice across nodes), torch's does not
@@ -114,7 +114,7 @@ def past_eight_nodes(rank: int, R: int) -> dict[str, str]:
     for path in ("cpu", "cuda"):
         if path == "cuda":
             force_cuda_path()
-        cfg = DispatchConfig(backend="deepep", deepep_api="legacy", ranks_per_node=1)
+        cfg = DispatchConfig(backend="deepep", deepep_api="v1", ranks_per_node=1)
         d = FlexDispatcher(cfg, num_experts=E, _deep_ep=emu)
         try:
             d.dispatch(x, idx, p)
@@ -310,7 +310,7 @@ def capture_rules(rank: int, R: int) -> dict[str, Any]:
 
     E, k, H, T = 4 * R, 2, 64, 3
     emu = _emu(R, R, "2.1.0")
-    cfg = DispatchConfig(backend="deepep", deepep_api="elastic", num_worst_tokens=R * T)
+    cfg = DispatchConfig(backend="deepep", deepep_api="v2", num_worst_tokens=R * T)
     d = FlexDispatcher(cfg, num_experts=E, _deep_ep=emu)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16)
@@ -360,7 +360,7 @@ def capture_rules(rank: int, R: int) -> dict[str, Any]:
         dl.dispatch(x, idx, p)
         out[f"dropless_{api}"] = captured(lambda dl=dl: dl.dispatch(x, idx, p))
         dl.close()
-    v1 = FlexDispatcher(DispatchConfig(backend="deepep", deepep_api="legacy"), num_experts=E,
+    v1 = FlexDispatcher(DispatchConfig(backend="deepep", deepep_api="v1"), num_experts=E,
                         _deep_ep=_emu(R, R, "2.1.0"))  # fmt: skip
     rows = torch.zeros(T, 48).to(torch.float8_e4m3fn)
     try:

@@ -42,7 +42,7 @@ def _emu(L: int, release: str = "2.5.0") -> Any:
 def _ep(E: int, emu: Any, **kw: Any) -> Any:
     from flexdispatch import DispatchConfig, FlexDispatcher
 
-    cfg = DispatchConfig(backend="deepep", deepep_api="ep", **kw)
+    cfg = DispatchConfig(backend="deepep", deepep_api="v25", **kw)
     return FlexDispatcher(cfg, num_experts=E, _deep_ep=emu)
 
 
@@ -115,7 +115,7 @@ def probes(rank: int, out: dict[str, Any]) -> None:
 def gin_selection(rank: int, out: dict[str, Any]) -> None:
     """P6 / EV3: no GIN on the (emulated) communicator: ``auto`` falls back past V2.5 and V2
     (both assert NCCL's GIN type, V2 for R > 1: main:csrc/kernels/backend/nccl.cu:86-90) to V1,
-    naming it; ``deepep_api='ep'`` / ``'elastic'`` refuse before any buffer; ``EP_DISABLE_GIN``
+    naming it; ``deepep_api='v25'`` / ``'elastic'`` refuse before any buffer; ``EP_DISABLE_GIN``
     (read as DeepEP's ``sscanf``: "2abc" is 2) runs; the emulated ``EPBuffer`` and
     ``ElasticBuffer`` assert as DeepEP's do."""
     import torch.distributed as dist
@@ -131,7 +131,7 @@ def gin_selection(rank: int, out: dict[str, Any]) -> None:
         out["p6_auto"] = (getattr(d.backend, "api", "legacy"), d.backend_reason)
         d.close()
         out["p6_ep"] = _raises(lambda: _ep(E, v25))
-        cfg = DispatchConfig(backend="deepep", deepep_api="elastic", num_worst_tokens=8)
+        cfg = DispatchConfig(backend="deepep", deepep_api="v2", num_worst_tokens=8)
         out["p6_v2"] = _raises(lambda: FlexDispatcher(cfg, num_experts=E, _deep_ep=v2))
         out["ev3_emulator"] = _raises(
             lambda: v25.EPBuffer(
@@ -177,7 +177,7 @@ def domain(rank: int, out: dict[str, Any]) -> None:
     nccl = support.group_is_nccl_on_cuda
     support.group_is_nccl_on_cuda = lambda group: (True, "NCCL group on CUDA (test)")
     try:
-        cfg = DispatchConfig(deepep_api="ep", ranks_per_node=4, deepep_hybrid=True)
+        cfg = DispatchConfig(deepep_api="v25", ranks_per_node=4, deepep_hybrid=True)
         d = FlexDispatcher(cfg, num_experts=4 * 127, _deep_ep={"deep_ep_v25": real})
         out["p15_auto"] = (d.backend_name, d.backend_reason)
         d.close()
@@ -234,7 +234,7 @@ def v1_sms(rank: int, out: dict[str, Any]) -> None:
     assert after the dispatch ran)."""
     from flexdispatch import DispatchConfig, FlexDispatcher
 
-    cfg = DispatchConfig(backend="deepep", deepep_api="legacy", ranks_per_node=2, deepep_num_sms=2)
+    cfg = DispatchConfig(backend="deepep", deepep_api="v1", ranks_per_node=2, deepep_num_sms=2)
     out["p14"] = _raises(lambda: FlexDispatcher(cfg, num_experts=8, _deep_ep=_emu(2, "1.2.1")))
 
 
@@ -354,7 +354,7 @@ def expect(name: str, outs: list[dict[str, Any]]) -> None:
             assert out["p5_sms"] == out["p5_model"] > out["p5_failed_model"] == 4, out
         elif name == "gin_selection":
             api, why = out["p6_auto"]
-            assert api == "legacy" and "V2 cannot run: NCCL reports ginType = NONE" in why, why
+            assert api == "v1" and "V2 cannot run: NCCL reports ginType = NONE" in why, why
             assert "DeepEP 2.5 not used: NCCL reports ginType = NONE" in why, why
             for key in ("p6_ep", "p6_v2"):
                 assert "ginType = NONE" in out[key] and "ValueError" in out[key], out

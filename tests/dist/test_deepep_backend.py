@@ -77,11 +77,11 @@ def test_selection_and_fallback() -> None:
 
 # --------------------------------------------------------------------- buffers, dtypes, fp8
 def features_worker(rank: int, R: int) -> dict[str, Any]:
-    from flexdispatch.backends.deepep.v1.backend import DeepEPBackend
+    from flexdispatch.backends.deepep.v1.backend import DeepEPV1Backend
 
     emu, E, k = _emu(), 3 * R, 3
     out: dict[str, Any] = {}
-    be = DeepEPBackend(None, num_experts=E, ranks_per_node=R, async_finish=True, _deep_ep=emu)
+    be = DeepEPV1Backend(None, num_experts=E, ranks_per_node=R, async_finish=True, _deep_ep=emu)
 
     def run(H: int, dtype: torch.dtype) -> tuple[Any, Any, Any]:
         inputs = all_inputs(3, R=R, E=E, k=k, H=H, dtype=dtype, exact=False)
@@ -151,11 +151,11 @@ def test_buffers_dtypes_fp8() -> None:
 
 # --------------------------------------------------------------------- worst-case guard
 def limit_worker(rank: int, R: int) -> int:
-    from flexdispatch.backends.deepep.v1.backend import DeepEPBackend
+    from flexdispatch.backends.deepep.v1.backend import DeepEPV1Backend
 
     emu, E = _emu(), 2 * R
     W = 2 * R  # W / R = 2 rows per destination and sender
-    be = DeepEPBackend(None, num_experts=E, ranks_per_node=R, num_worst_tokens=W, _deep_ep=emu)
+    be = DeepEPV1Backend(None, num_experts=E, ranks_per_node=R, num_worst_tokens=W, _deep_ep=emu)
     g = torch.Generator().manual_seed(17)
     masks = [torch.rand(6 + s, R, generator=g) < 0.6 for s in range(R)]
     mine = masks[rank]

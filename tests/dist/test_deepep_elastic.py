@@ -1,4 +1,4 @@
-"""The deepep backend's V2 path (``deepep_api="elastic"``, ``deep_ep.ElasticBuffer``) under the
+"""The deepep backend's V2 path (``deepep_api="v2"``, ``deep_ep.ElasticBuffer``) under the
 dispatch contract, on DeepEP's own ``elastic.py`` over the emulated runtime.
 
 Shape letters (ARCHITECTURE.md): T tokens · H hidden · E experts · R ranks · e = E / R · k top-k ·
@@ -41,7 +41,7 @@ def _make(R: int, L: int, W: int = 0, **kw: Any) -> Any:
     from flexdispatch import DispatchConfig, FlexDispatcher
 
     cfg = DispatchConfig(
-        backend="deepep", deepep_api="elastic", ranks_per_node=L, num_worst_tokens=W, **kw
+        backend="deepep", deepep_api="v2", ranks_per_node=L, num_worst_tokens=W, **kw
     )
     return FlexDispatcher(cfg, num_experts=E_PER_RANK * R, _deep_ep=_emu(R, L))
 
@@ -54,7 +54,7 @@ def _worst(inputs: list[Any]) -> int:
 
 # --------------------------------------------------------------------- contract
 def contract_worker(rank: int, R: int, L: int, seed: int) -> dict[str, Any]:
-    from flexdispatch.backends.deepep.v2.backend import DeepEPElasticBackend
+    from flexdispatch.backends.deepep.v2.backend import DeepEPV2Backend
 
     E = E_PER_RANK * R
     kw = {"R": R, "E": E, "k": K, "H": H}
@@ -70,7 +70,7 @@ def contract_worker(rank: int, R: int, L: int, seed: int) -> dict[str, Any]:
         for worst in (False, True):
             where = f"rank {rank} {case} {'worst' if worst else 'dropless'}"
             d = _make(R, L, W if worst else 0)
-            assert isinstance(d.backend, DeepEPElasticBackend), where
+            assert isinstance(d.backend, DeepEPV2Backend), where
             res = d.dispatch(mine.x, mine.idx, mine.probs)
             _check_dispatch(res, ref, W if worst else 0, where)
             out = d.combine(expert_fn(res.recv_x, res.recv_topk_probs, rank), res.handle)
@@ -173,8 +173,8 @@ def test_elastic_contract(R: int, L: int) -> None:
 # --------------------------------------------------------------------- selection and refusals
 def selection_worker(rank: int, R: int) -> dict[str, Any]:
     from flexdispatch import DispatchConfig, FlexDispatcher
-    from flexdispatch.backends.deepep.v1.backend import DeepEPBackend
-    from flexdispatch.backends.deepep.v2.backend import DeepEPElasticBackend
+    from flexdispatch.backends.deepep.v1.backend import DeepEPV1Backend
+    from flexdispatch.backends.deepep.v2.backend import DeepEPV2Backend
 
     E = E_PER_RANK * R
     v2, v1 = _emu(R, R), _emu(R, R, release="1.2.1")
@@ -182,7 +182,7 @@ def selection_worker(rank: int, R: int) -> dict[str, Any]:
 
     def pick(cfg: DispatchConfig, module: Any) -> tuple[str, str, str]:
         d = FlexDispatcher(cfg, num_experts=E, _deep_ep=module)
-        kind = {DeepEPBackend: "legacy", DeepEPElasticBackend: "elastic"}.get(
+        kind = {DeepEPV1Backend: "legacy", DeepEPV2Backend: "elastic"}.get(
             type(d.backend), d.backend_name
         )
         d.close()
@@ -190,13 +190,11 @@ def selection_worker(rank: int, R: int) -> dict[str, Any]:
 
     out["auto"] = pick(DispatchConfig(backend="deepep"), v2)
     out["auto_auto"] = pick(DispatchConfig(), v2)
-    out["legacy"] = pick(DispatchConfig(backend="deepep", deepep_api="legacy"), v2)
-    out["elastic"] = pick(DispatchConfig(backend="deepep", deepep_api="elastic"), v2)
-    out["auto_elastic"] = pick(DispatchConfig(deepep_api="elastic"), v2)
-    out["elastic_v1"] = _raises(
-        lambda: pick(DispatchConfig(backend="deepep", deepep_api="elastic"), v1)
-    )
-    out["auto_elastic_v1"] = pick(DispatchConfig(deepep_api="elastic"), v1)
+    out["legacy"] = pick(DispatchConfig(backend="deepep", deepep_api="v1"), v2)
+    out["elastic"] = pick(DispatchConfig(backend="deepep", deepep_api="v2"), v2)
+    out["auto_elastic"] = pick(DispatchConfig(deepep_api="v2"), v2)
+    out["elastic_v1"] = _raises(lambda: pick(DispatchConfig(backend="deepep", deepep_api="v2"), v1))
+    out["auto_elastic_v1"] = pick(DispatchConfig(deepep_api="v2"), v1)
     worst = {"backend": "deepep", "num_worst_tokens": 4 * R}
     out["auto_worst"] = pick(DispatchConfig(**worst), v2)
     out["auto_worst_auto"] = pick(DispatchConfig(num_worst_tokens=4 * R), v2)
@@ -210,7 +208,7 @@ def selection_worker(rank: int, R: int) -> dict[str, Any]:
     # a rank without ElasticBuffer makes every rank run V1
     out["auto_split"] = pick(DispatchConfig(**worst), v2 if rank == 0 else v1)
     out["elastic_ll"] = _raises(
-        lambda: pick(DispatchConfig(backend="deepep", deepep_api="elastic", mode="low_latency"), v2)
+        lambda: pick(DispatchConfig(backend="deepep", deepep_api="v2", mode="low_latency"), v2)
     )
     # worst-case, over W / R = 2 tokens with checks off: a rank sends its first 2 tokens (raising
     # alone would leave its peers in DeepEP's GPU barrier, audit-3 N7), its other tokens combine
@@ -262,9 +260,9 @@ def test_elastic_selection_and_refusals() -> None:
         for key in ("auto", "auto_auto", "legacy"):
             kind, reason, _ = out[key]
             assert kind == "legacy", (key, out[key])
-            assert "legacy deep_ep.Buffer" in reason, (key, reason)
+            assert "v1 deep_ep.Buffer" in reason, (key, reason)
         assert "no per-rank token bound" in out["auto"][1], out["auto"]
-        assert "deepep_api='elastic'" in out["auto"][1], out["auto"]
+        assert "deepep_api='v2'" in out["auto"][1], out["auto"]
         for key in ("auto_worst", "auto_worst_auto", "auto_bound"):
             kind, reason, _ = out[key]
             assert kind == "elastic" and "deepep_api='auto'" in reason, (key, reason)
@@ -281,11 +279,11 @@ def test_elastic_selection_and_refusals() -> None:
         kind, reason, _ = out["auto_split"]  # rank 0 has V2, rank 1 does not
         assert kind == "legacy", out["auto_split"]
         assert "not the choice of every rank" in reason or "no ElasticBuffer" in reason, reason
-        assert "deepep_api='legacy'" in out["legacy"][1]
+        assert "deepep_api='v1'" in out["legacy"][1]
         for key in ("elastic", "auto_elastic"):
             kind, reason, _ = out[key]
             assert kind == "elastic" and "ElasticBuffer" in reason, (key, reason)
-        assert "ElasticBuffer" in out["elastic_v1"] and "deepep_api='legacy'" in out["elastic_v1"]
+        assert "ElasticBuffer" in out["elastic_v1"] and "deepep_api='v1'" in out["elastic_v1"]
         kind, reason, name = out["auto_elastic_v1"]
         assert name == "torch" and "ElasticBuffer" in reason, out["auto_elastic_v1"]
         assert "mode='normal'" in out["elastic_ll"], out["elastic_ll"]
@@ -377,7 +375,7 @@ def test_moe_layer_on_the_elastic_path(R: int, L: int) -> None:
     T, k, e = 4, 4, 16 // R  # tiny_cpu: 16 experts, top-4
     for cases in run_group(moe_worker, R, L, timeout=280):
         for c in cases:
-            assert c["backend"] == "DeepEPElasticBackend", c
+            assert c["backend"] == "DeepEPV2Backend", c
             assert c["result"] == ("ExpandedDispatchResult", "DispatchResult"), c
             assert c["out"] < 2e-2 and c["grad_x"] < 2e-2 and c["grad_router"] < 3e-2, c
             assert c["grad_w2"] < 2e-2, c
@@ -398,7 +396,7 @@ def stats_worker(rank: int, R: int, L: int) -> dict[str, Any]:
         got = {}
         for backend in ("deepep", "torch"):
             cfg = DispatchConfig(
-                backend=backend, deepep_api="elastic", ranks_per_node=L, num_worst_tokens=W
+                backend=backend, deepep_api="v2", ranks_per_node=L, num_worst_tokens=W
             )
             kw = {"_deep_ep": _emu(R, L)} if backend == "deepep" else {}
             d = FlexDispatcher(cfg, num_experts=E, **kw)
@@ -494,7 +492,7 @@ def test_cuda_graph_config_across_two_emulated_nodes_runs_on_v2_only() -> None:
     # cuda_graph=True across nodes: accepted on V2 (static shapes, no host sync), refused on V1
     for out in run_group(graph_config_worker, 4, 2, timeout=100):
         v2 = out["auto"]
-        assert isinstance(v2, dict) and v2["backend"] == "DeepEPElasticBackend", out
+        assert isinstance(v2, dict) and v2["backend"] == "DeepEPV2Backend", out
         assert v2["expanded"] and v2["host_syncs"] == 0 and v2["finite"], v2
         assert v2["rows"] == (4 * 4 * 4, 256), v2  # R * (W / R) * min(k, e) rows, static
         assert "intranode only on its V1 Buffer" in out["legacy"], out["legacy"]

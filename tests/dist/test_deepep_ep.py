@@ -1,4 +1,4 @@
-"""The deepep backend's DeepEP 2.5 path (``deepep_api="ep"``, ``deep_ep_v25.EPBuffer``) under the
+"""The deepep backend's DeepEP 2.5 path (``deepep_api="v25"``, ``deep_ep_v25.EPBuffer``) under the
 dispatch contract, on DeepEP 2.5's own ``buffers/ep.py`` over the emulated runtime.
 
 Shape letters (ARCHITECTURE.md): T tokens · H hidden · E experts · R ranks · e = E / R · k top-k ·
@@ -35,7 +35,7 @@ def _make(R: int, L: int, W: int = 0, **kw: Any) -> Any:
     from flexdispatch import DispatchConfig, FlexDispatcher
 
     cfg = DispatchConfig(
-        backend="deepep", deepep_api="ep", ranks_per_node=L, num_worst_tokens=W, **kw
+        backend="deepep", deepep_api="v25", ranks_per_node=L, num_worst_tokens=W, **kw
     )
     return FlexDispatcher(cfg, num_experts=E_PER_RANK * R, _deep_ep=_emu(L))
 
@@ -78,7 +78,7 @@ def expected_bytes(
 def contract(
     rank: int, R: int, L: int, seed: int, hybrid: bool | None, cases: tuple[str, ...] = CASES
 ) -> int:
-    from flexdispatch.backends.deepep.v25.backend import DeepEPEPBackend
+    from flexdispatch.backends.deepep.v25.backend import DeepEPV25Backend
 
     E = E_PER_RANK * R
     kw = {"R": R, "E": E, "k": K, "H": H}
@@ -97,7 +97,7 @@ def contract(
         for worst in (False, True):
             where = f"rank {rank} {case} {'worst' if worst else 'dropless'} hybrid={hybrid}"
             d = _make(R, L, W if worst else 0, deepep_hybrid=hybrid)
-            assert isinstance(d.backend, DeepEPEPBackend), where
+            assert isinstance(d.backend, DeepEPV25Backend), where
             assert d.backend.hybrid == (L < R and hybrid is not False), where
             res = d.dispatch(mine.x, mine.idx, mine.probs)
             _check_dispatch(res, ref, W if worst else 0, where)
@@ -206,7 +206,7 @@ def moe(rank: int, R: int, L: int) -> list[dict[str, Any]]:
             dispatch = cfg.dispatch.model_copy(
                 update={
                     "backend": backend,
-                    "deepep_api": "ep",
+                    "deepep_api": "v25",
                     "ranks_per_node": L,
                     "num_worst_tokens": W,
                     "expert_alignment": 4 if W else 1,
@@ -342,7 +342,7 @@ def layer16(rank: int, R: int) -> dict[str, Any]:
                 "backend": backend,
                 # NOTE: "ep", not "auto": MoELayer checks V1's topology rules under "auto" with
                 # L = R (audit N1, another helper's fix)
-                "deepep_api": "ep",
+                "deepep_api": "v25",
                 "ranks_per_node": L,
                 "num_worst_tokens": R * T,
             }

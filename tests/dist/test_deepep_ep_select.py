@@ -1,4 +1,4 @@
-"""DeepEP 2.5 (``deepep_api="ep"``) beside V1 / V2: selection, refusals, JIT buckets, warm-up
+"""DeepEP 2.5 (``deepep_api="v25"``) beside V1 / V2: selection, refusals, JIT buckets, warm-up
 before capture, overlap (``defer_epilogue``), expert alignment, fp8 — one 2-rank gloo group.
 
 Shape letters (ARCHITECTURE.md): T tokens · H hidden · E experts · R ranks · e = E / R · k top-k ·
@@ -65,36 +65,38 @@ def selection(rank: int, R: int) -> dict[str, Any]:
     out["auto_v25_only"] = pick(DispatchConfig(), v25)
     # rank 1 has no DeepEP 2.5: every rank runs V2
     out["auto_split"] = pick(DispatchConfig(**worst), both if rank == 0 else {"deep_ep": v2})
-    out["ep"] = pick(DispatchConfig(backend="deepep", deepep_api="ep"), v25)
-    out["ep_missing"] = _raises(lambda: pick(DispatchConfig(backend="deepep", deepep_api="ep"), v1))
-    out["ep_auto_missing"] = pick(DispatchConfig(deepep_api="ep"), v1)
+    out["ep"] = pick(DispatchConfig(backend="deepep", deepep_api="v25"), v25)
+    out["ep_missing"] = _raises(
+        lambda: pick(DispatchConfig(backend="deepep", deepep_api="v25"), v1)
+    )
+    out["ep_auto_missing"] = pick(DispatchConfig(deepep_api="v25"), v1)
     # rank 1 has no DeepEP 2.5 / no V2: backend='deepep' raises on every rank, not on rank 1
     # alone (rank 0 built V2 and waited in its first collective)
     out["ep_split"] = _raises(
-        lambda: pick(DispatchConfig(backend="deepep", deepep_api="ep"), v25 if rank == 0 else v1)
+        lambda: pick(DispatchConfig(backend="deepep", deepep_api="v25"), v25 if rank == 0 else v1)
     )
     out["v2_split"] = _raises(
-        lambda: pick(DispatchConfig(backend="deepep", deepep_api="elastic"), v1 if rank else v2)
+        lambda: pick(DispatchConfig(backend="deepep", deepep_api="v2"), v1 if rank else v2)
     )
     out["ep_ll"] = _raises(
-        lambda: pick(DispatchConfig(backend="deepep", deepep_api="ep", mode="low_latency"), v25)
+        lambda: pick(DispatchConfig(backend="deepep", deepep_api="v25", mode="low_latency"), v25)
     )
     out["ep_odd_w"] = _raises(
-        lambda: pick(DispatchConfig(backend="deepep", deepep_api="ep", num_worst_tokens=5), v25)
+        lambda: pick(DispatchConfig(backend="deepep", deepep_api="v25", num_worst_tokens=5), v25)
     )
     out["ep_experts"] = _raises(
-        lambda: pick(DispatchConfig(backend="deepep", deepep_api="ep"), v25, E=E + 1)
+        lambda: pick(DispatchConfig(backend="deepep", deepep_api="v25"), v25, E=E + 1)
     )
     # two emulated nodes of one rank: hybrid mode needs L + e <= 128 notify threads
     v25_nodes = _emus(1)[0]
     big = 2 * 128
     out["hybrid_on"] = _raises(
         lambda: pick(
-            DispatchConfig(backend="deepep", deepep_api="ep", deepep_hybrid=True), v25_nodes, big
+            DispatchConfig(backend="deepep", deepep_api="v25", deepep_hybrid=True), v25_nodes, big
         )
     )
-    out["hybrid_auto"] = pick(DispatchConfig(backend="deepep", deepep_api="ep"), v25_nodes, big)
-    out["hybrid_small"] = pick(DispatchConfig(backend="deepep", deepep_api="ep"), v25_nodes)
+    out["hybrid_auto"] = pick(DispatchConfig(backend="deepep", deepep_api="v25"), v25_nodes, big)
+    out["hybrid_small"] = pick(DispatchConfig(backend="deepep", deepep_api="v25"), v25_nodes)
     return out
 
 
@@ -108,7 +110,7 @@ def refusals(rank: int, R: int) -> dict[str, Any]:
     out: dict[str, Any] = {"T": mine.x.shape[0], "last_T": inputs[-1].x.shape[0]}
 
     def make(**kw: Any) -> Any:
-        cfg = DispatchConfig(backend="deepep", deepep_api="ep", **kw)
+        cfg = DispatchConfig(backend="deepep", deepep_api="v25", **kw)
         return FlexDispatcher(cfg, num_experts=E, _deep_ep=v25)
 
     # worst-case, over W / R = 2 tokens with checks off: a rank sends its first 2 tokens
@@ -168,7 +170,7 @@ def jit_and_capture(rank: int, R: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     def make(W: int) -> Any:
-        cfg = DispatchConfig(backend="deepep", deepep_api="ep", num_worst_tokens=W)
+        cfg = DispatchConfig(backend="deepep", deepep_api="v25", num_worst_tokens=W)
         return FlexDispatcher(cfg, num_experts=E, _deep_ep=v25)
 
     g = torch.Generator().manual_seed(rank)
@@ -238,7 +240,7 @@ def features(rank: int, R: int) -> dict[str, Any]:
         return real(self, *args)
 
     emu_ep.EPRuntime.dispatch = spy  # type: ignore[method-assign]
-    cfg = DispatchConfig(backend="deepep", deepep_api="ep", expert_alignment=8)
+    cfg = DispatchConfig(backend="deepep", deepep_api="v25", expert_alignment=8)
     d = FlexDispatcher(cfg, num_experts=E, _deep_ep=v25)
     a = d.dispatch_expanded(mine.x, mine.idx, mine.probs)
     pending = d.dispatch_expanded_start(mine.x, mine.idx, mine.probs)
@@ -319,7 +321,7 @@ def overlap_hazards(rank: int, R: int) -> dict[str, str]:
 
     try:
         for W in (0, R * T):
-            cfg = DispatchConfig(backend="deepep", deepep_api="ep", num_worst_tokens=W)
+            cfg = DispatchConfig(backend="deepep", deepep_api="v25", num_worst_tokens=W)
             d, other = (FlexDispatcher(cfg, num_experts=E, _deep_ep=v25) for _ in range(2))
             a, b = mb[0][rank], mb[1][rank]
             eager = [d.dispatch_expanded(m.x, m.idx, m.probs) for m in (a, b)]
@@ -382,8 +384,8 @@ def beyond_the_bound(rank: int, R: int) -> dict[str, Any]:
     want_gx = gout * p0.sum(1, keepdim=True)
     want_gp = (gout * x0).sum(1, keepdim=True).expand(T, k)
     runs = {
-        "ep": (DispatchConfig(backend="deepep", deepep_api="ep", checks=False), v25),
-        "elastic": (DispatchConfig(backend="deepep", deepep_api="elastic", checks=False), v2),
+        "ep": (DispatchConfig(backend="deepep", deepep_api="v25", checks=False), v25),
+        "elastic": (DispatchConfig(backend="deepep", deepep_api="v2", checks=False), v2),
         "auto_v25_only": (DispatchConfig(checks=False), v25),
     }
     out: dict[str, Any] = {}
@@ -434,7 +436,7 @@ def capture_epilogue(rank: int, R: int) -> dict[str, str]:
     v25 = _emus(R)[0]
     mine = all_inputs(23, R=R, E=E, k=K, H=H)[rank]
     T = 9  # NOTE: more than any rank's tokens (5 + 2 * rank)
-    cfg = DispatchConfig(backend="deepep", deepep_api="ep", num_worst_tokens=R * T)
+    cfg = DispatchConfig(backend="deepep", deepep_api="v25", num_worst_tokens=R * T)
     d = FlexDispatcher(cfg, num_experts=E, _deep_ep=v25)
     emu_ep.ATOMIC_ORDER = False  # NOTE: rows in arrival order, so eager and overlapped compare
     out: dict[str, str] = {}
@@ -475,7 +477,7 @@ def agreed_rows(rank: int, R: int) -> dict[str, str]:
     v25_layout.device_smem = lambda device: 64 if rank == 1 else real(device)
     out: dict[str, str] = {}
     for name, W, checks in (("dropless", 0, False), ("worst", 16 * R, True)):
-        cfg = DispatchConfig(backend="deepep", deepep_api="ep", num_worst_tokens=W, checks=checks)
+        cfg = DispatchConfig(backend="deepep", deepep_api="v25", num_worst_tokens=W, checks=checks)
         d = FlexDispatcher(cfg, num_experts=E, _deep_ep=v25)
         out[name] = _raises(lambda d=d: d.dispatch(mine.x, mine.idx, mine.probs))
         d.close()
@@ -547,7 +549,7 @@ def sm_models_across_growth(rank: int, R: int) -> list[int]:
         return real(self, *args, **kw)
 
     v25.EPBuffer.get_theoretical_num_sms = counted
-    cfg = DispatchConfig(backend="deepep", deepep_api="ep", checks=False)
+    cfg = DispatchConfig(backend="deepep", deepep_api="v25", checks=False)
     d = FlexDispatcher(cfg, num_experts=E, _deep_ep=v25)
     seen = []
     try:
@@ -586,23 +588,23 @@ def test_ep_selection_refusals_jit_and_features() -> None:
         s = out["selection"]
         for key in ("auto_worst", "deepep_worst", "auto_bound", "auto_v25_only", "ep"):
             api, reason, name = s[key]
-            assert api == "ep" and name == "deepep", (key, s[key])
+            assert api == "v25" and name == "deepep", (key, s[key])
             assert "deep_ep_v25.EPBuffer" in reason, (key, reason)
         assert "worst-case mode: DeepEP 2.5" in s["auto_worst"][1], s["auto_worst"]
         assert "num_max_dispatch_tokens_per_rank=64 set" in s["auto_bound"][1], s["auto_bound"]
-        assert s["auto_unbound"][0] == "legacy", s["auto_unbound"]  # V1 takes any T
-        assert "'ep' for V2 / V2.5" in s["auto_unbound"][1], s["auto_unbound"]
-        assert s["auto_ll"][0] == "legacy" and "low-latency" in s["auto_ll"][1], s["auto_ll"]
-        assert s["auto_v2_only"][0] == "elastic", s["auto_v2_only"]
+        assert s["auto_unbound"][0] == "v1", s["auto_unbound"]  # V1 takes any T
+        assert "'v25' for V2 / V2.5" in s["auto_unbound"][1], s["auto_unbound"]
+        assert s["auto_ll"][0] == "v1" and "low-latency" in s["auto_ll"][1], s["auto_ll"]
+        assert s["auto_v2_only"][0] == "v2", s["auto_v2_only"]
         api, reason, _ = s["auto_split"]
-        assert api == "elastic", s["auto_split"]  # rank 0 has V2.5, rank 1 not
+        assert api == "v2", s["auto_split"]  # rank 0 has V2.5, rank 1 not
         assert rank == 1 or "DeepEP 2.5 is not the choice of every rank" in reason, reason
-        assert "deep_ep_v25" in s["ep_missing"] and "'elastic' / 'legacy'" in s["ep_missing"]
+        assert "deep_ep_v25" in s["ep_missing"] and "'v2' / 'v1'" in s["ep_missing"]
         assert s["ep_auto_missing"][2] == "torch", s["ep_auto_missing"]
         for key, missing in (("ep_split", "deep_ep_v25"), ("v2_split", "no ElasticBuffer")):
             want = missing if rank == 1 else "but not on every rank"
             assert want in s[key], (key, s[key])
-        assert "deepep_api='ep'" in s["ep_auto_missing"][1], s["ep_auto_missing"]
+        assert "deepep_api='v25'" in s["ep_auto_missing"][1], s["ep_auto_missing"]
         assert "low-latency" in s["ep_ll"], s["ep_ll"]
         assert "not a multiple of R=2" in s["ep_odd_w"], s["ep_odd_w"]
         assert "not divisible by R=2" in s["ep_experts"], s["ep_experts"]
@@ -613,7 +615,7 @@ def test_ep_selection_refusals_jit_and_features() -> None:
         assert out["sm_models"] == [1, 1, 1, 1024, 2], out["sm_models"]  # rebuilt, not re-run
         assert out["beyond"].pop("host_groups") == ["ProcessGroupGloo"], out  # made once
         for name, b in out["beyond"].items():  # P3: more tokens than the default bound
-            assert b["api"] == ("elastic" if name == "elastic" else "ep"), (name, b)
+            assert b["api"] == ("v2" if name == "elastic" else "v25"), (name, b)
             assert b["err"] < 1e-4 and b["overflow"] == "", (name, b)
             assert b["bound"] == 256, (name, b)  # bucket(140), grown on every rank
         assert "grown to the largest T" in out["beyond"]["auto_v25_only"]["reason"], out

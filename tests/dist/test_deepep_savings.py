@@ -3,7 +3,7 @@
 Shape letters (ARCHITECTURE.md): T tokens · H hidden · E experts · R ranks · e = E / R · k top-k ·
 M received rows · W worst-case rows.
 
-One spawn of R = 2 over the emulated runtime (``tests/deepep_emu``), V1 (``deepep_api="legacy"``)
+One spawn of R = 2 over the emulated runtime (``tests/deepep_emu``), V1 (``deepep_api="v1"``)
 and V2 (``"elastic"``), dropless and worst-case:
 
 - N10: the backward of ``dispatch`` (x and probs both need gradients) runs ONE DeepEP combine
@@ -132,7 +132,7 @@ def worker(rank: int, R: int) -> dict[str, Any]:
 
 
 def _ep_backward(rank: int, R: int) -> dict[str, Any]:
-    """N10 on DeepEP 2.5 (``deepep_api="ep"``): one combine for the dispatch backward."""
+    """N10 on DeepEP 2.5 (``deepep_api="v25"``): one combine for the dispatch backward."""
     from flexdispatch import DispatchConfig, FlexDispatcher
     from tests.deepep_emu.load import load_deep_ep
     from tests.deepep_emu.runtime import transport
@@ -143,7 +143,7 @@ def _ep_backward(rank: int, R: int) -> dict[str, Any]:
     grads = {}
     got: dict[str, Any] = {}
     for backend in ("torch", "deepep"):
-        cfg = DispatchConfig(backend=backend, deepep_api="ep", ranks_per_node=R)
+        cfg = DispatchConfig(backend=backend, deepep_api="v25", ranks_per_node=R)
         kw = {"_deep_ep": load_deep_ep(release="2.5.0")} if backend == "deepep" else {}
         d = FlexDispatcher(cfg, num_experts=E, **kw)
         _, loss, xs, ps = _grads(d, mine.x, mine.idx, mine.probs)
@@ -171,7 +171,7 @@ def _overlap(rank: int, R: int, emu: Any) -> dict[str, Any]:
     inputs = all_inputs(9, R=R, E=E, k=K, H=H, dtype=torch.bfloat16, exact=False)
     mine = inputs[rank]
     cfg = DispatchConfig(
-        backend="deepep", deepep_api="legacy", ranks_per_node=R, deepep_async_finish=True
+        backend="deepep", deepep_api="v1", ranks_per_node=R, deepep_async_finish=True
     )
     d = FlexDispatcher(cfg, num_experts=E, _deep_ep=emu)
     got: dict[str, Any] = {"supports": d.backend.supports_dispatch_overlap()[0]}

@@ -7,7 +7,7 @@ Skipped unless ``deep_ep`` imports, has ``ElasticBuffer`` (DeepEP 2.1.0+, e.g. `
 and at least two GPUs are visible. One NCCL group of R = 2, 4 or 8 GPUs of this machine runs
 (one node: a multi-node run needs a launcher, see ``scripts/launch``):
 
-- the contract points on ``deepep_api='elastic'`` against the slow references, dropless and
+- the contract points on ``deepep_api='v2'`` against the slow references, dropless and
   worst-case: rows, (source rank, token) order — DeepEP fills its receive slots in atomic order
   and the adapter sorts them back —, local ids, probs, device counts, the worst-case tail, host
   syncs (1 dropless: DeepEP's CPU wait, the token-bound agreement runs over a gloo side group
@@ -76,7 +76,7 @@ def contract_worker() -> dict[str, Any]:
                 b: FlexDispatcher(
                     DispatchConfig(
                         backend=b,
-                        deepep_api="elastic",
+                        deepep_api="v2",
                         num_worst_tokens=W,
                         num_max_dispatch_tokens_per_rank=T,
                     ),
@@ -228,6 +228,6 @@ def test_moe_layer_on_elastic_expanded_matches_torch() -> None:
 @pytest.mark.timeout(240)
 def test_moe_layer_on_elastic_captured_in_a_cuda_graph_equals_eager() -> None:
     for report in _run(graph_worker):
-        assert report["backend"] == "DeepEPElasticBackend", report
+        assert report["backend"] == "DeepEPV2Backend", report
         assert all(e < 1e-2 for e in report["errs"].values()), report
         assert report["syncs_moved"] == 0, report

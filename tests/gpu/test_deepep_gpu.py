@@ -76,7 +76,7 @@ def contract_worker() -> dict[str, Any]:
                     DispatchConfig(
                         backend=b,
                         num_worst_tokens=w * (R if b == "torch" else 1),
-                        deepep_api="legacy",  # V1 here; V2: test_deepep_elastic_gpu.py
+                        deepep_api="v1",  # V1 here; V2: test_deepep_elastic_gpu.py
                     ),
                     num_experts=E,
                 )
@@ -186,7 +186,7 @@ def limits_worker() -> dict[str, Any]:
     probs = torch.rand(T, k, generator=g).to(dev)
     report: dict[str, Any] = {"rows_equal": [], "combine_err": 0.0}
     ds = {
-        b: FlexDispatcher(DispatchConfig(backend=b, deepep_api="legacy"), num_experts=E)
+        b: FlexDispatcher(DispatchConfig(backend=b, deepep_api="v1"), num_experts=E)
         for b in ("deepep", "torch")
     }
     deep = ds["deepep"]
@@ -218,7 +218,7 @@ def limits_worker() -> dict[str, Any]:
                 ds["torch"].backend.combine(res["torch"].recv_topk_probs, res["torch"].handle),
             ),
         )
-    other = FlexDispatcher(DispatchConfig(backend="deepep", deepep_api="legacy"), num_experts=E)
+    other = FlexDispatcher(DispatchConfig(backend="deepep", deepep_api="v1"), num_experts=E)
     other.dispatch(torch.randn(T, 256, device=dev, dtype=torch.bfloat16), idx, probs)
     report["live_buffers"] = deepep_buffer.live_buffers()
     for d in (*ds.values(), other):

@@ -110,7 +110,7 @@ def test_human_table(capsys: pytest.CaptureFixture[str]) -> None:
     # DeepEP V2: the buffer block and a worst-case line per variant, across nodes.
     assert "DeepEP V2 buffer (ElasticBuffer.get_buffer_size_hint" in out
     assert "logical 1 scale-out x 4 scale-up" in out
-    assert "DeepEP V2 (deepep_api='elastic') worst-case W >= T*R = 256" in out
+    assert "DeepEP V2 (deepep_api='v2') worst-case W >= T*R = 256" in out
     assert "intranode and across nodes" in out
     # fp32 rows: 2H bf16 columns dispatched (tiny_cpu H = 64 -> 128, at least 256), combine 256
     assert "hidden = 256 bf16 columns (dispatch 256, combine 256)" in out

@@ -117,19 +117,19 @@ def test_deepep_api_field_and_worst_case_across_nodes_on_the_elastic_path():
     assert DispatchConfig().deepep_api == "auto"
     with pytest.raises(ValidationError):
         DispatchConfig(deepep_api="v3")
-    legacy = DispatchConfig(backend="deepep", num_worst_tokens=32, deepep_api="legacy")
+    legacy = DispatchConfig(backend="deepep", num_worst_tokens=32, deepep_api="v1")
     with pytest.raises(ValueError, match="intranode only on its V1 Buffer"):
         legacy.check_world(16, 8)
     # DeepEP V2 takes num_worst_tokens across nodes (do_cpu_sync=False); 'auto' runs V2 there
-    DispatchConfig(backend="deepep", num_worst_tokens=32, deepep_api="elastic").check_world(16, 8)
+    DispatchConfig(backend="deepep", num_worst_tokens=32, deepep_api="v2").check_world(16, 8)
     DispatchConfig(backend="deepep", num_worst_tokens=32).check_world(16, 8)
     graphs = {"backend": "deepep", "num_worst_tokens": 32, "cuda_graph": True}
     DispatchConfig(**graphs).check_world(16, 8)
-    with pytest.raises(ValueError, match=r"cuda_graph=True needs it.*deepep_api='elastic'"):
-        DispatchConfig(**graphs, deepep_api="legacy").check_world(16, 8)
+    with pytest.raises(ValueError, match=r"cuda_graph=True needs it.*deepep_api='v2'"):
+        DispatchConfig(**graphs, deepep_api="v1").check_world(16, 8)
     # the same through MoEConfig: 2 nodes of 8 with cuda_graph=True on V2, refused on V1
     layer = load_config("tiny_cpu")
-    for api, ok in (("auto", True), ("elastic", True), ("legacy", False)):
+    for api, ok in (("auto", True), ("v2", True), ("v1", False)):
         cfg = layer.model_copy(
             update={"dispatch": DispatchConfig(**graphs, deepep_api=api, ranks_per_node=8)}
         )
@@ -138,3 +138,12 @@ def test_deepep_api_field_and_worst_case_across_nodes_on_the_elastic_path():
         else:
             with pytest.raises(ValueError, match="cuda_graph=True needs it"):
                 cfg.check_world(16, 8)
+
+
+@pytest.mark.parametrize("old, new", [("legacy", "v1"), ("elastic", "v2"), ("ep", "v25")])
+def test_deepep_api_names_before_0_1_are_read_as_the_release_names(old, new):
+    with pytest.warns(DeprecationWarning, match=f"deepep_api='{old}' is now deepep_api='{new}'"):
+        cfg = DispatchConfig(deepep_api=old)
+    assert cfg.deepep_api == new and cfg.model_dump()["deepep_api"] == new
+    with pytest.raises(ValueError, match="deepep_api"):
+        DispatchConfig(deepep_api="v3")

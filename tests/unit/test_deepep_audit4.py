@@ -20,8 +20,8 @@ from flexdispatch.backends.deepep.v25 import links as v25_links
 from flexdispatch.backends.deepep.v25.support import (
     direct_thread_rule,
     direct_threads,
-    ep_rules,
     hybrid_row_rule,
+    v25_rules,
 )
 from flexdispatch.distributed import ranks_per_host
 from flexdispatch.doctor.v25 import probe_v25_runtime
@@ -57,11 +57,12 @@ def test_direct_threads_are_the_emulated_kernels(R, E, row, packs, k, cached) ->
 
 def test_direct_mode_thread_rule_refuses_before_the_backward() -> None:
     """P10: bf16 H = 7168 gives 608 forward threads but 512 cached: R = 576 passed the forward and
-    failed to compile at the first backward; now ``ep_rules`` (with H) and every dispatch refuse."""
-    ok, why, hybrid = ep_rules(576, 8, 1152, hybrid=False, hidden=7168)
+    failed to compile at the first backward; now ``v25_rules`` (with H) and every dispatch
+    refuse."""
+    ok, why, hybrid = v25_rules(576, 8, 1152, hybrid=False, hidden=7168)
     assert not ok and not hybrid and "512" in why and "608" in why, why
-    assert ep_rules(512, 8, 1024, hybrid=False, hidden=7168)[0]
-    assert ep_rules(576, 8, 1152, hybrid=False)[0]  # H unknown: the dispatch checks its rows
+    assert v25_rules(512, 8, 1024, hybrid=False, hidden=7168)[0]
+    assert v25_rules(576, 8, 1152, hybrid=False)[0]  # H unknown: the dispatch checks its rows
     why = direct_thread_rule(
         576, 1152, row_bytes=7168, scale_packs=56, topk=8, backward_row_bytes=14336
     )

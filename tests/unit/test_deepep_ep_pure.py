@@ -1,4 +1,4 @@
-"""DeepEP 2.5 (``deepep_api="ep"``) without a process group: the limits registry checked against
+"""DeepEP 2.5 (``deepep_api="v25"``) without a process group: the limits registry checked against
 the installed wheel's source, the rules, the JIT buckets, the id guard, the traffic counts, the
 token layouts, the loader, the config fields.
 
@@ -22,7 +22,7 @@ from flexdispatch.backends.deepep.v25.rows import (
     guard_ids,
     traffic_rows,
 )
-from flexdispatch.backends.deepep.v25.support import ep_rules, split_hook, token_bucket
+from flexdispatch.backends.deepep.v25.support import split_hook, token_bucket, v25_rules
 from tests.deepep_emu.runtime import ep_layout, ep_limits, limits
 
 _WHEEL = importlib.util.find_spec("deep_ep_v25") is not None
@@ -79,18 +79,18 @@ def test_token_buckets_are_powers_of_two_from_16() -> None:
 
 
 def test_ep_rules_name_each_limit() -> None:
-    assert ep_rules(8, 8, 256) == (True, "DeepEP 2.5 over one NVLink domain of 8 rank(s)", False)
-    ok, why, hybrid = ep_rules(16, 8, 256)
+    assert v25_rules(8, 8, 256) == (True, "DeepEP 2.5 over one NVLink domain of 8 rank(s)", False)
+    ok, why, hybrid = v25_rules(16, 8, 256)
     assert ok and hybrid and "hybrid mode over 2 nodes of 8" in why
-    ok, why, hybrid = ep_rules(16, 4, 256)  # 4 GPUs per node: V1 refuses, V2.5 does not
+    ok, why, hybrid = v25_rules(16, 4, 256)  # 4 GPUs per node: V1 refuses, V2.5 does not
     assert ok and hybrid, why
-    ok, why, hybrid = ep_rules(16, 8, 256, hybrid=False)
+    ok, why, hybrid = v25_rules(16, 8, 256, hybrid=False)
     assert ok and not hybrid and "direct mode" in why
-    ok, why, hybrid = ep_rules(4, 2, 4 * 127)  # L + e = 2 + 127 > 128: direct mode
+    ok, why, hybrid = v25_rules(4, 2, 4 * 127)  # L + e = 2 + 127 > 128: direct mode
     assert ok and not hybrid and "L + e = 2 + 127" in why
-    assert not ep_rules(4, 2, 4 * 127, hybrid=True)[0]
-    assert "64" in ep_rules(130, 65, 130, hybrid=True)[1]
-    assert "32" in ep_rules(66, 2, 66, hybrid=True)[1]
+    assert not v25_rules(4, 2, 4 * 127, hybrid=True)[0]
+    assert "64" in v25_rules(130, 65, 130, hybrid=True)[1]
+    assert "32" in v25_rules(66, 2, 66, hybrid=True)[1]
     for args, text in (
         ((2048, 8, 2048), "1024 ranks"),
         ((12, 8, 96), "multiple of the NVLink domain"),
@@ -98,9 +98,9 @@ def test_ep_rules_name_each_limit() -> None:
         ((8, 8, 4096), "2048 experts"),
         ((2, 2, 2 * 513), "513 local experts"),
     ):
-        ok, why, _ = ep_rules(*args)
+        ok, why, _ = v25_rules(*args)
         assert not ok and text in why, (args, why)
-    assert "multiple of R=4" in ep_rules(4, 4, 16, num_worst_tokens=6)[1]
+    assert "multiple of R=4" in v25_rules(4, 4, 16, num_worst_tokens=6)[1]
 
 
 def test_guard_ids_keeps_kernels_in_bounds() -> None:
@@ -158,11 +158,13 @@ def test_the_loader_gives_the_wheels_epbuffer_and_leaves_no_import_behind() -> N
 
 
 def test_config_takes_the_ep_api_and_its_fields() -> None:
-    cfg = DispatchConfig(backend="deepep", deepep_api="ep", num_worst_tokens=32, expert_alignment=8)
+    cfg = DispatchConfig(
+        backend="deepep", deepep_api="v25", num_worst_tokens=32, expert_alignment=8
+    )
     assert cfg.deepep_hybrid is None and cfg.expert_alignment == 8
     cfg.check_world(16, 4)  # V2.5 takes 4 GPUs per node across nodes (V1 does not)
     with pytest.raises(ValueError, match="4 ranks per node"):
-        DispatchConfig(backend="deepep", deepep_api="legacy").check_world(16, 4)
+        DispatchConfig(backend="deepep", deepep_api="v1").check_world(16, 4)
     with pytest.raises(ValueError, match="expert_alignment"):
         DispatchConfig(expert_alignment=0)
 

@@ -320,9 +320,7 @@ def test_dispatch_config_graph_and_deepep_rules() -> None:
     DispatchConfig(backend="auto", mode="low_latency", hidden_size=3000)  # torch can decode it
     with pytest.raises(ValueError, match="1024"):
         DispatchConfig(backend="deepep", mode="low_latency", num_max_dispatch_tokens_per_rank=2048)
-    cfg = DispatchConfig(
-        backend="deepep", num_worst_tokens=256, cuda_graph=True, deepep_api="legacy"
-    )
+    cfg = DispatchConfig(backend="deepep", num_worst_tokens=256, cuda_graph=True, deepep_api="v1")
     cfg.check_world(8, 8)
     with pytest.raises(ValueError, match=r"cuda_graph=True needs it.*intranode only"):
         cfg.check_world(16, 8)

@@ -407,22 +407,22 @@ def test_deepep_api_choice_says_which_deepep_api_runs() -> None:
     from flexdispatch.doctor import deepep_api_choice
 
     auto = deepep_api_choice("auto", backend="deepep", elastic=True)
-    assert auto["api"] == "legacy" and "no per-rank token bound" in auto["reason"]
+    assert auto["api"] == "v1" and "no per-rank token bound" in auto["reason"]
     worst = deepep_api_choice("auto", backend="deepep", elastic=True, num_worst_tokens=64)
-    assert worst["api"] == "elastic" and "M = W / R" in worst["reason"], worst
+    assert worst["api"] == "v2" and "M = W / R" in worst["reason"], worst
     worst_v1 = deepep_api_choice("auto", backend="deepep", elastic=False, num_worst_tokens=64)
-    assert worst_v1["api"] == "legacy" and "no ElasticBuffer" in worst_v1["reason"], worst_v1
+    assert worst_v1["api"] == "v1" and "no ElasticBuffer" in worst_v1["reason"], worst_v1
     assert (
         "no ElasticBuffer" in deepep_api_choice("auto", backend="deepep", elastic=False)["reason"]
     )
-    assert deepep_api_choice("legacy", backend="deepep", elastic=True)["api"] == "legacy"
-    v2 = deepep_api_choice("elastic", backend="deepep", elastic=True)
-    assert v2["api"] == "elastic" and "ElasticBuffer" in v2["reason"]
-    missing = deepep_api_choice("elastic", backend="deepep", elastic=False)
+    assert deepep_api_choice("v1", backend="deepep", elastic=True)["api"] == "v1"
+    v2 = deepep_api_choice("v2", backend="deepep", elastic=True)
+    assert v2["api"] == "v2" and "ElasticBuffer" in v2["reason"]
+    missing = deepep_api_choice("v2", backend="deepep", elastic=False)
     assert missing["api"] is None and "absent here" in missing["reason"]
-    gone = deepep_api_choice("elastic", backend="deepep", elastic=None)
+    gone = deepep_api_choice("v2", backend="deepep", elastic=None)
     assert "does not import" in gone["reason"]
-    torch_runs = deepep_api_choice("elastic", backend="torch", elastic=True)
+    torch_runs = deepep_api_choice("v2", backend="torch", elastic=True)
     assert torch_runs["api"] is None and "deepep does not run" in torch_runs["reason"]
     with pytest.raises(ValueError, match="deepep_api must be one of"):
         deepep_api_choice("v3", backend="deepep", elastic=True)
@@ -430,8 +430,8 @@ def test_deepep_api_choice_says_which_deepep_api_runs() -> None:
 
 def test_cli_reports_the_deepep_api(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["doctor", "--json", "--world-size", "2", "--ranks-per-node", "2"]
-    assert main([*args, "--deepep-api", "elastic"]) == 0
+    assert main([*args, "--deepep-api", "v2"]) == 0
     api = json.loads(capsys.readouterr().out)["selection"]["deepep_api"]
-    assert api["requested"] == "elastic" and "ElasticBuffer" in api["reason"]
+    assert api["requested"] == "v2" and "ElasticBuffer" in api["reason"]
     main(["doctor", "--world-size", "2", "--ranks-per-node", "2"])
     assert "deepep_api requested 'auto'" in capsys.readouterr().out

@@ -144,25 +144,25 @@ def test_generations_report_each_api() -> None:
 
 
 def test_deepep_api_ep_choice() -> None:
-    ep = deepep_api_choice("ep", backend="deepep", elastic=None, ep=True)
-    assert ep["api"] == "ep" and "deep_ep_v25.EPBuffer" in ep["reason"]
-    missing = deepep_api_choice("ep", backend="deepep", elastic=True, ep=False)
+    ep = deepep_api_choice("v25", backend="deepep", elastic=None, ep=True)
+    assert ep["api"] == "v25" and "deep_ep_v25.EPBuffer" in ep["reason"]
+    missing = deepep_api_choice("v25", backend="deepep", elastic=True, ep=False)
     assert missing["api"] is None and "sgl-deep-ep-v25" in missing["reason"]
     worst = deepep_api_choice("auto", backend="deepep", elastic=True, num_worst_tokens=64, ep=True)
-    assert worst["api"] == "ep" and "V2.5 deep_ep_v25.EPBuffer" in worst["reason"], worst
+    assert worst["api"] == "v25" and "V2.5 deep_ep_v25.EPBuffer" in worst["reason"], worst
     dropless = deepep_api_choice("auto", backend="deepep", elastic=True, ep=True)
-    assert dropless["api"] == "legacy", dropless  # V1 takes any T
+    assert dropless["api"] == "v1", dropless  # V1 takes any T
 
 
 def test_run_doctor_with_ep_applies_v25_rules(capsys: pytest.CaptureFixture[str]) -> None:
-    rep = run_doctor(world_size=16, ranks_per_node=4, deepep_api="ep", num_worst_tokens=64)
+    rep = run_doctor(world_size=16, ranks_per_node=4, deepep_api="v25", num_worst_tokens=64)
     checks = {c["name"]: c for c in rep["selection"]["checks"]["deepep"]}
     # 4 GPUs per node across nodes: V1 refuses that topology, DeepEP 2.5 takes it (hybrid)
     assert (
         checks["topology"]["ok"] and "hybrid mode over 4 nodes of 4" in checks["topology"]["detail"]
     )
     assert not checks["import"]["ok"] and rep["selection"]["backend"] == "torch"
-    assert "deepep_api='ep'" in rep["selection"]["reason"]
+    assert "deepep_api='v25'" in rep["selection"]["reason"]
     text = format_report(rep)
     assert "deepep gen V1 deep_ep.Buffer NO" in text and "V2.5 deep_ep_v25.EPBuffer NO" in text
     assert "  v2.5    " in text and "nvcc" in text
@@ -172,7 +172,7 @@ def test_run_doctor_with_ep_applies_v25_rules(capsys: pytest.CaptureFixture[str]
                 "doctor",
                 "--json",
                 "--deepep-api",
-                "ep",
+                "v25",
                 "--backend",
                 "deepep",
                 "--world-size",
@@ -184,5 +184,5 @@ def test_run_doctor_with_ep_applies_v25_rules(capsys: pytest.CaptureFixture[str]
         == 1
     )
     out = json.loads(capsys.readouterr().out)
-    assert out["selection"]["deepep_api"]["requested"] == "ep" and not out["ok"]
+    assert out["selection"]["deepep_api"]["requested"] == "v25" and not out["ok"]
     assert {c["name"] for c in out["deep_ep_v25"]} >= {"nvcc", "cxx20", "nccl", "nccl_loaded"}

@@ -437,7 +437,7 @@ def test_plan_carries_the_v2_buffer_flexdispatch_would_build() -> None:
     assert "physical 2 x 4 (NVLink domains x ranks), logical 1 scale-out x 8 scale-up" in text
     assert "dropless (M = num_max_dispatch_tokens_per_rank = T = 48): num_bytes = 2,097,152" in text
     assert "worst-case (num_worst_tokens = T*R = 384, M = W/R = 48; intranode and across" in text
-    assert "DeepEP V2 (deepep_api='elastic') worst-case W >= T*R = 384" in text
+    assert "DeepEP V2 (deepep_api='v2') worst-case W >= T*R = 384" in text
     assert "(intranode only; its test uses T*R = 384)" in text  # the V1 line is unchanged
 
 

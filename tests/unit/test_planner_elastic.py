@@ -190,7 +190,7 @@ def test_elastic_hidden_mirrors_the_backend(dtype: torch.dtype, H: int) -> None:
     x = torch.zeros(3, H, dtype=dtype)
     _, _, wire = sizing.split_rows(x, fp8_multiple=32)
     sent = sizing.pad_cols(wire.send(x), v2._DISPATCH_COL_MULTIPLE)
-    want_dispatch = max(sent.shape[1], v2._COMBINE_COL_MULTIPLE)  # DeepEPElasticBackend.dispatch
+    want_dispatch = max(sent.shape[1], v2._COMBINE_COL_MULTIPLE)  # DeepEPV2Backend.dispatch
     if dtype != torch.bfloat16 and H <= v2_combine._NARROW_FP32_COLUMNS:
         want_combine = v2._COMBINE_COL_MULTIPLE  # _combine_fp32
     else:
@@ -266,7 +266,7 @@ def allocated_worker(rank: int, R: int, L: int, T: int, H: int, dtype_name: str)
     for W in (0, T * R):
         cfg = DispatchConfig(
             backend="deepep",
-            deepep_api="elastic",
+            deepep_api="v2",
             ranks_per_node=L,
             num_worst_tokens=W,
             num_max_dispatch_tokens_per_rank=T,

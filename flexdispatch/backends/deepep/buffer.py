@@ -4,7 +4,7 @@ R ranks · e = E / R local experts.
 
 DeepEP keeps its NVSHMEM state per process and its README builds one buffer per process, used by
 every MoE layer for normal and low-latency kernels alike. ``SharedBuffer`` is that buffer here:
-every ``DeepEPBackend`` on the same group and ``deep_ep`` module joins the same one, asks for what
+every ``DeepEPV1Backend`` on the same group and ``deep_ep`` module joins the same one, asks for what
 its next call needs, and leaves on ``close()``. The buffer is
 
 - sized to the largest need seen so far (the union of byte counts; never shrunk); a byte count
@@ -20,7 +20,7 @@ its next call needs, and leaves on ``close()``. The buffer is
 - destroyed when its last user closes.
 
 ``SharedElasticBuffer`` is the same for DeepEP V2's ``deep_ep.ElasticBuffer`` (the
-``deepep_api`` ``"elastic"`` / ``"auto"`` path), sized with ``ElasticBuffer.get_buffer_size_hint``.
+``deepep_api`` ``"v2"`` / ``"auto"`` path), sized with ``ElasticBuffer.get_buffer_size_hint``.
 
 ``generation`` counts reallocations: a low-latency result lives in the buffer's memory, so a result
 from an older generation is gone.

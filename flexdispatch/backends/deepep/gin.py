@@ -165,7 +165,7 @@ def gin_rule(props: Mapping[str, Any], *, hybrid: bool, generation: str) -> Capa
     where = "deep_ep_v25 context.cpp:124-131" if generation == "v25" else "V2 nccl.cu:86-90"
     fix = (
         "on one node set EP_DISABLE_GIN=1 (DeepEP then runs without GIN); across nodes fix the "
-        "NCCL network (GIN / GDAKI plugin), or use deepep_api='legacy' / backend='torch'"
+        "NCCL network (GIN / GDAKI plugin), or use deepep_api='v1' / backend='torch'"
     )
     if int(props[key]) == 0:
         return False, f"NCCL reports {key} = NONE, which DeepEP asserts against ({where}): {fix}"

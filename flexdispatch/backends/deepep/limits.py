@@ -128,7 +128,7 @@ def check_topology(
     if num_worst_tokens > 0:
         return False, (
             f"num_worst_tokens={num_worst_tokens} across {nodes} nodes: DeepEP supports the "
-            f"worst-case (CUDA-graph) mode intranode only on its V1 Buffer (deepep_api='legacy'); "
-            f"V2 (deepep_api='elastic' or 'auto', DeepEP 2.1.0+) takes it across nodes"
+            f"worst-case (CUDA-graph) mode intranode only on its V1 Buffer (deepep_api='v1'); "
+            f"V2 (deepep_api='v2' or 'auto', DeepEP 2.1.0+) takes it across nodes"
         )
     return True, f"internode: {nodes} nodes x {local} ranks"

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -70,7 +70,10 @@ from flexdispatch.backends.deepep.v1.low_latency import LowLatencyMixin
 from flexdispatch.distributed import collective_device, group_rank, group_size
 from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, DispatchStats
 
-__all__ = ["DeepEPBackend", "DeepEPDispatchState"]
+if TYPE_CHECKING:
+    from flexdispatch.config import DispatchConfig
+
+__all__ = ["DeepEPV1Backend", "DeepEPDispatchState"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,7 +97,7 @@ class DeepEPDispatchState:
     recv_scales: torch.Tensor | None
 
 
-class DeepEPBackend(LowLatencyMixin, CombineMixin, DispatchBackend):
+class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
     """Dispatch/combine over ``deep_ep.Buffer`` (normal, worst-case and low-latency kernels).
 
     Args:
@@ -120,6 +123,17 @@ class DeepEPBackend(LowLatencyMixin, CombineMixin, DispatchBackend):
     """
 
     name = "deepep"
+    api = "v1"
+
+    @classmethod
+    def config_options(cls, config: DispatchConfig) -> dict[str, Any]:
+        return {
+            "async_finish": config.deepep_async_finish,
+            "num_sms": config.deepep_num_sms,
+            "mode": config.mode,
+            "num_max_dispatch_tokens_per_rank": config.num_max_dispatch_tokens_per_rank,
+            "use_fp8": config.use_fp8,
+        }
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""``DeepEPBackend``'s combine side (``CombineMixin``) and the record of a launched dispatch.
+"""``DeepEPV1Backend``'s combine side (``CombineMixin``) and the record of a launched dispatch.
 
 Shape letters (ARCHITECTURE.md): T tokens · M received rows · k top-k · X any row width.
 
@@ -59,10 +59,10 @@ class Launched:
 
 
 class CombineMixin:
-    """``combine`` / ``combine_with_probs`` / ``cached_dispatch`` of ``DeepEPBackend`` (which
+    """``combine`` / ``combine_with_probs`` / ``cached_dispatch`` of ``DeepEPV1Backend`` (which
     provides the buffer, chunk plans, launch helpers and accounting used here)."""
 
-    # provided by DeepEPBackend
+    # provided by DeepEPV1Backend
     deep_ep: Any
     num_ranks: int
     internode: bool

@@ -1,6 +1,6 @@
 """What one V1 (``deep_ep.Buffer``) dispatch puts on each link class, read from DeepEP's handle.
 
-R ranks · L ranks per node · N = R / L nodes. The counters of ``DeepEPBackend.stats``: computed on
+R ranks · L ranks per node · N = R / L nodes. The counters of ``DeepEPV1Backend.stats``: computed on
 the device from the handle's prefix matrices (no collective, no host read), later, by
 ``counters.TrafficCounters``.
 """

@@ -33,7 +33,7 @@ __all__ = ["LowLatencyMixin"]
 
 
 class LowLatencyMixin:
-    """``low_latency_dispatch`` / ``low_latency_combine`` of ``DeepEPBackend``."""
+    """``low_latency_dispatch`` / ``low_latency_combine`` of ``DeepEPV1Backend``."""
 
     name: str
     mode: str
@@ -48,7 +48,7 @@ class LowLatencyMixin:
     _shared: Any
     _ll_dirty: bool
 
-    def _ensure_buffer(self, need: sizing.BufferSize) -> Any:  # provided by DeepEPBackend
+    def _ensure_buffer(self, need: sizing.BufferSize) -> Any:  # provided by DeepEPV1Backend
         raise NotImplementedError
 
     def _required_size(self, row_bytes: int, hidden: int | None = None) -> sizing.BufferSize:

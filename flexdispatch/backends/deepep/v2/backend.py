@@ -4,7 +4,7 @@ Shape letters (ARCHITECTURE.md): T tokens on this rank · H hidden · E experts 
 e = E / R local experts · k top-k · M = ``num_max_tokens_per_rank`` · W worst-case rows ·
 X any row width · Xw wire width (bf16 columns).
 
-Selected with ``DispatchConfig.deepep_api="elastic"``, and by ``"auto"`` where every rank has
+Selected with ``DispatchConfig.deepep_api="v2"``, and by ``"auto"`` where every rank has
 ``ElasticBuffer`` in worst-case mode or with ``num_max_dispatch_tokens_per_rank`` set
 (``dispatch.select.auto_deepep_api``). How the contract maps onto ``ElasticBuffer``:
 
@@ -46,7 +46,7 @@ Selected with ``DispatchConfig.deepep_api="elastic"``, and by ``"auto"`` where e
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -61,7 +61,7 @@ from flexdispatch.backends.deepep.support import load_deep_ep, nvl_peers
 from flexdispatch.backends.deepep.v2.combine import (
     _COMBINE_COL_MULTIPLE,
     ElasticCombineMixin,
-    ElasticDispatchState,
+    V2DispatchState,
 )
 from flexdispatch.backends.deepep.v25.support import token_bucket
 from flexdispatch.distributed import collective_device, group_rank, group_size
@@ -73,13 +73,16 @@ from flexdispatch.types import (
     ExpandedDispatchResult,
 )
 
-__all__ = ["DeepEPElasticBackend", "ElasticDispatchState", "elastic_available"]
+if TYPE_CHECKING:
+    from flexdispatch.config import DispatchConfig
+
+__all__ = ["DeepEPV2Backend", "V2DispatchState", "v2_available"]
 
 DEFAULT_NUM_SMS = 20  # V1 Buffer.num_sms; passed explicitly (num_sms=0 runs DeepEP's SM model)
 _DISPATCH_COL_MULTIPLE = 16  # 32-byte token rows (layout.cuh:198)
 
 
-def elastic_available(module: ModuleType | None) -> Capability:
+def v2_available(module: ModuleType | None) -> Capability:
     """Whether ``module`` offers DeepEP's V2 API (``deep_ep.ElasticBuffer``)."""
     if module is None:
         return False, "deep_ep does not import"
@@ -87,7 +90,7 @@ def elastic_available(module: ModuleType | None) -> Capability:
         version = getattr(module, "__version__", "?")
         return False, (
             f"deep_ep {version} has no ElasticBuffer (DeepEP's V2 API, 2.1.0+): install "
-            "sgl-deep-ep / DeepEP 2.1.0, or set deepep_api='legacy'"
+            "sgl-deep-ep / DeepEP 2.1.0, or set deepep_api='v1'"
         )
     return True, "deep_ep.ElasticBuffer exists"
 
@@ -118,7 +121,7 @@ def _a32(n: int) -> int:
     return -(-n // 32) * 32
 
 
-class DeepEPElasticBackend(ElasticCombineMixin, DispatchBackend):
+class DeepEPV2Backend(ElasticCombineMixin, DispatchBackend):
     """Dispatch/combine over ``deep_ep.ElasticBuffer`` (direct mode, non-expand layout).
 
     Args:
@@ -141,7 +144,14 @@ class DeepEPElasticBackend(ElasticCombineMixin, DispatchBackend):
     """
 
     name = "deepep"
-    api = "elastic"
+    api = "v2"
+
+    @classmethod
+    def config_options(cls, config: DispatchConfig) -> dict[str, Any]:
+        return {
+            "num_sms": config.deepep_num_sms,
+            "num_max_tokens_per_rank": config.num_max_dispatch_tokens_per_rank,
+        }
 
     def __init__(
         self,
@@ -162,9 +172,9 @@ class DeepEPElasticBackend(ElasticCombineMixin, DispatchBackend):
             module, why = load_deep_ep()
             if module is None:
                 raise ValueError(f"deepep backend not available: {why}")
-        ok, why = elastic_available(module)
+        ok, why = v2_available(module)
         if not ok:
-            raise ValueError(f"deepep_api='elastic' cannot run: {why}")
+            raise ValueError(f"deepep_api='v2' cannot run: {why}")
         self.group = group if group is not None else dist.group.WORLD
         self.num_ranks = R = group_size(group)
         self.rank = group_rank(group)
@@ -363,7 +373,7 @@ class DeepEPElasticBackend(ElasticCombineMixin, DispatchBackend):
                 f"rank {rank} dispatches {T} tokens but num_worst_tokens W={W} allows W/R = "
                 f"{W}/{R} = {M} per rank on DeepEP's elastic path (num_max_tokens_per_rank = W/R): "
                 f"raise DispatchConfig.num_worst_tokens to at least {T * R} (or, intranode, "
-                f"deepep_api='legacy': V1 caps W / R rows per destination instead)"
+                f"deepep_api='v1': V1 caps W / R rows per destination instead)"
             )
         return (
             f"rank {rank} dispatches {T} tokens but DeepEP's elastic dispatch takes at most "
@@ -487,7 +497,7 @@ class DeepEPElasticBackend(ElasticCombineMixin, DispatchBackend):
             pairs = int(sum(count_list))
             counts = torch.tensor(count_list, dtype=torch.int64, device=recv_idx.device)
         recv_w = torch.where(local, recv_w.float(), 0.0)
-        state = ElasticDispatchState(
+        state = V2DispatchState(
             handle=handle,
             wire=wire,
             topk=k,
@@ -548,7 +558,7 @@ class DeepEPElasticBackend(ElasticCombineMixin, DispatchBackend):
             counts = torch.tensor(
                 handle.num_recv_tokens_per_expert_list, dtype=torch.int64, device=recv.device
             )
-        state = ElasticDispatchState(
+        state = V2DispatchState(
             handle=handle, wire=wire, topk=k, local=None, valid=valid, recv_scales=recv_scales
         )
         return ExpandedDispatchResult(
@@ -566,7 +576,7 @@ class DeepEPElasticBackend(ElasticCombineMixin, DispatchBackend):
 
     def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Re-send ``[T, X]`` rows along a dispatch's ``EPHandle`` (no host sync)."""
-        state: ElasticDispatchState = handle.state
+        state: V2DispatchState = handle.state
         h = state.handle
         x = x[: self._num_tokens(h)]  # NOTE: the tokens the dispatch sent (N7)
         wire = sizing.WireFormat.of(x.dtype, x.shape[1])

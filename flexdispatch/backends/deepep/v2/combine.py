@@ -1,8 +1,8 @@
 """The combine side of DeepEP V2's ``ElasticBuffer`` adapter (``elastic.py``): combine, the
 dispatch backward's one combine carrying the probs (audit-3 N10), the per-slot weights channel and
 the exact fp32 sum of narrow rows. Split out of ``elastic.py`` to keep each file under 700 lines;
-``DeepEPElasticBackend`` mixes it in and provides ``_buffer``, ``_account``, ``num_sms`` and the
-byte counters used here. ``ElasticDispatchState`` (the handle's state both sides read) lives here
+``DeepEPV2Backend`` mixes it in and provides ``_buffer``, ``_account``, ``num_sms`` and the
+byte counters used here. ``V2DispatchState`` (the handle's state both sides read) lives here
 so that the import runs one way."""
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import torch.nn.functional as F
 from flexdispatch.backends.deepep import refusals, sizing
 from flexdispatch.types import DispatchHandle
 
-__all__ = ["ElasticCombineMixin", "ElasticDispatchState"]
+__all__ = ["ElasticCombineMixin", "V2DispatchState"]
 
 _COMBINE_COL_MULTIPLE = 256  # combine hidden % 256 (impls/combine.cuh:109)
 _NARROW_FP32_COLUMNS = sizing.MAX_TOPK  # fp32 rows this narrow are summed exactly
 
 
 @dataclass(frozen=True, kw_only=True)
-class ElasticDispatchState:
+class V2DispatchState:
     """The V2 path's part of a ``DispatchHandle``.
 
     Attributes:
@@ -53,7 +53,7 @@ class ElasticDispatchState:
 
 
 class ElasticCombineMixin:
-    """Combine methods of ``DeepEPElasticBackend`` (see the module docstring)."""
+    """Combine methods of ``DeepEPV2Backend`` (see the module docstring)."""
 
     num_sms: int
 
@@ -62,7 +62,7 @@ class ElasticCombineMixin:
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Combine ``y`` (or a dummy) with ``w`` ``[N]`` in combine's fp32 weights channel, which
         returns ``[T, k]``: each slot the weight of the row it was expanded into."""
-        state: ElasticDispatchState = handle.state
+        state: V2DispatchState = handle.state
         h = state.handle
         w = w.float().contiguous()
         wide = y is not None and not self._narrow(y)
@@ -95,7 +95,7 @@ class ElasticCombineMixin:
         rank's value (I/combine_reduce_epilogue.cuh:127-141), i.e. the gradient. Narrow fp32 /
         fp16 rows still take ``_combine_fp32`` (one combine per column), the probs one more.
         """
-        state: ElasticDispatchState = handle.state
+        state: V2DispatchState = handle.state
         if state.local is None:
             return super().combine_with_probs(y, probs, handle)
         h, k = state.handle, state.topk
@@ -121,7 +121,7 @@ class ElasticCombineMixin:
     # ----------------------------------------------------------------- combine
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Unweighted sum over the receiving ranks (see the module docstring for precision)."""
-        state: ElasticDispatchState = handle.state
+        state: V2DispatchState = handle.state
         h = state.handle
         X = y.shape[1]
         k = state.topk
@@ -143,7 +143,7 @@ class ElasticCombineMixin:
         refusals.first_use(self.deep_ep, (*key, bool(h.do_expand)), "combine")
 
     @staticmethod
-    def _to_deepep_rows(y: torch.Tensor, state: ElasticDispatchState) -> torch.Tensor:
+    def _to_deepep_rows(y: torch.Tensor, state: V2DispatchState) -> torch.Tensor:
         """``y`` as DeepEP's combine input: bf16, DeepEP's row order, columns padded to 256.
 
         One pass over the rows (N11): the un-sort scatters straight into the padded buffer
@@ -164,7 +164,7 @@ class ElasticCombineMixin:
     def _narrow(y: torch.Tensor) -> bool:
         return y.dtype in (torch.float32, torch.float16) and y.shape[1] <= _NARROW_FP32_COLUMNS
 
-    def _combine_fp32(self, y: torch.Tensor, state: ElasticDispatchState) -> torch.Tensor:
+    def _combine_fp32(self, y: torch.Tensor, state: V2DispatchState) -> torch.Tensor:
         """Exact fp32 sum of narrow rows through combine's fp32 ``topk_weights`` channel.
 
         That channel returns, in each top-k slot of a source token, the value sent by the rank

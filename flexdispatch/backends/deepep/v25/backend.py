@@ -4,7 +4,7 @@ Shape letters (ARCHITECTURE.md): T tokens on this rank · H hidden · E experts 
 e = E / R local experts · k top-k · L ranks per NVLink domain · N = R / L nodes · W worst-case
 rows · M = ``num_max_tokens_per_rank`` as compiled (a ``token_bucket``) · X any row width.
 
-Selected with ``DispatchConfig.deepep_api="ep"``, and by ``"auto"`` where every rank has DeepEP 2.5
+Selected with ``DispatchConfig.deepep_api="v25"``, and by ``"auto"`` where every rank has DeepEP 2.5
 (``dispatch.select.auto_deepep_api``). How the contract maps onto ``EPBuffer``:
 
 - **Modes**: one NVLink domain, or across nodes in hybrid mode (``allow_hybrid_mode``: one RDMA
@@ -50,7 +50,7 @@ Selected with ``DispatchConfig.deepep_api="ep"``, and by ``"auto"`` where every 
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -77,20 +77,20 @@ from flexdispatch.backends.deepep.v25.layout import (
     row_refusal,
 )
 from flexdispatch.backends.deepep.v25.rows import (
-    EPDispatchState,
     EPTraffic,
     PendingExpanded,
+    V25DispatchState,
     dispatch_row_bytes,
     guard_ids,
     token_order,
     traffic_rows,
 )
 from flexdispatch.backends.deepep.v25.support import (
-    ep_available,
-    ep_rules,
     load_deep_ep_v25,
     token_bucket,
     tokens_message,
+    v25_available,
+    v25_rules,
 )
 from flexdispatch.distributed import collective_device, group_rank, group_size
 from flexdispatch.types import (
@@ -101,10 +101,13 @@ from flexdispatch.types import (
     ExpandedDispatchResult,
 )
 
-__all__ = ["DeepEPEPBackend", "EPDispatchState", "PendingExpanded"]
+if TYPE_CHECKING:
+    from flexdispatch.config import DispatchConfig
+
+__all__ = ["DeepEPV25Backend", "V25DispatchState", "PendingExpanded"]
 
 
-class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
+class DeepEPV25Backend(EPCombineMixin, DispatchBackend):
     """Dispatch/combine over ``deep_ep_v25.EPBuffer`` (DeepEP 2.5).
 
     Args:
@@ -129,7 +132,16 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
     """
 
     name = "deepep"
-    api = "ep"
+    api = "v25"
+
+    @classmethod
+    def config_options(cls, config: DispatchConfig) -> dict[str, Any]:
+        return {
+            "num_sms": config.deepep_num_sms,
+            "num_max_tokens_per_rank": config.num_max_dispatch_tokens_per_rank,
+            "hybrid": config.deepep_hybrid,
+            "expert_alignment": config.expert_alignment,
+        }
 
     def __init__(
         self,
@@ -148,20 +160,20 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         _deep_ep: ModuleType | None = None,
     ) -> None:
         module, why = (_deep_ep, "given") if _deep_ep is not None else load_deep_ep_v25()
-        ok, why = ep_available(module, why)
+        ok, why = v25_available(module, why)
         if not ok or module is None:
-            raise ValueError(f"deepep_api='ep' cannot run: {why}")
+            raise ValueError(f"deepep_api='v25' cannot run: {why}")
         self.group = group if group is not None else dist.group.WORLD
         self.num_ranks = R = group_size(group)
         self.rank = group_rank(group)
         self.ranks_per_node = ranks_per_node
         self.num_experts = num_experts
         _, nvl = (1, R) if R == 1 else module.get_physical_domain_size(self.group)
-        ok, why, self.hybrid = ep_rules(
+        ok, why, self.hybrid = v25_rules(
             R, nvl, num_experts, hybrid=hybrid, num_worst_tokens=num_worst_tokens
         )
         if not ok:
-            raise ValueError(f"deepep_api='ep' cannot run: {why}")
+            raise ValueError(f"deepep_api='v25' cannot run: {why}")
         if num_max_tokens_per_rank <= 0 or expert_alignment <= 0:
             raise ValueError(
                 f"num_max_tokens_per_rank ({num_max_tokens_per_rank}) and expert_alignment "
@@ -213,7 +225,7 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         return True, f"deepep ep: {self.mode}"
 
     def supports_world(self, num_ranks: int, ranks_per_node: int) -> Capability:
-        ok, why, _ = ep_rules(num_ranks, self.nvl, self.num_experts)
+        ok, why, _ = v25_rules(num_ranks, self.nvl, self.num_experts)
         return ok, why
 
     def supports_expanded(self) -> Capability:
@@ -486,7 +498,7 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
             pairs = int(sum(count_list))
             counts = torch.tensor(count_list, dtype=torch.int64, device=recv_idx.device)
         recv_w = torch.where(local, recv_w.float(), 0.0)
-        state = EPDispatchState(
+        state = V25DispatchState(
             handle=handle,
             wire=wire,
             topk=k,
@@ -586,7 +598,7 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
             counts = torch.tensor(
                 handle.num_recv_tokens_per_expert_list, dtype=torch.int64, device=recv.device
             )
-        state = EPDispatchState(
+        state = V25DispatchState(
             handle=handle,
             wire=p.wire,
             topk=p.k,
@@ -620,7 +632,7 @@ class DeepEPEPBackend(EPCombineMixin, DispatchBackend):
         scale packs (zero), along a bf16 handle rows of its width, in as many calls as the bytes
         need (``ep_layout.cached_pieces``), bit for bit (audit-4 P4: an fp8 dispatch's backward).
         """
-        state: EPDispatchState = handle.state
+        state: V25DispatchState = handle.state
         h = state.handle
         x = x[: sent_tokens(state)]  # NOTE: the tokens the dispatch sent (N7)
         if x.numel() == 0:  # NOTE: an empty gradient may have stride 0 (no bit view of it)

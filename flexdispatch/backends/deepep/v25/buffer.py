@@ -4,7 +4,7 @@ R ranks · M = ``num_max_tokens_per_rank`` (a ``token_bucket``) · H hidden (bf1
 top-k · E experts.
 
 ``SharedEPBuffer`` is the V2.5 counterpart of ``buffer.SharedElasticBuffer``: every ``deepep``
-backend with ``deepep_api="ep"`` on the same ``(deep_ep_v25 module, group, hybrid mode)`` joins
+backend with ``deepep_api="v25"`` on the same ``(deep_ep_v25 module, group, hybrid mode)`` joins
 one ``EPBuffer``, sized with ``EPBuffer.get_buffer_size_hint`` for the union of what its users
 asked for, rebuilt (collectively, at the same call on every rank) only when a call needs more
 bytes, destroyed when its last user closes. It also fixes the buffer's SM and QP counts: DeepEP

@@ -1,7 +1,7 @@
 """The combine side of the DeepEP 2.5 (``EPBuffer``) adapter (``ep.py``): combine, combine with
 the shared experts' bias, the dispatch backward's one combine carrying the probs (audit-3 N10), the
 per-slot weights channel and the exact fp32 sum of narrow rows. Split out of ``ep.py`` to keep each
-file under 700 lines; ``DeepEPEPBackend`` mixes it in and provides ``_buffer``, ``_run``,
+file under 700 lines; ``DeepEPV25Backend`` mixes it in and provides ``_buffer``, ``_run``,
 ``_count``, ``num_max_tokens_per_rank``, ``num_experts``, ``hybrid`` and ``supports_combine_bias``.
 
 A rank that was over ``W / R`` in worst-case mode with checks off sent only its first tokens
@@ -18,7 +18,7 @@ import torch
 from flexdispatch.backends.deepep import sizing
 from flexdispatch.backends.deepep.v25.buffer import kernel_key
 from flexdispatch.backends.deepep.v25.layout import COMBINE_COLS
-from flexdispatch.backends.deepep.v25.rows import EPDispatchState, combine_row_bytes
+from flexdispatch.backends.deepep.v25.rows import V25DispatchState, combine_row_bytes
 from flexdispatch.types import DispatchHandle
 
 __all__ = ["EPCombineMixin", "sent_tokens"]
@@ -27,7 +27,7 @@ _NARROW = sizing.MAX_TOPK  # fp32 rows this narrow are summed exactly
 
 
 class EPCombineMixin:
-    """Combine methods of ``DeepEPEPBackend`` (see the module docstring)."""
+    """Combine methods of ``DeepEPV25Backend`` (see the module docstring)."""
 
     num_max_tokens_per_rank: int
     num_experts: int
@@ -40,7 +40,7 @@ class EPCombineMixin:
     def _combine_call(
         self,
         part: torch.Tensor,
-        state: EPDispatchState,
+        state: V25DispatchState,
         weights: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -80,7 +80,7 @@ class EPCombineMixin:
             y: ``[rows, X]`` rows as dispatched.
             bias: ``[T, X]`` rows of ``y``'s dtype (bf16 to be fused), or None.
         """
-        state: EPDispatchState = handle.state
+        state: V25DispatchState = handle.state
         X = y.shape[1]
         yd = state.to_deepep(y)
         if bias is not None and not self.supports_combine_bias(y.dtype)[0]:
@@ -104,7 +104,7 @@ class EPCombineMixin:
     def _narrow(y: torch.Tensor) -> bool:
         return y.dtype in (torch.float32, torch.float16) and y.shape[1] <= _NARROW
 
-    def _combine_fp32(self, y: torch.Tensor, state: EPDispatchState) -> torch.Tensor:
+    def _combine_fp32(self, y: torch.Tensor, state: V25DispatchState) -> torch.Tensor:
         """Exact fp32 sum of narrow rows (DeepEP's order) through combine's fp32
         ``topk_weights`` channel: each slot returns the value the rank owning it sent, so each
         rank puts column ``c`` in its first local slot (expanded: each row is one slot). One
@@ -134,7 +134,7 @@ class EPCombineMixin:
         self, y: torch.Tensor | None, probs: torch.Tensor, handle: DispatchHandle
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """``dispatch``'s backward in one combine, probs in the weights channel (audit N10)."""
-        state: EPDispatchState = handle.state
+        state: V25DispatchState = handle.state
         if state.local is None or (y is not None and self._narrow(y)):
             return super().combine_with_probs(y, probs, handle)
         w = state.to_deepep(probs.float()).contiguous()
@@ -158,7 +158,7 @@ class EPCombineMixin:
         """The backward of ``dispatch_expanded``: ``y`` (or a dummy) combined with ``w`` ``[N]``
         in the fp32 weights channel, which returns ``[T, k]``: each slot the weight of the row it
         was expanded into."""
-        state: EPDispatchState = handle.state
+        state: V25DispatchState = handle.state
         w = w.float().contiguous()
         wide = y is not None and not self._narrow(y)
         if wide:
@@ -179,6 +179,6 @@ class EPCombineMixin:
         return (out if out.dtype == y.dtype else out.to(y.dtype)), out_w
 
 
-def sent_tokens(state: EPDispatchState) -> int:
+def sent_tokens(state: V25DispatchState) -> int:
     """Tokens the dispatch behind ``state`` sent (fewer than T when a rank was over its bound)."""
     return int(state.handle.topk_idx.shape[0])

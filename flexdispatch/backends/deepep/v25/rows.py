@@ -19,7 +19,7 @@ import torch
 from flexdispatch.backends.deepep import sizing
 
 __all__ = [
-    "EPDispatchState",
+    "V25DispatchState",
     "EPTraffic",
     "PendingExpanded",
     "combine_row_bytes",
@@ -85,7 +85,7 @@ def guard_ids(idx: torch.Tensor, num_experts: int, *, raise_now: bool) -> torch.
             f"topk_idx names one expert twice in {int(rep.any(1).sum())} token(s) (token {t}: "
             f"{idx[t].tolist()}), which DeepEP 2.5's dispatch kernel traps on "
             f"(ep.duplicate_experts): route each token to distinct experts, or use "
-            f"deepep_api='legacy' / backend='torch'"
+            f"deepep_api='v1' / backend='torch'"
         )
     dup = torch.zeros_like(idx, dtype=torch.bool).scatter_(1, perm[:, 1:], rep)
     return torch.where(dup, -1, idx)
@@ -144,7 +144,7 @@ def traffic_rows(idx: torch.Tensor, e: int, t: EPTraffic) -> torch.Tensor:
 
 
 @dataclass(frozen=True, kw_only=True)
-class EPDispatchState:
+class V25DispatchState:
     """The DeepEP 2.5 path's part of a ``DispatchHandle``.
 
     Attributes:

@@ -8,7 +8,7 @@ DeepEP 2.5 ships as its own package (SGLang's wheel ``sgl-deep-ep-v25``, ``impor
 beside ``deep_ep`` (V1 ``Buffer`` and V2 ``ElasticBuffer``); the import is lazy, and every way it
 is known to fail (``ImportError`` from its host check, ``OSError``, ``AssertionError`` from its
 NCCL check, ``RuntimeError``) becomes a reason string. Its limits (``docs/deepep.md``, "DeepEP
-V2.5"), as ``ep_rules`` applies them before any collective:
+V2.5"), as ``v25_rules`` applies them before any collective:
 
 - one logical domain of R ranks (direct mode) or N nodes of L NVLink peers (hybrid mode:
   rows cross the node boundary once per destination node and are forwarded over NVLink, like V1's
@@ -39,11 +39,11 @@ __all__ = [
     "EP_MAX_LOCAL_EXPERTS",
     "EP_MAX_RANKS",
     "MIN_TOKEN_BUCKET",
-    "ep_available",
+    "v25_available",
     "direct_thread_rule",
     "direct_threads",
     "hybrid_row_rule",
-    "ep_rules",
+    "v25_rules",
     "load_deep_ep_v25",
     "split_hook",
     "token_bucket",
@@ -70,7 +70,9 @@ def load_deep_ep_v25() -> tuple[ModuleType | None, str]:
     return module, "deep_ep_v25 imports"
 
 
-def ep_available(module: ModuleType | None, why: str = "deep_ep_v25 does not import") -> Capability:
+def v25_available(
+    module: ModuleType | None, why: str = "deep_ep_v25 does not import"
+) -> Capability:
     """Whether ``module`` offers DeepEP 2.5's ``EPBuffer``."""
     if module is None:
         return False, why
@@ -79,7 +81,7 @@ def ep_available(module: ModuleType | None, why: str = "deep_ep_v25 does not imp
         return False, (
             f"the module given as DeepEP 2.5 ({version}) has no EPBuffer: install "
             "sgl-deep-ep-v25 (pip install --no-deps sgl-deep-ep-v25) or set deepep_api to "
-            "'elastic' / 'legacy'"
+            "'v2' / 'v1'"
         )
     return True, f"deep_ep_v25.EPBuffer exists (DeepEP {getattr(module, '__version__', '?')})"
 
@@ -212,7 +214,7 @@ def hybrid_row_rule(
     return None
 
 
-def ep_rules(
+def v25_rules(
     num_ranks: int,
     nvl_peers: int,
     num_experts: int,
