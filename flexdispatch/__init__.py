@@ -34,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "ExpandedDispatchResult": "flexdispatch.types",
     "DispatchHandle": "flexdispatch.types",
     "DispatchStats": "flexdispatch.types",
+    "PendingDispatch": "flexdispatch.types",
     # routing
     "topk_routing": "flexdispatch.routing",
     "hash_routing": "flexdispatch.routing",

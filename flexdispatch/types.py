@@ -10,8 +10,9 @@ Results and handles are frozen, keyword-only dataclasses; nothing here is a bare
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -25,6 +26,7 @@ __all__ = [
     "ExpertMajorHandle",
     "ExpertMajorResult",
     "ExpandedDispatchResult",
+    "PendingDispatch",
     "check_handle",
     "next_issuer",
 ]
@@ -303,3 +305,34 @@ class ExpertMajorResult:
     recv_scales: torch.Tensor | None
     recv_count: torch.Tensor
     handle: ExpertMajorHandle
+
+
+_ResultT = TypeVar("_ResultT")
+
+
+class PendingDispatch(Generic[_ResultT]):
+    """A dispatch in flight: ``FlexDispatcher.dispatch_start`` (a ``DispatchResult``) or
+    ``dispatch_expanded_start`` (an ``ExpandedDispatchResult``).
+
+    ``wait()`` returns its result, once, and must be called on every rank. Between the start and
+    the wait the caller may run work that does not need the received rows (a layer's shared
+    experts): on DeepEP V1 with ``deepep_async_finish`` and on DeepEP 2.5 (``defer_epilogue``)
+    the rows are still moving then; other backends finished at the start. ``ready``, when given,
+    runs first and may refuse the wait now (DeepEP 2.5: inside a CUDA-graph capture the dispatch
+    was not launched in); a refused wait can be called again later.
+    """
+
+    def __init__(
+        self, finish: Callable[[], _ResultT], ready: Callable[[], None] | None = None
+    ) -> None:
+        self._finish: Callable[[], _ResultT] | None = finish
+        self._ready = ready
+
+    def wait(self) -> _ResultT:
+        """The dispatch's result (differentiable in ``x`` and ``topk_probs`` as ever)."""
+        if self._finish is None:
+            raise RuntimeError("PendingDispatch.wait() was already called")
+        if self._ready is not None:
+            self._ready()
+        finish, self._finish = self._finish, None
+        return finish()

@@ -8,6 +8,11 @@ A backend moves rows and nothing else: it is never differentiable (``FlexDispatc
 primitives in autograd Functions) and it keeps no per-call state on itself. Everything ``combine``
 needs travels in the ``DispatchHandle`` it returns. Capabilities are answered as ``(ok, reason)``
 pairs so that selection and diagnostics can explain themselves.
+
+Every hook the dispatcher may call is declared here; the optional ones have a default (no-op, or
+a refusal naming the capability that says why): the expanded layout, a dispatch in two halves
+(``launch_*`` / ``finish_*``), the combine with a bias, the low-latency decode kernels, device
+statistics (``flush_stats``) and the count of bad ids a backend takes itself (``counts_bad_ids``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from flexdispatch.types import (
     DispatchResult,
     DispatchStats,
     ExpandedDispatchResult,
+    ExpertMajorHandle,
+    ExpertMajorResult,
 )
 
 if TYPE_CHECKING:
@@ -46,6 +53,10 @@ class DispatchBackend(abc.ABC):
         ranks_per_node: L.
         num_experts: E.
         stats: cumulative counters; the backend adds bytes, rows and host syncs to them.
+        counts_bad_ids: ``dispatch`` counts the ids outside ``[-1, E)`` itself (the torch
+            backend, from its pair counts at no cost) and leaves that dispatch's 0-dim int64
+            device count in ``bad_ids``; the dispatcher then passes such ids through (the
+            backend takes them as -1) and counts only the other bad values.
     """
 
     name: str
@@ -56,6 +67,8 @@ class DispatchBackend(abc.ABC):
     ranks_per_node: int
     num_experts: int
     stats: DispatchStats
+    counts_bad_ids: bool = False
+    bad_ids: torch.Tensor | None = None
 
     @classmethod
     def from_config(
@@ -218,9 +231,62 @@ class DispatchBackend(abc.ABC):
         out = self.combine(y, handle)
         return out if bias is None else out + bias
 
-    def supports_overlap(self) -> Capability:
-        """``launch_expanded`` / ``finish_expanded``: a dispatch that returns before its rows."""
+    # ----------------------------------------------------------------- in two halves (optional)
+    def supports_overlap(self, *, expanded: bool) -> Capability:
+        """A dispatch that returns before its rows: ``launch_expanded`` / ``finish_expanded``
+        (``expanded``), or ``launch_dispatch`` / ``finish_dispatch``."""
         return False, f"the {self.name} backend finishes a dispatch before returning"
+
+    def launch_dispatch(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+        layout: DispatchLayout | None = None,
+    ) -> Any:
+        """Issue ``dispatch`` and return what ``finish_dispatch`` takes (its arguments and
+        errors); work issued before the finish overlaps the dispatch."""
+        raise NotImplementedError(self.supports_overlap(expanded=False)[1])
+
+    def finish_dispatch(self, pending: Any) -> DispatchResult:
+        """Wait for a ``launch_dispatch`` and build its result."""
+        raise NotImplementedError(self.supports_overlap(expanded=False)[1])
+
+    def launch_expanded(
+        self,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+    ) -> Any:
+        """Issue ``dispatch_expanded`` and return what ``finish_expanded`` takes."""
+        raise NotImplementedError(self.supports_overlap(expanded=True)[1])
+
+    def check_finish(self, pending: Any) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Raise when ``pending`` (a ``launch_expanded``) cannot be finished now."""
+
+    def finish_expanded(self, pending: Any) -> ExpandedDispatchResult:
+        """Wait for a ``launch_expanded`` and build its result."""
+        raise NotImplementedError(self.supports_overlap(expanded=True)[1])
+
+    # ----------------------------------------------------------------- decode (optional)
+    def low_latency_tokens(self) -> int | None:
+        """The tokens per rank and call a backend with low-latency decode kernels was built for
+        (``low_latency_dispatch`` / ``low_latency_combine``), None without them."""
+        return None
+
+    def low_latency_dispatch(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_probs: torch.Tensor
+    ) -> ExpertMajorResult:
+        """Expert-major decode dispatch (``dispatch.decode``), ``[e, C, H]`` rows."""
+        raise NotImplementedError(f"the {self.name} backend has no low-latency kernels")
+
+    def low_latency_combine(self, y: torch.Tensor, handle: ExpertMajorHandle) -> torch.Tensor:
+        """The weighted combine of ``low_latency_dispatch``'s rows."""
+        raise NotImplementedError(f"the {self.name} backend has no low-latency kernels")
+
+    # ----------------------------------------------------------------- safe points
+    def flush_stats(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Fold statistics kept on the device into ``stats`` (may sync the host)."""
 
     def check_overflow(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Raise if a worst-case dispatch overflowed since construction (may sync the host)."""

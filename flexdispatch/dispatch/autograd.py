@@ -16,22 +16,31 @@ import torch
 from flexdispatch.backends.base import DispatchBackend
 from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult
 
-__all__ = ["Rows", "_ROW_DTYPES", "_Combine", "_Dispatch", "_backend_combine", "_records_grad"]
+__all__ = [
+    "ROW_DTYPES",
+    "CombineBiasFunction",
+    "CombineFunction",
+    "DispatchExpandedFunction",
+    "DispatchFunction",
+    "Rows",
+    "backend_combine",
+    "records_grad",
+]
 
-_ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ROW_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 Rows = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 """``x`` of ``dispatch``: ``[T, H]`` rows, or (deepep only) an ``(fp8 rows, scales)`` tuple."""
 
 
-def _records_grad(*tensors: Rows) -> bool:
+def records_grad(*tensors: Rows) -> bool:
     """Whether autograd would record a call on ``tensors``: grad mode on and one of them
     requiring grad (an fp8 tuple never does)."""
     grads = [t.requires_grad for t in tensors if isinstance(t, torch.Tensor)]
     return torch.is_grad_enabled() and any(grads)
 
 
-class _Dispatch(torch.autograd.Function):
+class DispatchFunction(torch.autograd.Function):
     """Differentiable in ``x`` and ``topk_probs``; ``topk_idx`` and the counts are integer."""
 
     @staticmethod
@@ -43,8 +52,8 @@ class _Dispatch(torch.autograd.Function):
         topk_idx: torch.Tensor,
         topk_probs: torch.Tensor,
         pending: Any = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
-        res = _Dispatch.run(backend, layout, x, topk_idx, topk_probs, pending)
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle, int | None]:
+        res = DispatchFunction.run(backend, layout, x, topk_idx, topk_probs, pending)
         ctx.backend = backend
         ctx.handle = res.handle
         ctx.x_dtype = x[0].dtype if isinstance(x, tuple) else x.dtype
@@ -73,7 +82,7 @@ class _Dispatch(torch.autograd.Function):
     ) -> DispatchResult:
         """``forward`` without the autograd bookkeeping."""
         if pending is not None:  # a launch_dispatch in flight: finish it
-            return backend.finish_dispatch(pending)  # type: ignore[attr-defined,no-any-return]
+            return backend.finish_dispatch(pending)
         return backend.dispatch(x, topk_idx, topk_probs, layout)
 
     @staticmethod
@@ -104,14 +113,14 @@ class _Dispatch(torch.autograd.Function):
                     recv_idx.shape, dtype=torch.float32, device=recv_idx.device
                 )
             masked = torch.where(recv_idx >= 0, grad_probs.to(torch.float32), 0.0)
-            # one call: DeepEP carries both in one combine (N10)
+            # NOTE: one call: DeepEP carries both in one combine
             dx, dp = backend.combine_with_probs(grad_x if want_x else None, masked, handle)
         elif want_x:
             dx = backend.combine(grad_x, handle)
         return None, None, dx, None, dp, None
 
 
-class _Combine(torch.autograd.Function):
+class CombineFunction(torch.autograd.Function):
     """Differentiable in ``y``."""
 
     @staticmethod
@@ -129,6 +138,90 @@ class _Combine(torch.autograd.Function):
         return None, None, ctx.backend.cached_dispatch(grad_out.contiguous(), ctx.handle)
 
 
-def _backend_combine(backend: DispatchBackend, handle: DispatchHandle, y: torch.Tensor):
-    """``_Combine.apply`` without the autograd Function (inside ``flexdispatch::combine``)."""
+def backend_combine(
+    backend: DispatchBackend, handle: DispatchHandle, y: torch.Tensor
+) -> torch.Tensor:
+    """``CombineFunction.apply`` without the autograd Function (inside the
+    ``flexdispatch::combine`` op)."""
     return backend.combine(y, handle)
+
+
+class DispatchExpandedFunction(torch.autograd.Function):
+    """``dispatch_expanded``, differentiable in ``x`` and ``topk_probs``; with ``pending`` (a
+    ``launch_expanded`` in flight) the forward only finishes it."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        backend: DispatchBackend,
+        pending: Any,
+        x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle]:
+        if pending is not None:
+            res = backend.finish_expanded(pending)
+        else:
+            res = backend.dispatch_expanded(x, topk_idx, topk_probs)
+        ctx.backend = backend
+        ctx.handle = res.handle
+        ctx.x_dtype = x[0].dtype if isinstance(x, tuple) else x.dtype
+        ctx.device = res.recv_x.device
+        frozen = [res.tokens_per_expert]
+        if isinstance(x, tuple):  # fp8 pass-through: forward-only rows
+            frozen.append(res.recv_x)
+        ctx.mark_non_differentiable(*frozen)
+        return res.recv_x, res.recv_probs, res.tokens_per_expert, res.handle
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any,
+        grad_x: torch.Tensor | None,
+        grad_probs: torch.Tensor | None,
+        _grad_counts: Any,
+        _grad_handle: Any,
+    ) -> tuple[None, None, torch.Tensor | None, None, torch.Tensor | None]:
+        backend: DispatchBackend = ctx.backend
+        handle: DispatchHandle = ctx.handle
+        N = handle.num_recv_rows
+        dx = dp = None
+        want_x, want_p = ctx.needs_input_grad[2], ctx.needs_input_grad[4]
+        device = ctx.device
+        # NOTE: every rank must run the same collectives; a missing gradient becomes zeros.
+        if want_x and grad_x is None:
+            grad_x = torch.zeros(N, handle.hidden, dtype=ctx.x_dtype, device=device)
+        if want_p:
+            if grad_probs is None:
+                grad_probs = torch.zeros(N, dtype=torch.float32, device=device)
+            dx, dp = backend.combine_slot_weights(
+                grad_x.contiguous() if want_x and grad_x is not None else None,
+                grad_probs.to(torch.float32),
+                handle,
+            )
+        elif want_x and grad_x is not None:
+            dx = backend.combine(grad_x.contiguous(), handle)
+        return None, None, dx, None, dp
+
+
+class CombineBiasFunction(torch.autograd.Function):
+    """``combine(y) + bias`` with the bias inside the backend's reduction; differentiable in
+    ``y`` (the backward is a cached dispatch) and ``bias`` (the output's gradient)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        backend: DispatchBackend,
+        handle: DispatchHandle,
+        y: torch.Tensor,
+        bias: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx.backend = backend
+        ctx.handle = handle
+        return backend.combine_bias(y, handle, bias)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_out: torch.Tensor
+    ) -> tuple[None, None, torch.Tensor, torch.Tensor]:
+        g = grad_out.contiguous()
+        return None, None, ctx.backend.cached_dispatch(g, ctx.handle), g

@@ -164,10 +164,9 @@ class DecodeDispatcher:
         self.dispatcher = dispatcher
         self.num_max = num_max_dispatch_tokens_per_rank
         self.capacity = dispatcher.num_ranks * num_max_dispatch_tokens_per_rank
-        backend = dispatcher.backend
-        self._low_latency = getattr(backend, "mode", "normal") == "low_latency"
-        if self._low_latency:
-            configured = getattr(backend, "num_max_dispatch_tokens_per_rank", self.num_max)
+        configured = dispatcher.backend.low_latency_tokens()
+        self._low_latency = configured is not None
+        if configured is not None:
             if configured != self.num_max:
                 raise ValueError(
                     f"num_max_dispatch_tokens_per_rank={self.num_max} differs from the "
@@ -204,10 +203,11 @@ class DecodeDispatcher:
             )
         with torch.no_grad():
             if self._low_latency:
-                # NOTE: the id guard of every other path (audit-4 P7): an id >= E indexes
-                # DeepEP's low-latency workspace past its counters and a repeated id overruns a
-                # sender's num_max slots; raised (checks on, CPU) or masked to -1 and counted
-                idx = self.dispatcher._check_values(topk_idx, x, topk_probs)
+                # NOTE: the id guard of every other path: an id >= E indexes DeepEP's
+                # low-latency workspace past its counters and a repeated id overruns a sender's
+                # num_max slots; raised (checks on, CPU) or masked to -1 and counted (DeepEP V1
+                # counts no bad ids itself: nothing is deferred)
+                idx, _ = self.dispatcher._check_values(topk_idx, x, topk_probs)
                 return self.dispatcher.backend.low_latency_dispatch(x, idx, topk_probs)
             res: DispatchResult = self.dispatcher.dispatch(x, topk_idx, topk_probs)
             e = self.dispatcher.num_local_experts

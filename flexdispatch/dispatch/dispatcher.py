@@ -40,19 +40,14 @@ from flexdispatch.backends.base import DispatchBackend
 from flexdispatch.config import DispatchConfig
 from flexdispatch.dispatch import ops as _ops
 from flexdispatch.dispatch.autograd import (
-    _ROW_DTYPES,
+    ROW_DTYPES,
+    CombineBiasFunction,
+    CombineFunction,
+    DispatchExpandedFunction,
+    DispatchFunction,
     Rows,
-    _backend_combine,
-    _Combine,
-    _Dispatch,
-    _records_grad,
-)
-from flexdispatch.dispatch.overlap import DispatchExpanded as _DispatchExpanded
-from flexdispatch.dispatch.overlap import (
-    PendingDispatch,
-    combine_with_bias,
-    start_dispatch,
-    warmup,
+    backend_combine,
+    records_grad,
 )
 from flexdispatch.dispatch.select import select_backend
 from flexdispatch.distributed import (
@@ -70,11 +65,20 @@ from flexdispatch.types import (
     DispatchResult,
     DispatchStats,
     ExpandedDispatchResult,
+    PendingDispatch,
     check_handle,
     next_issuer,
 )
 
 __all__ = ["FlexDispatcher", "PendingDispatch"]
+
+Deferred = tuple[torch.Tensor, ...] | None
+"""The counts of a dispatch's bad values that wait for its backend's count of bad ids
+(``DispatchBackend.counts_bad_ids``), or None."""
+
+
+def _contiguous(x: Rows) -> Rows:
+    return (x[0].contiguous(), x[1].contiguous()) if isinstance(x, tuple) else x.contiguous()
 
 
 class FlexDispatcher:
@@ -127,7 +131,6 @@ class FlexDispatcher:
         )
         self._stats = DispatchStats()
         self._bad_log = tensors.BadValueLog()  # device counts of bad inputs, not yet folded
-        self._deferred_parts: tuple[torch.Tensor, ...] | None = None
         self._backend, self.backend_reason = select_backend(
             config,
             group,
@@ -176,9 +179,7 @@ class FlexDispatcher:
         reads a few small device tensors: read ``stats`` at a safe point, not inside a captured
         region.
         """
-        flush = getattr(self._backend, "flush_stats", None)
-        if flush is not None:
-            flush()
+        self._backend.flush_stats()
         return self._stats
 
     @property
@@ -237,16 +238,17 @@ class FlexDispatcher:
         topk_idx: torch.Tensor,
         topk_probs: torch.Tensor,
         layout: DispatchLayout | None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, Deferred]:
         """Check the inputs (metadata, then values as ``_check_values``); returns the ids to
-        dispatch (bad ones as -1 on the deferred path)."""
+        dispatch (bad ones as -1 on the deferred path) and the counts that wait for the
+        backend's (``Deferred``)."""
         values = x  # what the non-finite check reads (fp8 rows: their float32 scales)
         if isinstance(x, tuple):
             x = tensors.check_fp8_rows(x, self.backend_name)
             values = values[1]
         else:
             check_tensor("x", x, ndim=2, floating=True)
-            if x.dtype not in _ROW_DTYPES:
+            if x.dtype not in ROW_DTYPES:
                 raise TypeError(
                     f"x must be bfloat16, float16 or float32, got "
                     f"{str(x.dtype).replace('torch.', '')}: convert it with x.to(torch.bfloat16) "
@@ -296,9 +298,10 @@ class FlexDispatcher:
 
     def _check_values(
         self, topk_idx: torch.Tensor, values: torch.Tensor, topk_probs: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, Deferred]:
         """Ids outside ``[-1, E)``, an expert named twice in one token, and NaN/inf rows or probs
-        never pass silently; returns the ids the backend gets.
+        never pass silently; returns the ids the backend gets and the counts that wait for the
+        backend's count of bad ids (``Deferred``: added by ``_finish`` once it returned).
 
         Checks on (or CPU, where reading values costs no sync): raise now. CUDA without checks
         (or while capturing a graph): the bad ids become -1 on the device (no backend kernel
@@ -314,26 +317,32 @@ class FlexDispatcher:
             topk_idx.device
         ):
             tensors.check_dispatch_values(topk_idx, E, values, topk_probs)
-            return topk_idx
+            return topk_idx, None
         if _screen.screen_on_device(topk_idx.device):
             # NOTE: one fused launch: every bad id as -1, the counts added into the pending
             # vector in place (no parts kept, nothing left for the backend to count)
             acc = self._bad_log.accumulator(self._stats, topk_idx.device)
-            return _screen.screen_inputs(topk_idx, E, values, topk_probs, acc)
+            return _screen.screen_inputs(topk_idx, E, values, topk_probs, acc), None
         # NOTE: a backend that counts the bad ids itself (``bad_ids``, the torch backend's pair
-        # counts) gives them after its dispatch (``dispatch`` adds the parts then); it takes ids
+        # counts) gives them after its dispatch (``_finish`` adds the parts then); it takes ids
         # >= E as -1 itself, the others get them as -1 (DeepEP V2 would index past its counters)
-        own = getattr(self._backend, "counts_bad_ids", False)
+        own = self._backend.counts_bad_ids
         idx, repeats, oob = tensors.mask_bad_ids(topk_idx, E, out_of_range=not own)
         parts = tensors.count_bad_parts(
             topk_idx, E, values, topk_probs, count_ids=False, repeats=repeats
         )
         if own:
-            self._deferred_parts = parts
-            return idx
+            return idx, parts
         assert oob is not None
         self._bad_log.add(self._stats, (oob, *parts))
-        return idx
+        return idx, None
+
+    def _log_deferred(self, deferred: Deferred) -> None:
+        """Count a dispatch's deferred bad values, with its backend's count of bad ids."""
+        if deferred is not None:
+            bad_ids = self._backend.bad_ids
+            assert bad_ids is not None  # NOTE: set by every dispatch of a counting backend
+            self._bad_log.add(self._stats, (bad_ids, *deferred))
 
     # ----------------------------------------------------------------- public API
     @guarded("FlexDispatcher.dispatch")
@@ -344,7 +353,6 @@ class FlexDispatcher:
         topk_probs: torch.Tensor,
         *,
         layout: DispatchLayout | None = None,
-        _pending: Any = None,
     ) -> DispatchResult:
         """Send each token once to every rank that holds one of its experts.
 
@@ -357,7 +365,6 @@ class FlexDispatcher:
             topk_idx: ``[T, k]`` int64 global expert ids, ``-1`` = no expert.
             topk_probs: ``[T, k]`` float32 routing weights (0 where ``topk_idx`` is ``-1``).
             layout: optional ``get_dispatch_layout(topk_idx, E, R)`` result, reused if given.
-            _pending: internal (``dispatch_start``): a launched dispatch to finish.
 
         Returns:
             ``DispatchResult``: ``recv_x [M, H]`` (x's dtype), ``recv_topk_idx [M, k]`` int64 local
@@ -375,10 +382,10 @@ class FlexDispatcher:
             flexdispatch.distributed.CollectiveError: a peer rank failed (raised, exited, was
             killed) or did not join within the process-group timeout (docs/errors.md).
         """
-        if _pending is None and not isinstance(x, tuple) and _ops.use_ops():
+        if not isinstance(x, tuple) and _ops.use_ops():
             # NOTE: torch.compile (or set_eager_ops): one custom op, this method run inside it
             return _ops.dispatch(self, x, topk_idx, topk_probs, layout)
-        return self._dispatch(x, topk_idx, topk_probs, layout=layout, _pending=_pending)
+        return self._dispatch(x, topk_idx, topk_probs, layout=layout)
 
     def _dispatch(
         self,
@@ -387,29 +394,40 @@ class FlexDispatcher:
         topk_probs: torch.Tensor,
         *,
         layout: DispatchLayout | None = None,
-        _pending: Any = None,
         grad: bool = True,
     ) -> DispatchResult:
-        """``dispatch`` on the eager path (``grad`` False: never through ``_Dispatch``, as inside
-        the ``flexdispatch::dispatch`` op, whose registered backward differentiates it)."""
-        if _pending is None:  # else checked when dispatch_start launched it
-            self._deferred_parts = None
-            topk_idx = self._check_inputs(x, topk_idx, topk_probs, layout)
-        rows = (x[0].contiguous(), x[1].contiguous()) if isinstance(x, tuple) else x.contiguous()
-        args = (self._backend, layout, rows, topk_idx.contiguous(), topk_probs.contiguous())
-        if grad and _records_grad(rows, topk_probs):
-            recv_x, recv_idx, recv_probs, counts, handle, pairs = _Dispatch.apply(*args, _pending)
+        """``dispatch`` on the eager path (``grad`` False: never through ``DispatchFunction``, as
+        inside the ``flexdispatch::dispatch`` op, whose registered backward differentiates it)."""
+        ids, deferred = self._check_inputs(x, topk_idx, topk_probs, layout)
+        rows, ids, probs = _contiguous(x), ids.contiguous(), topk_probs.contiguous()
+        return self._finish(rows, ids, probs, layout, deferred, grad=grad)
+
+    def _finish(
+        self,
+        rows: Rows,
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+        layout: DispatchLayout | None,
+        deferred: Deferred,
+        *,
+        pending: Any = None,
+        grad: bool = True,
+    ) -> DispatchResult:
+        """Run (or, with ``pending``, finish) the backend's dispatch of checked, contiguous
+        inputs, and count what ``_check_values`` deferred."""
+        args = (self._backend, layout, rows, topk_idx, topk_probs)
+        if grad and records_grad(rows, topk_probs):
+            recv_x, recv_idx, recv_probs, counts, handle, pairs = DispatchFunction.apply(
+                *args, pending
+            )
         else:
             # NOTE: nothing to differentiate (inference, no_grad, detached inputs): the backend
             # directly, without an autograd Function (its bookkeeping is host time per call)
-            res = _Dispatch.run(*args, _pending)
+            res = DispatchFunction.run(*args, pending)
             recv_x, recv_idx, recv_probs = res.recv_x, res.recv_topk_idx, res.recv_topk_probs
             counts, handle, pairs = res.num_recv_tokens_per_expert, res.handle, res.num_recv_pairs
         object.__setattr__(handle, "issuer", self._issuer)
-        if self._deferred_parts is not None:
-            parts = (self._backend.bad_ids, *self._deferred_parts)  # type: ignore[attr-defined]
-            self._bad_log.add(self._stats, parts)
-            self._deferred_parts = None
+        self._log_deferred(deferred)
         self._stats.dispatch_calls += 1
         return DispatchResult(
             recv_x=recv_x,
@@ -428,12 +446,35 @@ class FlexDispatcher:
         topk_probs: torch.Tensor,
         *,
         layout: DispatchLayout | None = None,
-    ) -> PendingDispatch:
+    ) -> PendingDispatch[DispatchResult]:
         """``dispatch`` in two halves: issued now, its ``DispatchResult`` at ``.wait()`` (called
         on every rank). With DeepEP V1 and ``deepep_async_finish`` the rows are in flight in
         between, so work issued there (``MoELayer``'s shared experts) overlaps the dispatch;
         elsewhere the dispatch finishes here. Inputs, errors and result as ``dispatch``."""
-        return start_dispatch(self, x, topk_idx, topk_probs, layout)
+        # NOTE: through the custom ops (torch.compile) a launched dispatch cannot cross the op
+        if not self._backend.supports_overlap(expanded=False)[0] or _ops.use_ops():
+            res = self.dispatch(x, topk_idx, topk_probs, layout=layout)
+            return PendingDispatch(lambda: res)
+        ids, deferred = self._check_inputs(x, topk_idx, topk_probs, layout)
+        rows, ids, probs = _contiguous(x), ids.contiguous(), topk_probs.contiguous()
+        with torch.no_grad():
+            pending = self._backend.launch_dispatch(rows, ids, probs, layout)
+        return PendingDispatch(
+            lambda: self._finish_launched(rows, ids, probs, layout, deferred, pending)
+        )
+
+    @guarded("FlexDispatcher.dispatch")
+    def _finish_launched(
+        self,
+        rows: Rows,
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+        layout: DispatchLayout | None,
+        deferred: Deferred,
+        pending: Any,
+    ) -> DispatchResult:
+        """``PendingDispatch.wait`` of ``dispatch_start``: one thread at a time, as ``dispatch``."""
+        return self._finish(rows, topk_idx, topk_probs, layout, deferred, pending=pending)
 
     @guarded("FlexDispatcher.dispatch_expanded")
     def dispatch_expanded(
@@ -459,7 +500,7 @@ class FlexDispatcher:
     @guarded("FlexDispatcher.dispatch_expanded_start")
     def dispatch_expanded_start(
         self, x: Rows, topk_idx: torch.Tensor, topk_probs: torch.Tensor
-    ) -> PendingDispatch:
+    ) -> PendingDispatch[ExpandedDispatchResult]:
         """``dispatch_expanded`` in two halves: issued now, its result at ``.wait()`` (called
         on every rank). On DeepEP 2.5 the rows are in flight in between (``defer_epilogue``),
         so work issued there (``MoELayer``'s shared experts) overlaps the dispatch; elsewhere the
@@ -468,30 +509,30 @@ class FlexDispatcher:
 
     def _start_expanded(
         self, x: Rows, topk_idx: torch.Tensor, topk_probs: torch.Tensor, *, overlap: bool
-    ) -> PendingDispatch:
-        ok, why = self._backend.supports_expanded()
+    ) -> PendingDispatch[ExpandedDispatchResult]:
+        backend = self._backend
+        ok, why = backend.supports_expanded()
         if not ok:
             raise ValueError(f"dispatch_expanded is not available: {why}")
-        topk_idx = self._check_inputs(x, topk_idx, topk_probs, None)
-        rows = (x[0].contiguous(), x[1].contiguous()) if isinstance(x, tuple) else x.contiguous()
-        args = (rows, topk_idx.contiguous(), topk_probs.contiguous())
+        ids, deferred = self._check_inputs(x, topk_idx, topk_probs, None)
+        args = (_contiguous(x), ids.contiguous(), topk_probs.contiguous())
         pending = None
-        if overlap and self._backend.supports_overlap()[0]:
+        if overlap and backend.supports_overlap(expanded=True)[0]:
             with torch.no_grad():
-                pending = self._backend.launch_expanded(*args)  # type: ignore[attr-defined]
+                pending = backend.launch_expanded(*args)
 
         def finish() -> ExpandedDispatchResult:
-            recv_x, recv_probs, counts, handle = _DispatchExpanded.apply(
-                self._backend, pending, *args
+            recv_x, recv_probs, counts, handle = DispatchExpandedFunction.apply(
+                backend, pending, *args
             )
             object.__setattr__(handle, "issuer", self._issuer)
+            self._log_deferred(deferred)
             self._stats.dispatch_calls += 1
             return ExpandedDispatchResult(
                 recv_x=recv_x, recv_probs=recv_probs, tokens_per_expert=counts, handle=handle
             )
 
-        check = getattr(self._backend, "check_finish", None)
-        ready = None if pending is None or check is None else (lambda: check(pending))
+        ready = None if pending is None else (lambda: backend.check_finish(pending))
         return PendingDispatch(finish, ready)
 
     @guarded("FlexDispatcher.combine")
@@ -519,7 +560,7 @@ class FlexDispatcher:
         """
         # NOTE: traced, the serial is not read (dynamo would guard on it), nor on an op handle
         # (a compiled dispatch stamps none): ``flexdispatch::combine`` checks it when it runs
-        op_handle = isinstance(getattr(handle, "state", None), torch.Tensor)
+        op_handle = isinstance(handle, DispatchHandle) and isinstance(handle.state, torch.Tensor)
         issuer = None if op_handle or torch.compiler.is_compiling() else self._issuer
         check_handle(handle, self.backend_name, issuer)
         check_tensor("y", y, ndim=2, floating=True)
@@ -543,15 +584,34 @@ class FlexDispatcher:
     ) -> torch.Tensor:
         """``combine`` after its checks (``grad`` False: as inside ``flexdispatch::combine``)."""
         if bias is not None:
-            self._check_device("bias", bias)
-            plain = _Combine.apply if grad else _backend_combine
-            out = combine_with_bias(self._backend, handle, y.contiguous(), bias, plain, grad=grad)
-        elif grad and _records_grad(y):
-            out = _Combine.apply(self._backend, handle, y.contiguous())
+            out = self._combine_bias(y.contiguous(), handle, bias, grad=grad)
+        elif grad and records_grad(y):
+            out = CombineFunction.apply(self._backend, handle, y.contiguous())
         else:  # NOTE: nothing to differentiate: no autograd Function (as in ``dispatch``)
             out = self._backend.combine(y.contiguous(), handle)
         self._stats.combine_calls += 1
         return out
+
+    def _combine_bias(
+        self, y: torch.Tensor, handle: DispatchHandle, bias: torch.Tensor, *, grad: bool
+    ) -> torch.Tensor:
+        """``combine(y, handle, bias=bias)``: the bias inside the reduction where the backend
+        supports it for y's dtype (``CombineBiasFunction``; ``grad`` False: the backend alone, as
+        inside the ``flexdispatch::combine`` op), else added after the combine."""
+        self._check_device("bias", bias)
+        check_tensor("bias", bias, ndim=2, floating=True)
+        if tuple(bias.shape) != (handle.num_tokens, handle.hidden) or bias.dtype != y.dtype:
+            raise ValueError(
+                f"bias must be a [{handle.num_tokens}, {handle.hidden}] tensor of y's dtype "
+                f"{y.dtype} (one row per dispatched token), got {tuple(bias.shape)} {bias.dtype}"
+            )
+        backend = self._backend
+        if backend.supports_combine_bias(y.dtype)[0]:
+            if not grad:
+                return backend.combine_bias(y, handle, bias.contiguous())
+            return CombineBiasFunction.apply(backend, handle, y, bias.contiguous())
+        plain = CombineFunction.apply if grad else backend_combine
+        return plain(backend, handle, y) + bias
 
     @guarded("FlexDispatcher.warmup")
     def warmup(
@@ -570,10 +630,49 @@ class FlexDispatcher:
         call this on every rank first (elsewhere it is a cheap empty step). ``expanded``:
         ``dispatch_expanded`` (True), ``dispatch`` (False) or both (None); ``backward`` also
         the backward kernels; ``dtype`` sets the row width on the wire
-        (``torch.float8_e4m3fn``: the fp8 dispatch with its ``ceil(H / 128)`` scales;
-        ``dispatch_overlap.warmup``).
+        (``torch.float8_e4m3fn``: the fp8 dispatch, DeepEP's ``(x, scales)`` tuple with its
+        ``ceil(H / 128)`` float32 scale columns, a template argument of DeepEP 2.5's kernels;
+        with ``backward``, also the cached dispatch of its combine's backward).
         """
-        warmup(self, hidden_size, topk, dtype=dtype, expanded=expanded, backward=backward)
+        for name, value in (("hidden_size", hidden_size), ("topk", topk)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"warmup: {name} must be a positive int, got {value!r}")
+        fp8 = dtype == torch.float8_e4m3fn
+        device = self._comm_device
+        modes = [False, True] if expanded is None else [expanded]
+        if not self._backend.supports_expanded()[0]:
+            if expanded:
+                raise ValueError(f"warmup(expanded=True): {self._backend.supports_expanded()[1]}")
+            modes = [False]
+        for exp in modes:
+            with torch.enable_grad():
+                p = torch.zeros(0, topk, dtype=torch.float32, device=device, requires_grad=backward)
+                idx = torch.zeros(0, topk, dtype=torch.int64, device=device)
+                x: Rows
+                if fp8:
+                    cols = -(-hidden_size // 128)
+                    x = (
+                        torch.zeros(0, hidden_size, dtype=dtype, device=device),
+                        torch.zeros(0, cols, dtype=torch.float32, device=device),
+                    )
+                    row = torch.bfloat16
+                else:
+                    x = torch.zeros(
+                        0, hidden_size, dtype=dtype, device=device, requires_grad=backward
+                    )
+                    row = dtype
+                if exp:
+                    res_e = self.dispatch_expanded(x, idx, p)
+                    y = res_e.recv_x.to(row) * res_e.recv_probs[:, None].to(row)
+                    handle = res_e.handle
+                else:
+                    res = self.dispatch(x, idx, p)
+                    y = res.recv_x.to(row) * res.recv_topk_probs.sum(1, keepdim=True).to(row)
+                    handle = res.handle
+                bias = torch.zeros(0, hidden_size, dtype=row, device=device)
+                out = self.combine(y, handle, bias=bias)
+                if backward:
+                    out.float().sum().backward()
 
     def check_overflow(self) -> None:
         """Raise ``ValueError`` if a dispatch since construction dropped something: bad inputs

@@ -174,7 +174,7 @@ def _overlap(rank: int, R: int, emu: Any) -> dict[str, Any]:
         backend="deepep", deepep_api="v1", ranks_per_node=R, deepep_async_finish=True
     )
     d = FlexDispatcher(cfg, num_experts=E, _deep_ep=emu)
-    got: dict[str, Any] = {"supports": d.backend.supports_dispatch_overlap()[0]}
+    got: dict[str, Any] = {"supports": d.backend.supports_overlap(expanded=False)[0]}
     waits = emu_config.EVENT_WAITS
     before = waits[0]
     plain, loss, xs, ps = _grads(d, mine.x, mine.idx, mine.probs)

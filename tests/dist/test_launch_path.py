@@ -82,10 +82,10 @@ def test_world_of_one_matches_the_reference(cuda: bool, W: int, H: int, monkeypa
 def test_autograd_function_only_where_a_gradient_is_recorded(W: int, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Inputs that need no gradient (or ``no_grad``) skip the autograd Functions (host time per
     call); the results are the same either way and gradients still flow where asked for."""
-    from flexdispatch.dispatch import dispatcher as dispatcher_mod
+    from flexdispatch.dispatch import autograd
 
     applied: list[str] = []
-    for fn in (dispatcher_mod._Dispatch, dispatcher_mod._Combine):
+    for fn in (autograd.DispatchFunction, autograd.CombineFunction):
         orig = fn.apply
         monkeypatch.setattr(
             fn, "apply", lambda *a, _o=orig, _n=fn.__name__: applied.append(_n) or _o(*a)
@@ -112,7 +112,7 @@ def test_autograd_function_only_where_a_gradient_is_recorded(W: int, monkeypatch
     (out.float().sum() + graded.recv_topk_probs.sum()).backward()
     assert x.grad is not None and x.grad.abs().sum() > 0 and probs.grad is not None
     # the graded dispatch, the combine of y_g and the combine of the graded rows
-    assert applied == ["_Dispatch", "_Combine", "_Combine"], applied
+    assert applied == ["DispatchFunction", "CombineFunction", "CombineFunction"], applied
 
 
 def _worker(rank: int, R: int, cuda: bool) -> dict:

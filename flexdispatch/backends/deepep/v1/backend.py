@@ -490,7 +490,9 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
         """
         return self.finish_dispatch(self.launch_dispatch(x, topk_idx, topk_probs, layout))
 
-    def supports_dispatch_overlap(self) -> Capability:
+    def supports_overlap(self, *, expanded: bool) -> Capability:
+        if expanded:
+            return False, "DeepEP V1 has no expanded layout: use permute"
         if not self.async_finish:
             return False, "set deepep_async_finish: without it DeepEP finishes before returning"
         return True, (

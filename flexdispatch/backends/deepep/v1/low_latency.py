@@ -54,6 +54,10 @@ class LowLatencyMixin:
     def _required_size(self, row_bytes: int, hidden: int | None = None) -> sizing.BufferSize:
         raise NotImplementedError
 
+    def low_latency_tokens(self) -> int | None:
+        """``num_max_dispatch_tokens_per_rank`` in ``mode='low_latency'``, else None."""
+        return self.num_max_dispatch_tokens_per_rank if self.mode == "low_latency" else None
+
     def _check_low_latency_mode(self) -> None:
         if self.mode != "low_latency":
             raise ValueError(

@@ -236,7 +236,9 @@ class DeepEPV25Backend(EPCombineMixin, DispatchBackend):
             return False, f"DeepEP 2.5 adds a bias to bf16 rows only, not {dtype}"
         return True, "DeepEP 2.5 combine adds the bias before its one bf16 rounding"
 
-    def supports_overlap(self) -> Capability:
+    def supports_overlap(self, *, expanded: bool) -> Capability:
+        if not expanded:
+            return False, "DeepEP 2.5 overlaps dispatch_expanded only (defer_epilogue)"
         return True, "DeepEP 2.5 defer_epilogue: the receive epilogue runs at finish_expanded"
 
     @property
