@@ -258,7 +258,7 @@ def many_calls(rank: int, R: int, api: str, calls: int) -> dict[str, Any]:
         for _ in range(calls):
             res = d.dispatch(x, idx, probs)
             y = d.combine(res.recv_x, res.handle)
-    kept = (backend._counters if api == "ep" else backend._traffic).kept
+    kept = backend._counters.kept
     sent = d.stats.rows_sent - before - one  # the safe point: one read
     err = ""
     try:

@@ -16,7 +16,7 @@ import torch
 
 from flexdispatch import DispatchConfig
 from flexdispatch.backends.deepep.v25.rows import (
-    EPTraffic,
+    V25Traffic,
     combine_row_bytes,
     dispatch_row_bytes,
     guard_ids,
@@ -119,7 +119,7 @@ def test_traffic_rows_match_a_per_token_loop(hybrid: bool) -> None:
     idx = torch.rand(20, R * e, generator=g).argsort(1)[:, :k]
     idx[torch.rand(20, k, generator=g) < 0.3] = -1
     for me in (0, 5):
-        t = EPTraffic.of(me, R, L, hybrid, "cpu")
+        t = V25Traffic.of(me, R, L, hybrid, "cpu")
         sent = intra = inter = 0
         for row in idx.tolist():
             ranks = {i // e for i in row if i >= 0}
@@ -238,7 +238,7 @@ def test_an_epilogue_run_early_on_another_stream_is_joined_by_the_waiter(monkeyp
     monkeypatch.setattr(torch.cuda, "Event", Event)
 
     def pending() -> v25_rows.PendingExpanded:
-        return v25_rows.PendingExpanded(Overlap(), None, False, 1, 1, 1, 4, torch.zeros(3), 0)
+        return v25_rows.PendingExpanded(Overlap(), None, 0)
 
     p = pending()
     assert p.settle(early=True) and not p.settle(early=True)  # runs once

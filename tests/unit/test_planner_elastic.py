@@ -183,30 +183,28 @@ def test_bad_arguments_are_named(kw: dict[str, Any], match: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("H", [8, 16, 100, 256, 300, 2048, 7168])
 def test_elastic_hidden_mirrors_the_backend(dtype: torch.dtype, H: int) -> None:
-    from flexdispatch.backends.deepep import sizing
+    from flexdispatch.backends.deepep import bounded, sizing
     from flexdispatch.backends.deepep.v2 import backend as v2
-    from flexdispatch.backends.deepep.v2 import combine as v2_combine
 
     x = torch.zeros(3, H, dtype=dtype)
     _, _, wire = sizing.split_rows(x, fp8_multiple=32)
     sent = sizing.pad_cols(wire.send(x), v2._DISPATCH_COL_MULTIPLE)
-    want_dispatch = max(sent.shape[1], v2._COMBINE_COL_MULTIPLE)  # DeepEPV2Backend.dispatch
-    if dtype != torch.bfloat16 and H <= v2_combine._NARROW_FP32_COLUMNS:
-        want_combine = v2._COMBINE_COL_MULTIPLE  # _combine_fp32
+    want_dispatch = max(sent.shape[1], bounded.COMBINE_COLS)  # DeepEPV2Backend.dispatch
+    if dtype != torch.bfloat16 and H <= bounded._NARROW:
+        want_combine = bounded.COMBINE_COLS  # _combine_fp32
     else:
-        want_combine = sizing.pad_cols(x.to(torch.bfloat16), v2._COMBINE_COL_MULTIPLE).shape[1]
+        want_combine = sizing.pad_cols(x.to(torch.bfloat16), bounded.COMBINE_COLS).shape[1]
     assert elastic_hidden(H, dtype.itemsize) == (want_dispatch, want_combine)
 
 
 @pytest.mark.parametrize("H", [32, 256, 2048, 7168])
 def test_elastic_hidden_of_fp8_tuples(H: int) -> None:
-    from flexdispatch.backends.deepep import sizing
-    from flexdispatch.backends.deepep.v2 import backend as v2
+    from flexdispatch.backends.deepep import bounded, sizing
 
     x8 = torch.zeros(2, H, dtype=torch.float8_e4m3fn)
     _, _, wire = sizing.split_rows((x8, torch.ones(2, max(H // 128, 1))), fp8_multiple=32)
     assert elastic_hidden(H, 1) == (
-        max(wire.wire_width, v2._COMBINE_COL_MULTIPLE),
+        max(wire.wire_width, bounded.COMBINE_COLS),
         -(-H // 256) * 256,
     )
     with pytest.raises(ValueError, match="H % 32"):

@@ -19,8 +19,9 @@ its next call needs, and leaves on ``close()``. The buffer is
   kernels (``num_rc_per_pe >= e``) — see ``deepep_rules``,
 - destroyed when its last user closes.
 
-``SharedElasticBuffer`` is the same for DeepEP V2's ``deep_ep.ElasticBuffer`` (the
-``deepep_api`` ``"v2"`` / ``"auto"`` path), sized with ``ElasticBuffer.get_buffer_size_hint``.
+``SharedBoundedBuffer`` is the same for the token-bounded releases, sized with their
+``get_buffer_size_hint``: ``SharedV2Buffer`` for DeepEP V2's ``deep_ep.ElasticBuffer`` here, and
+``v25.buffer.SharedV25Buffer`` for DeepEP 2.5's ``EPBuffer``.
 
 ``generation`` counts reallocations: a low-latency result lives in the buffer's memory, so a result
 from an older generation is gone.
@@ -39,11 +40,12 @@ from flexdispatch.backends.deepep import refusals, sizing
 from flexdispatch.distributed import collective_device
 
 __all__ = [
-    "ElasticSize",
+    "BoundedSize",
+    "SharedBoundedBuffer",
     "SharedBuffer",
-    "SharedElasticBuffer",
+    "SharedV2Buffer",
     "acquire",
-    "acquire_elastic",
+    "acquire_v2",
     "live_buffers",
 ]
 
@@ -144,10 +146,10 @@ def _leave(shared: Any, registry: dict, user: int) -> bool:
         shared.users.discard(user)
         if shared.users:
             return False
-        key = _key(shared.deep_ep, shared.group)
-        if registry.get(key) is shared:
-            del registry[key]
-    _destroy(shared)
+        for key, value in list(registry.items()):
+            if value is shared:
+                del registry[key]
+    shared._destroy()
     return True
 
 
@@ -171,23 +173,20 @@ def live_buffers() -> int:
     """Shared buffers alive in this process (for tests and ``doctor``)."""
     with _LOCK:
         v1 = sum(1 for b in _BUFFERS.values() if b.buffer is not None)
-        return v1 + sum(1 for b in _ELASTIC.values() if b.buffer is not None)
+        return v1 + sum(1 for b in _V2.values() if b.buffer is not None)
 
 
-# --------------------------------------------------------------------- DeepEP V2 (ElasticBuffer)
-_ELASTIC: dict[tuple[int, int], SharedElasticBuffer] = {}
-
-
+# ------------------------------------------------------ DeepEP V2 and 2.5 (a token-bounded buffer)
 @dataclass(frozen=True)
-class ElasticSize:
-    """What an ``ElasticBuffer`` was sized for: M tokens per rank, H bf16 columns, k top-k."""
+class BoundedSize:
+    """What a V2 / V2.5 buffer is sized for: M tokens per rank, H bf16 columns, k top-k."""
 
     num_max_tokens_per_rank: int
     hidden: int
     num_topk: int
 
-    def union(self, other: ElasticSize) -> ElasticSize:
-        return ElasticSize(
+    def union(self, other: BoundedSize) -> BoundedSize:
+        return BoundedSize(
             max(self.num_max_tokens_per_rank, other.num_max_tokens_per_rank),
             max(self.hidden, other.hidden),
             max(self.num_topk, other.num_topk),
@@ -195,21 +194,19 @@ class ElasticSize:
 
 
 @dataclass(eq=False)
-class SharedElasticBuffer:
-    """The ``deep_ep.ElasticBuffer`` of one ``(deep_ep module, group)`` pair in this process.
-
-    The V2 counterpart of ``SharedBuffer``: sized with ``ElasticBuffer.get_buffer_size_hint`` for
-    the union of what its users asked for (direct mode, ``allow_hybrid_mode=False``), rebuilt —
-    collectively, at the same call on every rank — only when a call needs more bytes, destroyed
-    when its last user closes.
+class SharedBoundedBuffer:
+    """The buffer of a token-bounded release (DeepEP V2's ``ElasticBuffer``, DeepEP 2.5's
+    ``EPBuffer``) of one ``(module, group, ...)`` in this process: sized with the class's
+    ``get_buffer_size_hint`` for the union of what its users asked for, rebuilt — collectively,
+    at the same call on every rank, once every rank agreed the new size fits — only when a call
+    needs more bytes, destroyed when its last user closes.
 
     Attributes:
-        deep_ep: the module whose ``ElasticBuffer`` is used.
+        deep_ep: the module whose buffer class is used.
         group: the process group.
         users: ids of the backends that joined and have not closed.
-        buffer: the live ``ElasticBuffer`` or None.
-        size: what it was sized for.
-        num_bytes: its byte count (the size hint).
+        buffer: the live buffer or None.
+        size: what it was sized for; ``num_bytes`` its byte count (the size hint).
         allocations: buffers built so far (statistics).
     """
 
@@ -217,41 +214,61 @@ class SharedElasticBuffer:
     group: Any
     users: set[int] = field(default_factory=set)
     buffer: Any = None
-    size: ElasticSize | None = None
+    size: BoundedSize | None = None
     num_bytes: int = 0
     allocations: int = 0
 
-    def ensure(self, need: ElasticSize, *, tokens: int = 0, worst: int = 0) -> Any:
+    label = ""  # NOTE: the buffer in messages, e.g. "DeepEP V2 ElasticBuffer"
+    hybrid = False  # NOTE: allow_hybrid_mode
+
+    def _buffer_class(self) -> Any:
+        raise NotImplementedError
+
+    def _refuse_capture(self, num_bytes: int, new: BoundedSize) -> None:
+        """Raise: a (re)build is about to happen inside a CUDA-graph capture."""
+        refusals.check_no_capture(
+            f"DeepEP's {self.label} would be {'created' if self.buffer is None else 'grown'} "
+            f"({num_bytes} bytes)"
+        )
+
+    def _build_options(self) -> dict[str, Any]:
+        """Constructor arguments of this release beside the size (agreed before the build)."""
+        return {}
+
+    def settle(self) -> None:
+        """Finish what a call left pending on the buffer before the next one reaches it."""
+
+    def ensure(self, need: BoundedSize, *, tokens: int = 0, worst: int = 0) -> Any:
         """The live buffer, (re)built collectively when ``need`` needs more bytes, after every
         rank agreed that the new size fits (``refusals.agree_buffer_fits``; ``tokens``: the
-        largest T a rank dispatched, ``worst``: W, for its message).
+        largest T a rank dispatched, ``worst``: W, for its message). What a call left pending
+        is settled first: every DeepEP call on the buffer comes through here.
 
         Raises:
             ValueError: on every rank, the new buffer does not fit on some rank.
+            RuntimeError: it would be (re)built inside a CUDA-graph capture.
         """
+        self.settle()
         new = need if self.size is None else self.size.union(need)
         if self.buffer is not None and new == self.size:
             return self.buffer
-        cls = self.deep_ep.ElasticBuffer
+        cls = self._buffer_class()
         num_bytes = cls.get_buffer_size_hint(
             self.group,
             new.num_max_tokens_per_rank,
             new.hidden,
             new.num_topk,
-            False,  # use_fp8_dispatch: a bf16-sized buffer also holds fp8 rows
-            False,  # allow_hybrid_mode: direct mode
+            False,  # use_fp8_dispatch: a bf16-sized buffer also holds fp8 rows and scales
+            self.hybrid,
             True,  # allow_multiple_reduction
         )
         if self.buffer is not None and num_bytes <= self.num_bytes:
             self.size = new
             return self.buffer
-        refusals.check_no_capture(
-            f"DeepEP's ElasticBuffer would be {'created' if self.buffer is None else 'grown'} "
-            f"({num_bytes} bytes)"
-        )
+        self._refuse_capture(num_bytes, new)
         refusals.agree_buffer_fits(
             self.group,
-            "DeepEP V2 ElasticBuffer",
+            self.label,
             num_bytes=num_bytes,
             held=self.num_bytes,
             M=new.num_max_tokens_per_rank,
@@ -260,6 +277,7 @@ class SharedElasticBuffer:
             shape=f"H={new.hidden} bf16 columns, k={new.num_topk}",
             device=collective_device(self.group),
         )
+        options = self._build_options()
         self._destroy()
         self.buffer = cls(
             self.group,
@@ -267,30 +285,52 @@ class SharedElasticBuffer:
             num_max_tokens_per_rank=new.num_max_tokens_per_rank,
             hidden=new.hidden,
             num_topk=new.num_topk,
-            allow_hybrid_mode=False,
+            allow_hybrid_mode=self.hybrid,
             allow_multiple_reduction=True,
             explicitly_destroy=True,
+            **options,
         )
         self.size, self.num_bytes = new, num_bytes
         self.allocations += 1
         return self.buffer
 
     def _destroy(self) -> None:
+        self.settle()
         _destroy(self)
+
+    def _registry(self) -> dict:
+        raise NotImplementedError
 
     def leave(self, user: int) -> None:
         """``user`` closes; the buffer is destroyed when nobody uses it any more."""
-        if _leave(self, _ELASTIC, user):
+        if _leave(self, self._registry(), user):
             self.size, self.num_bytes = None, 0
 
 
-def acquire_elastic(deep_ep: ModuleType, group: Any, user: int) -> SharedElasticBuffer:
+_V2: dict[tuple, SharedV2Buffer] = {}
+
+
+@dataclass(eq=False)
+class SharedV2Buffer(SharedBoundedBuffer):
+    """The ``deep_ep.ElasticBuffer`` of one ``(deep_ep module, group)``: the V2 counterpart of
+    ``SharedBuffer``, in direct mode (``allow_hybrid_mode=False``)."""
+
+    label = "DeepEP V2 ElasticBuffer"
+
+    def _buffer_class(self) -> Any:
+        return self.deep_ep.ElasticBuffer
+
+    def _registry(self) -> dict:
+        return _V2
+
+
+def acquire_v2(deep_ep: ModuleType, group: Any, user: int) -> SharedV2Buffer:
     """Join the shared ``ElasticBuffer`` of ``(deep_ep, group)`` (created empty on first use)."""
     group = group if group is not None else dist.group.WORLD
     with _LOCK:
         key = _key(deep_ep, group)
-        shared = _ELASTIC.get(key)
+        shared = _V2.get(key)
         if shared is None:
-            shared = _ELASTIC[key] = SharedElasticBuffer(deep_ep=deep_ep, group=group)
+            shared = _V2[key] = SharedV2Buffer(deep_ep=deep_ep, group=group)
         shared.users.add(user)
         return shared

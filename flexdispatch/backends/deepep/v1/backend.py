@@ -221,7 +221,7 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
         self._closed = False
         device = collective_device(self.group)
         self._need_w = DeviceMax(device)  # largest W a worst-case dispatch needed
-        self._traffic = TrafficCounters(device)  # statistics, no host read on the hot path
+        self._counters = TrafficCounters(device)  # statistics, no host read on the hot path
 
     # ----------------------------------------------------------------- capabilities
     def supports_worst_case(self) -> Capability:
@@ -265,7 +265,7 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
     def flush_stats(self) -> None:
         """Add the statistics counted so far to ``stats`` (the safe point: one host read on
         CUDA, none inside dispatch or combine; ``counters.TrafficCounters``)."""
-        self._traffic.drain(self._stats)
+        self._counters.drain(self._stats)
 
     def _account(self, kind: str, links: LazyLinks, row_bytes: int) -> None:
         """Record a call's traffic, computed from DeepEP's handle later (or at once while a CUDA
@@ -284,7 +284,7 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
                 return (ln.dispatch_intra * row_bytes, ln.dispatch_inter * row_bytes, 0, 0)
             return (ln.combine_intra * row_bytes, ln.combine_inter * row_bytes, 0, 0)
 
-        self._traffic.record(values)
+        self._counters.record(values)
 
     def _row_bytes(self, payload: int, *, ids: int = 0, weights: int = 0) -> int:
         """Bytes one row takes on the wire, beside ``payload`` (DeepEP's channel layouts).

@@ -3,11 +3,11 @@
 R ranks · M = ``num_max_tokens_per_rank`` (a ``token_bucket``) · H hidden (bf16 columns) · k
 top-k · E experts.
 
-``SharedEPBuffer`` is the V2.5 counterpart of ``buffer.SharedElasticBuffer``: every ``deepep``
-backend with ``deepep_api="v25"`` on the same ``(deep_ep_v25 module, group, hybrid mode)`` joins
-one ``EPBuffer``, sized with ``EPBuffer.get_buffer_size_hint`` for the union of what its users
-asked for, rebuilt (collectively, at the same call on every rank) only when a call needs more
-bytes, destroyed when its last user closes. It also fixes the buffer's SM and QP counts: DeepEP
+``SharedV25Buffer`` is the V2.5 ``buffer.SharedBoundedBuffer``: every ``deepep`` backend with
+``deepep_api="v25"`` on the same ``(deep_ep_v25 module, group, hybrid mode)`` joins one
+``EPBuffer``, sized with ``EPBuffer.get_buffer_size_hint`` for the union of what its users asked
+for, rebuilt (collectively, at the same call on every rank) only when a call needs more bytes,
+destroyed when its last user closes. It also fixes the buffer's SM and QP counts: DeepEP
 2.5's bandwidth model (``get_theoretical_num_sms``) reads ``nvidia-smi`` / ``ibstat`` on each
 host, which can fail (0) or disagree; the probes are agreed once before the first build
 (``ep_links.agree_links``: a failed probe takes a documented default, never the SM count), the
@@ -54,20 +54,19 @@ import torch
 import torch.distributed as dist
 
 from flexdispatch._checks.tensors import is_capturing
-from flexdispatch.backends.deepep import refusals
+from flexdispatch.backends.deepep.buffer import BoundedSize, SharedBoundedBuffer
 from flexdispatch.backends.deepep.v25.links import Links, agree_links
 from flexdispatch.distributed import collective_device, collective_guard, is_distributed
 
 __all__ = [
     "CPU_TIMEOUT_S",
     "GPU_TIMEOUT_S",
-    "EPSize",
     "KernelRegistry",
-    "SharedEPBuffer",
-    "acquire_ep",
+    "SharedV25Buffer",
+    "acquire_v25",
     "check_epilogue",
     "kernels_of",
-    "live_ep",
+    "live_v25",
 ]
 
 GPU_TIMEOUT_S = 600
@@ -76,24 +75,8 @@ CPU_TIMEOUT_S = 660
 """``EPBuffer(num_cpu_timeout_secs=...)``: the dropless CPU wait, above the GPU timeout."""
 
 _LOCK = threading.Lock()
-_BUFFERS: dict[tuple[int, int, bool], SharedEPBuffer] = {}
+_BUFFERS: dict[tuple[int, int, bool], SharedV25Buffer] = {}
 _KERNELS: dict[int, KernelRegistry] = {}
-
-
-@dataclass(frozen=True)
-class EPSize:
-    """What an ``EPBuffer`` is sized for: M tokens per rank, H bf16 columns, k top-k."""
-
-    num_max_tokens_per_rank: int
-    hidden: int
-    num_topk: int
-
-    def union(self, other: EPSize) -> EPSize:
-        return EPSize(
-            max(self.num_max_tokens_per_rank, other.num_max_tokens_per_rank),
-            max(self.hidden, other.hidden),
-            max(self.num_topk, other.num_topk),
-        )
 
 
 @dataclass(eq=False)
@@ -136,37 +119,51 @@ def kernels_of(deep_ep: ModuleType) -> KernelRegistry:
 
 
 @dataclass(eq=False)
-class SharedEPBuffer:
+class SharedV25Buffer(SharedBoundedBuffer):
     """The ``deep_ep_v25.EPBuffer`` of one ``(module, group, hybrid)`` in this process.
 
-    Attributes:
-        deep_ep: the ``deep_ep_v25`` module.
-        group: the process group.
+    Attributes (beside ``SharedBoundedBuffer``'s):
         hybrid: ``allow_hybrid_mode`` of the buffer.
-        users: ids of the backends that joined and have not closed.
-        buffer: the live ``EPBuffer`` or None.
-        size: what it was sized for; ``num_bytes`` its byte count (the size hint).
-        allocations: buffers built so far (statistics).
         sms: the agreed SM count per (E, k).
         rdma: the group spans more than one RDMA rank (node): DeepEP probes ``ibstat`` then.
-        links: the agreed link probes (``ep_links``), from the first build on.
-        pending: the deferred dispatch (``ep_rows.PendingExpanded``) whose epilogue has not run.
+        links: the agreed link probes (``v25.links``), from the first build on.
+        pending: the deferred dispatch (``v25.rows.PendingExpanded``) whose epilogue has not
+            run.
         epilogues_run_early: pending epilogues run by another call's ``settle`` (statistics).
     """
 
-    deep_ep: ModuleType
-    group: Any
-    hybrid: bool
-    users: set[int] = field(default_factory=set)
-    buffer: Any = None
-    size: EPSize | None = None
-    num_bytes: int = 0
-    allocations: int = 0
+    hybrid: bool = False
     sms: dict[tuple[int, int], int] = field(default_factory=dict)
     rdma: bool = False
     links: Links | None = None
     pending: Any = None
     epilogues_run_early: int = 0
+
+    label = "DeepEP 2.5 EPBuffer"
+
+    def _buffer_class(self) -> Any:
+        return self.deep_ep.EPBuffer
+
+    def _registry(self) -> dict:
+        return _BUFFERS
+
+    def _refuse_capture(self, num_bytes: int, new: BoundedSize) -> None:
+        if is_capturing():
+            raise RuntimeError(
+                f"the DeepEP 2.5 buffer would grow to {num_bytes} bytes (for "
+                f"M={new.num_max_tokens_per_rank}, H={new.hidden}, k={new.num_topk}) inside a "
+                f"CUDA-graph capture: call "
+                f"FlexDispatcher.warmup(...) with the captured shapes before capturing"
+            )
+
+    def _build_options(self) -> dict[str, Any]:
+        if self.links is None:
+            self.links = agree_links(self.deep_ep, self.group, hybrid=self.hybrid, rdma=self.rdma)
+        return {
+            "num_allocated_qps": self.links.num_allocated_qps,
+            "num_cpu_timeout_secs": CPU_TIMEOUT_S,
+            "num_gpu_timeout_secs": GPU_TIMEOUT_S,
+        }
 
     def hold(self, pending: Any) -> None:
         """Keep ``pending`` (a ``launch_expanded``) as the dispatch whose epilogue has not run,
@@ -176,7 +173,8 @@ class SharedEPBuffer:
 
     def settle(self) -> None:
         """Run the pending deferred dispatch's epilogue now, on the current stream: its rows
-        leave the shared receive slots before the next call on this buffer can overwrite them.
+        leave the shared receive slots before the next call on this buffer can overwrite them
+        (and before a growth or a destroy frees them).
 
         Raises:
             RuntimeError: a CUDA graph is being captured and the pending dispatch was launched
@@ -186,72 +184,6 @@ class SharedEPBuffer:
         p, self.pending = self.pending, None
         if p is not None and p.settle(early=True):
             self.epilogues_run_early += 1
-
-    def ensure(self, need: EPSize, *, tokens: int = 0, worst: int = 0) -> Any:
-        """The live buffer, (re)built collectively when ``need`` needs more bytes. A pending
-        deferred dispatch's epilogue runs first (``settle``): every DeepEP call on the buffer
-        comes through here. Before a (re)build every rank checks that the new size fits its
-        memory and all agree (``refusals.agree_buffer_fits``; ``tokens``: the largest T a rank
-        dispatched, ``worst``: W, for its message).
-
-        Raises:
-            RuntimeError: it would be (re)built inside a CUDA-graph capture.
-            ValueError: on every rank, the new buffer does not fit on some rank.
-        """
-        self.settle()
-        new = need if self.size is None else self.size.union(need)
-        if self.buffer is not None and new == self.size:
-            return self.buffer
-        cls = self.deep_ep.EPBuffer
-        num_bytes = cls.get_buffer_size_hint(
-            self.group,
-            new.num_max_tokens_per_rank,
-            new.hidden,
-            new.num_topk,
-            False,  # use_fp8_dispatch: a bf16-sized buffer also holds fp8 rows and scales
-            self.hybrid,
-            True,  # allow_multiple_reduction
-        )
-        if self.buffer is not None and num_bytes <= self.num_bytes:
-            self.size = new
-            return self.buffer
-        if is_capturing():
-            raise RuntimeError(
-                f"the DeepEP 2.5 buffer would grow to {num_bytes} bytes (for "
-                f"M={new.num_max_tokens_per_rank}, H={new.hidden}, k={new.num_topk}) inside a "
-                f"CUDA-graph capture: call "
-                f"FlexDispatcher.warmup(...) with the captured shapes before capturing"
-            )
-        refusals.agree_buffer_fits(
-            self.group,
-            "DeepEP 2.5 EPBuffer",
-            num_bytes=num_bytes,
-            held=self.num_bytes,
-            M=new.num_max_tokens_per_rank,
-            tokens=tokens,
-            worst=worst,
-            shape=f"H={new.hidden} bf16 columns, k={new.num_topk}",
-            device=collective_device(self.group),
-        )
-        if self.links is None:
-            self.links = agree_links(self.deep_ep, self.group, hybrid=self.hybrid, rdma=self.rdma)
-        self._destroy()
-        self.buffer = cls(
-            self.group,
-            num_bytes=num_bytes,
-            num_max_tokens_per_rank=new.num_max_tokens_per_rank,
-            hidden=new.hidden,
-            num_topk=new.num_topk,
-            allow_hybrid_mode=self.hybrid,
-            allow_multiple_reduction=True,
-            num_allocated_qps=self.links.num_allocated_qps,
-            num_cpu_timeout_secs=CPU_TIMEOUT_S,
-            num_gpu_timeout_secs=GPU_TIMEOUT_S,
-            explicitly_destroy=True,
-        )
-        self.size, self.num_bytes = new, num_bytes
-        self.allocations += 1
-        return self.buffer
 
     def num_sms(self, num_experts: int, topk: int) -> int:
         """DeepEP 2.5's analytic SM count for (E, k) on the agreed link bandwidths, the smallest
@@ -279,24 +211,10 @@ class SharedEPBuffer:
             self.sms[key] = n
         return self.sms[key]
 
-    def _destroy(self) -> None:
-        self.settle()  # NOTE: destroy() frees the slots a pending epilogue reads (EV8)
-        if self.buffer is not None:
-            self.buffer.destroy()
-            self.buffer = None
-
     def leave(self, user: int) -> None:
-        """``user`` closes; the buffer is destroyed when nobody uses it any more."""
-        with _LOCK:
-            self.users.discard(user)
-            if self.users:
-                return
-            key = _key(self.deep_ep, self.group, self.hybrid)
-            if _BUFFERS.get(key) is self:
-                del _BUFFERS[key]
-        self._destroy()
-        self.size, self.num_bytes = None, 0
-        self.sms.clear()  # NOTE: a rebuild keeps them: they follow the group's ranks and links
+        super().leave(user)
+        if not self.users:
+            self.sms.clear()  # NOTE: a rebuild keeps them: they follow the group's ranks and links
 
 
 def check_epilogue(pending: Any) -> None:
@@ -317,9 +235,9 @@ def _key(deep_ep: ModuleType, group: Any, hybrid: bool) -> tuple[int, int, bool]
     return id(deep_ep), id(group if group is not None else dist.group.WORLD), hybrid
 
 
-def acquire_ep(
+def acquire_v25(
     deep_ep: ModuleType, group: Any, hybrid: bool, user: int, *, rdma: bool = False
-) -> SharedEPBuffer:
+) -> SharedV25Buffer:
     """Join the shared ``EPBuffer`` of ``(deep_ep, group, hybrid)`` (created empty first);
     ``rdma``: the group spans more than one node (its RDMA probes run)."""
     group = group if group is not None else dist.group.WORLD
@@ -327,14 +245,14 @@ def acquire_ep(
         key = _key(deep_ep, group, hybrid)
         shared = _BUFFERS.get(key)
         if shared is None:
-            shared = _BUFFERS[key] = SharedEPBuffer(
+            shared = _BUFFERS[key] = SharedV25Buffer(
                 deep_ep=deep_ep, group=group, hybrid=hybrid, rdma=rdma
             )
         shared.users.add(user)
         return shared
 
 
-def live_ep() -> int:
+def live_v25() -> int:
     """Live DeepEP 2.5 buffers in this process (tests, ``doctor``)."""
     with _LOCK:
         return sum(1 for b in _BUFFERS.values() if b.buffer is not None)

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from flexdispatch.backends.deepep.bounded import COMBINE_COLS
 from flexdispatch.backends.deepep.v25.support import (
     EP_DEVICE_SMEM,
     direct_thread_rule,
@@ -40,7 +41,6 @@ __all__ = [
 ]
 
 DISPATCH_COLS = 16  # 32-byte token rows (layout/ep/token.cuh:29)
-COMBINE_COLS = 256  # combine hidden % 256 (impls/ep/combine.cuh:110)
 
 
 def pad(n: int, b: int) -> int:

@@ -1,4 +1,4 @@
-"""The DeepEP 2.5 path's handle state and pure helpers: receive order, ids, traffic, layouts.
+"""The DeepEP 2.5 path's pure helpers: row layouts, ids, traffic, and a dispatch in flight.
 
 Shape letters (ARCHITECTURE.md): T tokens · E experts · R ranks · e = E / R · k top-k · L ranks
 per NVLink domain · N = R / L · n rows DeepEP returned (R * M in worst-case mode) · W rows the
@@ -16,16 +16,12 @@ from typing import Any
 
 import torch
 
-from flexdispatch.backends.deepep import sizing
-
 __all__ = [
-    "V25DispatchState",
-    "EPTraffic",
+    "V25Traffic",
     "PendingExpanded",
     "combine_row_bytes",
     "dispatch_row_bytes",
     "guard_ids",
-    "token_order",
     "traffic_rows",
 ]
 
@@ -44,22 +40,6 @@ def dispatch_row_bytes(row_bytes: int, scales: int, k: int) -> int:
 def combine_row_bytes(columns: int, k: int) -> int:
     """DeepEP 2.5's combine ``TokenLayout`` bytes of one row: bf16 columns and k weights."""
     return _a(_a(2 * columns, 32) + _a(8 * k, 32), 64)
-
-
-def token_order(handle: Any, rows: int, used: torch.Tensor | None, keep: int) -> torch.Tensor:
-    """``[keep]`` DeepEP rows in (source rank, source token) order.
-
-    DeepEP 2.5 fills a sender's slots in ``atomicAdd`` order (I/dispatch.cuh:340-346) and, in
-    hybrid mode, groups rows by NVLink peer; ``recv_src_metadata[:, 0] = src_rank * M + token`` is
-    the contract's key (the sort DeepEP's own ``deterministic=True`` does). Rows past ``used``
-    (worst-case tails, uninitialised) sort last, so the first ``keep`` >= ``used`` rows are the
-    real ones in order, then tails.
-    """
-    key = handle.recv_src_metadata[:rows, 0]
-    if used is not None:
-        live = torch.arange(rows, device=key.device) < used
-        key = torch.where(live, key, torch.iinfo(key.dtype).max)
-    return torch.argsort(key)[:keep]
 
 
 def guard_ids(idx: torch.Tensor, num_experts: int, *, raise_now: bool) -> torch.Tensor:
@@ -92,7 +72,7 @@ def guard_ids(idx: torch.Tensor, num_experts: int, *, raise_now: bool) -> torch.
 
 
 @dataclass(frozen=True)
-class EPTraffic:
+class V25Traffic:
     """Where one rank's rows go (per-destination weights of its ``[R]`` row counts).
 
     Direct mode: every row goes straight to its rank (NVLink inside the node, RDMA across).
@@ -115,7 +95,7 @@ class EPTraffic:
     peers: int
 
     @staticmethod
-    def of(rank: int, num_ranks: int, peers: int, hybrid: bool, device: Any) -> EPTraffic:
+    def of(rank: int, num_ranks: int, peers: int, hybrid: bool, device: Any) -> V25Traffic:
         r = torch.arange(num_ranks, device=device)
         node, me_node = r // peers, rank // peers
         if hybrid:
@@ -124,10 +104,10 @@ class EPTraffic:
         else:
             intra = ((node == me_node) & (r != rank)).to(torch.int64)
             inter = (node != me_node).to(torch.int64)
-        return EPTraffic(intra, inter, hybrid, num_ranks // peers, peers)
+        return V25Traffic(intra, inter, hybrid, num_ranks // peers, peers)
 
 
-def traffic_rows(idx: torch.Tensor, e: int, t: EPTraffic) -> torch.Tensor:
+def traffic_rows(idx: torch.Tensor, e: int, t: V25Traffic) -> torch.Tensor:
     """``[3]`` int64 on the device: rows sent (one per token and destination rank), NVLink
     rows, RDMA rows of one dispatch of ``idx`` ``[T, k]`` (ids in ``[-1, E)``)."""
     T, R = idx.shape[0], t.intra.shape[0]
@@ -143,56 +123,13 @@ def traffic_rows(idx: torch.Tensor, e: int, t: EPTraffic) -> torch.Tensor:
     return torch.stack([per_rank.sum(), (per_rank * t.intra).sum(), inter])
 
 
-@dataclass(frozen=True, kw_only=True)
-class V25DispatchState:
-    """The DeepEP 2.5 path's part of a ``DispatchHandle``.
-
-    Attributes:
-        handle: DeepEP's ``EPHandle``.
-        wire: the wire format of the dispatched rows.
-        topk: k.
-        sms: the SM count of the dispatch (its combine and cached dispatch reuse it).
-        rows: rows DeepEP returned (``R * M`` in worst-case mode, else the received count).
-        order: ``[W or n]`` int64, DeepEP's row of each returned row (non-expand), else None.
-        local: ``[W or n, k]`` bool, the slots holding a local expert (non-expand), else None.
-        valid: ``[rows returned]`` bool, the real rows (worst-case), else None.
-        recv_scales: ``[rows, H / 128]`` float32 scales of an fp8 dispatch, else None.
-        traffic: ``[3]`` int64 device rows of the dispatch (sent, NVLink, RDMA) for combine.
-    """
-
-    handle: Any
-    wire: sizing.WireFormat
-    topk: int
-    sms: int
-    rows: int
-    order: torch.Tensor | None
-    local: torch.Tensor | None
-    valid: torch.Tensor | None
-    recv_scales: torch.Tensor | None
-    traffic: torch.Tensor
-
-    def to_deepep(self, y: torch.Tensor) -> torch.Tensor:
-        """Rows in the contract's order back to DeepEP's rows (``y[i]`` was its row
-        ``order[i]``; DeepEP's tail rows, past the real ones, are zero)."""
-        if self.order is None:
-            return y
-        out = torch.zeros(self.rows, *y.shape[1:], dtype=y.dtype, device=y.device)
-        return out.index_copy_(0, self.order, y)
-
-
 @dataclass(eq=False)
 class PendingExpanded:
     """An expanded dispatch in flight (``launch_expanded``): its epilogue runs at ``finish``, or
     earlier, when another call on the same buffer comes first (``settle``)."""
 
     event: Any
-    wire: sizing.WireFormat
-    fp8: bool
-    T: int
-    X: int
-    k: int
-    sms: int
-    traffic: torch.Tensor
+    launch: Any  # NOTE: the dispatch's ``bounded.Launch``
     row_bytes: int
     result: Any = None  # the epilogue's (recv_x, recv_topk_idx, recv_topk_weights, handle)
     captured: bool = False  # launched inside a CUDA-graph capture (``SharedEPBuffer.hold``)
