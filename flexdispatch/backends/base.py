@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from flexdispatch.distributed import group_rank, group_size
 from flexdispatch.types import (
     DispatchHandle,
     DispatchLayout,
@@ -62,13 +63,51 @@ class DispatchBackend(abc.ABC):
     name: str
     api: str | None = None
     """The DeepEP release a ``deepep`` backend runs (``"v1"``, ``"v2"``, ``"v25"``)."""
-    num_ranks: int
-    rank: int
-    ranks_per_node: int
-    num_experts: int
-    stats: DispatchStats
     counts_bad_ids: bool = False
     bad_ids: torch.Tensor | None = None
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        *,
+        num_experts: int,
+        ranks_per_node: int,
+        num_worst_tokens: int = 0,
+        hierarchical: bool = False,
+        checks: bool | None = None,
+        stats: DispatchStats | None = None,
+    ) -> None:
+        """The arguments every backend takes (a backend adds its own, keyword-only).
+
+        Args:
+            group: the expert-parallel process group (None = WORLD, or a world of one).
+            num_experts: E, divisible by R.
+            ranks_per_node: L as resolved by the dispatcher.
+            num_worst_tokens: W (0 = dropless).
+            hierarchical: node-aware two-stage dispatch.
+            checks: value checks that need a host sync (None: ``FLEXDISPATCH_CHECKS``).
+            stats: counters to add to (shared with the dispatcher), or None for new ones.
+        """
+        self.group = group
+        self.num_ranks = group_size(group)
+        self.rank = group_rank(group)
+        self.ranks_per_node = ranks_per_node
+        self.num_experts = num_experts
+        self.num_worst_tokens = num_worst_tokens
+        self.hierarchical = hierarchical
+        self.checks = checks
+        self._stats = stats if stats is not None else DispatchStats()
+
+    @property
+    def stats(self) -> DispatchStats:
+        """Cumulative counters (statistics kept on the device folded in first: ``flush_stats``,
+        which may read the device)."""
+        self.flush_stats()
+        return self._stats
+
+    @stats.setter
+    def stats(self, value: DispatchStats) -> None:
+        self._stats = value
 
     @classmethod
     def from_config(
@@ -95,7 +134,7 @@ class DispatchBackend(abc.ABC):
         Raises:
             ValueError: the backend cannot serve this group (with the reason).
         """
-        return cls(  # type: ignore[call-arg]
+        return cls(
             group,
             num_experts=num_experts,
             ranks_per_node=ranks_per_node,

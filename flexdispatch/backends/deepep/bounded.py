@@ -51,11 +51,10 @@ from flexdispatch.backends.counts import agree_tokens
 from flexdispatch.backends.deepep import sizing
 from flexdispatch.backends.deepep.buffer import BoundedSize
 from flexdispatch.backends.deepep.counters import TrafficCounters
-from flexdispatch.distributed import collective_device, group_rank, group_size
+from flexdispatch.distributed import collective_device
 from flexdispatch.types import (
     DispatchHandle,
     DispatchResult,
-    DispatchStats,
     ExpandedDispatchResult,
 )
 
@@ -168,29 +167,10 @@ class BoundedBackend(DispatchBackend):
     num_max_tokens_per_rank: int
     expert_alignment: int = 1
 
-    def _setup(
-        self,
-        group: dist.ProcessGroup | None,
-        module: Any,
-        *,
-        num_experts: int,
-        ranks_per_node: int,
-        num_worst_tokens: int,
-        hierarchical: bool,
-        checks: bool | None,
-        stats: DispatchStats | None,
-        max_tokens: int,
-    ) -> None:
-        """The fields every bounded backend has (its own checks ran first)."""
-        self.group = group if group is not None else dist.group.WORLD
-        self.num_ranks = group_size(group)
-        self.rank = group_rank(group)
-        self.ranks_per_node = ranks_per_node
-        self.num_experts = num_experts
-        self.num_worst_tokens = num_worst_tokens
-        self.hierarchical = hierarchical
-        self.checks = checks
-        self._stats = stats if stats is not None else DispatchStats()
+    def _setup(self, module: Any, *, max_tokens: int) -> None:
+        """The fields every bounded backend has (``DispatchBackend``'s set, its own checks
+        run)."""
+        self.group = self.group if self.group is not None else dist.group.WORLD
         self.deep_ep = module
         self.topk_idx_dtype: torch.dtype = getattr(module, "topk_idx_t", torch.int64)
         self.max_tokens = max_tokens
@@ -247,16 +227,6 @@ class BoundedBackend(DispatchBackend):
 
     def supports_expanded(self) -> Capability:
         return True, f"deepep {self.api}: do_expand=True, rows grouped by local expert"
-
-    @property
-    def stats(self) -> DispatchStats:
-        """Cumulative counters (the traffic counted on the device folded in first)."""
-        self.flush_stats()
-        return self._stats
-
-    @stats.setter
-    def stats(self, value: DispatchStats) -> None:
-        self._stats = value
 
     def flush_stats(self) -> None:
         """Add the traffic counted so far to ``stats`` (the safe point: one host read on CUDA)."""

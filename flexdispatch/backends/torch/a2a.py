@@ -62,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,9 +90,9 @@ from flexdispatch.backends.torch.rows import (
     local_lut,
     rank_lut,
 )
-from flexdispatch.distributed import collective_guard, group_rank, group_size
+from flexdispatch.distributed import collective_guard
 from flexdispatch.kernels import screen as _screen
-from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, DispatchStats
+from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult
 
 __all__ = ["TorchA2ABackend", "TorchDispatchState", "Hop", "DTYPE_CODES"]
 
@@ -114,43 +115,25 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
     """``dispatch`` counts the ids outside ``[-1, E)`` into ``bad_ids`` (0-dim int64 device
     tensor, from the pair counts at no cost) for the dispatcher's deferred value check."""
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup | None,
-        *,
-        num_experts: int,
-        ranks_per_node: int,
-        num_worst_tokens: int = 0,
-        hierarchical: bool = False,
-        checks: bool | None = None,
-        stats: DispatchStats | None = None,
-    ) -> None:
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup | None, **common: Any) -> None:
+        super().__init__(group, **common)
         self.pinned_counts: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self.bad_ids: torch.Tensor | None = None  # the last dispatch's, see ``counts_bad_ids``
-        self.num_ranks = group_size(group)
         # NOTE: whether rows go through collectives; a group of one rank moves them as no group
         # does (it receives what it sends). Fixed with R, read once (hot path). Set True on a
         # group of one, it runs the collective paths of R ranks with R = 1 (the GPU tests do, to
         # put NCCL's collectives under a CUDA graph on one GPU).
         self.distributed = self.num_ranks > 1
-        self.rank = group_rank(group)
-        self.ranks_per_node = ranks_per_node
-        self.num_experts = num_experts
-        self.num_worst_tokens = num_worst_tokens
-        self.hierarchical = hierarchical
-        self.checks = checks
-        self.stats = stats if stats is not None else DispatchStats()
         self._required_w: torch.Tensor | None = None
         self._overflow_scale = 1  # ``record_overflow``
         RowBuffers.__init__(self)  # NOTE: reusable CPU buffers (``scratch``, ``output``)
         self._luts: dict[torch.device, torch.Tensor] = {}
         # NOTE: row shapes (H, k, dtype) the count exchange found equal on every rank (flat.py)
         self.agreed_shapes: set[tuple[int, int, torch.dtype]] = set()
-        ok, reason = self.supports_world(self.num_ranks, ranks_per_node)
+        ok, reason = self.supports_world(self.num_ranks, self.ranks_per_node)
         if not ok:
             raise ValueError(reason)
-        R, W = self.num_ranks, num_worst_tokens
+        R, W, num_experts = self.num_ranks, self.num_worst_tokens, self.num_experts
         if W % R:
             raise ValueError(
                 f"num_worst_tokens={W} is not a multiple of the expert-parallel world size R={R}: "

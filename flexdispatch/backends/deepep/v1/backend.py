@@ -67,8 +67,8 @@ from flexdispatch.backends.deepep.support import deepep_support, load_deep_ep, n
 from flexdispatch.backends.deepep.v1.combine import CombineMixin, Launched
 from flexdispatch.backends.deepep.v1.links import LazyLinks, handle_links
 from flexdispatch.backends.deepep.v1.low_latency import LowLatencyMixin
-from flexdispatch.distributed import collective_device, group_rank, group_size
-from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult, DispatchStats
+from flexdispatch.distributed import collective_device
+from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult
 
 if TYPE_CHECKING:
     from flexdispatch.config import DispatchConfig
@@ -139,18 +139,13 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
         self,
         group: dist.ProcessGroup | None,
         *,
-        num_experts: int,
-        ranks_per_node: int,
-        num_worst_tokens: int = 0,
-        hierarchical: bool = False,
-        checks: bool | None = None,
-        stats: DispatchStats | None = None,
         async_finish: bool = False,
         num_sms: int | None = None,
         mode: Literal["normal", "low_latency"] = "normal",
         num_max_dispatch_tokens_per_rank: int = 128,
         use_fp8: bool = False,
         _deep_ep: ModuleType | None = None,
+        **common: Any,
     ) -> None:
         module = _deep_ep
         if module is None:
@@ -159,15 +154,10 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
                 raise ValueError(f"deepep backend not available: {why}")
         if mode not in ("normal", "low_latency"):
             raise ValueError(f"mode must be 'normal' or 'low_latency', got {mode!r}")
+        super().__init__(group, **common)
         self.group = group if group is not None else dist.group.WORLD
-        self.num_ranks = group_size(group)
-        self.rank = group_rank(group)
-        self.ranks_per_node = ranks_per_node
-        self.num_experts = num_experts
-        self.num_worst_tokens = num_worst_tokens
-        self.hierarchical = hierarchical
-        self.checks = checks
-        self._stats = stats if stats is not None else DispatchStats()
+        num_experts, ranks_per_node = self.num_experts, self.ranks_per_node
+        num_worst_tokens = self.num_worst_tokens
         self.async_finish = async_finish
         self.mode = mode
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
@@ -252,16 +242,6 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
         )
 
     # ----------------------------------------------------------------- statistics
-    @property
-    def stats(self) -> DispatchStats:
-        """Cumulative counters (device-side statistics folded in first)."""
-        self.flush_stats()
-        return self._stats
-
-    @stats.setter
-    def stats(self, value: DispatchStats) -> None:
-        self._stats = value
-
     def flush_stats(self) -> None:
         """Add the statistics counted so far to ``stats`` (the safe point: one host read on
         CUDA, none inside dispatch or combine; ``counters.TrafficCounters``)."""

@@ -50,12 +50,10 @@ from flexdispatch.backends.deepep import refusals, sizing
 from flexdispatch.backends.deepep.bounded import COMBINE_COLS, BoundedBackend, BoundedState, Launch
 from flexdispatch.backends.deepep.support import load_deep_ep, nvl_peers
 from flexdispatch.backends.deepep.v25.support import token_bucket
-from flexdispatch.distributed import group_size
 from flexdispatch.types import (
     DispatchHandle,
     DispatchLayout,
     DispatchResult,
-    DispatchStats,
     ExpandedDispatchResult,
 )
 
@@ -121,15 +119,10 @@ class DeepEPV2Backend(BoundedBackend):
         self,
         group: dist.ProcessGroup | None,
         *,
-        num_experts: int,
-        ranks_per_node: int,
-        num_worst_tokens: int = 0,
-        hierarchical: bool = False,
-        checks: bool | None = None,
-        stats: DispatchStats | None = None,
         num_sms: int | None = None,
         num_max_tokens_per_rank: int = 128,
         _deep_ep: ModuleType | None = None,
+        **common: Any,
     ) -> None:
         module = _deep_ep
         if module is None:
@@ -139,7 +132,8 @@ class DeepEPV2Backend(BoundedBackend):
         ok, why = v2_available(module)
         if not ok:
             raise ValueError(f"deepep_api='v2' cannot run: {why}")
-        R = group_size(group)
+        super().__init__(group, **common)
+        R, num_experts, num_worst_tokens = self.num_ranks, self.num_experts, self.num_worst_tokens
         if num_experts % R:
             raise ValueError(f"num_experts={num_experts} is not divisible by R={R}")
         if num_worst_tokens % R:
@@ -154,17 +148,8 @@ class DeepEPV2Backend(BoundedBackend):
         self.num_sms = DEFAULT_NUM_SMS if num_sms is None else num_sms
         if self.num_sms <= 0:
             raise ValueError(f"deepep num_sms must be positive, got {self.num_sms}")
-        self._setup(
-            group,
-            module,
-            num_experts=num_experts,
-            ranks_per_node=ranks_per_node,
-            num_worst_tokens=num_worst_tokens,
-            hierarchical=hierarchical,
-            checks=checks,
-            stats=stats,
-            max_tokens=num_worst_tokens // R if num_worst_tokens else num_max_tokens_per_rank,
-        )
+        bound = num_worst_tokens // R if num_worst_tokens else num_max_tokens_per_rank
+        self._setup(module, max_tokens=bound)
         self._shared = deepep_buffer.acquire_v2(module, self.group, id(self))
 
     # ----------------------------------------------------------------- capabilities

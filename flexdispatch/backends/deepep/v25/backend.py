@@ -89,12 +89,10 @@ from flexdispatch.backends.deepep.v25.support import (
     v25_available,
     v25_rules,
 )
-from flexdispatch.distributed import group_size
 from flexdispatch.types import (
     DispatchHandle,
     DispatchLayout,
     DispatchResult,
-    DispatchStats,
     ExpandedDispatchResult,
 )
 
@@ -144,27 +142,23 @@ class DeepEPV25Backend(BoundedBackend):
         self,
         group: dist.ProcessGroup | None,
         *,
-        num_experts: int,
-        ranks_per_node: int,
-        num_worst_tokens: int = 0,
-        hierarchical: bool = False,
-        checks: bool | None = None,
-        stats: DispatchStats | None = None,
         num_sms: int | None = None,
         num_max_tokens_per_rank: int = 128,
         hybrid: bool | None = None,
         expert_alignment: int = 1,
         _deep_ep: ModuleType | None = None,
+        **common: Any,
     ) -> None:
         module, why = (_deep_ep, "given") if _deep_ep is not None else load_deep_ep_v25()
         ok, why = v25_available(module, why)
         if not ok or module is None:
             raise ValueError(f"deepep_api='v25' cannot run: {why}")
-        R = group_size(group)
+        super().__init__(group, **common)
+        R, num_worst_tokens = self.num_ranks, self.num_worst_tokens
         world = group if group is not None else dist.group.WORLD
         _, nvl = (1, R) if R == 1 else module.get_physical_domain_size(world)
         ok, why, self.hybrid = v25_rules(
-            R, nvl, num_experts, hybrid=hybrid, num_worst_tokens=num_worst_tokens
+            R, nvl, self.num_experts, hybrid=hybrid, num_worst_tokens=num_worst_tokens
         )
         if not ok:
             raise ValueError(f"deepep_api='v25' cannot run: {why}")
@@ -179,17 +173,8 @@ class DeepEPV25Backend(BoundedBackend):
         self.nvl = nvl
         self.num_sms = num_sms
         self.expert_alignment = expert_alignment
-        self._setup(
-            group,
-            module,
-            num_experts=num_experts,
-            ranks_per_node=ranks_per_node,
-            num_worst_tokens=num_worst_tokens,
-            hierarchical=hierarchical,
-            checks=checks,
-            stats=stats,
-            max_tokens=num_worst_tokens // R if num_worst_tokens else num_max_tokens_per_rank,
-        )
+        bound = num_worst_tokens // R if num_worst_tokens else num_max_tokens_per_rank
+        self._setup(module, max_tokens=bound)
         self._shared = acquire_v25(module, self.group, self.hybrid, id(self), rdma=nvl < R)
         self._kernels = kernels_of(module)
         self._traffic: V25Traffic | None = None
