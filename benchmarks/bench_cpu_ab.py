@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for label, kw in (
         ("exact", {}),
-        ("static", {"num_out_rows": T * k}),
+        ("static", {"static_rows": T * k}),
         ("align 8", {"align": 8}),
     ):
         m = _time({"base": pu(base_perm, **kw), "new": pu(new_perm, **kw)}, args.reps)

@@ -14,7 +14,7 @@ before the GPU finishes):
   scale 2.5), Qwen3 (E=128, k=8, softmax), Mixtral (E=8, k=2, softmax); T = 4,096 .. 65,536.
   Fp32 logits, no grad. "agree" = share of tokens with the same experts as the Triton kernel.
 - ``permute``: ``permute`` + ``unpermute`` with probs (bf16 rows, fp32 probs, the expert sort
-  included), Triton and torch, the static ``num_out_rows`` mode, Megatron's unfused ``permute`` /
+  included), Triton and torch, the static ``static_rows`` mode, Megatron's unfused ``permute`` /
   ``unpermute`` (``routing_map`` form, probs applied in ``unpermute``), and two plain copies of
   the ``[T*k, H]`` rows (``dst.copy_(src); src.copy_(dst)``): the bandwidth bound.
 - ``dispatch``: ``FlexDispatcher`` (torch backend) in an NCCL world of one, E=256, k=8, H=7,168
@@ -248,7 +248,7 @@ def bench_permute(torch: Any, timer: Timer, quick: bool, rows: list, mc: Any, wh
 
         def run(impl: str, static: bool = False, x=x, idx=idx, probs=probs, E=E, T=T, k=k):
             perm = permute(
-                x, idx, E, topk_probs=probs, num_out_rows=T * k if static else None, impl=impl
+                x, idx, E, topk_probs=probs, static_rows=T * k if static else None, impl=impl
             )
             return unpermute(perm.x, perm, probs=perm.probs, impl=impl)
 

@@ -9,7 +9,7 @@ drops), bf16 rows. Variants, timed interleaved (one repetition of each per round
   as permute/unpermute must allocate their outputs (on CPU that means page faults; on CUDA the
   caching allocator makes it nearly free).
 - ``exact``: ``permute(x, idx, E)`` (one host sync) then ``unpermute(perm.x, perm)``.
-- ``static``: the same with ``num_out_rows = T*k`` (no host sync).
+- ``static``: the same with ``static_rows = T*k`` (no host sync).
 - ``exact+probs``: ``permute(..., topk_probs=p)`` then ``unpermute(..., probs=perm.probs)``.
 - ``exact+probs out=``: the same with ``permute(..., out=buf)`` into a preallocated ``buf``.
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         unpermute(perm.x, perm)
 
     def static() -> None:
-        perm = permute(x, idx, E, num_out_rows=T * k)
+        perm = permute(x, idx, E, static_rows=T * k)
         unpermute(perm.x, perm)
 
     def exact_probs() -> None:

@@ -10,6 +10,7 @@ import torch
 
 from flexdispatch._checks import fits
 from flexdispatch._checks.tensors import check_ids_in_range, check_tensor, checks_enabled
+from flexdispatch._checks.values import check_int
 from flexdispatch.types import DispatchLayout
 
 __all__ = ["get_dispatch_layout"]
@@ -46,8 +47,7 @@ def get_dispatch_layout(
         ("num_ranks", num_ranks),
         ("ranks_per_node", ranks_per_node),
     ):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        check_int(name, value, error=TypeError)
     if num_experts <= 0 or num_ranks <= 0:
         raise ValueError(
             f"num_experts ({num_experts}) and num_ranks ({num_ranks}) must be positive"

@@ -29,7 +29,7 @@ from flexdispatch.dispatch.dispatcher import FlexDispatcher
 from flexdispatch.distributed import check_fingerprint
 from flexdispatch.experts import GroupedExperts, SharedExperts
 from flexdispatch.experts.init import check_seed
-from flexdispatch.permutation import permute, unpermute
+from flexdispatch.permutation import _permute, unpermute
 from flexdispatch.routing import TopKRouter
 from flexdispatch.types import DispatchResult, ExpandedDispatchResult, RoutingResult
 
@@ -414,12 +414,13 @@ class MoELayer(nn.Module):
         if self.config.dispatch.num_worst_tokens > 0:
             # NOTE: a static row count keeps the whole layer free of host syncs (graph capture).
             static_rows = M * k
-        perm = permute(
+        # NOTE: the dispatcher made these rows (and checked what it was given): no second check
+        perm = _permute(
             res.recv_x,
             res.recv_topk_idx,
             e,
             topk_probs=res.recv_topk_probs,
-            num_out_rows=static_rows,
+            static_rows=static_rows,
             # NOTE: dropless backends report the pair count they got with the dispatch's one sync.
             num_rows=None if static_rows is not None else res.num_recv_pairs,
             impl=self.config.impl,

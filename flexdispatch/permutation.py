@@ -21,13 +21,22 @@ sums to fp32 rounding (docs/determinism.md).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from flexdispatch import _pool
 from flexdispatch._checks import fits
-from flexdispatch._checks.tensors import check_ids_in_range, check_tensor, checks_enabled
+from flexdispatch._checks.tensors import (
+    check_ids_in_range,
+    check_routing,
+    check_same_device,
+    check_tensor,
+    checks_enabled,
+)
+from flexdispatch._checks.values import check_int
 from flexdispatch.kernels import resolve_impl
 from flexdispatch.types import Permutation
 
@@ -221,60 +230,22 @@ class _UnpermuteRows(torch.autograd.Function):
         return grad_y, grad_probs, None, None, None
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _check_same_device(name: str, value: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
-    if value.device != ref.device:
-        raise ValueError(
-            f"{name} is on {value.device} but {ref_name} is on {ref.device}: move both to the "
-            f"same device"
-        )
-
-
 def _check_permute_fits(
-    x: torch.Tensor, E: int, align: int, num_out_rows: int | None, rows: int, row_bytes: int
+    x: torch.Tensor, E: int, align: int, static_rows: int | None, rows: int, row_bytes: int
 ) -> None:
     """Refuse a ``permute`` whose output cannot fit (``flexdispatch._checks.fits``)."""
     where = x.device
     detail = "[E] int64 counts and segment bounds"
     fits.check_fits("permute", "num_experts", E, 32 * E, where, detail=detail)
     detail = f"rows of H={x.shape[1]} {x.dtype} plus int64 row indices"
-    if num_out_rows is not None:
-        fits.check_fits(
-            "permute",
-            "num_out_rows",
-            num_out_rows,
-            rows * row_bytes,
-            where,
-            detail=detail,
-            fix="pass the static bound T*k + E*(align-1)",
-        )
+    if static_rows is not None:
+        name, value, fix = "static_rows", static_rows, "pass the static bound T*k + E*(align-1)"
     elif align > 1:
-        fits.check_fits(
-            "permute",
-            "align",
-            align,
-            rows * row_bytes,
-            where,
-            detail=detail,
-            fix="pass the alignment the grouped GEMM needs (e.g. 8, 16 or 128)",
-        )
+        name, value = "align", align
+        fix = "pass the alignment the grouped GEMM needs (e.g. 8, 16 or 128)"
     else:
-        fits.check_fits(
-            "permute",
-            "T*k",
-            rows,
-            rows * row_bytes,
-            where,
-            detail=detail,
-            fix="permute fewer tokens per call",
-        )
+        name, value, fix = "T*k", rows, "permute fewer tokens per call"
+    fits.check_fits("permute", name, value, rows * row_bytes, where, detail=detail, fix=fix)
 
 
 def permute(
@@ -284,11 +255,12 @@ def permute(
     *,
     topk_probs: torch.Tensor | None = None,
     align: int = 1,
-    num_out_rows: int | None = None,
+    static_rows: int | None = None,
     num_rows: int | None = None,
     checks: bool | None = None,
     out: torch.Tensor | None = None,
     impl: str = "auto",
+    num_out_rows: int | None = None,
 ) -> Permutation:
     """Copy each token once per valid top-k slot into rows grouped expert-major.
 
@@ -297,9 +269,9 @@ def permute(
     prob 0).
 
     Output size: by default ``N = sum(padded_tokens_per_expert)`` exactly, which needs that sum on
-    the host: **one** device-to-host sync (``.item()``). With ``num_out_rows=R_out`` the output has
-    exactly ``R_out`` rows (the exact result first, then zero rows with ``row_token = -1``) and
-    nothing syncs, so the call can be captured in a CUDA graph; ``R_out`` must be at least the
+    the host: **one** device-to-host sync (``.item()``). With ``static_rows=S`` the output has
+    exactly ``S`` rows (the exact result first, then zero rows with ``row_token = -1``) and
+    nothing syncs, so the call can be captured in a CUDA graph; ``S`` must be at least the
     static bound ``T*k + num_experts*(align - 1)``, which no routing can exceed.
 
     Args:
@@ -309,12 +281,12 @@ def permute(
         num_experts: number of experts (segments), > 0.
         topk_probs: ``[T, k]`` float routing weights, or None.
         align: pad each expert segment to a multiple of this (>= 1).
-        num_out_rows: static output size ``R_out`` (no host sync), or None for the exact size.
+        static_rows: static output size ``S`` (no host sync), or None for the exact size.
         num_rows: the exact size ``N`` when the caller already holds it on the host (e.g.
             ``DispatchResult.num_recv_pairs`` with ``align == 1``): no host sync. Trusted up to
             the most rows any routing holds (``T*k + min(T*k, num_experts)*(align-1)``, more is
             a ``ValueError``); with value checks on it is compared with the device count.
-            Exclusive with ``num_out_rows``.
+            Exclusive with ``static_rows``.
         checks: run the host-syncing id-range check (default: ``FLEXDISPATCH_CHECKS``).
         out: an ``[N, H]`` contiguous buffer of ``x``'s dtype and device to write the rows into
             (``perm.x`` is then ``out``), e.g. one kept across steps; must not require grad. None:
@@ -324,6 +296,7 @@ def permute(
         impl: ``"auto"`` (Triton kernels on CUDA tensors when ``triton`` imports, else torch),
             ``"torch"`` or ``"triton"`` (also on CPU tensors under ``TRITON_INTERPRET=1``). The
             Triton permutation also carries ``pair_rows``, which its ``unpermute`` needs.
+        num_out_rows: the name of ``static_rows`` before 0.1 (deprecated).
 
     Returns:
         ``Permutation`` with ``x`` ``[N, H]`` in ``x``'s dtype, ``probs`` ``[N]`` float32 (float64
@@ -335,38 +308,33 @@ def permute(
     Raises:
         TypeError, ValueError: on a malformed argument (the message names it).
     """
-    check_tensor("x", x, ndim=2, floating=True)
-    check_tensor("topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2)
-    _check_same_device("topk_idx", topk_idx, "x", x)
-    if topk_idx.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"topk_idx has {topk_idx.shape[0]} rows but x has {x.shape[0]}: both must be [T, ...] "
-            f"for the same T tokens"
+    if num_out_rows is not None:
+        warnings.warn(
+            "permute(num_out_rows=...) is now permute(static_rows=...); the old name goes in "
+            "the next release",
+            DeprecationWarning,
+            2,
         )
-    if topk_probs is not None:
-        check_tensor("topk_probs", topk_probs, ndim=2, floating=True)
-        _check_same_device("topk_probs", topk_probs, "x", x)
-        if topk_probs.shape != topk_idx.shape:
-            raise ValueError(
-                f"topk_probs has shape {tuple(topk_probs.shape)} but topk_idx has "
-                f"{tuple(topk_idx.shape)}: pass the [T, k] probs that belong to topk_idx"
-            )
-    num_experts = _check_int("num_experts", num_experts, 1)
-    align = _check_int("align", align, 1)
+        if static_rows is not None:
+            raise TypeError("pass static_rows (num_out_rows is its old name), not both")
+        static_rows = num_out_rows
+    check_routing(x, topk_idx, topk_probs, any_float_probs=True)
+    num_experts = check_int("num_experts", num_experts, at_least=1, error=TypeError)
+    align = check_int("align", align, at_least=1, error=TypeError)
     T, k = topk_idx.shape
     bound = T * k + num_experts * (align - 1)
-    if num_out_rows is not None:
-        _check_int("num_out_rows", num_out_rows, 0)
-        if num_out_rows < bound:
+    if static_rows is not None:
+        check_int("static_rows", static_rows, at_least=0, error=TypeError)
+        if static_rows < bound:
             raise ValueError(
-                f"num_out_rows={num_out_rows} is below the static bound T*k + num_experts*(align-1)"
+                f"static_rows={static_rows} is below the static bound T*k + num_experts*(align-1)"
                 f" = {T}*{k} + {num_experts}*{align - 1} = {bound}: pass at least {bound} (or None "
                 f"for the exact size, which costs one host sync)"
             )
     if num_rows is not None:
-        if num_out_rows is not None:
-            raise ValueError("pass num_rows (exact size) or num_out_rows (static size), not both")
-        _check_int("num_rows", num_rows, 0)
+        if static_rows is not None:
+            raise ValueError("pass num_rows (exact size) or static_rows (static size), not both")
+        check_int("num_rows", num_rows, at_least=0, error=TypeError)
         most = T * k + min(T * k, num_experts) * (align - 1)
         if num_rows > most:
             raise ValueError(
@@ -375,19 +343,66 @@ def permute(
                 f"(e.g. DispatchResult.num_recv_pairs), or None to count it on the device"
             )
     row_bytes = x.shape[1] * x.element_size() + 24
-    rows = (
-        num_out_rows if num_out_rows is not None else T * k + min(T * k, num_experts) * (align - 1)
-    )
+    rows = static_rows if static_rows is not None else T * k + min(T * k, num_experts) * (align - 1)
     if rows * row_bytes + 32 * num_experts >= fits.SMALL_BYTES:  # NOTE: host ints only
-        _check_permute_fits(x, num_experts, align, num_out_rows, rows, row_bytes)
+        _check_permute_fits(x, num_experts, align, static_rows, rows, row_bytes)
     do_checks = checks_enabled(checks)
     if do_checks:
         check_ids_in_range("topk_idx", topk_idx, num_experts)
+    return _permute(
+        x,
+        topk_idx,
+        num_experts,
+        topk_probs=topk_probs,
+        align=align,
+        static_rows=static_rows,
+        num_rows=num_rows,
+        verify=do_checks,
+        out=out,
+        impl=impl,
+    )
+
+
+def _row_count(
+    total: torch.Tensor, static_rows: int | None, num_rows: int | None, verify: bool
+) -> int:
+    """The rows of a permutation: ``static_rows``, else ``num_rows`` (compared with the device
+    count ``total`` when ``verify``), else ``total`` read on the host (exact mode's one sync)."""
+    if static_rows is not None:
+        return static_rows
+    if num_rows is None:
+        return int(total.item())  # NOTE: exact mode's one host sync
+    if verify and num_rows != int(total.item()):
+        raise ValueError(
+            f"num_rows={num_rows} but the routing holds {int(total.item())} rows: pass the exact "
+            f"count (or None to count on the device, one host sync)"
+        )
+    return num_rows
+
+
+def _permute(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    num_experts: int,
+    *,
+    topk_probs: torch.Tensor | None = None,
+    align: int = 1,
+    static_rows: int | None = None,
+    num_rows: int | None = None,
+    verify: bool = False,
+    out: torch.Tensor | None = None,
+    impl: str = "auto",
+) -> Permutation:
+    """``permute`` without its argument checks, for the package's own callers whose inputs a
+    dispatch made (``MoELayer``, the torchtitan plug-in): shapes, dtypes and id ranges are the
+    dispatcher's, checked once on the way in. ``verify``: compare ``num_rows`` with the device
+    count (``permute`` with value checks on)."""
     if impl != "torch" and resolve_impl(impl, x.device, what="permute"):
         return _permute_triton(
-            x, topk_idx, num_experts, topk_probs, align, num_out_rows, num_rows, do_checks, out
+            x, topk_idx, num_experts, topk_probs, align, static_rows, num_rows, verify, out
         )
 
+    T, k = topk_idx.shape
     device = x.device
     num_pairs = T * k
     k_safe = max(k, 1)
@@ -403,16 +418,8 @@ def permute(
     if align == 1:
         # Rows are the sorted pairs themselves: row r is sorted pair r (real while r < valid).
         padded_E = counts_E
-        if num_out_rows is not None:
-            num_rows = num_out_rows
-        elif num_rows is None:
-            num_rows = int(bounds_E1[-1].item())  # NOTE: exact mode's one host sync.
-        elif do_checks and num_rows != int(bounds_E1[-1].item()):
-            raise ValueError(
-                f"num_rows={num_rows} but the routing holds {int(bounds_E1[-1].item())} rows: "
-                f"pass the exact count (or None to count on the device, one host sync)"
-            )
-        dense = num_out_rows is None
+        num_rows = _row_count(bounds_E1[-1], static_rows, num_rows, verify)
+        dense = static_rows is None
         if dense:
             order_N = order_P[:num_rows]
             row_token = torch.div(order_N, k_safe, rounding_mode="floor")
@@ -452,15 +459,7 @@ def permute(
     pad_end_E = torch.cumsum(padded_E, 0)
     pad_start_E1 = torch.cat([pad_end_E.new_zeros(1), pad_end_E])
 
-    if num_out_rows is not None:
-        num_rows = num_out_rows
-    elif num_rows is None:
-        num_rows = int(pad_start_E1[-1].item())  # NOTE: exact mode's one host sync.
-    elif do_checks and num_rows != int(pad_start_E1[-1].item()):
-        raise ValueError(
-            f"num_rows={num_rows} but the routing holds {int(pad_start_E1[-1].item())} rows: pass "
-            f"the exact count (or None to count on the device, one host sync)"
-        )
+    num_rows = _row_count(pad_start_E1[-1], static_rows, num_rows, verify)
 
     rows_N = torch.arange(num_rows, dtype=torch.int64, device=device)
     seg_N = torch.searchsorted(pad_end_E, rows_N, right=True)  # expert of each row; E = tail
@@ -498,9 +497,9 @@ def _permute_triton(
     num_experts: int,
     topk_probs: torch.Tensor | None,
     align: int,
-    num_out_rows: int | None,
+    static_rows: int | None,
     num_rows: int | None,
-    do_checks: bool,
+    verify: bool,
     out: torch.Tensor | None,
 ) -> Permutation:
     """``permute`` with the Triton kernels (arguments already checked)."""
@@ -519,15 +518,7 @@ def _permute_triton(
         padded_E = (counts_E + (align - 1)) // align * align
         pad_end_E = torch.cumsum(padded_E, 0)
         total = pad_end_E[-1]
-    if num_out_rows is not None:
-        num_rows = num_out_rows
-    elif num_rows is None:
-        num_rows = int(total.item())  # NOTE: exact mode's one host sync.
-    elif do_checks and num_rows != int(total.item()):
-        raise ValueError(
-            f"num_rows={num_rows} but the routing holds {int(total.item())} rows: pass the exact "
-            f"count (or None to count on the device, one host sync)"
-        )
+    num_rows = _row_count(total, static_rows, num_rows, verify)
     x_N, row_token, row_slot, pair_rows, probs_N = permute_rows(
         x.contiguous(),
         None if topk_probs is None else topk_probs.contiguous(),
@@ -547,7 +538,7 @@ def _permute_triton(
         row_token=row_token,
         row_slot=row_slot,
         num_tokens=T,
-        dense=num_out_rows is None and align == 1,
+        dense=static_rows is None and align == 1,
         pair_rows=pair_rows,
     )
 
@@ -601,7 +592,7 @@ def unpermute(
         raise TypeError(f"perm must be the Permutation returned by permute, got {type(perm)}")
     check_tensor("y", y, ndim=2, floating=True)
     row_token = perm.row_token
-    _check_same_device("y", y, "perm.row_token", row_token)
+    check_same_device("y", y, "perm.row_token", row_token)
     if y.shape[0] != row_token.shape[0]:
         raise ValueError(
             f"y has {y.shape[0]} rows but perm has {row_token.shape[0]}: y must be [N, H] with "
@@ -614,7 +605,7 @@ def unpermute(
         )
     if probs is not None:
         check_tensor("probs", probs, ndim=1, floating=True)
-        _check_same_device("probs", probs, "y", y)
+        check_same_device("probs", probs, "y", y)
         if probs.shape[0] != y.shape[0]:
             raise ValueError(
                 f"probs has shape {tuple(probs.shape)} but y has {y.shape[0]} rows: pass one "

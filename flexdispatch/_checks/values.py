@@ -1,6 +1,6 @@
-"""Typed reads of configuration values, one rule for every reader: the configs' pydantic
-validators (``flexdispatch.config``), the Hugging Face importer (``importers._keys``) and the
-Megatron importer (``importers.megatron``).
+"""Typed reads of values, one rule for every reader: the public functions' int arguments
+(``check_int``), the configs' pydantic validators (``flexdispatch.config``), the Hugging Face
+importer (``importers._keys``) and the Megatron importer (``importers.megatron``).
 
 - A bool is never a number (YAML reads ``yes`` / ``on`` as true; Python's ``True == 1``).
 - A float is finite (an infinite loss coefficient turns the gradients into NaN).
@@ -14,7 +14,7 @@ from typing import Any
 
 from flexdispatch._checks.files import excerpt
 
-__all__ = ["finite", "integer", "not_bool", "show"]
+__all__ = ["check_int", "finite", "integer", "not_bool", "show"]
 
 
 def show(value: Any) -> str:
@@ -37,12 +37,47 @@ def not_bool(value: object) -> object:
     return value
 
 
-def integer(value: Any, name: str, *, why: str = "") -> int:
-    """``value`` as an int, or ValueError naming ``name`` (a bool, a string such as ``'8'`` or a
-    float such as ``2.0`` is not one; ``why`` is appended to the rule, e.g. who reads it so)."""
+def check_int(
+    name: str,
+    value: Any,
+    *,
+    at_least: int | None = None,
+    at_most: int | None = None,
+    rule: str | None = None,
+    error: type[Exception] = ValueError,
+    show_type: bool = False,
+) -> int:
+    """``value`` if it is an int in ``[at_least, at_most]``, else raise naming ``name``: the one
+    int check of every argument and config reader (a bool is not an int, nor is ``2.0`` or
+    ``'8'``).
+
+    Args:
+        rule: what the message says ``value`` must be (e.g. ``"a positive int"``), for a wrong
+            type and a wrong value alike; default: ``an int``, then its range.
+        error: raised for a value that is not an int (``TypeError`` for an argument of a wrong
+            type; ``ValueError`` where the caller's contract says so). Out of range: ValueError.
+        show_type: show the value with its type (``show``), as config readers do.
+    """
+    got = show(value) if show_type else repr(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer{why}, got {show(value)}")
+        if rule is not None:
+            raise error(f"{name} must be {rule}, got {got}")
+        raise error(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if (at_least is not None and value < at_least) or (at_most is not None and value > at_most):
+        if rule is not None:
+            raise ValueError(f"{name} must be {rule}, got {got}")
+        if at_most is None:
+            raise ValueError(f"{name} must be >= {at_least}, got {value}")
+        if at_least is None:
+            raise ValueError(f"{name} must be <= {at_most}, got {value}")
+        raise ValueError(f"{name} must be in [{at_least}, {at_most}], got {value}")
     return value
+
+
+def integer(value: Any, name: str, *, why: str = "") -> int:
+    """``value`` as an int, or ValueError naming ``name`` (``check_int``; ``why`` is appended to
+    the rule, e.g. who reads it so)."""
+    return check_int(name, value, rule=f"an integer{why}", show_type=True)
 
 
 def finite(value: Any, name: str, *, strings: bool = False) -> float:

@@ -65,6 +65,8 @@ class DispatchBackend(abc.ABC):
     """The DeepEP release a ``deepep`` backend runs (``"v1"``, ``"v2"``, ``"v25"``)."""
     counts_bad_ids: bool = False
     bad_ids: torch.Tensor | None = None
+    config_fields: dict[str, str] = {}  # noqa: RUF012 - read-only, replaced by subclasses
+    """This backend's own constructor arguments -> the ``DispatchConfig`` fields they take."""
 
     def __init__(
         self,
@@ -121,7 +123,7 @@ class DispatchBackend(abc.ABC):
         **hooks: Any,
     ) -> DispatchBackend:
         """Build this backend for ``config``: the fields every backend takes, then the ones of
-        this backend (``config_options``).
+        this backend (``config_fields``).
 
         Args:
             config: the ``DispatchConfig``.
@@ -142,14 +144,9 @@ class DispatchBackend(abc.ABC):
             hierarchical=config.hierarchical,
             checks=config.checks or None,
             stats=stats,
-            **cls.config_options(config),
+            **{arg: getattr(config, field) for arg, field in cls.config_fields.items()},
             **hooks,
         )
-
-    @classmethod
-    def config_options(cls, config: DispatchConfig) -> dict[str, Any]:
-        """The constructor arguments of this backend's own ``DispatchConfig`` fields."""
-        return {}
 
     @property
     def num_local_experts(self) -> int:

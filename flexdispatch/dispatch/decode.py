@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flexdispatch._checks.tensors import check_tensor
+from flexdispatch._checks.tensors import check_routing, check_tensor
 from flexdispatch.types import DispatchResult, ExpertMajorHandle, ExpertMajorResult
 
 if TYPE_CHECKING:
@@ -194,9 +194,7 @@ class DecodeDispatcher:
         Returns:
             ``ExpertMajorResult`` (``recv_x [e, C, H]``, ``recv_count [e]`` int64).
         """
-        check_tensor("x", x, ndim=2, floating=True)
-        check_tensor("topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2)
-        check_tensor("topk_probs", topk_probs, dtypes=(torch.float32,), ndim=2)
+        check_routing(x, topk_idx, topk_probs)
         if x.shape[0] > self.num_max:
             raise ValueError(
                 f"{x.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank={self.num_max}"

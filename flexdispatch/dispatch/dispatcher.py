@@ -33,12 +33,13 @@ import torch.distributed as dist
 from flexdispatch._checks import fits, tensors
 from flexdispatch._checks.tensors import (
     check_tensor,
-    checks_enabled,
 )
 from flexdispatch._checks.threads import CallGuard, guarded
+from flexdispatch._checks.values import check_int
 from flexdispatch.backends.base import DispatchBackend
 from flexdispatch.config import DispatchConfig
 from flexdispatch.dispatch import ops as _ops
+from flexdispatch.dispatch import values as bad_values
 from flexdispatch.dispatch.autograd import (
     ROW_DTYPES,
     CombineBiasFunction,
@@ -50,6 +51,7 @@ from flexdispatch.dispatch.autograd import (
     records_grad,
 )
 from flexdispatch.dispatch.select import select_backend
+from flexdispatch.dispatch.values import Deferred
 from flexdispatch.distributed import (
     check_fingerprint,
     collective_device,
@@ -58,7 +60,6 @@ from flexdispatch.distributed import (
     host_id,
     resolve_ranks_per_node,
 )
-from flexdispatch.kernels import screen as _screen
 from flexdispatch.types import (
     DispatchHandle,
     DispatchLayout,
@@ -71,10 +72,6 @@ from flexdispatch.types import (
 )
 
 __all__ = ["FlexDispatcher", "PendingDispatch"]
-
-Deferred = tuple[torch.Tensor, ...] | None
-"""The counts of a dispatch's bad values that wait for its backend's count of bad ids
-(``DispatchBackend.counts_bad_ids``), or None."""
 
 
 def _contiguous(x: Rows) -> Rows:
@@ -112,8 +109,7 @@ class FlexDispatcher:
     ) -> None:
         if not isinstance(config, DispatchConfig):
             raise TypeError(f"config must be a DispatchConfig, got {type(config).__name__}")
-        if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
-            raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+        check_int("num_experts", num_experts, at_least=1, rule="a positive int")
         self.config = config
         self.group = group
         self._comm_device = collective_device(group)
@@ -130,7 +126,7 @@ class FlexDispatcher:
             L, self.ranks_per_node_source, config.ranks_per_node, hosts
         )
         self._stats = DispatchStats()
-        self._bad_log = tensors.BadValueLog()  # device counts of bad inputs, not yet folded
+        self._bad_log = bad_values.BadValueLog()  # device counts of bad inputs, not yet folded
         self._backend, self.backend_reason = select_backend(
             config,
             group,
@@ -243,37 +239,18 @@ class FlexDispatcher:
         dispatch (bad ones as -1 on the deferred path) and the counts that wait for the
         backend's (``Deferred``)."""
         values = x  # what the non-finite check reads (fp8 rows: their float32 scales)
+        fp8 = isinstance(x, tuple)
         if isinstance(x, tuple):
             x = tensors.check_fp8_rows(x, self.backend_name)
             values = values[1]
-        else:
-            check_tensor("x", x, ndim=2, floating=True)
-            if x.dtype not in ROW_DTYPES:
-                raise TypeError(
-                    f"x must be bfloat16, float16 or float32, got "
-                    f"{str(x.dtype).replace('torch.', '')}: convert it with x.to(torch.bfloat16) "
-                    f"or x.float() (or pass an (fp8 rows, scales) tuple to the deepep backend)"
-                )
-        check_tensor("topk_idx", topk_idx, dtypes=(torch.int64,), ndim=2)
-        check_tensor("topk_probs", topk_probs, dtypes=(torch.float32,), ndim=2)
+        tensors.check_routing(x, topk_idx, topk_probs, needs_topk=True)
+        if not fp8 and x.dtype not in ROW_DTYPES:
+            raise TypeError(
+                f"x must be bfloat16, float16 or float32, got "
+                f"{str(x.dtype).replace('torch.', '')}: convert it with x.to(torch.bfloat16) "
+                f"or x.float() (or pass an (fp8 rows, scales) tuple to the deepep backend)"
+            )
         T = x.shape[0]
-        if topk_idx.shape[0] != T:
-            raise ValueError(
-                f"topk_idx has {topk_idx.shape[0]} rows but x has {T}: one row of expert ids per "
-                f"token"
-            )
-        if topk_probs.shape != topk_idx.shape:
-            raise ValueError(
-                f"topk_probs has shape {tuple(topk_probs.shape)} but topk_idx has "
-                f"{tuple(topk_idx.shape)}: they must match"
-            )
-        if topk_idx.shape[1] == 0:
-            raise ValueError("topk_idx must have at least one column (k >= 1)")
-        for name, t in (("topk_idx", topk_idx), ("topk_probs", topk_probs)):
-            if t.device != x.device:
-                raise ValueError(
-                    f"{name} is on {t.device} but x is on {x.device}: move them to one device"
-                )
         self._check_device("x", x)
         H = self.config.hidden_size
         if H and x.shape[1] != H:
@@ -299,43 +276,18 @@ class FlexDispatcher:
     def _check_values(
         self, topk_idx: torch.Tensor, values: torch.Tensor, topk_probs: torch.Tensor
     ) -> tuple[torch.Tensor, Deferred]:
-        """Ids outside ``[-1, E)``, an expert named twice in one token, and NaN/inf rows or probs
-        never pass silently; returns the ids the backend gets and the counts that wait for the
-        backend's count of bad ids (``Deferred``: added by ``_finish`` once it returned).
-
-        Checks on (or CPU, where reading values costs no sync): raise now. CUDA without checks
-        (or while capturing a graph): the bad ids become -1 on the device (no backend kernel
-        sees them) and everything is counted on the device into
-        ``stats.pending_bad_values`` (``tensors.BadValueLog``: after the first dispatch, kept
-        without a launch and folded in at the check); ``check_overflow`` raises naming them.
-        Under CUDA-graph capture the counter accumulates across replays when it already exists
-        (one eager dispatch before capturing, as warm-up does); created inside the capture it
-        holds the latest replay's counts.
-        """
-        E = self.num_experts
-        if checks_enabled(self.config.checks or None) or not tensors.defer_value_checks(
-            topk_idx.device
-        ):
-            tensors.check_dispatch_values(topk_idx, E, values, topk_probs)
-            return topk_idx, None
-        if _screen.screen_on_device(topk_idx.device):
-            # NOTE: one fused launch: every bad id as -1, the counts added into the pending
-            # vector in place (no parts kept, nothing left for the backend to count)
-            acc = self._bad_log.accumulator(self._stats, topk_idx.device)
-            return _screen.screen_inputs(topk_idx, E, values, topk_probs, acc), None
-        # NOTE: a backend that counts the bad ids itself (``bad_ids``, the torch backend's pair
-        # counts) gives them after its dispatch (``_finish`` adds the parts then); it takes ids
-        # >= E as -1 itself, the others get them as -1 (DeepEP V2 would index past its counters)
-        own = self._backend.counts_bad_ids
-        idx, repeats, oob = tensors.mask_bad_ids(topk_idx, E, out_of_range=not own)
-        parts = tensors.count_bad_parts(
-            topk_idx, E, values, topk_probs, count_ids=False, repeats=repeats
+        """The ids the backend gets and the counts that wait for its count of bad ids
+        (``values.screen_dispatch_values``: raise now, or screen on the device)."""
+        return bad_values.screen_dispatch_values(
+            topk_idx,
+            self.num_experts,
+            values,
+            topk_probs,
+            checks=self.config.checks or None,
+            counts_bad_ids=self._backend.counts_bad_ids,
+            log=self._bad_log,
+            stats=self._stats,
         )
-        if own:
-            return idx, parts
-        assert oob is not None
-        self._bad_log.add(self._stats, (oob, *parts))
-        return idx, None
 
     def _log_deferred(self, deferred: Deferred) -> None:
         """Count a dispatch's deferred bad values, with its backend's count of bad ids."""
@@ -635,8 +587,7 @@ class FlexDispatcher:
         with ``backward``, also the cached dispatch of its combine's backward).
         """
         for name, value in (("hidden_size", hidden_size), ("topk", topk)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"warmup: {name} must be a positive int, got {value!r}")
+            check_int(f"warmup: {name}", value, at_least=1, rule="a positive int")
         fp8 = dtype == torch.float8_e4m3fn
         device = self._comm_device
         modes = [False, True] if expanded is None else [expanded]
@@ -694,7 +645,7 @@ class FlexDispatcher:
         safe point, e.g. after a step, to turn that record into an error.
         """
         self._fold_bad_values()
-        problems = tensors.bad_input_problems(self.stats.extra, self.num_experts)
+        problems = bad_values.bad_input_problems(self.stats.extra, self.num_experts)
         if problems:
             raise ValueError("; ".join(problems))
         self._backend.check_overflow()

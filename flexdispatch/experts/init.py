@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flexdispatch._checks.values import check_int
 from flexdispatch.experts.activations import ACTIVATIONS, GATED_ACTIVATIONS
 
 _SEED_STRIDE = 1_000_003
@@ -43,12 +44,11 @@ def check_seed(seed: object) -> int:
     Raises:
         ValueError: naming the range and why.
     """
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
-        raise ValueError(
-            f"seed must be an int in [0, {MAX_SEED}] (each expert's generator is seeded with "
-            f"seed * 1000003 + its id, below 2**64), got {seed!r}"
-        )
-    return seed
+    rule = (
+        f"an int in [0, {MAX_SEED}] (each expert's generator is seeded with seed * 1000003 + "
+        f"its id, below 2**64)"
+    )
+    return check_int("seed", seed, at_least=0, at_most=MAX_SEED, rule=rule)
 
 
 def expert_seed(global_expert_id: int, seed: int) -> int:

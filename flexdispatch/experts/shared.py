@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from flexdispatch._checks.tensors import check_tensor
+from flexdispatch._checks.values import check_int
 from flexdispatch.experts.activations import GATED_ACTIVATIONS, _check_activation, apply_activation
 from flexdispatch.experts.init import draw_into, expert_draws, expert_generator, expert_seed
 
@@ -55,8 +56,7 @@ class SharedExperts(nn.Module):
         super().__init__()
         _check_activation(activation, swiglu_limit, swiglu_alpha)
         for name, value in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, value, at_least=1, rule="a positive int")
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
         self.activation = activation

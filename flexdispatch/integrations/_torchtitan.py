@@ -22,7 +22,7 @@ from torchtitan.models.common.token_dispatcher import (
 
 from flexdispatch.config import DispatchConfig
 from flexdispatch.dispatch.dispatcher import FlexDispatcher
-from flexdispatch.permutation import permute, unpermute
+from flexdispatch.permutation import _permute, unpermute
 from flexdispatch.types import DispatchHandle, Permutation
 
 __all__ = [
@@ -123,13 +123,14 @@ class FlexTokenDispatcher(BaseEPTokenDispatcher):
             )
             M, K = res.recv_topk_idx.shape
             worst = fd.config.num_worst_tokens > 0
-            perm = permute(
+            # NOTE: the dispatcher's own rows: permute's argument checks are not run again
+            perm = _permute(
                 res.recv_x,
                 res.recv_topk_idx,
                 fd.num_local_experts,
                 topk_probs=res.recv_topk_probs,
                 # NOTE: worst-case mode keeps static shapes (zero rows past the real ones)
-                num_out_rows=M * K if worst else None,
+                static_rows=M * K if worst else None,
                 num_rows=None if worst else res.num_recv_pairs,
             )
         meta = FlexDispatchMetadata(handle=res.handle, perm=perm)

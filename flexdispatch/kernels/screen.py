@@ -2,7 +2,7 @@
 
 On CUDA without checks the dispatcher may not read values on the host (a sync), so it counts the
 bad ones on the device and raises at the safe point (``check_overflow``). In torch ops that is
-about 16 launches per dispatch (``_validate.mask_bad_ids`` and ``count_bad_parts``: a ``[T, k,
+about 16 launches per dispatch (``dispatch.values.mask_bad_ids`` and ``count_bad_parts``: a ``[T, k,
 k]`` comparison, ``x - x`` over all of ``x`` and its NaN test, sums, ``aminmax``) and a stack or
 a fold of the counts later; the kernel reads the ids, the probs and the values once and adds its
 counts straight into the dispatcher's pending vector (``BadValueLog.accumulator``), so a
@@ -35,8 +35,8 @@ def screen_inputs(
     topk_probs: torch.Tensor,
     acc: torch.Tensor,
 ) -> torch.Tensor:
-    """``_validate.mask_bad_ids(topk_idx, E, out_of_range=True)``'s ids, with the dispatcher's
-    deferred counts (``_validate.count_bad_parts`` with the repeats of ids in ``[0, E)``, the
+    """``dispatch.values.mask_bad_ids(topk_idx, E, out_of_range=True)``'s ids, with the dispatcher's
+    deferred counts (``dispatch.values.count_bad_parts`` with the repeats of ids in ``[0, E)``, the
     ``BadValueLog`` layout) added into ``acc`` in place (``[6]`` int64 on the ids' device: counts
     added, the largest id by max, the smallest by min), in one launch and without a host read.
 

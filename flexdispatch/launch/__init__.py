@@ -6,7 +6,7 @@
 - ``wire``: objects between the ranks and the parent as plain bytes, never an unrestricted pickle;
 - ``devices``: which device each local rank gets (``python -m flexdispatch.launch.devices``).
 
-The names of ``spawn`` are resolved lazily, so that importing ``lifetime`` or ``devices`` (the
+The public names below are resolved lazily, so that importing ``lifetime`` or ``devices`` (the
 command line does, before anything else) does not import torch.
 """
 
@@ -15,25 +15,29 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = [
-    "GroupError",
-    "MAX_TIMEOUT_S",
-    "RANK_RUNTIME_BYTES",
-    "broadcast_object",
-    "die_with_parent",
-    "end_stopped_local_peers",
-    "free_port",
-    "gather_objects",
-    "loopback_interface",
-    "spawn_group",
-    "threads_per_rank",
-    "under_launcher",
-]
+_HOMES = {
+    "GroupError": "spawn",
+    "RANK_RUNTIME_BYTES": "spawn",
+    "free_port": "spawn",
+    "loopback_interface": "spawn",
+    "spawn_group": "spawn",
+    "threads_per_rank": "spawn",
+    "under_launcher": "spawn",
+    "MAX_TIMEOUT_S": "lifetime",
+    "die_with_parent": "lifetime",
+    "end_stopped_local_peers": "lifetime",
+    "broadcast_object": "wire",
+    "gather_objects": "wire",
+}
+"""Each public name -> the submodule it lives in."""
+
+__all__ = sorted(_HOMES)
 
 
 def __getattr__(name: str) -> Any:
-    if name not in __all__:
+    home = _HOMES.get(name)
+    if home is None:
         raise AttributeError(f"module 'flexdispatch.launch' has no attribute {name!r}")
-    value = getattr(importlib.import_module("flexdispatch.launch.spawn"), name)
+    value = getattr(importlib.import_module(f"flexdispatch.launch.{home}"), name)
     globals()[name] = value
     return value

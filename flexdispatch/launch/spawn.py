@@ -32,27 +32,14 @@ import torch
 import torch.distributed as dist
 
 from flexdispatch._checks.files import excerpt
+from flexdispatch._checks.values import check_int
 from flexdispatch.launch.lifetime import (
-    MAX_TIMEOUT_S,
     check_timeout,
     die_with_parent,
-    end_stopped_local_peers,
 )
-from flexdispatch.launch.wire import _dumps, _loads, broadcast_object, gather_objects
+from flexdispatch.launch.wire import _dumps, _loads
 
-__all__ = [
-    "GroupError",
-    "MAX_TIMEOUT_S",
-    "RANK_RUNTIME_BYTES",
-    "broadcast_object",
-    "die_with_parent",
-    "end_stopped_local_peers",
-    "free_port",
-    "gather_objects",
-    "loopback_interface",
-    "spawn_group",
-    "under_launcher",
-]
+# NOTE: the public names are listed once, in ``flexdispatch.launch.__all__``
 
 
 class GroupError(RuntimeError):
@@ -238,16 +225,11 @@ def _check_spawn_args(
 ) -> None:
     """``spawn_group``'s arguments, before any store, pipe or process exists (TypeError /
     ValueError naming the argument)."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int):
-        raise TypeError(f"world_size must be an int, got {type(world_size).__name__}")
+    check_int("world_size", world_size, error=TypeError)
     if world_size <= 0:
         raise ValueError(f"world_size must be positive, got {world_size}")
-    if ranks_per_node is not None and (
-        isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
-    ):
-        raise TypeError(
-            f"ranks_per_node must be an int or None, got {type(ranks_per_node).__name__}"
-        )
+    if ranks_per_node is not None:
+        check_int("ranks_per_node", ranks_per_node, rule="an int or None", error=TypeError)
     L = world_size if ranks_per_node is None else ranks_per_node
     if L <= 0 or world_size % L:
         raise ValueError(f"world_size={world_size} is not a multiple of ranks_per_node={L}")

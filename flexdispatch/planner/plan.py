@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flexdispatch._checks.values import check_int
 from flexdispatch.config import MoEConfig, RouterConfig
 from flexdispatch.planner.deepep import (
     DEEPEP_DEFAULT_NUM_SMS,
@@ -382,8 +383,7 @@ def _check_inputs(
     if not isinstance(cfg, MoEConfig):
         raise TypeError(f"cfg must be a MoEConfig (see load_config), got {type(cfg).__name__}")
     for name, value in (("nodes", nodes), ("ranks_per_node", ranks_per_node), ("tokens", tokens)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_int(name, value, at_least=1, rule="an int >= 1")
     E, R = cfg.router.num_experts, nodes * ranks_per_node
     if E % R:
         raise ValueError(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from flexdispatch._checks.tensors import check_tensor, checks_enabled
+from flexdispatch._checks.values import check_int
 from flexdispatch.types import RoutingResult
 
 __all__ = ["routing_map_to_topk"]
@@ -69,8 +70,7 @@ def routing_map_to_topk(
             f"to one device"
         )
     E = routing_map.shape[1]
-    if not isinstance(topk, int) or isinstance(topk, bool):
-        raise TypeError(f"topk must be an int, got {type(topk).__name__}")
+    check_int("topk", topk, error=TypeError)
     if not 1 <= topk <= E:
         raise ValueError(f"topk must be in [1, E={E}] (the map's columns), got {topk}")
     if not torch.compiler.is_compiling() and (

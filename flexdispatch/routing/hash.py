@@ -50,6 +50,7 @@ from flexdispatch._checks.tensors import (
     check_tensor,
     checks_enabled,
 )
+from flexdispatch._checks.values import check_int
 from flexdispatch.types import RoutingResult
 
 __all__ = ["hash_routing", "hash_experts", "hash_expert_table"]
@@ -92,16 +93,13 @@ def _seed_word(seed: int) -> int:
 
 
 def _check_sizes(num_experts: int, topk: int, seed: int) -> None:
-    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
-        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    check_int("num_experts", num_experts, at_least=1, rule="a positive int")
     if num_experts >= 2**31:
         raise ValueError(f"num_experts={num_experts} is too large: use fewer than 2**31 experts")
-    if not isinstance(topk, int) or isinstance(topk, bool) or not 0 < topk <= _MAX_TOPK:
-        raise ValueError(f"topk must be an int in [1, {_MAX_TOPK}], got {topk!r}")
+    check_int("topk", topk, at_least=1, at_most=_MAX_TOPK, rule=f"an int in [1, {_MAX_TOPK}]")
     if topk > num_experts:
         raise ValueError(f"topk={topk} exceeds num_experts={num_experts}: set topk <= num_experts")
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    check_int("seed", seed, at_least=0, at_most=2**64 - 1, rule="an int in [0, 2**64)")
 
 
 def hash_experts(

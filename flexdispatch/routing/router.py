@@ -16,6 +16,7 @@ from torch import nn
 
 from flexdispatch._checks import fits
 from flexdispatch._checks.tensors import check_tensor
+from flexdispatch._checks.values import check_int
 from flexdispatch.config import RouterConfig
 from flexdispatch.distributed import collective_guard
 from flexdispatch.routing.losses import (
@@ -136,8 +137,7 @@ class TopKRouter(nn.Module):
         super().__init__()
         if not isinstance(config, RouterConfig):
             raise TypeError(f"config must be a RouterConfig, got {type(config).__name__}")
-        if not isinstance(hidden_size, int) or isinstance(hidden_size, bool) or hidden_size <= 0:
-            raise ValueError(f"hidden_size must be a positive int, got {hidden_size!r}")
+        check_int("hidden_size", hidden_size, at_least=1, rule="a positive int")
         self.config = config
         self.hidden_size = hidden_size
         self.router_dtype = _ROUTER_DTYPES[config.router_dtype]

@@ -27,6 +27,7 @@ import math
 import torch
 
 from flexdispatch._checks.tensors import check_finite, check_tensor, checks_enabled
+from flexdispatch._checks.values import check_int
 from flexdispatch.kernels import resolve_impl
 from flexdispatch.types import RoutingResult
 
@@ -61,10 +62,8 @@ def _validate(
 ) -> None:
     logits_TE = check_tensor("logits", logits, ndim=2, floating=True)
     E = logits_TE.shape[1]
-    if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= E:
-        raise ValueError(
-            f"topk must be an int in [1, num_experts={E}] (logits has {E} columns), got {topk!r}"
-        )
+    rule = f"an int in [1, num_experts={E}] (logits has {E} columns)"
+    check_int("topk", topk, at_least=1, at_most=E, rule=rule)
     if score_function not in SCORE_FUNCTIONS:
         raise ValueError(
             f"score_function must be one of {', '.join(SCORE_FUNCTIONS)}, got {score_function!r}"

@@ -89,7 +89,7 @@ def test_flat_paths_match_the_reference_and_stay_lean(worst: bool, cuda: bool) -
     # the same code as bench_ops.py's 35 / 55 (cpu) and 38 / 59 (cuda, whose 39 dropless adds the
     # pinned copy_ that runs on a real GPU only).
     # Issue 25 added the repeated-expert-id rule of every backend: +9 ops on the cuda path
-    # (``_validate.mask_bad_ids``: one [T, k, k] comparison, counted and set to -1 on the
+    # (``dispatch.values.mask_bad_ids``: one [T, k, k] comparison, counted and set to -1 on the
     # device), +6 on the cpu path (``check_repeated_ids``, which raises).
     # Issue 26: cpu-path worst-case skips the exchange (counts in band) at the same count.
     ceiling = (68 if worst else 47) if cuda else (61 if worst else 41)

@@ -21,6 +21,7 @@ import torch
 
 from flexdispatch import DispatchConfig, FlexDispatcher
 from flexdispatch._checks import tensors
+from flexdispatch.dispatch import values as bad_values
 from tests.dist.harness import run_group
 from tests.dist.reference import Inputs, all_inputs, ref_dispatch
 
@@ -192,11 +193,11 @@ def test_count_bad_values_vector() -> None:
     idx = torch.tensor([[0, 8], [-1, -2], [3, 12]])
     x = torch.tensor([[1.0, float("nan")], [0.0, 0.0], [float("inf"), 1.0]])
     p = torch.tensor([[0.5, float("-inf")], [0.0, 0.0], [1.0, 0.0]])
-    got = tensors.count_bad_values(idx, 8, x, p).tolist()
+    got = bad_values.count_bad_values(idx, 8, x, p).tolist()
     assert got == [3, 2, 1, 0, 12, -2]
-    none = tensors.count_bad_values(idx.clamp(-1, 7), 8, x.nan_to_num(), p.nan_to_num())
+    none = bad_values.count_bad_values(idx.clamp(-1, 7), 8, x.nan_to_num(), p.nan_to_num())
     assert none.tolist()[:3] == [0, 0, 0]
-    empty = tensors.count_bad_values(
+    empty = bad_values.count_bad_values(
         torch.zeros(0, 2, dtype=torch.int64), 8, torch.zeros(0, 3), torch.zeros(0, 2)
     )
     assert empty.tolist()[:3] == [0, 0, 0]
@@ -288,7 +289,7 @@ def test_bad_value_log_folds_what_it_kept() -> None:
     from flexdispatch.types import DispatchStats
 
     stats = DispatchStats()
-    log = tensors.BadValueLog(max_kept=3)
+    log = bad_values.BadValueLog(max_kept=3)
     rows = [
         [1, 0, 2, 0, 9, -3],
         [0, 0, 0, 1, 5, 0],

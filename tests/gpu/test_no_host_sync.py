@@ -6,7 +6,7 @@ Claimed sync-free (each must come back pending): worst-case dispatch + combine o
 backend (the backend one GPU can run; DeepEP needs two), as a world of one runs it (no
 collective) and with the backend's collective paths forced on (NCCL's all-to-alls of one rank),
 routing (grouped sigmoid, softmax with capacity; the default and the torch implementations),
-the dispatch layout, the static permute + unpermute (``num_out_rows``), the decode path
+the dispatch layout, the static permute + unpermute (``static_rows``), the decode path
 (``DecodeDispatcher`` in worst-case mode, the expert-major maps) and DeepEP's worst-case receive
 masking. Known to sync, so the detector must fire: the dropless dispatch, both ways (a pinned
 copy + an event synchronize, which ``torch.cuda.set_sync_debug_mode`` does not see) and the
@@ -104,7 +104,7 @@ def _cases(dev: torch.device) -> dict[str, Any]:
         return from_expert_major(y, mp, m.recv_topk_probs)
 
     def static_permute(impl: str) -> torch.Tensor:
-        p = permute(x, idx, E, topk_probs=probs, num_out_rows=T * K, impl=impl)
+        p = permute(x, idx, E, topk_probs=probs, static_rows=T * K, impl=impl)
         return unpermute(p.x, p, probs=p.probs, impl=impl)
 
     return {

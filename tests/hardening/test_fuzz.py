@@ -163,7 +163,7 @@ def _run_case(rank: int, case: FuzzCase) -> dict[str, Any]:
     res = d.dispatch(x, mine.idx, p, layout=layout)
     static = res.recv_x.shape[0] * case.k if case.worst else None
     perm = permute(
-        res.recv_x, res.recv_topk_idx, case.e, topk_probs=res.recv_topk_probs, num_out_rows=static
+        res.recv_x, res.recv_topk_idx, case.e, topk_probs=res.recv_topk_probs, static_rows=static
     )
     tok, slot = perm.row_token.clamp(min=0), perm.row_slot.clamp(min=0)
     lid = torch.where(perm.row_token >= 0, res.recv_topk_idx[tok, slot], 0)

@@ -77,9 +77,9 @@ CASES = [
         r"permute: num_experts=10000000000000 " + _EST,
     ),
     (
-        "permute/num_out_rows",
-        lambda: permute(torch.randn(16, 8), _idx(), 8, num_out_rows=HUGE),
-        r"permute: num_out_rows=10000000000000 " + _EST + r".*static bound",
+        "permute/static_rows",
+        lambda: permute(torch.randn(16, 8), _idx(), 8, static_rows=HUGE),
+        r"permute: static_rows=10000000000000 " + _EST + r".*static bound",
     ),
     (
         "permute/align",

@@ -110,7 +110,7 @@ def test_repeated_and_out_of_range_ids_are_masked_and_counted_when_deferred(
 def test_mask_bad_ids_keeps_the_first_slot() -> None:
     import torch
 
-    from flexdispatch._checks.tensors import mask_bad_ids
+    from flexdispatch.dispatch.values import mask_bad_ids
 
     idx = torch.tensor([[3, 3, -1, -1], [7, 1, 7, 12], [0, 1, 2, 3]])
     got, repeats, oob = mask_bad_ids(idx, 8, out_of_range=True)

@@ -1,5 +1,5 @@
 """``permute`` / ``unpermute`` with ``impl="triton"`` against the torch path, forward and backward:
-alignment padding, the static ``num_out_rows`` mode, probs on and off, dropped (-1) slots, empty
+alignment padding, the static ``static_rows`` mode, probs on and off, dropped (-1) slots, empty
 inputs; the ``impl`` switch through ``MoELayer``.
 
 On the ``device`` fixture: CPU tensors under Triton's interpreter (``tests/unit/conftest.py``), or
@@ -27,12 +27,12 @@ def _routing(T, E, k, *, drop, seed):
     return idx, torch.rand(T, k, generator=gen)
 
 
-def _run(impl, x, idx, E, probs, dev, *, align, num_out_rows, weights):
+def _run(impl, x, idx, E, probs, dev, *, align, static_rows, weights):
     """permute -> a row-wise non-linear map -> unpermute, forward and backward."""
     xx = x.to(dev).requires_grad_(True)
     pp = None if probs is None else probs.to(dev).requires_grad_(True)
     perm = permute(
-        xx, idx.to(dev), E, topk_probs=pp, align=align, num_out_rows=num_out_rows, impl=impl
+        xx, idx.to(dev), E, topk_probs=pp, align=align, static_rows=static_rows, impl=impl
     )
     y = (perm.x.float() * (1.5 + perm.x.float().tanh())).to(x.dtype)
     out = unpermute(y, perm, probs=perm.probs if weights else None, impl=impl)
@@ -67,8 +67,8 @@ def test_same_rows_maps_and_sums_as_the_torch_path(case, dev):
     T, E, k, H, align, static, with_probs, weights, drops, dtype = case
     idx, probs = _routing(T, E, k, drop=drops, seed=T + H)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).to(dtype)
-    num_out_rows = T * k + E * (align - 1) + 3 if static else None
-    kw = {"align": align, "num_out_rows": num_out_rows, "weights": weights and with_probs}
+    static_rows = T * k + E * (align - 1) + 3 if static else None
+    kw = {"align": align, "static_rows": static_rows, "weights": weights and with_probs}
     p = probs if with_probs else None
     _, a = _run("torch", x, idx, E, p, dev, **kw)
     perm, b = _run("triton", x, idx, E, p, dev, **kw)
@@ -125,7 +125,7 @@ def test_all_slots_dropped(dev):
     T, E, k, H = 4, 3, 2, 8
     idx = torch.full((T, k), -1)
     x = torch.randn(T, H, requires_grad=True)
-    perm = permute(x.to(dev), idx.to(dev), E, num_out_rows=T * k, impl="triton")
+    perm = permute(x.to(dev), idx.to(dev), E, static_rows=T * k, impl="triton")
     assert perm.x.abs().sum() == 0 and bool((perm.row_token == -1).all())
     out = unpermute(perm.x, perm, impl="triton")
     assert out.shape == (T, H) and out.abs().sum() == 0

@@ -1,6 +1,6 @@
 """The screen kernel (``kernels.screen.screen_inputs``, the deferred value checks in one launch)
-against the torch ops it replaces: ``tensors.mask_bad_ids`` (out of range too) for the ids and
-``tensors.count_bad_parts`` (repeats of ids in ``[0, E)``, as the dispatcher counts them) for the
+against the torch ops it replaces: ``bad_values.mask_bad_ids`` (out of range too) for the ids and
+``bad_values.count_bad_parts`` (repeats of ids in ``[0, E)``, as the dispatcher counts them) for the
 counts, on clean and adversarial inputs (repeats of good,
 dropped and bad ids, ids below -1 and at or past E, NaN and inf in the values and the probs, k up
 to 32, E up to 512, every row dtype, strided inputs, no tokens), and the accumulation of two
@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from flexdispatch._checks import tensors
+from flexdispatch.dispatch import values as bad_values
 
 pytest.importorskip("triton", reason="the kernel tests need triton (scripts/setup.sh installs it)")
 
@@ -34,8 +35,8 @@ def _neutral(device: torch.device) -> torch.Tensor:
 def _want(idx: torch.Tensor, E: int, vals: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """The dispatcher's deferred counts in torch ops: repeats of ids in [0, E) only
     (``mask_bad_ids``), as ``FlexDispatcher._check_values`` counts them."""
-    repeats = tensors.mask_bad_ids(idx, E, out_of_range=True)[1]
-    return torch.stack(tensors.count_bad_parts(idx, E, vals, probs, repeats=repeats))
+    repeats = bad_values.mask_bad_ids(idx, E, out_of_range=True)[1]
+    return torch.stack(bad_values.count_bad_parts(idx, E, vals, probs, repeats=repeats))
 
 
 def _case(T: int, k: int, E: int, V: int, dtype: torch.dtype, seed: int, bad: bool):  # type: ignore[no-untyped-def]
@@ -78,7 +79,7 @@ def test_screen_matches_the_torch_checks(dev, T, k, E, V, dtype, bad) -> None:  
     idx, vals, probs = (t.to(dev) for t in _case(T, k, E, V, dtype, seed=T * 31 + k, bad=bad))
     acc = _neutral(dev)
     got = screen_inputs(idx, E, vals, probs, acc)
-    want_ids, _, _ = tensors.mask_bad_ids(idx, E, out_of_range=True)
+    want_ids, _, _ = bad_values.mask_bad_ids(idx, E, out_of_range=True)
     assert torch.equal(got, want_ids)
     assert torch.equal(acc, _want(idx, E, vals, probs))
     if bad and T:
@@ -100,8 +101,8 @@ def test_screen_accumulates_and_reads_strided_inputs(dev) -> None:  # type: igno
     b_idx = wide.to(dev)[:, 2:6]
     got_a = screen_inputs(a[0].to(dev), E, a[1].to(dev), a[2].to(dev), acc)
     got_b = screen_inputs(b_idx, E, b[1].to(dev), b[2].to(dev), acc)
-    assert torch.equal(got_b, tensors.mask_bad_ids(b[0], E, out_of_range=True)[0].to(dev))
-    assert torch.equal(got_a, tensors.mask_bad_ids(a[0], E, out_of_range=True)[0].to(dev))
+    assert torch.equal(got_b, bad_values.mask_bad_ids(b[0], E, out_of_range=True)[0].to(dev))
+    assert torch.equal(got_a, bad_values.mask_bad_ids(a[0], E, out_of_range=True)[0].to(dev))
     va, vb = _want(a[0], E, a[1], a[2]), _want(b[0], E, b[1], b[2])
     want = torch.cat(
         [va[:4] + vb[:4], torch.maximum(va[4:5], vb[4:5]), torch.minimum(va[5:], vb[5:])]
@@ -218,7 +219,7 @@ def _ranks_worker(rank: int, R: int) -> dict:
     cleaned = [
         Inputs(
             x=inp.x,
-            idx=tensors.mask_bad_ids(inp.idx, E, out_of_range=True)[0],
+            idx=bad_values.mask_bad_ids(inp.idx, E, out_of_range=True)[0],
             probs=inp.probs,
         )
         for inp in inputs

@@ -165,7 +165,7 @@ def test_static_mode_prefix_tail_and_no_sync(monkeypatch, align):
     for extra in (0, 7):
         with monkeypatch.context() as m:
             _forbid_host_sync(m)
-            static = permute(x, idx, E, topk_probs=probs, align=align, num_out_rows=bound + extra)
+            static = permute(x, idx, E, topk_probs=probs, align=align, static_rows=bound + extra)
         assert static.x.shape == (bound + extra, 4)
         assert torch.equal(static.x[:n], exact.x)
         assert torch.equal(static.row_token[:n], exact.row_token)
@@ -187,7 +187,7 @@ def test_static_mode_runs_on_meta():
     idx = torch.empty(T, k, dtype=torch.int64, device="meta")
     probs = torch.empty(T, k, device="meta")
     rows = T * k + E * (align - 1)
-    perm = permute(x, idx, E, topk_probs=probs, align=align, num_out_rows=rows)
+    perm = permute(x, idx, E, topk_probs=probs, align=align, static_rows=rows)
     assert perm.x.shape == (rows, H) and perm.x.device.type == "meta"
     assert perm.probs.shape == (rows,)
     out = unpermute(perm.x, perm, probs=perm.probs)
@@ -199,9 +199,9 @@ def test_static_mode_rejects_rows_below_bound():
     idx = random_routing(T, k, E)
     x = torch.randn(T, 2)
     bound = T * k + E * (align - 1)
-    permute(x, idx, E, align=align, num_out_rows=bound)
-    with pytest.raises(ValueError, match=rf"num_out_rows={bound - 1}.*{bound}"):
-        permute(x, idx, E, align=align, num_out_rows=bound - 1)
+    permute(x, idx, E, align=align, static_rows=bound)
+    with pytest.raises(ValueError, match=rf"static_rows={bound - 1}.*{bound}"):
+        permute(x, idx, E, align=align, static_rows=bound - 1)
 
 
 def test_empty_and_all_dropped():
@@ -211,7 +211,7 @@ def test_empty_and_all_dropped():
     assert perm.x.shape == (0, 4) and perm.probs.shape == (0,)
     assert torch.equal(perm.tokens_per_expert, torch.zeros(5, dtype=torch.int64))
     assert unpermute(perm.x, perm).shape == (0, 4)
-    static = permute(x, idx, 5, align=2, num_out_rows=5)
+    static = permute(x, idx, 5, align=2, static_rows=5)
     assert static.x.shape == (5, 4) and (static.x == 0).all() and (static.row_token == -1).all()
     assert unpermute(static.x, static).shape == (0, 4)
 
@@ -220,7 +220,7 @@ def test_empty_and_all_dropped():
     perm = permute(x, idx, 3, topk_probs=torch.zeros(4, 2), align=4)
     assert perm.x.shape == (0, 3)
     assert torch.equal(unpermute(perm.x, perm), torch.zeros(4, 3))
-    static = permute(x, idx, 3, align=4, num_out_rows=20)
+    static = permute(x, idx, 3, align=4, static_rows=20)
     assert (static.x == 0).all() and (static.row_token == -1).all()
     assert torch.equal(unpermute(static.x, static), torch.zeros(4, 3))
 
@@ -258,7 +258,7 @@ def test_unpermute_matches_reference_and_ignores_padding(align, static, device):
         idx.to(device),
         E,
         align=align,
-        num_out_rows=T * k + E * (align - 1) + 2 if static else None,
+        static_rows=T * k + E * (align - 1) + 2 if static else None,
     )
     N = perm.x.shape[0]
     row_token = perm.row_token.cpu()
@@ -337,7 +337,7 @@ def test_roundtrip_property(T, k, E, align, static, seed):
     idx = random_routing(T, k, E, distinct=False, drop=0.3, generator=g)
     probs = torch.rand(T, k, dtype=torch.float64, generator=g)
     rows = T * k + E * (align - 1) if static else None
-    perm = permute(x, idx, E, topk_probs=probs, align=align, num_out_rows=rows)
+    perm = permute(x, idx, E, topk_probs=probs, align=align, static_rows=rows)
     valid = (idx >= 0).double()
     torch.testing.assert_close(
         unpermute(perm.x, perm, probs=perm.probs), x * (probs * valid).sum(1, keepdim=True)
@@ -358,7 +358,7 @@ def test_gradcheck_permute(align, static):
     rows = T * k + E * (align - 1) + 1 if static else None
 
     def fn(x, probs):
-        perm = permute(x, idx, E, topk_probs=probs, align=align, num_out_rows=rows)
+        perm = permute(x, idx, E, topk_probs=probs, align=align, static_rows=rows)
         return perm.x, perm.probs
 
     assert torch.autograd.gradcheck(fn, (x, probs))
@@ -470,8 +470,8 @@ def _good():
         ({"num_experts": 0}, ValueError, "num_experts must be >= 1"),
         ({"num_experts": 2.0}, TypeError, "num_experts must be an int"),
         ({"align": 0}, ValueError, "align must be >= 1"),
-        ({"num_out_rows": -1}, ValueError, "num_out_rows must be >= 0"),
-        ({"num_out_rows": 7}, ValueError, "num_out_rows=7"),
+        ({"static_rows": -1}, ValueError, "static_rows must be >= 0"),
+        ({"static_rows": 7}, ValueError, "static_rows=7"),
         ({"topk_idx": torch.zeros(4, 2, dtype=torch.int64, device="meta")}, ValueError, "device"),
     ],
 )
@@ -519,7 +519,7 @@ def test_num_rows_skips_the_host_sync(monkeypatch):
     with pytest.raises(ValueError, match=f"num_rows={n + 1} but the routing holds {n} rows"):
         permute(x, idx, 5, num_rows=n + 1, checks=True)
     with pytest.raises(ValueError, match="not both"):
-        permute(x, idx, 5, num_rows=n, num_out_rows=30)
+        permute(x, idx, 5, num_rows=n, static_rows=30)
     with pytest.raises(ValueError, match="num_rows"):
         permute(x, idx, 5, num_rows=-1)
 
@@ -532,7 +532,7 @@ def test_out_buffer_receives_the_rows(static):
     x = torch.randn(12, 16, requires_grad=True)
     idx = torch.randint(-1, 6, (12, 3))
     probs = torch.rand(12, 3)
-    kw = {"num_out_rows": 36} if static else {}
+    kw = {"static_rows": 36} if static else {}
     want = permute(x, idx, 6, topk_probs=probs, **kw)
     buf = torch.full(tuple(want.x.shape), float("nan"))
     got = permute(x, idx, 6, topk_probs=probs, out=buf, **kw)
@@ -625,3 +625,13 @@ def test_permute_unpermute_op_count():
 
     run()
     assert _count_ops(run) <= 25
+
+
+def test_num_out_rows_is_the_old_name_of_static_rows():
+    x, idx = torch.randn(3, 4), torch.tensor([[0, 1], [1, -1], [2, 0]])
+    with pytest.warns(DeprecationWarning, match=r"permute\(static_rows=\.\.\.\)"):
+        old = permute(x, idx, 3, num_out_rows=8)
+    new = permute(x, idx, 3, static_rows=8)
+    assert torch.equal(old.x, new.x) and torch.equal(old.row_token, new.row_token)
+    with pytest.raises(TypeError, match="not both"), pytest.warns(DeprecationWarning):
+        permute(x, idx, 3, num_out_rows=8, static_rows=8)

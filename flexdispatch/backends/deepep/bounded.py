@@ -162,6 +162,10 @@ class BoundedBackend(DispatchBackend):
     """
 
     name = "deepep"
+    config_fields = {  # noqa: RUF012
+        "num_sms": "deepep_num_sms",
+        "num_max_tokens_per_rank": "num_max_dispatch_tokens_per_rank",
+    }
     release = ""  # NOTE: the subclass's name in messages ("DeepEP V2", "DeepEP 2.5")
     max_tokens: int
     num_max_tokens_per_rank: int

@@ -71,7 +71,7 @@ from flexdispatch.distributed import collective_device
 from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult
 
 if TYPE_CHECKING:
-    from flexdispatch.config import DispatchConfig
+    pass
 
 __all__ = ["DeepEPV1Backend", "DeepEPDispatchState"]
 
@@ -125,15 +125,13 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
     name = "deepep"
     api = "v1"
 
-    @classmethod
-    def config_options(cls, config: DispatchConfig) -> dict[str, Any]:
-        return {
-            "async_finish": config.deepep_async_finish,
-            "num_sms": config.deepep_num_sms,
-            "mode": config.mode,
-            "num_max_dispatch_tokens_per_rank": config.num_max_dispatch_tokens_per_rank,
-            "use_fp8": config.use_fp8,
-        }
+    config_fields = {  # noqa: RUF012
+        "async_finish": "deepep_async_finish",
+        "num_sms": "deepep_num_sms",
+        "mode": "mode",
+        "num_max_dispatch_tokens_per_rank": "num_max_dispatch_tokens_per_rank",
+        "use_fp8": "use_fp8",
+    }
 
     def __init__(
         self,

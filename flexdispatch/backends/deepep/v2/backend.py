@@ -58,7 +58,7 @@ from flexdispatch.types import (
 )
 
 if TYPE_CHECKING:
-    from flexdispatch.config import DispatchConfig
+    pass
 
 __all__ = ["DeepEPV2Backend", "v2_available"]
 
@@ -107,13 +107,6 @@ class DeepEPV2Backend(BoundedBackend):
 
     api = "v2"
     release = "DeepEP V2"
-
-    @classmethod
-    def config_options(cls, config: DispatchConfig) -> dict[str, Any]:
-        return {
-            "num_sms": config.deepep_num_sms,
-            "num_max_tokens_per_rank": config.num_max_dispatch_tokens_per_rank,
-        }
 
     def __init__(
         self,

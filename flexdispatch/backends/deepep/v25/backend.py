@@ -97,7 +97,7 @@ from flexdispatch.types import (
 )
 
 if TYPE_CHECKING:
-    from flexdispatch.config import DispatchConfig
+    pass
 
 __all__ = ["DeepEPV25Backend", "PendingExpanded"]
 
@@ -129,14 +129,11 @@ class DeepEPV25Backend(BoundedBackend):
     api = "v25"
     release = "DeepEP 2.5"
 
-    @classmethod
-    def config_options(cls, config: DispatchConfig) -> dict[str, Any]:
-        return {
-            "num_sms": config.deepep_num_sms,
-            "num_max_tokens_per_rank": config.num_max_dispatch_tokens_per_rank,
-            "hybrid": config.deepep_hybrid,
-            "expert_alignment": config.expert_alignment,
-        }
+    config_fields = {  # noqa: RUF012
+        **BoundedBackend.config_fields,
+        "hybrid": "deepep_hybrid",
+        "expert_alignment": "expert_alignment",
+    }
 
     def __init__(
         self,
