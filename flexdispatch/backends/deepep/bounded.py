@@ -33,8 +33,11 @@ tokens each rank sends (``num_max_tokens_per_rank``), so ``BoundedBackend`` keep
   weights.
 
 A subclass provides its buffer (``_shared``), its launch (``dispatch`` / ``dispatch_expanded`` hand
-what DeepEP returned to ``_received`` / ``_received_expanded``), its cached dispatch, its combine
-call (``_combine_call``) and its messages.
+what DeepEP returned to ``_received`` / ``_received_expanded``), its cached dispatch, its messages
+and its combine call: ``_combine_call(part, state, weights=None, bias=None) -> (out, out_weights)``,
+one DeepEP combine of ``part`` (bf16, DeepEP's rows, a ``COMBINE_COLS`` multiple of columns) with
+the fp32 ``weights`` channel and a ``[T', X']`` bias, for the T' tokens the dispatch sent
+(``out_weights`` ``[T', k]``, None without weights).
 """
 
 from __future__ import annotations
@@ -196,18 +199,6 @@ class BoundedBackend(DispatchBackend):
 
     def _tokens_message(self, rank: int | str, T: int) -> str:
         """Why rank ``rank`` may not dispatch ``T`` tokens (over M)."""
-        raise NotImplementedError
-
-    def _combine_call(
-        self,
-        part: torch.Tensor,
-        state: BoundedState,
-        weights: torch.Tensor | None = None,
-        bias: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One DeepEP combine of ``part`` (bf16, DeepEP's rows, ``COMBINE_COLS`` multiple), with
-        the fp32 ``weights`` channel and a bias: ``(out [T', X'], out_weights [T', k] or None)``
-        for the T' tokens the dispatch sent."""
         raise NotImplementedError
 
     def _combine_rows(self, y: torch.Tensor, state: BoundedState) -> torch.Tensor:

@@ -29,6 +29,7 @@ __all__ = [
     "deepep_support_checks",
     "deepep_support_for",
     "deepep_support",
+    "require_deep_ep",
 ]
 
 
@@ -45,6 +46,17 @@ def load_deep_ep() -> tuple[ModuleType | None, str]:
     if not hasattr(module, "Buffer"):
         return None, "the importable deep_ep has no Buffer (not DeepEP's V1 API)"
     return module, "deep_ep imports"
+
+
+def require_deep_ep(hook: ModuleType | None) -> ModuleType:
+    """``hook`` (a test's module) or the imported ``deep_ep``; ValueError with the reason when it
+    does not import."""
+    if hook is not None:
+        return hook
+    module, why = load_deep_ep()
+    if module is None:
+        raise ValueError(f"deepep backend not available: {why}")
+    return module
 
 
 def is_emulator(module: ModuleType) -> bool:

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -63,15 +63,12 @@ from flexdispatch.backends.counts import check_agreement, exchange_counts
 from flexdispatch.backends.deepep import buffer as deepep_buffer
 from flexdispatch.backends.deepep import refusals, rules, sizing
 from flexdispatch.backends.deepep.counters import DeviceMax, TrafficCounters
-from flexdispatch.backends.deepep.support import deepep_support, load_deep_ep, nvl_peers
+from flexdispatch.backends.deepep.support import deepep_support, nvl_peers, require_deep_ep
 from flexdispatch.backends.deepep.v1.combine import CombineMixin, Launched
 from flexdispatch.backends.deepep.v1.links import LazyLinks, handle_links
 from flexdispatch.backends.deepep.v1.low_latency import LowLatencyMixin
 from flexdispatch.distributed import collective_device
 from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["DeepEPV1Backend", "DeepEPDispatchState"]
 
@@ -145,11 +142,7 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
         _deep_ep: ModuleType | None = None,
         **common: Any,
     ) -> None:
-        module = _deep_ep
-        if module is None:
-            module, why = load_deep_ep()
-            if module is None:
-                raise ValueError(f"deepep backend not available: {why}")
+        module = require_deep_ep(_deep_ep)
         if mode not in ("normal", "low_latency"):
             raise ValueError(f"mode must be 'normal' or 'low_latency', got {mode!r}")
         super().__init__(group, **common)

@@ -39,7 +39,7 @@ Selected with ``DispatchConfig.deepep_api="v2"``, and by ``"auto"`` where every 
 from __future__ import annotations
 
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,7 @@ from flexdispatch.backends.base import Capability
 from flexdispatch.backends.deepep import buffer as deepep_buffer
 from flexdispatch.backends.deepep import refusals, sizing
 from flexdispatch.backends.deepep.bounded import COMBINE_COLS, BoundedBackend, BoundedState, Launch
-from flexdispatch.backends.deepep.support import load_deep_ep, nvl_peers
+from flexdispatch.backends.deepep.support import nvl_peers, require_deep_ep
 from flexdispatch.backends.deepep.v25.support import token_bucket
 from flexdispatch.types import (
     DispatchHandle,
@@ -56,9 +56,6 @@ from flexdispatch.types import (
     DispatchResult,
     ExpandedDispatchResult,
 )
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["DeepEPV2Backend", "v2_available"]
 
@@ -117,11 +114,7 @@ class DeepEPV2Backend(BoundedBackend):
         _deep_ep: ModuleType | None = None,
         **common: Any,
     ) -> None:
-        module = _deep_ep
-        if module is None:
-            module, why = load_deep_ep()
-            if module is None:
-                raise ValueError(f"deepep backend not available: {why}")
+        module = require_deep_ep(_deep_ep)
         ok, why = v2_available(module)
         if not ok:
             raise ValueError(f"deepep_api='v2' cannot run: {why}")

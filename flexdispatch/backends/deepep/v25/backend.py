@@ -46,7 +46,7 @@ Selected with ``DispatchConfig.deepep_api="v25"``, and by ``"auto"`` where every
 from __future__ import annotations
 
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,9 +95,6 @@ from flexdispatch.types import (
     DispatchResult,
     ExpandedDispatchResult,
 )
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["DeepEPV25Backend", "PendingExpanded"]
 
