@@ -4,8 +4,9 @@ Shape letters (ARCHITECTURE.md): T tokens per rank · H hidden · E experts in t
 e = E / R local experts · k top-k · L ranks per node · N = R / L nodes · M received rows ·
 W worst-case rows.
 
-- ``accounting``: per-source row counts (``count_source_rows``), rows per rank and link class
-  for the flat and hierarchical transports (``link_rows``), row sizes (torch, DeepEP).
+- ``flexdispatch.traffic`` (re-exported): per-source row counts (``count_source_rows``), rows
+  per rank and link class for the flat and hierarchical transports (``link_rows``), row sizes
+  (torch, DeepEP).
 - ``deepep``: DeepEP's buffer-size hints and tuned configs, reimplemented (V1 ``Buffer`` and V2
   ``ElasticBuffer``).
 - ``plan``: ``plan_cluster`` (synthetic routing at cluster scale → ``ClusterPlan``).
@@ -15,83 +16,13 @@ W worst-case rows.
 
 from __future__ import annotations
 
-from flexdispatch.planner.deepep import (
-    DeepEPConfig,
-    DeepEPElasticHints,
-    DeepEPHints,
-    ElasticBufferSize,
-    combine_config,
-    deepep_elastic_hints,
-    deepep_hints,
-    dispatch_config,
-    elastic_buffer_size,
-    elastic_buffer_size_hint,
-    elastic_hidden,
-    low_latency_rdma_size_hint,
-)
-from flexdispatch.planner.plan import (
-    DEFAULT_NVLINK_GBPS,
-    DEFAULT_RDMA_GBPS,
-    MAX_LOGITS,
-    VARIANTS,
-    node_limited_group_topk,
-    plan_cluster,
-    popularity_offsets,
-)
-from flexdispatch.planner.report import format_plan, plot_plan
-from flexdispatch.planner.results import (
-    ClusterPlan,
-    DirectionTraffic,
-    ModeTraffic,
-    Stat,
-    VariantPlan,
-    WorstCase,
-)
-from flexdispatch.traffic import (
-    LinkRows,
-    RowFormat,
-    SourceRows,
-    count_rows_batched,
-    count_source_rows,
-    deepep_row_format,
-    link_rows,
-    torch_row_format,
-)
+from flexdispatch import traffic
+from flexdispatch.planner import deepep, plan, report, results
+from flexdispatch.planner.deepep import *  # noqa: F403
+from flexdispatch.planner.plan import *  # noqa: F403
+from flexdispatch.planner.report import *  # noqa: F403
+from flexdispatch.planner.results import *  # noqa: F403
+from flexdispatch.traffic import *  # noqa: F403
 
-__all__ = [
-    "SourceRows",
-    "LinkRows",
-    "RowFormat",
-    "count_source_rows",
-    "count_rows_batched",
-    "link_rows",
-    "torch_row_format",
-    "deepep_row_format",
-    "DeepEPConfig",
-    "DeepEPHints",
-    "dispatch_config",
-    "combine_config",
-    "deepep_hints",
-    "low_latency_rdma_size_hint",
-    "ElasticBufferSize",
-    "DeepEPElasticHints",
-    "elastic_buffer_size",
-    "elastic_buffer_size_hint",
-    "elastic_hidden",
-    "deepep_elastic_hints",
-    "Stat",
-    "DirectionTraffic",
-    "ModeTraffic",
-    "WorstCase",
-    "VariantPlan",
-    "ClusterPlan",
-    "plan_cluster",
-    "node_limited_group_topk",
-    "popularity_offsets",
-    "VARIANTS",
-    "DEFAULT_NVLINK_GBPS",
-    "DEFAULT_RDMA_GBPS",
-    "MAX_LOGITS",
-    "format_plan",
-    "plot_plan",
-]
+# NOTE: the face names each module's own list once (its ``__all__``)
+__all__ = [*traffic.__all__, *deepep.__all__, *plan.__all__, *results.__all__, *report.__all__]

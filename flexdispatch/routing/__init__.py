@@ -6,32 +6,12 @@ experts · k top-k · L ranks per node · N nodes · M received rows · W worst-
 
 from __future__ import annotations
 
-from flexdispatch.routing.dense import routing_map_to_topk
-from flexdispatch.routing.hash import hash_routing
-from flexdispatch.routing.losses import (
-    AuxLossAutoScaler,
-    aux_loss_scores,
-    count_tokens_per_expert,
-    global_aux_loss,
-    seq_aux_loss,
-    switch_aux_loss,
-    z_loss,
-)
-from flexdispatch.routing.router import TopKRouter, gating_linear
-from flexdispatch.routing.topk import expert_capacity, topk_routing
+from flexdispatch.routing import dense, hash, losses, router, topk
+from flexdispatch.routing.dense import *  # noqa: F403
+from flexdispatch.routing.hash import *  # noqa: F403
+from flexdispatch.routing.losses import *  # noqa: F403
+from flexdispatch.routing.router import *  # noqa: F403
+from flexdispatch.routing.topk import *  # noqa: F403
 
-__all__ = [
-    "topk_routing",
-    "hash_routing",
-    "routing_map_to_topk",
-    "expert_capacity",
-    "TopKRouter",
-    "gating_linear",
-    "AuxLossAutoScaler",
-    "aux_loss_scores",
-    "count_tokens_per_expert",
-    "switch_aux_loss",
-    "seq_aux_loss",
-    "global_aux_loss",
-    "z_loss",
-]
+# NOTE: the face names each module's own list once (its ``__all__``)
+__all__ = [*topk.__all__, *hash.__all__, *dense.__all__, *router.__all__, *losses.__all__]
