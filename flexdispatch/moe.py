@@ -419,7 +419,7 @@ class MoELayer(nn.Module):
             res.recv_x,
             res.recv_topk_idx,
             e,
-            topk_probs=res.recv_topk_probs,
+            res.recv_topk_probs,
             static_rows=static_rows,
             # NOTE: dropless backends report the pair count they got with the dispatch's one sync.
             num_rows=None if static_rows is not None else res.num_recv_pairs,

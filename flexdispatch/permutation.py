@@ -353,13 +353,13 @@ def permute(
         x,
         topk_idx,
         num_experts,
-        topk_probs=topk_probs,
-        align=align,
+        topk_probs,
         static_rows=static_rows,
         num_rows=num_rows,
+        impl=impl,
+        align=align,
         verify=do_checks,
         out=out,
-        impl=impl,
     )
 
 
@@ -384,24 +384,20 @@ def _permute(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
     num_experts: int,
+    topk_probs: torch.Tensor | None,
     *,
-    topk_probs: torch.Tensor | None = None,
+    static_rows: int | None,
+    num_rows: int | None,
+    impl: str,
     align: int = 1,
-    static_rows: int | None = None,
-    num_rows: int | None = None,
     verify: bool = False,
     out: torch.Tensor | None = None,
-    impl: str = "auto",
 ) -> Permutation:
     """``permute`` without its argument checks, for the package's own callers whose inputs a
     dispatch made (``MoELayer``, the torchtitan plug-in): shapes, dtypes and id ranges are the
     dispatcher's, checked once on the way in. ``verify``: compare ``num_rows`` with the device
     count (``permute`` with value checks on)."""
-    if impl != "torch" and resolve_impl(impl, x.device, what="permute"):
-        return _permute_triton(
-            x, topk_idx, num_experts, topk_probs, align, static_rows, num_rows, verify, out
-        )
-
+    triton = impl != "torch" and resolve_impl(impl, x.device, what="permute")
     T, k = topk_idx.shape
     device = x.device
     num_pairs = T * k
@@ -415,7 +411,32 @@ def _permute(
     bounds_E1 = torch.searchsorted(sorted_key_P, _pool.arange(num_experts + 1, device))
     counts_E = bounds_E1.diff()
 
-    if align == 1:
+    probs_N = pair_rows = None
+    acc = None if topk_probs is None else _acc_dtype(topk_probs.dtype)
+    if triton:
+        # NOTE: one kernel writes every row with its maps and prob (kernels.permute)
+        from flexdispatch.kernels.permute import permute_rows
+
+        if align == 1:
+            padded_E, pad_end_E, total = counts_E, None, bounds_E1[-1]
+        else:
+            padded_E = (counts_E + (align - 1)) // align * align
+            pad_end_E = torch.cumsum(padded_E, 0)
+            total = pad_end_E[-1]
+        num_rows = _row_count(total, static_rows, num_rows, verify)
+        x_N, row_token, row_slot, pair_rows, probs_N = permute_rows(
+            x.contiguous(),
+            None if topk_probs is None else topk_probs.contiguous(),
+            order_P=order_P,
+            bounds_E1=bounds_E1,
+            counts_E=counts_E,
+            pad_end_E=pad_end_E,
+            k=k,
+            num_rows=num_rows,
+            out_NH=_rows_out(out, x, num_rows),
+        )
+        dense = static_rows is None and align == 1
+    elif align == 1:
         # Rows are the sorted pairs themselves: row r is sorted pair r (real while r < valid).
         padded_E = counts_E
         num_rows = _row_count(bounds_E1[-1], static_rows, num_rows, verify)
@@ -424,6 +445,8 @@ def _permute(
             order_N = order_P[:num_rows]
             row_token = torch.div(order_N, k_safe, rounding_mode="floor")
             row_slot = order_N.remainder(k_safe)
+            if topk_probs is not None:
+                probs_N = topk_probs.reshape(-1).index_select(0, order_N).to(acc)
         else:
             # static: the sorted pairs, invalid ones and a tail past T*k as -1
             pad_P = sorted_key_P == num_experts
@@ -433,103 +456,33 @@ def _permute(
             torch.remainder(order_P, k_safe, out=row_slot[:num_pairs])
             row_token[:num_pairs].masked_fill_(pad_P, -1)
             row_slot[:num_pairs].masked_fill_(pad_P, -1)
-        x_N = _PermuteRows.apply(x.contiguous(), row_token, dense, [_rows_out(out, x, num_rows)])
-        probs_N = None
-        if topk_probs is not None:
-            acc = _acc_dtype(topk_probs.dtype)
-            if dense:
-                probs_N = topk_probs.reshape(-1).index_select(0, order_N).to(acc)
-            else:
+            if topk_probs is not None:
                 probs_P = topk_probs.reshape(-1).index_select(0, order_P).to(acc)
                 probs_P = probs_P.masked_fill_(pad_P, 0)
                 tail = probs_P.new_zeros(num_rows - num_pairs)
                 probs_N = torch.cat([probs_P, tail]) if num_rows > num_pairs else probs_P
-        return Permutation(
-            x=x_N,
-            probs=probs_N,
-            tokens_per_expert=counts_E,
-            padded_tokens_per_expert=padded_E,
-            row_token=row_token,
-            row_slot=row_slot,
-            num_tokens=T,
-            dense=dense,
-        )
-
-    padded_E = (counts_E + (align - 1)) // align * align
-    pad_end_E = torch.cumsum(padded_E, 0)
-    pad_start_E1 = torch.cat([pad_end_E.new_zeros(1), pad_end_E])
-
-    num_rows = _row_count(pad_start_E1[-1], static_rows, num_rows, verify)
-
-    rows_N = torch.arange(num_rows, dtype=torch.int64, device=device)
-    seg_N = torch.searchsorted(pad_end_E, rows_N, right=True)  # expert of each row; E = tail
-    counts_E1 = torch.cat([counts_E, counts_E.new_zeros(1)])
-    rank_N = rows_N - pad_start_E1[seg_N]
-    real_N = rank_N < counts_E1[seg_N]
-    pos_N = torch.where(real_N, bounds_E1[seg_N] + rank_N, num_pairs)
-    order_P1 = torch.cat([order_P, order_P.new_full((1,), -1)])
-    pair_N = order_P1[pos_N]  # -1 on padding
-    row_token = torch.where(real_N, torch.div(pair_N, k_safe, rounding_mode="floor"), -1)
-    row_slot = torch.where(real_N, pair_N % k_safe, -1)
-    x_N = _PermuteRows.apply(x.contiguous(), row_token, False, [_rows_out(out, x, num_rows)])
-
-    probs_N = None
-    if topk_probs is not None:
-        acc = _acc_dtype(topk_probs.dtype)
-        probs_P = topk_probs.reshape(-1).to(acc).index_select(0, order_P)
-        probs_P1 = torch.cat([probs_P, probs_P.new_zeros(1)])
-        probs_N = probs_P1.index_select(0, pos_N)
-
-    return Permutation(
-        x=x_N,
-        probs=probs_N,
-        tokens_per_expert=counts_E,
-        padded_tokens_per_expert=padded_E,
-        row_token=row_token,
-        row_slot=row_slot,
-        num_tokens=T,
-    )
-
-
-def _permute_triton(
-    x: torch.Tensor,
-    topk_idx: torch.Tensor,
-    num_experts: int,
-    topk_probs: torch.Tensor | None,
-    align: int,
-    static_rows: int | None,
-    num_rows: int | None,
-    verify: bool,
-    out: torch.Tensor | None,
-) -> Permutation:
-    """``permute`` with the Triton kernels (arguments already checked)."""
-    from flexdispatch.kernels.permute import permute_rows
-
-    T, k = topk_idx.shape
-    device = x.device
-    # NOTE: the same stable expert sort as the torch path (invalid pairs last under key E).
-    key_P = topk_idx.reshape(-1).clamp(-1, num_experts).remainder_(num_experts + 1)
-    sorted_key_P, order_P = torch.sort(key_P, stable=True)
-    bounds_E1 = torch.searchsorted(sorted_key_P, _pool.arange(num_experts + 1, device))
-    counts_E = bounds_E1.diff()
-    if align == 1:
-        padded_E, pad_end_E, total = counts_E, None, bounds_E1[-1]
     else:
+        dense = False
         padded_E = (counts_E + (align - 1)) // align * align
         pad_end_E = torch.cumsum(padded_E, 0)
-        total = pad_end_E[-1]
-    num_rows = _row_count(total, static_rows, num_rows, verify)
-    x_N, row_token, row_slot, pair_rows, probs_N = permute_rows(
-        x.contiguous(),
-        None if topk_probs is None else topk_probs.contiguous(),
-        order_P=order_P,
-        bounds_E1=bounds_E1,
-        counts_E=counts_E,
-        pad_end_E=pad_end_E,
-        k=k,
-        num_rows=num_rows,
-        out_NH=_rows_out(out, x, num_rows),
-    )
+        pad_start_E1 = torch.cat([pad_end_E.new_zeros(1), pad_end_E])
+        num_rows = _row_count(pad_start_E1[-1], static_rows, num_rows, verify)
+        rows_N = torch.arange(num_rows, dtype=torch.int64, device=device)
+        seg_N = torch.searchsorted(pad_end_E, rows_N, right=True)  # expert of each row; E = tail
+        counts_E1 = torch.cat([counts_E, counts_E.new_zeros(1)])
+        rank_N = rows_N - pad_start_E1[seg_N]
+        real_N = rank_N < counts_E1[seg_N]
+        pos_N = torch.where(real_N, bounds_E1[seg_N] + rank_N, num_pairs)
+        order_P1 = torch.cat([order_P, order_P.new_full((1,), -1)])
+        pair_N = order_P1[pos_N]  # -1 on padding
+        row_token = torch.where(real_N, torch.div(pair_N, k_safe, rounding_mode="floor"), -1)
+        row_slot = torch.where(real_N, pair_N % k_safe, -1)
+        if topk_probs is not None:
+            probs_P = topk_probs.reshape(-1).to(acc).index_select(0, order_P)
+            probs_P1 = torch.cat([probs_P, probs_P.new_zeros(1)])
+            probs_N = probs_P1.index_select(0, pos_N)
+    if not triton:
+        x_N = _PermuteRows.apply(x.contiguous(), row_token, dense, [_rows_out(out, x, num_rows)])
     return Permutation(
         x=x_N,
         probs=probs_N,
@@ -538,7 +491,7 @@ def _permute_triton(
         row_token=row_token,
         row_slot=row_slot,
         num_tokens=T,
-        dense=static_rows is None and align == 1,
+        dense=dense,
         pair_rows=pair_rows,
     )
 

@@ -105,8 +105,20 @@ def refusal(
     fix: str = "",
     tree: bool = False,
 ) -> str | None:
-    """The refusal message when ``nbytes`` cannot fit on ``device``, else None (see module doc;
-    ``tree``: ``nbytes`` is what several processes take together, ``available_bytes``)."""
+    """The refusal message when ``nbytes`` (the estimate for ``arg=value``) cannot fit on
+    ``device``, else None (see the module docstring).
+
+    Args:
+        what: the entry point, e.g. ``"permute"``.
+        arg / value: the argument that drives the size, as the caller wrote it.
+        nbytes: the estimate of what the call allocates at its peak.
+        device: where it would be allocated.
+        detail: how the estimate is made up, e.g. ``"[E] int64 counts x 3"``.
+        fix: what to change.
+        tree: ``nbytes`` is the sum over several processes (spawned ranks and their parent):
+            compared with what they can take together, without this process's ``RLIMIT_AS``
+            (``available_bytes``).
+    """
     if nbytes < SMALL_BYTES:
         return None
     dev = str(torch.device("cpu" if device is None else device))
@@ -136,30 +148,10 @@ def raise_refusal(message: str | None) -> None:
         raise ValueError(message)
 
 
-def check_fits(
-    what: str,
-    arg: str,
-    value: object,
-    nbytes: int,
-    device: torch.device | str | None,
-    *,
-    detail: str = "",
-    fix: str = "",
-    tree: bool = False,
-) -> None:
-    """Raise ValueError when ``nbytes`` (the estimate for ``arg=value``) cannot fit on ``device``.
-
-    Args:
-        what: the entry point, e.g. ``"permute"``.
-        arg / value: the argument that drives the size, as the caller wrote it.
-        nbytes: the estimate of what the call allocates at its peak.
-        device: where it would be allocated.
-        detail: how the estimate is made up, e.g. ``"[E] int64 counts x 3"``.
-        fix: what to change.
-        tree: ``nbytes`` is the sum over several processes (spawned ranks and their parent):
-            compared with what they can take together, without this process's ``RLIMIT_AS``.
-    """
-    msg = refusal(what, arg, value, nbytes, device, detail=detail, fix=fix, tree=tree)
+def check_fits(*args: Any, **kwargs: Any) -> None:
+    """Raise ValueError with ``refusal``'s message (same arguments) when the estimate cannot fit:
+    ``check_fits(what, arg, value, nbytes, device, *, detail="", fix="", tree=False)``."""
+    msg = refusal(*args, **kwargs)
     if msg is not None:
         raise ValueError(msg)
 

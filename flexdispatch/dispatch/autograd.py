@@ -9,12 +9,13 @@ registers the same rules on its custom ops, which ``torch.compile`` traces inste
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from flexdispatch.backends.base import DispatchBackend
-from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult
+from flexdispatch.types import DispatchHandle, DispatchResult
 
 __all__ = [
     "ROW_DTYPES",
@@ -41,19 +42,18 @@ def records_grad(*tensors: Rows) -> bool:
 
 
 class DispatchFunction(torch.autograd.Function):
-    """Differentiable in ``x`` and ``topk_probs``; ``topk_idx`` and the counts are integer."""
+    """Differentiable in ``x`` and ``topk_probs``; ``topk_idx`` and the counts are integer.
+    ``run`` is the backend call that dispatches them (or finishes a launched dispatch of them)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
         backend: DispatchBackend,
-        layout: DispatchLayout | None,
+        run: Callable[[], DispatchResult],
         x: Rows,
-        topk_idx: torch.Tensor,
         topk_probs: torch.Tensor,
-        pending: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, DispatchHandle, int | None]:
-        res = DispatchFunction.run(backend, layout, x, topk_idx, topk_probs, pending)
+        res = run()
         ctx.backend = backend
         ctx.handle = res.handle
         ctx.x_dtype = x[0].dtype if isinstance(x, tuple) else x.dtype
@@ -72,20 +72,6 @@ class DispatchFunction(torch.autograd.Function):
         )
 
     @staticmethod
-    def run(
-        backend: DispatchBackend,
-        layout: DispatchLayout | None,
-        x: Rows,
-        topk_idx: torch.Tensor,
-        topk_probs: torch.Tensor,
-        pending: Any = None,
-    ) -> DispatchResult:
-        """``forward`` without the autograd bookkeeping."""
-        if pending is not None:  # a launch_dispatch in flight: finish it
-            return backend.finish_dispatch(pending)
-        return backend.dispatch(x, topk_idx, topk_probs, layout)
-
-    @staticmethod
     def backward(  # type: ignore[override]
         ctx: Any,
         grad_x: torch.Tensor | None,
@@ -94,7 +80,7 @@ class DispatchFunction(torch.autograd.Function):
         _grad_counts: Any,
         _grad_handle: Any,
         _grad_pairs: Any,
-    ) -> tuple[None, None, torch.Tensor | None, None, torch.Tensor | None, None]:
+    ) -> tuple[None, None, torch.Tensor | None, torch.Tensor | None]:
         (recv_idx,) = ctx.saved_tensors
         backend: DispatchBackend = ctx.backend
         handle: DispatchHandle = ctx.handle
@@ -107,7 +93,7 @@ class DispatchFunction(torch.autograd.Function):
                     recv_idx.shape[0], handle.hidden, dtype=ctx.x_dtype, device=recv_idx.device
                 )
             grad_x = grad_x.contiguous()
-        if ctx.needs_input_grad[4]:
+        if ctx.needs_input_grad[3]:
             if grad_probs is None:
                 grad_probs = torch.zeros(
                     recv_idx.shape, dtype=torch.float32, device=recv_idx.device
@@ -117,7 +103,7 @@ class DispatchFunction(torch.autograd.Function):
             dx, dp = backend.combine_with_probs(grad_x if want_x else None, masked, handle)
         elif want_x:
             dx = backend.combine(grad_x, handle)
-        return None, None, dx, None, dp, None
+        return None, None, dx, dp
 
 
 class CombineFunction(torch.autograd.Function):

@@ -24,6 +24,7 @@ refused; ``topk_probs`` stays differentiable.
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 from typing import Any
 
@@ -367,15 +368,19 @@ class FlexDispatcher:
     ) -> DispatchResult:
         """Run (or, with ``pending``, finish) the backend's dispatch of checked, contiguous
         inputs, and count what ``_check_values`` deferred."""
-        args = (self._backend, layout, rows, topk_idx, topk_probs)
+        backend = self._backend
+        if pending is not None:  # NOTE: a launch_dispatch in flight: finish it
+            run = functools.partial(backend.finish_dispatch, pending)
+        else:
+            run = functools.partial(backend.dispatch, rows, topk_idx, topk_probs, layout)
         if grad and records_grad(rows, topk_probs):
             recv_x, recv_idx, recv_probs, counts, handle, pairs = DispatchFunction.apply(
-                *args, pending
+                backend, run, rows, topk_probs
             )
         else:
             # NOTE: nothing to differentiate (inference, no_grad, detached inputs): the backend
             # directly, without an autograd Function (its bookkeeping is host time per call)
-            res = DispatchFunction.run(*args, pending)
+            res = run()
             recv_x, recv_idx, recv_probs = res.recv_x, res.recv_topk_idx, res.recv_topk_probs
             counts, handle, pairs = res.num_recv_tokens_per_expert, res.handle, res.num_recv_pairs
         object.__setattr__(handle, "issuer", self._issuer)

@@ -128,10 +128,11 @@ class FlexTokenDispatcher(BaseEPTokenDispatcher):
                 res.recv_x,
                 res.recv_topk_idx,
                 fd.num_local_experts,
-                topk_probs=res.recv_topk_probs,
+                res.recv_topk_probs,
                 # NOTE: worst-case mode keeps static shapes (zero rows past the real ones)
                 static_rows=M * K if worst else None,
                 num_rows=None if worst else res.num_recv_pairs,
+                impl="auto",
             )
         meta = FlexDispatchMetadata(handle=res.handle, perm=perm)
         return stamp(perm.x), stamp(perm.padded_tokens_per_expert), meta

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 __all__ = [
     "DISPATCH_CONFIGS",
@@ -490,28 +491,10 @@ def elastic_buffer_size(
     )
 
 
-def elastic_buffer_size_hint(
-    *,
-    num_ranks: int,
-    num_nvl_ranks: int,
-    num_max_tokens_per_rank: int,
-    hidden: int,
-    num_topk: int,
-    use_fp8_dispatch: bool = False,
-    allow_hybrid_mode: bool = False,
-    allow_multiple_reduction: bool = True,
-) -> int:
-    """Bytes ``ElasticBuffer.get_buffer_size_hint`` returns (see ``elastic_buffer_size``)."""
-    return elastic_buffer_size(
-        num_ranks=num_ranks,
-        num_nvl_ranks=num_nvl_ranks,
-        num_max_tokens_per_rank=num_max_tokens_per_rank,
-        hidden=hidden,
-        num_topk=num_topk,
-        use_fp8_dispatch=use_fp8_dispatch,
-        allow_hybrid_mode=allow_hybrid_mode,
-        allow_multiple_reduction=allow_multiple_reduction,
-    ).num_bytes
+def elastic_buffer_size_hint(**sizes: Any) -> int:
+    """Bytes ``ElasticBuffer.get_buffer_size_hint`` returns: ``elastic_buffer_size(**sizes)``'s
+    total (same keyword arguments)."""
+    return elastic_buffer_size(**sizes).num_bytes
 
 
 def elastic_hidden(hidden: int, elem_size: int) -> tuple[int, int]:
