@@ -341,7 +341,7 @@ class MoELayer(nn.Module):
             )
             shared_TH = None if self.shared_experts is None else self.shared_experts(x_TH)
             res = pending.wait()
-            y = self.experts(res.recv_x, res.tokens_per_expert, res.recv_probs)
+            y = self.experts(res.recv_x, res.num_recv_tokens_per_expert, res.recv_topk_probs)
             out_TH = self.dispatcher.combine(y, res.handle, bias=shared_TH)
         else:
             # NOTE: the shared experts are issued while the dispatch is in flight where the

@@ -10,6 +10,7 @@ Results and handles are frozen, keyword-only dataclasses; nothing here is a bare
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -192,25 +193,47 @@ class DispatchResult:
     num_recv_pairs: int | None = None
 
 
+def _renamed(old: str, new: str) -> property:
+    """A read-only alias ``old`` of field ``new``, for one release (a ``DeprecationWarning``)."""
+
+    def get(self: Any) -> Any:
+        warnings.warn(
+            f"{type(self).__name__}.{old} is now .{new}; the old name goes in the next release",
+            DeprecationWarning,
+            2,
+        )
+        return getattr(self, new)
+
+    return property(get, doc=f"Deprecated alias of ``{new}``.")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ExpandedDispatchResult:
     """What ``FlexDispatcher.dispatch_expanded`` returns: one row per (token, local expert),
-    grouped by local expert — what ``GroupedExperts`` consumes, with no ``permute``.
+    grouped by local expert — what ``GroupedExperts`` consumes, with no ``permute``. The names are
+    ``DispatchResult``'s: each row is one ``(token, slot)`` pair.
 
     Attributes:
         recv_x: ``[N, H]`` rows; local expert ``j`` owns rows ``[sum(c[:j]), sum(c[:j+1]))`` with
-            ``c = tokens_per_expert``; inside a segment the order is the backend's (DeepEP: not
-            token order). In worst-case mode N is static and rows past ``sum(c)`` are zero.
-        recv_probs: ``[N]`` float32 routing weight of each row (0 past ``sum(c)``).
-        tokens_per_expert: ``[e]`` int64 device tensor, the segment sizes.
+            ``c = num_recv_tokens_per_expert``; inside a segment the order is the backend's
+            (DeepEP: not token order). In worst-case mode N is static and rows past ``sum(c)``
+            are zero.
+        recv_topk_probs: ``[N]`` float32 routing weight (top-k prob) of each row's pair (0 past
+            ``sum(c)``).
+        num_recv_tokens_per_expert: ``[e]`` int64 device tensor, the segment sizes.
         handle: what ``combine`` needs (``combine`` takes ``[N, H]`` rows and sums, per source
             token, every row of it on every rank).
+
+    ``recv_probs`` and ``tokens_per_expert`` are the names before 0.1 (deprecated aliases).
     """
 
     recv_x: torch.Tensor
-    recv_probs: torch.Tensor
-    tokens_per_expert: torch.Tensor
+    recv_topk_probs: torch.Tensor
+    num_recv_tokens_per_expert: torch.Tensor
     handle: DispatchHandle
+
+    recv_probs = _renamed("recv_probs", "recv_topk_probs")
+    tokens_per_expert = _renamed("tokens_per_expert", "num_recv_tokens_per_expert")
 
 
 @dataclass(kw_only=True)
@@ -294,17 +317,22 @@ class ExpertMajorResult:
 
     Attributes:
         recv_x: ``[e, C, H]`` rows (bf16 on DeepEP, else x's dtype; ``float8_e4m3fn`` with
-            ``use_fp8``). Rows past ``recv_count[j]`` are zero (torch) or undefined (DeepEP).
+            ``use_fp8``). Rows past ``num_recv_tokens_per_expert[j]`` are zero (torch) or
+            undefined (DeepEP).
         recv_scales: ``[e, C, H / 128]`` float32 fp8 scales (column-major in the last two dims,
             as DeepEP returns them), or None without fp8.
-        recv_count: ``[e]`` int64 device tensor, real rows per local expert.
+        num_recv_tokens_per_expert: ``[e]`` int64 device tensor, real rows per local expert.
         handle: what ``combine`` needs.
+
+    ``recv_count`` is the name before 0.1 (a deprecated alias).
     """
 
     recv_x: torch.Tensor
     recv_scales: torch.Tensor | None
-    recv_count: torch.Tensor
+    num_recv_tokens_per_expert: torch.Tensor
     handle: ExpertMajorHandle
+
+    recv_count = _renamed("recv_count", "num_recv_tokens_per_expert")
 
 
 _ResultT = TypeVar("_ResultT")

@@ -153,11 +153,11 @@ class DispatchExpandedFunction(torch.autograd.Function):
         ctx.handle = res.handle
         ctx.x_dtype = x[0].dtype if isinstance(x, tuple) else x.dtype
         ctx.device = res.recv_x.device
-        frozen = [res.tokens_per_expert]
+        frozen = [res.num_recv_tokens_per_expert]
         if isinstance(x, tuple):  # fp8 pass-through: forward-only rows
             frozen.append(res.recv_x)
         ctx.mark_non_differentiable(*frozen)
-        return res.recv_x, res.recv_probs, res.tokens_per_expert, res.handle
+        return res.recv_x, res.recv_topk_probs, res.num_recv_tokens_per_expert, res.handle
 
     @staticmethod
     def backward(  # type: ignore[override]

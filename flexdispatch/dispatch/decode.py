@@ -5,9 +5,9 @@ E experts · R ranks · e = E / R local experts · k top-k · W worst-case rows 
 rows per local expert (the capacity) · P = W * k (row, slot) pairs.
 
 Decode steps are small and captured in CUDA graphs, so their layout is static: every local expert
-owns ``C`` rows, of which ``recv_count[j]`` are real (the rest are zero on the torch path and
-undefined on DeepEP's). One row per ``(token, expert)`` pair — a token with two experts on a rank
-arrives twice — and the combine is *weighted* by the routing probs:
+owns ``C`` rows, of which ``num_recv_tokens_per_expert[j]`` are real (the rest are zero on the
+torch path and undefined on DeepEP's). One row per ``(token, expert)`` pair — a token with two
+experts on a rank arrives twice — and the combine is *weighted* by the routing probs:
 ``out[t] = sum_j probs[t, j] * y[expert(t, j), slot(t, j)]``.
 
 - On the ``deepep`` backend in ``mode="low_latency"`` this is DeepEP's ``low_latency_dispatch`` /
@@ -18,7 +18,7 @@ arrives twice — and the combine is *weighted* by the routing probs:
 
 The decode path is for inference (no autograd). Row order inside an expert is (source rank,
 source token) on the torch path; DeepEP fills rows in arrival order, so rely only on
-``recv_count`` and on the combine, never on positions.
+``num_recv_tokens_per_expert`` and on the combine, never on positions.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from flexdispatch._checks.tensors import check_routing, check_tensor
-from flexdispatch.types import DispatchResult, ExpertMajorHandle, ExpertMajorResult
+from flexdispatch.types import DispatchResult, ExpertMajorHandle, ExpertMajorResult, _renamed
 
 if TYPE_CHECKING:
     from flexdispatch.dispatch.dispatcher import FlexDispatcher
@@ -53,14 +53,18 @@ class ExpertMajorMaps:
         slot: ``[P]`` int64 flat position ``expert * C + i`` of each pair, or a unique spare index
             ``>= e * C`` for pairs without a local expert (and for pairs past the capacity).
         valid: ``[P]`` bool, the pair has a local expert and fits.
-        recv_count: ``[e]`` int64 pairs per local expert (capped at C).
+        num_recv_tokens_per_expert: ``[e]`` int64 pairs per local expert (capped at C).
         overflow: 0-d int64, pairs that did not fit (0 unless an expert got more than C rows).
+
+    ``recv_count`` is the name before 0.1 (a deprecated alias).
     """
 
     slot: torch.Tensor
     valid: torch.Tensor
-    recv_count: torch.Tensor
+    num_recv_tokens_per_expert: torch.Tensor
     overflow: torch.Tensor
+
+    recv_count = _renamed("recv_count", "num_recv_tokens_per_expert")
 
 
 def expert_major_maps(
@@ -95,7 +99,7 @@ def expert_major_maps(
     return ExpertMajorMaps(
         slot=slot,
         valid=valid,
-        recv_count=total.clamp(max=C),
+        num_recv_tokens_per_expert=total.clamp(max=C),
         overflow=(total - C).clamp(min=0).sum(),
     )
 
@@ -110,7 +114,7 @@ def to_expert_major(recv_x: torch.Tensor, maps: ExpertMajorMaps, capacity: int) 
     """
     W, H = recv_x.shape
     k = maps.slot.numel() // max(W, 1) if W else 0
-    e = maps.recv_count.numel()
+    e = maps.num_recv_tokens_per_expert.numel()
     rows_P = recv_x.repeat_interleave(k, dim=0) if W else recv_x.new_zeros(0, H)
     out = recv_x.new_zeros(e * capacity + maps.slot.numel(), H)
     # NOTE: every pair has its own index (spares included): the scatter is deterministic.
@@ -192,7 +196,8 @@ class DecodeDispatcher:
             topk_probs: ``[T, k]`` float32 routing weights (used by ``combine``).
 
         Returns:
-            ``ExpertMajorResult`` (``recv_x [e, C, H]``, ``recv_count [e]`` int64).
+            ``ExpertMajorResult`` (``recv_x [e, C, H]``, ``num_recv_tokens_per_expert [e]``
+            int64).
         """
         check_routing(x, topk_idx, topk_probs)
         if x.shape[0] > self.num_max:
@@ -223,7 +228,7 @@ class DecodeDispatcher:
             return ExpertMajorResult(
                 recv_x=to_expert_major(res.recv_x, maps, self.capacity),
                 recv_scales=None,
-                recv_count=maps.recv_count,
+                num_recv_tokens_per_expert=maps.num_recv_tokens_per_expert,
                 handle=handle,
             )
 

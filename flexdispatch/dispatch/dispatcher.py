@@ -439,18 +439,19 @@ class FlexDispatcher:
     ) -> ExpandedDispatchResult:
         """Dispatch into one row per (token, local expert), grouped by local expert.
 
-        What ``GroupedExperts`` consumes directly (``experts(res.recv_x, res.tokens_per_expert,
-        res.recv_probs)``), with no ``permute`` / ``unpermute``: ``combine(y, res.handle)`` sums
-        every row of a token on every rank (so weight the rows first, as ``GroupedExperts``
+        What ``GroupedExperts`` consumes directly (``experts(res.recv_x,
+        res.num_recv_tokens_per_expert, res.recv_topk_probs)``), with no ``permute`` /
+        ``unpermute``: ``combine(y, res.handle)``
+        sums every row of a token on every rank (so weight the rows first, as ``GroupedExperts``
         does with ``probs``). Only backends with ``supports_expanded()`` (DeepEP V2 / V2.5,
         ``deepep_api`` ``'v2'``, ``'v25'`` or ``'auto'``) run it; the others raise
         ``ValueError``.
         Inputs and errors as ``dispatch``.
 
         Returns:
-            ``ExpandedDispatchResult``: ``recv_x [N, H]``, ``recv_probs [N]`` float32,
-            ``tokens_per_expert [e]`` int64 device tensor, the handle. In worst-case mode N is
-            static (DeepEP: ``R * (W / R) * min(k, e)``) and rows past the real ones are zero.
+            ``ExpandedDispatchResult``: ``recv_x [N, H]``, ``recv_topk_probs [N]`` float32,
+            ``num_recv_tokens_per_expert [e]`` int64 device tensor, the handle. In worst-case mode
+            N is static (DeepEP: ``R * (W / R) * min(k, e)``) and rows past the real ones are zero.
         """
         return self._start_expanded(x, topk_idx, topk_probs, overlap=False).wait()
 
@@ -486,7 +487,10 @@ class FlexDispatcher:
             self._log_deferred(deferred)
             self._stats.dispatch_calls += 1
             return ExpandedDispatchResult(
-                recv_x=recv_x, recv_probs=recv_probs, tokens_per_expert=counts, handle=handle
+                recv_x=recv_x,
+                recv_topk_probs=recv_probs,
+                num_recv_tokens_per_expert=counts,
+                handle=handle,
             )
 
         ready = None if pending is None else (lambda: backend.check_finish(pending))
@@ -619,7 +623,7 @@ class FlexDispatcher:
                     row = dtype
                 if exp:
                     res_e = self.dispatch_expanded(x, idx, p)
-                    y = res_e.recv_x.to(row) * res_e.recv_probs[:, None].to(row)
+                    y = res_e.recv_x.to(row) * res_e.recv_topk_probs[:, None].to(row)
                     handle = res_e.handle
                 else:
                     res = self.dispatch(x, idx, p)
@@ -654,10 +658,6 @@ class FlexDispatcher:
         if problems:
             raise ValueError("; ".join(problems))
         self._backend.check_overflow()
-
-    def check(self) -> None:
-        """Alias of ``check_overflow``: the safe-point check of everything a dispatch dropped."""
-        self.check_overflow()
 
     def _fold_bad_values(self) -> None:
         """Move the device counts of bad inputs into ``stats.extra`` (one host sync)."""

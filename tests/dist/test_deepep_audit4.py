@@ -258,7 +258,7 @@ def decode(rank: int, out: dict[str, Any]) -> None:
         lambda: dec.dispatch(x, torch.tensor([[3, 3], [1, 2]]), p), Exception
     )
     res = dec.dispatch(x, torch.tensor([[0, 7], [1, 2]]), p)  # the group still works
-    out["p7_after"] = int(res.recv_count.sum())
+    out["p7_after"] = int(res.num_recv_tokens_per_expert.sum())
     # EV7: straight to the emulated kernel, a sender naming expert 0 more than num_max times
     buf = ll.backend._shared.buffer
     five = torch.zeros(n, 2, dtype=torch.int64)  # 4 tokens x [0, 0]: 8 pairs > num_max = 4

@@ -221,8 +221,8 @@ def decode_worker(rank: int, R: int, L: int) -> dict[str, float]:
     for name, disp in (("deepep", ll), ("torch", tw)):
         dec = DecodeDispatcher(disp, num_max_dispatch_tokens_per_rank=num_max)
         res = dec.dispatch(xs[rank], idx[rank], probs[rank])
-        assert res.recv_x.shape == (e, C, H) and res.recv_count.dtype == torch.int64
-        assert res.recv_count.tolist() == [len(w) for w in want], name
+        assert res.recv_x.shape == (e, C, H) and res.num_recv_tokens_per_expert.dtype == torch.int64
+        assert res.num_recv_tokens_per_expert.tolist() == [len(w) for w in want], name
         for j in range(e):
             for p, (s, t) in enumerate(want[j]):
                 assert torch.equal(res.recv_x[j, p], xs[s][t]), (name, j, p)

@@ -197,7 +197,7 @@ def jit_and_capture(rank: int, R: int) -> dict[str, Any]:
         x, idx, p = _tiny(E, rank)
         x.requires_grad_()
         res = d.dispatch_expanded(x, idx, p)
-        d.combine(res.recv_x * res.recv_probs[:, None], res.handle).sum().backward()
+        d.combine(res.recv_x * res.recv_topk_probs[:, None], res.handle).sum().backward()
         res = d.dispatch(x, idx, p)
         d.combine(res.recv_x, res.handle).sum().backward()
     v25_buffer.is_capturing = real
@@ -247,12 +247,12 @@ def features(rank: int, R: int) -> dict[str, Any]:
     b = pending.wait()
     emu_ep.EPRuntime.dispatch = real  # type: ignore[method-assign]
     out["deferred"] = deferred
-    ya = d.combine(a.recv_x * a.recv_probs[:, None].to(torch.bfloat16), a.handle)
-    yb = d.combine(b.recv_x * b.recv_probs[:, None].to(torch.bfloat16), b.handle)
+    ya = d.combine(a.recv_x * a.recv_topk_probs[:, None].to(torch.bfloat16), a.handle)
+    yb = d.combine(b.recv_x * b.recv_topk_probs[:, None].to(torch.bfloat16), b.handle)
     out["overlap_equal"] = bool(torch.equal(ya, yb)) and torch.equal(
-        a.tokens_per_expert, b.tokens_per_expert
+        a.num_recv_tokens_per_expert, b.num_recv_tokens_per_expert
     )
-    counts = a.tokens_per_expert
+    counts = a.num_recv_tokens_per_expert
     starts = torch.cumsum(counts, 0) - counts
     e = E // R
     real_rows = torch.tensor(
@@ -264,7 +264,7 @@ def features(rank: int, R: int) -> dict[str, Any]:
     pad_ok = True
     got = torch.zeros(e, dtype=torch.int64)
     for j in range(e):
-        seg_p = a.recv_probs[starts[j] : starts[j] + counts[j]]
+        seg_p = a.recv_topk_probs[starts[j] : starts[j] + counts[j]]
         n = int((seg_p != 0).sum())
         got[j] = n
         pad_ok &= bool((a.recv_x[starts[j] + n : starts[j] + counts[j]] == 0).all())
@@ -313,9 +313,9 @@ def overlap_hazards(rank: int, R: int) -> dict[str, str]:
             out[name] = f"{type(exc).__name__}: {exc}"[:300]
             return
         same = (
-            torch.equal(got.tokens_per_expert, want.tokens_per_expert)
+            torch.equal(got.num_recv_tokens_per_expert, want.num_recv_tokens_per_expert)
             and torch.equal(got.recv_x, want.recv_x)
-            and torch.equal(got.recv_probs, want.recv_probs)
+            and torch.equal(got.recv_topk_probs, want.recv_topk_probs)
         )
         out[name] = "" if same else "rows differ from the eager dispatch"
 
@@ -396,7 +396,7 @@ def beyond_the_bound(rank: int, R: int) -> dict[str, Any]:
             x, p = x0.clone().requires_grad_(), p0.clone().requires_grad_()
             if expanded:
                 res = d.dispatch_expanded(x, idx, p)
-                y = res.recv_x * res.recv_probs[:, None]
+                y = res.recv_x * res.recv_topk_probs[:, None]
             else:
                 res = d.dispatch(x, idx, p)
                 y = res.recv_x * res.recv_topk_probs.sum(1, keepdim=True)

@@ -75,7 +75,7 @@ def test_world_of_one_matches_the_reference(cuda: bool, W: int, H: int, monkeypa
     d = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=W), num_experts=E)
     for _ in range(2):  # the second call runs on warm caches and reused buffers
         assert _check(d, inputs, 0, 1, W) == []
-    d.check()
+    d.check_overflow()
 
 
 @pytest.mark.parametrize("W", [0, 32], ids=["dropless", "worst"])
@@ -129,7 +129,7 @@ def _worker(rank: int, R: int, cuda: bool) -> dict:
                 got[(H, W, str(dtype), checks)] = [
                     len(_check(d, inputs, rank, R, W)) for _ in "123"
                 ]
-                d.check()
+                d.check_overflow()
                 d.close()
     return got
 
@@ -165,7 +165,7 @@ def _overflow_worker(rank: int, R: int, cuda: bool) -> tuple[str, str]:
         return "dispatch", str(exc)
     d.combine(res.recv_x, res.handle)
     try:
-        d.check()
+        d.check_overflow()
     except ValueError as exc:
         return "check", str(exc)
     return "none", ""
@@ -192,7 +192,7 @@ def _cases_worker(rank: int, R: int, cuda: bool) -> dict:
         cfg = DispatchConfig(backend="torch", num_worst_tokens=W, checks=False)
         d = FlexDispatcher(cfg, num_experts=E)
         got[case] = [len(_check(d, inputs, rank, R, W)) for _ in "123"]
-        d.check()
+        d.check_overflow()
         d.close()
     return got
 

@@ -77,7 +77,7 @@ def test_cpu_valid_inputs_unchanged() -> None:
     res = d.dispatch(inp[0].x, inp[0].idx, inp[0].probs)
     assert torch.equal(res.recv_x, ref.x) and torch.equal(res.recv_topk_idx, ref.idx)
     d.check_overflow()
-    d.check()
+    d.check_overflow()
     assert d.stats.pending_bad_values is None
     assert set(d.stats.as_dict()) == set(type(d.stats)().as_dict())  # no new counters
 
@@ -123,10 +123,10 @@ def test_deferred_path_counts_and_the_safe_point_raises(deferred_value_checks: N
     with pytest.raises(
         ValueError, match=r"held 3 id\(s\) outside \[-1, 8\) \(lowest -7, highest 100\)"
     ):
-        d.check()
+        d.check_overflow()
     assert d.stats.as_dict()["invalid_expert_ids"] == 3
     with pytest.raises(ValueError, match=r"held 3 id\(s\)"):
-        d.check()
+        d.check_overflow()
 
 
 def test_deferred_path_counts_nonfinite_values(deferred_value_checks: None) -> None:
@@ -138,7 +138,7 @@ def test_deferred_path_counts_nonfinite_values(deferred_value_checks: None) -> N
     d.dispatch(x, idx, p)
     d.dispatch(x, idx, p)
     with pytest.raises(ValueError) as info:
-        d.check()
+        d.check_overflow()
     msg = str(info.value)
     assert f"x held {2 * (1 + H)} NaN/inf value(s) since the dispatcher was built" in msg
     assert "topk_probs held 2 NaN/inf value(s)" in msg and "router's logits" in msg
@@ -173,7 +173,7 @@ def test_deferred_path_valid_inputs_stay_quiet(deferred_value_checks: None) -> N
 def test_deferred_path_empty_tokens(deferred_value_checks: None) -> None:
     d = _disp()
     d.dispatch(torch.zeros(0, H), torch.zeros(0, K, dtype=torch.int64), torch.zeros(0, K))
-    d.check()
+    d.check_overflow()
 
 
 def test_checks_on_still_raise_in_dispatch(deferred_value_checks: None) -> None:

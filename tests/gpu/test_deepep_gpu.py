@@ -158,7 +158,7 @@ def low_latency_worker() -> dict[str, Any]:
     )
     dec_t = DecodeDispatcher(tw, num_max_dispatch_tokens_per_rank=num_max)
     r_t = dec_t.dispatch(x, idx, probs)
-    same_counts = bool(torch.equal(r_ll.recv_count, r_t.recv_count))
+    same_counts = bool(torch.equal(r_ll.num_recv_tokens_per_expert, r_t.num_recv_tokens_per_expert))
     out_ll = dec_ll.combine(r_ll.recv_x, r_ll.handle)
     out_t = dec_t.combine(r_t.recv_x, r_t.handle)
     ref = x.float() * probs.sum(1, keepdim=True)

@@ -682,7 +682,7 @@ def test_nan_rows_stay_in_their_own_tokens(deferred_value_checks: None) -> None:
     bad = torch.isnan(out).any(1)
     assert bad.tolist() == [t == 2 for t in range(T)]
     with pytest.raises(ValueError, match=r"x held 1 NaN/inf value\(s\) since the dispatcher"):
-        d.check()
+        d.check_overflow()
     assert d.stats.extra["nonfinite_x"] == 1
 
 

@@ -214,7 +214,7 @@ def conservation_worker(rank: int, world: int, seed: int) -> dict[str, Any]:
             ones = torch.ones(res.recv_x.shape[0], H)
             report["combine"][key] = d.combine(ones, res.handle)[:, 0].tolist()
             try:
-                d.check()
+                d.check_overflow()
                 report["check"][key] = None
             except ValueError as exc:
                 report["check"][key] = str(exc)

@@ -59,7 +59,7 @@ def _step(
         out = d.combine(y, res.handle)
         ops.names.append("combined")
         out.square().sum().backward()
-    d.check()
+    d.check_overflow()
     d.close()
     seen = (res.recv_x, res.recv_topk_idx, res.recv_topk_probs, res.num_recv_tokens_per_expert)
     return [t.detach() for t in (*seen, out, x.grad, probs.grad)], ops.names

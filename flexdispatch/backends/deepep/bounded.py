@@ -412,8 +412,8 @@ class BoundedBackend(DispatchBackend):
         )
         return ExpandedDispatchResult(
             recv_x=recv if launch.fp8 else launch.wire.recv(recv),
-            recv_probs=recv_w.float(),
-            tokens_per_expert=counts,
+            recv_topk_probs=recv_w.float(),
+            num_recv_tokens_per_expert=counts,
             handle=launch.handle(recv.shape[0], state),
         )
 

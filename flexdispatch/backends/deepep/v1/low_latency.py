@@ -112,7 +112,7 @@ class LowLatencyMixin:
         return ExpertMajorResult(
             recv_x=recv_x,
             recv_scales=recv_scales,
-            recv_count=count.to(torch.int64),
+            num_recv_tokens_per_expert=count.to(torch.int64),
             handle=ExpertMajorHandle(
                 backend=self.name,
                 num_tokens=T,
