@@ -66,52 +66,28 @@ SUPPORTED_BLOCKS: tuple[str, ...] = (
 
 
 def _router_config(block: nn.Module, model_config: object, num_experts: int) -> RouterConfig:
-    name = type(block).__name__
-    if name == "GptOssMLP":
-        return RouterConfig(
-            num_experts=num_experts,
-            topk=int(block.router.top_k),
-            score_function="softmax",
-            use_pre_softmax=False,
-            normalize_topk=None,
-            router_bias=True,
+    """The router ``model_config`` describes, read by ``importers.moe_config_from_hf``: the one
+    mapping of the Hugging Face router rules (score function, groups, renormalisation, scaling,
+    expert bias; refusals such as Mixtral's router jitter), for a ``config.json`` and a live
+    model alike."""
+    from flexdispatch.importers import moe_config_from_hf
+
+    to_dict = getattr(model_config, "to_dict", None)
+    if to_dict is None:
+        raise ValueError(
+            f"{type(block).__name__}: the model's config ({type(model_config).__name__}) has no "
+            f"to_dict(): pass a transformers model (model.config is a PretrainedConfig)"
         )
-    topk = int(block.gate.top_k)
-    if name == "DeepseekV3MoE":
-        gate = block.gate
-        groups, kept = int(gate.num_group), int(gate.topk_group)
-        if groups > 1 and topk != 2 * kept:
-            raise ValueError(
-                f"DeepseekV3MoE ranks groups by their top-2 scores; flexdispatch sums the top "
-                f"num_experts_per_tok / topk_group = {topk}/{kept}: exact only when that is 2"
-            )
-        return RouterConfig(
-            num_experts=num_experts,
-            topk=topk,
-            score_function="sigmoid",
-            num_groups=groups if groups > 1 else None,
-            group_topk=kept if groups > 1 else None,
-            group_score="sum_topk",
-            normalize_topk=bool(gate.norm_topk_prob),
-            scaling_factor=float(gate.routed_scaling_factor),
-            enable_expert_bias=True,
+    # NOTE: the routing only: the model keeps its own load-balancing loss (transformers adds it
+    # from the router logits when asked), the layer adds none of its own
+    router = moe_config_from_hf(to_dict()).router
+    router = router.model_copy(update={"aux_loss_type": "none", "aux_loss_coeff": 0.0})
+    if router.num_experts != num_experts:
+        raise ValueError(
+            f"{type(block).__name__} holds {num_experts} experts but its config names "
+            f"{router.num_experts}: the model and its config disagree"
         )
-    if name == "MixtralSparseMoeBlock":
-        if float(getattr(block, "jitter_noise", 0.0) or 0.0) > 0:
-            raise ValueError(
-                f"router_jitter_noise={block.jitter_noise}: flexdispatch has no router jitter; "
-                f"set config.router_jitter_noise=0"
-            )
-        normalize = True
-    else:
-        normalize = bool(block.gate.norm_topk_prob)
-    return RouterConfig(
-        num_experts=num_experts,
-        topk=topk,
-        score_function="softmax",
-        use_pre_softmax=True,
-        normalize_topk=normalize,
-    )
+    return router
 
 
 class EPSparseMoeBlock(nn.Module):
