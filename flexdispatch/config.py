@@ -330,13 +330,13 @@ class DispatchConfig(_Strict):
         # in worst-case mode where deep_ep has ElasticBuffer (backend selection raises otherwise)
         W = self.num_worst_tokens if api == "v1" else 0
         # NOTE: every node count some DeepEP release compiles (v1.2.1 and 2.1.0): the backend
-        # applies the exact list of the installed release when it is built (audit-3 N14)
+        # applies the exact list of the installed release when it is built
         ok, why = deepep_limits.check_topology(
             num_ranks,
             L,
             num_worst_tokens=W,
             internode_node_counts=deepep_limits.ANY_RELEASE_INTERNODE_NODE_COUNTS,
-            low_latency=self.mode == "low_latency",  # NOTE: any node count (audit-4 P8)
+            low_latency=self.mode == "low_latency",  # NOTE: any node count
         )
         if not ok:
             extra = " (cuda_graph=True needs it)" if self.cuda_graph else ""

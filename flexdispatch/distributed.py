@@ -263,7 +263,7 @@ def cut_to_hosts(
 
     ``LOCAL_WORLD_SIZE`` describes the launcher's node, not the expert-parallel group: a group
     that takes 2 ranks from each of 8 nodes would be "2 nodes of 8" by it, and DeepEP would open
-    CUDA IPC handles to GPUs on other hosts (audit-4 P9). Where no ``ranks_per_node`` is
+    CUDA IPC handles to GPUs on other hosts. Where no ``ranks_per_node`` is
     configured, L is cut to the largest block of consecutive group ranks on one host
     (``ranks_per_host``; source ``"hosts"`` when that changed it). A configured value is the
     caller's word and is kept.

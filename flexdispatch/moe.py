@@ -210,7 +210,7 @@ class MoELayer(nn.Module):
             fix="every rank must build the layer from the same MoEConfig, seed and dtype",
         )
         fits.raise_refusal(too_big)
-        # NOTE: the L the dispatcher resolved (config, LOCAL_WORLD_SIZE or R; audit-3 N1); the
+        # NOTE: the L the dispatcher resolved (config, LOCAL_WORLD_SIZE or R); the
         # dispatcher has checked DeepEP's topology against the deep_ep module it runs already
         config.check_world(R, self.dispatcher.ranks_per_node, check_dispatch=False)
         e = config.router.num_experts // R
@@ -294,8 +294,8 @@ class MoELayer(nn.Module):
 
     @property
     def _guard(self) -> CallGuard:
-        """The dispatcher's guard (``_guard.py``): one thread at a time in the layer and its
-        dispatcher."""
+        """The dispatcher's guard (``_checks/threads.py``): one thread at a time in the layer and
+        its dispatcher."""
         return self.dispatcher._guard
 
     @guarded("MoELayer.forward")

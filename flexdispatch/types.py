@@ -248,16 +248,21 @@ class DispatchStats:
         rows_sent: rows this rank sent to other ranks or kept for itself, dispatch direction.
         rows_received: rows this rank received (real rows, padding excluded), dispatch direction.
         dispatch_calls, combine_calls: number of calls.
-        extra: further counters by name. ``invalid_expert_ids``, ``nonfinite_x`` and
-            ``nonfinite_topk_probs`` appear once a safe-point check (``check_overflow``) has read
-            a non-zero device count of them.
+        extra: further counters by name. Bad inputs, once a safe-point check
+            (``check_overflow``) has read a non-zero device count of them:
+            ``invalid_expert_ids`` (with ``invalid_expert_id_highest`` / ``_lowest``, the worst
+            ids seen), ``nonfinite_x``, ``nonfinite_topk_probs``, ``repeated_expert_ids``. Host
+            syncs that value checks cost (checks on): ``check_syncs``. DeepEP:
+            ``deepep_buffer_allocations`` (shared buffers built), ``deepep_token_bound`` (the
+            per-rank token bound a dropless V2 / V2.5 dispatch grew to), ``low_latency_calls``.
         pending_bad_values: device-side ``[6]`` int64 counters of bad dispatch inputs not yet
-            read (CUDA without checks: ids outside ``[-1, E)``, NaN/inf in ``x`` and in
-            ``topk_probs``, largest and smallest bad id), or None before the first such count.
-            It may lag: after the first dispatch the counts are kept unsummed
-            (``_validate.BadValueLog``, no launch per dispatch) and folded into this tensor every
-            64 dispatches and at ``check_overflow()``, so read the counts there, not here.
-            Not part of ``as_dict`` (reading it syncs); ``check_overflow`` folds it into ``extra``.
+            read (CUDA without checks): ids outside ``[-1, E)``, NaN/inf in ``x``, NaN/inf in
+            ``topk_probs``, repeated ids in one token, then the largest and the smallest id; None
+            before the first such count. It may lag: after the first dispatch the counts are kept
+            unsummed (``dispatch.values.BadValueLog``, no launch per dispatch) and folded into
+            this tensor every 64 dispatches and at ``check_overflow()``, so read the counts there,
+            not here. Not part of ``as_dict`` (reading it syncs); ``check_overflow`` folds it into
+            ``extra``.
     """
 
     host_syncs: int = 0

@@ -2,8 +2,8 @@
 points, so that an object shared by two threads raises instead of returning a wrong answer.
 
 A dispatcher keeps state between the steps of one call (its backend's buffers, the counts of bad
-inputs, the statistics), so two threads inside it at once can mix their rows (reliability-4 N21:
-7 of 100 layer outputs wrong, silently). ``CallGuard.enter`` takes a non-blocking lock: a second
+inputs, the statistics), so two threads inside it at once can mix their rows (measured: 7 of 100
+layer outputs wrong, silently). ``CallGuard.enter`` takes a non-blocking lock: a second
 thread that enters while a call is running raises ``ConcurrentUseError`` naming both calls; the
 thread that holds it may enter again (``MoELayer.forward`` calls ``dispatch`` and ``combine``, a
 recomputation under activation checkpointing runs inside the backward). The backward of a

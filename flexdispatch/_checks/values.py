@@ -19,7 +19,7 @@ __all__ = ["check_int", "finite", "integer", "not_bool", "show"]
 
 def show(value: Any) -> str:
     """A config value in a message, with its type: short non-strings as Python writes them,
-    anything else as a short escaped excerpt (``_files.excerpt``)."""
+    anything else as a short escaped excerpt (``files.excerpt``)."""
     text = repr(value)
     if isinstance(value, str) or len(text) > 24:
         text = excerpt(value)

@@ -120,7 +120,7 @@ class FlexDispatcher:
         fields["ranks_per_node (resolved)"] = L
         too_big = fits.dispatch_refusal(config, num_experts, R, self._comm_device)
         fields["fits in memory"] = too_big is None
-        # NOTE: so a rank that cannot fit makes all raise; the hosts come with it (audit-4 P9)
+        # NOTE: so a rank that cannot fit makes all raise; the hosts come with it
         hosts = check_fingerprint(fields, group, extra=host_id())
         fits.raise_refusal(too_big)
         L, self.ranks_per_node_source = cut_to_hosts(
@@ -149,7 +149,7 @@ class FlexDispatcher:
             if not ok:
                 raise ValueError(f"cuda_graph=True not supported: {why}")
         self.num_experts = num_experts
-        self._guard = CallGuard()  # one thread at a time in the public calls (_guard.py)
+        self._guard = CallGuard()  # one thread at a time in the public calls (_checks/threads.py)
         self._new_serial()
 
     def _new_serial(self) -> None:

@@ -7,8 +7,8 @@ Everything here runs in one process, without a process group, and never raises f
 broken optional dependency: each probe turns a failure into text. ``would_select`` answers "what
 would ``backend=auto`` choose for R ranks with L per node on machines like this one" from the
 local facts (``HostFacts``) and the rule backend selection applies (``deepep_support_checks`` in
-``flexdispatch.backends.deepep.support``, plus the row-size rule of ``deepep_sizing``), so it
-needs no cluster.
+``flexdispatch.backends.deepep.support``, plus the row-size rule of ``backends.deepep.sizing``), so
+it needs no cluster.
 
 ``run_doctor`` returns one JSON-ready dict with these stable keys (schema
 ``flexdispatch.doctor/1``; ``flexdispatch doctor --json`` prints it):

@@ -139,7 +139,7 @@ def probe_v25_runtime(
         torch_cuda: torch's CUDA version (default ``torch.version.cuda``).
         nccl_loaded: the NCCL version this process loaded (default: torch's, when it has CUDA).
         links: DeepEP 2.5's own link probes, ``(NVLink GB/s, RDMA GB/s, fast atomics)`` with 0 /
-            False for a failure, or None when they cannot run (default: ``ep_links.probe_links``
+            False for a failure, or None when they cannot run (default: ``v25.links.probe_links``
             where ``deep_ep_v25`` imports).
     """
     env = os.environ if env is None else env

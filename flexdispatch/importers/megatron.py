@@ -49,7 +49,7 @@ def _int_arg(args: Mapping[str, Any], key: str) -> int | None:
 
     Megatron's argparse types these as ``int``, so ``vars(args)`` holds an int: a bool
     (YAML ``true``), a string (``'8'``) or a float (``2.0``) is refused, as the Hugging Face
-    importer refuses them (``_values.integer``)."""
+    importer refuses them (``_checks.values.integer``)."""
     value = args.get(key)
     if value is None:
         return None
@@ -64,7 +64,8 @@ def _float_arg(args: Mapping[str, Any], key: str, value: Any = None) -> float | 
 
     A string that ``float()`` reads is a number too, as Megatron's argparse reads it (``type=
     float``): YAML reads ``1e-2`` as the string ``'1e-2'`` (YAML 1.1 floats need a dot), which
-    is how an arguments file spells a coefficient. A bool is never a number (``_values.finite``).
+    is how an arguments file spells a coefficient. A bool is never a number
+    (``_checks.values.finite``).
     """
     value = args.get(key) if value is None else value
     if value is None:

@@ -2,8 +2,8 @@
 
 ``_dumps`` writes ``torch.save`` bytes; ``_loads`` reads them back only through
 ``torch.load(weights_only=True)``, which allows tensors and plain values, plus the data classes of
-this project that the bytes name (``_data_class``): never an unrestricted pickle (docs/security.md,
-reliability-4 N2). ``gather_objects`` / ``broadcast_object`` carry such bytes in uint8 tensors,
+this project that the bytes name (``_data_class``): never an unrestricted pickle
+(docs/security.md). ``gather_objects`` / ``broadcast_object`` carry such bytes in uint8 tensors,
 where ``dist.all_gather_object`` would unpickle a peer's bytes without restriction; the sizes the
 peers announce are checked before anything of that size is allocated (``_agree_sizes``).
 

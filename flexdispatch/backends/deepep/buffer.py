@@ -16,7 +16,7 @@ its next call needs, and leaves on ``close()``. The buffer is
   agreement check, with checks on, makes a mismatch an error instead),
 - created with ``num_qps_per_rank = max(24, num_sms, e)`` QPs, which satisfies both DeepEP's
   internode normal kernels (``num_rc_per_pe == num_channels or >= num_sms``) and its low-latency
-  kernels (``num_rc_per_pe >= e``) — see ``deepep_rules``,
+  kernels (``num_rc_per_pe >= e``) — see ``rules``,
 - destroyed when its last user closes.
 
 ``SharedBoundedBuffer`` is the same for the token-bounded releases, sized with their
@@ -103,7 +103,7 @@ class SharedBuffer:
             return self.buffer
         new = need if self.size is None else self.size.union(need)
         if grow is not None and self.size is not None:
-            new = sizing.grow_geometric(self.size, new) or new  # N19: rebuild O(log) times
+            new = sizing.grow_geometric(self.size, new) or new  # NOTE: rebuilt O(log) times
         if self.buffer is not None and self.size is not None and self.size.num_rdma_bytes:
             self.nvshmem_reinits += 1
         refusals.check_no_capture(

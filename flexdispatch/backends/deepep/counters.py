@@ -1,8 +1,8 @@
 """Statistics of the deepep backends with no host read inside dispatch or combine.
 
-Audit-3 N2 and N22: the backends used to keep every call's DeepEP handle and, after 256 calls,
-read them on the host from inside a dispatch (``int()`` / ``.cpu()``): a host sync in the middle
-of a training step, a crash inside a CUDA-graph capture, and up to 256 handles kept alive. Here:
+Why: keeping every call's DeepEP handle and, after 256 calls, reading them on the host from
+inside a dispatch (``int()`` / ``.cpu()``) costs a host sync in the middle of a training step, a
+crash inside a CUDA-graph capture, and up to 256 handles kept alive. Here:
 
 - a call records a function that computes its four counters from its handle (``record``);
 - outside a capture the function is only kept (no device op on the hot path), and every

@@ -1,19 +1,19 @@
 """What the deepep backends refuse before any collective, where DeepEP would trap, assert or hang.
 
 Shape letters (ARCHITECTURE.md): T tokens · E experts · R ranks · L ranks per node · N = R / L
-nodes · k top-k. Each rule names DeepEP's limit, the value and what to change (audit-3).
+nodes · k top-k. Each rule names DeepEP's limit, the value and what to change.
 
-- ``check_normal_buffer_bytes`` (N3): DeepEP's internode normal kernels host-assert
+- ``check_normal_buffer_bytes``: DeepEP's internode normal kernels host-assert
   ``num_rdma_bytes < INT_MAX`` and ``num_nvl_bytes < INT_MAX`` (v1.2.1 internode.cu:341-342,
   1207-1208; main legacy/internode.cu:432-433, 1517-1518), but the one shared buffer of a group
   also holds the low-latency bytes, which pass 2 GiB at e.g. E = 384, H = 7168, 128 tokens.
-- ``node_spans`` / ``agree_node_span`` (N4; audit-4, P3's class): V1's internode dispatch sends
+- ``node_spans`` / ``agree_node_span``: V1's internode dispatch sends
   a token to at most ``min(N, 8)`` nodes (``kNumTopkRDMARanks``, a device assert, v1.2.1
   internode.cu:543); reachable only with k > 8 on more than 8 nodes. Every rank learns every
   rank's widest span first (one small all-gather; V1's internode dispatch is dropless, waits on
   the CPU anyway and is never captured) and all raise before any token moves, naming the rank
   (and, on it, the token).
-- ``check_no_capture`` (N18): creating or growing a DeepEP buffer (cudaMalloc, IPC handles, a
+- ``check_no_capture``: creating or growing a DeepEP buffer (cudaMalloc, IPC handles, a
   barrier) and DeepEP V2's JIT compilation of a new shape cannot happen inside a CUDA-graph
   capture: refused with the fix (warm up first).
 - ``check_dropless_capture``: a dropless dispatch (V1, V2, V2.5) waits on the CPU for DeepEP's
@@ -24,7 +24,7 @@ nodes · k top-k. Each rule names DeepEP's limit, the value and what to change (
   memory (``fits.refusal``: the project's one memory model) and all agree (one gloo
   all-gather of a flag): where one does not fit, every rank raises, naming the rank, T, M, the
   bytes and the setting to change.
-- ``check_low_latency_graph`` (N6): low-latency kernels captured in a CUDA graph replay on the
+- ``check_low_latency_graph``: low-latency kernels captured in a CUDA graph replay on the
   signal buffers as they were at capture; a normal *internode* kernel on the same buffer dirties
   them (the clean before the next low-latency kernel is host-side and is not replayed), so it is
   refused once a low-latency kernel has been captured on that buffer.
@@ -58,7 +58,7 @@ MAX_TOPK_NODES = 8
 
 def check_normal_buffer_bytes(size: Any, *, internode: bool, low_latency_need: str = "") -> None:
     """Raise ValueError when the shared buffer (``sizing.BufferSize``) is too large for DeepEP's
-    internode normal kernels (N3); intranode kernels have no such limit."""
+    internode normal kernels; intranode kernels have no such limit."""
     if not internode or size is None:
         return
     for name, n in (("num_rdma_bytes", size.num_rdma_bytes), ("num_nvl_bytes", size.num_nvl_bytes)):
@@ -95,7 +95,7 @@ def agree_node_span(
     topk_idx: torch.Tensor, num_experts: int, num_nodes: int, *, group: Any, rank: int
 ) -> int:
     """Raise ValueError on every rank, before any token moves, when a token of any rank names
-    experts on more than ``MAX_TOPK_NODES`` nodes (N4): one all-gather of each rank's widest span,
+    experts on more than ``MAX_TOPK_NODES`` nodes: one all-gather of each rank's widest span,
     read on the host; the rank with such a token names it. Returns 1 where that read was a host
     sync (CUDA)."""
     spans_T = node_spans(topk_idx, num_experts, num_nodes)
@@ -115,7 +115,7 @@ def agree_node_span(
 
 def check_no_capture(what: str) -> None:
     """Raise RuntimeError when ``what`` (a buffer creation or growth, a first-use compile) would
-    run inside a CUDA-graph capture (N18)."""
+    run inside a CUDA-graph capture."""
     if tensors.is_capturing():
         raise RuntimeError(
             f"{what} inside a CUDA-graph capture, which cannot be captured (cudaMalloc, IPC "
@@ -192,7 +192,7 @@ _COMPILED: dict[int, set[tuple]] = {}
 
 def first_use(module: Any, key: tuple, what: str) -> None:
     """Note that DeepEP V2 runs its ``what`` kernel for ``key`` (its JIT template arguments); a
-    first use compiles, which is refused inside a CUDA-graph capture (N18, E7). The JIT cache is
+    first use compiles, which is refused inside a CUDA-graph capture. The JIT cache is
     per process, so the keys are kept per ``deep_ep`` module."""
     seen = _COMPILED.setdefault(id(module), set())
     if key not in seen:
@@ -202,7 +202,7 @@ def first_use(module: Any, key: tuple, what: str) -> None:
 
 def check_low_latency_graph(shared: Any, *, internode: bool) -> None:
     """Raise ValueError before a normal internode kernel on a buffer whose low-latency kernels
-    were captured in a CUDA graph (N6)."""
+    were captured in a CUDA graph."""
     if internode and getattr(shared, "low_latency_captured", False):
         raise ValueError(
             "a normal internode DeepEP kernel would run on the buffer whose low-latency kernels "

@@ -125,7 +125,7 @@ def normal_configs(deep_ep: ModuleType, num_ranks: int) -> tuple[Any, Any]:
 
     DeepEP's ``Buffer.dispatch`` / ``combine`` rebuild these tables (12 pybind ``Config``
     objects each, deep_ep/buffer.py:232-271) on every call that passes no ``config``: the adapter
-    passes these instead (N20).
+    passes these instead.
 
     Raises:
         ValueError: DeepEP has no config for R.
@@ -286,7 +286,7 @@ MAX_GEOMETRIC_BYTES = 2**31 - 128
 
 
 def grow_geometric(current: BufferSize | None, required: BufferSize) -> BufferSize | None:
-    """``grow_buffer_size``, but a byte count that must grow at least doubles (N19).
+    """``grow_buffer_size``, but a byte count that must grow at least doubles.
 
     Every rebuild of a buffer with RDMA bytes finalises and re-initialises NVSHMEM (DeepEP has
     no resize; NVSHMEM documents a second init as undefined, and it is slow, DeepEP #571), and
@@ -417,7 +417,7 @@ def zero_invalid_rows_(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     floating dtype, fp8 included; NaN garbage too). Returns ``x``.
 
     For tensors the adapter owns (DeepEP's freshly allocated outputs): unlike
-    ``zero_invalid_rows`` it allocates no second ``[W, ...]`` tensor (N21).
+    ``zero_invalid_rows`` it allocates no second ``[W, ...]`` tensor.
     """
     mask = ~valid.reshape(valid.shape + (1,) * (x.dim() - 1))
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
@@ -519,6 +519,6 @@ def pad_cols(w: torch.Tensor, multiple: int) -> torch.Tensor:
 
 def pad_tokens(out: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """``out`` with zero rows up to ``num_tokens``: the combine rows of the tokens a rank over its
-    per-rank token bound did not send (audit-3 N7), else ``out`` as is."""
+    per-rank token bound did not send, else ``out`` as is."""
     missing = num_tokens - out.shape[0]
     return F.pad(out, (0, 0, 0, missing)) if missing > 0 else out

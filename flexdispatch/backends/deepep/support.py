@@ -132,7 +132,7 @@ def deepep_support_checks(
         mode: ``"normal"`` or ``"low_latency"``.
         hidden_size: H; in low-latency mode it must be one of the compiled hidden sizes.
         nvl_peers: DeepEP's NVLink domain (8; the emulator can fake smaller nodes).
-        release: the DeepEP release whose limits apply (``deepep_rules``).
+        release: the DeepEP release whose limits apply (``rules``).
         num_max_dispatch_tokens_per_rank: low-latency tokens per rank and call (checked in
             low-latency mode when given).
 
@@ -186,7 +186,7 @@ def deepep_support_checks(
 
 def _local_experts(E: int, R: int, L: int, limits: rules.Rules) -> Capability:
     """DeepEP's layout-notify kernels: one thread per expert of a rank (intranode, 128 threads)
-    or of a node (internode, 512 threads) — ``deepep_rules``."""
+    or of a node (internode, 512 threads) — ``rules``."""
     e = E // R
     if L >= R:
         cap = limits.max_local_experts_intranode
@@ -207,7 +207,7 @@ def _local_experts(E: int, R: int, L: int, limits: rules.Rules) -> Capability:
 
 
 def _low_latency_tokens(R: int, n: int) -> Capability:
-    """Low-latency rules on ``num_max_dispatch_tokens_per_rank`` (``deepep_rules``)."""
+    """Low-latency rules on ``num_max_dispatch_tokens_per_rank`` (``rules``)."""
     if (R * n) % 4:
         return False, (
             f"R * num_max_dispatch_tokens_per_rank = {R} * {n} is not a multiple of 4, which "

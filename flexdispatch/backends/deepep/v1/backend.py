@@ -8,8 +8,8 @@ How the contract maps onto ``deep_ep.Buffer`` (the V1 API: v1.2.1, and ``deep_ep
 
 - ``deep_ep`` is imported lazily; every known import failure becomes a reason string
   (``load_deep_ep``), never a crash. The limits applied are those of the module's release
-  (``deepep_rules``: v1.2.1 for a source build, 2.1.0 for the ``sgl-deep-ep`` wheel).
-- **One buffer per process and group** (``deepep_buffer.SharedBuffer``), shared by every
+  (``rules``: v1.2.1 for a source build, 2.1.0 for the ``sgl-deep-ep`` wheel).
+- **One buffer per process and group** (``buffer.SharedBuffer``), shared by every
   dispatcher and layer on that group, normal and low-latency kernels alike.
 - **Layout from DeepEP's own kernel**: ``Buffer.get_dispatch_layout`` turns the ``[T, k]`` ids into
   DeepEP's layout tensors (one fused kernel on a GPU); a caller's ``layout`` is used as given.
@@ -40,8 +40,8 @@ How the contract maps onto ``deep_ep.Buffer`` (the V1 API: v1.2.1, and ``deep_ep
 - Statistics (``counters.TrafficCounters``): computed from the handle's small tensors and summed
   on the device every 64 calls (handles released then), in place at once while a CUDA graph is
   captured; read on the host only when ``stats`` is read, ``check_overflow()`` runs or the
-  backend closes (no host read inside dispatch or combine, ever: audit-3 N2).
-- Low-latency decode (``mode="low_latency"``): ``deepep_ll.LowLatencyMixin``.
+  backend closes (no host read inside dispatch or combine, ever).
+- Low-latency decode (``mode="low_latency"``): ``low_latency.LowLatencyMixin``.
 
 Tests inject DeepEP's own Python layer over an emulated runtime (``tests/deepep_emu/load.py``)
 through the private ``_deep_ep`` argument; only a module that marks itself ``IS_EMULATOR`` lifts the
@@ -167,7 +167,7 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
         if not ok:
             raise ValueError(f"deepep backend cannot serve this group: {why}")
         # NOTE: low-latency mode is checked against the low-latency kernels' rule (any node
-        # count, audit-4 P8); the normal kernels on the same backend keep theirs
+        # count); the normal kernels on the same backend keep theirs
         self._normal_refusal = None
         if mode == "low_latency":
             ok, why = sizing.check_topology(
@@ -190,7 +190,7 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
             if mode == "normal" and num_sms < 4 and self.num_ranks > nvl_peers(module):
                 # NOTE: the combine's cached notify asserts num_channels * 2 > 3 with
                 # num_channels = num_sms / 2 (v1.2.1 csrc/kernels/internode.cu:1209), after
-                # the dispatch ran: refused here, before any kernel (audit-4 P14)
+                # the dispatch ran: refused here, before any kernel
                 raise ValueError(
                     f"deepep num_sms={num_sms} across nodes: DeepEP's internode combine needs "
                     f"num_sms >= 4 (its cached notify asserts num_channels * 2 > 3, "
@@ -240,7 +240,7 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
 
     def _account(self, kind: str, links: LazyLinks, row_bytes: int) -> None:
         """Record a call's traffic, computed from DeepEP's handle later (or at once while a CUDA
-        graph is captured), summed on the device: no host read on the hot path (audit-3 N2)."""
+        graph is captured), summed on the device: no host read on the hot path."""
 
         def values() -> tuple[Any, ...]:
             ln = links.get()
@@ -291,7 +291,7 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
 
     @property
     def num_qps_per_rank(self) -> int:
-        """QPs that satisfy DeepEP's internode normal and low-latency kernels (``deepep_rules``)."""
+        """QPs that satisfy DeepEP's internode normal and low-latency kernels (``rules``)."""
         return max(24, int(self.deep_ep.Buffer.num_sms), self.num_local_experts)
 
     def _required_size(self, row_bytes: int, hidden: int | None = None) -> sizing.BufferSize:
@@ -367,7 +367,7 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
 
     def _buffer_for_rows(self, *cols: int) -> Any:
         """The shared buffer, sized for rows of up to ``max(cols)`` bf16 columns (normal kernels:
-        refused where DeepEP's internode kernels would assert or hang, audit-3 N3 / N6)."""
+        refused where DeepEP's internode kernels would assert or hang)."""
         need = self._required_size(2 * max(cols))
         have = self._shared.size
         refusals.check_normal_buffer_bytes(
@@ -480,9 +480,9 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
     ) -> Launched:
         """Issue the dispatch (``dispatch``'s arguments and errors). With ``async_finish`` the
         current stream does not wait for it: work issued before ``finish_dispatch`` overlaps
-        it (N13). Every input is prepared before the first DeepEP call, which fences them."""
+        it. Every input is prepared before the first DeepEP call, which fences them."""
         # NOTE: intranode, the SM90 receive path needs hidden_int4 % 2 == 0, i.e. fp8 H % 32
-        # (intranode.cu:235); internode rows move in 16-byte units (audit-3 N5)
+        # (intranode.cu:235); internode rows move in 16-byte units
         x, scales, wire = sizing.split_rows(x, fp8_multiple=16 if self.internode else 32)
         T, X = x.shape
         k = topk_idx.shape[1]
@@ -514,7 +514,7 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
         buffer = self._buffer_for_rows(widest, max(c.padded for c in comb))
         idx = topk_idx
         if self.num_nodes > refusals.MAX_TOPK_NODES and k > refusals.MAX_TOPK_NODES:
-            # NOTE: every rank raises alike before any token moves (N4); V1 across nodes is
+            # NOTE: every rank raises alike before any token moves; V1 across nodes is
             # dropless, so never inside a capture (refused above)
             self._stats.host_syncs += refusals.agree_node_span(
                 idx, self.num_experts, self.num_nodes, group=self.group, rank=self.rank

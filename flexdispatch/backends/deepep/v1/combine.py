@@ -6,12 +6,12 @@ Shape letters (ARCHITECTURE.md): T tokens · M received rows · k top-k · X any
   take); fp32 / fp16 rows of at most ``NARROW_FP32_COLUMNS`` columns exactly, in fp32, through
   combine's ``topk_weights`` channel.
 - ``combine_with_probs``: the backward of ``dispatch`` in ONE DeepEP combine, the probs gradient
-  in the ``topk_weights`` channel beside the rows (audit N10).
+  in the ``topk_weights`` channel beside the rows.
 - ``cached_dispatch``: new rows along a dispatch's handle (no host sync).
 - ``Launched``: what ``launch_dispatch`` hands to ``finish_dispatch`` (``deepep_async_finish``
-  overlap, audit N13).
+  overlap).
 
-Every call passes DeepEP's ``Config`` built once (``sizing.normal_configs``, audit N20).
+Every call passes DeepEP's ``Config`` built once (``sizing.normal_configs``).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class CombineMixin:
     @property
     def _configs(self) -> tuple[Any, Any]:
         """DeepEP's dispatch and combine ``Config`` for R, built once (``sizing.normal_configs``)
-        and passed to every call (DeepEP rebuilds its tables per call otherwise, N20)."""
+        and passed to every call (DeepEP rebuilds its tables per call otherwise)."""
         return sizing.normal_configs(self.deep_ep, self.num_ranks)
 
     def _combine_chunks(self, cols: int) -> tuple:

@@ -8,7 +8,7 @@ E experts · R ranks · e = E / R local experts · k top-k · C = R * num_max ro
 ``low_latency_combine`` sends the expert outputs back and reduces them *weighted* by the routing
 probs at the source. Shapes are static, so both can be captured in a CUDA graph.
 
-DeepEP's rules the mixin enforces (``deepep_rules``, per release): bf16 rows, H in the compiled
+DeepEP's rules the mixin enforces (``rules``, per release): bf16 rows, H in the compiled
 list, k <= 11, at most ``num_max_dispatch_tokens_per_rank`` tokens, ``(R * num_max) % 4 == 0`` and
 enough ``NVSHMEM_QP_DEPTH`` (checked when the backend is built); the shared buffer is cleaned
 before a low-latency kernel whenever a normal kernel used it since the last clean; a result lives in
@@ -105,7 +105,7 @@ class LowLatencyMixin:
         )
         shared = self._shared
         shared.low_latency_calls += 1
-        shared.low_latency_captured |= is_capturing()  # audit-3 N6
+        shared.low_latency_captured |= is_capturing()
         generation = (shared.generation, shared.normal_calls, shared.low_latency_calls)
         self.stats.extra["low_latency_calls"] = self.stats.extra.get("low_latency_calls", 0) + 1
         recv_x, recv_scales = recv if self.use_fp8 else (recv, None)

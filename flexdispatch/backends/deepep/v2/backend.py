@@ -18,7 +18,7 @@ Selected with ``DispatchConfig.deepep_api="v2"``, and by ``"auto"`` where every 
   combine's fp32 weights channel (``combine_slot_weights``).
 - **One buffer per process and group** (``buffer.SharedV2Buffer``), sized with
   ``ElasticBuffer.get_buffer_size_hint`` for the largest (M, Xw, k) seen.
-- Rows travel as bf16 bit views (``deepep_sizing.WireFormat``), padded to the 32-byte rows the
+- Rows travel as bf16 bit views (``sizing.WireFormat``), padded to the 32-byte rows the
   V2 token layout takes; combine rows are padded to a multiple of 256 bf16 columns (the V2
   combine kernel's rule). fp8 ``(x, scales)`` tuples pass through.
 - **Dropless** (``num_worst_tokens=0``): ``do_cpu_sync=True`` with

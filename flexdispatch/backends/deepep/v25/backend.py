@@ -24,7 +24,7 @@ Selected with ``DispatchConfig.deepep_api="v25"``, and by ``"auto"`` where every
 - **Dropless**: ``do_cpu_sync=True``, every token sent, the bound agreed and grown on every rank
   (``bounded``). **Worst-case**: ``do_cpu_sync=False``, no host sync, inside a node and across
   nodes; rows past the real ones are masked on the device.
-- **JIT**: each kernel template compiles at first use; ``ep_buffer.KernelRegistry`` knows which
+- **JIT**: each kernel template compiles at first use; ``buffer.KernelRegistry`` knows which
   ran, and a first use inside a CUDA-graph capture raises with the fix
   (``FlexDispatcher.warmup``).
 - **Combine**: V2.5's unweighted bf16 sum (rows padded to 256 columns), optionally plus a

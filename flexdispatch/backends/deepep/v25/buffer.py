@@ -10,7 +10,7 @@ for, rebuilt (collectively, at the same call on every rank) only when a call nee
 destroyed when its last user closes. It also fixes the buffer's SM and QP counts: DeepEP
 2.5's bandwidth model (``get_theoretical_num_sms``) reads ``nvidia-smi`` / ``ibstat`` on each
 host, which can fail (0) or disagree; the probes are agreed once before the first build
-(``ep_links.agree_links``: a failed probe takes a documented default, never the SM count), the
+(``links.agree_links``: a failed probe takes a documented default, never the SM count), the
 model runs on the agreed bandwidths, and the first call per (E, k) agrees on the smallest count
 (one MIN all-reduce: devices may differ in SMs).
 
@@ -19,11 +19,11 @@ barriers trap after ``num_gpu_timeout_secs`` (default 100 s, deep_ep_v25/include
 barrier.cuh:30-47). A rank with a cold DeepJIT cache (a new node after a restart) runs nvcc while
 its warm peers already wait inside the kernel, so the buffer is built with ``GPU_TIMEOUT_S`` (600
 s), which covers a cold compile of one kernel, and a CPU timeout above it (``CPU_TIMEOUT_S``, the
-dropless receive-count wait), at the price of a later trap when a peer really hangs (audit-4 P12;
-``docs/deepep.md``). DeepEP 2.5 has no compile-only entry point, so a compile-then-barrier warm-up
+dropless receive-count wait), at the price of a later trap when a peer really hangs
+(``docs/deepep.md``). DeepEP 2.5 has no compile-only entry point, so a compile-then-barrier warm-up
 cannot be built on it.
 
-One deferred dispatch at a time (audit-4 P2): with ``defer_epilogue`` DeepEP's copy epilogue
+One deferred dispatch at a time: with ``defer_epilogue`` DeepEP's copy epilogue
 reads the received rows from the buffer's shared receive slots when it runs (at the caller's
 ``wait()``, buffers/ep.hpp:724; impls/ep/dispatch_copy_epilogue.cuh:82-93), and every other call
 on the buffer writes those slots (a dispatch, a cached dispatch, a combine: dispatch.cuh:369-373,

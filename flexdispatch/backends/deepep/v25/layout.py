@@ -6,12 +6,12 @@ DeepEP 2.5 sizes its kernels from the rows of each call (``TokenLayout``: row by
 k) and the device's shared memory, and some of those sizes must agree between calls:
 
 - direct mode: the dispatch kernel needs a thread per rank, forward and cached (the backward)
-  (``ep_support.direct_thread_rule``, audit-4 P10);
+  (``support.direct_thread_rule``);
 - hybrid mode: a dispatch picks its channels per SM from its rows, the combine's rows must fit
-  those channels (``ep_support.hybrid_row_rule``, audit-4 EV5 / EV6), and a cached dispatch must
+  those channels (``support.hybrid_row_rule``), and a cached dispatch must
   have the handle's channel count (csrc/buffers/ep.hpp:437-456, 485): along an fp8 handle (or a
   bf16 one of another width) the backward's rows travel in the handle's own layout, in pieces
-  (``cached_pieces``, audit-4 P4).
+  (``cached_pieces``).
 """
 
 from __future__ import annotations

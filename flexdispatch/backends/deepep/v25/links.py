@@ -10,7 +10,7 @@ then divides by the 0 in hybrid mode (``ZeroDivisionError``, buffers/ep.py:512) 
 settles on its floor of 4 SMs (buffers/ep.py:519-530), and ``num_allocated_qps`` follows the
 atomics probe (65 or 129 in hybrid mode, buffers/ep.py:328-335) on each host alone.
 
-So the adapter (audit-4 P5) runs DeepEP's own probes once per buffer, replaces a failed one by a
+So the adapter runs DeepEP's own probes once per buffer, replaces a failed one by a
 documented default, agrees the values across ranks — the smallest *measured* bandwidth (a failure
 never wins), fast atomics only where every rank has them — and passes them to
 ``get_theoretical_num_sms`` and the ``EPBuffer`` constructor explicitly. ``deepep_num_sms`` skips
