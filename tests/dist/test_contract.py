@@ -34,6 +34,9 @@ from tests.dist.reference import (
 )
 
 BACKENDS_UNDER_TEST = ["torch", "deepep-emulated"]
+# NOTE: DeepEP V2 and V2.5 (their contract cases are in test_deepep_elastic.py / _ep.py); the
+# autograd contract below runs over every backend
+BOUNDED = ["deepep-v2-emulated", "deepep-v25-emulated"]
 TOPOLOGIES = [(2, 1), (2, 2), (4, 2)]  # (R, L): 2 nodes x 1, 1 node x 2, 2 nodes x 2
 # DeepEP: one node of 2 or 4 ranks; two (emulated) nodes of 2 ranks
 DEEPEP_TOPOLOGIES = [(2, 2), (4, 4), (4, 2)]
@@ -64,11 +67,19 @@ def _make(backend: str, E: int, **cfg_kw: Any) -> Any:
 
     from flexdispatch import DispatchConfig, FlexDispatcher
 
-    if backend != "deepep-emulated":
+    if backend == "torch":
         return FlexDispatcher(DispatchConfig(backend=backend, **cfg_kw), num_experts=E)
     from tests.deepep_emu.load import load_deep_ep
 
     R, L = dist.get_world_size(), cfg_kw.get("ranks_per_node") or dist.get_world_size()
+    if backend == "deepep-v2-emulated":
+        emu = load_deep_ep(nvl_peers=L if L < R else 8, release="2.1.0")
+        cfg = DispatchConfig(backend="deepep", deepep_api="v2", **cfg_kw)
+        return FlexDispatcher(cfg, num_experts=E, _deep_ep=emu)
+    if backend == "deepep-v25-emulated":
+        emu = load_deep_ep(nvl_peers=L, release="2.5.0")
+        cfg = DispatchConfig(backend="deepep", deepep_api="v25", **cfg_kw)
+        return FlexDispatcher(cfg, num_experts=E, _deep_ep=emu)
     emu = load_deep_ep(nvl_peers=L if L < R else 8)
     # NOTE: the V1 Buffer path here; the V2 (ElasticBuffer) contract is test_deepep_elastic.py
     cfg = DispatchConfig(backend="deepep", deepep_api="v1", **cfg_kw)
@@ -237,14 +248,18 @@ def contract_worker(rank: int, R: int, backend: str, L: int, seed: int) -> dict[
 
 
 def autograd_worker(rank: int, R: int, backend: str, L: int, seed: int) -> int:
-    """Grads of x and probs through dispatch -> experts -> combine equal the local reference."""
+    """Grads of x and probs through dispatch -> experts -> combine equal the local reference, on
+    every backend (DeepEP V2 / V2.5: one mode each, flat, with one host sync dropless)."""
     E = E_PER_RANK * R
     kw = {"R": R, "E": E, "k": K, "H": H}
+    bounded = backend in BOUNDED
     checked = 0
     for case in ("random", "empty_rank"):
         inputs = all_inputs(seed, case=case, exact=False, **kw)
         mine = inputs[rank]
         W = max(worst_needed(inputs, E, L, h) for h in (False, True)) + R
+        if bounded:  # NOTE: W / R bounds every rank's tokens there
+            W = R * max(max(inp.x.shape[0] for inp in inputs), 1)
         w_out = torch.randn(mine.x.shape, generator=torch.Generator().manual_seed(rank))
         xr = mine.x.clone().requires_grad_()
         pr = mine.probs.clone().requires_grad_()
@@ -255,7 +270,7 @@ def autograd_worker(rank: int, R: int, backend: str, L: int, seed: int) -> int:
         ref_gp = pr.grad if pr.grad is not None else torch.zeros_like(pr)
         for hier, worst in MODES:
             where = f"rank {rank} {case} {_mode_name(hier, worst)}"
-            if not _supported(backend, R, L, worst):
+            if not _supported(backend, R, L, worst) or (bounded and hier):
                 continue
             d = _dispatcher(backend, E, L, hier, W if worst else 0)
             x = mine.x.clone().requires_grad_()
@@ -267,6 +282,9 @@ def autograd_worker(rank: int, R: int, backend: str, L: int, seed: int) -> int:
             torch.testing.assert_close(x.grad, ref_gx, rtol=1e-5, atol=1e-5, msg=where)
             torch.testing.assert_close(p.grad, ref_gp, rtol=1e-5, atol=1e-5, msg=where)
             assert bool((p.grad[mine.idx < 0] == 0).all()), f"{where}: grad at -1 slots"
+            if bounded:
+                assert d.stats.host_syncs == (0 if worst else 1), f"{where}: {d.stats}"
+                d.close()
             checked += 1
     return checked
 
@@ -346,6 +364,17 @@ def test_autograd_and_bf16(backend: str, R: int, L: int) -> None:
     results = run_group(grads_and_bf16_worker, R, backend, L, 99, timeout=200)
     modes = sum(_supported(backend, R, L, w) for _, w in MODES)
     assert results == [(2 * modes, modes)] * R
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("backend", "R", "L"),
+    [pytest.param(b, R, L, id=f"{b}-R{R}-L{L}") for b in BOUNDED for R, L in [(2, 2), (4, 2)]],
+)
+def test_autograd_deepep_v2_and_v25(backend: str, R: int, L: int) -> None:
+    # the autograd contract of test_autograd_and_bf16 on DeepEP V2 / V2.5: 2 cases x 2 modes
+    assert run_group(autograd_worker, R, backend, L, 1234, timeout=280) == [4] * R
 
 
 def _raises(fn: Any) -> str:

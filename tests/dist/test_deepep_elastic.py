@@ -90,7 +90,6 @@ def contract_worker(rank: int, R: int, L: int, seed: int) -> dict[str, Any]:
         for a, b in zip(seen[False], seen[True], strict=True):
             assert torch.equal(a, b), f"rank {rank} {case}: worst-case prefix differs"
     report["bf16"] = bf16_and_wide(rank, R, L, seed)
-    report["autograd"] = autograd(rank, R, L, seed)
     return report
 
 
@@ -126,48 +125,13 @@ def bf16_and_wide(rank: int, R: int, L: int, seed: int) -> int:
     return checked
 
 
-def autograd(rank: int, R: int, L: int, seed: int) -> int:
-    """Grads of x and probs through dispatch -> experts -> combine equal the local reference."""
-    E = E_PER_RANK * R
-    kw = {"R": R, "E": E, "k": K, "H": H}
-    checked = 0
-    for case in ("random", "empty_rank"):
-        inputs = all_inputs(seed, case=case, exact=False, **kw)
-        mine = inputs[rank]
-        W = _worst(inputs)
-        w_out = torch.randn(mine.x.shape, generator=torch.Generator().manual_seed(rank))
-        xr = mine.x.clone().requires_grad_()
-        pr = mine.probs.clone().requires_grad_()
-        ref_loss = (ref_combine(mine, E, R, x=xr, probs=pr) * w_out).sum()
-        if ref_loss.requires_grad:
-            ref_loss.backward()
-        ref_gx = xr.grad if xr.grad is not None else torch.zeros_like(xr)
-        ref_gp = pr.grad if pr.grad is not None else torch.zeros_like(pr)
-        for worst in (False, True):
-            where = f"rank {rank} {case} autograd {'worst' if worst else 'dropless'}"
-            d = _make(R, L, W if worst else 0)
-            x = mine.x.clone().requires_grad_()
-            p = mine.probs.clone().requires_grad_()
-            res = d.dispatch(x, mine.idx, p)
-            out = d.combine(expert_fn(res.recv_x, res.recv_topk_probs, rank), res.handle)
-            (out * w_out).sum().backward()
-            assert x.grad is not None and p.grad is not None, where
-            torch.testing.assert_close(x.grad, ref_gx, rtol=1e-5, atol=1e-5, msg=where)
-            torch.testing.assert_close(p.grad, ref_gp, rtol=1e-5, atol=1e-5, msg=where)
-            assert bool((p.grad[mine.idx < 0] == 0).all()), f"{where}: grad at -1 slots"
-            assert d.stats.host_syncs == (0 if worst else 1), f"{where}: {d.stats}"
-            d.close()
-            checked += 1
-    return checked
-
-
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("R", "L"), [(2, 2), (4, 2)], ids=["R2-intranode", "R4-two-nodes"])
 def test_elastic_contract(R: int, L: int) -> None:
     for report in run_group(contract_worker, R, L, 1234, timeout=280):
         assert report["checked"] == 2 * len(CASES), report
-        assert report["bf16"] == 4 and report["autograd"] == 4, report
+        assert report["bf16"] == 4, report  # autograd: test_contract.py
 
 
 # --------------------------------------------------------------------- selection and refusals

@@ -123,37 +123,11 @@ def contract(
     return checked
 
 
-def autograd_and_rows(rank: int, R: int, L: int, seed: int) -> int:
-    """Grads of x and probs equal the local reference; bf16 and 300-column rows move bit for
-    bit and combine to bf16 precision."""
+def rows(rank: int, R: int, L: int, seed: int) -> int:
+    """bf16 and 300-column rows move bit for bit and combine to bf16 precision (autograd:
+    ``test_contract.py``)."""
     E = E_PER_RANK * R
     checked = 0
-    for case in ("random", "empty_rank"):
-        inputs = all_inputs(seed, case=case, exact=False, R=R, E=E, k=K, H=H)
-        mine = inputs[rank]
-        W = _worst(inputs)
-        w_out = torch.randn(mine.x.shape, generator=torch.Generator().manual_seed(rank))
-        xr = mine.x.clone().requires_grad_()
-        pr = mine.probs.clone().requires_grad_()
-        ref_loss = (ref_combine(mine, E, R, x=xr, probs=pr) * w_out).sum()
-        if ref_loss.requires_grad:
-            ref_loss.backward()
-        ref_gx = xr.grad if xr.grad is not None else torch.zeros_like(xr)
-        ref_gp = pr.grad if pr.grad is not None else torch.zeros_like(pr)
-        for worst in (False, True):
-            where = f"rank {rank} {case} autograd {'worst' if worst else 'dropless'}"
-            d = _make(R, L, W if worst else 0)
-            x = mine.x.clone().requires_grad_()
-            p = mine.probs.clone().requires_grad_()
-            res = d.dispatch(x, mine.idx, p)
-            out = d.combine(expert_fn(res.recv_x, res.recv_topk_probs, rank), res.handle)
-            (out * w_out).sum().backward()
-            assert x.grad is not None and p.grad is not None, where
-            torch.testing.assert_close(x.grad, ref_gx, rtol=1e-5, atol=1e-5, msg=where)
-            torch.testing.assert_close(p.grad, ref_gp, rtol=1e-5, atol=1e-5, msg=where)
-            assert d.stats.host_syncs == (0 if worst else 1), where
-            d.close()
-            checked += 1
     for width in (H, 300):
         inputs = all_inputs(seed, exact=False, dtype=torch.bfloat16, R=R, E=E, k=K, H=width)
         mine = inputs[rank]
@@ -292,7 +266,7 @@ def group_worker(rank: int, R: int, L: int, seed: int, full: bool) -> dict[str, 
     if L < R:  # two emulated nodes: direct mode on the same group too
         report["direct"] = contract(rank, R, L, seed, False, ("random", "receives_nothing"))
     if full:
-        report["rows"] = autograd_and_rows(rank, R, L, seed)
+        report["rows"] = rows(rank, R, L, seed)
         report["moe"] = moe(rank, R, L)
     return report
 
@@ -311,7 +285,7 @@ def test_ep_contract(R: int, L: int, full: bool) -> None:
             assert report["direct"] == 4, report
         if not full:
             continue
-        assert report["rows"] == 8, report
+        assert report["rows"] == 4, report
         *layers, fusion = report["moe"]
         for c in layers:
             # V2.5 combines in bf16: the layers agree with the torch backend to bf16 precision
