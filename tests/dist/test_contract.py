@@ -34,7 +34,7 @@ from tests.dist.reference import (
 )
 
 BACKENDS_UNDER_TEST = ["torch", "deepep-emulated"]
-# NOTE: DeepEP V2 and V2.5 (their contract cases are in test_deepep_elastic.py / _ep.py); the
+# NOTE: DeepEP V2 and V2.5 (their contract cases are in test_deepep_v2.py / _ep.py); the
 # autograd contract below runs over every backend
 BOUNDED = ["deepep-v2-emulated", "deepep-v25-emulated"]
 TOPOLOGIES = [(2, 1), (2, 2), (4, 2)]  # (R, L): 2 nodes x 1, 1 node x 2, 2 nodes x 2
@@ -81,7 +81,7 @@ def _make(backend: str, E: int, **cfg_kw: Any) -> Any:
         cfg = DispatchConfig(backend="deepep", deepep_api="v25", **cfg_kw)
         return FlexDispatcher(cfg, num_experts=E, _deep_ep=emu)
     emu = load_deep_ep(nvl_peers=L if L < R else 8)
-    # NOTE: the V1 Buffer path here; the V2 (ElasticBuffer) contract is test_deepep_elastic.py
+    # NOTE: the V1 Buffer path here; the V2 (ElasticBuffer) contract is test_deepep_v2.py
     cfg = DispatchConfig(backend="deepep", deepep_api="v1", **cfg_kw)
     return FlexDispatcher(cfg, num_experts=E, _deep_ep=emu)
 

@@ -76,7 +76,7 @@ def contract_worker() -> dict[str, Any]:
                     DispatchConfig(
                         backend=b,
                         num_worst_tokens=w * (R if b == "torch" else 1),
-                        deepep_api="v1",  # V1 here; V2: test_deepep_elastic_gpu.py
+                        deepep_api="v1",  # V1 here; V2: test_deepep_v2_gpu.py
                     ),
                     num_experts=E,
                 )

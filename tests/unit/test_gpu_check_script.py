@@ -92,7 +92,7 @@ def test_dry_run_without_plugins_or_emulator_wheels_says_what_it_leaves_out(
         for p in (ROOT / "tests" / folder).rglob("test_*.py")
         if uses.search(p.read_text())
     )
-    assert "tests/dist/test_contract.py" in emulated and "tests/dist/test_deepep_ep.py" in emulated
+    assert "tests/dist/test_contract.py" in emulated and "tests/dist/test_deepep_v25.py" in emulated
     hosts = [f"tests/dist/{n}" for n in ("test_megatron.py", "test_megatron_expert_tp.py")]
     hosts.append("tests/dist/test_torchtitan.py")
     ignored = re.findall(r"--ignore=(\S+)", plan["suite"][1])
