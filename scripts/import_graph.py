@@ -4,6 +4,8 @@ point up a layer, and the circles.
 
     python scripts/import_graph.py           # layers, then any upward arrow or circle
     python scripts/import_graph.py --dot     # the graph in Graphviz dot
+    python scripts/import_graph.py --units   # units (top-level modules and packages, scripts/,
+                                             # benchmarks/) and the arrows between them
 
 The layers, bottom to top: what a module may import is its own layer or below.
 """
@@ -16,7 +18,9 @@ import sys
 from pathlib import Path
 
 PACKAGE = "flexdispatch"
-ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+REPO = Path(__file__).resolve().parents[1]
+ROOT = REPO / PACKAGE
+CALLERS = ("scripts", "benchmarks")  # NOTE: units outside the package that import it
 
 #: (layer name, module-name prefixes), bottom first. A module's layer is the first whose prefix
 #: matches; prefixes are dotted names below ``flexdispatch``.
@@ -132,6 +136,33 @@ def graph() -> dict[str, set[str]]:
     return out
 
 
+def unit_of(mod: str) -> str:
+    """The top-level module or package ``mod`` belongs to."""
+    return mod.split(".")[0]
+
+
+def units() -> tuple[set[str], set[tuple[str, str]]]:
+    """``(units, arrows)``: the package's top-level modules and packages plus ``scripts/`` and
+    ``benchmarks/``, and the imports between different units (a package's modules importing
+    each other are one unit)."""
+    g = graph()
+    names = {unit_of(m) for m in g}
+    arrows = {(unit_of(a), unit_of(b)) for a, deps in g.items() for b in deps}
+    arrows = {(a, b) for a, b in arrows if a != b}
+    for folder in CALLERS:
+        names.add(folder)
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for d in _imports(ast.parse(path.read_text(), str(path)), "", False):
+                cand, _, base = d.partition("|")
+                for target in (cand, base):
+                    if target and unit_of(target) in names and target != "__init__":
+                        arrows.add((folder, unit_of(target)))
+                        break
+                else:
+                    arrows.add((folder, "__init__"))
+    return names, arrows
+
+
 def circles(g: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components with more than one module (Tarjan)."""
     index: dict[str, int] = {}
@@ -186,7 +217,14 @@ def upward(g: dict[str, set[str]]) -> list[tuple[str, str]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dot", action="store_true", help="print the graph in Graphviz dot")
+    ap.add_argument("--units", action="store_true", help="count the units and their arrows")
     args = ap.parse_args(argv)
+    if args.units:
+        names, arrows = units()
+        print(f"{len(names)} units, {len(arrows)} arrows")
+        for a, b in sorted(arrows):
+            print(f"  {a} -> {b}")
+        return 0
     g = graph()
     if args.dot:
         print("digraph flexdispatch {")

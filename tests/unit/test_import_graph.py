@@ -74,3 +74,12 @@ def test_big_modules_were_split():
     for rel in ("backends/torch/a2a.py", "doctor/__init__.py"):
         n = len((root / rel).read_text().splitlines())
         assert n < 700, f"{rel} has {n} lines"
+
+
+def test_the_folders_say_what_the_layers_say(ig):
+    # the package's top-level units (modules and packages, scripts/ and benchmarks/) and the
+    # arrows between them stay few, and the top level holds few modules
+    names, arrows = ig.units()
+    assert len(names) <= 25 and len(arrows) <= 100, (len(names), len(arrows))
+    top = sorted(p.name for p in ig.ROOT.glob("*.py"))
+    assert len(top) <= 12, top
