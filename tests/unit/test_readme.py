@@ -61,3 +61,24 @@ def test_every_moved_module_path_still_imports_as_its_new_module():
         pass
     else:
         raise AssertionError("the moved-path finder answered for a path that never existed")
+
+
+def test_every_flexdispatch_name_the_readme_documents_imports():
+    import importlib
+
+    renamed = _section("Renamed in 0.1")
+    body = README.replace(renamed, "")
+    missing = []
+    for ref in sorted(set(re.findall(r"`(flexdispatch(?:\.[A-Za-z_]\w*)+)", body))):
+        parts = ref.split(".")
+        for i in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+                for name in parts[i:]:
+                    obj = getattr(obj, name)
+                break
+            except (ImportError, AttributeError):
+                continue
+        else:
+            missing.append(ref)
+    assert not missing, missing
