@@ -15,13 +15,13 @@ folded in at the check); ``FlexDispatcher.check_overflow`` raises naming them
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
 from flexdispatch._checks import tensors
 from flexdispatch._checks.tensors import check_ids_in_range
 from flexdispatch.kernels import screen as _screen
+from flexdispatch.types import DispatchStats
 
 __all__ = [
     "BAD_VALUE_SLOTS",
@@ -56,7 +56,7 @@ def screen_dispatch_values(
     checks: bool | None,
     counts_bad_ids: bool,
     log: BadValueLog,
-    stats: Any,
+    stats: DispatchStats,
 ) -> tuple[torch.Tensor, Deferred]:
     """The one decision about a dispatch's values (module docstring): returns the ids the backend
     gets and the counts that wait for its count of bad ids (``counts_bad_ids``: it takes ids
@@ -311,7 +311,7 @@ class BadValueLog:
         self.max_kept = max_kept
         self._kept: list[tuple[torch.Tensor, ...]] = []
 
-    def add(self, stats: Any, parts: tuple[torch.Tensor, ...]) -> None:
+    def add(self, stats: DispatchStats, parts: tuple[torch.Tensor, ...]) -> None:
         """Count one dispatch's ``count_bad_parts`` into ``stats.pending_bad_values``."""
         acc = stats.pending_bad_values
         if acc is None:
@@ -329,7 +329,7 @@ class BadValueLog:
         torch.maximum(acc[n], counts[n], out=acc[n])
         torch.minimum(acc[n + 1], counts[n + 1], out=acc[n + 1])
 
-    def read(self, stats: Any) -> None:
+    def read(self, stats: DispatchStats) -> None:
         """Move the device counts into ``stats.extra`` (one host sync; the safe point)."""
         self.fold(stats)
         acc = stats.pending_bad_values
@@ -347,7 +347,7 @@ class BadValueLog:
             extra["invalid_expert_id_highest"] = max(extra.get("invalid_expert_id_highest", hi), hi)
             extra["invalid_expert_id_lowest"] = min(extra.get("invalid_expert_id_lowest", lo), lo)
 
-    def accumulator(self, stats: Any, device: torch.device) -> torch.Tensor:
+    def accumulator(self, stats: DispatchStats, device: torch.device) -> torch.Tensor:
         """``stats.pending_bad_values``, for a kernel that adds one dispatch's counts into it in
         place (``kernels.screen``); made neutral (zero counts, the int64 min / max as the largest
         / smallest id) when there is none yet. Kept counts are folded in later, as ever."""
@@ -359,7 +359,7 @@ class BadValueLog:
             stats.pending_bad_values = acc
         return acc
 
-    def fold(self, stats: Any) -> None:
+    def fold(self, stats: DispatchStats) -> None:
         """Fold the kept counts into ``stats.pending_bad_values`` (on the device, no sync; in
         place, so that a captured graph keeps writing into the same tensor)."""
         if not self._kept:
