@@ -60,6 +60,7 @@ def test_fused_moe_kernel_equals_vllms_own_backend_and_the_reference(case: dict[
         assert (res["dropless_calls"], res["worst_case_calls"], res["batched_calls"]) == (1, 1, 1)
         assert res["worst_case_syncs"] == 0 and res["worst_case_W"] == 2 * 8, res
         assert res["batched_C"] == 2 * 8, res
+        assert res["warmups"] == [1, 1], res  # each graph path ran once when it was built
         assert res["counts_match"] and all(res["counts_match"]), res  # device counts right
         assert (res["pf"], res["batched_pf"]) == (
             "FlexdispatchPrepareAndFinalize",
@@ -110,3 +111,15 @@ def test_register_switches_vllms_factory_on_and_off() -> None:
     assert "FLEXDISPATCH_VLLM_CONFIG is not a valid DispatchConfig" in res["bad_json"], res
     assert set(res["again"].values()) == {"wrapper"}, res
     assert set(res["off_again"].values()) == {"original"}, res
+
+
+def test_graph_configurations_that_cannot_run_are_refused() -> None:
+    for res in _run(vh.graph_refusals, {"E": 8, "K": 2}):
+        assert res["small_w"].startswith("ValueError: num_worst_tokens=8 is below R x B"), res
+        assert res["no_graph_static"] == "None", res  # vLLM captures no graphs: no graph path
+        assert res["no_graph_bound"].startswith(
+            "RuntimeError: flexdispatch's vLLM P/F runs inside a CUDA graph but was built without"
+        ), res
+        assert res["over_bound"].startswith(
+            "ValueError: 6 tokens on this rank inside a CUDA graph exceed the graph bound B=4"
+        ), res

@@ -640,3 +640,51 @@ def plugin_wiring(_: Any = None) -> dict[str, Any]:
             else:
                 os.environ[k] = v
     return res
+
+
+def graph_refusals(case: dict[str, Any]) -> dict[str, str]:
+    """What the Standard P/F refuses around CUDA graphs: a worst-case W below R x B at build
+    time, a graph-mode step on a P/F built without a graph bound, more than B tokens in a
+    graph-mode step."""
+    from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+
+    from flexdispatch import DispatchConfig
+    from flexdispatch.integrations.vllm import (
+        FlexdispatchPrepareAndFinalize,
+        make_prepare_finalize,
+    )
+
+    vllm_state()
+    rank, E = dist.get_rank(), case["E"]
+    quant = FUSED_MOE_UNQUANTIZED_CONFIG
+    out: dict[str, str] = {}
+
+    def refused(key: str, fn: Any) -> None:
+        try:
+            fn()
+            out[key] = ""
+        except (ValueError, RuntimeError) as exc:
+            out[key] = f"{type(exc).__name__}: {exc}"
+
+    refused(
+        "small_w",
+        lambda: FlexdispatchPrepareAndFinalize(
+            DispatchConfig(backend="torch", num_worst_tokens=8),
+            num_experts=E,
+            graph_tokens_per_rank=8,
+        ),
+    )
+    no_graph = make_prepare_finalize(moe_config(case), quant, DispatchConfig(backend="torch"))
+    out["no_graph_static"] = str(no_graph.static)
+    inp = case_inputs(case, rank)
+
+    def step(pf: Any, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> None:
+        with forward_context(x.shape[0], graph=True), torch.inference_mode():
+            pf.prepare(x, w, ids, E, None, False, quant)
+
+    refused("no_graph_bound", lambda: step(no_graph, inp["x"], inp["ids"], inp["w"]))
+    small = make_prepare_finalize(
+        moe_config(case, max_capture_size=4), quant, DispatchConfig(backend="torch")
+    )
+    refused("over_bound", lambda: step(small, inp["x"], inp["ids"], inp["w"]))
+    return out
