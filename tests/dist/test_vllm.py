@@ -123,3 +123,12 @@ def test_graph_configurations_that_cannot_run_are_refused() -> None:
         assert res["over_bound"].startswith(
             "ValueError: 6 tokens on this rank inside a CUDA graph exceed the graph bound B=4"
         ), res
+
+
+def test_the_vllm_example_runs() -> None:
+    for res in spawn_group(vh.run_example, 2, timeout_s=TIMEOUT_S):
+        assert res["prepare_finalize"] == "FlexdispatchPrepareAndFinalize", res
+        assert res["prefill_max_err"] <= FP32_GAP and res["decode_max_err"] <= FP32_GAP, res
+        # one eager (dropless) step; the graph path's warm-up at build time and one graph step
+        assert res["dispatch_calls"] == {"dropless": 1, "worst_case": 2}, res
+        assert res["worst_case_host_syncs"] == 0 and res["backend"] == "torch", res

