@@ -49,54 +49,15 @@ from sglang.srt.layers.moe.utils import DeepEPMode
 from flexdispatch import DispatchConfig, FlexDispatcher
 from flexdispatch.decode import DecodeDispatcher
 from flexdispatch.distributed import group_size
+from flexdispatch.integrations._engines import decode_dispatcher, updated_config
 
 __all__ = ["FlexSGLangDispatcher", "NormalFormat"]
 
 NormalFormat = Literal["deepep", "standard"]
 
 
-def _config(base: DispatchConfig, **changes: Any) -> DispatchConfig:
-    """``base`` with ``changes``, validated (fields the user set stay "set")."""
-    return DispatchConfig.model_validate({**base.model_dump(exclude_unset=True), **changes})
-
-
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def decode_dispatcher(
-    config: DispatchConfig,
-    *,
-    num_experts: int,
-    group: dist.ProcessGroup | None,
-    max_tokens_per_rank: int,
-    hidden_size: int | None = None,
-    topk: int | None = None,
-    dtype: torch.dtype | None = None,
-) -> DecodeDispatcher:
-    """A capturable ``DecodeDispatcher`` (``cuda_graph=True``, so a configuration that cannot be
-    captured is refused here): DeepEP's low-latency kernels where ``config`` asks for them and
-    they run, else the worst-case dispatch with W = R · B. Warmed up (before any capture) when
-    ``hidden_size`` and ``topk`` are given."""
-    B = max_tokens_per_rank
-    R = group_size(group)
-    changes: dict[str, Any] = {"num_max_dispatch_tokens_per_rank": B, "cuda_graph": True}
-    if config.backend == "torch" or config.mode == "normal":
-        changes["num_worst_tokens"] = max(config.num_worst_tokens, R * B)
-    dispatcher = FlexDispatcher(_config(config, **changes), num_experts=num_experts, group=group)
-    low_latency = getattr(dispatcher.backend, "mode", "normal") == "low_latency"
-    if not low_latency and dispatcher.config.num_worst_tokens < R * B:
-        # NOTE: backend="auto" fell back (every rank alike): decode in worst-case mode
-        dispatcher.close()
-        dispatcher = FlexDispatcher(
-            _config(config, **changes, num_worst_tokens=R * B, mode="normal"),
-            num_experts=num_experts,
-            group=group,
-        )
-        low_latency = False
-    if not low_latency and hidden_size is not None and topk is not None:
-        dispatcher.warmup(hidden_size, topk, dtype=dtype or torch.bfloat16, backward=False)
-    return DecodeDispatcher(dispatcher, num_max_dispatch_tokens_per_rank=B)
 
 
 @dataclass
@@ -178,7 +139,9 @@ class FlexSGLangDispatcher(BaseDispatcher):
             normal = decode = None
             if deepep_mode.enable_normal():
                 normal = FlexDispatcher(
-                    _config(dispatch_config, mode="normal", num_worst_tokens=0, cuda_graph=False),
+                    updated_config(
+                        dispatch_config, mode="normal", num_worst_tokens=0, cuda_graph=False
+                    ),
                     num_experts=num_experts,
                     group=group,
                 )

@@ -38,8 +38,8 @@ from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
 )
 
 from flexdispatch import DispatchConfig, FlexDispatcher
-from flexdispatch.decode import DecodeDispatcher
 from flexdispatch.distributed import group_size
+from flexdispatch.integrations._engines import decode_dispatcher, updated_config
 
 __all__ = [
     "FlexdispatchBatchedPrepareAndFinalize",
@@ -48,12 +48,6 @@ __all__ = [
     "make_prepare_finalize",
     "refusal",
 ]
-
-
-def _config(base: DispatchConfig, **changes: Any) -> DispatchConfig:
-    """``base`` with ``changes``, validated (the fields the user set stay "set": backend
-    selection reads which fields were given)."""
-    return DispatchConfig.model_validate({**base.model_dump(exclude_unset=True), **changes})
 
 
 def in_cuda_graph() -> bool:
@@ -68,6 +62,17 @@ def in_cuda_graph() -> bool:
     if not is_forward_context_available():
         return False
     return get_forward_context().cudagraph_runtime_mode != CUDAGraphMode.NONE
+
+
+def _weigh_input(
+    a1: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, on_input: bool
+) -> torch.Tensor:
+    """``a1`` times its router weight when vLLM applies it on the input (top-1 only)."""
+    if not on_input:
+        return a1
+    if topk_ids.shape[1] != 1:
+        raise ValueError("apply_router_weight_on_input is implemented for top-k = 1 only")
+    return a1 * topk_weights.to(a1.dtype)
 
 
 def _quantize(
@@ -130,7 +135,7 @@ class FlexdispatchPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                 "mode='low_latency' is served by FlexdispatchBatchedPrepareAndFinalize"
             )
         self.dropless = FlexDispatcher(
-            _config(dispatch_config, num_worst_tokens=0, cuda_graph=False),
+            updated_config(dispatch_config, num_worst_tokens=0, cuda_graph=False),
             num_experts=num_experts,
             group=group,
         )
@@ -154,7 +159,7 @@ class FlexdispatchPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
                     f"tokens per rank could overflow it; set num_worst_tokens >= {R * B} or 0"
                 )
             self.static = FlexDispatcher(
-                _config(dispatch_config, num_worst_tokens=W, cuda_graph=True),
+                updated_config(dispatch_config, num_worst_tokens=W, cuda_graph=True),
                 num_experts=num_experts,
                 group=group,
             )
@@ -228,10 +233,7 @@ class FlexdispatchPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular):
             raise ValueError(
                 f"the kernel runs {num_experts} experts, the P/F was built for {self.num_experts}"
             )
-        if apply_router_weight_on_input:
-            if topk_ids.shape[1] != 1:
-                raise ValueError("apply_router_weight_on_input is implemented for top-k = 1 only")
-            a1 = a1 * topk_weights.to(a1.dtype)
+        a1 = _weigh_input(a1, topk_weights, topk_ids, apply_router_weight_on_input)
         dispatcher = self._dispatcher_for(a1.shape[0])
         res = dispatcher.dispatch(a1, topk_ids.to(torch.int64), topk_weights.to(torch.float32))
         self._inflight = (dispatcher, res.handle)
@@ -304,32 +306,17 @@ class FlexdispatchBatchedPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        B = max_tokens_per_rank
-        if B <= 0:
-            raise ValueError(f"max_tokens_per_rank must be positive, got {B}")
-        R = group_size(group)
-        changes: dict[str, Any] = {"num_max_dispatch_tokens_per_rank": B, "cuda_graph": True}
-        if dispatch_config.backend == "torch" or dispatch_config.mode == "normal":
-            changes["num_worst_tokens"] = max(dispatch_config.num_worst_tokens, R * B)
-        dispatcher = FlexDispatcher(
-            _config(dispatch_config, **changes), num_experts=num_experts, group=group
+        self.decoder = decode_dispatcher(
+            dispatch_config,
+            num_experts=num_experts,
+            group=group,
+            max_tokens_per_rank=max_tokens_per_rank,
+            hidden_size=hidden_size,
+            topk=topk,
+            dtype=dtype,
         )
-        low_latency = getattr(dispatcher.backend, "mode", "normal") == "low_latency"
-        if not low_latency and dispatcher.config.num_worst_tokens < R * B:
-            # NOTE: backend="auto" without DeepEP here: decode through the worst-case dispatch
-            # (every rank took the same decision, so every rank rebuilds)
-            dispatcher.close()
-            dispatcher = FlexDispatcher(
-                _config(dispatch_config, **changes, num_worst_tokens=R * B, mode="normal"),
-                num_experts=num_experts,
-                group=group,
-            )
-            low_latency = False
-        self.dispatcher = dispatcher
-        self.decoder = DecodeDispatcher(dispatcher, num_max_dispatch_tokens_per_rank=B)
-        self.max_tokens_per_rank = B
-        if not low_latency and hidden_size is not None and topk is not None:
-            dispatcher.warmup(hidden_size, topk, dtype=dtype or torch.bfloat16, backward=False)
+        self.dispatcher = self.decoder.dispatcher
+        self.max_tokens_per_rank = max_tokens_per_rank
         self._inflight: Any = None
 
     @property
@@ -374,10 +361,8 @@ class FlexdispatchBatchedPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular
                 "flexdispatch's batched P/F quantizes the received rows itself "
                 "(defer_input_quant=True): pick experts that take quantized inputs"
             )
+        a1 = _weigh_input(a1, topk_weights, topk_ids, apply_router_weight_on_input)
         if apply_router_weight_on_input:
-            if topk_ids.shape[1] != 1:
-                raise ValueError("apply_router_weight_on_input is implemented for top-k = 1 only")
-            a1 = a1 * topk_weights.to(a1.dtype)
             weights = torch.ones_like(topk_weights, dtype=torch.float32)
         else:
             weights = topk_weights.to(torch.float32)
@@ -513,7 +498,7 @@ def make_prepare_finalize(
         raise ValueError(f"the EP group has {R} ranks, the layer's ep_size is {moe.ep_size}")
     config = dispatch_config
     if config.hidden_size is None:
-        config = _config(config, hidden_size=moe.hidden_dim)
+        config = updated_config(config, hidden_size=moe.hidden_dim)
     common: dict[str, Any] = {
         "num_experts": moe.num_experts,
         "group": group,

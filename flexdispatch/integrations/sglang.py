@@ -36,6 +36,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from flexdispatch.config import DispatchConfig
+from flexdispatch.integrations._engines import config_from_env, switched_on, updated_config
 
 if TYPE_CHECKING:  # NOTE: at run time this loads lazily (__getattr__): it imports SGLang
     from flexdispatch.integrations._sglang import FlexSGLangDispatcher
@@ -74,16 +75,8 @@ _LAZY = ("FlexSGLangDispatcher",)
 _STATE: dict[str, Any] = {}  # "config", "normal_format": what new layers get while installed
 
 
-def _switched_on() -> bool:
-    return os.environ.get(ENV_SWITCH, "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def _settings_from_env() -> tuple[DispatchConfig, str]:
-    text = os.environ.get(ENV_CONFIG, "").strip()
-    try:
-        config = DispatchConfig.model_validate_json(text) if text else DispatchConfig()
-    except ValueError as exc:
-        raise ValueError(f"{ENV_CONFIG} is not a valid DispatchConfig as JSON: {exc}") from exc
+    config = config_from_env(ENV_CONFIG)
     fmt = os.environ.get(ENV_NORMAL_FORMAT, "").strip() or "deepep"
     if fmt not in ("deepep", "standard"):
         raise ValueError(f"{ENV_NORMAL_FORMAT} must be 'deepep' or 'standard', got {fmt!r}")
@@ -168,9 +161,7 @@ def make_dispatcher(
         B = envs.SGLANG_DEEPEP_NUM_MAX_DISPATCH_TOKENS_PER_RANK.get()
     config = dispatch_config
     if config.hidden_size is None:
-        config = DispatchConfig.model_validate(
-            {**config.model_dump(exclude_unset=True), "hidden_size": moe_runner_config.hidden_size}
-        )
+        config = updated_config(config, hidden_size=moe_runner_config.hidden_size)
     return FlexSGLangDispatcher(
         config,
         group=group,
@@ -240,7 +231,7 @@ def register() -> None:
     Raises:
         ValueError: a bad ``FLEXDISPATCH_SGLANG_CONFIG`` or ``FLEXDISPATCH_SGLANG_NORMAL_FORMAT``.
     """
-    if not _switched_on():
+    if not switched_on(ENV_SWITCH):
         uninstall()
         return
     config, fmt = _settings_from_env()

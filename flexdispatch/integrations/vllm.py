@@ -39,12 +39,12 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from flexdispatch.config import DispatchConfig
+from flexdispatch.integrations._engines import config_from_env, switched_on
 
 if TYPE_CHECKING:  # NOTE: at run time these load lazily (__getattr__): they import vLLM
     from flexdispatch.integrations._vllm import (
@@ -93,20 +93,6 @@ def _target_module() -> Any:
         raise ImportError(
             f"flexdispatch.integrations.vllm needs vLLM (checked on {VLLM_CHECKED}): {exc}"
         ) from exc
-
-
-def _switched_on() -> bool:
-    return os.environ.get(ENV_SWITCH, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _config_from_env() -> DispatchConfig:
-    text = os.environ.get(ENV_CONFIG, "").strip()
-    if not text:
-        return DispatchConfig()
-    try:
-        return DispatchConfig.model_validate_json(text)
-    except ValueError as exc:
-        raise ValueError(f"{ENV_CONFIG} is not a valid DispatchConfig as JSON: {exc}") from exc
 
 
 def _rebind(old: object, new: object) -> int:
@@ -213,10 +199,10 @@ def register() -> None:
     Raises:
         ValueError: ``FLEXDISPATCH_VLLM_CONFIG`` is not a valid ``DispatchConfig``.
     """
-    if not _switched_on():
+    if not switched_on(ENV_SWITCH):
         uninstall()
         return
-    install(_config_from_env())
+    install(config_from_env(ENV_CONFIG))
 
 
 def installed_config() -> DispatchConfig | None:

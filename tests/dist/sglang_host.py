@@ -21,86 +21,25 @@ B decode tokens per rank · C = R · B.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-import types
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-_STUBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_stubs")
-_STATE: dict[str, Any] = {}
+from examples import sglang_moe as ex
 
-
-def sglang_state(*, deepep_mode: str = "auto", tbo: bool = False) -> None:
-    """SGLang's runtime state for an EP group of this gloo world (idempotent per process; the
-    MoE flags are set at every call)."""
-    if "ready" not in _STATE:
-        if importlib.util.find_spec("torchvision") is None:
-            import transformers.utils.import_utils as hf_imports
-
-            hf_imports.is_torchvision_available()  # NOTE: cached False before the stub exists
-            sys.path.insert(0, _STUBS)
-        from sglang.srt.runtime_context import get_parallel
-
-        R, rank = dist.get_world_size(), dist.get_rank()
-        get_parallel().override_permanently(
-            tp_group=types.SimpleNamespace(device_group=dist.group.WORLD),
-            tp_size=R,
-            tp_rank=rank,
-            moe_ep_size=R,
-            moe_ep_rank=rank,
-            moe_tp_size=1,
-            moe_tp_rank=0,
-            moe_dp_size=1,
-            moe_dp_rank=0,
-            attn_tp_size=R,
-            attn_tp_rank=rank,
-            attn_dp_size=1,
-            attn_dp_rank=0,
-            attn_cp_size=1,
-            attn_cp_rank=0,
-        )
-        _STATE["ready"] = True
-    from sglang.srt.layers.moe.utils import (
-        DeepEPMode,
-        MoeA2ABackend,
-        MoeRunnerBackend,
-        get_flags,
-    )
-
-    moe = get_flags().moe
-    moe.a2a_backend = MoeA2ABackend.DEEPEP
-    moe.runner_backend = MoeRunnerBackend.AUTO
-    moe.deepep_mode = DeepEPMode(deepep_mode)
-    moe.tbo_enabled = tbo
-    moe.sbo_enabled = False
-    moe.disable_fp4_allgather = True
+# NOTE: SGLang's runtime state (and the torchvision stub's path), the pure-torch experts are the
+# example's (examples/sglang_moe.py), which imports SGLang only inside its functions
+sglang_state = ex.sglang_state
+_mlp = ex.mlp
 
 
 def runner_config(case: dict[str, Any]) -> Any:
-    from sglang.srt.layers.moe.moe_runner.base import MoeRunnerConfig
-
-    E, R = case["E"], dist.get_world_size()
-    return MoeRunnerConfig(
-        num_experts=E,
-        num_local_experts=E // R,
-        hidden_size=case.get("H", 64),
-        top_k=case["K"],
-        num_fused_shared_experts=0,
-        params_dtype=torch.float32,
-    )
+    return ex.runner_config(num_experts=case["E"], topk=case["K"], hidden=case.get("H", 64))
 
 
 # ----------------------------------------------------------------- experts and inputs
-def _mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    gate, up = (x @ w13.t()).chunk(2, dim=-1)
-    return (F.silu(gate) * up) @ w2.t()
-
-
 def weights(case: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     E, H, Fh = case["E"], case.get("H", 64), case.get("F", 32)
     gen = torch.Generator().manual_seed(7)
@@ -138,31 +77,16 @@ def dense_reference(inp: dict[str, torch.Tensor], w13: torch.Tensor, w2: torch.T
 
 
 def local_experts(
-    x: torch.Tensor,
-    local_ids: torch.Tensor,
-    w: torch.Tensor,
-    w13: Any,
-    w2: Any,
+    x: torch.Tensor, local_ids: torch.Tensor, w: torch.Tensor, w13: Any, w2: Any,
     broken: bool = False,
-) -> torch.Tensor:
-    """What SGLang's runner returns for token-major rows with local ids (``-1`` skipped):
-    ``y[n] = sum_j w[n, j] * expert_{ids[n, j]}(x[n])``."""
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=x.dtype)
-    for j in range(w13.shape[0]):
-        rows, slots = (local_ids == j).nonzero(as_tuple=True)
-        if rows.numel():
-            out.index_add_(0, rows, _mlp(x[rows], w13[j], w2[j]) * w[rows, slots, None])
+) -> torch.Tensor:  # fmt: skip
+    """The example's token-major experts; ``broken`` halves their output (a negative control
+    of the comparison, standing in for a combine that loses half its sum)."""
+    out = ex.token_major_experts(x, local_ids, w, w13, w2)
     return out * 0.5 if broken else out
 
 
-def expert_major(x: torch.Tensor, masked_m: torch.Tensor, w13: Any, w2: Any) -> torch.Tensor:
-    """What a masked grouped GEMM returns for ``[e, C, H]`` rows: unweighted, zero past
-    ``masked_m[j]``."""
-    out = torch.zeros(x.shape[0], x.shape[1], w2.shape[1], dtype=x.dtype)
-    for j, n in enumerate(masked_m.tolist()):
-        if n:
-            out[j, :n] = _mlp(x[j, :n], w13[j], w2[j])
-    return out
+expert_major = ex.expert_major_experts
 
 
 def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
