@@ -7,8 +7,9 @@ parallel context, the MoE flags, ``set_is_extend_in_batch``) is set up in each r
 ``StandardDispatcher`` gives the reference semantics of expert parallelism there (every rank sees
 every token, ids mapped to local with ``-1`` elsewhere, the layer all-reduces), and
 flexdispatch's ``FlexSGLangDispatcher`` must produce SGLang's DeepEP formats with the same sums.
-The experts are pure torch (SiLU-gated MLPs of this module's seed); the reference is a dense
-per-token loop.
+The experts are the pure-torch ones of ``examples/sglang_moe.py`` (as is the set-up of SGLang's
+runtime state); inputs, weights and the dense per-token reference are
+``tests/dist/engine_cases.py``'s.
 
 SGLang imports ``torchvision.transforms`` on the way to its dispatcher package; the index has no
 torchvision that runs on the project's CPU torch, so ``sglang_state`` puts a stub of it
@@ -28,11 +29,11 @@ import torch
 import torch.distributed as dist
 
 from examples import sglang_moe as ex
+from tests.dist.engine_cases import case_inputs, dense_reference, gap, weights
 
 # NOTE: SGLang's runtime state (and the torchvision stub's path), the pure-torch experts are the
 # example's (examples/sglang_moe.py), which imports SGLang only inside its functions
 sglang_state = ex.sglang_state
-_mlp = ex.mlp
 
 
 def runner_config(case: dict[str, Any]) -> Any:
@@ -40,42 +41,6 @@ def runner_config(case: dict[str, Any]) -> Any:
 
 
 # ----------------------------------------------------------------- experts and inputs
-def weights(case: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    E, H, Fh = case["E"], case.get("H", 64), case.get("F", 32)
-    gen = torch.Generator().manual_seed(7)
-    return (
-        torch.randn(E, 2 * Fh, H, generator=gen) * 0.1,
-        torch.randn(E, H, Fh, generator=gen) * 0.1,
-    )
-
-
-def case_inputs(case: dict[str, Any], rank: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s tokens, global ids (``-1`` slots as the case asks) and weights."""
-    R = dist.get_world_size()
-    E, K, H = case["E"], case["K"], case.get("H", 64)
-    T = case.get("T", [6] * R)[rank]
-    gen = torch.Generator().manual_seed(2000 + rank)
-    x = torch.randn(T, H, generator=gen)
-    pool = E // R if case.get("all_to_rank0") else E
-    ids = torch.rand(T, pool, generator=gen).argsort(1)[:, :K]
-    w = torch.rand(T, K, generator=gen) + 0.1
-    w = w / w.sum(1, keepdim=True)
-    for t, j in case.get("dropped", {}).get(rank, []):
-        ids[t, j] = -1
-        w[t, j] = 0.0
-    return {"x": x, "ids": ids, "w": w}
-
-
-def dense_reference(inp: dict[str, torch.Tensor], w13: torch.Tensor, w2: torch.Tensor) -> Any:
-    out = torch.zeros_like(inp["x"])
-    for t in range(inp["x"].shape[0]):
-        for j in range(inp["ids"].shape[1]):
-            i = int(inp["ids"][t, j])
-            if i >= 0:
-                out[t] += inp["w"][t, j] * _mlp(inp["x"][t : t + 1], w13[i], w2[i])[0]
-    return out
-
-
 def local_experts(
     x: torch.Tensor, local_ids: torch.Tensor, w: torch.Tensor, w13: Any, w2: Any,
     broken: bool = False,
@@ -87,10 +52,6 @@ def local_experts(
 
 
 expert_major = ex.expert_major_experts
-
-
-def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
 
 
 def _gather_all(case: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -171,8 +132,8 @@ def compare_formats(case: dict[str, Any]) -> dict[str, Any]:
     inp = case_inputs(case, rank)
     topk = StandardTopKOutput(inp["w"], inp["ids"], None)
     ref = dense_reference(inp, w13_all, w2_all)
-    res: dict[str, Any] = {"T": inp["x"].shape[0], "ref_max": _gap(ref, torch.zeros_like(ref))}
-    res["standard_dispatcher"] = _gap(standard_reference(case, w13, w2), ref)
+    res: dict[str, Any] = {"T": inp["x"].shape[0], "ref_max": gap(ref, torch.zeros_like(ref))}
+    res["standard_dispatcher"] = gap(standard_reference(case, w13, w2), ref)
     config = DispatchConfig(backend="torch", num_max_dispatch_tokens_per_rank=B)
     broken = bool(case.get("broken_combine"))
     counts = expected_counts(case)
@@ -191,7 +152,7 @@ def compare_formats(case: dict[str, Any]) -> dict[str, Any]:
             )
             y = local_experts(out.hidden_states, out.topk_ids, out.topk_weights, w13, w2, broken)
             combined = d.combine(DeepEPNormalCombineInput(y, out.topk_ids, out.topk_weights))
-            res["normal"] = _gap(combined, ref)
+            res["normal"] = gap(combined, ref)
         else:
             tk = out.topk_output
             res["standard_ok"] = isinstance(out, StandardDispatchOutput) and (
@@ -199,7 +160,7 @@ def compare_formats(case: dict[str, Any]) -> dict[str, Any]:
                 and tk.topk_ids.dtype == torch.int32
             )
             y = local_experts(out.hidden_states, tk.topk_ids, tk.topk_weights, w13, w2, broken)
-            res["standard"] = _gap(d.combine(StandardCombineInput(y)), ref)
+            res["standard"] = gap(d.combine(StandardCombineInput(y)), ref)
         if fmt == "deepep":
             set_is_extend_in_batch(False)  # NOTE: a decode batch: low-latency mode
             decode = d._slots[0].decode.dispatcher
@@ -217,7 +178,7 @@ def compare_formats(case: dict[str, Any]) -> dict[str, Any]:
             if broken:
                 y = y * 0.5
             combined = d.combine(DeepEPLLCombineInput(y, out.topk_ids, out.topk_weights))
-            res["low_latency"] = _gap(combined, ref)
+            res["low_latency"] = gap(combined, ref)
             res["ll_syncs"] = decode.stats.host_syncs - syncs
             res["calls"] = [x.stats.dispatch_calls for x in d.dispatchers]
     res["B"] = B
@@ -274,7 +235,7 @@ def halves_two_subbatches(case: dict[str, Any]) -> dict[str, Any]:
                 )
         got = [d.combine_b(tbo_subbatch_index=i) for i in range(2)]
         res["normal" if extend else "low_latency"] = max(
-            _gap(g, r) for g, r in zip(got, refs, strict=True)
+            gap(g, r) for g, r in zip(got, refs, strict=True)
         )
     return res
 
@@ -367,3 +328,8 @@ def plugin_wiring(_: Any = None) -> dict[str, Any]:
             else:
                 os.environ[k] = v
     return res
+
+
+def run_example() -> dict[str, Any]:
+    """examples/sglang_moe.py's rank function, in this pooled rank."""
+    return ex.run_rank()

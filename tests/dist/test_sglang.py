@@ -92,3 +92,13 @@ def test_register_hooks_sglangs_dispatcher_factory() -> None:
         assert "\n" not in message, message
     # off again: SGLang's own DeepEP dispatcher is built, and needs DeepEP's kernels
     assert res["off_again"].startswith("ImportError: DeepEP is not available"), res
+
+
+def test_the_sglang_example_runs() -> None:
+    for res in spawn_group(sh.run_example, 2, timeout_s=TIMEOUT_S):
+        assert res["dispatcher"] == "FlexSGLangDispatcher", res
+        assert res["extend_format"] == "DeepEPNormalDispatchOutput", res
+        assert res["decode_format"] == "DeepEPLLDispatchOutput", res
+        assert res["decode_rows"] == [4, 16, 64], res  # [e, R*B, H], B = 8
+        assert res["extend_max_err"] <= FP32_GAP and res["decode_max_err"] <= FP32_GAP, res
+        assert res["dispatch_calls"] == [1, 2] and res["backend"] == "torch", res

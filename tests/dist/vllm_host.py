@@ -19,9 +19,8 @@ The experts are small pure-torch ``FusedMoEExpertsModular`` classes (Standard an
 ``CPUUnquantizedExperts`` ignore ``expert_map``, and ``TopKWeightAndReduceContiguous`` needs
 ``_moe_C.moe_sum``, which the CPU build lacks, so the Standard experts weight and reduce
 themselves (``TopKWeightAndReduceNoOP``, as vLLM's CPU experts do) and the Batched ones leave it
-to the P/F (``TopKWeightAndReduceDelegate``). The reference is
-a dense per-token loop over the same weights on every rank (every rank builds every rank's
-inputs from one seed).
+to the P/F (``TopKWeightAndReduceDelegate``). Inputs, weights and the dense per-token reference
+are ``tests/dist/engine_cases.py``'s (every rank builds every rank's inputs from one seed).
 
 T tokens on a rank · H hidden · F expert hidden · E experts · k top-k · R ranks · e = E / R.
 """
@@ -35,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from examples import vllm_moe as ex
+from tests.dist.engine_cases import case_inputs, dense_reference, gap, weights
 
 # ----------------------------------------------------------------- vLLM's distributed state
 # NOTE: vLLM's state, its forward context, the layer config and the pure-torch experts are the
@@ -42,7 +42,6 @@ from examples import vllm_moe as ex
 vllm_state = ex.vllm_state
 forward_context = ex.forward_context
 experts_classes = ex.experts_classes
-_mlp = ex.mlp
 
 
 def install_cpu_agrs_shim() -> None:
@@ -95,53 +94,6 @@ def moe_config(case: dict[str, Any], *, max_capture_size: int = 0) -> Any:
 
 
 # ----------------------------------------------------------------- inputs and reference
-def case_inputs(case: dict[str, Any], rank: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s tokens, ids (``-1`` slots as the case asks) and weights; every rank can
-    build every rank's (one seed per rank)."""
-    R = dist.get_world_size()
-    E, K, H = case["E"], case["K"], case.get("H", 64)
-    T = case.get("T", [6] * R)[rank]
-    gen = torch.Generator().manual_seed(1000 + rank)
-    x = torch.randn(T, H, generator=gen)
-    pool = E // R if case.get("all_to_rank0") else E
-    ids = torch.rand(T, pool, generator=gen).argsort(1)[:, :K]
-    w = torch.rand(T, K, generator=gen) + 0.1
-    if K > 1:
-        w = w / w.sum(1, keepdim=True)
-    for t, j in case.get("dropped", {}).get(rank, []):
-        ids[t, j] = -1
-        w[t, j] = 0.0
-    return {"x": x, "ids": ids, "w": w}
-
-
-def weights(case: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every expert's ``w13`` ``[E, 2F, H]`` and ``w2`` ``[E, H, F]`` (one seed)."""
-    E, H, Fh = case["E"], case.get("H", 64), case.get("F", 32)
-    gen = torch.Generator().manual_seed(7)
-    return (
-        torch.randn(E, 2 * Fh, H, generator=gen) * 0.1,
-        torch.randn(E, H, Fh, generator=gen) * 0.1,
-    )
-
-
-def dense_reference(
-    inp: dict[str, torch.Tensor], w13: torch.Tensor, w2: torch.Tensor, *, on_input: bool = False
-) -> torch.Tensor:
-    """``out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t])`` token by token (``-1`` skipped);
-    with ``on_input`` (top-1) ``expert(w[t, 0] * x[t])``."""
-    out = torch.zeros_like(inp["x"])
-    for t in range(inp["x"].shape[0]):
-        for j in range(inp["ids"].shape[1]):
-            i = int(inp["ids"][t, j])
-            if i < 0:
-                continue
-            if on_input:
-                out[t] += _mlp(inp["w"][t, j] * inp["x"][t : t + 1], w13[i], w2[i])[0]
-            else:
-                out[t] += inp["w"][t, j] * _mlp(inp["x"][t : t + 1], w13[i], w2[i])[0]
-    return out
-
-
 def _run_kernel(
     kernel: Any,
     inp: dict[str, torch.Tensor],
@@ -167,10 +119,6 @@ def _run_kernel(
             expert_map=expert_map,
             apply_router_weight_on_input=on_input,
         )
-
-
-def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
 
 
 def compare_kernels(case: dict[str, Any]) -> dict[str, Any]:
@@ -246,11 +194,11 @@ def compare_kernels(case: dict[str, Any]) -> dict[str, Any]:
     return {
         "T": inp["x"].shape[0],
         "ref_max": float(ref.abs().max()) if ref.numel() else 0.0,
-        "vllm": _gap(out_vllm, ref),
-        "dropless": _gap(out_dropless, ref),
-        "worst_case": _gap(out_graph, ref),
-        "batched": _gap(out_batched, ref),
-        "vllm_vs_dropless": _gap(out_vllm, out_dropless),
+        "vllm": gap(out_vllm, ref),
+        "dropless": gap(out_dropless, ref),
+        "worst_case": gap(out_graph, ref),
+        "batched": gap(out_batched, ref),
+        "vllm_vs_dropless": gap(out_vllm, out_dropless),
         "dropless_equals_worst_case": bool(torch.equal(out_dropless, out_graph)),
         "dropless_calls": flex.dropless.stats.dispatch_calls,
         "worst_case_calls": flex.static.stats.dispatch_calls - warm[0],
