@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import vllm.model_executor.layers.fused_moe.modular_kernel as mk
+from vllm.config import CUDAGraphMode
+from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import (
     TopKWeightAndReduceContiguous,
     TopKWeightAndReduceDelegate,
@@ -56,9 +58,6 @@ def in_cuda_graph() -> bool:
     vLLM agrees on it across DP ranks and pads them to one token count)."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return True
-    from vllm.config import CUDAGraphMode
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-
     if not is_forward_context_available():
         return False
     return get_forward_context().cudagraph_runtime_mode != CUDAGraphMode.NONE
