@@ -271,21 +271,32 @@ def plugin_wiring(_: Any = None) -> dict[str, Any]:
             for _, h, _ in HookRegistry._hooks.get(fd_sglang.TARGET, [])
         )
 
+    def sglangs_answer() -> str:
+        try:
+            return type(layer.create_moe_dispatcher(runner_config(case), None)).__name__
+        except Exception as exc:  # NOTE: SGLang's DeepEP dispatcher needs deep_ep's kernels here
+            return f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+
     try:
         os.environ.pop(fd_sglang.ENV_SWITCH, None)
+        before = ours()  # NOTE: 1 when an earlier call in this rank registered it (the example)
         fd_sglang.register()
-        res["off_hooks"] = ours()
+        res["off_added"] = ours() - before
+        res["off_answer"] = sglangs_answer()
         os.environ[fd_sglang.ENV_SWITCH] = "1"
         os.environ[fd_sglang.ENV_CONFIG] = (
             '{"backend": "torch", "num_max_dispatch_tokens_per_rank": 8}'
         )
         os.environ["SGLANG_PLUGINS"] = "flexdispatch"
-        original = layer.create_moe_dispatcher
         sgl_plugins._plugins_loaded = False
         sgl_plugins.load_plugins()
         res["on_hooks"] = ours()
         fn = layer.create_moe_dispatcher
-        res["wrapped"] = fn is not original and getattr(fn, "__wrapped__", None) is original
+        inner = fn
+        while getattr(inner, "__wrapped__", None) is not None:
+            inner = inner.__wrapped__
+        # NOTE: a hook wrapper around SGLang's own function (the one its module defines)
+        res["wrapped"] = fn is not inner and inner.__module__ == layer.__name__
         res["package_binding"] = getattr(fused_moe_triton, "create_moe_dispatcher", fn) is fn
         res["deepep_layer"] = type(layer.create_moe_dispatcher(runner_config(case), None)).__name__
         get_flags().moe.a2a_backend = MoeA2ABackend.NONE
@@ -315,11 +326,7 @@ def plugin_wiring(_: Any = None) -> dict[str, Any]:
             res["overlap_args"] = str(exc)
         os.environ.pop(fd_sglang.ENV_SWITCH)
         fd_sglang.register()  # NOTE: switched off: SGLang's own factory answers again
-        try:
-            layer.create_moe_dispatcher(runner_config(case), None)
-            res["off_again"] = "built"
-        except Exception as exc:  # NOTE: SGLang's DeepEP dispatcher needs deep_ep here
-            res["off_again"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+        res["off_again"] = sglangs_answer()
     finally:
         fd_sglang.uninstall()
         for k, v in env_before.items():
