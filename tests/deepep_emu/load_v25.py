@@ -114,7 +114,7 @@ def load_v25(nvl_peers: int = 8) -> types.ModuleType:
         runtime.pending_group = group
 
     pkg.emu_device_name = "NVIDIA H100 80GB HBM3"
-    pkg.emu_nccl_properties = lambda: dict(runtime.emu_gin)
+    pkg.emu_nccl = runtime.emu_nccl
     pkg.emu_probes = {"nvlink_gbs": 0.0, "rdma_gbs": 0.0, "fast_atomics": False}
     ep.check_nvlink_connections = check_nvlink_connections
     ep.torch = _torch_proxy()

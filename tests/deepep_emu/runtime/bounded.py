@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import limits, transport
+from . import limits, nccl, transport
 
 __all__ = [
     "BoundedRuntime",
@@ -101,18 +101,70 @@ class BoundedRuntime:
             raise RuntimeError(f"emulated {what} built outside its Python class (no process group)")
         return group
 
-    @staticmethod
-    def check_gin(module: Any, hybrid: bool, rel: str, prefix: str, *, gdaki: bool) -> None:
-        """DeepEP's GIN asserts on what the emulated NCCL reports (``module.emu_gin``): the
-        railed type in hybrid mode, else the plain one, is not NONE; V2.5 (``gdaki``) also
-        asserts GDAKI support. The caller decides when they apply (EP_DISABLE_GIN, R)."""
-        props = module.emu_gin
-        key = "railedGinType" if hybrid else "ginType"
-        limits.host_assert(props[key] != 0, f"{prefix}.gin_type", rel, f"NCCL reports {key} = NONE")
-        if gdaki:
+    gin_contexts = True  # NOTE: the device communicator was built with GIN contexts
+
+    def check_gin_contexts(self, rdma_ranks: int, prefix: str) -> None:
+        """With ``EP_DISABLE_GIN`` the device communicator has no GIN contexts (V2.5
+        context.cpp:124-155, V2 nccl.cu:86-99), which a kernel across RDMA ranks uses: a trap
+        (DeepEP has no check for it)."""
+        limits.device_trap(
+            self.gin_contexts or rdma_ranks <= 1,
+            f"{prefix}.no_gin_context",
+            self.release_id,
+            f"EP_DISABLE_GIN was set when the buffer was built, the group spans {rdma_ranks} "
+            f"RDMA ranks",
+        )
+
+    release_id = ""
+
+    def device_comm(
+        self, module: Any, num_ranks: int, hybrid: bool, rel: str, *, v25: bool
+    ) -> None:
+        """DeepEP's NCCL device communicator, as its context builds it on the emulated NCCL
+        (``module.emu_nccl``, ``nccl``), in DeepEP's order:
+
+        - V2.5 asks NCCL's report first (context.cpp:117), V2 where it checks GIN (R > 1,
+          nccl.cu:84): NCCL refuses a caller compiled newer than the runtime;
+        - unless ``EP_DISABLE_GIN``: the GIN type, the railed one in hybrid mode, is not NONE
+          (V2: for R > 1), and V2.5 also asserts GDAKI support;
+        - V2 below NCCL 2.31: the runtime is the NCCL it was compiled with (nccl.cu:104);
+        - ``ncclDevCommCreate`` refuses a communicator without symmetric memory, whatever
+          ``EP_DISABLE_GIN`` (NCCL dev_runtime.cc:1523).
+        """
+        lib = module.emu_nccl
+        caller = nccl.V25_CALLER if v25 else nccl.V2_CALLER
+        runtime = lib.version()
+        props = lib.query(num_ranks, caller)
+        too_new = f"compiled with NCCL {nccl.code(caller)}, runtime {nccl.code(runtime)}"
+        gin = not gin_disabled() and (v25 or num_ranks > 1)
+        if v25 or gin:
+            limits.host_assert(props is not None, "nccl.caller_too_new", "nccl", too_new)
+        prefix = "ep" if v25 else "elastic"
+        if gin:
+            assert props is not None
+            key = "railedGinType" if hybrid else "ginType"
+            kind = props[key]
+            limits.host_assert(kind != 0, f"{prefix}.gin_type", rel, f"NCCL reports {key} = NONE")
+            if v25:
+                gdaki = bool(props["ginSupport"] and props["ginSupport"][nccl.GIN_GDAKI])
+                limits.host_assert(gdaki, "ep.gin_gdaki", rel, "NCCL reports no GDAKI support")
+        if not v25:
             limits.host_assert(
-                bool(props["gdaki"]), f"{prefix}.gin_gdaki", rel, "NCCL reports no GDAKI support"
+                runtime == nccl.V2_CALLER,
+                "elastic.nccl_version",
+                rel,
+                f"compiled with NCCL 2.30.7, this process runs NCCL {'.'.join(map(str, runtime))}",
             )
+        limits.host_assert(props is not None, "nccl.caller_too_new", "nccl", too_new)
+        assert props is not None
+        limits.host_assert(
+            bool(props["deviceApiSupport"]),
+            "nccl.devcomm_symmetric",
+            "nccl",
+            "NCCL reports deviceApiSupport = 0 for this communicator",
+        )
+        self.gin_contexts = not gin_disabled()
+        self.release_id = rel
 
     def gen(self) -> torch.Generator:
         """The seeded stand-in for DeepEP's ``atomicAdd`` order (per rank and call)."""

@@ -47,8 +47,9 @@ from typing import Any
 import torch
 
 from . import limits, strict, transport
-from .bounded import BoundedRuntime, NcclComms, expert_counts, gin_disabled
+from .bounded import BoundedRuntime, NcclComms, expert_counts
 from .config import EventHandle
+from .nccl import FakeLibNccl
 
 __all__ = [
     "ALIGNMENT",
@@ -158,8 +159,7 @@ class ElasticRuntime(BoundedRuntime):
         )
         if num_cpu_bytes:
             raise NotImplementedError("the emulated ElasticBuffer has no CPU buffer (Engram)")
-        if num_ranks > 1 and not gin_disabled():  # kernels/backend/nccl.cu:86-90
-            self.check_gin(module, allow_hybrid_mode, rel, "elastic", gdaki=False)
+        self.device_comm(module, num_ranks, allow_hybrid_mode, rel, v25=False)
         self.group = group
         self.rank, self.num_ranks = rank_idx, num_ranks
         self.num_bytes = num_bytes
@@ -318,6 +318,7 @@ class ElasticRuntime(BoundedRuntime):
             strict.check_elastic_ids(rel, topk_idx, num_experts, R)
         key = (do_cpu_sync, cached, H * x.element_size(), packs, M, num_experts, k)
         strict.jit(self.module, rel, ("dispatch", *key, expert_alignment, num_sms, do_expand))
+        self.check_gin_contexts(self.rdma, "elastic")
         a = expert_alignment
         with transport.kernel("elastic_dispatch"):
             dest, sel_parts = self.dest_parts(topk_idx, e)
@@ -492,6 +493,7 @@ class ElasticRuntime(BoundedRuntime):
             limits.device_trap(topk_weights is None, "elastic.expand_weights", rel)
         weights = topk_weights is not None
         strict.jit(self.module, rel, ("combine", H, k, M, num_sms, weights, expand))
+        self.check_gin_contexts(self.rdma, "elastic")
         with transport.kernel("elastic_combine"):
             got = self.combine_send(
                 x,
@@ -548,9 +550,10 @@ def install(mod: Any) -> None:
             use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction,
         )  # fmt: skip
 
-    # the communicator's GIN types as NCCL's ncclCommQueryProperties reports them (GDAKI by
-    # default; a test sets one to 0 = NONE, as DeepEP #629's single B300 node)
-    mod.emu_gin = {"version": 23203, "ginType": 3, "railedGinType": 3}
+    # the network NCCL finds (GDAKI by default; a test sets a GIN type to 0 = NONE, as DeepEP
+    # #629's single B300 node): what ncclCommQueryProperties reports follows from it (nccl.py)
+    mod.emu_gin = {"ginType": 3, "railedGinType": 3, "gdaki": True, "all_p2p": True}
+    mod.emu_nccl = FakeLibNccl(mod, "v2")
     mod.ElasticBuffer = ElasticBuffer
     comms.install(mod)
     mod.get_physical_domain_size = get_physical_domain_size

@@ -80,6 +80,7 @@ from . import ep_layout as lay
 from . import limits, transport
 from .bounded import BoundedRuntime, NcclComms, expert_counts, gin_disabled
 from .config import EventHandle
+from .nccl import FakeLibNccl
 
 __all__ = ["ATOMIC_ORDER", "EPRuntime", "gin_disabled", "make_ep_runtime_module"]
 
@@ -145,8 +146,7 @@ class EPRuntime(BoundedRuntime):
         _h(num_lb_buffer_bytes >= 0 and num_lb_buffer_bytes % lay.ALIGNMENT == 0, "ep.lb_bytes")
         _h(0 < num_ranks <= 1024, "ep.num_ranks", f"R={num_ranks}")
         _h(0 < num_allocated_qps <= 1024, "ep.qps", f"{num_allocated_qps} QPs")
-        if not gin_disabled():  # kernels/comm/context.cpp:124-132, also on one node
-            self.check_gin(module, allow_hybrid_mode, REL, "ep", gdaki=True)
+        self.device_comm(module, num_ranks, allow_hybrid_mode, REL, v25=True)
         self.mod = module
         self.rank, self.num_ranks = rank_idx, num_ranks
         self.num_bytes = num_buffer_bytes
@@ -373,6 +373,7 @@ class EPRuntime(BoundedRuntime):
             template = (do_cpu_sync, cached, num_sms, C // num_sms, N, U)
         template += (H * elem, packs, M, E, k, a, num_qps, self.timeout)
         lay.jit_compile(self.mod, "dispatch", template)
+        self.check_gin_contexts(d.rdma, "ep")
         with transport.kernel("ep_dispatch"):
             got = self._dispatch_kernel(
                 x, sf, topk_idx, topk_weights, M, e, c_meta, c_num_recv, c_psum_su, cached
@@ -736,6 +737,7 @@ class EPRuntime(BoundedRuntime):
             _h(H % 256 == 0, "ep.combine_hidden", f"H={H}")
             template = (d.nvlink, expand, self.amr, num_sms, R)
         lay.jit_compile(self.mod, "combine", (*template, H, M, E, k, num_qps, self.timeout))
+        self.check_gin_contexts(d.rdma, "ep")
         if expand and not self.amr:
             lid = "ep.expand_weights" if N == 1 else "ep.hybrid_expand_weights"
             limits.device_trap(topk_weights is None, lid, REL)
@@ -807,9 +809,10 @@ def make_ep_runtime_module(nvl_peers: int) -> Any:
     mod.emu_capturing = False
     mod.emu_jit_cache = set()
     mod.emu_jit_compiles = Counter()
-    # the communicator's properties as NCCL's ncclCommQueryProperties reports them (GDAKI by
-    # default; a test sets a GIN type to 0 = NONE, as DeepEP #629's single B300 node)
-    mod.emu_gin = {"version": 23203, "ginType": 3, "railedGinType": 3, "gdaki": True}
+    # the network NCCL finds (GDAKI by default; a test sets a GIN type to 0 = NONE, as DeepEP
+    # #629's single B300 node): what ncclCommQueryProperties reports follows from it (nccl.py)
+    mod.emu_gin = {"ginType": 3, "railedGinType": 3, "gdaki": True, "all_p2p": True}
+    mod.emu_nccl = FakeLibNccl(mod, "v25")
     comms = NcclComms(0x2000)
     _size = comms.size
 

@@ -1,0 +1,268 @@
+"""Issue 44 (``deepep-audit-5.md``) on 4 gloo ranks, over DeepEP's own Python layers and the
+emulated runtimes: generations that cannot run on this process's NCCL, or on its network, are
+refused on every rank before the first kernel, and the emulator refuses what DeepEP and NCCL do.
+
+Shape letters (ARCHITECTURE.md): T tokens · H hidden · E experts · R ranks · k top-k · L ranks
+per node (the emulated NVLink domain) · W worst-case rows.
+
+One spawn runs every check (``worker``); ``expect(name, outs)`` holds each check's assertions, so
+one check can be run alone (e.g. on the code before its fix):
+
+- ``q1_nccl_rule`` (Q1, EW1): on NCCL 2.32.6 (the V2.5 image) DeepEP V2 (built against 2.30.7,
+  asserting the runtime is that version) is refused, never fallen back to and never suggested;
+  on 2.30.7 DeepEP 2.5 (>= 2.32.3) is refused; the emulated buffers assert as DeepEP / NCCL do.
+- ``q6_pcie`` (Q6, EW2): V1 and V2 assert the PCIe rule too (``check_nvlink_connections``).
+- ``q9_disable_gin`` (Q9): ``EP_DISABLE_GIN`` across nodes is refused (V2.5 and V2), on one node
+  it is DeepEP's recipe.
+- ``ew4_device_api`` (Q2, EW4): ``NCCL_CUMEM_ENABLE=0`` turns NCCL's symmetric memory off: the
+  adapter refuses V2.5 and V2, and the emulated ``EPBuffer`` fails in ``ncclDevCommCreate`` as
+  NCCL does, also with ``EP_DISABLE_GIN``; a buffer built with ``EP_DISABLE_GIN`` across nodes
+  has no GIN contexts, and its first kernel traps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from tests.dist.harness import run_group
+
+
+def _raises(fn: Any, kind: Any = ValueError) -> str:
+    try:
+        fn()
+    except kind as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def _emu(L: int, release: str = "2.5.0") -> Any:
+    from tests.deepep_emu.load import load_deep_ep
+
+    return load_deep_ep(nvl_peers=L, release=release)
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _pick(emu: Any, E: int, **kw: Any) -> tuple[str, str]:
+    """``(backend, reason)`` of a dispatcher built (and closed) on ``emu``."""
+    from flexdispatch import DispatchConfig, FlexDispatcher
+
+    d = FlexDispatcher(DispatchConfig(**kw), num_experts=E, _deep_ep=emu)
+    got = (d.backend_name, d.backend_reason)
+    d.close()
+    return got
+
+
+def _elastic_buffer(v2: Any) -> None:
+    import torch.distributed as dist
+
+    v2.ElasticBuffer(
+        dist.group.WORLD, num_bytes=2 << 20, allow_hybrid_mode=False, explicitly_destroy=True
+    ).destroy()
+
+
+def _ep_buffer(v25: Any) -> None:
+    import torch.distributed as dist
+
+    v25.EPBuffer(
+        dist.group.WORLD, num_bytes=2 << 20, allow_hybrid_mode=False, explicitly_destroy=True
+    ).destroy()
+
+
+# --------------------------------------------------------------------------------------- Q1, EW1
+def q1_nccl_rule(rank: int, out: dict[str, Any]) -> None:
+    from tests.deepep_emu.runtime.nccl import EMU_NCCL
+
+    v2, v25 = _emu(4, "2.1.0"), _emu(4)
+    both = {"deep_ep": v2, "deep_ep_v25": v25}
+    worst = {"num_worst_tokens": 8, "ranks_per_node": 4}
+    with EMU_NCCL.pinned((2, 32, 6)):  # the V2.5 image
+        out["q1_v2"] = _raises(lambda: _pick(v2, 8, backend="deepep", deepep_api="v2", **worst))
+        out["q1_auto_v25"] = _pick(both, 8, **worst)
+        v25.runtime.emu_gin["ginType"] = 0  # V2.5 refused here: what does auto fall back to?
+        try:
+            out["q1_auto"] = _pick(both, 8, **worst)
+            out["q1_v25_refused"] = _raises(
+                lambda: _pick(both, 8, backend="deepep", deepep_api="v25", **worst)
+            )
+        finally:
+            v25.runtime.emu_gin["ginType"] = 3
+        out["ew1_v2"] = _raises(lambda: _elastic_buffer(v2), RuntimeError)
+    with EMU_NCCL.pinned((2, 30, 7)):  # the sgl-deep-ep image
+        out["q1_v25"] = _raises(lambda: _pick(v25, 8, backend="deepep", deepep_api="v25"))
+        out["q1_auto_v2"] = _pick(both, 8, **worst)
+        out["ew1_v25"] = _raises(lambda: _ep_buffer(v25), RuntimeError)
+
+
+# --------------------------------------------------------------------------------------- Q6, EW2
+def q6_pcie(rank: int, out: dict[str, Any]) -> None:
+    v2 = _emu(4, "2.1.0")
+    v2.emu_device_name = "NVIDIA A100-PCIE-40GB"
+    try:
+        out["q6_v2"] = _raises(
+            lambda: _pick(v2, 8, backend="deepep", deepep_api="v2", num_worst_tokens=8)
+        )
+        out["q6_v1"] = _raises(lambda: _pick(v2, 8, backend="deepep", deepep_api="v1"))
+        out["q6_auto"] = _pick(v2, 8, num_worst_tokens=8)
+        out["ew2_v2"] = _raises(lambda: _elastic_buffer(v2), AssertionError)
+    finally:
+        v2.emu_device_name = "NVIDIA H100 80GB HBM3"
+
+
+# -------------------------------------------------------------------------------------------- Q9
+def q9_disable_gin(rank: int, out: dict[str, Any]) -> None:
+    with _env(EP_DISABLE_GIN="1"):
+        out["q9_v25_two_nodes"] = _raises(
+            lambda: _pick(_emu(2), 8, backend="deepep", deepep_api="v25")
+        )
+        out["q9_v2_two_nodes"] = _raises(
+            lambda: _pick(
+                _emu(2, "2.1.0"),
+                8,
+                backend="deepep",
+                deepep_api="v2",
+                num_worst_tokens=8,
+                ranks_per_node=2,
+            )
+        )
+        out["q9_v25_one_node"] = _pick(_emu(4), 8, backend="deepep", deepep_api="v25")
+
+
+# --------------------------------------------------------------------------------------- Q2, EW4
+def ew4_device_api(rank: int, out: dict[str, Any]) -> None:
+    v2, v25 = _emu(4, "2.1.0"), _emu(4)
+    with _env(NCCL_CUMEM_ENABLE="0"):
+        out["ew4_adapter_v25"] = _raises(lambda: _pick(v25, 8, backend="deepep", deepep_api="v25"))
+        out["ew4_adapter_v2"] = _raises(
+            lambda: _pick(v2, 8, backend="deepep", deepep_api="v2", num_worst_tokens=8)
+        )
+        with _env(EP_DISABLE_GIN="1"):
+            out["ew4a_v25"] = _raises(lambda: _ep_buffer(v25), RuntimeError)
+            out["ew4a_v2"] = _raises(lambda: _elastic_buffer(v2), RuntimeError)
+    # EW4b: built with EP_DISABLE_GIN across 2 emulated nodes (GIN on the fabric, so NCCL has
+    # symmetric memory): DeepEP builds no GIN contexts, and its first kernel across nodes traps
+    import torch.distributed as dist
+
+    two = _emu(2)
+    two.emu_probes.update(nvlink_gbs=450.0, rdma_gbs=50.0)
+    buf = None
+    try:
+        with _env(EP_DISABLE_GIN="1"):
+            buf = two.EPBuffer(
+                dist.group.WORLD,
+                num_max_tokens_per_rank=16,
+                hidden=256,
+                num_topk=2,
+                allow_hybrid_mode=True,
+                explicitly_destroy=True,
+            )
+        x = torch.randn(2, 256).bfloat16()
+        idx, p = torch.tensor([[0, 5], [9, 14]]), torch.rand(2, 2)
+        out["ew4b"] = _raises(
+            lambda: buf.dispatch(
+                x, topk_idx=idx, topk_weights=p, num_experts=16, num_max_tokens_per_rank=16,
+                num_sms=8,
+            ),
+            RuntimeError,
+        )  # fmt: skip
+    finally:
+        two.emu_probes.update(nvlink_gbs=0.0, rdma_gbs=0.0)
+        if buf is not None:
+            buf.destroy()
+
+
+CHECKS = (q1_nccl_rule, q6_pcie, q9_disable_gin, ew4_device_api)
+
+
+def worker(rank: int, R: int, names: tuple[str, ...] = ()) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for check in CHECKS:
+        if not names or check.__name__ in names:
+            try:
+                check(rank, out)
+            except Exception as exc:  # one failing check must not hide the others
+                out[f"{check.__name__}_crashed"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def _hint(text: str) -> str:
+    """What a refusal suggests (its ``use ...`` tail)."""
+    return text.rsplit("; use ", 1)[-1] if "; use " in text else ""
+
+
+def expect(name: str, outs: list[dict[str, Any]]) -> None:
+    for out in outs:
+        assert f"{name}_crashed" not in out, out[f"{name}_crashed"]
+        if name == "q1_nccl_rule":
+            assert "ValueError" in out["q1_v2"] and "NCCL 2.30.7" in out["q1_v2"], out["q1_v2"]
+            assert "2.32.6" in out["q1_v2"] and "'v2'" not in _hint(out["q1_v2"]), out["q1_v2"]
+            assert out["q1_auto_v25"][1].endswith(")") and "v25" in out["q1_auto_v25"][1], out
+            backend, why = out["q1_auto"]  # V2.5 refused, V2 cannot run: V1, never V2
+            assert backend == "deepep" and "DeepEP API: v1" in why, why
+            assert "ElasticBuffer" not in why and "NCCL 2.30.7" in why, why
+            refused = out["q1_v25_refused"]
+            assert "ginType = NONE" in refused and "'v2'" not in _hint(refused), refused
+            assert "'v1'" in _hint(refused), refused
+            assert "elastic.nccl_version" in out["ew1_v2"], out["ew1_v2"]
+            assert "NCCL >= 2.32.3" in out["q1_v25"] and "2.30.7" in out["q1_v25"], out
+            assert "'v25'" not in _hint(out["q1_v25"]), out["q1_v25"]
+            assert "DeepEP API: v2" in out["q1_auto_v2"][1], out["q1_auto_v2"]
+            assert "nccl.caller_too_new" in out["ew1_v25"], out["ew1_v25"]
+        elif name == "q6_pcie":
+            for key in ("q6_v2", "q6_v1"):
+                assert "ValueError" in out[key] and "PCIe" in out[key], out[key]
+                assert "deepep_api" not in _hint(out[key]), out[key]  # no other generation
+            assert out["q6_auto"][0] == "torch" and "PCIe" in out["q6_auto"][1], out["q6_auto"]
+            assert "pairwise NVLink" in out["ew2_v2"], out["ew2_v2"]
+        elif name == "q9_disable_gin":
+            for key in ("q9_v25_two_nodes", "q9_v2_two_nodes"):
+                assert "ValueError" in out[key] and "EP_DISABLE_GIN" in out[key], out[key]
+                assert "across 2 nodes" in out[key], out[key]
+            assert out["q9_v25_one_node"][0] == "deepep", out["q9_v25_one_node"]
+        elif name == "ew4_device_api":
+            for key in ("ew4_adapter_v25", "ew4_adapter_v2"):
+                assert "symmetric memory" in out[key] and "NCCL_CUMEM_ENABLE" in out[key], out
+            for key in ("ew4a_v25", "ew4a_v2"):
+                assert "nccl.devcomm_symmetric" in out[key], out[key]
+            assert "ep.no_gin_context" in out["ew4b"], out["ew4b"]
+
+
+def failures(outs: list[dict[str, Any]]) -> dict[str, str]:
+    """Each check's assertion failure (empty when it holds)."""
+    got = {}
+    for check in CHECKS:
+        if f"{check.__name__}_crashed" not in outs[0] and not any(
+            k.startswith(check.__name__.split("_")[0]) for k in outs[0]
+        ):
+            continue  # not run
+        try:
+            expect(check.__name__, outs)
+        except (AssertionError, KeyError) as exc:
+            got[check.__name__] = f"{type(exc).__name__}: {str(exc)[:600]}"
+    return got
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_issue44() -> None:
+    outs = run_group(worker, 4, timeout=240, pg_timeout=60)
+    bad = failures(outs)
+    assert not bad, "\n".join(f"{k}: {v}" for k, v in bad.items())
