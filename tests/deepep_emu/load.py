@@ -62,6 +62,7 @@ from typing import Any
 
 import torch
 
+from tests.deepep_emu.runtime import memory
 from tests.deepep_emu.runtime.module import make_runtime_module
 
 __all__ = ["emulator_or_skip", "load_deep_ep", "wheel_dir", "WHEEL"]
@@ -186,6 +187,9 @@ def load_deep_ep(nvl_peers: int = 8, release: str = "2.1.0") -> types.ModuleType
     pkg.NUM_MAX_NVL_PEERS = nvl_peers
     pkg.num_max_nvl_peers = lambda: nvl_peers
     pkg.emu_device_name = "NVIDIA H100 80GB HBM3"
+    pkg.emu_device_memory = None  # unlimited (runtime/memory.py)
+    pkg.emu_empty_cache = lambda: memory.empty_cache(pkg)
+    runtime.emu_package = pkg
     if elastic is not None and envs is not None:
         elastic.check_nvlink_connections = check_nvlink_connections
         elastic.torch = _torch_proxy()

@@ -14,6 +14,9 @@ one check can be run alone (e.g. on the code before its fix):
 - ``q6_pcie`` (Q6, EW2): V1 and V2 assert the PCIe rule too (``check_nvlink_connections``).
 - ``q9_disable_gin`` (Q9): ``EP_DISABLE_GIN`` across nodes is refused (V2.5 and V2), on one node
   it is DeepEP's recipe.
+- ``q3_fit_memory`` (Q3, EW6): DeepEP allocates outside PyTorch's cache (the emulated buffers
+  too): a V1 buffer one rank cannot allocate is refused on every rank before DeepEP's collective
+  constructor; PyTorch's unused cache is returned to the driver before it is counted.
 - ``ew4_device_api`` (Q2, EW4): ``NCCL_CUMEM_ENABLE=0`` turns NCCL's symmetric memory off: the
   adapter refuses V2.5 and V2, and the emulated ``EPBuffer`` fails in ``ncclDevCommCreate`` as
   NCCL does, also with ``EP_DISABLE_GIN``; a buffer built with ``EP_DISABLE_GIN`` across nodes
@@ -189,7 +192,56 @@ def ew4_device_api(rank: int, out: dict[str, Any]) -> None:
             buf.destroy()
 
 
-CHECKS = (q1_nccl_rule, q6_pcie, q9_disable_gin, ew4_device_api)
+# --------------------------------------------------------------------------------------- Q3, EW6
+def _step(d: Any, rank: int, E: int, T: int = 4, H: int = 256, k: int = 2) -> None:
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    res = d.dispatch(x, idx, torch.rand(T, k, generator=g))
+    d.combine(res.recv_x, res.handle)
+
+
+def q3_fit_memory(rank: int, out: dict[str, Any]) -> None:
+    from flexdispatch import DispatchConfig, FlexDispatcher
+
+    short = {"free": 1 << 20, "torch_reserved": 0, "torch_allocated": 0}
+    # EW6: DeepEP's allocators get the driver's free memory only; every rank short here, so
+    # nobody waits in the collective step after the allocation
+    v2, v25 = _emu(4, "2.1.0"), _emu(4)
+    for pkg, key, build in ((v25, "ew6_v25", _ep_buffer), (v2, "ew6_v2", _elastic_buffer)):
+        pkg.emu_device_memory = dict(short, torch_reserved=40 << 30)
+        try:
+            out[key] = _raises(lambda build=build, pkg=pkg: build(pkg), RuntimeError)
+        finally:
+            pkg.emu_device_memory = None
+    # Q3, V1: rank 1 cannot allocate the Buffer: every rank raises before DeepEP's collective
+    # constructor (at 1aba7f0 rank 1 failed in cudaMalloc while its peers waited in its IPC
+    # exchange until the group's timeout)
+    d = FlexDispatcher(
+        DispatchConfig(backend="deepep", deepep_api="v1", ranks_per_node=4), num_experts=8,
+        _deep_ep=v2,
+    )  # fmt: skip
+    v2.emu_device_memory = dict(short) if rank == 1 else None
+    try:
+        out["q3_v1"] = _raises(lambda: _step(d, rank, 8))
+    finally:
+        v2.emu_device_memory = None
+        d.close()
+    # Q3, V2.5: rank 1 has 1 MiB free and 40 GiB of PyTorch's cache: the agreement returns the
+    # cache to the driver there (what ncclMemAlloc can then get) and the build goes ahead
+    mem = dict(short, torch_reserved=40 << 30)
+    v25.emu_device_memory = mem if rank == 1 else None
+    try:
+        d = FlexDispatcher(DispatchConfig(backend="deepep", deepep_api="v25"), num_experts=8,
+                           _deep_ep=v25)  # fmt: skip
+        out["q3_v25_cache"] = _raises(lambda: _step(d, rank, 8), Exception)
+        out["q3_v25_reserved"] = mem["torch_reserved"] if rank == 1 else 0
+        d.close()
+    finally:
+        v25.emu_device_memory = None
+
+
+CHECKS = (q1_nccl_rule, q6_pcie, q9_disable_gin, ew4_device_api, q3_fit_memory)
 
 
 def worker(rank: int, R: int, names: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -243,6 +295,13 @@ def expect(name: str, outs: list[dict[str, Any]]) -> None:
             for key in ("ew4a_v25", "ew4a_v2"):
                 assert "nccl.devcomm_symmetric" in out[key], out[key]
             assert "ep.no_gin_context" in out["ew4b"], out["ew4b"]
+        elif name == "q3_fit_memory":
+            for key in ("ew6_v25", "ew6_v2"):
+                assert "out of memory" in out[key] and "ncclMemAlloc" in out[key], out[key]
+            assert "ValueError" in out["q3_v1"] and "rank(s) 1" in out["q3_v1"], out["q3_v1"]
+            assert "every rank raises" in out["q3_v1"], out["q3_v1"]
+            assert out["q3_v25_cache"] == "", out["q3_v25_cache"]
+            assert out["q3_v25_reserved"] == 0, out  # rank 1 returned its cache; others had none
 
 
 def failures(outs: list[dict[str, Any]]) -> dict[str, str]:

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from . import limits, strict, transport
+from . import limits, memory, strict, transport
 from .bounded import BoundedRuntime, NcclComms, expert_counts
 from .config import EventHandle
 from .nccl import FakeLibNccl
@@ -160,6 +160,7 @@ class ElasticRuntime(BoundedRuntime):
         if num_cpu_bytes:
             raise NotImplementedError("the emulated ElasticBuffer has no CPU buffer (Engram)")
         self.device_comm(module, num_ranks, allow_hybrid_mode, rel, v25=False)
+        memory.allocate(module, num_bytes, "ncclMemAlloc")  # before the window registration
         self.group = group
         self.rank, self.num_ranks = rank_idx, num_ranks
         self.num_bytes = num_bytes
@@ -179,6 +180,8 @@ class ElasticRuntime(BoundedRuntime):
         return 1, self.num_ranks
 
     def destroy(self) -> None:
+        if not self.destroyed:
+            memory.release(self.module, self.num_bytes)
         self.destroyed = True
 
     def barrier(self, use_comm_stream: bool, with_cpu_sync: bool, sequential: bool) -> None:

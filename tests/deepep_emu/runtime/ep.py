@@ -77,7 +77,7 @@ from typing import Any
 import torch
 
 from . import ep_layout as lay
-from . import limits, transport
+from . import limits, memory, transport
 from .bounded import BoundedRuntime, NcclComms, expert_counts, gin_disabled
 from .config import EventHandle
 from .nccl import FakeLibNccl
@@ -147,6 +147,7 @@ class EPRuntime(BoundedRuntime):
         _h(0 < num_ranks <= 1024, "ep.num_ranks", f"R={num_ranks}")
         _h(0 < num_allocated_qps <= 1024, "ep.qps", f"{num_allocated_qps} QPs")
         self.device_comm(module, num_ranks, allow_hybrid_mode, REL, v25=True)
+        memory.allocate(module, num_buffer_bytes, "ncclMemAlloc")  # before the window registration
         self.mod = module
         self.rank, self.num_ranks = rank_idx, num_ranks
         self.num_bytes = num_buffer_bytes
@@ -172,6 +173,7 @@ class EPRuntime(BoundedRuntime):
         with transport.kernel("ep_barrier"):  # comm::barrier of every rank (buffers/ep.hpp:106)
             transport.barrier(self.context.group)
         self.destroyed = True
+        memory.release(self.mod, self.num_bytes)
         self.main_context = None
         self.region = self.host_counts = None  # context->finalize() frees the window
 
