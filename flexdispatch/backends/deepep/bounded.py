@@ -342,9 +342,10 @@ class BoundedBackend(DispatchBackend):
                 recv_scales = sizing.zero_invalid_rows_(recv_scales, valid)
         else:
             self._stats.host_syncs += 1  # DeepEP's CPU wait for the receive counts
-            count_list = handle.num_recv_tokens_per_expert_list
-            pairs = int(sum(count_list))
-            counts = torch.tensor(count_list, dtype=torch.int64, device=recv_idx.device)
+            pairs = int(sum(handle.num_recv_tokens_per_expert_list))
+            # NOTE: counted on the device (issue 44, Q8: the host list made a tensor is a
+            # pageable copy with a stream synchronisation)
+            counts = sizing.count_valid(recv_idx.reshape(-1), local.reshape(-1), e)
         state = BoundedState(
             handle=handle,
             wire=launch.wire,
@@ -395,9 +396,11 @@ class BoundedBackend(DispatchBackend):
                 recv_scales = sizing.zero_invalid_rows_(recv_scales[:N], valid)
         else:
             self._stats.host_syncs += 1  # DeepEP's CPU wait for the receive counts
-            counts = torch.tensor(
-                handle.num_recv_tokens_per_expert_list, dtype=torch.int64, device=recv.device
-            )
+            # NOTE: DeepEP's own device counts, aligned as its host list is (issue 44, Q8: no
+            # pageable host-to-device copy)
+            a = self.expert_alignment
+            counts = handle.num_unaligned_recv_tokens_per_expert.to(torch.int64)
+            counts = (counts + a - 1) // a * a
         state = BoundedState(
             handle=handle,
             wire=launch.wire,

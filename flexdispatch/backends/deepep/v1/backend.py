@@ -614,7 +614,10 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
             # NOTE: DeepEP zeroes the weight of every slot whose id is not local (the sender
             # writes 0 beside -1), and its count list is exact for expert_alignment=1.
             pairs = int(sum(count_list))
-            counts = torch.tensor(count_list, dtype=torch.int64, device=recv_idx.device)
+            # NOTE: counted on the device from the received ids (issue 44, Q8): the host list
+            # made a tensor is a pageable copy with a stream synchronisation
+            ids = recv_idx.reshape(-1).to(torch.int64)
+            counts = sizing.count_valid(ids, ids >= 0, e)
         if recv_idx.dtype != torch.int64:
             recv_idx = recv_idx.to(torch.int64)
 
