@@ -184,7 +184,9 @@ class EPRuntime(BoundedRuntime):
         U = self.d.scaleup
         n, group = got["n"], got["group"]
         reg = self.region
-        if reg is None or reg["sig"] != sig:  # another token layout: the old bytes mean nothing
+        # another token layout, or another M (the slots are rank * M + token): the old bytes
+        # mean nothing
+        if reg is None or reg["sig"] != sig or reg["cap"] != cap:
             xd, H, packs, sfd, k, with_w = sig
             reg = self.region = {
                 "sig": sig,
