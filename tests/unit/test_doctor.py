@@ -359,6 +359,8 @@ TOP_KEYS = {
     "nvshmem",
     "launcher",
     "selection",
+    "gin",  # issue 44: DeepEP V2 / 2.5's NCCL preconditions
+    "side_group",  # issue 44: what a gloo group of the job would bind
 }
 
 
