@@ -25,6 +25,8 @@ one check can be run alone (e.g. on the code before its fix):
   tokens; every rank then grows M and dispatches again: every token arrives.
 - ``q7_num_sms`` (Q7): a second V1 dispatcher's ``deepep_num_sms`` leaves an earlier one's
   channels alone (1aba7f0: ``Buffer.set_num_sms`` is process-wide; internode.cu:1209 asserts).
+- ``ew3_streams`` (EW3): the deferred epilogue run early on another call's stream is waited for
+  on the waiter's stream before its rows are read (emulated streams and events).
 - ``ew4_device_api`` (Q2, EW4): ``NCCL_CUMEM_ENABLE=0`` turns NCCL's symmetric memory off: the
   adapter refuses V2.5 and V2, and the emulated ``EPBuffer`` fails in ``ncclDevCommCreate`` as
   NCCL does, also with ``EP_DISABLE_GIN``; a buffer built with ``EP_DISABLE_GIN`` across nodes
@@ -452,6 +454,39 @@ def q7_num_sms(rank: int, out: dict[str, Any]) -> None:
     a.close()
 
 
+# ------------------------------------------------------------------------------------------- EW3
+def ew3_streams(rank: int, out: dict[str, Any]) -> None:
+    """Two overlapped dispatches on one buffer, on two emulated streams: B's start runs A's
+    pending epilogue first, on B's stream S2; A's wait() on S1 must make S1 wait for it before
+    the rows are read (``PendingExpanded.join``). 1aba7f0 recorded the event for CUDA tensors
+    only, so on CPU the cross-stream join never ran (the emulator's streams trap the read)."""
+    from flexdispatch import DispatchConfig, FlexDispatcher
+    from tests.deepep_emu import streams
+
+    E, k, H, T = 16, 2, 256, 4
+    v25 = _emu(4)
+    st, undo = streams.install(v25)
+    try:
+        cfg = DispatchConfig(backend="deepep", deepep_api="v25", num_worst_tokens=4 * T)
+        d = FlexDispatcher(cfg, num_experts=E, _deep_ep=v25)
+        g = torch.Generator().manual_seed(rank)
+        xs = [torch.randn(T, H, generator=g).to(torch.bfloat16) for _ in range(2)]
+        idx = [torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) for _ in xs]
+        p = torch.rand(T, k, generator=g)
+        with st.stream("S1"):
+            a = d.dispatch_expanded_start(xs[0], idx[0], p)
+        with st.stream("S2"):
+            b = d.dispatch_expanded_start(xs[1], idx[1], p)  # runs A's epilogue first, on S2
+        with st.stream("S1"):
+            out["ew3"] = _raises(a.wait, RuntimeError)
+        with st.stream("S2"):
+            b.wait()
+        out["ew3_recorded"] = list(st.recorded)
+        d.close()
+    finally:
+        undo()
+
+
 CHECKS = (
     q1_nccl_rule,
     q6_pcie,
@@ -461,6 +496,7 @@ CHECKS = (
     q4_q5_q8_hot_path,
     q4_over_the_bound,
     q7_num_sms,
+    ew3_streams,
 )
 
 
@@ -537,6 +573,9 @@ def expect(name: str, outs: list[dict[str, Any]]) -> None:
                 assert got["err"] < 1e-4 and got["overflow"] == "", got
                 assert got["bound"] == 64 and got["retries"] == 1, got  # bucket(40), once
                 assert got["deepep_agreements"] >= 4, got
+        elif name == "ew3_streams":
+            assert out["ew3"] == "", out["ew3"]
+            assert "S1" in out["ew3_recorded"], out  # the rows recorded as used on the waiter's
         elif name == "q7_num_sms":
             assert out["q7_after"] == "", out["q7_after"]
             assert out["q7_class_sms"] == 20, out  # DeepEP's class attribute left as it was

@@ -246,6 +246,11 @@ class EPRuntime(BoundedRuntime):
         out["counts"] = expert_counts(local, e)
         return out
 
+    def _on_stream(self, result: Any) -> Any:
+        """A deferred epilogue's rows, tagged with the emulated stream it ran on (``streams``)."""
+        tag = getattr(self.mod, "emu_streams", None)
+        return result if tag is None else tag.wrote(result)
+
     def print_memory_usage(self) -> None:
         print(f"[DeepEP memory usage] rank_idx={self.rank}, buffer {self.num_bytes} bytes")
 
@@ -420,7 +425,7 @@ class EPRuntime(BoundedRuntime):
         )
         if defer_epilogue:
             _h(async_with_compute_stream, "ep.defer_dispatch")
-            return None, EventHandle(), lambda: self._dispatch_epilogue(*args)
+            return None, EventHandle(), lambda: self._on_stream(self._dispatch_epilogue(*args))
         result = self._dispatch_epilogue(*args)
         return result, (EventHandle() if async_with_compute_stream else None), None
 
@@ -813,6 +818,7 @@ def make_ep_runtime_module(nvl_peers: int) -> Any:
     mod.emu_capturing = False
     mod.emu_jit_cache = set()
     mod.emu_jit_compiles = Counter()
+    mod.emu_streams = None  # tests/deepep_emu/streams.py
     # the network NCCL finds (GDAKI by default; a test sets a GIN type to 0 = NONE, as DeepEP
     # #629's single B300 node): what ncclCommQueryProperties reports follows from it (nccl.py)
     mod.emu_gin = {"ginType": 3, "railedGinType": 3, "gdaki": True, "all_p2p": True}

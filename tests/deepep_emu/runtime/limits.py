@@ -883,6 +883,15 @@ _ALL = [
 _ALL += [_L(i, k, t, n, {ep_limits.RELEASE: (p, ln)}) for i, k, t, n, p, ln in ep_limits.EP_ROWS]
 _ALL += [_L(*row) for row in strict.ROWS]  # audit-3 E1-E7
 _ALL += [_L(*row) for row in nccl.NCCL_ROWS]  # NCCL's own (issue 44)
+_ALL.append(
+    _L(
+        "stream.cross_read",
+        "device",
+        "a deferred epilogue's rows read on another stream than the one they were written on, without waiting for an event recorded after them: no check in DeepEP (a race on the GPU; tests/deepep_emu/streams.py)",
+        "current_stream_wait",
+        {},
+    )
+)
 _ALL += [
     _L(
         f"{prefix}.no_gin_context",

@@ -61,6 +61,7 @@ from flexdispatch.backends.deepep.bounded import (
     Launch,
     sent_tokens,
 )
+from flexdispatch.backends.deepep.v25 import rows
 from flexdispatch.backends.deepep.v25.buffer import (
     acquire_v25,
     check_epilogue,
@@ -398,6 +399,7 @@ class DeepEPV25Backend(BoundedBackend):
             self._shared.pending = None
         p.settle()
         p.join()  # NOTE: an epilogue run early on another stream: this stream waits for it
+        rows.STREAMS.used(rows.tensors_of(p.result))
         recv, _, recv_w, handle = p.result
         if self._agreed(p.launch.agreement):  # NOTE: a rank was over the bound: it grew, again
             self._account_dispatch(handle, p.launch.traffic, p.row_bytes)
