@@ -44,20 +44,7 @@ import pytest
 import torch
 
 from tests.dist.harness import run_group
-
-
-def _raises(fn: Any, kind: Any = ValueError) -> str:
-    try:
-        fn()
-    except kind as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return ""
-
-
-def _emu(L: int, release: str = "2.5.0") -> Any:
-    from tests.deepep_emu.load import load_deep_ep
-
-    return load_deep_ep(nvl_peers=L, release=release)
+from tests.dist.test_deepep_audit4 import _emu, _raises
 
 
 @contextlib.contextmanager
@@ -74,11 +61,15 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _pick(emu: Any, E: int, **kw: Any) -> tuple[str, str]:
-    """``(backend, reason)`` of a dispatcher built (and closed) on ``emu``."""
+def _dispatcher(emu: Any, E: int, group: Any = None, **kw: Any) -> Any:
     from flexdispatch import DispatchConfig, FlexDispatcher
 
-    d = FlexDispatcher(DispatchConfig(**kw), num_experts=E, _deep_ep=emu)
+    return FlexDispatcher(DispatchConfig(**kw), num_experts=E, group=group, _deep_ep=emu)
+
+
+def _pick(emu: Any, E: int, **kw: Any) -> tuple[str, str]:
+    """``(backend, reason)`` of a dispatcher built (and closed) on ``emu``."""
+    d = _dispatcher(emu, E, **kw)
     got = (d.backend_name, d.backend_reason)
     d.close()
     return got
@@ -212,7 +203,6 @@ def _step(d: Any, rank: int, E: int, T: int = 4, H: int = 256, k: int = 2) -> No
 
 
 def q3_fit_memory(rank: int, out: dict[str, Any]) -> None:
-    from flexdispatch import DispatchConfig, FlexDispatcher
 
     short = {"free": 1 << 20, "torch_reserved": 0, "torch_allocated": 0}
     # EW6: DeepEP's allocators get the driver's free memory only; every rank short here, so
@@ -227,10 +217,7 @@ def q3_fit_memory(rank: int, out: dict[str, Any]) -> None:
     # Q3, V1: rank 1 cannot allocate the Buffer: every rank raises before DeepEP's collective
     # constructor (at 1aba7f0 rank 1 failed in cudaMalloc while its peers waited in its IPC
     # exchange until the group's timeout)
-    d = FlexDispatcher(
-        DispatchConfig(backend="deepep", deepep_api="v1", ranks_per_node=4), num_experts=8,
-        _deep_ep=v2,
-    )  # fmt: skip
+    d = _dispatcher(v2, 8, backend="deepep", deepep_api="v1", ranks_per_node=4)
     v2.emu_device_memory = dict(short) if rank == 1 else None
     try:
         out["q3_v1"] = _raises(lambda: _step(d, rank, 8))
@@ -242,8 +229,7 @@ def q3_fit_memory(rank: int, out: dict[str, Any]) -> None:
     mem = dict(short, torch_reserved=40 << 30)
     v25.emu_device_memory = mem if rank == 1 else None
     try:
-        d = FlexDispatcher(DispatchConfig(backend="deepep", deepep_api="v25"), num_experts=8,
-                           _deep_ep=v25)  # fmt: skip
+        d = _dispatcher(v25, 8, backend="deepep", deepep_api="v25")
         out["q3_v25_cache"] = _raises(lambda: _step(d, rank, 8), Exception)
         out["q3_v25_reserved"] = mem["torch_reserved"] if rank == 1 else 0
         d.close()
@@ -375,10 +361,7 @@ def q4_q5_q8_hot_path(rank: int, out: dict[str, Any]) -> None:
         if real is not None:
             distributed._runs_on_host = real
     v1 = _emu(4, "2.1.0")
-    d = FlexDispatcher(
-        DispatchConfig(backend="deepep", deepep_api="v1", ranks_per_node=4), num_experts=16,
-        _deep_ep=v1,
-    )  # fmt: skip
+    d = _dispatcher(v1, 16, backend="deepep", deepep_api="v1", ranks_per_node=4)
     _step(d, rank, 16)
     with _Spy(v1.runtime) as spy:
         _step(d, rank, 16)
@@ -434,19 +417,12 @@ def q7_num_sms(rank: int, out: dict[str, Any]) -> None:
     pair with deepep_num_sms=2 (legal there), then the first again: its channels are its own."""
     import torch.distributed as dist
 
-    from flexdispatch import DispatchConfig, FlexDispatcher
-
     emu = _emu(2, "1.2.1")
-    a = FlexDispatcher(
-        DispatchConfig(backend="deepep", deepep_api="v1", ranks_per_node=2), num_experts=8,
-        _deep_ep=emu,
-    )  # fmt: skip
+    v1 = {"backend": "deepep", "deepep_api": "v1", "ranks_per_node": 2}
+    a = _dispatcher(emu, 8, **v1)
     _step(a, rank, 8)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    b = FlexDispatcher(
-        DispatchConfig(backend="deepep", deepep_api="v1", ranks_per_node=2, deepep_num_sms=2),
-        num_experts=4, group=pairs[rank // 2], _deep_ep=emu,
-    )  # fmt: skip
+    b = _dispatcher(emu, 4, pairs[rank // 2], **v1, deepep_num_sms=2)
     _step(b, rank % 2, 4)
     out["q7_after"] = _raises(lambda: _step(a, rank, 8), (RuntimeError, AssertionError))
     out["q7_class_sms"] = int(emu.Buffer.num_sms)
