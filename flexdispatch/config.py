@@ -258,7 +258,11 @@ class DispatchConfig(_Strict):
         "outputs allocated there); the current stream waits on the GPU, never the host.",
     )
     deepep_num_sms: _Int | None = Field(
-        None, gt=0, le=_MAX, description="DeepEP Buffer.set_num_sms (even; process-wide in DeepEP)."
+        None,
+        gt=0,
+        le=_MAX,
+        description="SMs of DeepEP's kernels for this dispatcher (V1: even, in the Config of each "
+        "call, never DeepEP's process-wide Buffer.set_num_sms).",
     )
     deepep_api: Annotated[Literal["auto", "v1", "v2", "v25"], BeforeValidator(_deepep_api)] = Field(
         "auto",

@@ -17,16 +17,13 @@ timeout, with the original error chained.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import hashlib
 import json
 import math
 import os
 import socket
-import threading
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,7 +38,6 @@ __all__ = [
     "group_size",
     "group_rank",
     "collective_device",
-    "host_gather_int64",
     "resolve_ranks_per_node",
     "cut_to_hosts",
     "host_id",
@@ -139,75 +135,6 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
         if "nccl" in backend:
             return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-_HOST_GROUPS: dict[int, tuple[dist.ProcessGroup, Any]] = {}  # id(group) -> (group, side)
-_HOST_GROUP_SERIALS: dict[str, int] = {}  # side groups made for a group name, this process
-_HOST_GROUPS_LOCK = threading.Lock()
-
-
-def _runs_on_host(group: dist.ProcessGroup | None) -> bool:
-    return collective_device(group).type == "cpu"
-
-
-def _side_group(pg: dist.ProcessGroup) -> Any:
-    """A gloo backend of ``pg``'s ranks for host ints, made at the first call and kept (one per
-    group), or None where this torch lacks what it is built from (the caller then gathers on
-    ``pg`` itself).
-
-    Built on the default store under a prefix of ``pg``'s own name, which its members share,
-    and a count of the side groups this process made for that name (``pg`` and its side groups
-    are made in the same order on every member), instead of ``dist.new_group``: a group that
-    only its members create is named after how many groups each member already holds, and ranks
-    that joined different groups before (a ``new_group([0])`` for logging) would wait on
-    different names until the timeout. It keeps ``pg``'s timeout. Not registered with
-    torch.distributed: its collectives are called on the backend itself.
-    """
-    get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
-    gloo = getattr(dist, "ProcessGroupGloo", None)
-    if get_store is None or gloo is None:
-        return None
-    name = str(pg.group_name)
-    serial = _HOST_GROUP_SERIALS.get(name, 0)
-    _HOST_GROUP_SERIALS[name] = serial + 1
-    store = dist.PrefixStore(f"flexdispatch/host_ints/{name}/{serial}", get_store())
-    timeout_s = process_group_timeout_s(pg)
-    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else dist.default_pg_timeout
-    return gloo(store, dist.get_rank(pg), pg.size(), timeout)
-
-
-def host_gather_int64(
-    values: Sequence[int], group: dist.ProcessGroup | None = None, *, name: str
-) -> list[list[int]]:
-    """Every rank's ``values`` (the same count on each), rank-major, gathered on the host: for
-    agreeing on a few ints (token counts, a "fits" flag) without a device collective, whose host
-    read would wait for the device stream (a host sync on CUDA).
-
-    On a group whose collectives run on the CPU (gloo, no group) that group gathers them. On an
-    NCCL group a gloo backend of the same ranks does (``_side_group``), made at the first call:
-    every rank of ``group`` makes that call at the same point of its sequence of collectives (a
-    dispatch is collective), and only they take part. Where this torch cannot build one, the
-    group gathers them on its device (then one host sync).
-
-    Raises:
-        CollectiveError: ``name`` failed (a peer failed, the timeout passed).
-    """
-    flat = torch.tensor(list(values), dtype=torch.int64)
-    if not is_distributed(group) or _runs_on_host(group):
-        return all_gather_int64(flat, group, name=name).tolist()
-    pg = group if group is not None else dist.group.WORLD
-    with _HOST_GROUPS_LOCK:
-        known = _HOST_GROUPS.get(id(pg))
-        if known is None or known[0] is not pg:
-            with collective_guard(f"{name}: building its gloo side group", group):
-                known = _HOST_GROUPS[id(pg)] = (pg, _side_group(pg))
-    side = known[1]
-    if side is None:
-        return all_gather_int64(flat.to(collective_device(group)), group, name=name).tolist()
-    out = torch.empty(pg.size(), flat.numel(), dtype=torch.int64)
-    with collective_guard(name, group):
-        side.allgather([list(out.unbind(0))], [flat]).wait()
-    return out.tolist()
 
 
 def resolve_ranks_per_node(configured: int | None, num_ranks: int) -> tuple[int, str]:

@@ -18,7 +18,6 @@ from flexdispatch._checks.tensors import is_capturing
 from flexdispatch.distributed import (
     collective_guard,
     group_size,
-    host_gather_int64,
     is_distributed,
     start_gather_int64,
 )
@@ -27,7 +26,7 @@ __all__ = [
     "DTYPE_CODES",
     "check_agreement",
     "count_vector",
-    "agree_tokens",
+    "check_token_rows",
     "exchange_counts",
     "recv_pairs",
     "start_exchange",
@@ -80,19 +79,9 @@ def exchange_counts(
     return G
 
 
-def agree_tokens(
-    T: int,
-    shape: tuple[int, int, torch.dtype],
-    group: dist.ProcessGroup | None,
-    *,
-    refusal: str | None = None,
-    name: str,
-) -> list[int]:
-    """Every rank's token count T, agreed on the host (a dropless DeepEP V2 / V2.5 bound, or a
-    worst-case check), with its row shape ``(X, k, dtype)`` and whether it refuses its rows: one
-    all-gather of the same five ints ``[T, X, k, dtype code, refused]`` on every rank, whatever
-    its checks setting, gathered on the host (``host_gather_int64``: gloo, no device collective,
-    so no host sync on CUDA).
+def check_token_rows(rows: list[list[int]], refusal: str | None = None) -> list[int]:
+    """Every rank's T from the gathered ``[T, X, k, dtype code, refused]`` rows (rank-major),
+    after checking them alike on every rank.
 
     Args:
         refusal: why this rank cannot send its rows (a backend's limit), or None.
@@ -103,12 +92,9 @@ def agree_tokens(
     Raises:
         ValueError: on every rank alike, when the ranks' row shapes differ (``check_agreement``)
             or a rank refuses its rows (that rank raises its reason, the others name it).
-        CollectiveError: ``name``'s all-gather failed (a peer failed or timed out).
     """
-    vals = [T, shape[0], shape[1], DTYPE_CODES.get(shape[2], -1), int(refusal is not None)]
-    got = host_gather_int64(vals, group, name=name)
-    check_agreement([r[1:4] for r in got], num_ranks=0, num_nodes=0)
-    refused = [r for r, row in enumerate(got) if row[4]]
+    check_agreement([r[1:4] for r in rows], num_ranks=0, num_nodes=0)
+    refused = [r for r, row in enumerate(rows) if row[4]]
     if refusal is not None:
         raise ValueError(refusal)
     if refused:
@@ -116,7 +102,7 @@ def agree_tokens(
             f"rank(s) {', '.join(map(str, refused))} cannot send these rows (their error names "
             f"the limit), so every rank raises before any row moves"
         )
-    return [r[0] for r in got]
+    return [r[0] for r in rows]
 
 
 EXCHANGE_NAME = "all_gather (dispatch count exchange)"

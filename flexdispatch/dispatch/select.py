@@ -27,6 +27,7 @@ all-reduce agrees on it.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from types import ModuleType
 
 import torch.distributed as dist
@@ -65,6 +66,37 @@ def backend_class(api: str) -> type[DispatchBackend]:
 _V25_NOT_EVERYWHERE = "deep_ep_v25.EPBuffer is usable here but not on every rank"
 
 
+def _v25_local(
+    config: DispatchConfig,
+    group: dist.ProcessGroup | None,
+    *,
+    module: ModuleType | None,
+    hooked: bool,
+) -> tuple[bool, str, ModuleType | None]:
+    """The local part of ``_v25_support``: normal mode, DeepEP 2.5 imports and has ``EPBuffer``,
+    an NCCL group on CUDA, its NCCL rule on this process's runtime (``nccl.nccl_rule``) and the
+    PCIe rule (``support.pcie_rule``). No collective: ``(ok, reason, module)``."""
+    from flexdispatch.backends.deepep.nccl import generation_rule
+    from flexdispatch.backends.deepep.support import group_is_nccl_on_cuda, is_emulator, pcie_rule
+    from flexdispatch.backends.deepep.v25.support import load_deep_ep_v25, v25_available
+
+    if config.mode != "normal":
+        return False, "deepep_api='v25': DeepEP 2.5 has no low-latency kernels", None
+    why = "no deep_ep_v25 module given (test hook)"
+    if not hooked:
+        module, why = load_deep_ep_v25()
+    ok, why = v25_available(module, why)
+    if ok and module is not None and not is_emulator(module):
+        ok, nccl = group_is_nccl_on_cuda(group)
+        why = why if ok else nccl
+    if ok and module is not None:
+        ok, rule = generation_rule("v25", module)
+        why = f"{why}; {rule}" if ok else rule
+    if ok and module is not None:
+        ok, why = pcie_rule(module, group_size(group), why)
+    return ok, why, module
+
+
 def _v25_support(
     config: DispatchConfig,
     group: dist.ProcessGroup | None,
@@ -76,8 +108,8 @@ def _v25_support(
 ) -> tuple[bool, str, bool]:
     """Whether DeepEP 2.5 can serve this group here (``v25.support.v25_rules``), judged as its
     constructor will: on DeepEP's own NVLink (NCCL LSA) domain, not ``ranks_per_node`` (a
-    launcher's local world size need not be the NVLink domain), and on NCCL's GIN report
-    (``gin.gin_support``: the buffer asserts on it otherwise).
+    launcher's local world size need not be the NVLink domain), and on NCCL's report of its
+    device API and GIN (``gin.gin_support``: the buffer asserts on it otherwise).
 
     Collective whenever it is called with ``mode='normal'``: the domain query needs the group's
     communicator, so it runs only where every rank has DeepEP 2.5 (one small all-reduce first).
@@ -87,22 +119,13 @@ def _v25_support(
         (so a refusal is worth naming when ``auto`` picks another API).
     """
     from flexdispatch.backends.deepep.gin import gin_support
-    from flexdispatch.backends.deepep.support import group_is_nccl_on_cuda, is_emulator
-    from flexdispatch.backends.deepep.v25.support import load_deep_ep_v25, v25_available, v25_rules
+    from flexdispatch.backends.deepep.v25.support import v25_rules
 
     del ranks_per_node  # NOTE: DeepEP 2.5 reads its NVLink domain from NCCL, not the launcher
     if config.mode != "normal":
         return False, "deepep_api='v25': DeepEP 2.5 has no low-latency kernels (use 'v1')", False
-    why = "no deep_ep_v25 module given (test hook)"
-    if not hooked:
-        module, why = load_deep_ep_v25()
-    ok, why = v25_available(module, why)
-    if ok and module is not None and not is_emulator(module):
-        ok, nccl = group_is_nccl_on_cuda(group)
-        why = why if ok else nccl
+    ok, why, module = _v25_local(config, group, module=module, hooked=hooked)
     R = group_size(group)
-    if ok and module is not None:
-        ok, why = _pcie_rule(module, R, why)
     if R > 1 and not all_reduce_min_flag(ok, group):
         return False, why if not ok else _V25_NOT_EVERYWHERE, False
     if not ok or module is None:
@@ -119,29 +142,11 @@ def _v25_support(
     )
     if not ok:
         return False, rule, True
-    ok, gin = gin_support(module, world, hybrid=hybrid, generation="v25", num_ranks=R)
+    nodes = R // max(min(L, R), 1)
+    ok, gin = gin_support(module, world, hybrid=hybrid, generation="v25", num_ranks=R, nodes=nodes)
     if not ok:
         return False, gin, True
     return True, f"{why}; {rule}; {gin}", True
-
-
-def _pcie_rule(module: ModuleType, R: int, why: str) -> Capability:
-    """DeepEP 2.5's ``EPBuffer`` asserts at most 2 ranks on PCIe GPUs (pairwise NVLink only,
-    deep_ep_v25/utils/envs.py:156-157), at the first dispatch: refused at selection instead."""
-    import torch
-
-    from flexdispatch.backends.deepep.support import is_emulator
-
-    if is_emulator(module):
-        name = getattr(module, "emu_device_name", "")
-    else:
-        name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-    if "PCIE" in name and R > 2:
-        return False, (
-            f"DeepEP 2.5 takes at most 2 ranks on PCIe GPUs ({name}: pairwise NVLink only, an "
-            f"assert in EPBuffer): use deepep_api='v1' / 'v2' or backend='torch'"
-        )
-    return True, why
 
 
 def _v2_support(
@@ -155,6 +160,7 @@ def _v2_support(
     """Whether the V2 path can serve this group here (local answer): DeepEP's topology rules
     (worst-case mode allowed across nodes), normal mode, and ``deep_ep.ElasticBuffer``."""
     from flexdispatch.backends.deepep.gin import gin_support
+    from flexdispatch.backends.deepep.nccl import generation_rule
     from flexdispatch.backends.deepep.v2.backend import v2_available
 
     if config.mode != "normal":
@@ -177,18 +183,23 @@ def _v2_support(
     if num_experts > 2048 or R > 1024 or num_experts // R > 256:
         return False, (
             f"DeepEP V2 takes E <= 2048 experts, R <= 1024 ranks and at most 256 local experts, "
-            f"got E={num_experts}, R={R}, e={num_experts // R}: use deepep_api='v1'"
+            f"got E={num_experts}, R={R}, e={num_experts // R}"
         )
     module = deep_ep if deep_ep is not None else load_deep_ep()[0]
     has, reason = v2_available(module)
     if not has:
         return False, reason
-    # NOTE: V2's buffer asserts NCCL GIN (direct mode: ginType) unless EP_DISABLE_GIN
+    ok, rule = generation_rule("v2", module)
+    if not ok:
+        return False, rule
+    # NOTE: V2's buffer builds an NCCL device communicator and asserts GIN (direct mode:
+    # ginType) unless EP_DISABLE_GIN
     world = group if group is not None else dist.group.WORLD
-    ok, gin = gin_support(module, world, hybrid=False, generation="v2", num_ranks=R)
+    nodes = R // max(min(ranks_per_node, R), 1)
+    ok, gin = gin_support(module, world, hybrid=False, generation="v2", num_ranks=R, nodes=nodes)
     if not ok:
         return False, gin
-    return True, f"{why}; {reason}; {gin}"
+    return True, f"{why}; {reason}; {rule}; {gin}"
 
 
 BACKENDS = ("torch", "deepep")
@@ -248,13 +259,14 @@ def select_backend(
             hooked=hooked,
         )
     v25 = v25_3[:2]
-    if requested == "v25":
-        note = "DeepEP API: v25 deep_ep_v25.EPBuffer (deepep_api='v25' requested)"
-        return _build(config, group, "v25", v25, note, kwargs, v25_module)
-    if hooked and deep_ep is None:
-        v1 = (False, "no deep_ep module given (test hook)")
-    else:
-        v1 = deepep_support(
+    known: dict[str, Capability] = {}
+    if requested in ("v25", "auto"):
+        known["v25"] = v25
+
+    def v1_support() -> Capability:
+        if hooked and deep_ep is None:
+            return False, "no deep_ep module given (test hook)"
+        return deepep_support(
             group=group,
             num_experts=num_experts,
             ranks_per_node=ranks_per_node,
@@ -264,18 +276,34 @@ def select_backend(
             num_max_dispatch_tokens_per_rank=config.num_max_dispatch_tokens_per_rank,
             deep_ep=deep_ep,
         )
-    if requested == "v1":
-        note = "DeepEP API: v1 deep_ep.Buffer (deepep_api='v1')"
-        return _build(config, group, "v1", v1, note, kwargs, deep_ep)
-    if hooked and deep_ep is None:
-        v2 = (False, "no deep_ep module given (test hook)")
-    else:
-        v2 = _v2_support(
+
+    def v2_support() -> Capability:
+        if hooked and deep_ep is None:
+            return False, "no deep_ep module given (test hook)"
+        return _v2_support(
             config, group, num_experts=num_experts, ranks_per_node=ranks_per_node, deep_ep=deep_ep
         )
+
+    def v25_local() -> Capability:
+        return _v25_local(config, group, module=v25_module, hooked=hooked)[:2]
+
+    local = {"v25": v25_local, "v2": v2_support, "v1": v1_support}
+
+    def others(api: str) -> str:
+        """The other generations that can run here (never one whose own check failed)."""
+        return _alternatives(api, known, local)
+
+    if requested == "v25":
+        note = "DeepEP API: v25 deep_ep_v25.EPBuffer (deepep_api='v25' requested)"
+        return _build(config, group, "v25", v25, note, kwargs, v25_module, others=others)
+    v1 = known["v1"] = v1_support()
+    if requested == "v1":
+        note = "DeepEP API: v1 deep_ep.Buffer (deepep_api='v1')"
+        return _build(config, group, "v1", v1, note, kwargs, deep_ep, others=others)
+    v2 = known["v2"] = v2_support()
     if requested == "v2":
         note = "DeepEP API: v2 deep_ep.ElasticBuffer (deepep_api='v2' requested)"
-        return _build(config, group, "v2", v2, note, kwargs, deep_ep)
+        return _build(config, group, "v2", v2, note, kwargs, deep_ep, others=others)
     across = group_size(group) > ranks_per_node
     api, why = auto_deepep_api(config, v2, v1, v25, across_nodes=across)
     if v25[1] == _V25_NOT_EVERYWHERE:
@@ -298,7 +326,22 @@ def select_backend(
         support = (support[0], f"{support[1]}; DeepEP 2.5 not used: {v25[1]}")
     everywhere = {"v25": ok_v25, "v2": ok_v2, "v1": ok_v1}[api]
     module = v25_module if api == "v25" else deep_ep
-    return _build(config, group, api, support, note, kwargs, module, everywhere=everywhere)
+    return _build(
+        config, group, api, support, note, kwargs, module, everywhere=everywhere, others=others
+    )
+
+
+def _alternatives(
+    api: str, known: dict[str, Capability], local: dict[str, Callable[[], Capability]]
+) -> str:
+    """``"deepep_api='v1' / 'v2', "`` for the generations other than ``api`` whose own support
+    check passes in this process (known, or its local part computed now), or ``""``: a refusal
+    never suggests a generation that cannot run here (issue 44, Q1)."""
+    names = []
+    for other in ("v25", "v2", "v1"):
+        if other != api and (known[other] if other in known else local[other]())[0]:
+            names.append(f"'{other}'")
+    return f"deepep_api={' / '.join(names)}, " if names else ""
 
 
 _BUFFER_CLASS = {
@@ -318,11 +361,12 @@ def _build(
     deep_ep: ModuleType | None,
     *,
     everywhere: bool | None = None,
+    others: Callable[[str], str] = lambda api: "",
 ) -> tuple[DispatchBackend, str]:
     """Build the deepep backend of ``api`` (or, with ``backend='auto'``, torch when it cannot
     serve every rank; with ``backend='deepep'``, raise on every rank when one cannot build it).
     ``everywhere``: the support already agreed across ranks (None: agree here with one small
-    all-reduce)."""
+    all-reduce); ``others(api)``: the hint naming the generations that can run here instead."""
     ok, why = support
     cls = backend_class(api)
     what = "deepep backend" + (f" with deepep_api={api!r}" if api != "v1" else "")
@@ -330,7 +374,7 @@ def _build(
         if everywhere is None:  # NOTE: a rank that cannot build it makes every rank raise
             everywhere = all_reduce_min_flag(ok, group)
         if not ok:
-            alt = {"v25": "deepep_api='v2' / 'v1', ", "v2": "deepep_api='v1', "}.get(api, "")
+            alt = others(api)
             raise ValueError(f"{what} not available: {why}; use {alt}backend='torch' or 'auto'")
         if everywhere is False:
             raise ValueError(
@@ -414,7 +458,9 @@ def auto_deepep_api(
     if "num_max_dispatch_tokens_per_rank" in config.model_fields_set:
         M = config.num_max_dispatch_tokens_per_rank
         return "v2", f"dropless with num_max_dispatch_tokens_per_rank={M} set"
+    # NOTE: only generations whose own check passed here are named (V2 did, to get here)
+    also = (" / 'v25'", " / V2.5") if v25 is not None and v25[0] else ("", "")
     return "v1", (
-        "dropless with no per-rank token bound: V1 takes any T (set "
-        "num_max_dispatch_tokens_per_rank, or deepep_api='v2' / 'v25' for V2 / V2.5)"
+        f"dropless with no per-rank token bound: V1 takes any T (set "
+        f"num_max_dispatch_tokens_per_rank, or deepep_api='v2'{also[0]} for V2{also[1]})"
     )

@@ -22,13 +22,27 @@ it needs no cluster.
   ``reason``; ``gpus``: list of ``{index, name, total_memory_bytes, compute_capability ("9.0"),
   multi_processor_count}``.
 - ``nccl``: ``available`` (``dist.is_nccl_available()``), ``version`` ("2.21.5" or null),
-  ``reason``. ``gloo``: ``available``.
+  ``reason``; ``runtime``: {``version`` (this process's NCCL runtime or null), ``source``,
+  ``library`` (the one mapped ``libnccl.so*`` or null), ``detail``}; ``plugins``: {``mapped``
+  (NCCL plugins mapped now), ``would_load`` (``[{kind, name, path, source}]``: what NCCL would
+  ``dlopen`` at its first communicator, resolved on ``LD_LIBRARY_PATH`` / ``ldconfig -p``),
+  ``deepep_import_after_communicator`` (``"no plugin"`` / ``"plugin-tolerant"`` /
+  ``"refused"``), ``detail``} (``doctor.nccl``). ``gloo``: ``available``.
 - ``deep_ep``: ``importable``, ``usable`` (imports and flexdispatch has its backend), ``reason``
   (the exact import error when it fails), ``version``, ``path``, ``emulator`` (the test emulator),
   ``elastic`` (it has DeepEP V2's ``ElasticBuffer``).
 - ``deep_ep_generations``: {``v1``, ``v2``, ``v25``}, each {``ok``, ``api`` (``deep_ep.Buffer``,
-  ``deep_ep.ElasticBuffer``, ``deep_ep_v25.EPBuffer``), ``reason``}; ``v25`` also ``version`` and
-  ``wheel`` (``doctor.v25.probe_generations``).
+  ``deep_ep.ElasticBuffer``, ``deep_ep_v25.EPBuffer``), ``reason``, ``nccl_rule`` {``rule``
+  (``"none (NVSHMEM)"``, ``"== 2.30.7"``, ``">= 2.32.3"``, ``"unknown build"``), ``ok`` (null:
+  the runtime is unknown here), ``detail``}}; ``v25`` also ``version`` and ``wheel``
+  (``doctor.v25.probe_generations``).
+- ``gin``: DeepEP V2 / 2.5's NCCL preconditions as the environment shows them: ``source``,
+  ``ep_disable_gin``, ``nodes``, ``cumem_enable``, ``win_enable``, ``gin_type_env``,
+  ``gin_type``, ``railed_gin_type``, ``gdaki_support``, ``device_api_support``, ``ok_v2``,
+  ``ok_v25`` (null where only NCCL's report on a communicator can tell), ``detail``.
+- ``side_group``: ``needed`` (false: no gloo side group is built), ``reason``,
+  ``gloo_socket_ifname``, ``hostname``, ``hostname_address``, ``hostname_loopback``,
+  ``rendezvous_address`` (the local address on the route to ``MASTER_ADDR``), ``warning``.
 - ``deep_ep_v25``: DeepEP 2.5's run-time needs, a list of {``name`` (``wheel``, ``torch_cuda``,
   ``nvcc``, ``cxx20``, ``nccl``, ``nccl_loaded``, ``ibstat``, ``nvidia-smi``, ``links``,
   ``gin``), ``ok``,
@@ -67,6 +81,13 @@ import torch.distributed as dist
 
 from flexdispatch.backends.base import Capability
 from flexdispatch.distributed import env_int
+from flexdispatch.doctor.nccl import (
+    nccl_rules,
+    probe_gin,
+    probe_nccl_runtime,
+    probe_plugins,
+    probe_side_group,
+)
 from flexdispatch.doctor.probe import (
     probe_cuda,
     probe_deep_ep,
@@ -524,6 +545,9 @@ def run_doctor(
         else:
             selection.update(backend="torch", reason=f"auto: torch fallback ({api['reason']})")
     selection["deepep_api"] = api
+    runtime = probe_nccl_runtime()
+    nccl_rules(gens, runtime)
+    nccl = dict(nccl, runtime=runtime, plugins=probe_plugins())
     return {
         "schema": SCHEMA,
         "flexdispatch_version": flexdispatch.__version__,
@@ -553,6 +577,8 @@ def run_doctor(
         "nvshmem": probe_nvshmem(),
         "launcher": probe_launcher(),
         "selection": selection,
+        "gin": probe_gin(None, world_size=R, ranks_per_node=L),
+        "side_group": probe_side_group(),
     }
 
 

@@ -122,7 +122,10 @@ def probe_deep_ep() -> dict[str, Any]:
     try:
         usable, reason = deepep_available()
     except Exception as exc:  # e.g. RuntimeError from a CUDA check at import time
-        usable, reason = False, f"import deep_ep failed: {type(exc).__name__}: {exc}"
+        usable, reason = (
+            False,
+            f"deep_ep is installed but refused to import ({type(exc).__name__}: {exc})",
+        )
     module = sys.modules.get("deep_ep")
     out: dict[str, Any] = {
         "importable": module is not None,

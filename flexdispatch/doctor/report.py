@@ -30,6 +30,19 @@ def format_report(report: dict[str, Any]) -> str:
         f"nccl       {_mark(n['available'])}"
         + (f"version {n['version']}" if n["version"] else n["reason"])
     )
+    rt = n.get("runtime")
+    if rt is not None:
+        lines.append(
+            f"  runtime  {rt['version'] or 'unknown'} ({rt['detail']})"
+            + (f"; {rt['library']}" if rt["library"] else "")
+        )
+    pl = n.get("plugins")
+    if pl is not None:
+        found = ", ".join(f"{w['kind']} {w['path']}" for w in pl["would_load"]) or "none"
+        lines.append(
+            f"  plugins  mapped {', '.join(pl['mapped']) or 'none'}; at the first communicator "
+            f"{found}; DeepEP import after it: {pl['deepep_import_after_communicator']}"
+        )
     lines.append(
         f"gloo       {_mark(report['gloo']['available'])}"
         + ("available" if report["gloo"]["available"] else "not built")
@@ -52,6 +65,26 @@ def format_report(report: dict[str, Any]) -> str:
         )
         if not gens["v25"]["ok"]:
             lines.append(f"           V2.5: {gens['v25']['reason']}")
+        for name, g in (("V1", gens["v1"]), ("V2", gens["v2"]), ("V2.5", gens["v25"])):
+            rule = g.get("nccl_rule")
+            if rule is not None:
+                mark = "?? " if rule["ok"] is None else _mark(rule["ok"])
+                lines.append(f"  nccl     {mark}{name} needs NCCL {rule['rule']}: {rule['detail']}")
+    gin = report.get("gin")
+    if gin is not None:
+        verdict = " ".join(
+            f"{name} {'?' if gin[key] is None else 'ok' if gin[key] else 'NO'}"
+            for name, key in (("V2", "ok_v2"), ("V2.5", "ok_v25"))
+        )
+        lines.append(f"gin        {verdict} ({gin['source']}): {gin['detail']}")
+    side = report.get("side_group")
+    if side is not None:
+        lines.append(
+            f"gloo bind  {side['gloo_socket_ifname'] or side['hostname_address'] or '?'} "
+            f"(GLOO_SOCKET_IFNAME or {side['hostname']}); route to the rendezvous "
+            f"{side['rendezvous_address'] or 'unknown'}"
+            + (f" — {side['warning']}" if side["warning"] else "")
+        )
     for chk in report.get("deep_ep_v25", []):
         mark = _mark(chk["ok"]) if chk["ok"] or chk["level"] == "error" else "warn "
         fix = f" — fix: {chk['fix']}" if chk["fix"] else ""

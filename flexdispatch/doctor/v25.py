@@ -260,18 +260,24 @@ def _links_check(probed: tuple[float, float, bool] | None) -> dict[str, Any]:
 
 
 def _gin_check(env: Mapping[str, str], nccl_loaded: tuple[int, ...] | None) -> dict[str, Any]:
-    """DeepEP V2 / 2.5 assert NCCL GIN at buffer creation unless ``EP_DISABLE_GIN``."""
+    """DeepEP V2 / 2.5's NCCL preconditions at buffer creation (issue 44: the whole set)."""
     from flexdispatch.backends.deepep.gin import gin_disabled
 
     if gin_disabled(env):
         return _check(
-            "gin", True, "EP_DISABLE_GIN set: DeepEP V2 / 2.5 skip their NCCL GIN check", ""
+            "gin",
+            True,
+            "EP_DISABLE_GIN set: DeepEP V2 / 2.5 skip their GIN checks (on one node only: across "
+            "nodes selection refuses it; NCCL's device API is still needed)",
+            "",
         )
     reported = nccl_loaded is None or tuple(nccl_loaded) >= (2, 29, 4)
     detail = (
-        "DeepEP V2 / 2.5 assert NCCL GIN (2.5: GDAKI) when they build their buffer, also on one "
-        "node; backend selection asks NCCL (ncclCommQueryProperties on the group's communicator) "
-        "and falls back with the reason"
+        "DeepEP V2 / 2.5 need NCCL's device API (symmetric memory) and a GIN type (2.5: with "
+        "GDAKI support) when they build their buffer, also on one node; backend selection asks "
+        "NCCL (ncclCommQueryProperties on the group's communicator, as each generation asks) and "
+        "falls back with the reason; the doctor's 'gin' field says what the environment "
+        "already turns off"
         + ("" if reported else f"; NCCL {_version(tuple(nccl_loaded or ()))} does not report it")
     )
     fix = (

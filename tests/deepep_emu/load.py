@@ -19,20 +19,23 @@ cannot run here, so this loader assembles the package itself:
 
 One patch, applied only to the loaded ``legacy`` module: ``check_nvlink_connections(group)``
 (which calls ``torch.cuda.get_device_name``, raising on a CPU build) is replaced by a function
-that records ``group`` for the emulated ``_C.Buffer`` that ``Buffer.__init__`` builds next — the
-compiled runtime gets only ``rank`` and ``num_ranks``, and the emulation needs the group to move
-rows over gloo.
+that keeps DeepEP's PCIe rule (utils/envs.py:155-156; v1.2.1 utils.py:76-77: when the emulated
+device's name, ``emu_device_name``, default an SXM H100, contains ``PCIE``, a group of more than 2
+ranks fails its ``assert``; the NVML pair check after it is not emulated) and records ``group``
+for the emulated ``_C.Buffer`` that ``Buffer.__init__`` builds next — the compiled runtime gets
+only ``rank`` and ``num_ranks``, and the emulation needs the group to move rows over gloo.
 
 Release ``"2.1.0"`` also loads DeepEP V2, ``deep_ep/buffers/elastic.py`` (with the
 ``deep_ep.utils`` modules it imports: ``comm``, ``math``, ``semantic``), unchanged, and exports
 ``ElasticBuffer``, ``EPHandle``, ``get_physical_domain_size`` and ``get_logical_domain_size``
-(over ``runtime.elastic``; release ``"1.2.1"`` has no V2 and exports none of them). The NCCL
+(over ``runtime.elastic``; release ``"1.2.1"`` has no V2 and exports none of them), and
+``emu_nccl``, the emulated NCCL the adapter asks (``runtime.nccl.FakeLibNccl``). The NCCL
 communicator needs no patch: on a gloo group ``utils/comm.py`` takes its fallback (one
 ``all_gather_object`` of ``_C.get_local_nccl_unique_id()``, then ``_C.create_nccl_comm``).
 Patches, applied only to the loaded ``elastic`` module's namespace:
 
-- ``check_nvlink_connections(group)``: records ``group`` as for ``legacy`` (elastic.py:320 calls
-  it just before ``_C.ElasticBuffer``);
+- ``check_nvlink_connections(group)``: the PCIe rule and the record, as for ``legacy``
+  (elastic.py:320 calls it just before ``_C.ElasticBuffer``);
 - ``torch``: a proxy module that forwards every name to ``torch`` except ``cuda``, whose
   ``synchronize`` is a no-op (``ElasticBuffer.__init__`` calls it around its barrier,
   elastic.py:365-367) and whose ``get_device_properties`` describes the emulated device
@@ -59,6 +62,7 @@ from typing import Any
 
 import torch
 
+from tests.deepep_emu.runtime import memory
 from tests.deepep_emu.runtime.module import make_runtime_module
 
 __all__ = ["emulator_or_skip", "load_deep_ep", "wheel_dir", "WHEEL"]
@@ -165,6 +169,8 @@ def load_deep_ep(nvl_peers: int = 8, release: str = "2.1.0") -> types.ModuleType
         sys.modules.update(saved)
 
     def check_nvlink_connections(group: Any) -> None:
+        if "PCIE" in pkg.emu_device_name:  # utils/envs.py:155-156 (v1.2.1 utils.py:76-77)
+            assert group.size() <= 2, "PCIe GPUs only have pairwise NVLink connections"
         runtime.pending_group = group
 
     legacy.check_nvlink_connections = check_nvlink_connections
@@ -180,6 +186,10 @@ def load_deep_ep(nvl_peers: int = 8, release: str = "2.1.0") -> types.ModuleType
     pkg.EMULATED_RELEASE = release
     pkg.NUM_MAX_NVL_PEERS = nvl_peers
     pkg.num_max_nvl_peers = lambda: nvl_peers
+    pkg.emu_device_name = "NVIDIA H100 80GB HBM3"
+    pkg.emu_device_memory = None  # unlimited (runtime/memory.py)
+    pkg.emu_empty_cache = lambda: memory.empty_cache(pkg)
+    runtime.emu_package = pkg
     if elastic is not None and envs is not None:
         elastic.check_nvlink_connections = check_nvlink_connections
         elastic.torch = _torch_proxy()
@@ -191,6 +201,6 @@ def load_deep_ep(nvl_peers: int = 8, release: str = "2.1.0") -> types.ModuleType
         pkg.get_physical_domain_size = envs.get_physical_domain_size
         pkg.get_logical_domain_size = envs.get_logical_domain_size
         pkg.elastic = elastic
-        pkg.emu_nccl_properties = lambda: dict(runtime.emu_gin)
+        pkg.emu_nccl = runtime.emu_nccl
     _CACHE[key] = pkg
     return pkg

@@ -56,6 +56,7 @@ from typing import Any
 
 import torch
 
+from tests.deepep_emu.runtime import memory
 from tests.deepep_emu.runtime.ep import make_ep_runtime_module
 from tests.deepep_emu.runtime.ep_limits import WHEEL, wheel_root
 
@@ -114,7 +115,10 @@ def load_v25(nvl_peers: int = 8) -> types.ModuleType:
         runtime.pending_group = group
 
     pkg.emu_device_name = "NVIDIA H100 80GB HBM3"
-    pkg.emu_nccl_properties = lambda: dict(runtime.emu_gin)
+    pkg.emu_nccl = runtime.emu_nccl
+    pkg.emu_device_memory = None  # unlimited (runtime/memory.py)
+    pkg.emu_empty_cache = lambda: memory.empty_cache(pkg)
+    runtime.emu_package = pkg
     pkg.emu_probes = {"nvlink_gbs": 0.0, "rdma_gbs": 0.0, "fast_atomics": False}
     ep.check_nvlink_connections = check_nvlink_connections
     ep.torch = _torch_proxy()

@@ -125,7 +125,9 @@ def test_deepep_api_field_and_worst_case_across_nodes_on_the_elastic_path():
     DispatchConfig(backend="deepep", num_worst_tokens=32).check_world(16, 8)
     graphs = {"backend": "deepep", "num_worst_tokens": 32, "cuda_graph": True}
     DispatchConfig(**graphs).check_world(16, 8)
-    with pytest.raises(ValueError, match=r"cuda_graph=True needs it.*deepep_api='v2'"):
+    # issue 44 (Q1): the hint names 'auto' (which picks a generation that can run here), never a
+    # generation whose NCCL rule may fail in this process
+    with pytest.raises(ValueError, match=r"cuda_graph=True needs it.*deepep_api='auto'"):
         DispatchConfig(**graphs, deepep_api="v1").check_world(16, 8)
     # the same through MoEConfig: 2 nodes of 8 with cuda_graph=True on V2, refused on V1
     layer = load_config("tiny_cpu")

@@ -150,14 +150,14 @@ def test_failed_probes_take_documented_defaults_and_never_win() -> None:
 
 
 def test_gin_rule_follows_deepep() -> None:
-    """P6: V2.5 asserts the (railed, in hybrid mode) GIN type (its GDAKI assert is left to
-    DeepEP: that field's offset is not verified); V2 the GIN type for R > 1; ``EP_DISABLE_GIN``
-    (a non-zero integer) waives both; unknown does not refuse."""
+    """P6: V2.5 asserts the (railed, in hybrid mode) GIN type and GDAKI support (issue 44, Q2:
+    the GDAKI field's offset is verified from the V2.5 ``_C``); V2 the GIN type for R > 1;
+    ``EP_DISABLE_GIN`` (a non-zero integer) waives both; unknown does not refuse."""
     none = {"ginType": 0, "railedGinType": 3, "gdaki": True}
     assert not gin.gin_rule(none, hybrid=False, generation="v25")[0]
     assert gin.gin_rule(none, hybrid=True, generation="v25")[0]
     no_gdaki = {"ginType": 2, "railedGinType": 2, "gdaki": False}
-    assert gin.gin_rule(no_gdaki, hybrid=False, generation="v25")[0]
+    assert not gin.gin_rule(no_gdaki, hybrid=False, generation="v25")[0]
     assert gin.gin_rule(no_gdaki, hybrid=False, generation="v2")[0]
     fake = types.SimpleNamespace(emu_nccl_properties=lambda: dict(none))
     ok, why = gin.gin_support(fake, None, hybrid=False, generation="v25", num_ranks=8, env={})

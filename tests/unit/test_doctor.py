@@ -254,7 +254,7 @@ def test_probe_deep_ep_reports_the_exact_import_error(tmp_path: Path, fresh_modu
         expected = f"{type(exc).__name__}: {exc}"
     got = probe_deep_ep()
     assert got["importable"] is False and got["usable"] is False
-    assert got["reason"] == f"import deep_ep failed: {expected}"
+    assert got["reason"] == f"deep_ep is installed but refused to import ({expected})"
 
 
 class _NoDeepEP:
@@ -270,7 +270,9 @@ def test_probe_deep_ep_missing(fresh_modules) -> None:
     fresh_modules.setattr(sys, "meta_path", [_NoDeepEP(), *sys.meta_path])
     got = probe_deep_ep()
     assert got["importable"] is False
-    assert got["reason"] == "import deep_ep failed: ModuleNotFoundError: No module named 'deep_ep'"
+    assert got["reason"] == (
+        "deep_ep is not installed (ModuleNotFoundError: No module named 'deep_ep')"
+    )
 
 
 def test_probe_deep_ep_wheel_on_a_cpu_machine(fresh_modules) -> None:
@@ -286,7 +288,7 @@ def test_probe_deep_ep_wheel_on_a_cpu_machine(fresh_modules) -> None:
         pytest.skip("a CUDA build of torch may load the wheel for real")
     got = probe_deep_ep()
     assert got["importable"] is False and got["usable"] is False
-    assert got["reason"].startswith("import deep_ep failed: ImportError: ")
+    assert got["reason"].startswith("deep_ep is installed but refused to import (ImportError: ")
     assert "does not provide CUDA" in got["reason"]
 
 
@@ -357,6 +359,8 @@ TOP_KEYS = {
     "nvshmem",
     "launcher",
     "selection",
+    "gin",  # issue 44: DeepEP V2 / 2.5's NCCL preconditions
+    "side_group",  # issue 44: what a gloo group of the job would bind
 }
 
 

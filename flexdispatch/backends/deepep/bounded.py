@@ -9,11 +9,19 @@ any row width · N expanded rows.
 Both releases size their buffer, and compile or lay out their kernels, for a static bound on the
 tokens each rank sends (``num_max_tokens_per_rank``), so ``BoundedBackend`` keeps it:
 
-- **Dropless**: every token is sent. Every rank's T and row shape are agreed on the host first
-  (``counts.agree_tokens``: a gloo all-gather of five ints, no device collective, no host sync);
-  when a rank has more than M, every rank raises M at this same call (``_grow_bound``; the shared
-  buffer grows with it: DeepEP needs one bound on every rank), as V1's buffers grow. One host
-  sync: DeepEP's CPU wait for the receive counts. Not capturable.
+- **Dropless**: every token is sent, under one bound M on every rank (DeepEP's receive slots are
+  ``rank * M + token``). The ranks agree with one all-gather of five ints on the group itself,
+  started before the dispatch and read after DeepEP's own CPU wait (``agreement.Agreement``: no
+  host sync of its own, no side group). A rank over M sends its first M tokens, so DeepEP's
+  collective completes everywhere; then every rank sees the largest T, raises M at this same call
+  (``_grow_bound``; the shared buffer grows with it, once every rank agreed it fits) and
+  dispatches again with every token (``stats.extra["deepep_bound_retries"]``): nothing lost, no
+  rank waiting alone. The first dispatch of each row shape reads the same all-gather before the
+  dispatch instead (agreed once per shape: a row refusal can hold on one rank's device only, and
+  that rank must not leave its peers inside DeepEP), and M grows first; with checks on every
+  dispatch reads it before (its errors raised before any row moves, every rank's values named:
+  ``counts.check_token_rows``). One host sync otherwise: DeepEP's CPU wait for the receive counts.
+  Not capturable.
 - **Worst-case** (``W``, a multiple of R): a rank may send at most ``M = W / R`` tokens (its receive
   slots on every rank). With checks on, the same agreement makes every rank raise for the worst
   rank; with checks off a rank over M sends its first M tokens (the others combine to zero) and
@@ -50,8 +58,9 @@ import torch.distributed as dist
 
 from flexdispatch._checks.tensors import checks_enabled
 from flexdispatch.backends.base import Capability, DispatchBackend
-from flexdispatch.backends.counts import agree_tokens
+from flexdispatch.backends.counts import check_token_rows
 from flexdispatch.backends.deepep import sizing
+from flexdispatch.backends.deepep.agreement import Agreement, pinned_buffers
 from flexdispatch.backends.deepep.buffer import BoundedSize
 from flexdispatch.backends.deepep.counters import TrafficCounters
 from flexdispatch.distributed import collective_device
@@ -133,6 +142,9 @@ class Launch:
         T: tokens of the caller (more than the dispatch sent when a rank was over M); X: width.
         k: top-k; sms: the SM count it ran on.
         traffic: what the backend counts its combines' bytes with (V2.5), or None.
+        agreement: a deferred dropless dispatch's agreement, read when it is finished
+            (``BoundedBackend._agreed``), and ``again`` its inputs, dispatched again when a rank
+            was over the bound; else None.
     """
 
     wire: sizing.WireFormat
@@ -142,6 +154,8 @@ class Launch:
     k: int
     sms: int
     traffic: Any = None
+    agreement: Any = None
+    again: Any = None
 
     def handle(self, rows: int, state: BoundedState) -> DispatchHandle:
         return DispatchHandle(
@@ -186,6 +200,8 @@ class BoundedBackend(DispatchBackend):
         self._need_tokens = 0  # most tokens a rank had to dispatch, when over M (checks off)
         self._peak_tokens = 0  # dropless: the largest T the ranks agreed on so far
         self._grown_from: tuple[int, int] | None = None  # the bound before a growth not yet built
+        self._pinned = pinned_buffers(collective_device(self.group))  # the agreement's, on CUDA
+        self._agreed_shapes: set[tuple] = set()  # dropless row shapes whose refusals were agreed
         self._closed = False
 
     # ----------------------------------------------------------------- what a subclass gives
@@ -249,28 +265,65 @@ class BoundedBackend(DispatchBackend):
             extra["deepep_buffer_allocations"] = extra.get("deepep_buffer_allocations", 0) + 1
         return buffer
 
-    def _check_tokens(self, T: int, shape: tuple, refusal: str | None = None) -> int:
-        """The tokens this rank sends (module docstring), after every rank agreed on the bound
-        and on its rows: ``shape`` = ``(X, k, dtype)``, ``refusal`` why the release cannot run
-        them here (or None; with checks off in worst-case mode no collective runs: the refusal is
-        a function of the shape the ranks must agree on)."""
+    def _check_tokens(
+        self, T: int, shape: tuple, refusal: str | None = None
+    ) -> tuple[int, Agreement | None]:
+        """The tokens this rank sends now (module docstring), and the dropless agreement to read
+        after the dispatch (``_agreed``), or None: ``shape`` = ``(X, k, dtype)``, ``refusal``
+        why the release cannot run them here (or None).
+
+        Every rank issues the same all-gather at the same point whatever its ``checks``
+        setting; it is read before the dispatch with checks on, in worst-case mode with checks
+        on, and at the first dropless dispatch of a row shape (agreed once per shape: a refusal
+        can hold on one rank's device only, which must not leave its peers inside DeepEP); M
+        grows before a dispatch only then, else after it, alike on every rank."""
         M, R = self.max_tokens, self.num_ranks
-        if not self.worst_case or checks_enabled(self.checks):
-            name = f"{self.api} token count"
-            counts = agree_tokens(T, shape, self.group, refusal=refusal, name=name)
-            if not self.worst_case:
+        checks = checks_enabled(self.checks)
+        if self.worst_case and not checks:  # NOTE: no collective: the refusal is a function
+            if refusal is not None:  # of the shape the ranks must agree on
+                raise ValueError(refusal)
+            if T > M:
+                self._need_tokens = max(self._need_tokens, T)
+                return M, None
+            return T, None
+        device = collective_device(self.group)
+        agreement = Agreement(self.group, device, self._pinned)
+        name = f"all_gather ({self.api} token count)"
+        agreement.start(Agreement.values(T, shape, refusal is not None), name)
+        extra = self._stats.extra
+        extra["deepep_agreements"] = extra.get("deepep_agreements", 0) + 1
+        first = not self.worst_case and shape not in self._agreed_shapes
+        if checks or first:
+            counts = check_token_rows(agreement.rows(), refusal)
+            if device.type == "cuda":
+                self._stats.host_syncs += 1  # NOTE: read before the dispatch
+            if self.worst_case:
+                worst = max(range(R), key=counts.__getitem__)
+                if counts[worst] > M:
+                    raise ValueError(self._tokens_message(worst, counts[worst]))
+                return T, None
+            if first:
+                self._agreed_shapes.add(shape)
                 self._grow_bound(max(counts))
-                return T
-            worst = max(range(R), key=counts.__getitem__)
-            if counts[worst] > M:
-                raise ValueError(self._tokens_message(worst, counts[worst]))
-            return T
-        if refusal is not None:
+                return T, None
+        if refusal is not None:  # NOTE: agreed for this shape before: alike on every rank
             raise ValueError(refusal)
-        if T > M:
-            self._need_tokens = max(self._need_tokens, T)
-            return M
-        return T
+        return min(T, M), agreement  # NOTE: over M: the first M now, every token again after
+
+    def _agreed(self, agreement: Agreement | None) -> bool:
+        """Read a dropless dispatch's agreement (after DeepEP's CPU wait): True when the largest
+        T was over M, M was raised on every rank and the call must dispatch again; raises on
+        every rank when the ranks' rows disagree."""
+        if agreement is None:
+            return False
+        need = max(check_token_rows(agreement.rows()))
+        self._peak_tokens = max(self._peak_tokens, need)
+        if need <= self.max_tokens:
+            return False
+        self._grow_bound(need)
+        extra = self._stats.extra
+        extra["deepep_bound_retries"] = extra.get("deepep_bound_retries", 0) + 1
+        return True
 
     def _grow_bound(self, need: int) -> None:
         """Dropless: raise the bound for ``need`` tokens (every rank at the same call: ``need``
@@ -342,9 +395,10 @@ class BoundedBackend(DispatchBackend):
                 recv_scales = sizing.zero_invalid_rows_(recv_scales, valid)
         else:
             self._stats.host_syncs += 1  # DeepEP's CPU wait for the receive counts
-            count_list = handle.num_recv_tokens_per_expert_list
-            pairs = int(sum(count_list))
-            counts = torch.tensor(count_list, dtype=torch.int64, device=recv_idx.device)
+            pairs = int(sum(handle.num_recv_tokens_per_expert_list))
+            # NOTE: counted on the device (issue 44, Q8: the host list made a tensor is a
+            # pageable copy with a stream synchronisation)
+            counts = sizing.count_valid(recv_idx.reshape(-1), local.reshape(-1), e)
         state = BoundedState(
             handle=handle,
             wire=launch.wire,
@@ -395,9 +449,11 @@ class BoundedBackend(DispatchBackend):
                 recv_scales = sizing.zero_invalid_rows_(recv_scales[:N], valid)
         else:
             self._stats.host_syncs += 1  # DeepEP's CPU wait for the receive counts
-            counts = torch.tensor(
-                handle.num_recv_tokens_per_expert_list, dtype=torch.int64, device=recv.device
-            )
+            # NOTE: DeepEP's own device counts, aligned as its host list is (issue 44, Q8: no
+            # pageable host-to-device copy)
+            a = self.expert_alignment
+            counts = handle.num_unaligned_recv_tokens_per_expert.to(torch.int64)
+            counts = (counts + a - 1) // a * a
         state = BoundedState(
             handle=handle,
             wire=launch.wire,

@@ -13,7 +13,9 @@ its next call needs, and leaves on ``close()``. The buffer is
 - reallocated only when a call needs more (or low-latency mode where it had none). A
   reallocation is collective, like DeepEP's constructor: it happens at the same call on every
   rank, because every rank runs the same sequence of dispatches with the same shapes (the
-  agreement check, with checks on, makes a mismatch an error instead),
+  agreement check, with checks on, makes a mismatch an error instead), and only once every rank
+  agreed the new buffer fits (``refusals.agree_buffer_fits``: a rank whose ``cudaMalloc`` failed
+  inside DeepEP's constructor would leave its peers waiting in its IPC exchange),
 - created with ``num_qps_per_rank = max(24, num_sms, e)`` QPs, which satisfies both DeepEP's
   internode normal kernels (``num_rc_per_pe == num_channels or >= num_sms``) and its low-latency
   kernels (``num_rc_per_pe >= e``) — see ``rules``,
@@ -109,6 +111,23 @@ class SharedBuffer:
         refusals.check_no_capture(
             f"DeepEP's Buffer would be {'created' if self.buffer is None else 'grown'} "
             f"({new.num_nvl_bytes} NVLink / {new.num_rdma_bytes} RDMA bytes)"
+        )
+        total = new.num_nvl_bytes + new.num_rdma_bytes
+        held = 0 if self.size is None else self.size.num_nvl_bytes + self.size.num_rdma_bytes
+        refusals.agree_buffer_fits(
+            self.group,
+            "DeepEP Buffer",
+            num_bytes=total,
+            held=held if self.buffer is not None else 0,
+            device=collective_device(self.group),
+            setting="num_nvl_bytes + num_rdma_bytes",
+            value=f"{new.num_nvl_bytes} + {new.num_rdma_bytes}",
+            detail=f"{total} bytes (DeepEP's size hints for these rows, low-latency part included)",
+            fix=(
+                "dispatch narrower rows, fewer low-latency tokens per rank "
+                "(num_max_dispatch_tokens_per_rank), or run on a device with more free memory"
+            ),
+            module=self.deep_ep,
         )
         self._destroy()
         self.buffer = self.deep_ep.Buffer(
@@ -266,16 +285,27 @@ class SharedBoundedBuffer:
             self.size = new
             return self.buffer
         self._refuse_capture(num_bytes, new)
+        setting = "num_worst_tokens" if worst else "num_max_dispatch_tokens_per_rank"
+        M = new.num_max_tokens_per_rank
+        peak = f", the largest T a rank dispatched {tokens}" if tokens else ""
         refusals.agree_buffer_fits(
             self.group,
             self.label,
             num_bytes=num_bytes,
             held=self.num_bytes,
-            M=new.num_max_tokens_per_rank,
-            tokens=tokens,
-            worst=worst,
-            shape=f"H={new.hidden} bf16 columns, k={new.num_topk}",
             device=collective_device(self.group),
+            setting=setting,
+            value=worst if worst else M,
+            detail=(
+                f"{num_bytes} bytes in all for M={M} tokens per rank{peak}, H={new.hidden} bf16 "
+                f"columns, k={new.num_topk}; the {self.num_bytes} bytes of the buffer it replaces "
+                f"are freed first"
+            ),
+            fix=(
+                f"dispatch fewer tokens per rank in one call (split the batch), or set a smaller "
+                f"DispatchConfig.{setting}"
+            ),
+            module=self.deep_ep,
         )
         options = self._build_options()
         self._destroy()

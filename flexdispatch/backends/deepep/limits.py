@@ -129,6 +129,7 @@ def check_topology(
         return False, (
             f"num_worst_tokens={num_worst_tokens} across {nodes} nodes: DeepEP supports the "
             f"worst-case (CUDA-graph) mode intranode only on its V1 Buffer (deepep_api='v1'); "
-            f"V2 (deepep_api='v2' or 'auto', DeepEP 2.1.0+) takes it across nodes"
+            f"across nodes it needs DeepEP V2 or 2.5 (deepep_api='auto' picks one that can run "
+            f"here)"
         )
     return True, f"internode: {nodes} nodes x {local} ranks"

@@ -18,12 +18,15 @@ nodes · k top-k. Each rule names DeepEP's limit, the value and what to change.
   capture: refused with the fix (warm up first).
 - ``check_dropless_capture``: a dropless dispatch (V1, V2, V2.5) waits on the CPU for DeepEP's
   receive counts, so it is refused inside a CUDA-graph capture (worst-case mode is capturable).
-- ``agree_buffer_fits``: a DeepEP V2 / V2.5 buffer is built collectively (a dropless bound that
-  grows rebuilds it at the same call on every rank); a rank that cannot allocate it would leave
-  its peers inside the collective build, so every rank first checks the new size against its
-  memory (``fits.refusal``: the project's one memory model) and all agree (one gloo
-  all-gather of a flag): where one does not fit, every rank raises, naming the rank, T, M, the
-  bytes and the setting to change.
+- ``agree_buffer_fits``: a DeepEP buffer is built collectively (V1: IPC handles and NVSHMEM; V2 /
+  V2.5: ``ncclMemAlloc`` then the collective window registration; a dropless bound that grows
+  rebuilds it at the same call on every rank); a rank that cannot allocate it would leave its
+  peers inside the collective build, so every rank first checks the new size against what
+  DeepEP's allocator can get there (``deepep_free_bytes``: the driver's free memory, after
+  PyTorch's cache is returned to the driver when that alone is short — never the cache as such,
+  which ``ncclMemAlloc`` / ``cuMemCreate`` / ``cudaMalloc`` cannot use) and all agree (one
+  all-gather of a flag on the group itself, at a build only): where one does not fit, every
+  rank raises, naming the rank, the bytes and the setting to change.
 - ``check_low_latency_graph``: low-latency kernels captured in a CUDA graph replay on the
   signal buffers as they were at capture; a normal *internode* kernel on the same buffer dirties
   them (the clean before the next low-latency kernel is host-side and is not replayed), so it is
@@ -37,7 +40,7 @@ from typing import Any
 import torch
 
 from flexdispatch._checks import fits, tensors
-from flexdispatch.distributed import all_gather_int64, collective_device, host_gather_int64
+from flexdispatch.distributed import all_gather_int64, collective_device
 
 __all__ = [
     "INT_MAX",
@@ -47,6 +50,7 @@ __all__ = [
     "check_low_latency_graph",
     "check_no_capture",
     "check_normal_buffer_bytes",
+    "deepep_free_bytes",
     "first_use",
     "node_spans",
 ]
@@ -124,46 +128,80 @@ def check_no_capture(what: str) -> None:
         )
 
 
+def deepep_free_bytes(
+    device: torch.device, need: int, module: Any = None
+) -> tuple[int | None, str]:
+    """What DeepEP's allocators can get on ``device`` for a build of ``need`` bytes, and where the
+    figure comes from (None: no figure, nothing is refused).
+
+    DeepEP allocates outside PyTorch's caching allocator (V2 / V2.5: ``ncclMemAlloc`` /
+    ``cuMemCreate``, deep_ep_v25/csrc/kernels/comm/symmetric.hpp:78-127; V1: ``cudaMalloc`` and
+    NVSHMEM), so the figure is the driver's free memory (``torch.cuda.mem_get_info``, a driver
+    query, no synchronisation). When that alone is short, PyTorch's unused cache is returned to
+    the driver first (``torch.cuda.empty_cache()``, on this rank only: no collective) and the free
+    memory read again. The test emulator's modules answer for their emulated device
+    (``emu_device_memory`` / ``emu_empty_cache``)."""
+    mem = getattr(module, "emu_device_memory", None) if module is not None else None
+    if mem is not None:
+        free = int(mem["free"])
+        if free * fits.SHARE < need:
+            module.emu_empty_cache()
+            free = int(mem["free"])
+            return free, "free memory of the emulated device after returning PyTorch's cache"
+        return free, "free memory of the emulated device"
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None, f"no figure for {device}"
+    try:
+        free = int(torch.cuda.mem_get_info(device)[0])
+        if free * fits.SHARE >= need:
+            return free, f"free memory of {device}"
+        torch.cuda.empty_cache()  # NOTE: the only way PyTorch's cache reaches DeepEP
+        free = int(torch.cuda.mem_get_info(device)[0])
+    except RuntimeError as exc:
+        return None, f"torch.cuda.mem_get_info failed ({exc})"
+    return free, f"free memory of {device} after returning PyTorch's cache"
+
+
 def agree_buffer_fits(
     group: Any,
     what: str,
     *,
     num_bytes: int,
     held: int,
-    M: int,
-    tokens: int,
-    worst: int,
-    shape: str,
     device: torch.device,
+    setting: str,
+    value: object,
+    detail: str,
+    fix: str,
+    module: Any = None,
 ) -> None:
     """Raise ValueError on every rank, before a collective (re)build, when the buffer cannot fit
-    on some rank.
+    on some rank (``deepep_free_bytes`` on each rank, one all-gather of a flag on the group).
 
     Args:
-        group: the process group (the flags are gathered on the host, ``host_gather_int64``).
+        group: the process group.
         what: the buffer, e.g. ``"DeepEP 2.5 EPBuffer"``.
-        num_bytes: its size (the same on every rank: every rank computes it from the same M, H,
-            k); ``held`` of them are freed first (the buffer it replaces).
-        M: the token bound it is built for; ``tokens``: the largest T a rank dispatched (0 when
-            unknown); ``worst``: W in worst-case mode (0 dropless).
-        shape: the rest of its size (``"H=..., k=..."``).
-        device: where it is allocated.
+        num_bytes: its size (the same on every rank); ``held`` of them are freed first (the
+            buffer it replaces).
+        device: where it is allocated; ``module``: the DeepEP module (the emulator's memory).
+        setting / value: the config field that drives the size, as set; ``detail``: how the
+            size is made up; ``fix``: what to change.
     """
-    setting = "num_worst_tokens" if worst else "num_max_dispatch_tokens_per_rank"
-    value = worst if worst else M
-    peak = f", the largest T a rank dispatched {tokens}" if tokens else ""
-    detail = (
-        f"{num_bytes} bytes in all for M={M} tokens per rank{peak}, {shape}; the {held} bytes of "
-        f"the buffer it replaces are freed first"
+    need = max(0, num_bytes - held)
+    free, source = deepep_free_bytes(device, need, module)
+    mine = None
+    if free is not None and need > fits.SHARE * free:
+        mine = (
+            f"{what}: {setting}={value} needs {detail}, more than the "
+            f"{fits.format_bytes(fits.SHARE * free)} DeepEP can allocate on {device} "
+            f"({fits.SHARE:.0%} of {fits.format_bytes(free)}, {source}; DeepEP allocates outside "
+            f"PyTorch's caching allocator): {fix}"
+        )
+    flag = torch.tensor([int(mine is not None)], dtype=torch.int64)
+    flags = all_gather_int64(
+        flag.to(collective_device(group)), group, name=f"all_gather ({what} fits)"
     )
-    fix = (
-        f"dispatch fewer tokens per rank in one call (split the batch), or set a smaller "
-        f"DispatchConfig.{setting}"
-    )
-    mine = fits.refusal(what, setting, value, num_bytes - held, device, detail=detail, fix=fix)
-    name = f"all_gather ({what} fits)"
-    flags = [r[0] for r in host_gather_int64([int(mine is not None)], group, name=name)]
-    bad = [r for r, f in enumerate(flags) if f]
+    bad = [r for r, f in enumerate(flags.view(-1).tolist()) if f]
     if not bad:
         return
     where = f"rank(s) {', '.join(map(str, bad))}"

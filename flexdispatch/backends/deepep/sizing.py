@@ -16,6 +16,7 @@ why the checks take the lists as arguments.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -119,24 +120,40 @@ def hidden_bytes(hidden: int, element_size: int) -> int:
     return hidden * max(element_size, 2)
 
 
-def normal_configs(deep_ep: ModuleType, num_ranks: int) -> tuple[Any, Any]:
-    """``(Buffer.get_dispatch_config(R), Buffer.get_combine_config(R))``, built once per
-    ``(module, R, Buffer.num_sms)``.
+def normal_configs(
+    deep_ep: ModuleType, num_ranks: int, num_sms: int | None = None
+) -> tuple[Any, Any]:
+    """``(Buffer.get_dispatch_config(R), Buffer.get_combine_config(R))`` for ``num_sms`` SMs
+    (None: the current ``Buffer.num_sms``), built once per ``(module, R, num_sms)``.
 
     DeepEP's ``Buffer.dispatch`` / ``combine`` rebuild these tables (12 pybind ``Config``
     objects each, deep_ep/buffer.py:232-271) on every call that passes no ``config``: the adapter
-    passes these instead.
+    passes these instead. DeepEP's tables read the class attribute ``Buffer.num_sms``
+    (``set_num_sms`` is process-wide, deep_ep/buffers/legacy.py:153-163, and a pybind ``Config``
+    has no readable fields), so a backend's own count is set on the class only while its tables
+    are built, under a lock, and put back: a second dispatcher never changes an earlier one's
+    channels (issue 44, Q7).
 
     Raises:
         ValueError: DeepEP has no config for R.
     """
-    key = (id(deep_ep), num_ranks, int(getattr(deep_ep.Buffer, "num_sms", 0)))
+    buffer_cls = deep_ep.Buffer
+    sms = int(getattr(buffer_cls, "num_sms", 0)) if num_sms is None else int(num_sms)
+    key = (id(deep_ep), num_ranks, sms)
     cached = _CONFIGS.get(key)
     if cached is not None:
         return cached[1]
-    buffer_cls = deep_ep.Buffer
     try:
-        got = (buffer_cls.get_dispatch_config(num_ranks), buffer_cls.get_combine_config(num_ranks))
+        with _SMS_LOCK:
+            saved = getattr(buffer_cls, "num_sms", None)
+            buffer_cls.num_sms = sms
+            try:
+                got = (
+                    buffer_cls.get_dispatch_config(num_ranks),
+                    buffer_cls.get_combine_config(num_ranks),
+                )
+            finally:
+                buffer_cls.num_sms = saved
     except (AssertionError, KeyError, RuntimeError) as exc:
         raise ValueError(
             f"DeepEP has no tuned config for {num_ranks} ranks ({exc}): use the torch backend or "
@@ -149,15 +166,19 @@ def normal_configs(deep_ep: ModuleType, num_ranks: int) -> tuple[Any, Any]:
 
 # (id(module), R, num_sms) -> (module, (dispatch config, combine config))
 _CONFIGS: dict[tuple[int, int, int], tuple[Any, tuple[Any, Any]]] = {}
+_SMS_LOCK = threading.Lock()
 
 
-def normal_buffer_size(deep_ep: ModuleType, num_ranks: int, row_bytes: int) -> BufferSize:
+def normal_buffer_size(
+    deep_ep: ModuleType, num_ranks: int, row_bytes: int, num_sms: int | None = None
+) -> BufferSize:
     """Buffer size for the normal (high-throughput) kernels, from DeepEP's own configs.
 
     The max over ``Buffer.get_dispatch_config(R)`` and ``Buffer.get_combine_config(R)`` of
     ``get_nvl_buffer_size_hint`` and ``get_rdma_buffer_size_hint`` — DeepEP's recommended recipe.
-    Cached per ``(module, R, Buffer.num_sms, row_bytes)``: DeepEP's tables build ~24 pybind
-    ``Config`` objects per lookup, which every dispatch and combine would otherwise repeat.
+    Cached per ``(module, R, num_sms, row_bytes)`` (``num_sms`` None: ``Buffer.num_sms``):
+    DeepEP's tables build ~24 pybind ``Config`` objects per lookup, which every dispatch and
+    combine would otherwise repeat.
 
     Args:
         deep_ep: the ``deep_ep`` module (or the emulator).
@@ -169,12 +190,13 @@ def normal_buffer_size(deep_ep: ModuleType, num_ranks: int, row_bytes: int) -> B
     """
     if row_bytes <= 0:
         raise ValueError(f"row_bytes must be positive, got {row_bytes}")
-    key = (id(deep_ep), num_ranks, int(getattr(deep_ep.Buffer, "num_sms", 0)), row_bytes)
+    sms = int(getattr(deep_ep.Buffer, "num_sms", 0)) if num_sms is None else int(num_sms)
+    key = (id(deep_ep), num_ranks, sms, row_bytes)
     cached = _NORMAL_SIZES.get(key)
     if cached is not None:
         return cached[1]
     nvl = rdma = 0
-    for cfg in normal_configs(deep_ep, num_ranks):
+    for cfg in normal_configs(deep_ep, num_ranks, sms):
         nvl = max(nvl, int(cfg.get_nvl_buffer_size_hint(row_bytes, num_ranks)))
         rdma = max(rdma, int(cfg.get_rdma_buffer_size_hint(row_bytes, num_ranks)))
     hit = BufferSize(num_nvl_bytes=align_bytes(nvl), num_rdma_bytes=align_bytes(rdma))

@@ -3,14 +3,17 @@
 Shape letters (ARCHITECTURE.md): R ranks · L ranks per node · E experts · W worst-case rows ·
 H hidden.
 
-``deep_ep`` is imported lazily and every way that import is known to fail (``ImportError``,
-``OSError`` for a missing ``libnvshmem``/CUDA library, ``AssertionError`` and ``RuntimeError`` from
-its CUDA/NCCL checks) becomes a reason string, so a job that never uses DeepEP never dies of it.
+``deep_ep`` is imported lazily, where DeepEP's own import check would pass (``nccl.import_deepep``:
+also after NCCL mapped its plugins), and every way that import fails becomes a reason string that
+tells a missing package from a refused one, so a job that never uses DeepEP never dies of it.
+
+``pcie_rule``: every DeepEP generation asserts at most 2 ranks on PCIe GPUs when it builds its
+buffer (``check_nvlink_connections``: V1 ``Buffer``, V2 ``ElasticBuffer``, V2.5 ``EPBuffer``), so
+the rule is part of every generation's support check.
 """
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 
 import torch
@@ -18,6 +21,7 @@ import torch.distributed as dist
 
 from flexdispatch.backends.base import Capability
 from flexdispatch.backends.deepep import rules, sizing
+from flexdispatch.backends.deepep.nccl import import_deepep
 from flexdispatch.distributed import group_size, is_distributed
 
 __all__ = [
@@ -25,6 +29,7 @@ __all__ = [
     "is_emulator",
     "nvl_peers",
     "group_is_nccl_on_cuda",
+    "pcie_rule",
     "SupportCheck",
     "deepep_support_checks",
     "deepep_support_for",
@@ -39,13 +44,12 @@ def load_deep_ep() -> tuple[ModuleType | None, str]:
     Returns:
         ``(module, reason)``, or ``(None, reason)`` with the import error.
     """
-    try:
-        module = importlib.import_module("deep_ep")
-    except (ImportError, OSError, AssertionError, RuntimeError) as exc:
-        return None, f"import deep_ep failed: {type(exc).__name__}: {exc}"
+    module, why = import_deepep("deep_ep")
+    if module is None:
+        return None, why
     if not hasattr(module, "Buffer"):
         return None, "the importable deep_ep has no Buffer (not DeepEP's V1 API)"
-    return module, "deep_ep imports"
+    return module, why
 
 
 def require_deep_ep(hook: ModuleType | None) -> ModuleType:
@@ -83,6 +87,25 @@ def qp_depth() -> int:
         return int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
     except ValueError:
         return 0
+
+
+def pcie_rule(module: ModuleType, num_ranks: int, why: str = "") -> Capability:
+    """DeepEP's PCIe rule, for every generation: at most 2 ranks on a GPU whose name contains
+    ``PCIE`` (pairwise NVLink only; ``check_nvlink_connections``, deep_ep/utils/envs.py:155-156,
+    deep_ep_v25/utils/envs.py:156-157, v1.2.1 deep_ep/utils.py:76-77), asserted when the buffer is
+    built (the first dispatch): refused at selection instead. ``why``: the reason kept when it
+    holds."""
+    if is_emulator(module):
+        name = str(getattr(module, "emu_device_name", ""))
+    else:
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    if "PCIE" in name and num_ranks > 2:
+        return False, (
+            f"DeepEP takes at most 2 ranks on PCIe GPUs ({name}: pairwise NVLink only; every "
+            f"DeepEP generation asserts it when it builds its buffer): use backend='torch' or an "
+            f"expert-parallel group of 2"
+        )
+    return True, why
 
 
 def group_is_nccl_on_cuda(group: dist.ProcessGroup | None) -> Capability:
@@ -278,7 +301,7 @@ def deepep_support_for(
     if failed is not None:
         return False, failed
     topology = next(why for name, _, why in checks if name == "topology")
-    return True, f"deep_ep usable ({topology})"
+    return pcie_rule(deep_ep, num_ranks, f"deep_ep usable ({topology})")
 
 
 def deepep_support(

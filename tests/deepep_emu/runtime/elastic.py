@@ -46,9 +46,10 @@ from typing import Any
 
 import torch
 
-from . import limits, strict, transport
+from . import limits, memory, strict, transport
+from .bounded import BoundedRuntime, NcclComms, expert_counts
 from .config import EventHandle
-from .ep import gin_disabled
+from .nccl import FakeLibNccl
 
 __all__ = [
     "ALIGNMENT",
@@ -119,7 +120,7 @@ def _garbage_sf(n: int, packs: int, dtype: torch.dtype, col_major: bool) -> torc
     return transport.garbage((packs, _a(n, 4)), dtype).t()[:n]
 
 
-class ElasticRuntime:
+class ElasticRuntime(BoundedRuntime):
     """``_C.ElasticBuffer(rank_idx, num_ranks, nccl_comm, cpu_comm, num_bytes, num_cpu_bytes,
     allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute, sl_idx,
     num_allocated_qps, num_cpu_timeout_secs, num_gpu_timeout_secs, explicitly_destroy)`` over the
@@ -148,13 +149,7 @@ class ElasticRuntime:
         self.module = module
         self.calls = 0
         strict.alloc(module, module.EMULATED_RELEASE, "ElasticBuffer")
-        group = module.pending_group
-        module.pending_group = None
-        if group is None:
-            raise RuntimeError(
-                "emulated deep_ep._C.ElasticBuffer built outside deep_ep.ElasticBuffer "
-                "(no process group)"
-            )
+        group = self.take_group(module, "deep_ep._C.ElasticBuffer")
         rel = self.release
         limits.host_assert(
             num_bytes > 0 and num_bytes % ALIGNMENT == 0,
@@ -164,11 +159,8 @@ class ElasticRuntime:
         )
         if num_cpu_bytes:
             raise NotImplementedError("the emulated ElasticBuffer has no CPU buffer (Engram)")
-        if num_ranks > 1 and not gin_disabled():  # kernels/backend/nccl.cu:86-90
-            key = "railedGinType" if allow_hybrid_mode else "ginType"
-            limits.host_assert(
-                module.emu_gin[key] != 0, "elastic.gin_type", rel, f"NCCL reports {key} = NONE"
-            )
+        self.device_comm(module, num_ranks, allow_hybrid_mode, rel, v25=False)
+        memory.allocate(module, num_bytes, "ncclMemAlloc")  # before the window registration
         self.group = group
         self.rank, self.num_ranks = rank_idx, num_ranks
         self.num_bytes = num_bytes
@@ -188,6 +180,8 @@ class ElasticRuntime:
         return 1, self.num_ranks
 
     def destroy(self) -> None:
+        if not self.destroyed:
+            memory.release(self.module, self.num_bytes)
         self.destroyed = True
 
     def barrier(self, use_comm_stream: bool, with_cpu_sync: bool, sequential: bool) -> None:
@@ -220,8 +214,7 @@ class ElasticRuntime:
             return out
         if not ATOMIC_ORDER:
             return parts
-        self.calls += 1
-        g = torch.Generator().manual_seed(7919 * self.calls + self.rank)
+        g = self.gen()
         return [p[torch.randperm(p.numel(), generator=g)] for p in parts]
 
     def dispatch(
@@ -328,59 +321,24 @@ class ElasticRuntime:
             strict.check_elastic_ids(rel, topk_idx, num_experts, R)
         key = (do_cpu_sync, cached, H * x.element_size(), packs, M, num_experts, k)
         strict.jit(self.module, rel, ("dispatch", *key, expert_alignment, num_sms, do_expand))
+        self.check_gin_contexts(self.rdma, "elastic")
         a = expert_alignment
         with transport.kernel("elastic_dispatch"):
-            valid = topk_idx >= 0
-            dest = torch.where(valid, topk_idx // e, -1)
-            in_rank = torch.zeros(T, R, dtype=torch.bool)
-            rows = valid.nonzero()[:, 0]
-            in_rank[rows, dest[valid]] = True
-            sel_parts = [in_rank[:, d].nonzero().flatten() for d in range(R)]
+            dest, sel_parts = self.dest_parts(topk_idx, e)
             sel_parts = self._slot_order(sel_parts, dest, cached_dst_buffer_slot_idx, M)
-            send_counts = [int(s.numel()) for s in sel_parts]
-            sel = torch.cat(sel_parts) if sel_parts else torch.zeros(0, dtype=torch.int64)
-            src = (me * M + sel).to(torch.int32).view(-1, 1)
-            fields = [x[sel].view(torch.uint8) if x.element_size() == 1 else x[sel], src,
-                      topk_idx[sel]]  # fmt: skip
-            specs: list[tuple[torch.dtype, tuple[int, ...]]] = [
-                (torch.uint8 if x.element_size() == 1 else x.dtype, (H,)),
-                (torch.int32, (1,)),
-                (torch.int64, (k,)),
-            ]
-            if sf is not None:
-                fields.append(sf[sel])
-                specs.append((sf.dtype, (packs,)))
-            if topk_weights is not None:
-                fields.append(topk_weights[sel])
-                specs.append((torch.float32, (k,)))
-            data = transport.pack(fields)
+            known = None
             if cached:
                 psum = cached_psum_num_recv_tokens_per_scaleup_rank
                 assert psum is not None
                 col = psum.to(torch.int64)
-                recv_counts = torch.diff(col, prepend=col.new_zeros(1)).tolist()
-                recv = transport.exchange_known(data, send_counts, recv_counts, self.group)
-            else:
-                recv, recv_counts = transport.exchange(data, send_counts, self.group)
-            got = transport.unpack(recv, specs)
-            r_x, r_src, r_idx = got[0], got[1].view(-1), got[2]
-            if x.element_size() == 1:
-                r_x = r_x.view(x.dtype)
-            r_sf = got[3] if sf is not None else None
-            r_w = got[-1] if topk_weights is not None else None
+                known = torch.diff(col, prepend=col.new_zeros(1)).tolist()
+            rows, recv_counts = self.send_rows(x, sf, topk_idx, topk_weights, sel_parts, M, known)
+            r_x, r_src, r_idx, r_sf, r_w = (rows[f] for f in ("x", "src", "idx", "sf", "w"))
             n = r_x.shape[0]
             in_range = (r_idx >= me * e) & (r_idx < (me + 1) * e)
             local = torch.where(in_range, r_idx - me * e, -1)
-            srt = local.sort(1).values
-            dup = ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(1)
-            limits.device_trap(
-                not bool(dup.any()),
-                "elastic.duplicate_experts",
-                rel,
-                f"{int(dup.sum())} received token(s) name one local expert twice",
-            )
-            counts = torch.stack([(local == j).sum() for j in range(e)]) if e else torch.zeros(0)
-            counts = counts.to(torch.int64)
+            self.trap_duplicates(local, "elastic.duplicate_experts", rel)
+            counts = expert_counts(local, e)
             aligned = (counts + a - 1) // a * a
             starts = torch.cumsum(aligned, 0) - aligned
             if stats is not None and not cached:
@@ -429,12 +387,7 @@ class ElasticRuntime:
                 if cached:
                     dst = meta[:n, 2:].to(torch.int64)
                 else:
-                    dst = torch.full((n, k), -1, dtype=torch.int64)
-                    for j in range(e):
-                        hit = local == j
-                        rows_j = hit.any(1).nonzero().flatten()
-                        slot_j = hit[rows_j].to(torch.int64).argmax(1)
-                        dst[rows_j, slot_j] = starts[j] + torch.arange(rows_j.numel())
+                    dst = self.expand_slots(local, starts, e, None)
                     meta[:n, 2:] = dst.to(torch.int32)
                 ok = dst >= 0
                 row_of = torch.arange(n).view(n, 1).expand(n, k)[ok]
@@ -446,13 +399,8 @@ class ElasticRuntime:
                     recv_topk_weights = transport.garbage((N,), torch.float32)
                     recv_topk_weights[dst[ok]] = r_w[ok]
                 if do_zero_padding:
-                    for j in range(e):
-                        lo, hi = int(starts[j] + counts[j]), int(starts[j] + aligned[j])
-                        recv_x[lo:hi] = 0
-                        if recv_sf is not None:
-                            recv_sf[lo:hi] = 0
-                        if recv_topk_weights is not None:
-                            recv_topk_weights[lo:hi] = 0
+                    pads = [recv_x, recv_sf, recv_topk_weights]
+                    self.zero_padding(pads, starts, counts, aligned)
                 psum_exp = (starts + counts).to(torch.int32)
             if cached:
                 assert cached_psum_num_recv_tokens_per_expert is not None
@@ -464,15 +412,7 @@ class ElasticRuntime:
             else:
                 psum_su = torch.tensor(recv_counts, dtype=torch.int64).cumsum(0).to(torch.int32)
                 unaligned = counts.to(torch.int32)
-                slots = torch.full((T, k), -1, dtype=torch.int32)
-                first = torch.ones(T, k, dtype=torch.bool)
-                for j in range(1, k):
-                    first[:, j] = (dest[:, j : j + 1] != dest[:, :j]).all(1)
-                for d in range(R):
-                    pos = torch.full((T,), -1, dtype=torch.int64)
-                    pos[sel_parts[d]] = me * M + torch.arange(sel_parts[d].numel())
-                    hit = first & (dest == d)
-                    slots[hit] = pos.view(T, 1).expand(T, k)[hit].to(torch.int32)
+                slots = self.direct_slots(topk_idx, e, sel_parts, M)
                 cloned = topk_idx.clone() if do_handle_copy else None
         event = EventHandle() if async_with_compute_stream else None
         return (
@@ -556,95 +496,41 @@ class ElasticRuntime:
             limits.device_trap(topk_weights is None, "elastic.expand_weights", rel)
         weights = topk_weights is not None
         strict.jit(self.module, rel, ("combine", H, k, M, num_sms, weights, expand))
-        e = num_experts // R
+        self.check_gin_contexts(self.rdma, "elastic")
         with transport.kernel("elastic_combine"):
-            n = n_meta
-            if n == M * R:
-                n = int(psum_num_recv_tokens_per_scaleup_rank[-1])
-            meta = src_metadata[:n].to(torch.int64)
-            src_r, src_t = meta[:, 0] // M, meta[:, 0] % M
-            w_rows = None
-            if not expand:
-                vals = x[:n].float()
-                if topk_weights is not None:
-                    w_rows = topk_weights[:n]
-                rank_of, tok_of = src_r, src_t
-            else:
-                dst = meta[:, 2:]
-                ok = dst >= 0
-                safe = dst.clamp(min=0)
-                if self.amr:
-                    vals = (x[safe].float() * ok.unsqueeze(-1)).sum(1)
-                    vals = vals.to(torch.bfloat16).float()
-                    rank_of, tok_of = src_r, src_t
-                    if topk_weights is not None:
-                        w_rows = torch.where(ok, topk_weights[safe], 0.0)
-                else:
-                    vals = x[dst[ok]].float()
-                    ii = torch.arange(n).view(n, 1).expand(n, k)[ok]
-                    rank_of, tok_of = src_r[ii], src_t[ii]
-            order = torch.argsort(rank_of, stable=True)
-            send_counts = torch.bincount(rank_of, minlength=R).tolist()
-            fields = [tok_of[order].to(torch.int32).view(-1, 1), vals[order].to(torch.float32)]
-            specs: list[tuple[torch.dtype, tuple[int, ...]]] = [
-                (torch.int32, (1,)),
-                (torch.float32, (H,)),
-            ]
-            if w_rows is not None:
-                fields.append(w_rows[order])
-                specs.append((torch.float32, (k,)))
-            valid = combined_topk_idx >= 0
-            dest = torch.where(valid, combined_topk_idx // e, -1)
-            if expand and not self.amr:
-                recv_counts = [int((dest == r).sum()) for r in range(R)]
-            else:
-                recv_counts = [int((dest == r).any(1).sum()) for r in range(R)]
-            recv = transport.exchange_known(
-                transport.pack(fields), send_counts, recv_counts, self.group
+            got = self.combine_send(
+                x,
+                topk_weights,
+                src_metadata,
+                combined_topk_idx,
+                psum_num_recv_tokens_per_scaleup_rank,
+                num_experts,
+                M,
+                expand,
+                self.amr,
             )
-            got = transport.unpack(recv, specs)
-            toks = got[0].view(-1).to(torch.int64)
             out = torch.zeros(T, H, dtype=torch.float32)
-            out.index_add_(0, toks, got[1])
+            out.index_add_(0, got["tok"], got["vals"])
             for b in (bias_0, bias_1):
                 if b is not None:
                     out += b.float()
             combined = out.to(torch.bfloat16)
             combined_w = None
             if topk_weights is not None:
-                combined_w = torch.zeros(T, k, dtype=torch.float32)
-                from_rank = torch.repeat_interleave(torch.arange(R), torch.tensor(recv_counts))
-                w = got[2]
-                ri, ci = (dest[toks] == from_rank.view(-1, 1)).nonzero(as_tuple=True)
-                combined_w[toks[ri], ci] = w[ri, ci]
+                combined_w = self.combine_weights(got, T, k)
         event = EventHandle() if async_with_compute_stream else None
         return combined, combined_w, event
 
 
 def install(mod: Any) -> None:
     """Add ``ElasticBuffer`` and the V2 module functions to the emulated ``_C`` module ``mod``."""
-    comms: dict[int, tuple[int, int]] = {}
+    comms = NcclComms(0x1000)
     rel, L = mod.EMULATED_RELEASE, mod.NUM_MAX_NVL_PEERS
+    _size = comms.size
 
     class ElasticBuffer(ElasticRuntime):
         def __init__(self, *args: Any) -> None:
             super().__init__(mod, *args)
-
-    def get_local_nccl_unique_id() -> bytearray:
-        return bytearray(b"emulated-nccl-unique-id")
-
-    def create_nccl_comm(root_unique_id: Any, num_ranks: int, rank_idx: int) -> int:
-        handle = 0x1000 + len(comms)
-        comms[handle] = (num_ranks, rank_idx)
-        return handle
-
-    def destroy_nccl_comm(nccl_comm: int) -> None:
-        comms.pop(nccl_comm, None)
-
-    def _size(nccl_comm: int) -> int:
-        if nccl_comm not in comms:
-            raise RuntimeError(f"emulated NCCL communicator {nccl_comm:#x} does not exist")
-        return comms[nccl_comm][0]
 
     def get_physical_domain_size(nccl_comm: int) -> tuple[int, int]:
         return _domains(rel, _size(nccl_comm), L)
@@ -667,15 +553,13 @@ def install(mod: Any) -> None:
             use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction,
         )  # fmt: skip
 
-    # the communicator's GIN types as NCCL's ncclCommQueryProperties reports them (GDAKI by
-    # default; a test sets one to 0 = NONE, as DeepEP #629's single B300 node)
-    mod.emu_gin = {"version": 23203, "ginType": 3, "railedGinType": 3}
+    # the network NCCL finds (GDAKI by default; a test sets a GIN type to 0 = NONE, as DeepEP
+    # #629's single B300 node): what ncclCommQueryProperties reports follows from it (nccl.py)
+    mod.emu_gin = {"ginType": 3, "railedGinType": 3, "gdaki": True, "all_p2p": True}
+    mod.emu_nccl = FakeLibNccl(mod, "v2")
     mod.ElasticBuffer = ElasticBuffer
-    mod.get_local_nccl_unique_id = get_local_nccl_unique_id
-    mod.create_nccl_comm = create_nccl_comm
-    mod.destroy_nccl_comm = destroy_nccl_comm
+    comms.install(mod)
     mod.get_physical_domain_size = get_physical_domain_size
     mod.get_logical_domain_size = get_logical_domain_size
     mod.calculate_elastic_buffer_size = calculate_elastic_buffer_size
     mod.get_elastic_buffer_alignment = lambda: ALIGNMENT
-    mod.emu_nccl_comms = comms

@@ -71,16 +71,16 @@ kernels, Engram / PP / bucket buffers, UE8M0 scales beyond moving their bytes,
 from __future__ import annotations
 
 import math
-import os
-import re
 from collections import Counter
 from typing import Any
 
 import torch
 
 from . import ep_layout as lay
-from . import limits, transport
+from . import limits, memory, transport
+from .bounded import BoundedRuntime, NcclComms, expert_counts, gin_disabled
 from .config import EventHandle
+from .nccl import FakeLibNccl
 
 __all__ = ["ATOMIC_ORDER", "EPRuntime", "gin_disabled", "make_ep_runtime_module"]
 
@@ -90,13 +90,6 @@ REL = lay.REL
 
 def _h(cond: bool, lid: str, detail: str = "") -> None:
     limits.host_assert(bool(cond), lid, REL, detail)
-
-
-def gin_disabled() -> bool:
-    """``get_env("EP_DISABLE_GIN", 0) != 0`` as the runtime reads it: ``sscanf("%d")`` takes the
-    leading integer ("2abc" is 2), into an int (utils/system.hpp); no integer: not skipped."""
-    m = re.match(r"\s*([+-]?\d+)", os.environ.get("EP_DISABLE_GIN", "0"))
-    return m is not None and (int(m.group(1)) & 0xFFFFFFFF) != 0
 
 
 def _shape2(t: torch.Tensor, what: str) -> tuple[int, int]:
@@ -120,7 +113,7 @@ class _Context:
         return self.d.scaleout, self.d.scaleup
 
 
-class EPRuntime:
+class EPRuntime(BoundedRuntime):
     """``_C.EPBuffer(rank_idx, num_ranks, nccl_comm, num_buffer_bytes, num_lb_buffer_bytes,
     allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute, sl_idx,
     num_allocated_qps, num_cpu_timeout_secs, num_gpu_timeout_secs, explicitly_destroy)`` over the
@@ -144,10 +137,7 @@ class EPRuntime:
         num_gpu_timeout_secs: int,
         explicitly_destroy: bool,
     ) -> None:
-        group = module.pending_group
-        module.pending_group = None
-        if group is None:
-            raise RuntimeError("emulated _C.EPBuffer built outside deep_ep_v25.EPBuffer")
+        group = self.take_group(module, "_C.EPBuffer")
         _h(
             num_buffer_bytes > 0 and num_buffer_bytes % lay.ALIGNMENT == 0,
             "ep.buffer_bytes",
@@ -156,11 +146,8 @@ class EPRuntime:
         _h(num_lb_buffer_bytes >= 0 and num_lb_buffer_bytes % lay.ALIGNMENT == 0, "ep.lb_bytes")
         _h(0 < num_ranks <= 1024, "ep.num_ranks", f"R={num_ranks}")
         _h(0 < num_allocated_qps <= 1024, "ep.qps", f"{num_allocated_qps} QPs")
-        if not gin_disabled():  # kernels/comm/context.cpp:124-132, also on one node
-            props = module.emu_gin
-            key = "railedGinType" if allow_hybrid_mode else "ginType"
-            _h(props[key] != 0, "ep.gin_type", f"NCCL reports {key} = NONE")
-            _h(bool(props["gdaki"]), "ep.gin_gdaki", "NCCL reports no GDAKI support")
+        self.device_comm(module, num_ranks, allow_hybrid_mode, REL, v25=True)
+        memory.allocate(module, num_buffer_bytes, "ncclMemAlloc")  # before the window registration
         self.mod = module
         self.rank, self.num_ranks = rank_idx, num_ranks
         self.num_bytes = num_buffer_bytes
@@ -171,6 +158,7 @@ class EPRuntime:
         d = lay.domains(num_ranks, module.NUM_MAX_NVL_PEERS, allow_hybrid_mode)
         self.d = d
         self.context = _Context(group, rank_idx, num_ranks, d)
+        self.group = group
         self.main_context = self.context
         self.lb_storage = torch.zeros(num_lb_buffer_bytes, dtype=torch.uint8)
         self.destroyed = False
@@ -185,6 +173,7 @@ class EPRuntime:
         with transport.kernel("ep_barrier"):  # comm::barrier of every rank (buffers/ep.hpp:106)
             transport.barrier(self.context.group)
         self.destroyed = True
+        memory.release(self.mod, self.num_bytes)
         self.main_context = None
         self.region = self.host_counts = None  # context->finalize() frees the window
 
@@ -195,7 +184,9 @@ class EPRuntime:
         U = self.d.scaleup
         n, group = got["n"], got["group"]
         reg = self.region
-        if reg is None or reg["sig"] != sig:  # another token layout: the old bytes mean nothing
+        # another token layout, or another M (the slots are rank * M + token): the old bytes
+        # mean nothing
+        if reg is None or reg["sig"] != sig or reg["cap"] != cap:
             xd, H, packs, sfd, k, with_w = sig
             reg = self.region = {
                 "sig": sig,
@@ -252,8 +243,13 @@ class EPRuntime:
         local = torch.where(in_range, idx - me * e, -1)
         out = dict(got, n=n, x=x, src=src, idx=idx, sf=sf, w=w, group=group, group_counts=counts)
         out.update(local=local, in_range=in_range, psum=torch.cumsum(counts, 0).to(torch.int32))
-        out["counts"] = _expert_counts(local, e)
+        out["counts"] = expert_counts(local, e)
         return out
+
+    def _on_stream(self, result: Any) -> Any:
+        """A deferred epilogue's rows, tagged with the emulated stream it ran on (``streams``)."""
+        tag = getattr(self.mod, "emu_streams", None)
+        return result if tag is None else tag.wrote(result)
 
     def print_memory_usage(self) -> None:
         print(f"[DeepEP memory usage] rank_idx={self.rank}, buffer {self.num_bytes} bytes")
@@ -262,10 +258,6 @@ class EPRuntime:
         raise NotImplementedError("the emulated EPBuffer has no load-balance kernels")
 
     lb_reduce_grads = lb_prefetch_weights
-
-    def _gen(self) -> torch.Generator:
-        self.calls += 1
-        return torch.Generator().manual_seed(7919 * self.calls + self.rank)
 
     def _event(self, previous_event: Any, alloc_on_comm: bool) -> None:
         if previous_event is not None:  # stream_control_prologue (buffers/ep.hpp:141-142)
@@ -390,6 +382,7 @@ class EPRuntime:
             template = (do_cpu_sync, cached, num_sms, C // num_sms, N, U)
         template += (H * elem, packs, M, E, k, a, num_qps, self.timeout)
         lay.jit_compile(self.mod, "dispatch", template)
+        self.check_gin_contexts(d.rdma, "ep")
         with transport.kernel("ep_dispatch"):
             got = self._dispatch_kernel(
                 x, sf, topk_idx, topk_weights, M, e, c_meta, c_num_recv, c_psum_su, cached
@@ -432,7 +425,7 @@ class EPRuntime:
         )
         if defer_epilogue:
             _h(async_with_compute_stream, "ep.defer_dispatch")
-            return None, EventHandle(), lambda: self._dispatch_epilogue(*args)
+            return None, EventHandle(), lambda: self._on_stream(self._dispatch_epilogue(*args))
         result = self._dispatch_epilogue(*args)
         return result, (EventHandle() if async_with_compute_stream else None), None
 
@@ -452,55 +445,24 @@ class EPRuntime:
         """Move the rows and return what the copy epilogue needs (one count exchange and one
         row exchange over the group; a cached dispatch reuses the handle's counts)."""
         R, me, U = self.num_ranks, self.rank, self.d.scaleup
-        E, (T, k) = e * R, idx.shape
+        E = e * R
         high = idx >= E
         if bool(high.any()):
             detail = f"{int(high.sum())} id(s) >= E={E}, the largest {int(idx.max())}"
             limits.device_trap(False, "ep.expert_id_range", REL, detail)
-        valid = idx >= 0
-        dest = torch.where(valid, idx // e, -1)
-        in_rank = torch.zeros(T, R, dtype=torch.bool)
-        in_rank[valid.nonzero()[:, 0], dest[valid]] = True
-        parts = [in_rank[:, r].nonzero().flatten() for r in range(R)]
+        _, parts = self.dest_parts(idx, e)
         if ATOMIC_ORDER and not cached:
-            g = self._gen()
+            g = self.gen()
             parts = [p[torch.randperm(p.numel(), generator=g)] for p in parts]
-        send_counts = [int(p.numel()) for p in parts]
-        sel = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-        fp8 = x.element_size() == 1
-        fields = [
-            x[sel].view(torch.uint8) if fp8 else x[sel],
-            (me * M + sel).to(torch.int32).view(-1, 1),
-            idx[sel],
-        ]
-        specs: list[tuple[torch.dtype, tuple[int, ...]]] = [
-            (torch.uint8 if fp8 else x.dtype, (x.shape[1],)),
-            (torch.int32, (1,)),
-            (torch.int64, (k,)),
-        ]
-        if sf is not None:
-            fields.append(sf[sel])
-            specs.append((sf.dtype, (sf.shape[1],)))
-        if w is not None:
-            fields.append(w[sel])
-            specs.append((torch.float32, (k,)))
+        known = None
         if cached:
             assert c_psum_su is not None and c_meta is not None and c_num_recv is not None
             n = c_num_recv if c_num_recv != M * R else int(c_psum_su[-1])
             src_of = c_meta[:n, 0].to(torch.int64) // M
-            recv_counts = torch.bincount(src_of, minlength=R).tolist()
-            recv = transport.exchange_known(
-                transport.pack(fields), send_counts, recv_counts, self.context.group
-            )
-        else:
-            recv, recv_counts = transport.exchange(
-                transport.pack(fields), send_counts, self.context.group
-            )
-        got = transport.unpack(recv, specs)
-        r_x = got[0].view(x.dtype) if fp8 else got[0]
-        r_src, r_idx = got[1].view(-1).to(torch.int64), got[2]
-        r_sf = got[3] if sf is not None else None
-        r_w = got[-1] if w is not None else None
+            known = torch.bincount(src_of, minlength=R).tolist()
+        rows, recv_counts = self.send_rows(x, sf, idx, w, parts, M, known)
+        r_x, r_idx, r_sf, r_w = rows["x"], rows["idx"], rows["sf"], rows["w"]
+        r_src = rows["src"].to(torch.int64)
         n = r_x.shape[0]
         src_rank = torch.repeat_interleave(torch.arange(R), torch.tensor(recv_counts))
         if cached:
@@ -520,7 +482,7 @@ class EPRuntime:
             peer = src_rank % U
             order = torch.argsort(peer, stable=True)
             if ATOMIC_ORDER:
-                g = self._gen()
+                g = self.gen()
                 grp = peer[order]
                 shuffled = []
                 for u in range(U):
@@ -532,7 +494,7 @@ class EPRuntime:
         r_idx = r_idx[order]
         in_range = (r_idx >= me * e) & (r_idx < (me + 1) * e)
         local = torch.where(in_range, r_idx - me * e, -1)
-        counts = _expert_counts(local, e)
+        counts = expert_counts(local, e)
         return {
             "n": n,
             "e": e,
@@ -584,9 +546,9 @@ class EPRuntime:
             c_meta,
             c_cll,
         ) = handle
-        R, me, d = self.num_ranks, self.rank, self.d
+        R, d = self.num_ranks, self.d
         N, U = d.scaleout, d.scaleup
-        e, T, H = E // R, x.shape[0], x.shape[1]
+        e, H = E // R, x.shape[1]
         # the epilogue loads the shared region now (ep.epilogue_reads_buffer), wherever the kernel
         # ran: a call on this buffer in between may have overwritten it
         sig = (x.dtype, H, packs, None if sf is None else sf.dtype, k, topk_weights is not None)
@@ -608,14 +570,7 @@ class EPRuntime:
         )
         lay.jit_compile(self.mod, "dispatch_copy_epilogue", template)
         n, local, counts = got["n"], got["local"], got["counts"]
-        srt = local.sort(1).values
-        dup = ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(1)
-        limits.device_trap(
-            not bool(dup.any()),
-            "ep.duplicate_experts",
-            REL,
-            f"{int(dup.sum())} received token(s) name one local expert twice",
-        )
+        self.trap_duplicates(local, "ep.duplicate_experts", REL)
         aligned = (counts + a - 1) // a * a
         starts = torch.cumsum(aligned, 0) - aligned
         if cached:
@@ -665,15 +620,8 @@ class EPRuntime:
             if cached:
                 dst = meta[:n, 2:].to(torch.int64)
             else:
-                dst = torch.full((n, k), -1, dtype=torch.int64)
-                g = self._gen()
-                for j in range(e):
-                    hit = local == j
-                    rows_j = hit.any(1).nonzero().flatten()
-                    if ATOMIC_ORDER:  # atomicAdd order inside an expert
-                        rows_j = rows_j[torch.randperm(rows_j.numel(), generator=g)]
-                    slot_j = hit[rows_j].to(torch.int64).argmax(1)
-                    dst[rows_j, slot_j] = starts[j] + torch.arange(rows_j.numel())
+                g = self.gen()  # atomicAdd order inside an expert
+                dst = self.expand_slots(local, starts, e, g if ATOMIC_ORDER else None)
                 meta[:n, 2:] = dst.to(torch.int32)
             ok = dst >= 0
             row_of = torch.arange(n).view(n, 1).expand(n, k)[ok]
@@ -684,13 +632,7 @@ class EPRuntime:
                 recv_w = transport.garbage((rows,), torch.float32)
                 recv_w[dst[ok]] = got["w"][ok]
             if do_zero_padding:
-                for j in range(e):
-                    lo, hi = int(starts[j] + counts[j]), int(starts[j] + aligned[j])
-                    recv_x[lo:hi] = 0
-                    if recv_sf is not None:
-                        recv_sf[lo:hi] = 0
-                    if recv_w is not None:
-                        recv_w[lo:hi] = 0
+                self.zero_padding([recv_x, recv_sf, recv_w], starts, counts, aligned)
             psum_exp = (starts + counts).to(torch.int32)
         if cached:
             psum_su, psum_exp, unaligned = c_psum_su, c_psum_exp, c_unaligned
@@ -699,16 +641,7 @@ class EPRuntime:
             psum_su, unaligned = got["psum"], counts.to(torch.int32)
             tmaf = cll = None
             if N == 1:
-                slots = torch.full((T, k), -1, dtype=torch.int32)
-                dest = torch.where(topk_idx >= 0, topk_idx // e, -1)
-                first = torch.ones(T, k, dtype=torch.bool)
-                for j in range(1, k):
-                    first[:, j] = (dest[:, j : j + 1] != dest[:, :j]).all(1)
-                for r, part in enumerate(got["parts"]):
-                    pos = torch.full((T,), -1, dtype=torch.int64)
-                    pos[part] = me * M + torch.arange(part.numel())
-                    hit = first & (dest == r)
-                    slots[hit] = pos.view(T, 1).expand(T, k)[hit].to(torch.int32)
+                slots = self.direct_slots(topk_idx, e, got["parts"], M)
             else:  # opaque to the Python layer: the shapes the cached-mode asserts check
                 slots = torch.full((C, N, Mc, k), -1, dtype=torch.int32)
                 tmaf = torch.full((C, N * Mc + 1, 2 + 2 * k), -1, dtype=torch.int32)
@@ -813,94 +746,21 @@ class EPRuntime:
             _h(H % 256 == 0, "ep.combine_hidden", f"H={H}")
             template = (d.nvlink, expand, self.amr, num_sms, R)
         lay.jit_compile(self.mod, "combine", (*template, H, M, E, k, num_qps, self.timeout))
+        self.check_gin_contexts(d.rdma, "ep")
         if expand and not self.amr:
             lid = "ep.expand_weights" if N == 1 else "ep.hybrid_expand_weights"
             limits.device_trap(topk_weights is None, lid, REL)
         with transport.kernel("ep_combine"):
-            got = self._combine_kernel(
-                x, topk_weights, src_metadata, combined_topk_idx, psum_su, E, M, expand
-            )
+            got = self.combine_send(
+                x, topk_weights, src_metadata, combined_topk_idx, psum_su, E, M, expand,
+                self.amr, ("ep.combine_src_metadata", REL),
+            )  # fmt: skip
         self._region_clobber()  # ep.combine_overwrites
         args = (got, bias_0, bias_1, combined_topk_idx, topk_weights is not None, E, M, expand, H)
         if defer_epilogue:
             return None, EventHandle(), lambda: self._combine_epilogue(*args)
         result = self._combine_epilogue(*args)
         return result, (EventHandle() if async_with_compute_stream else None), None
-
-    def _combine_kernel(
-        self,
-        x: torch.Tensor,
-        w: torch.Tensor | None,
-        meta: torch.Tensor,
-        topk_idx: torch.Tensor,
-        psum_su: torch.Tensor,
-        E: int,
-        M: int,
-        expand: bool,
-    ) -> dict[str, Any]:
-        """Send each received token's row (or slot rows) back to its source rank."""
-        R, k = self.num_ranks, topk_idx.shape[1]
-        e = E // R
-        n = meta.shape[0]
-        if n == M * R:  # no CPU sync: the real count from the prefix sum (I/combine.cuh:46-47)
-            n = int(psum_su[-1])
-        m = meta[:n].to(torch.int64)
-        src_r, src_t = m[:, 0] // M, m[:, 0] % M
-        bad = (src_r < 0) | (src_r >= R)
-        limits.device_trap(
-            not bool(bad.any()),
-            "ep.combine_src_metadata",
-            REL,
-            f"{int(bad.sum())} row(s) name no source rank of the group",
-        )
-        wk = None
-        if not expand:
-            vals = x[:n].float()
-            wk = None if w is None else w[:n]
-            rank_of, tok_of = src_r, src_t
-        else:
-            dst = m[:, 2:]
-            ok = dst >= 0
-            safe = dst.clamp(min=0)
-            if self.amr:
-                parts = x[safe].float() * ok.unsqueeze(-1)
-                single = ok.sum(1) <= 1
-                vals = parts.sum(1)
-                vals = torch.where(single[:, None], vals, vals.to(torch.bfloat16).float())
-                rank_of, tok_of = src_r, src_t
-                if w is not None:
-                    wk = torch.where(ok, w[safe], 0.0)
-            else:
-                vals = x[dst[ok]].float()
-                rows = torch.arange(n).view(n, 1).expand(n, k)[ok]
-                rank_of, tok_of = src_r[rows], src_t[rows]
-        order = torch.argsort(rank_of, stable=True)
-        send_counts = torch.bincount(rank_of, minlength=R).tolist()
-        fields = [tok_of[order].to(torch.int32).view(-1, 1), vals[order]]
-        specs: list[tuple[torch.dtype, tuple[int, ...]]] = [
-            (torch.int32, (1,)),
-            (torch.float32, (x.shape[1],)),
-        ]
-        if wk is not None:
-            fields.append(wk[order])
-            specs.append((torch.float32, (k,)))
-        dest = torch.where(topk_idx >= 0, topk_idx // e, -1)
-        if expand and not self.amr:
-            recv_counts = [int((dest == r).sum()) for r in range(R)]
-        else:
-            recv_counts = [int((dest == r).any(1).sum()) for r in range(R)]
-        recv = transport.exchange_known(
-            transport.pack(fields), send_counts, recv_counts, self.context.group
-        )
-        got = transport.unpack(recv, specs)
-        from_rank = torch.repeat_interleave(torch.arange(R), torch.tensor(recv_counts))
-        return {
-            "tok": got[0].view(-1).to(torch.int64),
-            "vals": got[1],
-            "from": from_rank,
-            "w": got[2] if wk is not None else None,
-            "dest": dest,
-        }
 
     def _combine_epilogue(
         self,
@@ -936,19 +796,8 @@ class EPRuntime:
         for b in (bias_0, bias_1):
             if b is not None:
                 out += b.float()
-        combined_w = None
-        if with_weights:
-            combined_w = torch.zeros(T, k, dtype=torch.float32)
-            ri, ci = (got["dest"][got["tok"]] == got["from"].view(-1, 1)).nonzero(as_tuple=True)
-            combined_w[got["tok"][ri], ci] = got["w"][ri, ci]
+        combined_w = self.combine_weights(got, T, k) if with_weights else None
         return out.to(torch.bfloat16), combined_w
-
-
-def _expert_counts(local: torch.Tensor, e: int) -> torch.Tensor:
-    """``[e]`` int64 (row, slot) pairs per local expert of ``local`` ``[n, k]`` (-1 elsewhere)."""
-    if not e:
-        return torch.zeros(0, dtype=torch.int64)
-    return torch.stack([(local == j).sum() for j in range(e)]).to(torch.int64)
 
 
 def make_ep_runtime_module(nvl_peers: int) -> Any:
@@ -969,24 +818,17 @@ def make_ep_runtime_module(nvl_peers: int) -> Any:
     mod.emu_capturing = False
     mod.emu_jit_cache = set()
     mod.emu_jit_compiles = Counter()
-    # the communicator's properties as NCCL's ncclCommQueryProperties reports them (GDAKI by
-    # default; a test sets a GIN type to 0 = NONE, as DeepEP #629's single B300 node)
-    mod.emu_gin = {"version": 23203, "ginType": 3, "railedGinType": 3, "gdaki": True}
-    comms: dict[int, tuple[int, int]] = {}
+    mod.emu_streams = None  # tests/deepep_emu/streams.py
+    # the network NCCL finds (GDAKI by default; a test sets a GIN type to 0 = NONE, as DeepEP
+    # #629's single B300 node): what ncclCommQueryProperties reports follows from it (nccl.py)
+    mod.emu_gin = {"ginType": 3, "railedGinType": 3, "gdaki": True, "all_p2p": True}
+    mod.emu_nccl = FakeLibNccl(mod, "v25")
+    comms = NcclComms(0x2000)
+    _size = comms.size
 
     class EPBuffer(EPRuntime):
         def __init__(self, *args: Any) -> None:
             super().__init__(mod, *args)
-
-    def _size(nccl_comm: int) -> int:
-        if nccl_comm not in comms:
-            raise RuntimeError(f"emulated NCCL communicator {nccl_comm:#x} does not exist")
-        return comms[nccl_comm][0]
-
-    def create_nccl_comm(root_unique_id: Any, num_ranks: int, rank_idx: int) -> int:
-        handle = 0x2000 + len(comms)
-        comms[handle] = (num_ranks, rank_idx)
-        return handle
 
     def physical(nccl_comm: int) -> tuple[int, int]:
         dd = lay.domains(_size(nccl_comm), nvl_peers, True)
@@ -1019,15 +861,12 @@ def make_ep_runtime_module(nvl_peers: int) -> Any:
     mod.get_num_rdma_alignment = lambda: 64
     mod.get_ep_buffer_alignment = lambda: lay.ALIGNMENT
     mod.calculate_ep_buffer_size = calculate
-    mod.get_local_nccl_unique_id = lambda: bytearray(b"emulated-nccl-unique-id")
-    mod.create_nccl_comm = create_nccl_comm
-    mod.destroy_nccl_comm = lambda nccl_comm: comms.pop(nccl_comm, None)
+    comms.install(mod)
     mod.get_physical_domain_size = physical
     mod.get_logical_domain_size = logical
     mod.barrier = barrier
     mod.get_comm_stream = get_comm_stream
     mod.emu_capture = lambda: lay.emu_capture(mod)
-    mod.emu_nccl_comms = comms
     # emulator-only accounting (not in DeepEP): which collectives are the runtime's own
     mod.emu_in_runtime = transport.in_runtime
     mod.emu_counters = transport.counters

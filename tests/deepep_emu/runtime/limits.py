@@ -24,7 +24,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from . import ep_limits, strict
+from . import ep_limits, nccl, strict
 
 __all__ = [
     "COMMITS",
@@ -41,6 +41,7 @@ COMMITS = {
     "1.2.1": "9af0e0d0e74f3577af1979c9b9e1ac2cad0104ee",
     "2.1.0": "dd758caf451848bd150e1046af3d0a73e5fff38d",
     ep_limits.RELEASE: ep_limits.WHEEL,  # DeepEP 2.5 (EPBuffer): the wheel's own source
+    "nccl": "v2.30.7-1",  # NCCL's own checks (github:NVIDIA/nccl), runtime.nccl.NCCL_ROWS
 }
 
 
@@ -59,6 +60,8 @@ class Limit:
             return f"not checked anywhere in DeepEP {release}; the emulator reports the hazard"
         path, line = self.sources[release]
         ref = COMMITS[release]
+        if release == "nccl":
+            return f"{path}:{line} @ NCCL {ref}"
         ref = ref if "==" in ref else ref[:12]  # a commit, or the wheel that ships the source
         return f"{path}:{line} @ {ref} (DeepEP {release})"
 
@@ -624,6 +627,13 @@ _ALL = [
         {"2.1.0": ("csrc/kernels/backend/nccl.cu", 88)},
     ),
     _L(
+        "elastic.nccl_version",
+        "host",
+        "V2 NCCL context: below NCCL 2.31 the runtime NCCL is the one DeepEP was compiled with (the sgl-deep-ep 0.1.2.post1 _C: 2.30.7)",
+        "NCCL_VERSION_CODE == nccl_runtime_version",
+        {"2.1.0": ("csrc/kernels/backend/nccl.cu", 104)},
+    ),
+    _L(
         "elastic.nvl_ranks",
         "host",
         "V2 domains: num_ranks is a multiple of the NVLink (LSA) domain size",
@@ -872,6 +882,29 @@ _ALL = [
 # DeepEP 2.5 (``EPBuffer``), cited in the sgl-deep-ep-v25 wheel's source (``ep_limits``)
 _ALL += [_L(i, k, t, n, {ep_limits.RELEASE: (p, ln)}) for i, k, t, n, p, ln in ep_limits.EP_ROWS]
 _ALL += [_L(*row) for row in strict.ROWS]  # audit-3 E1-E7
+_ALL += [_L(*row) for row in nccl.NCCL_ROWS]  # NCCL's own (issue 44)
+_ALL.append(
+    _L(
+        "stream.cross_read",
+        "device",
+        "a deferred epilogue's rows read on another stream than the one they were written on, without waiting for an event recorded after them: no check in DeepEP (a race on the GPU; tests/deepep_emu/streams.py)",
+        "current_stream_wait",
+        {},
+    )
+)
+_ALL += [
+    _L(
+        f"{prefix}.no_gin_context",
+        "device",
+        f"{what} with EP_DISABLE_GIN: no check in DeepEP — its device communicator is built without GIN contexts ({where}) while its kernels across RDMA ranks use them",
+        "EP_DISABLE_GIN",
+        {},
+    )
+    for prefix, what, where in (
+        ("elastic", "V2 dispatch / combine across nodes", "nccl.cu:86-99"),
+        ("ep", "V2.5 dispatch / combine across nodes", "context.cpp:124-155"),
+    )
+]
 LIMITS: dict[str, Limit] = {lim.id: lim for lim in _ALL}
 
 
@@ -918,7 +951,7 @@ def _verify(repo: str) -> int:
     misses = 0
     for lim in LIMITS.values():
         for release, (path, line) in lim.sources.items():
-            if release == ep_limits.RELEASE:  # checked against the wheel: ep_limits.verify_wheel
+            if release in (ep_limits.RELEASE, "nccl"):  # the wheel's (verify_wheel), NCCL's
                 continue
             key = (release, path)
             if key not in files:

@@ -24,7 +24,7 @@ def make_runtime_module(release: str, nvl_peers: int) -> types.ModuleType:
         release: the DeepEP release whose limits the kernels enforce (``"1.2.1"``/``"2.1.0"``).
         nvl_peers: ranks of one emulated NVLink domain (DeepEP's ``NUM_MAX_NVL_PEERS``, 8).
     """
-    if release not in limits.COMMITS:
+    if release not in limits.COMMITS or release == "nccl":
         raise ValueError(f"unknown DeepEP release {release!r}; known: {sorted(limits.COMMITS)}")
     if nvl_peers <= 0:
         raise ValueError(f"nvl_peers must be positive, got {nvl_peers}")

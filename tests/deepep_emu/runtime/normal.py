@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from . import limits, strict, transport
+from . import limits, memory, strict, transport
 from .config import SOURCE_META_BYTES, EventHandle, shapes_for
 from .low_latency import LowLatencyKernels
 
@@ -125,6 +125,8 @@ class Runtime(LowLatencyKernels):
         limits.host_assert(num_rdma_bytes % 128 == 0, "buffer.rdma_bytes_aligned", rel)
         limits.host_assert(num_ranks < L or num_ranks % L == 0, "buffer.num_ranks", rel)
         strict.check_buffer(module, rel, num_nvl_bytes, num_rdma_bytes, low_latency_mode)
+        memory.allocate(module, num_nvl_bytes + num_rdma_bytes, "cudaMalloc")
+        self.module = module
         if num_rdma_bytes > 0:
             limits.host_assert(num_ranks > L or low_latency_mode, "buffer.rdma_needs_nodes", rel)
         self.num_rdma_ranks = max(1, num_ranks // L)
@@ -165,6 +167,7 @@ class Runtime(LowLatencyKernels):
 
     def destroy(self) -> None:
         limits.host_assert(not self.destroyed, "buffer.destroy_once", self.release)
+        memory.release(self.module, self.num_nvl_bytes + self.num_rdma_bytes)
         self.destroyed = True
         self.available = False
 

@@ -107,7 +107,9 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
         stats: counters to add to.
         async_finish: launch on DeepEP's communication stream (inputs fenced by an event, outputs
             allocated there); the current stream then waits for it on the GPU, not the host.
-        num_sms: ``Buffer.set_num_sms`` (even; process-wide in DeepEP).
+        num_sms: SMs of this backend's normal kernels (even; None: ``Buffer.num_sms`` as it is
+            now). Passed in the ``Config`` of every call, never set on DeepEP's class (its
+            ``set_num_sms`` is process-wide: issue 44, Q7).
         mode: ``"normal"`` or ``"low_latency"`` (allocates the low-latency buffers too).
         num_max_dispatch_tokens_per_rank: tokens per rank and low-latency call.
         use_fp8: low-latency dispatch casts to fp8 (per-128-channel scales).
@@ -196,7 +198,7 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
                     f"num_sms >= 4 (its cached notify asserts num_channels * 2 > 3, "
                     f"num_channels = num_sms / 2): set DispatchConfig.deepep_num_sms >= 4"
                 )
-            module.Buffer.set_num_sms(num_sms)
+        self.num_sms = int(module.Buffer.num_sms) if num_sms is None else num_sms
         self.topk_idx_dtype: torch.dtype = getattr(module, "topk_idx_t", torch.int64)
         self._shared = deepep_buffer.acquire(module, self.group, id(self))
         self._closed = False
@@ -292,10 +294,12 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
     @property
     def num_qps_per_rank(self) -> int:
         """QPs that satisfy DeepEP's internode normal and low-latency kernels (``rules``)."""
-        return max(24, int(self.deep_ep.Buffer.num_sms), self.num_local_experts)
+        return max(24, self.num_sms, self.num_local_experts)
 
     def _required_size(self, row_bytes: int, hidden: int | None = None) -> sizing.BufferSize:
-        need = sizing.normal_buffer_size(self.deep_ep, self.num_ranks, max(row_bytes, 16))
+        need = sizing.normal_buffer_size(
+            self.deep_ep, self.num_ranks, max(row_bytes, 16), self.num_sms
+        )
         if self.mode == "low_latency" and hidden is not None:
             need = need.union(
                 sizing.low_latency_buffer_size(
@@ -610,7 +614,10 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
             # NOTE: DeepEP zeroes the weight of every slot whose id is not local (the sender
             # writes 0 beside -1), and its count list is exact for expert_alignment=1.
             pairs = int(sum(count_list))
-            counts = torch.tensor(count_list, dtype=torch.int64, device=recv_idx.device)
+            # NOTE: counted on the device from the received ids (issue 44, Q8): the host list
+            # made a tensor is a pageable copy with a stream synchronisation
+            ids = recv_idx.reshape(-1).to(torch.int64)
+            counts = sizing.count_valid(ids, ids >= 0, e)
         if recv_idx.dtype != torch.int64:
             recv_idx = recv_idx.to(torch.int64)
 

@@ -73,6 +73,7 @@ class CombineMixin:
     _launch_kwargs: Any
     _wait: Any
     _after_normal_kernel: Any
+    num_sms: int
     _account: Any
     _row_bytes: Any
 
@@ -80,7 +81,7 @@ class CombineMixin:
     def _configs(self) -> tuple[Any, Any]:
         """DeepEP's dispatch and combine ``Config`` for R, built once (``sizing.normal_configs``)
         and passed to every call (DeepEP rebuilds its tables per call otherwise)."""
-        return sizing.normal_configs(self.deep_ep, self.num_ranks)
+        return sizing.normal_configs(self.deep_ep, self.num_ranks, self.num_sms)
 
     def _combine_chunks(self, cols: int) -> tuple:
         multiple = self.rules.combine_col_multiple(self.internode)

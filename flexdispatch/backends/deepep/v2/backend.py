@@ -233,7 +233,9 @@ class DeepEPV2Backend(BoundedBackend):
         expand: bool,
     ) -> tuple[Any, ...]:
         """Checks, padding and the one ``ElasticBuffer.dispatch`` call of both layouts:
-        ``(recv, recv_idx, recv_w, handle, recv_scales, Launch)``."""
+        ``(recv, recv_idx, recv_w, handle, recv_scales, Launch)`` (dropless over the bound:
+        dispatched again, every rank, once the bound grew: ``bounded``)."""
+        given = (x, topk_idx, topk_probs)
         x, scales, wire = sizing.split_rows(x, fp8_multiple=32)
         T, X = x.shape
         num_scales = 0 if scales is None else scales.shape[1]
@@ -241,8 +243,8 @@ class DeepEPV2Backend(BoundedBackend):
         sizing.check_topk(k, "V2 kernels")
         if not self.worst_case:
             refusals.check_dropless_capture("DeepEP V2")
-        sent = self._check_tokens(T, (X, k, x.dtype))
-        if sent < T:  # NOTE: worst-case, checks off, over M = W / R: the first M (_check_tokens)
+        sent, agreement = self._check_tokens(T, (X, k, x.dtype))
+        if sent < T:  # NOTE: checks off, over M: the first M (_check_tokens)
             x, topk_idx, topk_probs = x[:sent], topk_idx[:sent], topk_probs[:sent]
             scales = None if scales is None else scales[:sent]
         if scales is not None:
@@ -281,6 +283,8 @@ class DeepEPV2Backend(BoundedBackend):
         else:
             row = self._dispatch_row_bytes(2 * hidden, 0, k)
         self._account("dispatch", handle, row)
+        if self._agreed(agreement):  # NOTE: a rank was over M: M grew on every rank, again
+            return self._launch(*given, expand)
         launch = Launch(wire=wire, fp8=scales is not None, T=T, X=X, k=k, sms=self.num_sms)
         return recv, recv_idx, recv_w, handle, recv_scales, launch
 

@@ -61,6 +61,7 @@ from flexdispatch.backends.deepep.bounded import (
     Launch,
     sent_tokens,
 )
+from flexdispatch.backends.deepep.v25 import rows
 from flexdispatch.backends.deepep.v25.buffer import (
     acquire_v25,
     check_epilogue,
@@ -253,7 +254,10 @@ class DeepEPV25Backend(BoundedBackend):
         defer: bool = False,
     ) -> tuple[Any, Launch, int]:
         """Checks, padding and the one ``EPBuffer.dispatch`` call of both layouts: ``(what
-        DeepEP returned, Launch, dispatched row bytes)``."""
+        DeepEP returned, Launch, dispatched row bytes)``. Dropless over the bound: dispatched
+        again, every rank, once the bound grew (``bounded``; deferred: at ``finish_expanded``,
+        ``Launch.again``)."""
+        given = (x, topk_idx, topk_probs)
         x, scales, wire = sizing.split_rows(x, fp8_multiple=32)
         T, X = x.shape
         k = topk_idx.shape[1]
@@ -281,8 +285,8 @@ class DeepEPV25Backend(BoundedBackend):
         )
         if not self.worst_case:
             refusals.check_dropless_capture("DeepEP 2.5")
-        sent = self._check_tokens(T, (X, k, x.dtype), why)
-        if sent < T:  # NOTE: worst-case, checks off, over W / R: the first ones (_check_tokens)
+        sent, agreement = self._check_tokens(T, (X, k, x.dtype), why)
+        if sent < T:  # NOTE: checks off, over the bound: the first ones (_check_tokens)
             x, topk_idx, topk_probs = x[:sent], topk_idx[:sent], topk_probs[:sent]
             scales = None if scales is None else scales[:sent]
         raise_now = checks_enabled(self.checks) or not cuda_code_path(x.device)
@@ -333,6 +337,15 @@ class DeepEPV25Backend(BoundedBackend):
                 defer_epilogue=defer,
             ),
         )
+        if defer:  # NOTE: read at finish_expanded, after DeepEP's CPU wait
+            launch = Launch(
+                wire=wire, fp8=scales is not None, T=T, X=X, k=k, sms=sms, traffic=traffic,
+                agreement=agreement, again=given,
+            )  # fmt: skip
+            return out, launch, row
+        if self._agreed(agreement):  # NOTE: a rank was over the bound: it grew everywhere, again
+            self._account_dispatch(out[3], traffic, row)
+            return self._launch(*given, expand=expand)
         launch = Launch(wire=wire, fp8=scales is not None, T=T, X=X, k=k, sms=sms, traffic=traffic)
         return out, launch, row
 
@@ -386,7 +399,11 @@ class DeepEPV25Backend(BoundedBackend):
             self._shared.pending = None
         p.settle()
         p.join()  # NOTE: an epilogue run early on another stream: this stream waits for it
+        rows.STREAMS.used(rows.tensors_of(p.result))
         recv, _, recv_w, handle = p.result
+        if self._agreed(p.launch.agreement):  # NOTE: a rank was over the bound: it grew, again
+            self._account_dispatch(handle, p.launch.traffic, p.row_bytes)
+            return self.dispatch_expanded(*p.launch.again)
         return self._expanded(recv, recv_w, handle, p.launch, p.row_bytes)
 
     def dispatch_expanded(

@@ -17,11 +17,14 @@ from typing import Any
 import torch
 
 __all__ = [
+    "STREAMS",
+    "CudaStreams",
     "V25Traffic",
     "PendingExpanded",
     "combine_row_bytes",
     "dispatch_row_bytes",
     "guard_ids",
+    "tensors_of",
     "traffic_rows",
 ]
 
@@ -123,6 +126,36 @@ def traffic_rows(idx: torch.Tensor, e: int, t: V25Traffic) -> torch.Tensor:
     return torch.stack([per_rank.sum(), (per_rank * t.intra).sum(), inter])
 
 
+class CudaStreams:
+    """The CUDA streams and events a deferred epilogue's ``join`` uses (``STREAMS``). The test
+    emulator installs a stand-in with the same methods (``tests/deepep_emu/streams.py``), so the
+    cross-stream half of the overlap runs, and is checked, without a GPU."""
+
+    @staticmethod
+    def applies(tensors: list[torch.Tensor]) -> bool:
+        """Whether the rows live on streams (CUDA tensors)."""
+        return any(t.is_cuda for t in tensors)
+
+    @staticmethod
+    def current() -> Any:
+        return torch.cuda.current_stream()
+
+    @staticmethod
+    def event() -> Any:
+        return torch.cuda.Event()
+
+    @staticmethod
+    def record_stream(t: torch.Tensor, stream: Any) -> None:
+        t.record_stream(stream)
+
+    @staticmethod
+    def used(tensors: list[torch.Tensor]) -> None:
+        """The rows are read on the current stream now (stream-ordered on CUDA: nothing to do)."""
+
+
+STREAMS: Any = CudaStreams()
+
+
 @dataclass(eq=False)
 class PendingExpanded:
     """An expanded dispatch in flight (``launch_expanded``): its epilogue runs at ``finish``, or
@@ -143,9 +176,9 @@ class PendingExpanded:
         if self.result is not None or self.event is None:
             return False
         self.result = self.event.current_stream_wait()
-        if early and any(t.is_cuda for t in _tensors(self.result)):
-            self.ran_on = torch.cuda.current_stream()
-            self.done = torch.cuda.Event()
+        if early and STREAMS.applies(_tensors(self.result)):
+            self.ran_on = STREAMS.current()
+            self.done = STREAMS.event()
             self.done.record(self.ran_on)
         return True
 
@@ -156,12 +189,17 @@ class PendingExpanded:
         their blocks to the other stream while this one still reads them."""
         if self.done is None:
             return
-        here = torch.cuda.current_stream()
+        here = STREAMS.current()
         if here == self.ran_on:
             return
         here.wait_event(self.done)
         for t in _tensors(self.result):
-            t.record_stream(here)
+            STREAMS.record_stream(t, here)
+
+
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    """The tensors of an epilogue's result (nested tuples: fp8 rows with their scales)."""
+    return _tensors(value)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

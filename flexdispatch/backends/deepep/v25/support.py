@@ -5,9 +5,9 @@ experts · k top-k · L ranks per node (the NVLink domain) · N = R / L nodes ·
 M = ``num_max_tokens_per_rank``.
 
 DeepEP 2.5 ships as its own package (SGLang's wheel ``sgl-deep-ep-v25``, ``import deep_ep_v25``)
-beside ``deep_ep`` (V1 ``Buffer`` and V2 ``ElasticBuffer``); the import is lazy, and every way it
-is known to fail (``ImportError`` from its host check, ``OSError``, ``AssertionError`` from its
-NCCL check, ``RuntimeError``) becomes a reason string. Its limits (``docs/deepep.md``, "DeepEP
+beside ``deep_ep`` (V1 ``Buffer`` and V2 ``ElasticBuffer``); the import is lazy, where its own
+import check would pass (``nccl.import_deepep``), and every way it fails becomes a reason string
+("not installed" or "installed but refused to import"). Its limits (``docs/deepep.md``, "DeepEP
 V2.5"), as ``v25_rules`` applies them before any collective:
 
 - one logical domain of R ranks (direct mode) or N nodes of L NVLink peers (hybrid mode:
@@ -27,7 +27,6 @@ worst-case ``W`` and every dropless bound in one bucket shares one set of kernel
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 from typing import Any
 
@@ -63,11 +62,10 @@ _NOTIFY_WARPS = 4  # kNumNotifyWarps (csrc/kernels/ep/dispatch.hpp:20)
 
 def load_deep_ep_v25() -> tuple[ModuleType | None, str]:
     """Import ``deep_ep_v25`` (DeepEP 2.5) if it can be; never raises."""
-    try:
-        module = importlib.import_module("deep_ep_v25")
-    except (ImportError, OSError, AssertionError, RuntimeError) as exc:
-        return None, f"import deep_ep_v25 failed: {type(exc).__name__}: {exc}"
-    return module, "deep_ep_v25 imports"
+    from flexdispatch.backends.deepep.nccl import import_deepep
+
+    module, why = import_deepep("deep_ep_v25")
+    return module, why
 
 
 def v25_available(
@@ -80,8 +78,7 @@ def v25_available(
         version = getattr(module, "__version__", "?")
         return False, (
             f"the module given as DeepEP 2.5 ({version}) has no EPBuffer: install "
-            "sgl-deep-ep-v25 (pip install --no-deps sgl-deep-ep-v25) or set deepep_api to "
-            "'v2' / 'v1'"
+            "sgl-deep-ep-v25 (pip install --no-deps sgl-deep-ep-v25)"
         )
     return True, f"deep_ep_v25.EPBuffer exists (DeepEP {getattr(module, '__version__', '?')})"
 
