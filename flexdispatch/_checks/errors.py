@@ -11,7 +11,9 @@ is the whole message, as the API has always said it. Its parts:
 - ``problem``: what is wrong, short (``needs ~58.1 GiB, 15.8 GiB available``);
 - ``fix``: what to do, in the imperative, at most ``MAX_FIX`` characters;
 - ``detail``: how the problem was worked out (an estimate's parts, a whole path): the command line
-  shows it with ``--verbose`` only.
+  shows it with ``--verbose`` only;
+- ``arg``: the API argument at fault (``num_experts``), for a caller that maps it to its own
+  option (``option_scope(..., args=...)``).
 
 ``MemoryRefusal`` is the refusal of an estimate that does not fit
 (``flexdispatch._checks.fits.check_fits``), with the numbers.
@@ -35,7 +37,7 @@ class InputError(ValueError):
     Args:
         message: the whole message (``str(exc)``); default: the parts joined,
             ``OPTION=VALUE: PROBLEM (DETAIL): FIX``.
-        option / value / problem / fix / detail: the parts.
+        option / value / problem / fix / detail / arg: the parts.
     """
 
     def __init__(
@@ -47,8 +49,10 @@ class InputError(ValueError):
         problem: str = "",
         fix: str = "",
         detail: str = "",
+        arg: str = "",
     ) -> None:
         self.option = option
+        self.arg = arg
         self.value = None if value is _UNSET else value
         self.has_value = value is not _UNSET
         self.problem = problem
@@ -82,9 +86,8 @@ class MemoryRefusal(InputError):
         option: str = "",
     ) -> None:
         super().__init__(
-            message, option=option, value=value, problem=problem, fix=fix, detail=detail
+            message, option=option, value=value, problem=problem, fix=fix, detail=detail, arg=arg
         )
-        self.arg = arg
         self.nbytes = nbytes
         self.usable = usable
         self.avail = avail

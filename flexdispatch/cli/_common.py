@@ -22,7 +22,7 @@ import contextlib
 import math
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -41,6 +41,8 @@ __all__ = [
     "group_failure",
     "int_range",
     "json_text",
+    "memory_size",
+    "nonnegative_float",
     "one_line",
     "option_scope",
     "positive_float",
@@ -105,21 +107,38 @@ class CliError(Exception):
 
 @contextlib.contextmanager
 def option_scope(
-    option: str, value: object = _NO_VALUE, fix: str = "", *, exit_code: int = 2
+    option: str,
+    value: object = _NO_VALUE,
+    fix: str = "",
+    *,
+    args: Mapping[str, tuple[str, object]] | None = None,
+    exit_code: int = 2,
 ) -> Iterator[None]:
     """Name ``option`` (and ``value``) in the error of any ``ValueError`` the block raises: a
     ``CliError`` with the library's parts (``InputError``: its problem, fix and, where it names
-    one, its own option such as an environment variable), its whole message as the detail."""
+    one, its own option such as an environment variable), its whole message as the detail.
+
+    Args:
+        option / value: the option that fed the block, and its value.
+        fix: what to do, where the library's error does not say.
+        args: the options of the library's argument names (``MemoryRefusal.arg``), when another
+            option than ``option`` feeds one: ``{"nodes x ranks_per_node": ("--nodes", 4)}``.
+        exit_code: of the ``CliError`` (2: bad input).
+    """
     try:
         yield
     except CliError:
         raise
     except InputError as exc:
-        own = bool(exc.option)
+        mapped = (args or {}).get(getattr(exc, "arg", ""))
+        if exc.option:
+            option, value = exc.option, (exc.value if exc.has_value else _NO_VALUE)
+        elif mapped is not None:
+            option, value = mapped
         raise CliError(
             exc.problem or one_line(exc),
-            option=exc.option if own else option,
-            value=(exc.value if exc.has_value else _NO_VALUE) if own else value,
+            option=option,
+            value=value,
             fix=exc.fix or fix,
             detail=str(exc),
             exit_code=exit_code,
@@ -297,6 +316,17 @@ def int_range(lo: int, hi: int = INT32_MAX) -> Any:
     return parse
 
 
+def nonnegative_float(text: str) -> float:
+    """An argparse type: a finite float >= 0 (``plan --skew``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a finite float > 0 (timeouts, bandwidths)."""
     try:
@@ -306,6 +336,16 @@ def positive_float(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
+
+
+def memory_size(text: str) -> int:
+    """An argparse type: a memory size (``4GiB``, ``512MiB``; ``sysmem.parse_size``), in bytes."""
+    from flexdispatch._checks.sysmem import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def timeout_seconds(text: str) -> float:
@@ -331,7 +371,8 @@ def check_output_path(path: str | Path, flag: str, example: str = "out.yaml") ->
     """
     from flexdispatch._checks import files
 
-    return files.check_output_path(path, f"{flag} {path}", example)
+    with option_scope(flag, path):
+        return files.check_output_path(path, f"{flag} {path}", example)
 
 
 def write_output(path: str | Path, text: str, flag: str) -> None:
@@ -339,7 +380,8 @@ def write_output(path: str | Path, text: str, flag: str) -> None:
     full disk, a path that became a FIFO) is a ``ValueError`` naming the flag and the path."""
     from flexdispatch._checks.files import write_file
 
-    write_file(path, text.encode("utf-8"), f"{flag} {path}")
+    with option_scope(flag, path):
+        write_file(path, text.encode("utf-8"), f"{flag} {path}")
 
 
 def json_text(obj: Any, indent: int = 2) -> str:
