@@ -88,7 +88,7 @@ def test_environment_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
         devices.requested_device()
     assert devices.requested_device(cpu_flag=True) == "cpu"
     monkeypatch.setenv(devices.VISIBLE_GPUS_ENV, "two")
-    with pytest.raises(ValueError, match="'two' is not a GPU count"):
+    with pytest.raises(ValueError, match=r"\$FLEXDISPATCH_VISIBLE_GPUS='two' is not an integer"):
         devices.visible_gpus()
 
 
