@@ -104,8 +104,25 @@ def file_error(
     )
 
 
-def _at(text: str, index: int) -> str:
-    return excerpt(text[index : index + EXCERPT_CHARS]) if 0 <= index < len(text) else "end of file"
+def _at(text: str, index: int, quote: bool = True) -> str:
+    """What is at ``index`` of a file's ``text``: a short escaped excerpt, or (``quote=False``, a
+    file the user did not name) only the kind of character there, never the text."""
+    if not 0 <= index < len(text):
+        return "end of file"
+    if quote:
+        return excerpt(text[index : index + EXCERPT_CHARS])
+    c = text[index]
+    if not c.isascii():
+        return "a non-ASCII character"
+    if c.isalpha():
+        return "a letter"
+    if c.isdigit():
+        return "a digit"
+    if c.isspace():
+        return "a space" if c == " " else "a line break or tab"
+    if not c.isprintable():
+        return "a control character"
+    return "a punctuation mark"
 
 
 _PSEUDO_ROOTS = ("/proc", "/sys")
@@ -210,17 +227,35 @@ def _read_bounded(path: Path, what: str) -> str:
         ) from None
 
 
-def check_output_path(path: Path | str, what: str, example: str = "out.yaml") -> Path:
+def _same_file(st: os.stat_result, inputs: Iterable[Path | str]) -> str | None:
+    """The first of ``inputs`` that is the file ``st`` describes (the same inode: the path
+    itself, a hard link or a symbolic link to it), or None."""
+    for given in inputs:
+        try:
+            other = os.stat(given)
+        except OSError:
+            continue
+        if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+            return str(given)
+    return None
+
+
+def check_output_path(
+    path: Path | str, what: str, example: str = "out.yaml", *, inputs: Iterable[Path | str] = ()
+) -> Path:
     """The one check of an output path (``config --output``, ``plan --plot``, ``plot_plan``,
-    ``write_file``), before any work: refused when it is a folder, when it is not a regular file
-    (``file_kind``: a FIFO, which would block; a device, a socket, a ``/proc`` or ``/sys``
-    file), or when its folder is missing, not a folder, in ``/proc`` or ``/sys``, or not
-    writable.
+    ``write_file``), before any work: refused when it is a symbolic link (dangling or not: a link
+    planted in a shared folder would make any write a create-anywhere), a folder, not a regular
+    file (``file_kind``: a FIFO, which would block; a device, a socket, a ``/proc`` or ``/sys``
+    file), one of ``inputs`` (the same file: the path, a hard link), when its name is too long
+    for its folder, or when its folder is missing, not a folder, in ``/proc`` or ``/sys``, or
+    not writable.
 
     Args:
         path: the file to write.
         what: how messages name it, e.g. ``"--output out.yaml"``.
         example: the file name a message suggests inside a folder.
+        inputs: the files the command reads (never overwritten by its output).
 
     Raises:
         ValueError: naming ``what`` and the fix.
@@ -230,6 +265,23 @@ def check_output_path(path: Path | str, what: str, example: str = "out.yaml") ->
     def refuse(message: str, problem: str, fix: str = "") -> InputError:
         return InputError(message, value=str(path), problem=problem, fix=fix)
 
+    try:
+        st: os.stat_result | None = os.lstat(out)
+    except OSError:
+        st = None
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        raise refuse(
+            f"{what} is a symbolic link (to {excerpt(os.readlink(out), 40)}): pass the file itself",
+            "is a symbolic link",
+            "pass the file itself, not a link",
+        )
+    same = None if st is None else _same_file(st, inputs)
+    if same is not None:
+        raise refuse(
+            f"{what} is the input file {same}: write to another file",
+            "is the input file",
+            "write to another file",
+        )
     kind = file_kind(out)
     if kind == "a folder":
         raise refuse(
@@ -279,22 +331,28 @@ def check_output_path(path: Path | str, what: str, example: str = "out.yaml") ->
     return out
 
 
-def write_file(path: Path | str, data: bytes, what: str) -> None:
+def write_file(
+    path: Path | str, data: bytes, what: str, *, inputs: Iterable[Path | str] = ()
+) -> None:
     """Write ``data`` to the regular file ``path`` (created or truncated), never blocking on a
-    FIFO or writing into a device or a ``/proc`` / ``/sys`` file: ``check_output_path`` first,
-    then the kind again on the opened descriptor (the path may have changed since).
+    FIFO, following a symbolic link, writing into a device or a ``/proc`` / ``/sys`` file, or
+    over one of ``inputs``: ``check_output_path`` first, then the open refuses a link
+    (``O_NOFOLLOW``) and the opened descriptor is checked again (the path may have changed
+    since) before it is truncated.
 
     Args:
         path: the file.
         data: its new contents.
         what: how messages name the file, e.g. ``"--output out.yaml"``.
+        inputs: the files the command read (never overwritten).
 
     Raises:
         ValueError: ``path`` cannot be written there (``check_output_path``), or the write
             failed (full disk, no permission, ...), naming ``what`` and the system's reason.
     """
-    check_output_path(path, what)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOCTTY", 0)
+    inputs = list(inputs)
+    check_output_path(path, what, inputs=inputs)
+    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_NOFOLLOW", 0)
     try:
         fd = os.open(
             path, flags | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0), 0o666
@@ -307,7 +365,8 @@ def write_file(path: Path | str, data: bytes, what: str) -> None:
         ) from None
     try:
         with os.fdopen(fd, "wb") as f:
-            kind = _kind(os.fstat(fd), path)
+            st = os.fstat(fd)
+            kind = _kind(st, path)
             if kind is not None:
                 raise InputError(
                     f"{what} is not a regular file ({kind}): pass the name of a file to write",
@@ -315,6 +374,15 @@ def write_file(path: Path | str, data: bytes, what: str) -> None:
                     problem=f"is not a regular file ({kind})",
                     fix="pass the name of a file to write",
                 )
+            same = _same_file(st, inputs)
+            if same is not None:
+                raise InputError(
+                    f"{what} is the input file {same}: write to another file",
+                    value=str(path),
+                    problem="is the input file",
+                    fix="write to another file",
+                )
+            os.ftruncate(fd, 0)  # NOTE: only now: the checks above come before any byte is lost
             f.write(data)
     except OSError as exc:
         raise InputError(
@@ -338,7 +406,9 @@ _YAML_PROBLEMS = {
 }
 
 
-def _yaml_error(exc: yaml.YAMLError, path: Path | str, what: str, text: str) -> ValueError:
+def _yaml_error(
+    exc: yaml.YAMLError, path: Path | str, what: str, text: str, quote: bool = True
+) -> ValueError:
     if isinstance(exc, yaml.reader.ReaderError):  # NOTE: a character the reader refuses
         line, col = _line_col(text, exc.position)
         char = exc.character if isinstance(exc.character, int) else ord(str(exc.character)[:1])
@@ -356,7 +426,7 @@ def _yaml_error(exc: yaml.YAMLError, path: Path | str, what: str, text: str) -> 
     return file_error(
         what,
         path,
-        f"is not valid YAML: {problem} (at {_at(text, mark.index)})",
+        f"is not valid YAML: {problem} (at {_at(text, mark.index, quote)})",
         line=mark.line,
         column=mark.column,
     )
@@ -449,11 +519,11 @@ def _check_yaml_depth(text: str, path: Path | str, what: str) -> None:
             depth -= 1
 
 
-def _load_yaml(text: str, path: Path | str, what: str) -> Any:
+def _load_yaml(text: str, path: Path | str, what: str, quote: bool = True) -> Any:
     try:
         _check_yaml_depth(text, path, what)
     except yaml.YAMLError as exc:
-        raise _yaml_error(exc, path, what, text) from None
+        raise _yaml_error(exc, path, what, text, quote) from None
     loader = _Loader(text)
     try:
         node = loader.get_single_node()
@@ -466,7 +536,7 @@ def _load_yaml(text: str, path: Path | str, what: str) -> Any:
             # NOTE: a tagged value the constructor could not convert (int(), float(), a date)
             raise _number_error(exc, text, path, what, loader.building) from None
     except yaml.YAMLError as exc:
-        raise _yaml_error(exc, path, what, text) from None
+        raise _yaml_error(exc, path, what, text, quote) from None
     except RecursionError:
         raise file_error(
             what,
@@ -508,7 +578,7 @@ def _line_col(text: str, index: int) -> tuple[int, int]:
     return line, index - (text.rfind("\n", 0, index) + 1)
 
 
-def _load_json(text: str, path: Path | str, what: str) -> Any:
+def _load_json(text: str, path: Path | str, what: str, quote: bool = True) -> Any:
     # NOTE: the depth scan is a Python loop over the text; it runs only when the document has more
     # opening brackets than a config could nest (cheap count first).
     if text.count("[") + text.count("{") > MAX_CONFIG_DEPTH:
@@ -521,7 +591,7 @@ def _load_json(text: str, path: Path | str, what: str) -> Any:
         raise file_error(
             what,
             path,
-            f"is not valid JSON: {exc.msg} (at {_at(text, exc.pos)})",
+            f"is not valid JSON: {exc.msg} (at {_at(text, exc.pos, quote)})",
             line=exc.lineno - 1,
             column=exc.colno - 1,
         ) from None
@@ -559,8 +629,17 @@ def _number_error(
     )
 
 
-def parse_config_text(text: str, *, kind: str, path: Path | str = "<text>", what: str = "config"):
-    """Parse ``text`` as ``kind`` (``"yaml"`` or ``"json"``) within the bounds above.
+def parse_config_text(
+    text: str,
+    *,
+    kind: str,
+    path: Path | str = "<text>",
+    what: str = "config",
+    quote: bool = True,
+):
+    """Parse ``text`` as ``kind`` (``"yaml"`` or ``"json"``) within the bounds above; ``quote``:
+    a malformed document's error may quote a short excerpt where it breaks (else it says only
+    the kind of character there: ``_at``).
 
     Raises:
         ValueError: too large, too deep, too many nodes once aliases are expanded, or malformed
@@ -569,19 +648,24 @@ def parse_config_text(text: str, *, kind: str, path: Path | str = "<text>", what
     if len(text) > MAX_CONFIG_BYTES:
         raise file_error(what, path, f"is larger than {MAX_CONFIG_BYTES} bytes")
     if kind == "json":
-        return _load_json(text, path, what)
+        return _load_json(text, path, what, quote)
     if kind == "yaml":
-        return _load_yaml(text, path, what)
+        return _load_yaml(text, path, what, quote)
     raise ValueError(f"kind must be 'yaml' or 'json', got {kind!r}")
 
 
-def read_config_file(path: str | Path, *, kind: str, what: str = "config file") -> Any:
+def read_config_file(
+    path: str | Path, *, kind: str, what: str = "config file", named: bool = True
+) -> Any:
     """Read and parse a YAML or JSON config file within the bounds of this module.
 
     Args:
         path: the file.
         kind: ``"yaml"`` or ``"json"``.
         what: how messages name the file (e.g. ``"config file"``).
+        named: the user named this file (else it was found, e.g. ``config.json`` in a named
+            folder): an error quotes none of a file the user did not name, only where it breaks
+            and the kind of character there.
 
     Raises:
         ValueError: missing, a folder, not a regular file, unreadable, not UTF-8, too large, too
@@ -592,7 +676,8 @@ def read_config_file(path: str | Path, *, kind: str, what: str = "config file") 
         raise file_error(what, path, "does not exist")
     if path.is_dir():
         raise file_error(what, path, "is a folder", "pass a YAML or JSON config file")
-    return parse_config_text(_read_bounded(path, what), kind=kind, path=path, what=what)
+    text = _read_bounded(path, what)
+    return parse_config_text(text, kind=kind, path=path, what=what, quote=named)
 
 
 _KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,23}")

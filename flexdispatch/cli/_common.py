@@ -22,7 +22,7 @@ import contextlib
 import math
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -361,27 +361,31 @@ def timeout_seconds(text: str) -> float:
     return value
 
 
-def check_output_path(path: str | Path, flag: str, example: str = "out.yaml") -> Path:
+def check_output_path(
+    path: str | Path, flag: str, example: str = "out.yaml", inputs: Iterable[str | Path] = ()
+) -> Path:
     """Refuse, before any work, an output path that cannot be written
-    (``flexdispatch._checks.files.check_output_path``, named ``FLAG PATH``); ``example`` is the file
-    name the message suggests inside a folder.
+    (``flexdispatch._checks.files.check_output_path``: a symbolic link, a device, one of the
+    ``inputs`` the command reads, ...), naming ``FLAG PATH``; ``example`` is the file name the
+    message suggests inside a folder.
 
     Raises:
-        ValueError: naming the flag, the path and the fix.
+        CliError: naming the flag, the path and the fix.
     """
     from flexdispatch._checks import files
 
     with option_scope(flag, path):
-        return files.check_output_path(path, f"{flag} {path}", example)
+        return files.check_output_path(path, f"{flag} {path}", example, inputs=inputs)
 
 
-def write_output(path: str | Path, text: str, flag: str) -> None:
-    """Write ``text`` to the file of ``flag`` (checked by ``check_output_path``); a failure (a
-    full disk, a path that became a FIFO) is a ``ValueError`` naming the flag and the path."""
+def write_output(path: str | Path, text: str, flag: str, inputs: Iterable[str | Path] = ()) -> None:
+    """Write ``text`` to the file of ``flag`` (checked by ``check_output_path``; never over one
+    of ``inputs``); a failure (a full disk, a path that became a FIFO or a link) is a
+    ``CliError`` naming the flag and the path."""
     from flexdispatch._checks.files import write_file
 
     with option_scope(flag, path):
-        write_file(path, text.encode("utf-8"), f"{flag} {path}")
+        write_file(path, text.encode("utf-8"), f"{flag} {path}", inputs=inputs)
 
 
 def json_text(obj: Any, indent: int = 2) -> str:

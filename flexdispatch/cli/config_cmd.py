@@ -80,8 +80,10 @@ def run(args: argparse.Namespace) -> int:
     from flexdispatch.cli._common import check_output_path, option_scope, write_output
     from flexdispatch.importers import moe_config_from_hf, moe_config_from_megatron, to_yaml
 
+    given = args.from_hf if args.from_hf is not None else args.from_megatron
+    inputs = [given, Path(given) / "config.json"]  # NOTE: the file, or the folder's config.json
     if args.output:
-        check_output_path(args.output, "--output")
+        check_output_path(args.output, "--output", inputs=inputs)
     if args.from_hf is not None:
         with option_scope("--from-hf", args.from_hf):
             cfg = moe_config_from_hf(args.from_hf, name=args.name)
@@ -95,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         text = to_yaml(cfg)
     if args.output:
-        write_output(args.output, text, "--output")
+        write_output(args.output, text, "--output", inputs=inputs)
     else:
         print(text, end="")
     return 0

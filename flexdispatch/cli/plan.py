@@ -185,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
     from flexdispatch.planner import MAX_LOGITS, format_plan, plan_cluster, plot_plan
 
     if args.plot:
-        check_output_path(args.plot, "--plot", "out.png")
+        inputs = [args.config] if args.config is not None else []
+        check_output_path(args.plot, "--plot", "out.png", inputs=inputs)
         import importlib.util
 
         if importlib.util.find_spec("matplotlib") is None:  # NOTE: before the work, not after

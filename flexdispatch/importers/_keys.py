@@ -5,10 +5,13 @@ shared-expert pieces (``flexdispatch.importers`` has the family table)."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from flexdispatch._checks.errors import InputError
 from flexdispatch._checks.files import excerpt, file_error, read_config_file
 from flexdispatch._checks.values import finite, integer, show
 
@@ -388,6 +391,34 @@ class _Keys:
         return value
 
 
+def _check_inside(path: Path) -> None:
+    """Refuse, unread, a folder's ``config.json`` that is a symbolic link out of the folder (a
+    model folder must not make the importer read, and quote, any file of the machine). Allowed:
+    a link that stays inside the folder, and the Hugging Face cache's own layout,
+    ``models--ORG--NAME/snapshots/REV/config.json -> ../../blobs/SHA`` (into that repository's
+    ``blobs``)."""
+    try:
+        if not stat.S_ISLNK(os.lstat(path).st_mode):
+            return
+    except OSError:
+        return  # NOTE: missing: said by the caller
+    folder = os.path.realpath(path.parent)
+    target = os.path.realpath(path)
+    allowed = [folder]
+    snapshots = os.path.dirname(folder)
+    if os.path.basename(snapshots) == "snapshots":
+        allowed.append(os.path.join(os.path.dirname(snapshots), "blobs"))
+    if any(os.path.commonpath([target, a]) == a for a in allowed):
+        return
+    raise InputError(
+        f"config file {path} is a symbolic link out of its folder (not read): pass the config "
+        f"file itself",
+        value=str(path.parent),
+        problem="its config.json is a symbolic link out of the folder (not read)",
+        fix="pass the config file itself",
+    )
+
+
 def _read_hf(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
     if isinstance(config, Mapping):
         return dict(config)
@@ -397,11 +428,13 @@ def _read_hf(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
             f"{type(config).__name__}"
         )
     path = Path(config)
-    if path.is_dir():
+    named = not path.is_dir()
+    if not named:
         path = path / "config.json"
+        _check_inside(path)
     if not path.exists():
         raise file_error("config file", path, "does not exist", "pass a config.json or its folder")
-    data = read_config_file(path, kind="json", what="config file")
+    data = read_config_file(path, kind="json", what="config file", named=named)
     if not isinstance(data, dict):
         raise file_error("config file", path, f"must hold a JSON object, got {type(data).__name__}")
     return data

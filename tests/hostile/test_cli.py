@@ -232,13 +232,13 @@ LAUNCHER = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_
 @pytest.mark.parametrize(
     ("env", "message"),
     [
-        ({"RANK": "abc"}, "$RANK='abc' is not an integer"),
-        ({"WORLD_SIZE": "abc"}, "$WORLD_SIZE='abc' is not an integer"),
-        ({"MASTER_PORT": "abc"}, "$MASTER_PORT='abc' is not an integer"),
-        ({"WORLD_SIZE": "0"}, "$WORLD_SIZE=0 must be >= 1"),
-        ({"LOCAL_WORLD_SIZE": "0"}, "$LOCAL_WORLD_SIZE=0 must be >= 1 and <= 2"),
-        ({"RANK": "2"}, "$RANK=2 must be >= 0 and <= 1"),
-        ({"MASTER_PORT": "99999"}, "$MASTER_PORT=99999 must be >= 1 and <= 65535"),
+        ({"RANK": "abc"}, "error: $RANK abc: is not an integer"),
+        ({"WORLD_SIZE": "abc"}, "error: $WORLD_SIZE abc: is not an integer"),
+        ({"MASTER_PORT": "abc"}, "error: $MASTER_PORT abc: is not an integer"),
+        ({"WORLD_SIZE": "0"}, "error: $WORLD_SIZE 0: must be >= 1"),
+        ({"LOCAL_WORLD_SIZE": "0"}, "error: $LOCAL_WORLD_SIZE 0: must be >= 1 and <= 2"),
+        ({"RANK": "2"}, "error: $RANK 2: must be >= 0 and <= 1"),
+        ({"MASTER_PORT": "99999"}, "error: $MASTER_PORT 99999: must be >= 1 and <= 65535"),
         ({"WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "2"}, "is not a multiple of $LOCAL_WORLD_SIZE=2"),
     ],
 )
@@ -261,7 +261,7 @@ def test_doctor_names_a_zero_world_size(capsys, monkeypatch):
         assert _code(["doctor"]) == 2
         err = capsys.readouterr().err
         _one_line(err, "doctor")
-        assert f"${key}=0 must be >= 1" in err
+        assert f"error: ${key} 0: must be >= 1" in err
         monkeypatch.delenv(key)
 
 
@@ -293,7 +293,7 @@ def test_a_bad_thread_count_is_named_before_spawning(capsys, monkeypatch):
     assert _code(["bench"]) == 2
     err = capsys.readouterr().err
     _one_line(err, "bench")
-    assert "$FLEXDISPATCH_THREADS='abc' is not an integer" in err
+    assert "error: $FLEXDISPATCH_THREADS abc: is not an integer" in err
 
 
 def test_the_demo_check_fails_on_any_nan(tmp_path):
