@@ -266,20 +266,45 @@ _ALIASES: dict[str, dict[str, str]] = {
     "deepseek_v4": {**_ROUTED, **_both_ways(moe_intermediate_size="intermediate_size")},
 }
 
-# Keys that are not attributes of the family's config class: the modeling code hard-codes them,
-# and the default is what it runs.
-_V3_FIXED = frozenset({"topk_method", "scoring_func"})
-_FIXED_IN_MODELING: dict[str, frozenset[str]] = {
-    "deepseek_v2": frozenset({"scoring_func"}),
-    "deepseek_v3": _V3_FIXED,
-    "kimi_k2": _V3_FIXED,
-    "deepseek_v32": _V3_FIXED,
-    "glm_moe_dsa": _V3_FIXED,
-    "glm4_moe": _V3_FIXED,
-    "glm4_moe_lite": _V3_FIXED,
-    "dots1": _V3_FIXED,
-    "deepseek_v4": frozenset({"topk_method"}),
-    "minimax_m2": frozenset({"scoring_func", "use_routing_bias"}),
+# Keys a family's transformers router and MoE block never read (transformers 5.23.0, read from
+# ``modeling_<type>.py``), with what they run whatever a config says: the import is the one the
+# model runs, a config's other value is listed in ``source["ignored"]`` (never refused, never a
+# change to the import). DeepSeek-V3's gate and its relatives' always score with sigmoid and pick
+# with ``e_score_correction_bias`` by groups; DeepSeek-V4's gate has no group stage at all.
+_V3_RUNS = {
+    "topk_method": ("noaux_tc", "sigmoid + e_score_correction_bias by groups"),
+    "scoring_func": ("sigmoid", "sigmoid scores"),
+}
+_RENORMALISES = {"norm_topk_prob": (True, "always renormalises the k weights")}
+_NOT_READ: dict[str, dict[str, tuple[Any, str]]] = {
+    "deepseek_v2": {
+        "scoring_func": ("softmax", "softmax scores"),
+        "norm_topk_prob": (False, "scales by routed_scaling_factor, never renormalises"),
+    },
+    "deepseek_v3": _V3_RUNS,
+    "kimi_k2": _V3_RUNS,
+    "deepseek_v32": _V3_RUNS,
+    "glm_moe_dsa": _V3_RUNS,
+    "glm4_moe": _V3_RUNS,
+    "glm4_moe_lite": _V3_RUNS,
+    "dots1": _V3_RUNS,
+    "deepseek_v4": {
+        "topk_method": ("noaux_tc", "top-k of the scores + e_score_correction_bias"),
+        "n_group": (None, "no group stage"),
+        "topk_group": (None, "no group stage"),
+        **_RENORMALISES,
+        "n_shared_experts": (1, "one shared MLP of moe_intermediate_size"),
+    },
+    "nemotron_h": {"n_shared_experts": (1, "one shared MLP")},
+    "minimax_m2": {
+        "scoring_func": ("sigmoid", "sigmoid scores"),
+        "use_routing_bias": (True, "always adds e_score_correction_bias"),
+        "shared_intermediate_size": (None, "no shared expert"),
+    },
+    "granitemoe": {"router_jitter_noise": (0.0, "no router jitter")},
+    "gpt_oss": {"hidden_act": ("silu", "the clamped GLU of GptOssExperts")},
+    "qwen3_5_moe_text": _RENORMALISES,
+    "qwen3_vl_moe_text": _RENORMALISES,
 }
 
 _DEFAULTS_FROM = {
@@ -319,12 +344,16 @@ class _Keys:
         self.cfg, self.mt, self.prefix = cfg, mt, prefix
         self.defaults = _DEFAULTS.get(mt, {})
         self.defaulted: list[str] = []
+        self.ignored: dict[str, str] = {}  # key=its value -> what the router runs instead
 
     def name(self, key: str) -> str:
         return f"{self.prefix}{key}"
 
     def raw(self, key: str) -> Any:
         alias = _ALIASES.get(self.mt, {}).get(key)
+        runs = _NOT_READ.get(self.mt, {}).get(key)
+        if runs is not None:
+            return self._not_read(key, alias, *runs)
         here = key in self.cfg and self.cfg[key] is not None
         if alias is not None and alias in self.cfg and self.cfg[alias] is not None:
             if here and self.cfg[key] != self.cfg[alias]:
@@ -339,17 +368,29 @@ class _Keys:
         self._refuse_null(key, alias)
         if self.defaults.get(key) is not None:
             value = self.defaults[key]
-            fixed = key in _FIXED_IN_MODELING.get(self.mt, ())
-            note = " (fixed by the modeling code)" if fixed else ""
-            self.defaulted.append(f"{self.name(key)}={json.dumps(value)}{note}")
+            self.defaulted.append(f"{self.name(key)}={json.dumps(value)}")
             return value
         raise ValueError(
             f"{self.mt} config lacks {self.name(key)!r} and the architecture has no default "
             f"for it: add it (see the model's config.json)"
         )
 
+    def _not_read(self, key: str, alias: str | None, value: Any, runs: str) -> Any:
+        """``value``, what the router runs for ``key`` (a key it never reads); a config's other
+        value (or null) is recorded in ``ignored``, an absent one in ``defaulted``."""
+        given = [n for n in (key, alias) if n and n in self.cfg]
+        for name in given:
+            if value is None or self.cfg[name] != value:
+                shown = excerpt(json.dumps(self.cfg[name]), 24)[1:-1].rstrip("'")
+                self.ignored[f"{self.name(name)}={shown}"] = runs
+        if not given and value is not None:
+            self.defaulted.append(
+                f"{self.name(key)}={json.dumps(value)} (fixed by the modeling code)"
+            )
+        return value
+
     def _refuse_null(self, key: str, alias: str | None) -> None:
-        if key not in _NOT_NULL or key in _FIXED_IN_MODELING.get(self.mt, ()):
+        if key not in _NOT_NULL:
             return
         for name in (key, alias):
             if name and name in self.cfg and self.cfg[name] is None:
@@ -361,6 +402,9 @@ class _Keys:
 
     def has(self, key: str) -> bool:
         alias = _ALIASES.get(self.mt, {}).get(key)
+        runs = _NOT_READ.get(self.mt, {}).get(key)
+        if runs is not None:
+            return runs[0] is not None
         return any(
             name in self.cfg and self.cfg[name] is not None for name in (key, alias) if name
         ) or (self.defaults.get(key) is not None)
