@@ -34,6 +34,7 @@ __all__ = [
     "INT32_MAX",
     "MAX_LINE",
     "check_backend",
+    "check_open_files",
     "check_output_path",
     "clear_status",
     "debug_enabled",
@@ -414,7 +415,35 @@ def check_backend(backend: str, flag: str = "--backend") -> None:
     ok, why = deepep_available()
     if not ok:
         why = " ".join(str(why).split())
-        raise ValueError(f"{flag} deepep is not available here ({why}): use {flag} torch or auto")
+        raise CliError(
+            f"deep_ep is not available here ({why})",
+            option=flag,
+            value="deepep",
+            fix=f"use {flag} torch or auto",
+            exit_code=2,
+        )
+
+
+def check_open_files(ranks: int) -> None:
+    """Refuse, before anything starts (the demo's runtime probe, the spawn), ``ranks`` spawned
+    ranks that this process's open-file limit cannot serve: ``spawn_group`` holds a pipe and a
+    store connection per rank (``flexdispatch.launch.spawn._check_spawn_args`` refuses the same
+    later, naming ``world_size``); the option at fault is ``ulimit -n``."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return
+    need = 3 * ranks + 32
+    if soft != resource.RLIM_INFINITY and need > soft:
+        raise CliError(
+            f"{ranks} ranks need about {need} open files (a pipe and a store connection each)",
+            option="ulimit -n",
+            value=soft,
+            fix=f"raise it (ulimit -n {max(1024, 2 * need)}), or use fewer ranks",
+            exit_code=2,
+        )
 
 
 def group_failure(exc: Any, *, phase: str, timeout_s: float) -> CliError:

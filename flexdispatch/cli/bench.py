@@ -270,7 +270,7 @@ def spec_from_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark and print the table or JSON (rank 0 only under a launcher)."""
     from flexdispatch.bench import format_table, run_spawned, run_under_launcher, summarize
-    from flexdispatch.cli._common import check_backend, group_failure
+    from flexdispatch.cli._common import check_backend, check_open_files, group_failure
     from flexdispatch.launch import GroupError, threads_per_rank, under_launcher
 
     spec = spec_from_args(args)
@@ -284,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
         spec.validate()
         threads_per_rank()  # NOTE: a bad $FLEXDISPATCH_THREADS is named before spawning
         check_backend(spec.backend)
+        check_open_files(spec.world_size)
         check_bench_memory(spec)
         try:
             results = run_spawned(spec, timeout_s=args.timeout)

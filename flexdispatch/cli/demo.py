@@ -601,6 +601,7 @@ def run(args: argparse.Namespace) -> int:
     from flexdispatch.cli import demo_machine
     from flexdispatch.cli._common import (
         check_backend,
+        check_open_files,
         clear_status,
         group_failure,
         option_scope,
@@ -658,6 +659,7 @@ def run(args: argparse.Namespace) -> int:
                 args, preset.router.num_experts, preset.check_world
             )
         R = nodes * per_node
+        check_open_files(R)  # NOTE: before the runtime probe (seconds) and the spawn
         runtime = demo_machine.measure_runtime(devices.device_type, progress=_progress)
         spec, plan, line = _plan(args, R, launcher=False, local_ranks=R, runtime=runtime)
         _layer_config(spec, "hierarchical", R, per_node).check_world(R, per_node)

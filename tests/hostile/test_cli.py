@@ -73,7 +73,7 @@ def test_bench_checks_the_backend_like_demo(monkeypatch, capsys):
         assert _code([command, "--backend", "deepep"]) == 2
         err = capsys.readouterr().err
         _one_line(err, command)
-        assert "--backend deepep is not available here (no deep_ep here): use --backend" in err
+        assert "--backend deepep: deep_ep is not available here (no deep_ep here): use" in err
 
 
 def test_bench_sizes_are_refused_before_spawning(monkeypatch, capsys):
