@@ -97,20 +97,11 @@ def available_bytes(
     return sysmem.available(tree=tree)
 
 
-def refusal(
-    what: str,
-    arg: str,
-    value: object,
-    nbytes: int,
-    device: torch.device | str | None,
-    *,
-    detail: str = "",
-    fix: str = "",
-    tree: bool = False,
-) -> str | None:
-    """The refusal message when ``nbytes`` (the estimate for ``arg=value``) cannot fit on
-    ``device``, else None (``refusal_error``'s message; same arguments)."""
-    err = refusal_error(what, arg, value, nbytes, device, detail=detail, fix=fix, tree=tree)
+def refusal(*args: Any, **kwargs: Any) -> str | None:
+    """The refusal message when the estimate cannot fit, else None: ``refusal_error``'s message
+    (same arguments: ``refusal(what, arg, value, nbytes, device, *, detail="", fix="",
+    tree=False)``)."""
+    err = refusal_error(*args, **kwargs)
     return None if err is None else str(err)
 
 
