@@ -231,7 +231,8 @@ def format_error(
     subject = " ".join(p for p in (option, show_value(value)) if p)
     fixed = [p for p in (subject, fix) if p]
     room = MAX_LINE - len(head) - sum(map(len, fixed)) - 2 * len(fixed)
-    short = _cut(" ".join(problem.split()), max(room, 0), tail)
+    problem = "".join(c if c.isprintable() else repr(c)[1:-1] for c in " ".join(problem.split()))
+    short = _cut(problem, max(room, 0), tail)
     line = head + ": ".join(p for p in (subject, short, fix) if p)
     if len(line) > MAX_LINE:  # NOTE: only when the option and the fix alone do not fit
         line = line[: MAX_LINE - 1] + "…"

@@ -181,7 +181,7 @@ def plan_devices(
             f"{L} rank(s) on this machine but only {G} GPU(s) visible ({source}): pass {fewer} "
             f"for one rank per GPU, or {cpu_hint} to run on gloo/CPU",
             problem=f"{L} rank(s) on this machine but only {G} GPU(s) visible ({source})",
-            fix=f"pass {fewer}, or {cpu_hint}",
+            fix=f"pass {fewer}, or {cpu_hint.split(' (')[0]}",
         )
     gpus_used = "cuda:0" if L == 1 else f"cuda:0..cuda:{L - 1}"
     return DevicePlan("nccl", "cuda", L, G, f"NCCL, one rank per GPU ({gpus_used})")

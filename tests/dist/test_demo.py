@@ -172,8 +172,15 @@ def test_every_preset_runs_shrunk_to_fit(
     the runtime is larger); the report says what
     was shrunk from what to what, and the routing it kept is the preset's. The command runs in
     this process (its ranks pooled); the tests below run it as a subprocess."""
-    code, out, err = _demo_here(
-        capsys, monkeypatch, "--preset", preset, *SMALL, "--max-memory", _limit(3, 0.3, 1.5)
+    code, out, err = _demo_here(  # NOTE: --verbose: the steps on stderr (checked below)
+        capsys,
+        monkeypatch,
+        "--verbose",
+        "--preset",
+        preset,
+        *SMALL,
+        "--max-memory",
+        _limit(3, 0.3, 1.5),
     )
     text = out + err
     assert code == 0, text[-4000:]

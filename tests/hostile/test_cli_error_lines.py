@@ -89,6 +89,11 @@ def test_option_scope_names_the_option_and_keeps_the_library_parts():
     assert str(info.value) == "--preset p.yaml: plain"
 
 
+def test_a_problem_is_printable():
+    (line,) = format_error("demo", ValueError("a\x1b[2Jb\x00c"))
+    assert line == "flexdispatch demo: error: a\\x1b[2Jb\\x00c", line
+
+
 def test_an_unexpected_error_says_how_to_see_the_traceback():
     (line,) = format_error("presets", RuntimeError("boom\nsecond"))
     assert line == (
