@@ -21,7 +21,6 @@ import datetime
 import hashlib
 import json
 import math
-import os
 import socket
 import threading
 import zlib
@@ -31,8 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexdispatch._checks.errors import InputError
-from flexdispatch._checks.files import excerpt
+from flexdispatch._checks.values import env_int
 
 __all__ = [
     "CollectiveError",
@@ -273,49 +271,6 @@ def cut_to_hosts(
         return L, source
     placed = math.gcd(L, ranks_per_host(list(hosts)))
     return (placed, "hosts") if placed != L else (L, source)
-
-
-def env_int(
-    name: str,
-    *,
-    minimum: int | None = None,
-    maximum: int | None = None,
-    fix: str = "fix the launcher environment",
-) -> int | None:
-    """The integer in environment variable ``name`` (ASCII digits: ``int()`` also reads ``'٢'``),
-    or None when it is unset or empty.
-
-    Raises:
-        ValueError: naming the variable (an ``InputError`` whose option is ``$NAME``), when it is
-            not an integer or is outside ``[minimum, maximum]``; ``fix`` says what to do.
-    """
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return None
-    try:
-        if not text.isascii():
-            raise ValueError(text)
-        value = int(text)
-    except ValueError:
-        raise InputError(
-            f"${name}={excerpt(text)} is not an integer: {fix}",
-            option=f"${name}",
-            value=text,
-            problem="is not an integer",
-            fix=fix,
-        ) from None
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        lo = "" if minimum is None else f">= {minimum}"
-        hi = "" if maximum is None else f"<= {maximum}"
-        bounds = " and ".join(b for b in (lo, hi) if b)
-        raise InputError(
-            f"${name}={value} must be {bounds}: {fix}",
-            option=f"${name}",
-            value=value,
-            problem=f"must be {bounds}",
-            fix=fix,
-        )
-    return value
 
 
 def local_world_size() -> int | None:

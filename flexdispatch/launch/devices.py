@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from flexdispatch._checks.errors import InputError
 from flexdispatch._checks.files import excerpt
+from flexdispatch._checks.values import env_int
 
 __all__ = [
     "DEVICE_ENV",
@@ -96,8 +97,6 @@ class DevicePlan:
 def visible_gpus() -> tuple[int, str]:
     """G and where it comes from: ``$FLEXDISPATCH_VISIBLE_GPUS``, else
     ``torch.cuda.device_count()`` when CUDA is available, else 0."""
-    from flexdispatch.distributed import env_int
-
     gpus = env_int(
         VISIBLE_GPUS_ENV, minimum=0, maximum=MAX_GPUS, fix="set a GPU count >= 0, or unset it"
     )
