@@ -409,6 +409,7 @@ def _subprocess(*argv: str, prlimit: str, timeout: float = 150) -> subprocess.Co
     from tests.hostile import ROOT
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FLEXDISPATCH_DEVICE": "cpu"}
+    env["FLEXDISPATCH_RUNTIME_BYTES"] = "800MiB"  # NOTE: no probe process (a torch import)
     for key in ("FLEXDISPATCH_DEBUG", "FLEXDISPATCH_VERBOSE", "FLEXDISPATCH_MEMORY_AVAILABLE"):
         env.pop(key, None)
     return subprocess.run(
