@@ -20,7 +20,6 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 import socket
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -28,7 +27,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from flexdispatch._checks.files import excerpt
+from flexdispatch._checks.values import env_int
 
 __all__ = [
     "CollectiveError",
@@ -199,32 +198,6 @@ def cut_to_hosts(
         return L, source
     placed = math.gcd(L, ranks_per_host(list(hosts)))
     return (placed, "hosts") if placed != L else (L, source)
-
-
-def env_int(name: str, *, minimum: int | None = None, maximum: int | None = None) -> int | None:
-    """The integer in environment variable ``name``, or None when it is unset or empty.
-
-    Raises:
-        ValueError: naming the variable, when it is not an integer or is outside
-            ``[minimum, maximum]``.
-    """
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(
-            f"${name}={excerpt(text)} is not an integer: fix the launcher environment"
-        ) from None
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        lo = "" if minimum is None else f">= {minimum}"
-        hi = "" if maximum is None else f"<= {maximum}"
-        raise ValueError(
-            f"${name}={value} must be {' and '.join(b for b in (lo, hi) if b)}: fix the launcher "
-            f"environment"
-        )
-    return value
 
 
 def local_world_size() -> int | None:

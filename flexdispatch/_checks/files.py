@@ -36,6 +36,8 @@ from typing import Any
 
 import yaml
 
+from flexdispatch._checks.errors import InputError
+
 __all__ = [
     "MAX_CONFIG_BYTES",
     "MAX_CONFIG_NODES",
@@ -43,6 +45,7 @@ __all__ = [
     "EXCERPT_CHARS",
     "check_output_path",
     "excerpt",
+    "file_error",
     "file_kind",
     "key_text",
     "on_pseudo_fs",
@@ -81,8 +84,45 @@ def _where(path: Path | str, line: int | None, column: int | None) -> str:
     return f"{path} at line {line + 1}, column {(column or 0) + 1}"
 
 
-def _at(text: str, index: int) -> str:
-    return excerpt(text[index : index + EXCERPT_CHARS]) if 0 <= index < len(text) else "end of file"
+def file_error(
+    what: str,
+    path: Path | str,
+    problem: str,
+    fix: str = "",
+    line: int | None = None,
+    column: int | None = None,
+) -> InputError:
+    """The error of a config file: ``WHAT PATH[ at line L, column C] PROBLEM[: FIX]``, with the
+    parts for a one-line report (``InputError``: the path as the value, the problem with its
+    position, the fix). ``line`` / ``column`` count from 0."""
+    where = "" if line is None else f"line {line + 1}, column {(column or 0) + 1} "
+    return InputError(
+        f"{what} {_where(path, line, column)} {problem}" + (f": {fix}" if fix else ""),
+        value=str(path),
+        problem=where + problem,
+        fix=fix,
+    )
+
+
+def _at(text: str, index: int, quote: bool = True) -> str:
+    """What is at ``index`` of a file's ``text``: a short escaped excerpt, or (``quote=False``, a
+    file the user did not name) only the kind of character there, never the text."""
+    if not 0 <= index < len(text):
+        return "end of file"
+    if quote:
+        return excerpt(text[index : index + EXCERPT_CHARS])
+    c = text[index]
+    if not c.isascii():
+        return "a non-ASCII character"
+    if c.isalpha():
+        return "a letter"
+    if c.isdigit():
+        return "a digit"
+    if c.isspace():
+        return "a space" if c == " " else "a line break or tab"
+    if not c.isprintable():
+        return "a control character"
+    return "a punctuation mark"
 
 
 _PSEUDO_ROOTS = ("/proc", "/sys")
@@ -149,8 +189,8 @@ def file_kind(path: Path | str) -> str | None:
 
 def _read_bounded(path: Path, what: str) -> str:
     def refuse(kind: str) -> ValueError:
-        return ValueError(
-            f"{what} {path} is not a regular file ({kind}): pass a YAML or JSON config file"
+        return file_error(
+            what, path, f"is not a regular file ({kind})", "pass a YAML or JSON config file"
         )
 
     kind = file_kind(path)
@@ -162,7 +202,7 @@ def _read_bounded(path: Path, what: str) -> str:
         # kind is checked again on the descriptor that is read
         fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
-        raise ValueError(f"{what} {path} cannot be read: {exc.strerror or exc}") from None
+        raise file_error(what, path, f"cannot be read: {exc.strerror or exc}") from None
     with os.fdopen(fd, "rb") as f:
         kind = _kind(os.fstat(fd), path)
         if kind is not None:
@@ -170,86 +210,186 @@ def _read_bounded(path: Path, what: str) -> str:
         try:
             raw = f.read(MAX_CONFIG_BYTES + 1)
         except OSError as exc:
-            raise ValueError(f"{what} {path} cannot be read: {exc.strerror or exc}") from None
+            raise file_error(what, path, f"cannot be read: {exc.strerror or exc}") from None
     if len(raw) > MAX_CONFIG_BYTES:
-        raise ValueError(
-            f"{what} {path} is larger than {MAX_CONFIG_BYTES} bytes (the limit for config files,"
-            f" flexdispatch._checks.files.MAX_CONFIG_BYTES): pass the config itself, not a data "
-            f"file"
+        raise file_error(
+            what,
+            path,
+            f"is larger than {MAX_CONFIG_BYTES} bytes (the limit for config files,"
+            f" flexdispatch._checks.files.MAX_CONFIG_BYTES)",
+            "pass the config itself, not a data file",
         )
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(
-            f"{what} {path} is not UTF-8 text (byte {exc.start}): pass a YAML or JSON config"
+        raise file_error(
+            what, path, f"is not UTF-8 text (byte {exc.start})", "pass a YAML or JSON config"
         ) from None
 
 
-def check_output_path(path: Path | str, what: str, example: str = "out.yaml") -> Path:
+def _same_file(st: os.stat_result, inputs: Iterable[Path | str]) -> str | None:
+    """The first of ``inputs`` that is the file ``st`` describes (the same inode: the path
+    itself, a hard link or a symbolic link to it), or None."""
+    for given in inputs:
+        try:
+            other = os.stat(given)
+        except OSError:
+            continue
+        if (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+            return str(given)
+    return None
+
+
+def check_output_path(
+    path: Path | str, what: str, example: str = "out.yaml", *, inputs: Iterable[Path | str] = ()
+) -> Path:
     """The one check of an output path (``config --output``, ``plan --plot``, ``plot_plan``,
-    ``write_file``), before any work: refused when it is a folder, when it is not a regular file
-    (``file_kind``: a FIFO, which would block; a device, a socket, a ``/proc`` or ``/sys``
-    file), or when its folder is missing, not a folder, in ``/proc`` or ``/sys``, or not
-    writable.
+    ``write_file``), before any work: refused when it is a symbolic link (dangling or not: a link
+    planted in a shared folder would make any write a create-anywhere), a folder, not a regular
+    file (``file_kind``: a FIFO, which would block; a device, a socket, a ``/proc`` or ``/sys``
+    file), one of ``inputs`` (the same file: the path, a hard link), when its name is too long
+    for its folder, or when its folder is missing, not a folder, in ``/proc`` or ``/sys``, or
+    not writable.
 
     Args:
         path: the file to write.
         what: how messages name it, e.g. ``"--output out.yaml"``.
         example: the file name a message suggests inside a folder.
+        inputs: the files the command reads (never overwritten by its output).
 
     Raises:
         ValueError: naming ``what`` and the fix.
     """
     out = Path(path)
+
+    def refuse(message: str, problem: str, fix: str = "") -> InputError:
+        return InputError(message, value=str(path), problem=problem, fix=fix)
+
+    try:
+        st: os.stat_result | None = os.lstat(out)
+    except OSError:
+        st = None
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        raise refuse(
+            f"{what} is a symbolic link (to {excerpt(os.readlink(out), 40)}): pass the file itself",
+            "is a symbolic link",
+            "pass the file itself, not a link",
+        )
+    same = None if st is None else _same_file(st, inputs)
+    if same is not None:
+        raise refuse(
+            f"{what} is the input file {same}: write to another file",
+            "is the input file",
+            "write to another file",
+        )
     kind = file_kind(out)
     if kind == "a folder":
-        raise ValueError(f"{what} is a folder: pass a file name, e.g. {out / example}")
+        raise refuse(
+            f"{what} is a folder: pass a file name, e.g. {out / example}",
+            "is a folder",
+            f"pass a file name in it, e.g. {example}",
+        )
     if kind is not None:
-        raise ValueError(f"{what} is not a regular file ({kind}): pass the name of a file to write")
+        raise refuse(
+            f"{what} is not a regular file ({kind}): pass the name of a file to write",
+            f"is not a regular file ({kind})",
+            "pass the name of a file to write",
+        )
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.exists():
-        raise ValueError(f"{what}: folder {parent} does not exist (create it first)")
+        raise refuse(
+            f"{what}: folder {parent} does not exist (create it first)",
+            "its folder does not exist",
+            "create the folder first",
+        )
     if not parent.is_dir():
-        raise ValueError(f"{what}: {parent} is not a folder")
+        raise refuse(f"{what}: {parent} is not a folder", "its folder is not a folder")
     if on_pseudo_fs(parent):
-        raise ValueError(f"{what}: folder {parent} is in /proc or /sys: write elsewhere")
+        raise refuse(
+            f"{what}: folder {parent} is in /proc or /sys: write elsewhere",
+            "its folder is in /proc or /sys",
+            "write elsewhere",
+        )
+    try:
+        name_max = os.pathconf(parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    if (
+        len(os.fsencode(out.name)) > name_max
+    ):  # NOTE: else refused only by the write, after the work
+        raise refuse(
+            f"{what}: the file name is longer than the {name_max} bytes its folder allows",
+            f"the file name is longer than {name_max} bytes",
+            "use a shorter name",
+        )
     if not os.access(parent, os.W_OK):
-        raise ValueError(f"{what}: folder {parent} is not writable")
+        raise refuse(
+            f"{what}: folder {parent} is not writable",
+            "its folder is not writable",
+            "write to a folder you can write to",
+        )
     return out
 
 
-def write_file(path: Path | str, data: bytes, what: str) -> None:
+def write_file(
+    path: Path | str, data: bytes, what: str, *, inputs: Iterable[Path | str] = ()
+) -> None:
     """Write ``data`` to the regular file ``path`` (created or truncated), never blocking on a
-    FIFO or writing into a device or a ``/proc`` / ``/sys`` file: ``check_output_path`` first,
-    then the kind again on the opened descriptor (the path may have changed since).
+    FIFO, following a symbolic link, writing into a device or a ``/proc`` / ``/sys`` file, or
+    over one of ``inputs``: ``check_output_path`` first, then the open refuses a link
+    (``O_NOFOLLOW``) and the opened descriptor is checked again (the path may have changed
+    since) before it is truncated.
 
     Args:
         path: the file.
         data: its new contents.
         what: how messages name the file, e.g. ``"--output out.yaml"``.
+        inputs: the files the command read (never overwritten).
 
     Raises:
         ValueError: ``path`` cannot be written there (``check_output_path``), or the write
             failed (full disk, no permission, ...), naming ``what`` and the system's reason.
     """
-    check_output_path(path, what)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOCTTY", 0)
+    inputs = list(inputs)
+    check_output_path(path, what, inputs=inputs)
+    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_NOFOLLOW", 0)
     try:
         fd = os.open(
             path, flags | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0), 0o666
         )
     except OSError as exc:
-        raise ValueError(f"{what} cannot be written: {exc.strerror or exc}") from None
+        raise InputError(
+            f"{what} cannot be written: {exc.strerror or exc}",
+            value=str(path),
+            problem=f"cannot be written: {exc.strerror or exc}",
+        ) from None
     try:
         with os.fdopen(fd, "wb") as f:
-            kind = _kind(os.fstat(fd), path)
+            st = os.fstat(fd)
+            kind = _kind(st, path)
             if kind is not None:
-                raise ValueError(
-                    f"{what} is not a regular file ({kind}): pass the name of a file to write"
+                raise InputError(
+                    f"{what} is not a regular file ({kind}): pass the name of a file to write",
+                    value=str(path),
+                    problem=f"is not a regular file ({kind})",
+                    fix="pass the name of a file to write",
                 )
+            same = _same_file(st, inputs)
+            if same is not None:
+                raise InputError(
+                    f"{what} is the input file {same}: write to another file",
+                    value=str(path),
+                    problem="is the input file",
+                    fix="write to another file",
+                )
+            os.ftruncate(fd, 0)  # NOTE: only now: the checks above come before any byte is lost
             f.write(data)
     except OSError as exc:
-        raise ValueError(f"{what} cannot be written: {exc.strerror or exc}") from None
+        raise InputError(
+            f"{what} cannot be written: {exc.strerror or exc}",
+            value=str(path),
+            problem=f"cannot be written: {exc.strerror or exc}",
+        ) from None
 
 
 # --------------------------------------------------------------------------- YAML
@@ -266,21 +406,29 @@ _YAML_PROBLEMS = {
 }
 
 
-def _yaml_error(exc: yaml.YAMLError, path: Path | str, what: str, text: str) -> ValueError:
+def _yaml_error(
+    exc: yaml.YAMLError, path: Path | str, what: str, text: str, quote: bool = True
+) -> ValueError:
     if isinstance(exc, yaml.reader.ReaderError):  # NOTE: a character the reader refuses
         line, col = _line_col(text, exc.position)
         char = exc.character if isinstance(exc.character, int) else ord(str(exc.character)[:1])
-        return ValueError(
-            f"{what} {_where(path, line, col)} is not valid YAML: {exc.reason} (character "
-            f"U+{char:04X}; a config is printable text)"
+        return file_error(
+            what,
+            path,
+            f"is not valid YAML: {exc.reason} (character U+{char:04X}; a config is printable text)",
+            line=line,
+            column=col,
         )
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
     problem = _YAML_PROBLEMS.get(type(exc).__name__, "malformed YAML")
     if mark is None:
-        return ValueError(f"{what} {path} is not valid YAML: {problem}")
-    return ValueError(
-        f"{what} {_where(path, mark.line, mark.column)} is not valid YAML: {problem} "
-        f"(at {_at(text, mark.index)})"
+        return file_error(what, path, f"is not valid YAML: {problem}")
+    return file_error(
+        what,
+        path,
+        f"is not valid YAML: {problem} (at {_at(text, mark.index, quote)})",
+        line=mark.line,
+        column=mark.column,
     )
 
 
@@ -317,28 +465,44 @@ def _check_yaml_tree(root: yaml.Node, path: Path | str, what: str) -> None:
             depth[key] = 1 + max((depth[id(c)] for c in children), default=0)
             mark = node.start_mark
             if size[key] > MAX_CONFIG_NODES:
-                raise ValueError(
-                    f"{what} {_where(path, mark.line, mark.column)} expands to more than "
-                    f"{MAX_CONFIG_NODES} YAML nodes (aliases counted each time they are used): "
-                    f"a config needs a few hundred; remove the nested aliases"
+                raise file_error(
+                    what,
+                    path,
+                    f"expands to more than {MAX_CONFIG_NODES} YAML nodes (aliases counted each "
+                    f"time they are used): a config needs a few hundred",
+                    "remove the nested aliases",
+                    mark.line,
+                    mark.column,
                 )
             if depth[key] > MAX_CONFIG_DEPTH:
-                raise ValueError(
-                    f"{what} {_where(path, mark.line, mark.column)} nests deeper than "
-                    f"{MAX_CONFIG_DEPTH} levels: a config needs about 4"
-                )
+                raise _too_deep(what, path, mark.line, mark.column)
             continue
         if key in size:
             continue
         if key in on_path:
             mark = node.start_mark
-            raise ValueError(
-                f"{what} {_where(path, mark.line, mark.column)} holds an alias that refers to "
-                f"itself (a recursive YAML structure): a config cannot be one"
+            raise file_error(
+                what,
+                path,
+                "holds an alias that refers to itself (a recursive YAML structure): a config "
+                "cannot be one",
+                line=mark.line,
+                column=mark.column,
             )
         on_path.add(key)
         stack.append((node, True))
         stack.extend((c, False) for c in children if id(c) not in size)
+
+
+def _too_deep(what: str, path: Path | str, line: int, column: int) -> InputError:
+    return file_error(
+        what,
+        path,
+        f"nests deeper than {MAX_CONFIG_DEPTH} levels: a config needs about 4",
+        "",
+        line,
+        column,
+    )
 
 
 def _check_yaml_depth(text: str, path: Path | str, what: str) -> None:
@@ -350,19 +514,16 @@ def _check_yaml_depth(text: str, path: Path | str, what: str) -> None:
             depth += 1
             if depth > MAX_CONFIG_DEPTH:
                 mark = event.start_mark
-                raise ValueError(
-                    f"{what} {_where(path, mark.line, mark.column)} nests deeper than "
-                    f"{MAX_CONFIG_DEPTH} levels: a config needs about 4"
-                )
+                raise _too_deep(what, path, mark.line, mark.column)
         elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
             depth -= 1
 
 
-def _load_yaml(text: str, path: Path | str, what: str) -> Any:
+def _load_yaml(text: str, path: Path | str, what: str, quote: bool = True) -> Any:
     try:
         _check_yaml_depth(text, path, what)
     except yaml.YAMLError as exc:
-        raise _yaml_error(exc, path, what, text) from None
+        raise _yaml_error(exc, path, what, text, quote) from None
     loader = _Loader(text)
     try:
         node = loader.get_single_node()
@@ -375,11 +536,13 @@ def _load_yaml(text: str, path: Path | str, what: str) -> Any:
             # NOTE: a tagged value the constructor could not convert (int(), float(), a date)
             raise _number_error(exc, text, path, what, loader.building) from None
     except yaml.YAMLError as exc:
-        raise _yaml_error(exc, path, what, text) from None
+        raise _yaml_error(exc, path, what, text, quote) from None
     except RecursionError:
-        raise ValueError(
-            f"{what} {path} nests deeper than {MAX_CONFIG_DEPTH} levels (the YAML parser ran "
-            f"out of stack): a config needs about 4"
+        raise file_error(
+            what,
+            path,
+            f"nests deeper than {MAX_CONFIG_DEPTH} levels (the YAML parser ran out of stack): a "
+            f"config needs about 4",
         ) from None
     finally:
         loader.dispose()
@@ -415,26 +578,25 @@ def _line_col(text: str, index: int) -> tuple[int, int]:
     return line, index - (text.rfind("\n", 0, index) + 1)
 
 
-def _load_json(text: str, path: Path | str, what: str) -> Any:
+def _load_json(text: str, path: Path | str, what: str, quote: bool = True) -> Any:
     # NOTE: the depth scan is a Python loop over the text; it runs only when the document has more
     # opening brackets than a config could nest (cheap count first).
     if text.count("[") + text.count("{") > MAX_CONFIG_DEPTH:
         bad = _json_too_deep(text)
         if bad is not None:
-            line, col = _line_col(text, bad)
-            raise ValueError(
-                f"{what} {_where(path, line, col)} nests deeper than {MAX_CONFIG_DEPTH} levels: "
-                f"a config needs about 4"
-            )
+            raise _too_deep(what, path, *_line_col(text, bad))
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(
-            f"{what} {_where(path, exc.lineno - 1, exc.colno - 1)} is not valid JSON: {exc.msg} "
-            f"(at {_at(text, exc.pos)})"
+        raise file_error(
+            what,
+            path,
+            f"is not valid JSON: {exc.msg} (at {_at(text, exc.pos, quote)})",
+            line=exc.lineno - 1,
+            column=exc.colno - 1,
         ) from None
     except RecursionError:
-        raise ValueError(f"{what} {path} nests too deep for the JSON parser") from None
+        raise file_error(what, path, "nests too deep for the JSON parser") from None
     except ValueError as exc:  # NOTE: an integer past Python's digit limit
         raise _number_error(exc, text, path, what) from None
 
@@ -449,41 +611,61 @@ def _number_error(
     limit = sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 0
     found = re.search(rf"[0-9][0-9_]{{{max(limit - 1, 0)},}}", text) if limit else None
     if found is None or not isinstance(exc, ValueError):
-        where = _where(path, mark.line, mark.column) if mark is not None else f"{path}"
-        return ValueError(
-            f"{what} {where} holds a value that cannot be converted ({type(exc).__name__}): "
-            f"check its tag (!!int, !!float, !!timestamp, ...) or write it plainly"
+        return file_error(
+            what,
+            path,
+            f"holds a value that cannot be converted ({type(exc).__name__})",
+            "check its tag (!!int, !!float, !!timestamp, ...) or write it plainly",
+            None if mark is None else mark.line,
+            None if mark is None else mark.column,
         )
     line, col = _line_col(text, found.start())
-    return ValueError(
-        f"{what} {_where(path, line, col)} holds an integer of more than {limit} digits: a config "
-        f"number has a few"
+    return file_error(
+        what,
+        path,
+        f"holds an integer of more than {limit} digits: a config number has a few",
+        line=line,
+        column=col,
     )
 
 
-def parse_config_text(text: str, *, kind: str, path: Path | str = "<text>", what: str = "config"):
-    """Parse ``text`` as ``kind`` (``"yaml"`` or ``"json"``) within the bounds above.
+def parse_config_text(
+    text: str,
+    *,
+    kind: str,
+    path: Path | str = "<text>",
+    what: str = "config",
+    quote: bool = True,
+):
+    """Parse ``text`` as ``kind`` (``"yaml"`` or ``"json"``) within the bounds above; ``quote``:
+    a malformed document's error may quote a short excerpt where it breaks (else it says only
+    the kind of character there: ``_at``).
 
     Raises:
         ValueError: too large, too deep, too many nodes once aliases are expanded, or malformed
             (naming ``path``, the line and column, and quoting at most a short escaped excerpt).
     """
     if len(text) > MAX_CONFIG_BYTES:
-        raise ValueError(f"{what} {path} is larger than {MAX_CONFIG_BYTES} bytes")
+        raise file_error(what, path, f"is larger than {MAX_CONFIG_BYTES} bytes")
     if kind == "json":
-        return _load_json(text, path, what)
+        return _load_json(text, path, what, quote)
     if kind == "yaml":
-        return _load_yaml(text, path, what)
+        return _load_yaml(text, path, what, quote)
     raise ValueError(f"kind must be 'yaml' or 'json', got {kind!r}")
 
 
-def read_config_file(path: str | Path, *, kind: str, what: str = "config file") -> Any:
+def read_config_file(
+    path: str | Path, *, kind: str, what: str = "config file", named: bool = True
+) -> Any:
     """Read and parse a YAML or JSON config file within the bounds of this module.
 
     Args:
         path: the file.
         kind: ``"yaml"`` or ``"json"``.
         what: how messages name the file (e.g. ``"config file"``).
+        named: the user named this file (else it was found, e.g. ``config.json`` in a named
+            folder): an error quotes none of a file the user did not name, only where it breaks
+            and the kind of character there.
 
     Raises:
         ValueError: missing, a folder, not a regular file, unreadable, not UTF-8, too large, too
@@ -491,10 +673,11 @@ def read_config_file(path: str | Path, *, kind: str, what: str = "config file") 
     """
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"{what} {path} does not exist")
+        raise file_error(what, path, "does not exist")
     if path.is_dir():
-        raise ValueError(f"{what} {path} is a folder: pass a YAML or JSON config file")
-    return parse_config_text(_read_bounded(path, what), kind=kind, path=path, what=what)
+        raise file_error(what, path, "is a folder", "pass a YAML or JSON config file")
+    text = _read_bounded(path, what)
+    return parse_config_text(text, kind=kind, path=path, what=what, quote=named)
 
 
 _KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,23}")

@@ -50,6 +50,7 @@ __all__ = [
     "cgroup_room",
     "figures",
     "format_bytes",
+    "MAX_SIZE",
     "parse_size",
     "usable",
 ]
@@ -79,22 +80,38 @@ _UNITS = {
 }
 
 
+MAX_SIZE = 1 << 60
+"""The largest size ``parse_size`` reads (1 EiB: more is a typo that would turn every memory check
+off)."""
+
+
 def parse_size(text: str, name: str = "") -> int:
-    """``"4GiB"``, ``"512MiB"``, ``"1.5G"``, ``"2"`` (GiB) → bytes (binary units throughout).
+    """``"4GiB"``, ``"512MiB"``, ``"1.5G"``, ``"2"`` (GiB) → bytes (binary units throughout), from
+    1 byte to ``MAX_SIZE``.
 
     ``name``: where the text comes from (an environment variable, ``$NAME``), named by the
-    error with the text cut short; without it the text alone (a flag's argument)."""
-    shown = f"{text!r}" if not name else f"{name}={_short(text)}"
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    error with the text cut short (its option); without it the text alone (a flag's argument)."""
+    from flexdispatch._checks.errors import InputError
+
+    shown = f"{_short(text, 40)}" if not name else f"{name}={_short(text)}"
+
+    def refuse(problem: str, fix: str) -> InputError:
+        return InputError(
+            f"{shown} {problem}: {fix}", option=name, value=str(text), problem=problem, fix=fix
+        )
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text), re.ASCII)
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:
-        raise ValueError(
-            f"{shown} is not a memory size: write a number with a unit, e.g. 4GiB or 512MiB "
-            f"(a bare number is GiB)"
+        raise refuse(
+            "is not a memory size",
+            "write a number with a unit, e.g. 4GiB or 512MiB (a bare number is GiB)",
         )
     value = float(m.group(1)) * _UNITS[unit]
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{shown} is not a positive memory size")
+    if not math.isfinite(value) or value < 1:
+        raise refuse("is not a positive memory size", "write at least 1B, e.g. 512MiB")
+    if value > MAX_SIZE:
+        raise refuse("is more than 1 EiB", "write the size of the memory, e.g. 64GiB")
     return int(value)
 
 

@@ -1,6 +1,9 @@
 """Typed reads of values, one rule for every reader: the public functions' int arguments
 (``check_int``), the configs' pydantic validators (``flexdispatch.config``), the Hugging Face
-importer (``importers._keys``) and the Megatron importer (``importers.megatron``).
+importer (``importers._keys``), the Megatron importer (``importers.megatron``) and integer
+environment variables (``env_int``: the launcher's, ``$FLEXDISPATCH_THREADS``,
+``$FLEXDISPATCH_VISIBLE_GPUS``; no torch import, so the launch recipes' device check stays
+light).
 
 - A bool is never a number (YAML reads ``yes`` / ``on`` as true; Python's ``True == 1``).
 - A float is finite (an infinite loss coefficient turns the gradients into NaN).
@@ -10,11 +13,13 @@ importer (``importers._keys``) and the Megatron importer (``importers.megatron``
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
+from flexdispatch._checks.errors import InputError
 from flexdispatch._checks.files import excerpt
 
-__all__ = ["check_int", "finite", "integer", "not_bool", "show"]
+__all__ = ["check_int", "env_int", "finite", "integer", "not_bool", "show"]
 
 
 def show(value: Any) -> str:
@@ -104,3 +109,46 @@ def finite(value: Any, name: str, *, strings: bool = False) -> float:
         )
         raise ValueError(f"{name} must be a finite number, got {shown}")
     return number
+
+
+def env_int(
+    name: str,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    fix: str = "fix the launcher environment",
+) -> int | None:
+    """The integer in environment variable ``name`` (ASCII digits: ``int()`` also reads ``'٢'``),
+    or None when it is unset or empty.
+
+    Raises:
+        ValueError: naming the variable (an ``InputError`` whose option is ``$NAME``), when it is
+            not an integer or is outside ``[minimum, maximum]``; ``fix`` says what to do.
+    """
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        if not text.isascii():
+            raise ValueError(text)
+        value = int(text)
+    except ValueError:
+        raise InputError(
+            f"${name}={excerpt(text)} is not an integer: {fix}",
+            option=f"${name}",
+            value=text,
+            problem="is not an integer",
+            fix=fix,
+        ) from None
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        lo = "" if minimum is None else f">= {minimum}"
+        hi = "" if maximum is None else f"<= {maximum}"
+        bounds = " and ".join(b for b in (lo, hi) if b)
+        raise InputError(
+            f"${name}={value} must be {bounds}: {fix}",
+            option=f"${name}",
+            value=value,
+            problem=f"must be {bounds}",
+            fix=fix,
+        )
+    return value

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from flexdispatch._checks.tensors import check_routing, check_tensor
+from flexdispatch._checks.values import check_int
 from flexdispatch.types import DispatchResult, ExpertMajorHandle, ExpertMajorResult, _renamed
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ class ExpertMajorMaps:
         valid: ``[P]`` bool, the pair has a local expert and fits.
         num_recv_tokens_per_expert: ``[e]`` int64 pairs per local expert (capped at C).
         overflow: 0-d int64, pairs that did not fit (0 unless an expert got more than C rows).
+        capacity: C, the rows of each expert (None: not recorded, maps made before 0.1).
 
     ``recv_count`` is the name before 0.1 (a deprecated alias).
     """
@@ -63,6 +65,7 @@ class ExpertMajorMaps:
     valid: torch.Tensor
     num_recv_tokens_per_expert: torch.Tensor
     overflow: torch.Tensor
+    capacity: int | None = None
 
     recv_count = _renamed("recv_count", "num_recv_tokens_per_expert")
 
@@ -76,14 +79,24 @@ def expert_major_maps(
     layout is (source rank, source token) ordered.
 
     Args:
-        recv_topk_idx: ``[W, k]`` local expert ids, ``-1`` elsewhere.
+        recv_topk_idx: ``[W, k]`` int64 local expert ids, ``-1`` elsewhere.
         num_local_experts: e.
         capacity: C.
+
+    Raises:
+        TypeError: ids that are not int64 (float ids would be truncated), e or C not an int.
+        ValueError: e or C not positive.
     """
-    if num_local_experts <= 0 or capacity <= 0:
-        raise ValueError(
-            f"num_local_experts ({num_local_experts}) and capacity ({capacity}) must be positive"
-        )
+    check_tensor("recv_topk_idx", recv_topk_idx, ndim=2, dtypes=(torch.int64,))
+    check_int("num_local_experts", num_local_experts, at_least=1, error=TypeError)
+    check_int("capacity", capacity, at_least=1, error=TypeError)
+    return _expert_major_maps(recv_topk_idx, num_local_experts, capacity)
+
+
+def _expert_major_maps(
+    recv_topk_idx: torch.Tensor, num_local_experts: int, capacity: int
+) -> ExpertMajorMaps:
+    """``expert_major_maps`` without its argument checks (``DecodeDispatcher``'s own results)."""
     e, C = num_local_experts, capacity
     ids = recv_topk_idx.reshape(-1).to(torch.int64)
     P = ids.numel()
@@ -101,6 +114,7 @@ def expert_major_maps(
         valid=valid,
         num_recv_tokens_per_expert=total.clamp(max=C),
         overflow=(total - C).clamp(min=0).sum(),
+        capacity=C,
     )
 
 
@@ -110,8 +124,41 @@ def to_expert_major(recv_x: torch.Tensor, maps: ExpertMajorMaps, capacity: int) 
     Args:
         recv_x: ``[W, H]`` received rows.
         maps: ``expert_major_maps`` of the same result.
-        capacity: C.
+        capacity: C, the maps' (``ExpertMajorMaps.capacity``).
+
+    Raises:
+        TypeError / ValueError: ``recv_x`` not ``[W, H]``, maps of another row count or another
+            capacity (host-side shapes only).
     """
+    check_tensor("recv_x", recv_x, ndim=2)
+    _check_maps(maps, recv_x.shape[0], capacity, "recv_x")
+    return _to_expert_major(recv_x, maps, capacity)
+
+
+def _check_maps(maps: object, W: int, capacity: int | None, rows: str) -> None:
+    """``maps`` are ``ExpertMajorMaps`` of ``W`` rows (``P = W * k`` pairs) and, when given,
+    of ``capacity`` (metadata only)."""
+    if not isinstance(maps, ExpertMajorMaps):
+        raise TypeError(
+            f"maps must be the ExpertMajorMaps of expert_major_maps, got {type(maps).__name__}"
+        )
+    if capacity is not None:
+        check_int("capacity", capacity, at_least=1, error=TypeError)
+        if maps.capacity is not None and capacity != maps.capacity:
+            raise ValueError(
+                f"capacity={capacity} but the maps were made for capacity {maps.capacity}: pass "
+                f"the capacity given to expert_major_maps"
+            )
+    P = maps.slot.numel()
+    if (P and not W) or (W and P % W):
+        raise ValueError(
+            f"{rows} has {W} rows but the maps hold {P} (row, slot) pairs: pass the maps of "
+            f"the same dispatch result (W * k pairs)"
+        )
+
+
+def _to_expert_major(recv_x: torch.Tensor, maps: ExpertMajorMaps, capacity: int) -> torch.Tensor:
+    """``to_expert_major`` without its argument checks (``DecodeDispatcher``'s own results)."""
     W, H = recv_x.shape
     k = maps.slot.numel() // max(W, 1) if W else 0
     e = maps.num_recv_tokens_per_expert.numel()
@@ -134,7 +181,32 @@ def from_expert_major(
         y: ``[e, C, X]`` expert outputs.
         maps: ``expert_major_maps`` of the dispatch result.
         recv_topk_probs: ``[W, k]`` float32, 0 where there is no local expert.
+
+    Raises:
+        TypeError / ValueError: shapes that disagree with the maps (host-side shapes only).
     """
+    check_tensor("y", y, ndim=3, floating=True)
+    check_tensor("recv_topk_probs", recv_topk_probs, ndim=2, floating=True)
+    W, k = recv_topk_probs.shape
+    _check_maps(maps, W, None, "recv_topk_probs")
+    e = maps.num_recv_tokens_per_expert.numel()
+    if maps.slot.numel() != W * k:
+        raise ValueError(
+            f"recv_topk_probs is {[W, k]} but the maps hold {maps.slot.numel()} (row, slot) "
+            f"pairs: pass the recv_topk_probs of the same dispatch result"
+        )
+    if y.shape[0] != e or (maps.capacity is not None and y.shape[1] != maps.capacity):
+        raise ValueError(
+            f"y must be [{e}, {maps.capacity or 'C'}, X] (the maps' experts and capacity), got "
+            f"{list(y.shape)}"
+        )
+    return _from_expert_major(y, maps, recv_topk_probs)
+
+
+def _from_expert_major(
+    y: torch.Tensor, maps: ExpertMajorMaps, recv_topk_probs: torch.Tensor
+) -> torch.Tensor:
+    """``from_expert_major`` without its argument checks (``DecodeDispatcher``'s own results)."""
     e, C, X = y.shape
     W, k = recv_topk_probs.shape
     flat = torch.cat([y.reshape(e * C, X), y.new_zeros(1, X)])
@@ -142,6 +214,23 @@ def from_expert_major(
     pairs = flat.index_select(0, pick).view(W, k, X).float()
     weights = torch.where(maps.valid.view(W, k), recv_topk_probs.float(), 0.0)
     return (pairs * weights[..., None]).sum(1).to(y.dtype)
+
+
+def _check_decoder_args(dispatcher: object, num_max: object) -> None:
+    from flexdispatch.dispatch.dispatcher import FlexDispatcher
+
+    if not isinstance(dispatcher, FlexDispatcher):
+        raise TypeError(
+            f"dispatcher must be a FlexDispatcher, got {type(dispatcher).__name__} (a MoELayer's "
+            f"is layer.dispatcher)"
+        )
+    check_int(
+        "num_max_dispatch_tokens_per_rank",
+        num_max,
+        at_least=1,
+        rule="a positive int",
+        error=TypeError,
+    )
 
 
 class DecodeDispatcher:
@@ -160,11 +249,7 @@ class DecodeDispatcher:
     def __init__(
         self, dispatcher: FlexDispatcher, *, num_max_dispatch_tokens_per_rank: int
     ) -> None:
-        if num_max_dispatch_tokens_per_rank <= 0:
-            raise ValueError(
-                f"num_max_dispatch_tokens_per_rank must be positive, got "
-                f"{num_max_dispatch_tokens_per_rank}"
-            )
+        _check_decoder_args(dispatcher, num_max_dispatch_tokens_per_rank)
         self.dispatcher = dispatcher
         self.num_max = num_max_dispatch_tokens_per_rank
         self.capacity = dispatcher.num_ranks * num_max_dispatch_tokens_per_rank
@@ -214,7 +299,7 @@ class DecodeDispatcher:
                 return self.dispatcher.backend.low_latency_dispatch(x, idx, topk_probs)
             res: DispatchResult = self.dispatcher.dispatch(x, topk_idx, topk_probs)
             e = self.dispatcher.num_local_experts
-            maps = expert_major_maps(res.recv_topk_idx, e, self.capacity)
+            maps = _expert_major_maps(res.recv_topk_idx, e, self.capacity)
             handle = ExpertMajorHandle(
                 backend=self.dispatcher.backend_name,
                 num_tokens=x.shape[0],
@@ -226,7 +311,7 @@ class DecodeDispatcher:
                 state=(res.handle, maps, res.recv_topk_probs),
             )
             return ExpertMajorResult(
-                recv_x=to_expert_major(res.recv_x, maps, self.capacity),
+                recv_x=_to_expert_major(res.recv_x, maps, self.capacity),
                 recv_scales=None,
                 num_recv_tokens_per_expert=maps.num_recv_tokens_per_expert,
                 handle=handle,
@@ -244,6 +329,11 @@ class DecodeDispatcher:
         """
         if not isinstance(handle, ExpertMajorHandle):
             raise TypeError("handle must be the ExpertMajorResult.handle of this decoder")
+        if handle.capacity != self.capacity:  # NOTE: another decoder's handle (silently wrong)
+            raise ValueError(
+                f"handle is of a decoder of capacity {handle.capacity}, this one's is "
+                f"{self.capacity}: combine with the DecodeDispatcher whose dispatch returned it"
+            )
         check_tensor("y", y, ndim=3, floating=True)
         e = self.dispatcher.num_local_experts
         if tuple(y.shape[:2]) != (e, self.capacity):
@@ -255,5 +345,5 @@ class DecodeDispatcher:
             if self._low_latency:
                 return self.dispatcher.backend.low_latency_combine(y, handle)
             inner, maps, probs = handle.state
-            rows = from_expert_major(y, maps, probs)
+            rows = _from_expert_major(y, maps, probs)
             return self.dispatcher.combine(rows, inner)

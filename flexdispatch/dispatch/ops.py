@@ -85,7 +85,37 @@ def live_handles() -> int:
     return len(_HANDLES)
 
 
+def _id_tensor(t: object, name: str, n: int, what: str) -> None:
+    """Refuse an id tensor that is not ``[n]`` int64 on the CPU (an op called directly: an empty
+    tensor raised ``IndexError``, a float one was truncated to an id). Metadata only."""
+    if not (
+        isinstance(t, torch.Tensor)
+        and t.dtype == torch.int64
+        and t.device.type == "cpu"
+        and t.shape == (n,)
+    ):
+        got = (
+            f"{t.dtype} {tuple(t.shape)} on {t.device}"
+            if isinstance(t, torch.Tensor)
+            else type(t).__name__
+        )
+        raise ValueError(
+            f"flexdispatch ops: {name} must be {what}, a [{n}] int64 CPU tensor; got {got}"
+        )
+
+
+def _same_int(op: str, name: str, given: int, held: int, whose: str) -> None:
+    """Refuse an int argument of op ``op`` that disagrees with the dispatcher's or the handle's
+    (the fake rule sizes the traced outputs from it: a disagreement would be a wrong shape)."""
+    if given != held:
+        raise ValueError(
+            f"flexdispatch::{op}: {name}={given} but {whose} has {held}: pass {whose}'s value "
+            f"(as FlexDispatcher.dispatch / combine do)"
+        )
+
+
 def _dispatcher(op_id: torch.Tensor) -> Any:
+    _id_tensor(op_id, "dispatcher", 1, "the dispatcher's id (FlexDispatcher._op_id)")
     issuer = int(op_id[0])  # NOTE: a CPU tensor: no device sync
     d = _DISPATCHERS.get(issuer)
     if d is None:
@@ -111,6 +141,7 @@ def _register(handle: DispatchHandle, pairs: int | None) -> torch.Tensor:
 
 
 def _handle(handle_t: torch.Tensor) -> DispatchHandle:
+    _id_tensor(handle_t, "handle", 2, "the handle tensor flexdispatch::dispatch returned")
     hid = int(handle_t[0])
     entry = _HANDLES.get(hid)
     if entry is None:
@@ -159,6 +190,16 @@ def _dispatch_op(
     the fake rule (equal across identical layers: no per-layer guard). The four optional tensors
     are a ``DispatchLayout`` (all None: none given)."""
     d = _dispatcher(dispatcher)
+    _same_int(
+        "dispatch",
+        "num_worst_tokens",
+        num_worst_tokens,
+        d.config.num_worst_tokens,
+        "the dispatcher",
+    )
+    _same_int(
+        "dispatch", "num_local_experts", num_local_experts, d.num_local_experts, "the dispatcher"
+    )
     layout = None
     if is_token_in_rank is not None:
         layout = DispatchLayout(
@@ -253,6 +294,7 @@ def _combine_op(
     """``FlexDispatcher.combine(y, handle, bias=bias)`` as an op: ``[T, H]``."""
     d, h = _dispatcher(dispatcher), _handle(handle)
     check_handle(h, d.backend_name, d._issuer)  # NOTE: the serial a trace could not check
+    _same_int("combine", "num_tokens", num_tokens, h.num_tokens, "the handle")
     out = d._combine(y, h, bias, grad=False)
     return _fresh((out,), (y, bias))[0]
 
@@ -300,13 +342,16 @@ def _combine_with_probs_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The backward of dispatch: ``(combine(y) [T, H], combine(probs) [T, k] float32)`` in one
     backend call (DeepEP: one combine); ``[0]`` for the one that is None (not both)."""
-    backend = _dispatcher(dispatcher)._backend
+    d, h = _dispatcher(dispatcher), _handle(handle)
+    check_handle(h, d.backend_name, d._issuer)
+    _same_int("combine_with_probs", "num_tokens", num_tokens, h.num_tokens, "the handle")
+    backend = d._backend
     if probs is None:
         if y is None:
             raise ValueError("flexdispatch::combine_with_probs needs y or probs")
-        dx, dp = backend.combine(y, _handle(handle)), y.new_empty(0, dtype=torch.float32)
+        dx, dp = backend.combine(y, h), y.new_empty(0, dtype=torch.float32)
     else:
-        dx, dp = backend.combine_with_probs(y, probs, _handle(handle))
+        dx, dp = backend.combine_with_probs(y, probs, h)
         dx = probs.new_empty(0) if dx is None else dx
     return tuple(_fresh((dx, dp), (y, probs)))  # type: ignore[return-value]
 
@@ -332,7 +377,10 @@ def _cached_dispatch_op(
     x: torch.Tensor, handle: torch.Tensor, dispatcher: torch.Tensor, num_recv_rows: int
 ) -> torch.Tensor:
     """The backward of combine: ``x [T, X]`` sent along the handle's layout, ``[M, X]``."""
-    out = _dispatcher(dispatcher)._backend.cached_dispatch(x, _handle(handle))
+    d, h = _dispatcher(dispatcher), _handle(handle)
+    check_handle(h, d.backend_name, d._issuer)
+    _same_int("cached_dispatch", "num_recv_rows", num_recv_rows, h.num_recv_rows, "the handle")
+    out = d._backend.cached_dispatch(x, h)
     return _fresh((out,), (x,))[0]
 
 

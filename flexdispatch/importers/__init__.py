@@ -16,18 +16,20 @@ qwen3_next
 qwen3_5_moe,        (``text_config``) softmax, top-k, always renormalised; Qwen3.5 adds the
 qwen3_vl_moe        gated shared expert
 deepseek_v2         softmax over E (pre); ``group_limited_greedy``: groups ranked by their
-                    max score; renormalise only when ``norm_topk_prob`` (then no scaling),
-                    else x ``routed_scaling_factor``
+                    max score; x ``routed_scaling_factor``, never renormalised (its router
+                    reads neither ``norm_topk_prob`` nor ``scoring_func``)
 deepseek            DeepSeek-MoE 16B (remote code): softmax over E, top-k, renormalise when
                     ``norm_topk_prob``, no scaling; shared experts
-deepseek_v3,        ``noaux_tc``: sigmoid, expert bias for selection only, groups ranked by
-kimi_k2, kimi_k25,  the sum of their top-2 biased scores, renormalise when
-deepseek_v32,       ``norm_topk_prob``, x scaling; shared experts
+deepseek_v3,        sigmoid, expert bias for selection only, groups ranked by the sum of
+kimi_k2, kimi_k25,  their top-2 biased scores, renormalise when ``norm_topk_prob``, x
+deepseek_v32,       scaling; shared experts (``topk_method`` / ``scoring_func`` are never
+                    read: the gate always runs this)
 glm4_moe(_lite),
 glm_moe_dsa, dots1,
 nemotron_h          (nemotron_h: non-gated relu2 experts, one shared MLP)
-deepseek_v4         sqrtsoftplus, expert bias, top-k, renormalise, x scaling, clamped SwiGLU;
-                    the first ``num_hash_layers`` MoE layers route by token id
+deepseek_v4         ``scoring_func`` (sqrtsoftplus), expert bias, top-k (no group stage),
+                    always renormalised, x scaling, one shared MLP, clamped SwiGLU; the first
+                    ``num_hash_layers`` MoE layers route by token id
 minimax_m2          sigmoid, expert bias for selection, renormalise, no scaling
 gpt_oss             Linear(H, E) with bias, top-k of the logits, softmax over the k;
                     gpt-oss's clamped GLU experts with biases
@@ -36,8 +38,12 @@ llama4              (``text_config``) top-1 of the logits, sigmoid weight multip
 ==================  ==================================================================
 
 Keys a config lacks take the defaults of the family's transformers config class (listed in
-``source["defaulted"]``); a key of the wrong type is refused naming it. Families whose routing
-flexdispatch cannot express (ernie4_5_moe, phimoe, longcat_flash) are refused with the reason.
+``source["defaulted"]``); a key of the wrong type is refused naming it. A key the family's
+transformers router and MoE block never read (``_keys._NOT_READ``: DeepSeek-V4's ``n_group``,
+a V3-style gate's ``topk_method``, Granite-MoE's ``router_jitter_noise``, ...) is never a reason
+to refuse and never changes the import: the model is imported as transformers runs it, and a
+config's other value is listed in ``source["ignored"]``. Families whose routing flexdispatch
+cannot express (ernie4_5_moe, phimoe, longcat_flash) are refused with the reason.
 
 ``MoEConfig.source`` records where each number came from and what was not representable.
 """
@@ -51,11 +57,12 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from flexdispatch._checks.files import excerpt, validation_message
+from flexdispatch._checks.errors import InputError
+from flexdispatch._checks.files import excerpt
 from flexdispatch._checks.values import show
-from flexdispatch.config import MoEConfig, RouterConfig
+from flexdispatch.config import MoEConfig, RouterConfig, invalid_config
 from flexdispatch.importers._keys import _DEFAULTS_FROM, _NESTED, _Keys, _read_hf
-from flexdispatch.importers.deepseek import _deepseek, _nemotron_h, _v3_style
+from flexdispatch.importers.deepseek import _deepseek, _nemotron_h
 from flexdispatch.importers.megatron import moe_config_from_megatron
 from flexdispatch.importers.softmax import _gpt_oss, _llama4, _minimax_m2, _mixtral, _qwen
 
@@ -75,11 +82,11 @@ _HF_FAMILIES: dict[str, _Family] = {
     "deepseek_v3": _deepseek,
     "deepseek_v4": _deepseek,
     "kimi_k2": _deepseek,
-    "deepseek_v32": _v3_style,
-    "glm4_moe": _v3_style,
-    "glm_moe_dsa": _v3_style,
-    "glm4_moe_lite": _v3_style,
-    "dots1": _v3_style,
+    "deepseek_v32": _deepseek,
+    "glm4_moe": _deepseek,
+    "glm_moe_dsa": _deepseek,
+    "glm4_moe_lite": _deepseek,
+    "dots1": _deepseek,
     "mixtral": _mixtral,
     "granitemoe": _mixtral,
     "olmoe": _qwen,
@@ -105,6 +112,9 @@ _REFUSED = {
 }
 
 
+_SEE_SUPPORTED = "see flexdispatch config --help for the supported model types"
+
+
 def supported_model_types() -> list[str]:
     """The Hugging Face ``model_type`` values ``moe_config_from_hf`` imports."""
     return sorted({*_HF_FAMILIES, *_NESTED})
@@ -127,7 +137,8 @@ def moe_config_from_hf(
         A validated ``MoEConfig`` (dispatch settings left at their defaults); ``source`` holds
         ``hf_model_type``, ``hf_architectures``, ``routing`` and, as applicable, ``groups``,
         ``shared_experts``, ``aux_loss``, ``moe_layers``, ``scaling``, ``num_hash_layers``,
-        ``hf_text_model_type``, ``defaulted``.
+        ``hf_text_model_type``, ``defaulted``, ``ignored`` (keys the family's transformers
+        router never reads, with what it runs instead).
 
     Raises:
         ValueError: unknown ``model_type`` (the message lists the supported ones), a missing
@@ -138,16 +149,20 @@ def moe_config_from_hf(
     top = _read_hf(config)
     mt = top.get("model_type")
     if not isinstance(mt, str):
-        raise ValueError(
+        raise InputError(
             f"model_type must be a string, got {show(mt)}: supported are "
-            f"{', '.join(supported_model_types())}"
+            f"{', '.join(supported_model_types())}",
+            problem=f"model_type must be a string, got {show(mt)}",
+            fix=_SEE_SUPPORTED,
         )
     if mt in _REFUSED:
         raise ValueError(f"model_type {mt!r} cannot be imported exactly: {_REFUSED[mt]}")
     if mt not in _HF_FAMILIES and mt not in _NESTED:
-        raise ValueError(
+        raise InputError(
             f"unsupported model_type {excerpt(mt)}: supported are "
-            f"{', '.join(supported_model_types())}"
+            f"{', '.join(supported_model_types())}",
+            problem=f"model_type {excerpt(mt)} is not supported",
+            fix=_SEE_SUPPORTED,
         )
     source: dict[str, str] = {"hf_model_type": mt}
     archs = top.get("architectures")
@@ -174,6 +189,11 @@ def moe_config_from_hf(
         source["hf_text_model_type"] = inner
     keys = _Keys(cfg, inner, prefix)
     data = _HF_FAMILIES[inner](cfg, keys, source)
+    if keys.ignored:
+        source["ignored"] = (
+            "not read by the family's transformers router (transformers 5.23), which runs its "
+            "own: " + "; ".join(f"{key} ({runs})" for key, runs in keys.ignored.items())
+        )
     if keys.defaulted:
         origin = _DEFAULTS_FROM.get(inner, f"the transformers {inner} config class")
         source["defaulted"] = f"absent, taken from {origin}: " + ", ".join(
@@ -184,9 +204,7 @@ def moe_config_from_hf(
     try:
         return MoEConfig.model_validate(data)
     except ValidationError as exc:
-        raise ValueError(
-            f"{mt} config maps to an invalid MoEConfig: {validation_message(exc)}"
-        ) from None
+        raise invalid_config(exc, f"{mt} config maps to an invalid MoEConfig") from None
 
 
 def num_hash_layers(cfg: MoEConfig) -> int:

@@ -5,11 +5,14 @@ shared-expert pieces (``flexdispatch.importers`` has the family table)."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from flexdispatch._checks.files import excerpt, read_config_file
+from flexdispatch._checks.errors import InputError
+from flexdispatch._checks.files import excerpt, file_error, read_config_file
 from flexdispatch._checks.values import finite, integer, show
 
 _GATED_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu"}
@@ -263,20 +266,45 @@ _ALIASES: dict[str, dict[str, str]] = {
     "deepseek_v4": {**_ROUTED, **_both_ways(moe_intermediate_size="intermediate_size")},
 }
 
-# Keys that are not attributes of the family's config class: the modeling code hard-codes them,
-# and the default is what it runs.
-_V3_FIXED = frozenset({"topk_method", "scoring_func"})
-_FIXED_IN_MODELING: dict[str, frozenset[str]] = {
-    "deepseek_v2": frozenset({"scoring_func"}),
-    "deepseek_v3": _V3_FIXED,
-    "kimi_k2": _V3_FIXED,
-    "deepseek_v32": _V3_FIXED,
-    "glm_moe_dsa": _V3_FIXED,
-    "glm4_moe": _V3_FIXED,
-    "glm4_moe_lite": _V3_FIXED,
-    "dots1": _V3_FIXED,
-    "deepseek_v4": frozenset({"topk_method"}),
-    "minimax_m2": frozenset({"scoring_func", "use_routing_bias"}),
+# Keys a family's transformers router and MoE block never read (transformers 5.23.0, read from
+# ``modeling_<type>.py``), with what they run whatever a config says: the import is the one the
+# model runs, a config's other value is listed in ``source["ignored"]`` (never refused, never a
+# change to the import). DeepSeek-V3's gate and its relatives' always score with sigmoid and pick
+# with ``e_score_correction_bias`` by groups; DeepSeek-V4's gate has no group stage at all.
+_V3_RUNS = {
+    "topk_method": ("noaux_tc", "sigmoid + e_score_correction_bias by groups"),
+    "scoring_func": ("sigmoid", "sigmoid scores"),
+}
+_RENORMALISES = {"norm_topk_prob": (True, "always renormalises the k weights")}
+_NOT_READ: dict[str, dict[str, tuple[Any, str]]] = {
+    "deepseek_v2": {
+        "scoring_func": ("softmax", "softmax scores"),
+        "norm_topk_prob": (False, "scales by routed_scaling_factor, never renormalises"),
+    },
+    "deepseek_v3": _V3_RUNS,
+    "kimi_k2": _V3_RUNS,
+    "deepseek_v32": _V3_RUNS,
+    "glm_moe_dsa": _V3_RUNS,
+    "glm4_moe": _V3_RUNS,
+    "glm4_moe_lite": _V3_RUNS,
+    "dots1": _V3_RUNS,
+    "deepseek_v4": {
+        "topk_method": ("noaux_tc", "top-k of the scores + e_score_correction_bias"),
+        "n_group": (None, "no group stage"),
+        "topk_group": (None, "no group stage"),
+        **_RENORMALISES,
+        "n_shared_experts": (1, "one shared MLP of moe_intermediate_size"),
+    },
+    "nemotron_h": {"n_shared_experts": (1, "one shared MLP")},
+    "minimax_m2": {
+        "scoring_func": ("sigmoid", "sigmoid scores"),
+        "use_routing_bias": (True, "always adds e_score_correction_bias"),
+        "shared_intermediate_size": (None, "no shared expert"),
+    },
+    "granitemoe": {"router_jitter_noise": (0.0, "no router jitter")},
+    "gpt_oss": {"hidden_act": ("silu", "the clamped GLU of GptOssExperts")},
+    "qwen3_5_moe_text": _RENORMALISES,
+    "qwen3_vl_moe_text": _RENORMALISES,
 }
 
 _DEFAULTS_FROM = {
@@ -316,12 +344,16 @@ class _Keys:
         self.cfg, self.mt, self.prefix = cfg, mt, prefix
         self.defaults = _DEFAULTS.get(mt, {})
         self.defaulted: list[str] = []
+        self.ignored: dict[str, str] = {}  # key=its value -> what the router runs instead
 
     def name(self, key: str) -> str:
         return f"{self.prefix}{key}"
 
     def raw(self, key: str) -> Any:
         alias = _ALIASES.get(self.mt, {}).get(key)
+        runs = _NOT_READ.get(self.mt, {}).get(key)
+        if runs is not None:
+            return self._not_read(key, alias, *runs)
         here = key in self.cfg and self.cfg[key] is not None
         if alias is not None and alias in self.cfg and self.cfg[alias] is not None:
             if here and self.cfg[key] != self.cfg[alias]:
@@ -336,17 +368,29 @@ class _Keys:
         self._refuse_null(key, alias)
         if self.defaults.get(key) is not None:
             value = self.defaults[key]
-            fixed = key in _FIXED_IN_MODELING.get(self.mt, ())
-            note = " (fixed by the modeling code)" if fixed else ""
-            self.defaulted.append(f"{self.name(key)}={json.dumps(value)}{note}")
+            self.defaulted.append(f"{self.name(key)}={json.dumps(value)}")
             return value
         raise ValueError(
             f"{self.mt} config lacks {self.name(key)!r} and the architecture has no default "
             f"for it: add it (see the model's config.json)"
         )
 
+    def _not_read(self, key: str, alias: str | None, value: Any, runs: str) -> Any:
+        """``value``, what the router runs for ``key`` (a key it never reads); a config's other
+        value (or null) is recorded in ``ignored``, an absent one in ``defaulted``."""
+        given = [n for n in (key, alias) if n and n in self.cfg]
+        for name in given:
+            if value is None or self.cfg[name] != value:
+                shown = excerpt(json.dumps(self.cfg[name]), 24)[1:-1].rstrip("'")
+                self.ignored[f"{self.name(name)}={shown}"] = runs
+        if not given and value is not None:
+            self.defaulted.append(
+                f"{self.name(key)}={json.dumps(value)} (fixed by the modeling code)"
+            )
+        return value
+
     def _refuse_null(self, key: str, alias: str | None) -> None:
-        if key not in _NOT_NULL or key in _FIXED_IN_MODELING.get(self.mt, ()):
+        if key not in _NOT_NULL:
             return
         for name in (key, alias):
             if name and name in self.cfg and self.cfg[name] is None:
@@ -358,6 +402,9 @@ class _Keys:
 
     def has(self, key: str) -> bool:
         alias = _ALIASES.get(self.mt, {}).get(key)
+        runs = _NOT_READ.get(self.mt, {}).get(key)
+        if runs is not None:
+            return runs[0] is not None
         return any(
             name in self.cfg and self.cfg[name] is not None for name in (key, alias) if name
         ) or (self.defaults.get(key) is not None)
@@ -388,6 +435,34 @@ class _Keys:
         return value
 
 
+def _check_inside(path: Path) -> None:
+    """Refuse, unread, a folder's ``config.json`` that is a symbolic link out of the folder (a
+    model folder must not make the importer read, and quote, any file of the machine). Allowed:
+    a link that stays inside the folder, and the Hugging Face cache's own layout,
+    ``models--ORG--NAME/snapshots/REV/config.json -> ../../blobs/SHA`` (into that repository's
+    ``blobs``)."""
+    try:
+        if not stat.S_ISLNK(os.lstat(path).st_mode):
+            return
+    except OSError:
+        return  # NOTE: missing: said by the caller
+    folder = os.path.realpath(path.parent)
+    target = os.path.realpath(path)
+    allowed = [folder]
+    snapshots = os.path.dirname(folder)
+    if os.path.basename(snapshots) == "snapshots":
+        allowed.append(os.path.join(os.path.dirname(snapshots), "blobs"))
+    if any(os.path.commonpath([target, a]) == a for a in allowed):
+        return
+    raise InputError(
+        f"config file {path} is a symbolic link out of its folder (not read): pass the config "
+        f"file itself",
+        value=str(path.parent),
+        problem="its config.json is a symbolic link out of the folder (not read)",
+        fix="pass the config file itself",
+    )
+
+
 def _read_hf(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
     if isinstance(config, Mapping):
         return dict(config)
@@ -397,13 +472,15 @@ def _read_hf(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
             f"{type(config).__name__}"
         )
     path = Path(config)
-    if path.is_dir():
+    named = not path.is_dir()
+    if not named:
         path = path / "config.json"
+        _check_inside(path)
     if not path.exists():
-        raise ValueError(f"config file {path} does not exist: pass a config.json or its folder")
-    data = read_config_file(path, kind="json", what="config file")
+        raise file_error("config file", path, "does not exist", "pass a config.json or its folder")
+    data = read_config_file(path, kind="json", what="config file", named=named)
     if not isinstance(data, dict):
-        raise ValueError(f"config file {path} must hold a JSON object, got {type(data).__name__}")
+        raise file_error("config file", path, f"must hold a JSON object, got {type(data).__name__}")
     return data
 
 

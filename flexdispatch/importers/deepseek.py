@@ -25,36 +25,39 @@ def _deepseek(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[
     E = k.int("n_routed_experts")
     topk = k.int("num_experts_per_tok")
     F = k.int("moe_intermediate_size")
+    # NOTE: read as the family's transformers router reads them: a key it never reads is the
+    # value it runs (_keys._NOT_READ), whatever the config says (source["ignored"])
     scoring = k.str("scoring_func")
     method = k.str("topk_method")
     norm = k.bool("norm_topk_prob")
     scale = k.float("routed_scaling_factor") if mt != "deepseek" else 1.0
     if scoring not in ("softmax", "sigmoid", "sqrtsoftplus"):
         raise ValueError(f"{mt} scoring_func={excerpt(scoring)} is not supported")
+    methods = ("greedy", "group_limited_greedy") if mt in ("deepseek", "deepseek_v2") else ()
+    if methods and method not in methods:
+        raise ValueError(
+            f"{mt} topk_method={excerpt(method)} is not supported: its gate runs "
+            f"{' or '.join(methods)}"
+        )
     router: dict[str, Any] = {"num_experts": E, "topk": topk, "score_function": scoring}
     if method == "group_limited_greedy":
         router.update(_groups(k, E, topk, "max", source))
     elif method == "noaux_tc":
-        router.update(_groups(k, E, topk, "sum_top2", source))
-        if scoring == "softmax":
-            raise ValueError(f"{mt} topk_method=noaux_tc with softmax scores is not supported")
+        if mt == "deepseek_v4":
+            k.raw("n_group"), k.raw("topk_group")  # NOTE: no group stage: recorded if given
+        else:
+            router.update(_groups(k, E, topk, "sum_top2", source))
         router["enable_expert_bias"] = True
-    elif method != "greedy":
-        raise ValueError(
-            f"{mt} topk_method={excerpt(method)} is not supported: use greedy, "
-            f"group_limited_greedy or noaux_tc"
-        )
     if scoring == "softmax":
         router["use_pre_softmax"] = True  # softmax over all E, then top-k
     router["normalize_topk"] = norm
-    if mt == "deepseek_v2" and norm and topk > 1:
-        # NOTE: DeepSeek-V2's reference code scales only the branch that does not renormalise.
+    if mt == "deepseek_v2" and k.cfg.get("norm_topk_prob") is True and topk > 1:
         source["scaling"] = (
-            "norm_topk_prob=true: V2 code renormalises and does not scale (DeepSeek's own "
-            "modeling code; transformers 5.23's DeepseekV2 gate ignores norm_topk_prob and "
-            "always scales - every published V2 config has norm_topk_prob=false, where both agree)"
+            "norm_topk_prob=true: DeepSeek's own V2 modeling code renormalises and does not "
+            "scale; transformers' DeepseekV2TopkRouter, followed here, always scales and never "
+            "renormalises (every published V2 config has norm_topk_prob=false, where both agree)"
         )
-    elif scale != 1.0:
+    if scale != 1.0:
         router["scaling_factor"] = scale
     router.update(_aux(cfg, source))
     source["routing"] = (
@@ -89,30 +92,8 @@ def _deepseek(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[
                 f"to match its experts exactly)"
             )
         out["swiglu_limit"] = k.float("swiglu_limit")
-        if not norm:
-            raise ValueError(
-                "deepseek_v4 norm_topk_prob=false: the transformers DeepSeek-V4 gate always "
-                "renormalises the k weights, so this config does not describe that model"
-            )
-        n_shared = k.int("n_shared_experts")
-        if n_shared != 1:
-            raise ValueError(
-                f"deepseek_v4 n_shared_experts={n_shared}: the transformers DeepSeek-V4 block "
-                f"always builds exactly one shared MLP of moe_intermediate_size"
-            )
     out.update(_shared(k, F, source))
     return out
-
-
-def _v3_style(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[str, Any]:
-    """DeepSeek-V3 relatives without ``topk_method``/``scoring_func`` (their gate is fixed)."""
-    for key, want in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
-        if key in cfg and cfg[key] not in (None, want):
-            raise ValueError(
-                f"{k.mt} config has {k.name(key)}={excerpt(cfg[key])}, but its transformers gate "
-                f"always runs {want}"
-            )
-    return _deepseek(cfg, k, source)
 
 
 def _nemotron_h(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[str, Any]:
@@ -154,18 +135,13 @@ def _nemotron_h(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dic
             "nemotron_h mlp_bias=true: its shared MLP then has biases but its routed experts "
             "do not, which one MoEConfig cannot express"
         )
-    n = k.int("n_shared_experts")
-    if n > 1:
-        raise ValueError(
-            f"nemotron_h n_shared_experts={n}: its block builds one shared MLP of "
-            f"moe_shared_expert_intermediate_size, whatever n_shared_experts says"
-        )
-    # NOTE: the transformers block builds the shared MLP whatever n_shared_experts is.
+    # NOTE: the transformers block builds one shared MLP whatever n_shared_experts says
+    k.raw("n_shared_experts")
     S = k.int("moe_shared_expert_intermediate_size")
     out.update(num_shared_experts=1, shared_expert_ffn_hidden_size=S)
     source["shared_experts"] = (
         f"one relu2 shared MLP of moe_shared_expert_intermediate_size={S} (the block always "
-        f"builds it; n_shared_experts={n})"
+        f"builds it)"
     )
     pattern = cfg.get("hybrid_override_pattern") or cfg.get("layers_block_type")
     if pattern is not None:

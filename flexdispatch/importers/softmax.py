@@ -33,10 +33,8 @@ def _mixtral(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[s
 
 def _qwen(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[str, Any]:
     """Qwen3-MoE; Qwen2-MoE, Qwen3-Next and Qwen3.5-MoE add one sigmoid-gated shared expert."""
-    # Qwen3.5-MoE's and Qwen3-VL-MoE's gates always renormalise (no norm_topk_prob in their
-    # config classes).
-    always = k.mt in ("qwen3_5_moe_text", "qwen3_vl_moe_text")
-    norm = True if always else k.bool("norm_topk_prob")
+    # NOTE: Qwen3.5-MoE's and Qwen3-VL-MoE's gates always renormalise (_keys._NOT_READ)
+    norm = k.bool("norm_topk_prob")
     router = _softmax_router(k, k.int("num_experts"), k.int("num_experts_per_tok"), norm, source)
     router.update(_aux(cfg, source))
     _layer_pattern(cfg, ("decoder_sparse_step", "mlp_only_layers", "layer_types"), source)
@@ -97,21 +95,9 @@ def _llama4(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[st
 
 def _minimax_m2(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[str, Any]:
     _no_jitter(k)
-    scoring = k.str("scoring_func")
-    if scoring != "sigmoid":
-        raise ValueError(
-            f"minimax_m2 scoring_func={excerpt(scoring)}: its gate computes sigmoid scores"
-        )
-    if not k.bool("use_routing_bias"):
-        raise ValueError(
-            "minimax_m2 use_routing_bias=false: the transformers gate always adds its "
-            "e_score_correction_bias, a config without it is not the published architecture"
-        )
-    if cfg.get("shared_intermediate_size"):
-        raise ValueError(
-            f"minimax_m2 shared_intermediate_size={cfg['shared_intermediate_size']}: the "
-            f"transformers MiniMax-M2 block has no shared expert"
-        )
+    # NOTE: its gate always runs sigmoid + e_score_correction_bias, and the block has no shared
+    # expert, whatever the config says (_keys._NOT_READ: recorded in source["ignored"])
+    k.raw("scoring_func"), k.raw("use_routing_bias"), k.raw("shared_intermediate_size")
     router = {
         "num_experts": k.int("num_local_experts"),
         "topk": k.int("num_experts_per_tok"),
@@ -140,9 +126,7 @@ def _gpt_oss(cfg: Mapping[str, Any], k: _Keys, source: dict[str, str]) -> dict[s
             f"gpt_oss config: experts_per_token={excerpt(cfg['experts_per_token'])} differs from "
             f"num_experts_per_tok={topk}"
         )
-    act = k.str("hidden_act")
-    if act != "silu":
-        raise ValueError(f"gpt_oss hidden_act={excerpt(act)}: its experts run the clamped SwiGLU")
+    k.raw("hidden_act")  # NOTE: never read: its experts run the clamped GLU (source["ignored"])
     router = {"num_experts": E, "topk": topk, "score_function": "softmax", "router_bias": True}
     router.update(_aux(cfg, source))
     limit, alpha = k.float("swiglu_limit"), k.float("swiglu_alpha")

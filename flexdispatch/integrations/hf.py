@@ -211,7 +211,8 @@ def expert_parallel(
 
     Args:
         model: a ``transformers`` model of a supported family (``SUPPORTED_BLOCKS``), the same
-            weights on every rank.
+            weights on every rank (checked: one all-gather of each block's weight sums), in
+            bfloat16, float16 or float32 (the router may be float64).
         group: the expert-parallel group (None: the default group).
         dispatch: how tokens move (default ``DispatchConfig()``).
 
@@ -219,9 +220,14 @@ def expert_parallel(
         ``model`` itself.
 
     Raises:
-        ValueError: no supported block was found (the message names the block types seen), or
-            a block's settings cannot be expressed exactly.
+        TypeError: ``model`` is not an ``nn.Module``, ``group`` not a ``ProcessGroup``,
+            ``dispatch`` not a ``DispatchConfig``; a block whose class has a supported name but
+            is not the transformers class (naming what it lacks); experts in float64.
+        ValueError: no supported block was found (the message names the block types seen);
+            ``model`` is a block itself (pass the model that holds it); a block's settings
+            cannot be expressed exactly; the ranks hold different weights (naming the block).
     """
+    _check_arguments(model, group, dispatch)
     dispatch = DispatchConfig() if dispatch is None else dispatch
     model_config = getattr(model, "config", None)
     targets = [
@@ -233,9 +239,91 @@ def expert_parallel(
             f"no supported sparse MoE block in {type(model).__name__} (supported: "
             f"{', '.join(SUPPORTED_BLOCKS)}; MoE-looking modules seen: {seen or 'none'})"
         )
+    for name, block in targets:
+        _check_block(name, block)
+    _check_same_weights(targets, group)
     text_config = getattr(model_config, "text_config", None) or model_config
     for name, block in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, EPSparseMoeBlock(block, text_config, group=group, dispatch=dispatch))
     return model
+
+
+def _check_arguments(model: object, group: object, dispatch: object) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"model must be a torch.nn.Module (a transformers model), got {type(model).__name__}"
+            f": load it first, e.g. AutoModelForCausalLM.from_pretrained(path)"
+        )
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group must be a torch.distributed ProcessGroup or None (the default group), got "
+            f"{type(group).__name__} {group!r:.40}"
+        )
+    if dispatch is not None and not isinstance(dispatch, DispatchConfig):
+        raise TypeError(f"dispatch must be a DispatchConfig or None, got {type(dispatch).__name__}")
+
+
+# NOTE: what EPSparseMoeBlock reads of each block (its router, its experts' weights)
+_BLOCK_PARTS = {
+    "GptOssMLP": ("router.weight", "router.bias", "experts.gate_up_proj", "experts.down_proj"),
+}
+_DEFAULT_PARTS = ("gate.weight", "experts.gate_up_proj", "experts.down_proj")
+
+
+def _check_block(name: str, block: nn.Module) -> None:
+    """A block with a supported class name: the transformers class (not a user's class of that
+    name) holding what ``EPSparseMoeBlock`` reads; never the model itself (``name`` empty: the
+    replacement could not be put anywhere); experts in a dtype the dispatcher moves."""
+    cls = type(block).__name__
+    if not name:
+        raise ValueError(
+            f"pass the model that holds the block, not the block itself ({cls}): "
+            f"expert_parallel replaces the blocks inside the module it is given"
+        )
+    module = type(block).__module__
+    if not module.startswith("transformers.models."):
+        raise TypeError(
+            f"{name} is a {cls} from {module!r:.60}, not the transformers class: only the "
+            f"transformers models' blocks are replaced"
+        )
+    for part in _BLOCK_PARTS.get(cls, _DEFAULT_PARTS):
+        owner: object = block
+        for attr in part.split("."):
+            owner = getattr(owner, attr, None)
+        if not isinstance(owner, torch.Tensor):
+            raise TypeError(
+                f"{name} ({cls}) has no tensor {part}: this transformers release lays the block "
+                f"out differently (supported: {TRANSFORMERS_SUPPORTED})"
+            )
+    experts = block.experts.gate_up_proj
+    if experts.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(
+            f"{name} ({cls}): the experts are {experts.dtype}; flexdispatch moves bfloat16, "
+            f"float16 or float32 rows: load the model in one of them (model.float())"
+        )
+
+
+def _check_same_weights(targets: list[tuple[str, nn.Module]], group: object) -> None:
+    """Refuse on every rank when the ranks hold different weights for a block (each keeps only
+    its slice of the experts: different weights would mix silently). One all-gather of a
+    fingerprint per block: float64 sums and sums of squares of its router and expert weights."""
+    from flexdispatch.distributed import check_fingerprint, is_distributed
+
+    if not is_distributed(group):
+        return
+    fields = {}
+    with torch.no_grad():
+        for name, block in targets:
+            parts = [p.detach() for p in block.parameters() if not p.is_meta]
+            sums = sum(float(p.double().sum()) for p in parts)
+            squares = sum(float(p.double().square().sum()) for p in parts)
+            fields[name] = f"{sums!r}/{squares!r}"
+    check_fingerprint(
+        fields,
+        group,  # type: ignore[arg-type]
+        what="the model's MoE weights",
+        fix="load the same checkpoint on every rank before expert_parallel (each rank keeps "
+        "only its slice of the experts)",
+    )

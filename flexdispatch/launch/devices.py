@@ -27,6 +27,10 @@ import os
 import sys
 from dataclasses import dataclass
 
+from flexdispatch._checks.errors import InputError
+from flexdispatch._checks.files import excerpt
+from flexdispatch._checks.values import env_int
+
 __all__ = [
     "DEVICE_ENV",
     "DEVICE_CHOICES",
@@ -43,6 +47,8 @@ DEVICE_ENV = "FLEXDISPATCH_DEVICE"
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 VISIBLE_GPUS_ENV = "FLEXDISPATCH_VISIBLE_GPUS"
 """Overrides the number of GPUs visible (an integer >= 0), for tests on a CPU machine."""
+MAX_GPUS = 4096
+"""The largest ``$FLEXDISPATCH_VISIBLE_GPUS`` read (more is a typo, not a machine)."""
 
 
 @dataclass(frozen=True)
@@ -91,14 +97,11 @@ class DevicePlan:
 def visible_gpus() -> tuple[int, str]:
     """G and where it comes from: ``$FLEXDISPATCH_VISIBLE_GPUS``, else
     ``torch.cuda.device_count()`` when CUDA is available, else 0."""
-    env = os.environ.get(VISIBLE_GPUS_ENV, "").strip()
-    if env:
-        if not env.isdigit():
-            raise ValueError(
-                f"${VISIBLE_GPUS_ENV}={env!r} is not a GPU count: set it to an integer >= 0 "
-                f"or unset it"
-            )
-        return int(env), f"${VISIBLE_GPUS_ENV}"
+    gpus = env_int(
+        VISIBLE_GPUS_ENV, minimum=0, maximum=MAX_GPUS, fix="set a GPU count >= 0, or unset it"
+    )
+    if gpus is not None:
+        return gpus, f"${VISIBLE_GPUS_ENV}"
     import torch
 
     if not torch.cuda.is_available():
@@ -113,9 +116,14 @@ def requested_device(cpu_flag: bool = False) -> str:
         return "cpu"
     value = os.environ.get(DEVICE_ENV, "").strip().lower() or "auto"
     if value not in DEVICE_CHOICES:
-        raise ValueError(
-            f"${DEVICE_ENV}={os.environ.get(DEVICE_ENV)!r} is not a device: set it to "
-            f"{', '.join(DEVICE_CHOICES)} (or unset it for auto)"
+        given = os.environ.get(DEVICE_ENV, "")
+        fix = f"set it to {', '.join(DEVICE_CHOICES)} (or unset it for auto)"
+        raise InputError(
+            f"${DEVICE_ENV}={excerpt(given)} is not a device: {fix}",
+            option=f"${DEVICE_ENV}",
+            value=given,
+            problem="is not a device",
+            fix=fix,
         )
     return value
 
@@ -157,16 +165,22 @@ def plan_devices(
         return DevicePlan("gloo", "cpu", L, G, "the CPU was asked for: gloo, ranks on the CPU")
     if G == 0:
         if device == "cuda":
-            raise ValueError(
+            raise InputError(
                 f"{L} rank(s) on this machine asked for the GPUs, but no GPU is visible "
-                f"({source}): unset {DEVICE_ENV} or pass {cpu_hint} to run on gloo/CPU"
+                f"({source}): unset {DEVICE_ENV} or pass {cpu_hint} to run on gloo/CPU",
+                option=f"${DEVICE_ENV}",
+                value="cuda",
+                problem=f"no GPU is visible ({source})",
+                fix=f"unset it, or pass {cpu_hint}",
             )
         return DevicePlan("gloo", "cpu", L, G, f"no GPU visible ({source}): gloo on the CPU")
     if L > G:
         fewer = ranks_hint.replace("{gpus}", str(G))
-        raise ValueError(
+        raise InputError(
             f"{L} rank(s) on this machine but only {G} GPU(s) visible ({source}): pass {fewer} "
-            f"for one rank per GPU, or {cpu_hint} to run on gloo/CPU"
+            f"for one rank per GPU, or {cpu_hint} to run on gloo/CPU",
+            problem=f"{L} rank(s) on this machine but only {G} GPU(s) visible ({source})",
+            fix=f"pass {fewer}, or {cpu_hint.split(' (')[0]}",
         )
     gpus_used = "cuda:0" if L == 1 else f"cuda:0..cuda:{L - 1}"
     return DevicePlan("nccl", "cuda", L, G, f"NCCL, one rank per GPU ({gpus_used})")

@@ -172,8 +172,15 @@ def test_every_preset_runs_shrunk_to_fit(
     the runtime is larger); the report says what
     was shrunk from what to what, and the routing it kept is the preset's. The command runs in
     this process (its ranks pooled); the tests below run it as a subprocess."""
-    code, out, err = _demo_here(
-        capsys, monkeypatch, "--preset", preset, *SMALL, "--max-memory", _limit(3, 0.3, 1.5)
+    code, out, err = _demo_here(  # NOTE: --verbose: the steps on stderr (checked below)
+        capsys,
+        monkeypatch,
+        "--verbose",
+        "--preset",
+        preset,
+        *SMALL,
+        "--max-memory",
+        _limit(3, 0.3, 1.5),
     )
     text = out + err
     assert code == 0, text[-4000:]
@@ -267,6 +274,6 @@ def test_under_torchrun_every_rank_runs_rank_0s_sizes_or_every_rank_refuses() ->
     assert m and m.group(3) == "7168" and "on this machine (2 local rank(s)" in proc.stdout
     refused = _torchrun(*args, "--max-memory", "500MiB")
     assert refused.returncode != 0
-    msg = "flexdispatch demo: error: preset 'deepseek_v3' on 2 rank(s) does not fit"
+    msg = "flexdispatch demo: error: --max-memory 500.0MiB: 2 rank(s) need ~"
     assert refused.stderr.count(msg) == 2, refused.stderr[-4000:]  # both ranks, same reason
     assert "checking against" not in refused.stderr

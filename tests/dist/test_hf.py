@@ -301,3 +301,31 @@ def test_the_hf_example_runs() -> None:
     for res in spawn_group(hf_moe.run_rank, 2, timeout_s=200):
         assert res["block"] == "EPSparseMoeBlock" and res["dispatch_calls"] == 1, res
         assert res["loss"] == res["loss"], res  # finite (not NaN)
+
+
+def _different_weights_worker() -> str:
+    import torch.distributed as dist
+
+    from flexdispatch.config import DispatchConfig
+    from flexdispatch.integrations.hf import expert_parallel
+
+    model = _model("mixtral")
+    if dist.get_rank() == 1:  # NOTE: one expert weight of one layer differs on rank 1
+        with torch.no_grad():
+            model.model.layers[1].mlp.experts.down_proj[3, 0, 0] += 1.0
+    try:
+        expert_parallel(model, dispatch=DispatchConfig(backend="torch"))
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_different_weights_per_rank_are_refused_on_every_rank() -> None:
+    """reliability-5 (a probe that did not get a turn, re-run): each rank keeps only its slice
+    of the experts, so ranks that loaded different weights mixed them silently."""
+    got = spawn_group(_different_weights_worker, 2, timeout_s=100)
+    for message in got:
+        assert message.startswith("the model's MoE weights differ across ranks"), message
+        assert "model.layers.1.mlp" in message and "model.layers.0.mlp" not in message, message

@@ -50,7 +50,7 @@ def test_demo_runs_one_rank_per_gpu_over_nccl_and_says_so() -> None:
     assert rep["ok"] and rep["devices"]["process_group"] == "nccl", rep["devices"]
     assert rep["devices"]["device"] == "cuda" and rep["devices"]["gpus_visible"] == G
     assert 1 <= rep["world_size"] <= G and 16 % rep["world_size"] == 0  # tiny_cpu: E = 16
-    assert "NCCL, one rank per GPU" in proc.stderr
+    assert "NCCL, one rank per GPU" in rep["devices"]["line"]  # stderr: only with --verbose
     # the runtime allowance was measured with the GPU in use, and bounds every rank's peak
     fit = rep["fit"]
     assert "probe process (cuda)" in fit["runtime"]["source"], fit["runtime"]

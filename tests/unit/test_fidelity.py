@@ -86,11 +86,12 @@ def reference_route(
     else:
         chosen = top(sel, k, allowed)
     w = [s[i] for i in chosen]
-    norm = raw.get("norm_topk_prob", False) and k > 1
+    # NOTE: transformers' DeepseekV2TopkRouter never reads norm_topk_prob: it always scales and
+    # never renormalises (DeepSeek's own V2 code renormalises and does not scale with true)
+    norm = raw.get("norm_topk_prob", False) and k > 1 and mt != "deepseek_v2"
     if norm:
         w = [v / (sum(w) + 1e-20) for v in w]
-    if not (mt == "deepseek_v2" and norm):  # V2 scales only when it does not renormalise
-        w = [v * raw.get("routed_scaling_factor", 1.0) for v in w]
+    w = [v * raw.get("routed_scaling_factor", 1.0) for v in w]
     return dict(zip(chosen, w, strict=True))
 
 

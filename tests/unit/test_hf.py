@@ -104,3 +104,52 @@ def test_supported_transformers_range_is_declared_once_and_holds_the_installed_r
         f"transformers {installed} is outside the supported {TRANSFORMERS_SUPPORTED}: "
         f"install one inside (pip install -e .[hf]) or widen the range after checking it"
     )
+
+
+# --------------------------------------------------------------------------- reliability-5 S5, S6
+
+
+def test_the_block_itself_is_refused_not_corrupted():
+    # S5: the block was found as module '' and replaced by setattr(block, '', ...): the block
+    # came back unchanged, with a child named '' (state-dict keys starting with '.')
+    block = _mixtral().model.layers[0].mlp
+    with pytest.raises(ValueError, match=r"pass the model that holds the block, not the block "):
+        expert_parallel(block)
+    assert "" not in dict(block.named_children())
+
+
+@pytest.mark.parametrize("model", [{}, "/models/x", None])
+def test_a_model_that_is_not_a_module_is_a_type_error(model):
+    # S6: AttributeError: 'dict' object has no attribute 'named_modules'
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module"):
+        expert_parallel(model)
+
+
+def test_a_group_that_is_not_a_process_group_is_a_type_error():
+    # S6: group=5 was accepted silently
+    model = _mixtral()
+    with pytest.raises(TypeError, match=r"group must be a torch.distributed ProcessGroup"):
+        expert_parallel(model, group=5)
+    assert not isinstance(model.model.layers[0].mlp, EPSparseMoeBlock)
+
+
+def test_a_user_class_with_a_supported_name_is_named():
+    # S6: blocks are matched by class name: AttributeError ... no attribute 'experts'
+    fake = type("MixtralSparseMoeBlock", (torch.nn.Module,), {"__module__": "mymodels"})
+    holder = torch.nn.Module()
+    holder.moe = fake()
+    with pytest.raises(TypeError, match=r"moe is a MixtralSparseMoeBlock from 'mymodels'"):
+        expert_parallel(holder)
+    # the transformers class without what the stand-in reads (another release's layout)
+    model = _mixtral()
+    del model.model.layers[0].mlp.gate
+    with pytest.raises(TypeError, match=r"has no tensor gate.weight"):
+        expert_parallel(model)
+
+
+def test_a_float64_model_is_refused_before_the_first_forward():
+    # reliability-5 (inconclusive row, re-run): refused only at the first forward by the
+    # dispatcher's dtype check (x must be bfloat16, float16 or float32)
+    model = _mixtral().double()
+    with pytest.raises(TypeError, match=r"experts are torch.float64.*\(model.float\(\)\)"):
+        expert_parallel(model, dispatch=DispatchConfig(backend="torch"))

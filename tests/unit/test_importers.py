@@ -100,12 +100,16 @@ def test_deepseek_v2_rules():
     assert not r.enable_expert_bias
 
 
-def test_deepseek_v2_renormalised_variant_is_not_scaled():
-    # DeepSeek-V2's gate multiplies by routed_scaling_factor only when it does not renormalise.
+def test_deepseek_v2_norm_topk_prob_is_read_as_transformers_reads_it():
+    # transformers' DeepseekV2TopkRouter never reads norm_topk_prob: it always scales by
+    # routed_scaling_factor and never renormalises (DeepSeek's own code renormalises and does
+    # not scale with true: recorded as a note; issue 45 part 3: the transformers router rules)
     raw = {**hf("deepseek_v2.json"), "norm_topk_prob": True}
     cfg = moe_config_from_hf(raw)
-    assert cfg.router.normalize_topk is True and cfg.router.scaling_factor is None
-    assert "does not scale" in cfg.source["scaling"]
+    assert cfg.router == moe_config_from_hf(hf("deepseek_v2.json")).router
+    assert cfg.router.normalize_topk is False and cfg.router.scaling_factor == 16.0
+    assert "norm_topk_prob=true (scales by routed_scaling_factor" in cfg.source["ignored"]
+    assert "DeepSeek's own V2 modeling code renormalises" in cfg.source["scaling"]
 
 
 def test_deepseek_v3_rules():
@@ -353,9 +357,11 @@ def test_kimi_k25_reads_text_config():
     assert cfg.router == moe_config_from_hf(hf("kimi_k2.json")).router
 
 
-def test_v3_style_refuses_other_gates():
-    with pytest.raises(ValueError, match="always runs sigmoid"):
-        moe_config_from_hf({**hf("glm4_5.json"), "scoring_func": "softmax"})
+def test_v3_style_gates_ignore_the_keys_they_never_read():
+    # their transformers gates always run sigmoid + selection bias by groups (refused before)
+    cfg = moe_config_from_hf({**hf("glm4_5.json"), "scoring_func": "softmax"})
+    assert cfg.router == moe_config_from_hf(hf("glm4_5.json")).router
+    assert 'scoring_func="softmax" (sigmoid scores)' in cfg.source["ignored"]
 
 
 @pytest.mark.parametrize(
@@ -472,7 +478,7 @@ def test_published_keys_are_not_reported_as_defaulted():
         ("n_routed_experts", "256", "an integer"),
         ("norm_topk_prob", 1, "true or false"),
         ("routed_scaling_factor", False, "a number"),
-        ("scoring_func", 3, "a string"),
+        ("hidden_act", 3, "a string"),
     ],
 )
 def test_wrong_types_are_refused_naming_the_key(key, value, kind):
@@ -498,11 +504,16 @@ def test_attribute_map_spellings_are_read():
         moe_config_from_hf({**raw, "num_experts": 64})
 
 
-def test_deepseek_v4_refuses_what_its_block_cannot_be():
-    with pytest.raises(ValueError, match="always renormalises"):
-        moe_config_from_hf({**hf("deepseek_v4_flash.json"), "norm_topk_prob": False})
-    with pytest.raises(ValueError, match="exactly one shared MLP"):
-        moe_config_from_hf({**hf("deepseek_v4_flash.json"), "n_shared_experts": 2})
+def test_deepseek_v4_reads_what_its_router_reads():
+    # DeepseekV4TopKRouter always renormalises and its block builds one shared MLP: a config
+    # saying otherwise was refused; it is the model transformers runs (source["ignored"])
+    base = moe_config_from_hf(hf("deepseek_v4_flash.json"))
+    for key, value in (("norm_topk_prob", False), ("n_shared_experts", 2)):
+        cfg = moe_config_from_hf({**hf("deepseek_v4_flash.json"), key: value})
+        assert cfg.router == base.router and cfg.num_shared_experts == 1, key
+        assert f"{key}={str(value).lower()}" in cfg.source["ignored"], cfg.source
+    with pytest.raises(ValueError, match="scoring_func must be a string"):  # read: ACT2FN[...]
+        moe_config_from_hf({**hf("deepseek_v4_flash.json"), "scoring_func": 3})
 
 
 def test_default_dense_prefix_is_recorded():
@@ -549,13 +560,13 @@ def test_nested_text_config_must_be_the_families_text_model():
 def test_null_routing_keys_are_refused_not_defaulted(fixture):
     """``"num_experts_per_tok": null`` (or another routing key the router needs) is refused
     naming the key, in every family and in nested text configs, not read as the default."""
-    from flexdispatch.importers._keys import _FIXED_IN_MODELING, _NOT_NULL
+    from flexdispatch.importers._keys import _NOT_NULL, _NOT_READ
 
     raw = hf(fixture)
     body = text(raw)
     prefix = "text_config." if "text_config" in raw else ""
     mt = body.get("model_type", raw["model_type"])
-    keys = sorted(k for k in _NOT_NULL & set(body) if k not in _FIXED_IN_MODELING.get(mt, ()))
+    keys = sorted(k for k in _NOT_NULL & set(body) if k not in _NOT_READ.get(mt, {}))
     if "num_experts_per_tok" in body:
         assert "num_experts_per_tok" in keys
     refused = set()

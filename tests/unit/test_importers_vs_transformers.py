@@ -256,11 +256,9 @@ def _reference(case: Case, router: torch.nn.Module, x: torch.Tensor, bias: torch
     return idx, w
 
 
-@pytest.mark.parametrize("family", sorted(CASES))
-@pytest.mark.parametrize("seed", [0, 1])
-def test_imported_router_matches_transformers(family: str, seed: int) -> None:
-    case = CASES[family]
-    raw = case.config()
+def _compare(case: Case, raw: dict[str, Any], seed: int) -> None:
+    """The imported router of ``raw`` against ``case``'s transformers router built from the same
+    ``raw``, on random weights and inputs: the same (expert, weight) choices."""
     cfg = moe_config_from_hf(raw)
     rc = cfg.router
     gen = torch.Generator().manual_seed(seed)
@@ -299,6 +297,94 @@ def test_imported_router_matches_transformers(family: str, seed: int) -> None:
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_imported_router_matches_transformers(family: str, seed: int) -> None:
+    _compare(CASES[family], CASES[family].config(), seed)
+
+
+# Issue 45 part 3: each family's routing fields as its own transformers router reads them. The
+# same modified config goes to the importer and to the family's config class and router: group
+# fields absent, null and set in every family, and fields some routers never read. A field the
+# router never reads changes nothing; a null a router does read fails in transformers too, and
+# the importer refuses it.
+_NULL = None
+_ABSENT = object()
+GROUP_VARIANTS = {
+    "groups-absent": {"n_group": _ABSENT, "topk_group": _ABSENT},
+    "groups-null": {"n_group": _NULL, "topk_group": _NULL},
+    "groups-set": dict(GROUPS),
+}
+UNREAD_VARIANTS: dict[str, list[dict[str, Any]]] = {
+    "deepseek_v2": [{"scoring_func": "sigmoid"}, {"norm_topk_prob": True}],
+    "deepseek_v3": [{"topk_method": "greedy"}, {"scoring_func": "softmax"}],
+    "kimi_k2": [{"topk_method": "greedy"}],
+    "deepseek_v32": [{"topk_method": "group_limited_greedy"}],
+    "glm4_moe": [{"topk_method": "greedy", "scoring_func": "softmax"}],
+    "deepseek_v4": [
+        {"topk_method": "greedy"},
+        {"topk_method": "group_limited_greedy", **GROUPS},
+        {"norm_topk_prob": False},
+        {"n_shared_experts": 2},
+    ],
+    "minimax_m2": [{"use_routing_bias": False}, {"scoring_func": "softmax"}],
+    "granitemoe": [{"router_jitter_noise": 0.1}],
+    "gpt_oss": [{"hidden_act": "gelu"}],
+    "qwen3_5_moe": [{"norm_topk_prob": False}],
+    "qwen3_vl_moe": [{"norm_topk_prob": False}],
+}
+VARIANTS = [(f, name, patch) for f in sorted(CASES) for name, patch in GROUP_VARIANTS.items()]
+VARIANTS += [(f, "unread", p) for f, ps in sorted(UNREAD_VARIANTS.items()) for p in ps]
+
+
+def _patched(raw: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    inner = dict(raw.get("text_config") or raw)
+    for key, value in patch.items():
+        if value is _ABSENT:
+            inner.pop(key, None)
+        else:
+            inner[key] = value
+    return {**raw, "text_config": inner} if "text_config" in raw else inner
+
+
+def _transformers_runs(case: Case, raw: dict[str, Any]) -> bool:
+    """Whether the family's transformers router builds from ``raw`` and routes a batch."""
+    try:
+        router = case.router(raw).float()
+        with torch.no_grad():
+            router.weight.normal_()
+            bias = torch.zeros(router.weight.shape[0]) if case.call == "bias_arg" else None
+            _reference(case, router, torch.randn(4, H), bias)
+    except Exception:  # NOTE: any failure: transformers cannot run this config
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("family", "variant", "patch"),
+    VARIANTS,
+    ids=[f"{f}-{n}-{'-'.join(p)}" if n == "unread" else f"{f}-{n}" for f, n, p in VARIANTS],
+)
+def test_every_variant_is_read_as_its_transformers_router_reads_it(family, variant, patch):
+    case = CASES[family]
+    raw = _patched(case.config(), patch)
+    runs = _transformers_runs(case, raw)
+    try:
+        moe_config_from_hf(raw)
+    except ValueError as exc:
+        # NOTE: refused where transformers cannot run it either (naming the field), or where
+        # flexdispatch cannot express its routing (the class defaults 8/4 groups, k = 4)
+        inexpressible = "flexdispatch can represent this model only when" in str(exc)
+        assert not runs or inexpressible, f"refused, but transformers runs it: {exc}"
+        assert any(key in str(exc) for key in patch), exc
+        return
+    assert runs, "imported, but transformers cannot run it"
+    _compare(case, raw, seed=0)
+    if variant == "unread":
+        ignored = moe_config_from_hf(raw).source.get("ignored", "")
+        assert all(key in ignored for key in patch), ignored
 
 
 @pytest.mark.parametrize("norm", [False, True])

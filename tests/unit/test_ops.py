@@ -440,3 +440,61 @@ def test_compile_dropless_fullgraph_names_the_fix_under_captured_scalars() -> No
         assert torch.equal(torch.compile(fn, backend="aot_eager")(x, p), fn(x, p))
     torch._dynamo.reset()
     gc.collect()  # NOTE: the refused compile's traceback held a dispatch result
+
+
+# --------------------------------------------------------------------------- reliability-5 S8
+
+
+def test_the_ops_called_directly_check_their_id_tensors() -> None:
+    # an empty id tensor raised IndexError; a float one ([serial + 0.4]) was truncated to the id
+    d = FlexDispatcher(DispatchConfig(backend="torch"), num_experts=E)
+    x, p = _inputs()
+    op = torch.ops.flexdispatch
+    for bad in (torch.empty(0, dtype=torch.int64), d._op_id.double() + 0.4, d._op_id.view(1, 1)):
+        with pytest.raises(
+            ValueError, match=r"dispatcher must be the dispatcher's id .* \[1\] int64"
+        ):
+            op.dispatch(x, IDX, p, bad, 0, E)
+    outs = op.dispatch(x, IDX, p, d._op_id, 0, E)
+    for bad in (torch.empty(0, dtype=torch.int64), outs[4].float(), outs[4][:1]):
+        with pytest.raises(ValueError, match=r"handle must be the handle tensor .* \[2\] int64"):
+            op.combine(outs[0], bad, d._op_id, T)
+
+
+def test_the_ops_int_arguments_must_agree_with_the_dispatcher_and_the_handle() -> None:
+    # the fake rules size the traced outputs from these ints: told W=64 on a dropless
+    # dispatcher, num_tokens=7, num_recv_rows=99, the real ops returned other shapes silently
+    d = FlexDispatcher(DispatchConfig(backend="torch"), num_experts=E)
+    x, p = _inputs()
+    op = torch.ops.flexdispatch
+    with pytest.raises(ValueError, match=r"num_worst_tokens=64 but the dispatcher has 0"):
+        op.dispatch(x, IDX, p, d._op_id, 64, E)
+    with pytest.raises(ValueError, match=r"num_local_experts=3 but the dispatcher has 4"):
+        op.dispatch(x, IDX, p, d._op_id, 0, 3)
+    recv_x, _, recv_p, _, handle_t = op.dispatch(x, IDX, p, d._op_id, 0, E)
+    M = recv_x.shape[0]
+    with pytest.raises(ValueError, match=rf"num_tokens=7 but the handle has {T}"):
+        op.combine(recv_x, handle_t, d._op_id, 7)
+    with pytest.raises(ValueError, match=rf"num_tokens=7 but the handle has {T}"):
+        op.combine_with_probs(recv_x, recv_p, handle_t, d._op_id, 7)
+    with pytest.raises(ValueError, match=rf"num_recv_rows=99 but the handle has {M}"):
+        op.cached_dispatch(x, handle_t, d._op_id, 99)
+    assert op.combine(recv_x, handle_t, d._op_id, T).shape == (T, H)  # the right ints: fine
+
+
+def test_a_compiled_direct_op_call_with_a_wrong_size_raises() -> None:
+    # aot_eager, fullgraph: the graph was traced with the fake shape (7, H); the real op
+    # returned (T, H) and nothing was said
+    torch._dynamo.reset()
+    d = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=12), num_experts=E)
+    x, p = _inputs()
+    op = torch.ops.flexdispatch
+
+    def fn(a, b):
+        recv_x, _, _, _, handle_t = op.dispatch(a, IDX, b, d._op_id, 12, E)
+        return op.combine(recv_x, handle_t, d._op_id, 7)
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    with pytest.raises(ValueError, match=rf"num_tokens=7 but the handle has {T}"):
+        compiled(x, p)
+    torch._dynamo.reset()
