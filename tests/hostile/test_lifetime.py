@@ -1,0 +1,232 @@
+"""What a process may do to others, and how long a rank or a worker outlives a failure or its
+parent (reliability-5 S1, S2, S3 / N22, S9's launcher variable, S12 / N23, ``TORCHRUN``).
+
+- S1: a command-line error never touches another process, unless this process provably is a
+  torchrun worker whose collective failed, and then only stopped flexdispatch workers of its own
+  run (``flexdispatch.launch.lifetime``);
+- S2: a rank of ``spawn_group`` that dies while it starts ends the group within seconds, with a
+  first line naming it and how it died;
+- S3: ranks and torchrun workers end with their parent even while they import torch (a
+  test-only ``sitecustomize.py`` on ``PYTHONPATH`` makes the window deterministic: the first
+  ``import torch`` of a process waits ``$FD_TEST_SLOW_IMPORT`` seconds; the parents import torch
+  before they set it, so only the children are slowed);
+- S12 / N23: a stopped torchrun worker ends the job within ``--timeout`` plus a few seconds.
+
+Real processes, each with a deadline; every process a test starts is ended by its pid in
+``finally`` (never by name).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.hostile import ROOT
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc"),
+]
+
+SLOW_IMPORT = """\
+# test helper: with FD_TEST_SLOW_IMPORT=<seconds> set, the first `import torch` of a process waits
+# that long (the window between a process's start and its first line of flexdispatch code)
+import os, sys, time
+class _Slow:
+    def find_spec(self, name, path=None, target=None):
+        s = os.environ.get("FD_TEST_SLOW_IMPORT")
+        if name == "torch" and s:
+            sys.meta_path.remove(self)
+            time.sleep(float(s))
+        return None
+sys.meta_path.insert(0, _Slow())
+"""
+
+WORKER_ENV = {
+    "TORCHELASTIC_RUN_ID": "job45",
+    "RANK": "0",
+    "LOCAL_RANK": "0",
+    "GROUP_RANK": "0",
+    "ROLE_RANK": "0",
+    "WORLD_SIZE": "2",
+    "LOCAL_WORLD_SIZE": "2",
+}
+
+
+@pytest.fixture
+def slow_site(tmp_path: Path) -> Path:
+    d = tmp_path / "site"
+    d.mkdir()
+    (d / "sitecustomize.py").write_text(SLOW_IMPORT)
+    return d
+
+
+def _cli(*argv: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    full.pop("FLEXDISPATCH_DEBUG", None)
+    return subprocess.run(
+        [sys.executable, "-m", "flexdispatch.cli", *argv],
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=timeout,
+        env=full,
+        cwd=ROOT,
+    )
+
+
+def _state(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2]
+
+
+def _alive(pid: int) -> bool:
+    return _state(pid) not in (None, "Z", "X")
+
+
+def _children(pid: int, needle: bytes = b"") -> list[int]:
+    out = []
+    for e in os.listdir("/proc"):
+        if not e.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{e}/stat").read_text()
+            cmd = Path(f"/proc/{e}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid and needle in cmd:
+            out.append(int(e))
+    return sorted(out)
+
+
+def _wait_for(pred, timeout: float, step: float = 0.05):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = pred()
+        if value:
+            return value
+        time.sleep(step)
+    return pred()
+
+
+def _at_least(n: int, pids: list[int]) -> list[int] | None:
+    return pids if len(pids) >= n else None
+
+
+def _stopped(p: subprocess.Popen, needle: bytes) -> subprocess.Popen:
+    """``p`` stopped (as Ctrl-Z leaves a job) once it has exec'd ``needle``."""
+
+    def exec_d() -> bool:
+        try:
+            return needle in Path(f"/proc/{p.pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+
+    assert _wait_for(exec_d, 30), f"pid {p.pid} never exec'd {needle!r}"
+    os.kill(p.pid, signal.SIGSTOP)
+    assert _wait_for(lambda: _state(p.pid) in ("T", "t"), 10)
+    return p
+
+
+def _end(*procs: subprocess.Popen | int | None) -> None:
+    """End processes this test started, by pid (continued first, in case they are stopped)."""
+    for p in procs:
+        pid = p.pid if isinstance(p, subprocess.Popen) else p
+        if pid is None:
+            continue
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+        if isinstance(p, subprocess.Popen):
+            p.wait(timeout=10)
+
+
+# --------------------------------------------------------------------------------------- S1
+def test_s1_a_bad_input_exit_never_kills_a_stopped_job_of_the_same_shell():
+    # NOTE: anything started under torchrun inherits TORCHELASTIC_RUN_ID; a Ctrl-Z'd job of the
+    # same shell (this process) was SIGKILLed by a typo in a flexdispatch argument
+    job = _stopped(subprocess.Popen(["sleep", "60"], env={**os.environ, **WORKER_ENV}), b"sleep")
+    try:
+        p = _cli("presets", "/nonexistent.yaml", env=WORKER_ENV)
+        assert p.returncode == 2, p.stderr
+        time.sleep(0.3)
+        assert _alive(job.pid), "the user's stopped job was SIGKILLed by a typo (S1)"
+    finally:
+        _end(job)
+
+
+def test_s1_even_a_real_worker_exiting_on_bad_input_touches_nobody():
+    # NOTE: this process stands in for the torchrun agent; its children are workers (the worker
+    # variables, FLEXDISPATCH_LAUNCHER_PID = their parent); one is a stopped flexdispatch worker
+    # of the same run: a bad-input exit (ValueError, rc 2) is not a failed collective
+    workers = {**WORKER_ENV, "FLEXDISPATCH_LAUNCHER_PID": str(os.getpid())}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **workers, "LOCAL_RANK": "1", "RANK": "1"}
+    peer = subprocess.Popen(
+        [sys.executable, "-m", "flexdispatch.cli", "presets"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _stopped(peer, b"flexdispatch.cli")
+        p = _cli("presets", "/nonexistent.yaml", env=workers)
+        assert p.returncode == 2, p.stderr
+        time.sleep(0.3)
+        assert _alive(peer.pid), "a bad-input exit SIGKILLed a stopped peer (S1)"
+    finally:
+        _end(peer)
+
+
+# --------------------------------------------------------------------- S9: the launcher variable
+def test_s9_a_launcher_pid_that_is_not_an_ascii_pid_is_ignored():
+    # NOTE: '²' passes str.isdigit and fails int(): a traceback before any error handling
+    p = _cli("presets", env={**WORKER_ENV, "FLEXDISPATCH_LAUNCHER_PID": "\u00b2"})
+    assert "Traceback" not in p.stderr, p.stderr[-1500:]
+    assert p.returncode == 0 and p.stderr == "", p.stderr[-1500:]
+
+
+# ------------------------------------------------------------------ S3: torchrun workers
+AGENT = textwrap.dedent("""\
+    import os, subprocess, sys, time
+    env = dict(os.environ, TORCHELASTIC_RUN_ID="job45", RANK="0", LOCAL_RANK="0", GROUP_RANK="0",
+               ROLE_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="29999", FLEXDISPATCH_LAUNCHER_PID=str(os.getpid()),
+               FD_TEST_SLOW_IMPORT="30")
+    w = subprocess.Popen([sys.executable, "-m", "flexdispatch.cli", "presets"], env=env)
+    print(w.pid, flush=True)
+    time.sleep(120)
+""")
+
+
+def test_s3_a_torchrun_worker_ends_with_its_agent_even_while_it_imports(slow_site):
+    env = {**os.environ, "PYTHONPATH": f"{slow_site}{os.pathsep}{ROOT}"}
+    agent = subprocess.Popen(
+        [sys.executable, "-c", AGENT],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    worker = None
+    try:
+        worker = int(agent.stdout.readline())  # type: ignore[union-attr]
+        _wait_for(lambda: b"flexdispatch.cli" in Path(f"/proc/{worker}/cmdline").read_bytes(), 30)
+        time.sleep(1.0)  # NOTE: the worker is inside its (slowed) import of torch now
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait(timeout=10)
+        assert _wait_for(lambda: not _alive(worker), 3.0), "worker alive 3 s after its agent (S3)"
+    finally:
+        _end(agent, worker)
