@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -157,11 +158,21 @@ def check_backend(backend: str, flag: str = "--backend") -> None:
         raise ValueError(f"{flag} deepep is not available here ({why}): use {flag} torch or auto")
 
 
+_EXITED = re.compile(r"^process exited with code (.+?) before reporting \((.*)\)$")
+_ENDED = "ended by the parent"
+GROUP_LINE = 170
+"""The longest ``group_failure`` message: with ``flexdispatch CMD: error: `` the line stays
+within 200 characters."""
+
+
 def group_failure(exc: Any, *, phase: str, timeout_s: float) -> CliError:
-    """A spawned group's failure (``launch.GroupError``) as one line: which ranks, in which phase,
-    what they reported, and the flag to change."""
+    """A spawned group's failure (``launch.GroupError``) as one line of at most ``GROUP_LINE``
+    characters: the first rank to fail (``exc.first``), what it was doing then (its own phase:
+    starting, joining the group; ``phase``, the caller's step, once it ran the work), what it
+    reported, and what became of the others; or, when ranks ran out of time, the flag to change."""
     errors: dict[int, str] = getattr(exc, "errors", {}) or {}
-    timed_out = sorted(r for r, e in errors.items() if "timed out" in e)
+    ended = {r for r, e in errors.items() if e.startswith(_ENDED)}
+    timed_out = sorted(r for r, e in errors.items() if "timed out" in e and r not in ended)
     if timed_out and len(timed_out) == len(errors):
         ranks = ", ".join(map(str, timed_out))
         where: dict[str, list[int]] = {}
@@ -179,17 +190,49 @@ def group_failure(exc: Any, *, phase: str, timeout_s: float) -> CliError:
             f"smaller (--tokens)"
         )
     if not errors:
-        return CliError(f"the spawned ranks failed while {phase}: {one_line(exc, 400)}")
-    first = min(errors)
-    lines = [ln.strip() for ln in errors[first].strip().splitlines() if ln.strip()]
-    last = lines[-1] if lines else "no message"
-    hint = ""
-    if "timed out" in last.lower() or "timeout" in last.lower():
-        hint = f"; raise --timeout (now {timeout_s:g} s)"
-    return CliError(
-        f"rank {first} failed while {phase} ({len(errors)} of the ranks failed): {last}{hint} "
-        f"(--debug shows every rank's traceback)"
+        return CliError(_fit(f"the spawned ranks failed while {phase}: ", one_line(exc, 400), ""))
+    failed = [r for r in errors if r not in ended] or sorted(errors)
+    first = getattr(exc, "first", None)
+    if first not in failed:
+        first = min(failed)
+    text = errors[first].strip()
+    own = (getattr(exc, "phases", None) or {}).get(first)
+    died = _EXITED.match(text)
+    if died:
+        own = own or died.group(2)
+    # NOTE: a rank's own phase says more while it starts or joins; once it runs the work, the
+    # caller's step says which part of it
+    where_now = phase if not own or own.startswith("running") else own
+    others = []
+    if len(failed) > 1:
+        rest = ", ".join(str(r) for r in sorted(failed) if r != first)
+        others.append(f"rank(s) {rest} failed too")
+    if ended:
+        others.append(f"rank(s) {', '.join(map(str, sorted(ended)))} ended by the parent")
+    tail = (
+        f" ({'; '.join(others)}; --debug shows every rank's traceback)"
+        if others
+        else (" (--debug shows its traceback)")
     )
+    if died:
+        return CliError(
+            _fit(f"rank {first} exited with code {died.group(1)} while {where_now}", "", tail)
+        )
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    last = lines[-1] if lines else "no message"
+    if "timed out" in last.lower() or "timeout" in last.lower():
+        tail = f"; raise --timeout (now {timeout_s:g} s){tail}"
+    return CliError(_fit(f"rank {first} failed while {where_now}: ", last, tail))
+
+
+def _fit(head: str, middle: str, tail: str, limit: int = GROUP_LINE) -> str:
+    """``head + middle + tail`` in at most ``limit`` characters: ``middle`` (a rank's message)
+    is cut first, then ``head``."""
+    room = limit - len(head) - len(tail)
+    if len(middle) > room:
+        middle = middle[: max(0, room - 1)] + "…" if room > 1 else ""
+    text = head + middle + tail
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def print_error(command: str, exc: BaseException, args: argparse.Namespace | None) -> int:

@@ -124,9 +124,30 @@ def test_a_reached_deadline_is_one_line_with_rank_phase_and_flag():
     )
     tb = "Traceback (most recent call last):\n  File x\nCollectiveError: boom"
     msg = str(group_failure(GroupError("x", {1: tb}), phase="timing", timeout_s=9))
-    assert (
-        msg.startswith("rank 1 failed while timing (1 of the ranks failed): ") and "\n" not in msg
+    assert msg == "rank 1 failed while timing: CollectiveError: boom (--debug shows its traceback)"
+
+
+def test_a_rank_failure_names_the_first_rank_its_own_phase_and_fits_a_line():
+    # NOTE: reliability-5 S2: the line named the lowest failed rank and the caller's step
+    # ("[2/3] running forward+backward") for a rank that died while it started
+    errors = {
+        0: "ended by the parent after rank 1 failed (joining the process group)",
+        1: "process exited with code -9 (SIGKILL) before reporting (starting: importing and "
+        "unpickling its function)",
+    }
+    exc = GroupError("x", errors, first=1, ended=frozenset({0}))
+    msg = str(group_failure(exc, phase="[2/3] running forward+backward", timeout_s=300))
+    assert msg == (
+        "rank 1 exited with code -9 (SIGKILL) while starting: importing and unpickling its "
+        "function (rank(s) 0 ended by the parent; --debug shows every rank's traceback)"
     )
+    long = {1: "Traceback\nValueError: " + "x" * 400, 2: "Traceback\nCollectiveError: peer"}
+    phases = {1: "running run_rank", 2: "running run_rank"}
+    exc = GroupError("x", long, first=1, phases=phases)
+    msg = str(group_failure(exc, phase="[2/3] forward+backward", timeout_s=300))
+    assert msg.startswith("rank 1 failed while [2/3] forward+backward: ValueError: xxx"), msg
+    assert msg.endswith("… (rank(s) 2 failed too; --debug shows every rank's traceback)"), msg
+    assert len("flexdispatch demo: error: " + msg) <= 200, len(msg)
 
 
 def test_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):

@@ -197,6 +197,39 @@ def test_s9_a_launcher_pid_that_is_not_an_ascii_pid_is_ignored():
     assert p.returncode == 0 and p.stderr == "", p.stderr[-1500:]
 
 
+# --------------------------------------------------------------------------------------- S2
+def _kill_first_rank(box: dict) -> threading.Thread:
+    def run() -> None:
+        kids = _wait_for(lambda: _at_least(2, _children(os.getpid(), b"spawn_main")), 60, 0.02)
+        if kids:
+            os.kill(kids[0], signal.SIGKILL)
+            box["killed"], box["pid"] = time.monotonic(), kids[0]
+
+    return threading.Thread(target=run, daemon=True)
+
+
+def test_s2_a_rank_that_dies_while_it_starts_ends_the_group_within_seconds():
+    from flexdispatch.launch import GroupError, spawn_group
+
+    box: dict = {}
+    t = _kill_first_rank(box)
+    t.start()
+    with pytest.raises(GroupError) as info:
+        spawn_group(os.getpid, 2, timeout_s=45)
+    ended = time.monotonic()
+    t.join(5)
+    assert "killed" in box, "the rank was not killed"
+    # NOTE: before: the survivor sat in the rendezvous until the deadline (45 s)
+    assert ended - box["killed"] < 10, f"{ended - box['killed']:.1f} s after the rank died (S2)"
+    exc = info.value
+    first = str(exc).splitlines()[0]
+    assert first.startswith("1 of 2 ranks failed (rank 0: "), first
+    assert "-9 (SIGKILL)" in first and "ended by the parent after rank 0 failed" in first, first
+    assert exc.first == 0 and exc.ended == {1}, (exc.first, exc.ended)
+    assert exc.phases[0].startswith("starting"), exc.phases
+    assert not _children(os.getpid(), b"spawn_main"), "a rank was left running"
+
+
 # ------------------------------------------------------------------ S3: torchrun workers
 AGENT = textwrap.dedent("""\
     import os, subprocess, sys, time
