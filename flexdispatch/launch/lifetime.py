@@ -5,6 +5,9 @@
 - ``die_with_agent``: the same for a torchrun worker (``torchrun_worker``), armed by the command
   line as its first statement, before anything imports torch; it also finds an agent that ended
   before the worker could arm;
+- ``Reaper``: a tiny process ``spawn_group`` starts before its ranks, holding a pipe from the
+  parent: when the parent ends, however, the kernel closes the pipe and the reaper SIGKILLs the
+  ranks it was told about, whatever they are doing (importing torch, unpickling, stopped);
 - ``end_stopped_local_peers``: a torchrun worker whose collective failed ends the stopped workers
   of its own job, so that torchrun does not wait its grace for them.
 
@@ -17,6 +20,7 @@ import itertools
 import math
 import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -27,6 +31,7 @@ __all__ = [
     "MIN_TIMEOUT_S",
     "WORKER_ENV",
     "Agent",
+    "Reaper",
     "check_timeout",
     "die_with_agent",
     "die_with_parent",
@@ -306,3 +311,87 @@ def die_with_agent() -> None:
     agent = torchrun_worker()
     if agent is not None:
         die_with_parent(agent.pid)
+
+
+# NOTE: run as `python -S -I -c REAPER_SOURCE`: the standard library only, no site, no
+# environment; a signal to the caller's process group (Ctrl-C) must not end it before the ranks
+_REAPER_SOURCE = """\
+import os, signal, sys
+for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+    signal.signal(s, signal.SIG_IGN)
+def start(pid):
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+ranks, done = [], False
+for line in sys.stdin.buffer:
+    words = line.split()
+    if words == [b"done"]:
+        done = True
+    elif len(words) == 2 and words[0].isdigit() and words[1].isdigit():
+        ranks.append((int(words[0]), int(words[1])))
+if not done:
+    for pid, started in ranks:
+        if start(pid) == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+"""
+
+
+class Reaper:
+    """A small process that SIGKILLs the ranks it was told about when its owner ends, however.
+
+    ``spawn_group`` starts one before its ranks and tells it each rank's pid as the rank starts
+    (``track``). The owner holds the only write end of the reaper's input pipe: when the owner
+    ends (SIGKILL included) the kernel closes it, the reaper reads end of file without the word
+    ``done`` (``close``), and SIGKILLs each recorded rank whose start time still matches (never
+    a pid the kernel gave to another process since), then exits. It works while a rank imports
+    torch, unpickles its function, runs, hangs in C or is stopped: no code of the rank has to run.
+    It ignores SIGINT / SIGTERM / SIGHUP / SIGQUIT, so a signal to the whole process group does
+    not end it before its owner. Linux only (``/proc``); elsewhere it is not started and
+    ``track`` / ``close`` do nothing.
+    """
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        if not os.path.isdir("/proc"):
+            return
+        self._proc = subprocess.Popen(
+            [sys.executable, "-S", "-I", "-c", _REAPER_SOURCE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            close_fds=True,
+        )
+
+    def track(self, pid: int) -> None:
+        """Kill ``pid`` (a rank just started) if this process ends before ``close``."""
+        stat = _stat(pid)
+        if self._proc is None or self._proc.stdin is None or stat is None:
+            return
+        try:
+            self._proc.stdin.write(f"{pid} {stat[2]}\n".encode())
+            self._proc.stdin.flush()
+        except OSError:
+            pass  # NOTE: the reaper is gone: the ranks' own parent-death signal remains
+
+    def close(self) -> None:
+        """The ranks are over (ended and reaped): let the reaper exit without acting."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.stdin is None:
+            return
+        try:
+            proc.stdin.write(b"done\n")
+            proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

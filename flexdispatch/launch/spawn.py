@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from flexdispatch._checks.files import excerpt
 from flexdispatch._checks.values import check_int
-from flexdispatch.launch.lifetime import check_timeout, die_with_parent
+from flexdispatch.launch.lifetime import Reaper, check_timeout, die_with_parent
 from flexdispatch.launch.wire import _dumps, _loads
 
 # NOTE: the public names are listed once, in ``flexdispatch.launch.__all__``
@@ -356,9 +356,11 @@ def spawn_group(
             so ``world_size`` may not exceed the GPUs visible).
         env: extra environment variables for the ranks.
 
-    Every rank ends with this process, whatever ends it (SIGTERM, SIGHUP, SIGKILL:
-    ``die_with_parent``), and so does multiprocessing's resource tracker (it exits once no
-    process holds its pipe). A rank that fails (raises, or ends without reporting: killed, or dead while it
+    Every rank ends with this process, whatever ends it (SIGTERM, SIGHUP, SIGKILL), whatever
+    the rank is doing, from its first instruction on: a ``lifetime.Reaper`` started before the
+    ranks kills them when this process ends, and each rank also arms its own parent-death signal
+    (``die_with_parent``) once it runs. multiprocessing's resource tracker exits once no process
+    holds its pipe. A rank that fails (raises, or ends without reporting: killed, or dead while it
     starts) ends the group: the others get ``FAIL_GRACE_S`` to report their own errors, then they
     are killed, rather than waiting for it until the process-group timeout.
 
@@ -414,6 +416,10 @@ def spawn_group(
         )
         for rank in range(world_size)
     ]
+    # NOTE: the ranks end with this process from their first instruction on (a SIGKILL of this
+    # process while they import torch included): the reaper holds a pipe only this process
+    # writes, and kills them when the kernel closes it
+    reaper = Reaper()
     # NOTE: CUDA_VISIBLE_DEVICES must be in the child's environment from its first instruction
     # (an import calling torch.cuda.is_available() would read it before _worker runs).
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -422,6 +428,7 @@ def spawn_group(
             os.environ["CUDA_VISIBLE_DEVICES"] = child_env["CUDA_VISIBLE_DEVICES"]
         for p in procs:
             p.start()
+            reaper.track(p.pid)  # type: ignore[arg-type]
     except BaseException:
         # NOTE: e.g. args that do not pickle: end what started, close every pipe and the store
         for p in procs:
@@ -431,6 +438,7 @@ def spawn_group(
         for reader, writer in pipes:
             reader.close()
             writer.close()
+        reaper.close()
         del store
         raise
     finally:
@@ -496,6 +504,7 @@ def spawn_group(
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        reaper.close()
         del store
     if errors:
         if first is None:  # NOTE: the deadline passed with no failure before it

@@ -230,6 +230,36 @@ def test_s2_a_rank_that_dies_while_it_starts_ends_the_group_within_seconds():
     assert not _children(os.getpid(), b"spawn_main"), "a rank was left running"
 
 
+# ------------------------------------------------------------------ S3 / N22: spawn_group ranks
+PARENT = textwrap.dedent("""\
+    import os, sys, time
+    import torch  # imported here before the variable is set: only the ranks are slowed
+    from flexdispatch.launch import spawn_group
+    os.environ["FD_TEST_SLOW_IMPORT"] = "30"
+    spawn_group(time.sleep, 2, args=(60,), timeout_s=120)
+""")
+
+
+def test_s3_ranks_end_with_their_parent_even_while_they_import(slow_site):
+    env = {**os.environ, "PYTHONPATH": f"{slow_site}{os.pathsep}{ROOT}"}
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT], env=env, cwd=ROOT, start_new_session=True
+    )
+    kids: list[int] = []
+    try:
+        ranks = _wait_for(lambda: _at_least(2, _children(parent.pid, b"spawn_main")), 90)
+        assert ranks, "the ranks never started"
+        time.sleep(1.0)  # NOTE: the ranks are inside their (slowed) import of torch now
+        kids = _children(parent.pid)  # NOTE: the ranks, the reaper, the resource tracker
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=10)
+        gone = _wait_for(lambda: not any(_alive(k) for k in kids), 3.0)
+        alive = [k for k in kids if _alive(k)]
+        assert gone, f"alive 3 s after the parent's SIGKILL: {alive} (S3 / N22)"
+    finally:
+        _end(parent, *kids)
+
+
 # ------------------------------------------------------------------ S3: torchrun workers
 AGENT = textwrap.dedent("""\
     import os, subprocess, sys, time
