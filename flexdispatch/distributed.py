@@ -343,18 +343,56 @@ def launcher_env() -> dict[str, int]:
     }
 
 
+def _resolve_master_addr(port: int, timeout_s: float) -> None:
+    """``$MASTER_ADDR`` resolves to an address (a name service that does not answer within
+    ``min(timeout_s, 30)`` seconds counts as not resolving).
+
+    Raises:
+        ValueError: naming the variable and its value (an excerpt).
+    """
+    addr = os.environ.get("MASTER_ADDR", "").strip()
+    if not addr:
+        return  # NOTE: init_process_group names a missing one itself
+    found: list[BaseException | None] = []
+
+    def look_up() -> None:
+        try:
+            socket.getaddrinfo(addr.strip("[]"), port or None, type=socket.SOCK_STREAM)
+            found.append(None)
+        except (OSError, UnicodeError, ValueError) as exc:
+            found.append(exc)
+
+    t = threading.Thread(target=look_up, name="flexdispatch-master-addr", daemon=True)
+    t.start()
+    t.join(min(timeout_s, 30.0))
+    if found and found[0] is None:
+        return
+    why = (
+        "no answer from the name service"
+        if not found
+        else (getattr(found[0], "strerror", None) or str(found[0]))
+    )
+    raise ValueError(
+        f"$MASTER_ADDR={excerpt(addr, 40)} does not resolve ({why}): set MASTER_ADDR to the "
+        f"rank-0 host"
+    )
+
+
 def join_launcher_group(backend: str, timeout_s: float) -> None:
     """``init_process_group`` from a launcher's environment (``launcher_env``, checked first),
     with a failure to assemble the group (a rank that never started, a wrong address) as one
     ``CollectiveError`` naming ``--timeout`` and the fix instead of the store's own message.
 
     Raises:
-        ValueError: a launcher variable is missing or malformed.
+        ValueError: a launcher variable is missing or malformed, or ``MASTER_ADDR`` does not
+            resolve (checked first, within ``timeout_s``: the store would retry a name that never
+            resolves for the whole timeout, with pages of C++ warnings).
         CollectiveError: the group did not form within ``timeout_s``.
     """
     import datetime
 
     env = launcher_env()
+    _resolve_master_addr(env["MASTER_PORT"], timeout_s)
     try:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     except RuntimeError as exc:

@@ -111,9 +111,18 @@ def _die_with_launcher() -> None:
     before this worker got here (``flexdispatch.launch.lifetime.die_with_agent``: the pid the
     launch recipes record). Run first, so that the worker is tied to its agent from the
     interpreter's start, not after the seconds its imports take. Only a process that is provably
-    a worker (``lifetime.torchrun_worker``) is tied; nothing without a launcher."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    a worker (``lifetime.torchrun_worker``) is tied; nothing without a launcher.
+
+    Under a launcher's environment (``RANK`` and ``WORLD_SIZE`` set) it also sets
+    ``TORCH_CPP_LOG_LEVEL=ERROR`` unless the user set it, before torch is imported: c10d's C++
+    warnings (a store that cannot connect prints dozens of lines of native frames) would bury
+    the command line's one-line error."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ and not (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    ):
         return
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from flexdispatch.launch.lifetime import die_with_agent
 
     die_with_agent()

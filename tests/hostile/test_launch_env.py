@@ -375,6 +375,7 @@ def test_a_torchrun_worker_ends_with_its_agent(monkeypatch, capsys, tmp_path):
 
     armed: list[int] = []
     monkeypatch.setattr(lifetime, "die_with_parent", armed.append)
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "WARNING")  # NOTE: main sets it under a launcher
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.delenv(lifetime.LAUNCHER_PID_ENV, raising=False)
     assert main(["presets"]) == 0 and armed == []

@@ -197,6 +197,28 @@ def test_s9_a_launcher_pid_that_is_not_an_ascii_pid_is_ignored():
     assert p.returncode == 0 and p.stderr == "", p.stderr[-1500:]
 
 
+def test_s9_an_unresolvable_master_addr_is_one_line_at_once():
+    # NOTE: c10d retried the name for the whole --timeout, printing 49 lines of C++ frames before
+    # the error (the audit ran demo; bench joins the launcher's group the same way, without the
+    # demo's runtime probe first)
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "no-such-host.invalid",
+        "MASTER_PORT": "29577",
+    }
+    t0 = time.monotonic()
+    p = _cli("bench", "--timeout", "30", env=env)
+    took = time.monotonic() - t0
+    lines = p.stderr.splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+    assert lines[0].startswith("flexdispatch bench: error: $MASTER_ADDR='no-such-host.invalid' ")
+    assert "set MASTER_ADDR" in lines[0] and len(lines[0]) <= 200, lines[0]
+    assert took < 20, f"{took:.1f} s"
+
+
 # --------------------------------------------------------------------------------------- S2
 def _kill_first_rank(box: dict) -> threading.Thread:
     def run() -> None:
