@@ -105,6 +105,12 @@ if [[ -n "${TORCHRUN:-}" ]]; then
   if [[ ${#launcher[@]} -eq 0 ]] || ! command -v "${launcher[0]}" >/dev/null 2>&1; then
     refuse TORCHRUN "is not a command: unset it (the venv's torchrun or \$PYTHON -m torch.distributed.run is used)"
   fi
+  # NOTE: a command that is not torchrun (/bin/false, a typo for another tool) would fail after
+  # the checks with nothing naming it: its --help must list torchrun's --nproc-per-node
+  help=$( (if command -v timeout >/dev/null 2>&1; then timeout 60 "${launcher[@]}" --help; else "${launcher[@]}" --help; fi) 2>&1 || true)
+  if [[ "$help" != *--nproc-per-node* && "$help" != *--nproc_per_node* ]]; then
+    refuse TORCHRUN "does not run torchrun (its --help does not list --nproc-per-node): unset it, or point it at torchrun"
+  fi
 elif [[ -x "$venv/bin/torchrun" && "$PYTHON" == "$venv/bin/python" ]]; then
   launcher=("$venv/bin/torchrun")
 else

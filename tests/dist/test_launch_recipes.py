@@ -19,6 +19,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -161,8 +162,8 @@ def test_multi_node_script_options() -> None:
     pet = _dry_run(MULTI, _env(PET_NNODES="2", PET_NODE_RANK="1", PET_NPROC_PER_NODE="4"))
     assert (_opt(pet, "--nnodes"), _opt(pet, "--node-rank")) == ("2", "1")
     assert _opt(pet, "--nproc-per-node") == "4"
-    custom = _dry_run(MULTI, _env(TORCHRUN="python3 -m torch.distributed.run"))
-    assert custom[:3] == ["python3", "-m", "torch.distributed.run"]
+    custom = _dry_run(MULTI, _env(TORCHRUN=f"{sys.executable} -m torch.distributed.run"))
+    assert custom[:3] == [sys.executable, "-m", "torch.distributed.run"]
     bad = _run(["bash", str(MULTI)], _env(RDZV_BACKEND="etcd"), timeout=30)
     assert bad.returncode == 2 and "RDZV_BACKEND=etcd must be static or c10d" in bad.stderr
     single = _dry_run(SINGLE, _env(NPROC_PER_NODE="3"))
@@ -174,8 +175,10 @@ def test_recipes_refuse_more_ranks_than_gpus_before_torchrun(tmp_path: Path) -> 
     """NPROC_PER_NODE > the GPUs visible: one line naming both and what to pass, exit 2, torchrun
     never started; FLEXDISPATCH_DEVICE=cpu runs gloo with the GPUs hidden from the workers."""
     fake = tmp_path / "fake_torchrun"
-    fake.write_text(
-        '#!/usr/bin/env bash\necho "CUDA_VISIBLE_DEVICES=[${CUDA_VISIBLE_DEVICES-unset}]"\n'
+    fake.write_text(  # NOTE: it answers --help as torchrun does (the recipes check TORCHRUN)
+        "#!/usr/bin/env bash\n"
+        '[[ "$1" == --help ]] && { echo "usage: [--nproc-per-node N]"; exit; }\n'
+        'echo "CUDA_VISIBLE_DEVICES=[${CUDA_VISIBLE_DEVICES-unset}]"\n'
     )
     fake.chmod(0o755)
     serve = LAUNCH / "serve_hf_expert_parallel.sh"

@@ -47,8 +47,11 @@ _CLEAN = (
 @pytest.fixture
 def fake_torchrun(tmp_path: Path) -> Path:
     fake = tmp_path / "torchrun"
+    # NOTE: it answers --help as torchrun does (the recipes check that TORCHRUN is torchrun)
     fake.write_text(
-        '#!/usr/bin/env bash\necho "TORCHRUN $* SHUTDOWN=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT-unset}'
+        "#!/usr/bin/env bash\n"
+        '[[ "$1" == --help ]] && { echo "usage: [--nproc-per-node N]"; exit; }\n'
+        'echo "TORCHRUN $* SHUTDOWN=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT-unset}'
         ' OMP=${OMP_NUM_THREADS-unset} AGENT=${FLEXDISPATCH_LAUNCHER_PID-unset} SELF=$$"\n'
     )
     fake.chmod(0o755)

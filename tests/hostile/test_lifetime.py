@@ -315,3 +315,19 @@ def test_s3_a_torchrun_worker_ends_with_its_agent_even_while_it_imports(slow_sit
         assert _wait_for(lambda: not _alive(worker), 3.0), "worker alive 3 s after its agent (S3)"
     finally:
         _end(agent, worker)
+
+
+# ------------------------------------------------------------------ TORCHRUN (N24)
+def test_a_torchrun_that_is_not_torchrun_is_named():
+    env = {**os.environ, "TORCHRUN": "/bin/false", "NPROC_PER_NODE": "2"}
+    p = subprocess.run(
+        ["bash", "scripts/launch/torchrun_single_node.sh", "--iters", "1"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2, (p.returncode, p.stderr[-800:])  # NOTE: was rc 1, nothing named
+    last = p.stderr.splitlines()[-1]
+    assert last.startswith("torchrun_single_node.sh: TORCHRUN=/bin/false does not run torchrun")
