@@ -133,9 +133,10 @@ check_int_list OMP_NUM_THREADS 1 4096 "a number of threads"
 check_int TORCH_ELASTIC_SHUTDOWN_TIMEOUT 0 86400 "a number of seconds"
 check_ifname FLEXDISPATCH_IFNAME
 check_ifname GLOO_SOCKET_IFNAME
-# NOTE: a worker that ignores SIGTERM (stopped, or hung in a collective) is SIGKILLed after this
-# many seconds once torchrun ends the job (torchrun's default is 30): a hung peer ends the job
-# within --timeout plus a few seconds (docs/security.md)
+# NOTE: a worker that ignores SIGTERM is SIGKILLed after this many seconds when torchrun itself is
+# signalled (torchrun's default is 30). When a worker fails, torchrun waits a fixed 30 s whatever
+# this says: what ends a stopped peer then is the failing worker, which SIGKILLs the stopped
+# workers of its job (flexdispatch.launch.lifetime.end_stopped_local_peers; docs/security.md)
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-5}
 # store_note: one line on stderr, on a single node, saying where torchrun's store listens
 store_note() {

@@ -26,8 +26,10 @@
 #                     loopback only; torchrun's rendezvous store itself is not bound, see
 #                     docs/security.md: the script says so on stderr before torchrun starts)
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds torchrun waits for a worker to end after SIGTERM before
-#                     SIGKILL (default here 5; torchrun's own is 30): a hung or stopped worker ends
-#                     the job within --timeout plus a few seconds
+#                     SIGKILL when torchrun itself is signalled (default here 5; torchrun's own is
+#                     30). For a failed worker group torchrun waits a fixed 30 s instead; a worker
+#                     whose collective fails first SIGKILLs the stopped workers of its job, so a
+#                     stopped or hung worker ends the job within --timeout plus a few seconds
 #
 # Every variable above is checked before anything starts (MASTER_PORT 1-65535, NPROC_PER_NODE a
 # positive integer, FLEXDISPATCH_CMD a sub-command, PYTHON a Python 3.10+, TORCHRUN a command, the

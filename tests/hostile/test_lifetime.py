@@ -331,3 +331,38 @@ def test_a_torchrun_that_is_not_torchrun_is_named():
     assert p.returncode == 2, (p.returncode, p.stderr[-800:])  # NOTE: was rc 1, nothing named
     last = p.stderr.splitlines()[-1]
     assert last.startswith("torchrun_single_node.sh: TORCHRUN=/bin/false does not run torchrun")
+
+
+# ------------------------------------------------------------------ S12 / N23
+@pytest.mark.timeout(180)
+def test_n23_a_stopped_torchrun_worker_ends_the_job_within_timeout_plus_a_few_seconds():
+    TO = 6
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
+    env.update(NPROC_PER_NODE="2", FLEXDISPATCH_DEVICE="cpu", OMP_NUM_THREADS="1")
+    job = subprocess.Popen(
+        [
+            *("bash", "scripts/launch/torchrun_single_node.sh", "--iters", "1000000"),
+            *("--tokens", "16", "--timeout", str(TO)),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    workers: list[int] = []
+    try:
+        workers = _wait_for(lambda: _at_least(2, _children(job.pid, b"flexdispatch.cli")), 120)
+        assert workers, "no workers"
+        time.sleep(0.3)  # NOTE: stopped while it imports (the survivor fails joining the group)
+        os.kill(workers[0], signal.SIGSTOP)
+        t0 = time.monotonic()
+        _, err = job.communicate(timeout=TO + 60)
+        took = time.monotonic() - t0
+        assert job.returncode != 0, err[-2000:]
+        # NOTE: the survivor's import, --timeout, then it SIGKILLs the stopped worker: torchrun
+        # ends the job at once (it used to wait its fixed 30 s grace for the stopped one)
+        assert took < TO + 12, f"the job ended {took:.1f} s after the stop, --timeout {TO} (N23)"
+    finally:
+        _end(job, *workers)
