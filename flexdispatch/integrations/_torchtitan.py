@@ -43,6 +43,53 @@ class FlexDispatchMetadata:
     perm: Permutation
 
 
+_DISPATCH_FIELDS = ("backend", "deepep_api", "hierarchical", "ranks_per_node", "checks")
+"""The ``Config`` fields handed to ``DispatchConfig`` unchanged (same names there)."""
+
+
+def _check_config(cfg: Any) -> None:
+    """``FlexTokenDispatcher.Config``'s fields, when it is made (a bad string used to surface only
+    at ``parallelize``, as a pydantic error about a ``DispatchConfig`` the user never wrote).
+
+    Raises:
+        TypeError: ``num_worst_tokens`` / ``num_max_tokens_per_rank`` not an int (a bool, a
+            float, a JSON string are not).
+        ValueError: naming the field: ``num_worst_tokens`` < -1, ``num_max_tokens_per_rank`` not
+            None or > 0, or a value ``DispatchConfig`` refuses (``backend``, ``deepep_api``, ...).
+    """
+    for name, value in (
+        ("num_worst_tokens", cfg.num_worst_tokens),
+        ("num_max_tokens_per_rank", cfg.num_max_tokens_per_rank),
+    ):
+        if value is None and name == "num_max_tokens_per_rank":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(
+                f"FlexTokenDispatcher.Config {name} must be an int, got {value!r} "
+                f"({type(value).__name__})"
+            )
+    if cfg.num_worst_tokens < -1:
+        raise ValueError(
+            f"FlexTokenDispatcher.Config num_worst_tokens must be 0 (dropless), -1 (EP x tokens "
+            f"per rank) or a row count W > 0, got {cfg.num_worst_tokens}"
+        )
+    if cfg.num_max_tokens_per_rank is not None and cfg.num_max_tokens_per_rank <= 0:
+        raise ValueError(
+            f"FlexTokenDispatcher.Config num_max_tokens_per_rank must be None (the job's tokens "
+            f"per rank, or the first batch's) or > 0, got {cfg.num_max_tokens_per_rank}"
+        )
+    try:
+        # NOTE: the one source of truth for these values (a throwaway config, no dispatcher)
+        DispatchConfig(**{name: getattr(cfg, name) for name in _DISPATCH_FIELDS})
+    except ValueError as exc:  # NOTE: pydantic's ValidationError is a ValueError
+        errors = getattr(exc, "errors", None)
+        first = errors()[0] if callable(errors) and errors() else {}
+        field = str((first.get("loc") or ("",))[0]) or "config"
+        why = first.get("msg") or " ".join(str(exc).split())
+        value = getattr(cfg, field, None)
+        raise ValueError(f"FlexTokenDispatcher.Config {field}={value!r}: {why}") from None
+
+
 class FlexTokenDispatcher(BaseEPTokenDispatcher):
     """torchtitan EP token dispatcher over a ``FlexDispatcher`` (module docstring of
     ``flexdispatch.integrations.torchtitan``)."""
@@ -61,15 +108,15 @@ class FlexTokenDispatcher(BaseEPTokenDispatcher):
         hierarchical: bool = False
         ranks_per_node: int | None = None
         deepep_api: str = "auto"
+        """``DispatchConfig.deepep_api``: ``"auto"``, ``"v1"``, ``"v2"`` or ``"v25"``."""
         checks: bool = False
+
+        def __post_init__(self) -> None:
+            _check_config(self)
 
     def __init__(self, config: Config):
         super().__init__(config)
-        if config.num_worst_tokens < -1:
-            raise ValueError(
-                f"num_worst_tokens must be 0 (dropless), -1 (EP x tokens per rank) or a row "
-                f"count W > 0, got {config.num_worst_tokens}"
-            )
+        _check_config(config)  # NOTE: again: a field may have been set after the Config was made
         self.config = config
         self.dispatcher: FlexDispatcher | None = None
 
@@ -88,7 +135,14 @@ class FlexTokenDispatcher(BaseEPTokenDispatcher):
         group = self.ep_mesh.get_group()
         W = self.config.num_worst_tokens
         if W == -1:
-            W = group.size() * int(tokens_per_rank or 0)
+            bad = isinstance(tokens_per_rank, bool) or not isinstance(tokens_per_rank, int)
+            if bad or tokens_per_rank <= 0:
+                raise ValueError(
+                    f"FlexTokenDispatcher: num_worst_tokens=-1 needs num_max_tokens_per_rank > 0 "
+                    f"(the most tokens a rank dispatches), got {tokens_per_rank!r}: set it, or "
+                    f"let update_flex_token_dispatcher_config fill it from the job"
+                )
+            W = group.size() * tokens_per_rank
         self.dispatcher = FlexDispatcher(
             DispatchConfig(
                 backend=self.config.backend,  # type: ignore[arg-type]
@@ -217,6 +271,19 @@ def update_flex_token_dispatcher_config(model_config: Any, job_config: Any) -> N
     if not configs:
         return
     parallelism, training = job_config.parallelism, job_config.training
+    for owner, name in (
+        (parallelism, "context_parallel_degree"),
+        (parallelism, "tensor_parallel_degree"),
+        (training, "local_batch_size"),
+        (training, "seq_len"),
+    ):
+        value = getattr(owner, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            where = "parallelism" if owner is parallelism else "training"
+            raise ValueError(
+                f"{where}.{name} must be an int >= 1 to size FlexTokenDispatcher's worst case, "
+                f"got {value!r}"
+            )
     shards = parallelism.context_parallel_degree * parallelism.tensor_parallel_degree
     if training.seq_len % shards:
         raise ValueError(

@@ -69,7 +69,17 @@ def _impl() -> Any:
             f"{TORCHTITAN_CHECKED}; pip install --no-deps torchtitan=={TORCHTITAN_CHECKED} "
             f"spmd_types==0.2.3 tyro, plus triton): {exc}"
         ) from exc
-    return importlib.import_module("flexdispatch.integrations._torchtitan")
+    try:
+        return importlib.import_module("flexdispatch.integrations._torchtitan")
+    except ImportError as exc:
+        if "flexdispatch" in str(getattr(exc, "name", "") or ""):
+            raise
+        installed = getattr(sys.modules.get("torchtitan"), "__version__", "unknown")
+        raise ImportError(
+            f"flexdispatch.integrations.torchtitan needs torchtitan's {TORCHTITAN_CHECKED} "
+            f"interface (config.override, models.common.token_dispatcher); torchtitan "
+            f"{installed} is installed: {exc}"
+        ) from exc
 
 
 def update_flex_token_dispatcher_config(model_config: Any, job_config: Any) -> None:
@@ -79,8 +89,9 @@ def update_flex_token_dispatcher_config(model_config: Any, job_config: Any) -> N
     (``context_parallel_degree * tensor_parallel_degree``).
 
     Raises:
-        ValueError: ``seq_len`` not divisible by CP × TP, or a configured
-            ``num_max_tokens_per_rank`` below the job's tokens per rank.
+        ValueError: naming the field: ``context_parallel_degree``, ``tensor_parallel_degree``,
+            ``local_batch_size`` or ``seq_len`` not an int >= 1, ``seq_len`` not divisible by
+            CP × TP, or a configured ``num_max_tokens_per_rank`` below the job's tokens per rank.
     """
     _impl().update_flex_token_dispatcher_config(model_config, job_config)
 

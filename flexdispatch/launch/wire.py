@@ -61,14 +61,19 @@ def _is_data_class(cls: type) -> bool:
     )
 
 
+_UNTRUSTED = "flexdispatch.integrations"
+"""The plug-ins: their classes never travel between ranks, and their configs check their values
+when they are made (``__post_init__``, a hook unpickling would call with a payload's values)."""
+
+
 def _trusted(module: str) -> bool:
-    """``module`` belongs to ``flexdispatch`` or to this repository's own ``tests`` package: the
-    ``tests`` beside ``flexdispatch`` in a source checkout of this project (a third-party wheel
-    that ships a top-level ``tests`` package is not this project's, neither beside an installed
-    ``flexdispatch`` in site-packages nor elsewhere)."""
+    """``module`` belongs to ``flexdispatch`` (but not to its plug-ins, ``_UNTRUSTED``) or to this
+    repository's own ``tests`` package: the ``tests`` beside ``flexdispatch`` in a source checkout
+    of this project (a third-party wheel that ships a top-level ``tests`` package is not this
+    project's, neither beside an installed ``flexdispatch`` in site-packages nor elsewhere)."""
     top = module.split(".")[0]
     if top == "flexdispatch":
-        return True
+        return module != _UNTRUSTED and not module.startswith(_UNTRUSTED + ".")
     if top != "tests":
         return False
     root = Path(__file__).resolve().parents[2]  # NOTE: flexdispatch/launch/wire.py

@@ -1,0 +1,92 @@
+"""The plug-ins' edges that one process can check (reliability-5 S10, integrations-5 section 4):
+torchtitan's ``FlexTokenDispatcher.Config`` checked when it is made, the job values
+``update_flex_token_dispatcher_config`` reads, the save list of torchtitan's selective activation
+checkpointing, and the Megatron plug-in's release check and ``uninstall``. The 2-rank edges
+(compile, SAC recompute, the overflow on the ``-1`` path) are in tests/dist/test_torchtitan.py;
+``moe_permute_fusion`` in tests/dist/test_megatron.py."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _cfg(**kw):
+    from flexdispatch.integrations.torchtitan import FlexTokenDispatcher
+
+    return FlexTokenDispatcher.Config(num_experts=8, top_k=2, **kw)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("backend", "nccl", "'auto', 'torch' or 'deepep'"),
+        ("deepep_api", "v3", "'auto', 'v1', 'v2' or 'v25'"),
+        ("ranks_per_node", 0, "greater than 0"),
+    ],
+)
+def test_tt_config_values_are_checked_when_the_config_is_made(field, value, says):
+    # NOTE: they were accepted until parallelize, then refused as a DispatchConfig's fields
+    with pytest.raises(ValueError, match=rf"^FlexTokenDispatcher.Config {field}={value!r}: ") as e:
+        _cfg(**{field: value})
+    assert says in str(e.value), str(e.value)
+
+
+def test_tt_config_takes_the_release_names_and_maps_the_old_ones():
+    for api in ("auto", "v1", "v2", "v25"):
+        assert _cfg(deepep_api=api).deepep_api == api
+    with pytest.warns(DeprecationWarning, match="deepep_api='elastic' is now deepep_api='v2'"):
+        _cfg(deepep_api="elastic")
+
+
+@pytest.mark.parametrize("value", ["64", 1.5, True, None])
+def test_tt_num_worst_tokens_must_be_an_int(value):
+    # NOTE: "64" (what a JSON kwarg gives) raised "'<' not supported between str and int"
+    with pytest.raises(TypeError, match=r"Config num_worst_tokens must be an int, got "):
+        _cfg(num_worst_tokens=value)
+
+
+@pytest.mark.parametrize("value", [0, -5])
+def test_tt_num_max_tokens_per_rank_must_be_positive(value):
+    # NOTE: 0 ran dropless silently (W = R x 0); -5 named a derived W the user never set
+    with pytest.raises(ValueError, match=rf"num_max_tokens_per_rank must be None .* got {value}"):
+        _cfg(num_worst_tokens=-1, num_max_tokens_per_rank=value)
+    with pytest.raises(TypeError, match="num_max_tokens_per_rank must be an int"):
+        _cfg(num_worst_tokens=-1, num_max_tokens_per_rank=2.5)
+
+
+class _NS:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class _Model:
+    def __init__(self, c):
+        self.c, self.dim = c, 16
+
+    def traverse(self, cls, recurse=True):
+        return [("x", self.c, None, None)]
+
+
+@pytest.mark.parametrize(
+    ("tp", "cp", "lbs", "seq", "name"),
+    [
+        (0, 1, 1, 8, "parallelism.tensor_parallel_degree"),  # NOTE: was ZeroDivisionError
+        (1, 0, 1, 8, "parallelism.context_parallel_degree"),
+        (1, 1, -2, 8, "training.local_batch_size"),  # NOTE: was num_max_tokens_per_rank = -16
+        (1, 1, 1, 0, "training.seq_len"),
+        (1, 1, 1.5, 8, "training.local_batch_size"),
+    ],
+)
+def test_tt_update_config_checks_the_job(tp, cp, lbs, seq, name):
+    from flexdispatch.integrations.torchtitan import update_flex_token_dispatcher_config
+
+    c = _cfg(num_worst_tokens=-1)
+    job = _NS(
+        parallelism=_NS(context_parallel_degree=cp, tensor_parallel_degree=tp),
+        training=_NS(local_batch_size=lbs, seq_len=seq),
+    )
+    with pytest.raises(ValueError, match=rf"^{name} must be an int >= 1"):
+        update_flex_token_dispatcher_config(_Model(c), job)
+    assert c.num_max_tokens_per_rank is None
