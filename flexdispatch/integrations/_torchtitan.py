@@ -157,6 +157,10 @@ class FlexTokenDispatcher(BaseEPTokenDispatcher):
         )
         return self.dispatcher
 
+    def _build_from_first_batch(self, tokens: int) -> FlexDispatcher:
+        """``num_worst_tokens=-1`` with nothing filled: W from the first batch's token count."""
+        return self._build(tokens)
+
     def dispatch(
         self,
         x_TD: torch.Tensor,
@@ -170,7 +174,7 @@ class FlexTokenDispatcher(BaseEPTokenDispatcher):
             return LocalTokenDispatcher.dispatch(
                 self, x_TD, topk_scores_TK, topk_expert_ids_TK, num_local_tokens_per_expert_E
             )
-        fd = self.dispatcher or self._build(x_TD.shape[0])
+        fd = self.dispatcher or _build_outside_graph(self, x_TD.shape[0])
         with _collective_boundary("dispatch", x_TD) as stamp:
             res = fd.dispatch(
                 x_TD, topk_expert_ids_TK.to(torch.int64), topk_scores_TK.to(torch.float32)
@@ -204,6 +208,20 @@ class FlexTokenDispatcher(BaseEPTokenDispatcher):
             summed_MD = unpermute(routed_output_RD, perm, probs=perm.probs)
             out = self.dispatcher.combine(summed_MD, metadata.handle)
         return stamp(out)
+
+
+_BUILD_REASON = (
+    "flexdispatch: FlexTokenDispatcher(num_worst_tokens=-1) builds its FlexDispatcher at the "
+    "first dispatch when num_max_tokens_per_rank is unset, which a fullgraph=True region cannot "
+    "do: set num_max_tokens_per_rank (update_flex_token_dispatcher_config fills it from the job) "
+    "or run one step eagerly first"
+)
+
+# NOTE: outside any compiled graph: dynamo cannot trace the dispatcher's construction (pydantic,
+# a collective); without fullgraph it breaks the graph here, with it it refuses with the reason
+_build_outside_graph = torch.compiler.disable(
+    FlexTokenDispatcher._build_from_first_batch, reason=_BUILD_REASON
+)
 
 
 def flexdispatch_override(

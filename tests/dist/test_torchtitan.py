@@ -124,3 +124,16 @@ def test_spmd_typechecking_types_a_dispatch_as_a_collective(eager_ops: bool) -> 
     for res in _run(th.spmd_types_of_a_dispatch, eager_ops):
         assert res["rows"] == ["V"], res  # replicated in, varying out: rows differ per rank
         assert "partial (P) rows cannot be dispatched" in res["partial"], res
+
+
+# ---------------------------------------------------------------- integrations-5 section 4 (S10)
+def test_compiled_fullgraph_with_w_unfilled_is_refused_naming_the_field() -> None:
+    # NOTE: the FlexDispatcher was built at the first dispatch inside the traced region: "Dynamo
+    # does not know how to trace method validate_python of class SchemaValidator"
+    for line in spawn_group(th.compiled_unfilled, 2, args=(True,), timeout_s=240):
+        assert "SchemaValidator" not in line and "num_max_tokens_per_rank" in line, line[:600]
+
+
+def test_compiled_without_fullgraph_builds_outside_the_graph_and_runs() -> None:
+    got = spawn_group(th.compiled_unfilled, 2, args=(False,), timeout_s=240)
+    assert got == ["ran W=24", "ran W=24"]  # R x T = 2 x 12
