@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,11 +22,13 @@ from torchtitan.models.common.token_dispatcher import (
 )
 
 from flexdispatch.config import DispatchConfig
+from flexdispatch.dispatch import ops as _ops
 from flexdispatch.dispatch.dispatcher import FlexDispatcher
 from flexdispatch.permutation import _permute, unpermute
 from flexdispatch.types import DispatchHandle, Permutation
 
 __all__ = [
+    "FLEXDISPATCH_SAVE_OPS",
     "FlexDispatchMetadata",
     "FlexTokenDispatcher",
     "flexdispatch_override",
@@ -176,8 +179,10 @@ class FlexTokenDispatcher(BaseEPTokenDispatcher):
             )
         fd = self.dispatcher or _build_outside_graph(self, x_TD.shape[0])
         with _collective_boundary("dispatch", x_TD) as stamp:
-            res = fd.dispatch(
-                x_TD, topk_expert_ids_TK.to(torch.int64), topk_scores_TK.to(torch.float32)
+            # NOTE: through the custom op (as torch.compile does), so that selective activation
+            # checkpointing sees flexdispatch::dispatch and can save it
+            res = _ops.dispatch(
+                fd, x_TD, topk_expert_ids_TK.to(torch.int64), topk_scores_TK.to(torch.float32), None
             )
             M, K = res.recv_topk_idx.shape
             worst = fd.config.num_worst_tokens > 0
@@ -319,3 +324,45 @@ def update_flex_token_dispatcher_config(model_config: Any, job_config: Any) -> N
                 f"FlexTokenDispatcher num_max_tokens_per_rank ({cfg.num_max_tokens_per_rank}) is "
                 f"smaller than the job's tokens per rank ({tokens}): raise it or leave it unset"
             )
+
+
+FLEXDISPATCH_SAVE_OPS = frozenset(
+    {torch.ops.flexdispatch.dispatch.default, torch.ops.flexdispatch.combine.default}
+)
+"""flexdispatch's communicating ops, for a selective activation checkpointing save list: saved,
+a recomputed forward does not run the all-to-all (and, dropless, the host sync) again."""
+
+
+def _save_flexdispatch_ops() -> None:
+    """Add ``FLEXDISPATCH_SAVE_OPS`` to torchtitan's default save list (``SelectiveAC``, its
+    default activation checkpointing, reads ``_get_default_save_ops`` when it wraps a block),
+    so that a dispatch is not recomputed in the backward: it names its own and DeepEP's ops, not
+    flexdispatch's. Idempotent; where torchtitan has no such function (another release), warns
+    once with the recipe (a ``SelectiveAC`` subclass whose ``get_save_ops`` adds them)."""
+    try:
+        from torchtitan.distributed import activation_checkpoint as ac
+    except ImportError:
+        return
+    current = getattr(ac, "_get_default_save_ops", None)
+    if current is None or not callable(current):
+        warnings.warn(
+            "flexdispatch: torchtitan.distributed.activation_checkpoint has no "
+            "_get_default_save_ops (not torchtitan 0.3.0): under SelectiveAC every flexdispatch "
+            "dispatch is recomputed in the backward; subclass SelectiveAC with get_save_ops = "
+            "lambda self: super().get_save_ops() | FLEXDISPATCH_SAVE_OPS",
+            stacklevel=2,
+        )
+        return
+    if getattr(current, "_flexdispatch", False):
+        return
+
+    def default_save_ops() -> set:
+        return set(current()) | FLEXDISPATCH_SAVE_OPS
+
+    default_save_ops._flexdispatch = True  # type: ignore[attr-defined]
+    default_save_ops.__wrapped__ = current  # type: ignore[attr-defined]
+    default_save_ops.__doc__ = current.__doc__
+    ac._get_default_save_ops = default_save_ops
+
+
+_save_flexdispatch_ops()

@@ -41,12 +41,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # NOTE: at run time these load lazily (__getattr__): they import torchtitan
     from flexdispatch.integrations._torchtitan import (
+        FLEXDISPATCH_SAVE_OPS,
         FlexDispatchMetadata,
         FlexTokenDispatcher,
         flexdispatch_override,
     )
 
 __all__ = [
+    "FLEXDISPATCH_SAVE_OPS",
     "FlexDispatchMetadata",
     "FlexTokenDispatcher",
     "TORCHTITAN_CHECKED",
@@ -57,7 +59,12 @@ __all__ = [
 TORCHTITAN_CHECKED = "0.3.0"
 """The torchtitan release the dispatcher is tested on."""
 
-_LAZY = ("FlexTokenDispatcher", "FlexDispatchMetadata", "flexdispatch_override")
+_LAZY = (
+    "FLEXDISPATCH_SAVE_OPS",
+    "FlexTokenDispatcher",
+    "FlexDispatchMetadata",
+    "flexdispatch_override",
+)
 
 
 def _impl() -> Any:

@@ -446,3 +446,27 @@ def compiled_unfilled(fullgraph: bool) -> str:
         return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
     fd = moe.routed_experts.token_dispatcher.dispatcher
     return f"ran W={fd.config.num_worst_tokens}"
+
+
+def selective_ac(steps: int = 2) -> dict[str, Any]:
+    """``steps`` forward + backward steps of the overridden module under torchtitan's
+    ``SelectiveAC`` (its defaults), against the same steps without checkpointing: the dispatches
+    each ran (a recomputed dispatch runs its all-to-all again) and the largest gaps."""
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    plain = _overridden_moe({"backend": "torch"})
+    wrapped = _overridden_moe({"backend": "torch"})
+    wrapped.load_state_dict(plain.state_dict())
+    sac = SelectiveAC(SelectiveAC.Config())._wrap_block(wrapped)
+    gaps: dict[str, float] = {}
+    for _ in range(steps):
+        want = _moe_step(plain, plain)
+        got = _moe_step(wrapped, sac)
+        for k, v in _gaps({k: got[k] for k in want}, want).items():
+            gaps[k] = max(gaps.get(k, 0.0), v)
+    return {
+        "plain": plain.routed_experts.token_dispatcher.dispatcher.stats.dispatch_calls,
+        "sac": wrapped.routed_experts.token_dispatcher.dispatcher.stats.dispatch_calls,
+        "max_gap": max(gaps.values()),
+        "compared": len(gaps),
+    }

@@ -90,3 +90,22 @@ def test_tt_update_config_checks_the_job(tp, cp, lbs, seq, name):
     with pytest.raises(ValueError, match=rf"^{name} must be an int >= 1"):
         update_flex_token_dispatcher_config(_Model(c), job)
     assert c.num_max_tokens_per_rank is None
+
+
+def test_tt_selective_ac_saves_flexdispatch_ops_by_default():
+    import torch
+    from torchtitan.distributed import activation_checkpoint as ac
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    import flexdispatch.integrations.torchtitan as fd_tt
+
+    saved = SelectiveAC(SelectiveAC.Config()).get_save_ops()
+    assert saved >= fd_tt.FLEXDISPATCH_SAVE_OPS
+    assert {
+        torch.ops.flexdispatch.dispatch.default,
+        torch.ops.flexdispatch.combine.default,
+    } == fd_tt.FLEXDISPATCH_SAVE_OPS
+    assert torch.ops._c10d_functional.all_to_all_single.default in saved  # torchtitan's own kept
+    patched = ac._get_default_save_ops
+    fd_tt._impl()._save_flexdispatch_ops()  # NOTE: idempotent: not wrapped twice
+    assert ac._get_default_save_ops is patched
