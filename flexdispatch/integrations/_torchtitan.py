@@ -7,6 +7,8 @@ experts · M received rows · N rows grouped by local expert.
 from __future__ import annotations
 
 import contextlib
+import math
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -122,6 +124,7 @@ class FlexTokenDispatcher(BaseEPTokenDispatcher):
         _check_config(config)  # NOTE: again: a field may have been set after the Config was made
         self.config = config
         self.dispatcher: FlexDispatcher | None = None
+        self._first_batch: int | None = None  # NOTE: W's tokens per rank came from it
 
     def init_buffer(self) -> None:
         """Build the ``FlexDispatcher`` on the EP mesh's group (collective), unless its worst
@@ -162,6 +165,7 @@ class FlexTokenDispatcher(BaseEPTokenDispatcher):
 
     def _build_from_first_batch(self, tokens: int) -> FlexDispatcher:
         """``num_worst_tokens=-1`` with nothing filled: W from the first batch's token count."""
+        self._first_batch = tokens
         return self._build(tokens)
 
     def dispatch(
@@ -179,11 +183,19 @@ class FlexTokenDispatcher(BaseEPTokenDispatcher):
             )
         fd = self.dispatcher or _build_outside_graph(self, x_TD.shape[0])
         with _collective_boundary("dispatch", x_TD) as stamp:
-            # NOTE: through the custom op (as torch.compile does), so that selective activation
-            # checkpointing sees flexdispatch::dispatch and can save it
-            res = _ops.dispatch(
-                fd, x_TD, topk_expert_ids_TK.to(torch.int64), topk_scores_TK.to(torch.float32), None
-            )
+            try:
+                # NOTE: through the custom op (as torch.compile does), so that selective
+                # activation checkpointing sees flexdispatch::dispatch and can save it
+                res = _ops.dispatch(
+                    fd,
+                    x_TD,
+                    topk_expert_ids_TK.to(torch.int64),
+                    topk_scores_TK.to(torch.float32),
+                    None,
+                )
+            except ValueError as exc:
+                self._name_the_field(exc, fd, x_TD.shape[0])
+                raise
             M, K = res.recv_topk_idx.shape
             worst = fd.config.num_worst_tokens > 0
             # NOTE: the dispatcher's own rows: permute's argument checks are not run again
@@ -199,6 +211,24 @@ class FlexTokenDispatcher(BaseEPTokenDispatcher):
             )
         meta = FlexDispatchMetadata(handle=res.handle, perm=perm)
         return stamp(perm.x), stamp(perm.padded_tokens_per_expert), meta
+
+    def _name_the_field(self, exc: ValueError, fd: FlexDispatcher, tokens: int) -> None:
+        """A worst-case overflow where W came from the first batch (``num_worst_tokens=-1``,
+        nothing filled): the dispatcher's message says to raise ``num_worst_tokens``, a value the
+        user never set here; raise one naming ``num_max_tokens_per_rank`` instead."""
+        text = str(exc)
+        if self._first_batch is None or "worst-case dispatch overflow" not in text:
+            return
+        R = self.ep_mesh.size() if self.ep_mesh is not None else 1
+        need = re.search(r"(?:at least|>=) (\d+)", text)
+        least = f"at least {math.ceil(int(need.group(1)) / R)}, " if need else ""
+        raise ValueError(
+            f"FlexTokenDispatcher: a batch of {tokens} tokens on this rank overflows the "
+            f"worst case of W={fd.config.num_worst_tokens} rows that num_worst_tokens=-1 took "
+            f"from the first batch ({self._first_batch} tokens per rank): set "
+            f"num_max_tokens_per_rank ({least}the most tokens a rank dispatches) in the "
+            f"override's options, or call update_flex_token_dispatcher_config"
+        ) from None
 
     def combine(
         self, routed_output_RD: torch.Tensor, metadata: Any, x_TD: torch.Tensor

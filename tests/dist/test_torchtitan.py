@@ -21,6 +21,7 @@ Functions registered with spmd_types by the integration).
 from __future__ import annotations
 
 import importlib.util
+import re
 from typing import Any
 
 import pytest
@@ -147,3 +148,10 @@ def test_selective_ac_saves_the_dispatch_and_keeps_the_results() -> None:
     for res in spawn_group(th.selective_ac, 2, args=(2,), timeout_s=240):
         assert res["plain"] == 2 and res["sac"] == 2, res
         assert res["max_gap"] <= FP32_GAP and res["compared"] >= 6, res
+
+
+def test_overflow_on_the_unfilled_path_names_num_max_tokens_per_rank() -> None:
+    for line in spawn_group(th.overflow_after_first_batch, 2, timeout_s=240):
+        # NOTE: it said "raise DispatchConfig.num_worst_tokens", a field the user never set here
+        assert re.search(r"set num_max_tokens_per_rank \(at least \d+, ", line), line[:600]
+        assert "DispatchConfig.num_worst_tokens" not in line, line[:600]

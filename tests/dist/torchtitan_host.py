@@ -470,3 +470,15 @@ def selective_ac(steps: int = 2) -> dict[str, Any]:
         "max_gap": max(gaps.values()),
         "compared": len(gaps),
     }
+
+
+def overflow_after_first_batch() -> str:
+    """``num_worst_tokens=-1`` unfilled: W from the first batch (T = 2 x 6 per rank), then a batch
+    of 2 x 15: the error, as one line."""
+    moe = _overridden_moe({"backend": "torch", "num_worst_tokens": -1})
+    _moe_step(moe, moe, T=6)
+    try:
+        _moe_step(moe, moe, T=15)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    return "ran"
