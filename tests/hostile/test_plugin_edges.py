@@ -7,6 +7,8 @@ checkpointing, and the Megatron plug-in's release check and ``uninstall``. The 2
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 pytestmark = pytest.mark.timeout(120)
@@ -109,3 +111,59 @@ def test_tt_selective_ac_saves_flexdispatch_ops_by_default():
     patched = ac._get_default_save_ops
     fd_tt._impl()._save_flexdispatch_ops()  # NOTE: idempotent: not wrapped twice
     assert ac._get_default_save_ops is patched
+
+
+def test_megatron_version_outside_the_checked_one_is_named(monkeypatch):
+    import megatron.core
+
+    import flexdispatch as fd
+    import flexdispatch.integrations.megatron as meg
+
+    monkeypatch.setattr(megatron.core, "__version__", "0.12.0", raising=False)
+    try:
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            meg.install(fd.DispatchConfig(backend="torch"))
+        text = " ".join(str(w.message) for w in got)
+        assert "megatron-core 0.12.0 is installed" in text, text  # NOTE: was silent
+        assert f"checked on megatron-core {meg.MEGATRON_CORE_CHECKED}" in text, text
+        monkeypatch.setattr(megatron.core, "__version__", "0.19.7", raising=False)
+        with warnings.catch_warnings(record=True) as same:
+            warnings.simplefilter("always")
+            meg.install(fd.DispatchConfig(backend="torch"))
+        assert not [w for w in same if "megatron-core" in str(w.message)]
+    finally:
+        meg.uninstall()
+
+
+def test_megatron_interface_missing_is_named_with_both_releases(monkeypatch):
+    import sys
+
+    from megatron.core.transformer.moe import token_dispatcher
+
+    import flexdispatch.integrations.megatron as meg
+
+    monkeypatch.delattr(token_dispatcher, "_DispatchManager")
+    monkeypatch.delitem(sys.modules, "flexdispatch.integrations._megatron", raising=False)
+    with pytest.raises(ImportError, match=r"needs megatron-core 0\.19\.2's dispatcher interface"):
+        meg.install()
+    assert meg.installed_config() is None
+
+
+def test_megatron_uninstall_leaves_a_later_rebinding_alone():
+    from megatron.core.transformer.moe import moe_layer
+
+    import flexdispatch as fd
+    import flexdispatch.integrations.megatron as meg
+
+    original = moe_layer.MoEFlexTokenDispatcher
+    third = type("ThirdParty", (), {})
+    try:
+        meg.install(fd.DispatchConfig(backend="torch"))
+        moe_layer.MoEFlexTokenDispatcher = third
+        with pytest.warns(UserWarning, match="now ThirdParty, bound after install"):
+            meg.uninstall()
+        assert moe_layer.MoEFlexTokenDispatcher is third  # NOTE: Megatron's class was put back
+        assert meg.installed_config() is None
+    finally:
+        moe_layer.MoEFlexTokenDispatcher = original
