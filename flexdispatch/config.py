@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from flexdispatch._checks.errors import InputError
 from flexdispatch._checks.files import read_config_file, validation_message
 from flexdispatch._checks.values import not_bool
 from flexdispatch.backends.deepep import limits as deepep_limits
@@ -482,7 +483,11 @@ def preset_path(name: str) -> Path:
     """Path of preset ``name`` (without ``.yaml``)."""
     path = _presets_dir() / f"{name}.yaml"
     if not path.is_file():
-        raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(list_presets())}")
+        raise InputError(
+            f"unknown preset {name!r}: choose one of {', '.join(list_presets())}",
+            problem="unknown preset",
+            fix="see flexdispatch presets, or pass a YAML file",
+        )
     return path
 
 
@@ -514,12 +519,26 @@ def load_config(preset_name_or_path: str | Path) -> MoEConfig:
         path = preset_path(text)
     data = read_config_file(path, kind="yaml", what="config file")
     if not isinstance(data, dict):
-        raise ValueError(f"config file {path} must hold a mapping, got {type(data).__name__}")
+        raise InputError(
+            f"config file {path} must hold a mapping, got {type(data).__name__}",
+            problem=f"holds a {type(data).__name__}, not a mapping of config fields",
+        )
     try:
         return MoEConfig.model_validate(data)
     except ValidationError as exc:
-        message = validation_message(exc, data=data, known=_field_names())
-        raise ValueError(f"config file {path} is invalid: {message}") from None
+        raise invalid_config(exc, f"config file {path} is invalid", data) from None
+
+
+def invalid_config(exc: ValidationError, what: str, data: object = None) -> InputError:
+    """A config that fails validation: ``WHAT: N validation errors: ...`` (``validation_message``:
+    the first five, values cut short, unknown keys not quoted); the short problem names the first
+    error and how many more there are. ``data``: the validated mapping (the place of an unknown
+    key)."""
+    known = _field_names()
+    return InputError(
+        f"{what}: {validation_message(exc, data=data, known=known)}",
+        problem=validation_message(exc, 1, data=data, known=known),
+    )
 
 
 def _field_names() -> set[str]:

@@ -36,6 +36,8 @@ from typing import Any
 
 import yaml
 
+from flexdispatch._checks.errors import InputError
+
 __all__ = [
     "MAX_CONFIG_BYTES",
     "MAX_CONFIG_NODES",
@@ -43,6 +45,7 @@ __all__ = [
     "EXCERPT_CHARS",
     "check_output_path",
     "excerpt",
+    "file_error",
     "file_kind",
     "key_text",
     "on_pseudo_fs",
@@ -79,6 +82,26 @@ def _where(path: Path | str, line: int | None, column: int | None) -> str:
     if line is None:
         return f"{path}"
     return f"{path} at line {line + 1}, column {(column or 0) + 1}"
+
+
+def file_error(
+    what: str,
+    path: Path | str,
+    problem: str,
+    fix: str = "",
+    line: int | None = None,
+    column: int | None = None,
+) -> InputError:
+    """The error of a config file: ``WHAT PATH[ at line L, column C] PROBLEM[: FIX]``, with the
+    parts for a one-line report (``InputError``: the path as the value, the problem with its
+    position, the fix). ``line`` / ``column`` count from 0."""
+    where = "" if line is None else f"line {line + 1}, column {(column or 0) + 1} "
+    return InputError(
+        f"{what} {_where(path, line, column)} {problem}" + (f": {fix}" if fix else ""),
+        value=str(path),
+        problem=where + problem,
+        fix=fix,
+    )
 
 
 def _at(text: str, index: int) -> str:
@@ -149,8 +172,8 @@ def file_kind(path: Path | str) -> str | None:
 
 def _read_bounded(path: Path, what: str) -> str:
     def refuse(kind: str) -> ValueError:
-        return ValueError(
-            f"{what} {path} is not a regular file ({kind}): pass a YAML or JSON config file"
+        return file_error(
+            what, path, f"is not a regular file ({kind})", "pass a YAML or JSON config file"
         )
 
     kind = file_kind(path)
@@ -162,7 +185,7 @@ def _read_bounded(path: Path, what: str) -> str:
         # kind is checked again on the descriptor that is read
         fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
-        raise ValueError(f"{what} {path} cannot be read: {exc.strerror or exc}") from None
+        raise file_error(what, path, f"cannot be read: {exc.strerror or exc}") from None
     with os.fdopen(fd, "rb") as f:
         kind = _kind(os.fstat(fd), path)
         if kind is not None:
@@ -170,18 +193,20 @@ def _read_bounded(path: Path, what: str) -> str:
         try:
             raw = f.read(MAX_CONFIG_BYTES + 1)
         except OSError as exc:
-            raise ValueError(f"{what} {path} cannot be read: {exc.strerror or exc}") from None
+            raise file_error(what, path, f"cannot be read: {exc.strerror or exc}") from None
     if len(raw) > MAX_CONFIG_BYTES:
-        raise ValueError(
-            f"{what} {path} is larger than {MAX_CONFIG_BYTES} bytes (the limit for config files,"
-            f" flexdispatch._checks.files.MAX_CONFIG_BYTES): pass the config itself, not a data "
-            f"file"
+        raise file_error(
+            what,
+            path,
+            f"is larger than {MAX_CONFIG_BYTES} bytes (the limit for config files,"
+            f" flexdispatch._checks.files.MAX_CONFIG_BYTES)",
+            "pass the config itself, not a data file",
         )
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(
-            f"{what} {path} is not UTF-8 text (byte {exc.start}): pass a YAML or JSON config"
+        raise file_error(
+            what, path, f"is not UTF-8 text (byte {exc.start})", "pass a YAML or JSON config"
         ) from None
 
 
@@ -201,20 +226,56 @@ def check_output_path(path: Path | str, what: str, example: str = "out.yaml") ->
         ValueError: naming ``what`` and the fix.
     """
     out = Path(path)
+
+    def refuse(message: str, problem: str, fix: str = "") -> InputError:
+        return InputError(message, value=str(path), problem=problem, fix=fix)
+
     kind = file_kind(out)
     if kind == "a folder":
-        raise ValueError(f"{what} is a folder: pass a file name, e.g. {out / example}")
+        raise refuse(
+            f"{what} is a folder: pass a file name, e.g. {out / example}",
+            "is a folder",
+            f"pass a file name in it, e.g. {example}",
+        )
     if kind is not None:
-        raise ValueError(f"{what} is not a regular file ({kind}): pass the name of a file to write")
+        raise refuse(
+            f"{what} is not a regular file ({kind}): pass the name of a file to write",
+            f"is not a regular file ({kind})",
+            "pass the name of a file to write",
+        )
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.exists():
-        raise ValueError(f"{what}: folder {parent} does not exist (create it first)")
+        raise refuse(
+            f"{what}: folder {parent} does not exist (create it first)",
+            "its folder does not exist",
+            "create the folder first",
+        )
     if not parent.is_dir():
-        raise ValueError(f"{what}: {parent} is not a folder")
+        raise refuse(f"{what}: {parent} is not a folder", "its folder is not a folder")
     if on_pseudo_fs(parent):
-        raise ValueError(f"{what}: folder {parent} is in /proc or /sys: write elsewhere")
+        raise refuse(
+            f"{what}: folder {parent} is in /proc or /sys: write elsewhere",
+            "its folder is in /proc or /sys",
+            "write elsewhere",
+        )
+    try:
+        name_max = os.pathconf(parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    if (
+        len(os.fsencode(out.name)) > name_max
+    ):  # NOTE: else refused only by the write, after the work
+        raise refuse(
+            f"{what}: the file name is longer than the {name_max} bytes its folder allows",
+            f"the file name is longer than {name_max} bytes",
+            "use a shorter name",
+        )
     if not os.access(parent, os.W_OK):
-        raise ValueError(f"{what}: folder {parent} is not writable")
+        raise refuse(
+            f"{what}: folder {parent} is not writable",
+            "its folder is not writable",
+            "write to a folder you can write to",
+        )
     return out
 
 
@@ -239,17 +300,28 @@ def write_file(path: Path | str, data: bytes, what: str) -> None:
             path, flags | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0), 0o666
         )
     except OSError as exc:
-        raise ValueError(f"{what} cannot be written: {exc.strerror or exc}") from None
+        raise InputError(
+            f"{what} cannot be written: {exc.strerror or exc}",
+            value=str(path),
+            problem=f"cannot be written: {exc.strerror or exc}",
+        ) from None
     try:
         with os.fdopen(fd, "wb") as f:
             kind = _kind(os.fstat(fd), path)
             if kind is not None:
-                raise ValueError(
-                    f"{what} is not a regular file ({kind}): pass the name of a file to write"
+                raise InputError(
+                    f"{what} is not a regular file ({kind}): pass the name of a file to write",
+                    value=str(path),
+                    problem=f"is not a regular file ({kind})",
+                    fix="pass the name of a file to write",
                 )
             f.write(data)
     except OSError as exc:
-        raise ValueError(f"{what} cannot be written: {exc.strerror or exc}") from None
+        raise InputError(
+            f"{what} cannot be written: {exc.strerror or exc}",
+            value=str(path),
+            problem=f"cannot be written: {exc.strerror or exc}",
+        ) from None
 
 
 # --------------------------------------------------------------------------- YAML
@@ -270,17 +342,23 @@ def _yaml_error(exc: yaml.YAMLError, path: Path | str, what: str, text: str) -> 
     if isinstance(exc, yaml.reader.ReaderError):  # NOTE: a character the reader refuses
         line, col = _line_col(text, exc.position)
         char = exc.character if isinstance(exc.character, int) else ord(str(exc.character)[:1])
-        return ValueError(
-            f"{what} {_where(path, line, col)} is not valid YAML: {exc.reason} (character "
-            f"U+{char:04X}; a config is printable text)"
+        return file_error(
+            what,
+            path,
+            f"is not valid YAML: {exc.reason} (character U+{char:04X}; a config is printable text)",
+            line=line,
+            column=col,
         )
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
     problem = _YAML_PROBLEMS.get(type(exc).__name__, "malformed YAML")
     if mark is None:
-        return ValueError(f"{what} {path} is not valid YAML: {problem}")
-    return ValueError(
-        f"{what} {_where(path, mark.line, mark.column)} is not valid YAML: {problem} "
-        f"(at {_at(text, mark.index)})"
+        return file_error(what, path, f"is not valid YAML: {problem}")
+    return file_error(
+        what,
+        path,
+        f"is not valid YAML: {problem} (at {_at(text, mark.index)})",
+        line=mark.line,
+        column=mark.column,
     )
 
 
@@ -317,28 +395,44 @@ def _check_yaml_tree(root: yaml.Node, path: Path | str, what: str) -> None:
             depth[key] = 1 + max((depth[id(c)] for c in children), default=0)
             mark = node.start_mark
             if size[key] > MAX_CONFIG_NODES:
-                raise ValueError(
-                    f"{what} {_where(path, mark.line, mark.column)} expands to more than "
-                    f"{MAX_CONFIG_NODES} YAML nodes (aliases counted each time they are used): "
-                    f"a config needs a few hundred; remove the nested aliases"
+                raise file_error(
+                    what,
+                    path,
+                    f"expands to more than {MAX_CONFIG_NODES} YAML nodes (aliases counted each "
+                    f"time they are used): a config needs a few hundred",
+                    "remove the nested aliases",
+                    mark.line,
+                    mark.column,
                 )
             if depth[key] > MAX_CONFIG_DEPTH:
-                raise ValueError(
-                    f"{what} {_where(path, mark.line, mark.column)} nests deeper than "
-                    f"{MAX_CONFIG_DEPTH} levels: a config needs about 4"
-                )
+                raise _too_deep(what, path, mark.line, mark.column)
             continue
         if key in size:
             continue
         if key in on_path:
             mark = node.start_mark
-            raise ValueError(
-                f"{what} {_where(path, mark.line, mark.column)} holds an alias that refers to "
-                f"itself (a recursive YAML structure): a config cannot be one"
+            raise file_error(
+                what,
+                path,
+                "holds an alias that refers to itself (a recursive YAML structure): a config "
+                "cannot be one",
+                line=mark.line,
+                column=mark.column,
             )
         on_path.add(key)
         stack.append((node, True))
         stack.extend((c, False) for c in children if id(c) not in size)
+
+
+def _too_deep(what: str, path: Path | str, line: int, column: int) -> InputError:
+    return file_error(
+        what,
+        path,
+        f"nests deeper than {MAX_CONFIG_DEPTH} levels: a config needs about 4",
+        "",
+        line,
+        column,
+    )
 
 
 def _check_yaml_depth(text: str, path: Path | str, what: str) -> None:
@@ -350,10 +444,7 @@ def _check_yaml_depth(text: str, path: Path | str, what: str) -> None:
             depth += 1
             if depth > MAX_CONFIG_DEPTH:
                 mark = event.start_mark
-                raise ValueError(
-                    f"{what} {_where(path, mark.line, mark.column)} nests deeper than "
-                    f"{MAX_CONFIG_DEPTH} levels: a config needs about 4"
-                )
+                raise _too_deep(what, path, mark.line, mark.column)
         elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
             depth -= 1
 
@@ -377,9 +468,11 @@ def _load_yaml(text: str, path: Path | str, what: str) -> Any:
     except yaml.YAMLError as exc:
         raise _yaml_error(exc, path, what, text) from None
     except RecursionError:
-        raise ValueError(
-            f"{what} {path} nests deeper than {MAX_CONFIG_DEPTH} levels (the YAML parser ran "
-            f"out of stack): a config needs about 4"
+        raise file_error(
+            what,
+            path,
+            f"nests deeper than {MAX_CONFIG_DEPTH} levels (the YAML parser ran out of stack): a "
+            f"config needs about 4",
         ) from None
     finally:
         loader.dispose()
@@ -421,20 +514,19 @@ def _load_json(text: str, path: Path | str, what: str) -> Any:
     if text.count("[") + text.count("{") > MAX_CONFIG_DEPTH:
         bad = _json_too_deep(text)
         if bad is not None:
-            line, col = _line_col(text, bad)
-            raise ValueError(
-                f"{what} {_where(path, line, col)} nests deeper than {MAX_CONFIG_DEPTH} levels: "
-                f"a config needs about 4"
-            )
+            raise _too_deep(what, path, *_line_col(text, bad))
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(
-            f"{what} {_where(path, exc.lineno - 1, exc.colno - 1)} is not valid JSON: {exc.msg} "
-            f"(at {_at(text, exc.pos)})"
+        raise file_error(
+            what,
+            path,
+            f"is not valid JSON: {exc.msg} (at {_at(text, exc.pos)})",
+            line=exc.lineno - 1,
+            column=exc.colno - 1,
         ) from None
     except RecursionError:
-        raise ValueError(f"{what} {path} nests too deep for the JSON parser") from None
+        raise file_error(what, path, "nests too deep for the JSON parser") from None
     except ValueError as exc:  # NOTE: an integer past Python's digit limit
         raise _number_error(exc, text, path, what) from None
 
@@ -449,15 +541,21 @@ def _number_error(
     limit = sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 0
     found = re.search(rf"[0-9][0-9_]{{{max(limit - 1, 0)},}}", text) if limit else None
     if found is None or not isinstance(exc, ValueError):
-        where = _where(path, mark.line, mark.column) if mark is not None else f"{path}"
-        return ValueError(
-            f"{what} {where} holds a value that cannot be converted ({type(exc).__name__}): "
-            f"check its tag (!!int, !!float, !!timestamp, ...) or write it plainly"
+        return file_error(
+            what,
+            path,
+            f"holds a value that cannot be converted ({type(exc).__name__})",
+            "check its tag (!!int, !!float, !!timestamp, ...) or write it plainly",
+            None if mark is None else mark.line,
+            None if mark is None else mark.column,
         )
     line, col = _line_col(text, found.start())
-    return ValueError(
-        f"{what} {_where(path, line, col)} holds an integer of more than {limit} digits: a config "
-        f"number has a few"
+    return file_error(
+        what,
+        path,
+        f"holds an integer of more than {limit} digits: a config number has a few",
+        line=line,
+        column=col,
     )
 
 
@@ -469,7 +567,7 @@ def parse_config_text(text: str, *, kind: str, path: Path | str = "<text>", what
             (naming ``path``, the line and column, and quoting at most a short escaped excerpt).
     """
     if len(text) > MAX_CONFIG_BYTES:
-        raise ValueError(f"{what} {path} is larger than {MAX_CONFIG_BYTES} bytes")
+        raise file_error(what, path, f"is larger than {MAX_CONFIG_BYTES} bytes")
     if kind == "json":
         return _load_json(text, path, what)
     if kind == "yaml":
@@ -491,9 +589,9 @@ def read_config_file(path: str | Path, *, kind: str, what: str = "config file") 
     """
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"{what} {path} does not exist")
+        raise file_error(what, path, "does not exist")
     if path.is_dir():
-        raise ValueError(f"{what} {path} is a folder: pass a YAML or JSON config file")
+        raise file_error(what, path, "is a folder", "pass a YAML or JSON config file")
     return parse_config_text(_read_bounded(path, what), kind=kind, path=path, what=what)
 
 

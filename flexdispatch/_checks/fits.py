@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from flexdispatch._checks import sysmem
+from flexdispatch._checks.errors import MemoryRefusal
 from flexdispatch._checks.sysmem import SHARE, format_bytes
 
 __all__ = [
@@ -53,7 +54,9 @@ __all__ = [
     "format_bytes",
     "layer_bytes",
     "refusal",
+    "refusal_error",
     "raise_refusal",
+    "short_source",
 ]
 
 INT32_MAX = (1 << 31) - 1
@@ -106,7 +109,38 @@ def refusal(
     tree: bool = False,
 ) -> str | None:
     """The refusal message when ``nbytes`` (the estimate for ``arg=value``) cannot fit on
-    ``device``, else None (see the module docstring).
+    ``device``, else None (``refusal_error``'s message; same arguments)."""
+    err = refusal_error(what, arg, value, nbytes, device, detail=detail, fix=fix, tree=tree)
+    return None if err is None else str(err)
+
+
+def short_source(source: str) -> str:
+    """Where a memory figure comes from, in a few words (for a one-line error)."""
+    for start, short in (
+        ("MemAvailable", "MemAvailable"),
+        ("the cgroup memory limit", "the cgroup memory limit"),
+        ("address space left under RLIMIT_AS", "what RLIMIT_AS leaves"),
+        ("free memory of", source.split(" (")[0]),
+    ):
+        if source.startswith(start):
+            return short
+    return source if len(source) <= 40 else source[:39] + "…"
+
+
+def refusal_error(
+    what: str,
+    arg: str,
+    value: object,
+    nbytes: int,
+    device: torch.device | str | None,
+    *,
+    detail: str = "",
+    fix: str = "",
+    tree: bool = False,
+) -> MemoryRefusal | None:
+    """The refusal when ``nbytes`` (the estimate for ``arg=value``) cannot fit on ``device``,
+    else None (see the module docstring): its message, and its parts for a one-line report
+    (``problem``: the estimate and what is available, in a few words).
 
     Args:
         what: the entry point, e.g. ``"permute"``.
@@ -135,10 +169,21 @@ def refusal(
     how = f" ({detail})" if detail else ""
     change = f": {fix}" if fix else ""
     prefix = f"{what}: " if what else ""
-    return (
+    usable = int(SHARE * avail)
+    return MemoryRefusal(
         f"{prefix}{arg}={value} needs about {format_bytes(nbytes)}{how}, more than the "
-        f"{format_bytes(SHARE * avail)} available on {dev} ({SHARE:.0%} of "
-        f"{format_bytes(avail)}, {source}; the rest is headroom){change}"
+        f"{format_bytes(usable)} available on {dev} ({SHARE:.0%} of "
+        f"{format_bytes(avail)}, {source}; the rest is headroom){change}",
+        arg=arg,
+        value=value,
+        nbytes=int(nbytes),
+        usable=usable,
+        avail=int(avail),
+        source=source,
+        problem=f"needs ~{format_bytes(nbytes)}, {format_bytes(usable)} available "
+        f"({SHARE:.0%} of {short_source(source)})",
+        fix=fix,
+        detail=detail,
     )
 
 
@@ -149,11 +194,12 @@ def raise_refusal(message: str | None) -> None:
 
 
 def check_fits(*args: Any, **kwargs: Any) -> None:
-    """Raise ValueError with ``refusal``'s message (same arguments) when the estimate cannot fit:
-    ``check_fits(what, arg, value, nbytes, device, *, detail="", fix="", tree=False)``."""
-    msg = refusal(*args, **kwargs)
-    if msg is not None:
-        raise ValueError(msg)
+    """Raise ``refusal_error``'s ``MemoryRefusal`` (a ValueError; same arguments) when the
+    estimate cannot fit: ``check_fits(what, arg, value, nbytes, device, *, detail="", fix="",
+    tree=False)``."""
+    err = refusal_error(*args, **kwargs)
+    if err is not None:
+        raise err
 
 
 # --------------------------------------------------------------------------- estimates

@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="flexdispatch", description="MoE expert-parallel dispatch: demo, presets and tools."
     )
     parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
+    parser.add_argument("--verbose", action="store_true", help=_VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=CliParser)
     from flexdispatch.cli import bench, config_cmd, demo, doctor, plan, presets_cmd
 
@@ -29,16 +30,23 @@ def build_parser() -> argparse.ArgumentParser:
     config_cmd.register(sub)
     for p in sub.choices.values():
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
+        p.add_argument(
+            "--verbose", action="store_true", default=argparse.SUPPRESS, help=_VERBOSE_HELP
+        )
     return parser
 
 
 _DEBUG_HELP = "on an error, print the traceback too (or set FLEXDISPATCH_DEBUG=1)"
+_VERBOSE_HELP = (
+    "print each step on stderr and, on an error, how it was worked out below the one error line "
+    "(or set FLEXDISPATCH_VERBOSE=1)"
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; every error is one line on stderr and a non-zero exit code."""
     _die_with_launcher()  # NOTE: first: before anything imports torch (seconds)
-    from flexdispatch.cli._common import print_error
+    from flexdispatch.cli._common import CliError, print_error
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -58,12 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         if exc is not watch.failed:
             return print_error(args.command, exc, args)
         _drop_stdout(watch.stream)
-        print(
-            f"flexdispatch {args.command}: error: cannot write to standard output: "
-            f"{exc.strerror or exc} (redirect it to a file that can be written)",
-            file=sys.stderr,
+        failed = CliError(
+            f"cannot write to standard output: {exc.strerror or exc}",
+            fix="redirect it to a file that can be written",
         )
-        return 1
+        return print_error(args.command, failed, args)
     except Exception as exc:
         _end_stopped_peers(exc)
         return print_error(args.command, exc, args)

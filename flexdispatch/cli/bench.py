@@ -94,6 +94,74 @@ def bench_rank_bytes(*, T: int, H: int, E: int, k: int, R: int, elem: int, worst
     return int(kept + timed + other)
 
 
+def _tree_bytes(
+    R: int, T: int, H: int, E: int, k: int, elem: int, worst: bool, runtime: int
+) -> int:
+    """What the R spawned ranks and their parent hold together (``bench_rank_bytes`` each, and
+    each process its ``runtime``)."""
+    rank = bench_rank_bytes(T=T, H=H, E=E, k=k, R=R, elem=elem, worst_case=worst)
+    return R * rank + (R + 1) * runtime
+
+
+def _dominant(spec, elem: int, runtime: int, flags: tuple[str, ...], tree: bool) -> tuple[str, int]:
+    """The flag whose halving lowers the estimate most (the one the refusal names), and its
+    value: ``--world-size``, ``--tokens``, ``--hidden`` or ``--experts`` (host arithmetic, one
+    estimate per flag)."""
+    sizes = {
+        "--world-size": spec.world_size,
+        "--tokens": spec.tokens,
+        "--hidden": spec.hidden,
+        "--experts": spec.experts,
+    }
+
+    def estimate(values: dict[str, int]) -> int:
+        R, T, H, E = (values[f] for f in ("--world-size", "--tokens", "--hidden", "--experts"))
+        if tree:
+            return _tree_bytes(R, T, H, E, spec.topk, elem, spec.worst_case, runtime)
+        return bench_rank_bytes(
+            T=T, H=H, E=E, k=spec.topk, R=R, elem=elem, worst_case=spec.worst_case
+        )
+
+    def lowered(flag: str) -> int:
+        return estimate({**sizes, flag: max(1, sizes[flag] // 2)})
+
+    # NOTE: a flag the user set (not at its default) is named when halving it lowers the estimate
+    # by a quarter or more, even where halving a default one would lower it a little more
+    # (`--tokens 2147483632` at the default --world-size 2 names --tokens); ties: the first
+    from flexdispatch.bench import BenchSpec
+
+    default = BenchSpec()
+    changed = [f for f in flags if sizes[f] != getattr(default, _FIELDS[f])]
+    base = estimate(sizes)
+    flag = min(flags, key=lowered)
+    if changed and flag not in changed:
+        mine = min(changed, key=lowered)
+        if 4 * (base - lowered(mine)) >= base:
+            flag = mine
+    return flag, sizes[flag]
+
+
+_FIELDS = {
+    "--world-size": "world_size",
+    "--tokens": "tokens",
+    "--hidden": "hidden",
+    "--experts": "experts",
+}
+
+
+def _refuse(flag: str, value: object, nbytes: int, detail: str, tree: bool, fix: str = "") -> None:
+    """``fits.check_fits`` for an estimate driven by ``flag=value``: the refusal (a
+    ``MemoryRefusal``) names ``flag`` as the option at fault."""
+    from flexdispatch._checks import fits
+
+    err = fits.refusal_error(
+        "", flag, value, nbytes, "cpu", detail=detail, fix=fix or f"lower {flag}", tree=tree
+    )
+    if err is not None:
+        err.option = flag
+        raise err
+
+
 def check_bench_memory(spec, runtime: int | None = None, runtime_source: str = "") -> None:
     """Refuse sizes whose spawned ranks cannot fit in this machine's memory (before spawning).
 
@@ -104,8 +172,8 @@ def check_bench_memory(spec, runtime: int | None = None, runtime_source: str = "
     what one process can take (``RLIMIT_AS`` too: it bounds each process on its own). The probe
     process runs only when needed: not when the ranks' rows alone already do not fit, nor when
     everything fits with the largest runtime allowance (``demo_machine.FALLBACK_BYTES``). The
-    flag named is the part that drives the estimate: ``--world-size`` (the runtimes),
-    ``--tokens`` (the rows) or ``--experts`` (the gate).
+    refusal (a ``MemoryRefusal``) names the flag whose halving lowers the estimate most
+    (``_dominant``).
     """
     from flexdispatch._checks import fits, sysmem
     from flexdispatch.bench import DTYPES
@@ -120,52 +188,59 @@ def check_bench_memory(spec, runtime: int | None = None, runtime_source: str = "
             runtime, runtime_source = 0, "not counted: the rows alone do not fit"
         elif usable is None or R * rank + (R + 1) * demo_machine.FALLBACK_BYTES <= usable:
             # NOTE: fits with the largest runtime allowance: nothing to measure
-            _check_one_rank(T, H, E, spec.dtype, rank, demo_machine.FALLBACK_BYTES)
+            _check_one_rank(spec, elem, rank, demo_machine.FALLBACK_BYTES)
             return
         else:
             runtime, _measured, runtime_source = demo_machine.measure_runtime("cpu")
-    parts = {
-        "--world-size": (R + 1) * runtime,
-        "--tokens": R * (rank - 4 * E * H),
-        "--experts": R * 4 * E * H,
-    }
     processes = (
         f" and the parent, each with {fits.format_bytes(runtime)} runtime ({runtime_source})"
         if runtime
         else f" (runtime {runtime_source})"
     )
-    flag = max(parts, key=lambda f: parts[f])
-    value = {"--world-size": R, "--experts": E, "--tokens": T}[flag]
-    fits.check_fits(
-        "",
+    flags = ("--world-size", "--tokens", "--hidden", "--experts")
+    flag, value = _dominant(spec, elem, runtime, flags, tree=True)
+    _refuse(
         flag,
         value,
-        sum(parts.values()),
-        "cpu",
-        detail=f"R={R} spawned ranks{processes}; each rank with T={T} x H={H} {spec.dtype} "
-        f"rows, their dispatch, combine and baselines, and an [E={E}, H] fp32 gate",
-        fix="lower --world-size, --tokens, --hidden or --experts",
+        R * rank + (R + 1) * runtime,
+        f"R={R} spawned ranks{processes}; each rank with T={T} x H={H} {spec.dtype} rows, their "
+        f"dispatch, combine and baselines, and an [E={E}, H] fp32 gate",
         tree=True,
     )
-    _check_one_rank(T, H, E, spec.dtype, rank, runtime)
+    _check_one_rank(spec, elem, rank, runtime)
 
 
-def _check_one_rank(T: int, H: int, E: int, dtype: str, rank: int, runtime: int) -> None:
+def _check_one_rank(spec, elem: int, rank: int, runtime: int) -> None:
     """One spawned rank (``rank`` bytes and ``runtime``) against what one process may take (this
-    process's ``RLIMIT_AS``, which every rank inherits, counts here)."""
+    process's ``RLIMIT_AS``, which every rank inherits, counts here). When the runtime alone is
+    most of it, the limit is at fault (``ulimit -v``), not a size."""
     from flexdispatch._checks import fits
 
-    flag = "--experts" if rank < 8 * E * H else "--tokens"
-    fits.check_fits(
-        "",
-        flag,
-        {"--experts": E, "--tokens": T}[flag],
-        runtime + rank,
-        "cpu",
-        detail=f"one spawned rank: T={T} x H={H} {dtype} rows, their dispatch, combine and "
-        f"baselines, an [E={E}, H] fp32 gate, and its runtime",
-        fix="lower --tokens, --hidden or --experts",
+    T, H, E = spec.tokens, spec.hidden, spec.experts
+    detail = (
+        f"one spawned rank: T={T} x H={H} {spec.dtype} rows, their dispatch, combine and "
+        f"baselines, an [E={E}, H] fp32 gate, and its runtime"
     )
+    if runtime >= rank:
+        err = fits.refusal_error(
+            "",
+            "runtime",
+            fits.format_bytes(runtime),
+            runtime + rank,
+            "cpu",
+            detail=detail,
+            fix="raise the address-space limit (ulimit -v unlimited)",
+        )
+        if err is not None and "RLIMIT_AS" in err.source:
+            import resource
+
+            err.option = "ulimit -v"
+            err.value = fits.format_bytes(resource.getrlimit(resource.RLIMIT_AS)[0]).replace(
+                " ", ""
+            )
+            raise err
+    flag, value = _dominant(spec, elem, runtime, ("--tokens", "--hidden", "--experts"), tree=False)
+    _refuse(flag, value, runtime + rank, detail, tree=False)
 
 
 def spec_from_args(args: argparse.Namespace):

@@ -34,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="print the MoEConfig YAML of a Hugging Face or Megatron model config",
         description="Import a Hugging Face config.json or a Megatron-Core argument file and print "
         "the flexdispatch MoEConfig as YAML.",
+        epilog=_supported_epilog(),
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="FILE", help="Hugging Face config.json (or its folder)")
@@ -48,38 +49,47 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _supported_epilog() -> str:
+    from flexdispatch.importers import supported_model_types
+
+    return "Hugging Face model types --from-hf imports: " + ", ".join(supported_model_types())
+
+
 def read_megatron_args(path: str | Path) -> dict[str, Any]:
     """The mapping stored in a Megatron argument file (``.json``; anything else is read as YAML).
 
     Raises:
         ValueError: the file is missing, does not parse, or does not hold a mapping.
     """
-    from flexdispatch._checks.files import read_config_file
+    from flexdispatch._checks.files import file_error, read_config_file
 
     path = Path(path)
     kind = "json" if path.suffix == ".json" else "yaml"
     data = read_config_file(path, kind=kind, what="Megatron argument file")
     if not isinstance(data, dict):
-        raise ValueError(
-            f"Megatron argument file {path} must hold a mapping of argument names, got "
-            f"{type(data).__name__}"
+        raise file_error(
+            "Megatron argument file",
+            path,
+            f"must hold a mapping of argument names, got {type(data).__name__}",
         )
     return data
 
 
 def run(args: argparse.Namespace) -> int:
     """Print (or write) the YAML; ValueError (exit 2) on bad input."""
-    from flexdispatch.cli._common import check_output_path, write_output
+    from flexdispatch.cli._common import check_output_path, option_scope, write_output
     from flexdispatch.importers import moe_config_from_hf, moe_config_from_megatron, to_yaml
 
     if args.output:
         check_output_path(args.output, "--output")
     if args.from_hf is not None:
-        cfg = moe_config_from_hf(args.from_hf, name=args.name)
+        with option_scope("--from-hf", args.from_hf):
+            cfg = moe_config_from_hf(args.from_hf, name=args.name)
     else:
-        data = read_megatron_args(args.from_megatron)
-        kwargs = {} if args.name is None else {"name": args.name}
-        cfg = moe_config_from_megatron(data, **kwargs)
+        with option_scope("--from-megatron", args.from_megatron):
+            data = read_megatron_args(args.from_megatron)
+            kwargs = {} if args.name is None else {"name": args.name}
+            cfg = moe_config_from_megatron(data, **kwargs)
     if getattr(args, "json", False):
         text = json.dumps(cfg.model_dump(mode="json"), indent=2) + "\n"
     else:

@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 
+from flexdispatch._checks.errors import InputError
 from flexdispatch._checks.sysmem import format_bytes
-from flexdispatch.cli._common import int_range, json_text, timeout_seconds
+from flexdispatch.cli._common import int_range, json_text, memory_size, timeout_seconds
 
 __all__ = ["DemoSpec", "register", "run", "run_rank", "check_against_reference"]
 
@@ -94,6 +95,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-memory",
+        type=memory_size,
         default=None,
         metavar="SIZE",
         help="memory the whole demo may use, runtime included, e.g. 4GiB or 512MiB (default "
@@ -104,8 +106,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+_VERBOSE = {"on": False}  # NOTE: set by run() from --verbose; read by the progress lines
+
+
 def _progress(msg: str) -> None:
-    print(f"[demo] {msg}", file=sys.stderr, flush=True)
+    """A step of the demo on stderr: a line with ``--verbose``, else a status line on a terminal
+    (``flexdispatch.cli._common.status``), nothing otherwise."""
+    from flexdispatch.cli._common import status
+
+    status("demo", msg, _VERBOSE["on"])
 
 
 # --------------------------------------------------------------------------- inputs
@@ -267,8 +276,9 @@ def _launcher_entry(
     join_launcher_group(backend, timeout_s)
     try:
         spec, plan, refusal = broadcast_object(planned, src=0)
-        if refusal is not None:
-            raise ValueError(refusal)
+        if refusal is not None:  # NOTE: rank 0's refusal, raised alike on every rank
+            message, parts = refusal
+            raise InputError(message, **parts)
         if dist.get_rank() == 0:
             _progress(plan[1])
         mine = run_rank(spec)
@@ -522,22 +532,29 @@ def _plan(
 
     cfg = load_config(args.preset)
     cfg.check_world(num_ranks, local_ranks if launcher else args.ranks_per_node)
-    max_memory = None if args.max_memory is None else demo_fit.parse_size(args.max_memory)
+    max_memory = args.max_memory
+    if isinstance(max_memory, str):  # NOTE: a caller's namespace, not parsed by argparse
+        max_memory = demo_fit.parse_size(max_memory)
     limit, why = demo_fit.memory_limit(max_memory)
     largest, largest_why = demo_fit.process_limit()
-    plan = demo_fit.fit_demo(
-        cfg,
-        num_ranks,
-        args.tokens,
-        worst_case=args.worst_case,
-        limit=limit,
-        limit_reason=why,
-        launcher=launcher,
-        local_ranks=local_ranks,
-        runtime=demo_fit.RUNTIME_BYTES if runtime is None else runtime[0],
-        largest_limit=largest,
-        largest_reason=largest_why,
-    )
+    try:
+        plan = demo_fit.fit_demo(
+            cfg,
+            num_ranks,
+            args.tokens,
+            worst_case=args.worst_case,
+            limit=limit,
+            limit_reason=why,
+            launcher=launcher,
+            local_ranks=local_ranks,
+            runtime=demo_fit.RUNTIME_BYTES if runtime is None else runtime[0],
+            largest_limit=largest,
+            largest_reason=largest_why,
+        )
+    except demo_fit.DemoTooBig as exc:
+        _name_the_option(exc, args, why, launcher)
+        raise
+
     spec = DemoSpec(
         preset=args.preset,
         backend=args.backend,
@@ -552,16 +569,52 @@ def _plan(
     return spec, plan, plan.shrink_line(cfg)
 
 
+def _name_the_option(exc, args: argparse.Namespace, limit_reason: str, launcher: bool) -> None:
+    """Name the option at fault in the demo's memory refusal (``demo_fit.DemoTooBig``): the
+    address-space limit when one process does not fit; ``--max-memory`` when it is the binding
+    limit (given or its default: raising it helps where the machine has more); else the ranks,
+    ``--nodes`` or ``--ranks-per-node`` (the larger; under a launcher, its ranks per node)."""
+    import resource
+
+    if exc.which == "largest":
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        exc.option, exc.value, exc.has_value = (
+            "ulimit -v",
+            format_bytes(soft).replace(" ", ""),
+            True,
+        )
+        exc.fix = "raise the address-space limit (ulimit -v unlimited)"
+    elif "--max-memory" in limit_reason and "available" not in limit_reason:
+        exc.option, exc.value = "--max-memory", format_bytes(args.max_memory or 0).replace(" ", "")
+        exc.has_value = args.max_memory is not None
+        exc.fix = "raise --max-memory if the machine has it, or use fewer ranks"
+    elif launcher:
+        exc.option, exc.fix = "--nproc-per-node", "start fewer ranks on this machine"
+    else:
+        nodes, per_node = args.nodes or 2, args.ranks_per_node or 2
+        flag, value = ("--nodes", nodes) if nodes >= per_node else ("--ranks-per-node", per_node)
+        exc.option, exc.value, exc.has_value = flag, value, True
+        exc.fix = "use fewer ranks"
+
+
 def run(args: argparse.Namespace) -> int:
     from flexdispatch.cli import demo_machine
-    from flexdispatch.cli._common import check_backend, group_failure
+    from flexdispatch.cli._common import (
+        check_backend,
+        clear_status,
+        group_failure,
+        option_scope,
+        verbose_enabled,
+    )
     from flexdispatch.config import load_config
     from flexdispatch.distributed import launcher_env
     from flexdispatch.launch import GroupError, spawn_group, under_launcher
 
     if args.tokens < 0 or args.iters < 1:  # NOTE: parse-time types check these on the CLI
         raise ValueError("--tokens must be >= 0 and --iters >= 1")
-    load_config(args.preset)  # fail fast on a bad preset, before spawning anything
+    _VERBOSE["on"] = verbose_enabled(args)
+    with option_scope("--preset", args.preset):
+        load_config(args.preset)  # fail fast on a bad preset, before spawning anything
     check_backend(args.backend)
     t0 = time.perf_counter()
     if under_launcher():
@@ -572,11 +625,12 @@ def run(args: argparse.Namespace) -> int:
             local,
         )
         if mismatch and os.environ.get("RANK") == "0":
-            _progress(
-                f"under a launcher: using its {world // local} node(s) × {local} rank(s); "
-                f"--nodes/--ranks-per-node are ignored"
+            print(
+                f"[demo] under a launcher: using its {world // local} node(s) × {local} "
+                f"rank(s); --nodes/--ranks-per-node are ignored",
+                file=sys.stderr,
             )
-        planned: tuple[Any, Any, str | None]
+        planned: tuple[Any, Any, tuple[str, dict[str, str]] | None]
         devices = demo_machine.launcher_devices(args, local)
         runtime = None
         try:
@@ -585,7 +639,10 @@ def run(args: argparse.Namespace) -> int:
             spec, plan, line = _plan(args, world, launcher=True, local_ranks=local, runtime=runtime)
             planned = (spec, (plan, line, runtime), None)
         except ValueError as exc:
-            planned = (None, None, str(exc))
+            parts = {k: getattr(exc, k, "") for k in ("problem", "option", "fix")}
+            if getattr(exc, "has_value", False):
+                parts["value"] = str(exc.value)  # type: ignore[attr-defined]
+            planned = (None, None, (str(exc), parts))
         _progress(f"devices: {devices.line()}; joining the launcher's process group")
         spec, (plan, line, runtime), results = _launcher_entry(
             planned, args.timeout, devices.backend
@@ -595,9 +652,11 @@ def run(args: argparse.Namespace) -> int:
         peaks = {"largest_rank": max((r.get("peak_rss") or 0) for r in results) or None}
     else:
         preset = load_config(args.preset)
-        nodes, per_node, devices = demo_machine.spawned_topology(
-            args, preset.router.num_experts, preset.check_world
-        )
+        given = {} if args.ranks_per_node is None else {"value": args.ranks_per_node}
+        with option_scope("--ranks-per-node", **given):
+            nodes, per_node, devices = demo_machine.spawned_topology(
+                args, preset.router.num_experts, preset.check_world
+            )
         R = nodes * per_node
         runtime = demo_machine.measure_runtime(devices.device_type, progress=_progress)
         spec, plan, line = _plan(args, R, launcher=False, local_ranks=R, runtime=runtime)
@@ -639,6 +698,7 @@ def run(args: argparse.Namespace) -> int:
         report["fit"]["runtime"] = {"allowance": runtime[0], "measured": runtime[1]}
         report["fit"]["runtime"]["source"] = runtime[2]
     report["wall_s"] = round(time.perf_counter() - t0, 2)
+    clear_status()
     if args.json:
         print(json_text(report))
     else:

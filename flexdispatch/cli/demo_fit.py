@@ -28,11 +28,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from flexdispatch._checks.errors import InputError
 from flexdispatch._checks.sysmem import AVAILABLE_ENV, SHARE, format_bytes, parse_size
 
 __all__ = [
     "AVAILABLE_ENV",
     "DEFAULT_MAX_MEMORY",
+    "DemoTooBig",
     "FitPlan",
     "MemoryEstimate",
     "available_memory",
@@ -42,6 +44,7 @@ __all__ = [
     "memory_limit",
     "parse_size",
     "process_limit",
+    "short_reason",
 ]
 
 GiB = 1 << 30
@@ -234,6 +237,31 @@ def estimate_memory(
 # --------------------------------------------------------------------------- the fit
 
 
+class DemoTooBig(InputError):
+    """The demo does not fit even at its smallest sizes (``fit_demo``); ``which``: ``"total"``
+    (all its processes together exceed the limit) or ``"largest"`` (one process exceeds what one
+    process may take: ``RLIMIT_AS``)."""
+
+    def __init__(self, message: str, *, problem: str, which: str) -> None:
+        super().__init__(message, problem=problem, detail=message)
+        self.which = which
+
+
+def short_reason(reason: str) -> str:
+    """A limit's reason (``memory_limit``, ``process_limit``) in a few words."""
+    from flexdispatch._checks.fits import short_source
+
+    for start in ("--max-memory", "the default --max-memory"):
+        if reason.startswith(start):
+            return start
+    if " available (" in reason:
+        source = reason.split(" available (", 1)[1].rsplit("), less than", 1)[0]
+        return f"{SHARE:.0%} of {short_source(source)}"
+    if " may take (" in reason:
+        return f"{SHARE:.0%} of {short_source(reason.split(' may take (', 1)[1].rstrip(')'))}"
+    return reason if len(reason) <= 40 else reason[:39] + "…"
+
+
 @dataclass(frozen=True)
 class FitPlan:
     """The sizes the demo runs, what was shrunk, the estimate and the limit it fits."""
@@ -354,21 +382,28 @@ def fit_demo(
             while T > 1 and over(est(chosen, T)):
                 T //= 2
             need = est(chosen, T)
+            shrunk = (
+                f"preset {cfg.name!r} on {num_ranks} rank(s) does not fit: even shrunk to "
+                f"hidden_size={chosen.hidden_size}, ffn_hidden_size={chosen.ffn_hidden_size}"
+                f" and {T} token(s) per rank"
+            )
             if need.total > limit:
-                raise ValueError(
-                    f"preset {cfg.name!r} on {num_ranks} rank(s) does not fit: even shrunk to "
-                    f"hidden_size={chosen.hidden_size}, ffn_hidden_size={chosen.ffn_hidden_size}"
-                    f" and {T} token(s) per rank it would need {need.describe()}, more than "
+                raise DemoTooBig(
+                    f"{shrunk} it would need {need.describe()}, more than "
                     f"{format_bytes(limit)} ({limit_reason}); use fewer ranks (--nodes, "
-                    f"--ranks-per-node) or a larger --max-memory if the machine has it"
+                    f"--ranks-per-node) or a larger --max-memory if the machine has it",
+                    problem=f"{num_ranks} rank(s) need ~{format_bytes(need.total)}, "
+                    f"{format_bytes(limit)} allowed ({short_reason(limit_reason)})",
+                    which="total",
                 )
             if over(need):
-                raise ValueError(
-                    f"preset {cfg.name!r} on {num_ranks} rank(s) does not fit: even shrunk to "
-                    f"hidden_size={chosen.hidden_size}, ffn_hidden_size={chosen.ffn_hidden_size}"
-                    f" and {T} token(s) per rank its largest process would need "
+                raise DemoTooBig(
+                    f"{shrunk} its largest process would need "
                     f"{format_bytes(need.largest)}, more than {format_bytes(largest_limit or 0)}"
-                    f" ({largest_reason}); raise the address-space limit (ulimit -v)"
+                    f" ({largest_reason}); raise the address-space limit (ulimit -v)",
+                    problem=f"one process needs ~{format_bytes(need.largest)}, "
+                    f"{format_bytes(largest_limit or 0)} allowed ({short_reason(largest_reason)})",
+                    which="largest",
                 )
         else:
             while lo < hi:  # the largest multiple of 8 in [8*lo, 8*hi] that fits

@@ -63,7 +63,15 @@ import argparse
 import json
 import sys
 
-from flexdispatch.cli._common import check_output_path, int_range, positive_float
+from flexdispatch.cli._common import (
+    CliError,
+    check_output_path,
+    int_range,
+    nonnegative_float,
+    one_line,
+    option_scope,
+    positive_float,
+)
 from flexdispatch.config import load_config
 
 __all__ = ["register", "run"]
@@ -97,7 +105,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--skew",
-        type=float,
+        type=nonnegative_float,
         default=0.0,
         help="expert-popularity skew added to the logits (0 = uniform; default 0)",
     )
@@ -178,34 +186,68 @@ def run(args: argparse.Namespace) -> int:
 
     if args.plot:
         check_output_path(args.plot, "--plot", "out.png")
-    cfg = load_config(args.preset if args.preset is not None else args.config)
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:  # NOTE: before the work, not after
+            raise CliError(
+                "needs matplotlib",
+                option="--plot",
+                value=args.plot,
+                fix="pip install 'flexdispatch[plot]'",
+                exit_code=2,
+            )
+    source = ("--preset", args.preset) if args.preset is not None else ("--config", args.config)
+    with option_scope(*source):
+        cfg = load_config(source[1])
     if args.num_sms <= 0 or args.num_sms % 2:
         raise ValueError(f"--num-sms must be a positive even number, got {args.num_sms}")
     if args.ll_tokens <= 0:
         raise ValueError(f"--ll-tokens must be positive, got {args.ll_tokens}")
+    R = args.nodes * args.ranks_per_node
+    if cfg.router.num_experts % R:
+        raise CliError(
+            f"num_experts={cfg.router.num_experts} is not divisible by R = nodes x "
+            f"ranks_per_node = {args.nodes} x {args.ranks_per_node} = {R}",
+            option=f"--nodes {args.nodes} --ranks-per-node",
+            value=args.ranks_per_node,
+            fix="pick a cluster whose rank count divides the experts",
+            exit_code=2,
+        )
     bar = LateProgress("plan", enabled=not getattr(args, "no_progress", False))
-    plan = plan_cluster(
-        cfg,
-        nodes=args.nodes,
-        ranks_per_node=args.ranks_per_node,
-        tokens=args.tokens,
-        skew=args.skew,
-        seed=args.seed,
-        elem_size=_DTYPE_BYTES[args.dtype],
-        nvlink_gbps=args.nvlink_gbps,
-        rdma_gbps=args.rdma_gbps,
-        num_sms=args.num_sms,
-        ll_max_tokens=args.ll_tokens,
-        max_logits=None if getattr(args, "exact", False) else MAX_LOGITS,
-        progress=bar,
+    scope = option_scope(
+        "--tokens",
+        args.tokens,
+        args={"nodes x ranks_per_node": ("--nodes", args.nodes), "num_experts": source},
     )
+    with scope:
+        plan = plan_cluster(
+            cfg,
+            nodes=args.nodes,
+            ranks_per_node=args.ranks_per_node,
+            tokens=args.tokens,
+            skew=args.skew,
+            seed=args.seed,
+            elem_size=_DTYPE_BYTES[args.dtype],
+            nvlink_gbps=args.nvlink_gbps,
+            rdma_gbps=args.rdma_gbps,
+            num_sms=args.num_sms,
+            ll_max_tokens=args.ll_tokens,
+            max_logits=None if getattr(args, "exact", False) else MAX_LOGITS,
+            progress=bar,
+        )
     bar.close()
     if args.plot:
         try:
-            path = plot_plan(plan, args.plot)
+            with option_scope("--plot", args.plot):
+                path = plot_plan(plan, args.plot)
         except ImportError as exc:
-            print(f"flexdispatch plan: error: {exc}", file=sys.stderr)
-            return 2
+            raise CliError(
+                one_line(exc),
+                option="--plot",
+                value=args.plot,
+                fix="pip install 'flexdispatch[plot]'",
+                exit_code=2,
+            ) from None
         if not args.json:
             print(f"plot written to {path}")
     if args.json:

@@ -26,6 +26,9 @@ def run(args: argparse.Namespace) -> int:
                 f"{r.score_function}{groups}"
             )
         return 0
-    cfg = load_config(args.name)
+    from flexdispatch.cli._common import option_scope
+
+    with option_scope("", args.name):
+        cfg = load_config(args.name)
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
     return 0

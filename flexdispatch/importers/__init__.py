@@ -51,9 +51,10 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from flexdispatch._checks.files import excerpt, validation_message
+from flexdispatch._checks.errors import InputError
+from flexdispatch._checks.files import excerpt
 from flexdispatch._checks.values import show
-from flexdispatch.config import MoEConfig, RouterConfig
+from flexdispatch.config import MoEConfig, RouterConfig, invalid_config
 from flexdispatch.importers._keys import _DEFAULTS_FROM, _NESTED, _Keys, _read_hf
 from flexdispatch.importers.deepseek import _deepseek, _nemotron_h, _v3_style
 from flexdispatch.importers.megatron import moe_config_from_megatron
@@ -105,6 +106,9 @@ _REFUSED = {
 }
 
 
+_SEE_SUPPORTED = "see flexdispatch config --help for the supported model types"
+
+
 def supported_model_types() -> list[str]:
     """The Hugging Face ``model_type`` values ``moe_config_from_hf`` imports."""
     return sorted({*_HF_FAMILIES, *_NESTED})
@@ -138,16 +142,20 @@ def moe_config_from_hf(
     top = _read_hf(config)
     mt = top.get("model_type")
     if not isinstance(mt, str):
-        raise ValueError(
+        raise InputError(
             f"model_type must be a string, got {show(mt)}: supported are "
-            f"{', '.join(supported_model_types())}"
+            f"{', '.join(supported_model_types())}",
+            problem=f"model_type must be a string, got {show(mt)}",
+            fix=_SEE_SUPPORTED,
         )
     if mt in _REFUSED:
         raise ValueError(f"model_type {mt!r} cannot be imported exactly: {_REFUSED[mt]}")
     if mt not in _HF_FAMILIES and mt not in _NESTED:
-        raise ValueError(
+        raise InputError(
             f"unsupported model_type {excerpt(mt)}: supported are "
-            f"{', '.join(supported_model_types())}"
+            f"{', '.join(supported_model_types())}",
+            problem=f"model_type {excerpt(mt)} is not supported",
+            fix=_SEE_SUPPORTED,
         )
     source: dict[str, str] = {"hf_model_type": mt}
     archs = top.get("architectures")
@@ -184,9 +192,7 @@ def moe_config_from_hf(
     try:
         return MoEConfig.model_validate(data)
     except ValidationError as exc:
-        raise ValueError(
-            f"{mt} config maps to an invalid MoEConfig: {validation_message(exc)}"
-        ) from None
+        raise invalid_config(exc, f"{mt} config maps to an invalid MoEConfig") from None
 
 
 def num_hash_layers(cfg: MoEConfig) -> int:

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from flexdispatch._checks.files import excerpt, read_config_file
+from flexdispatch._checks.files import excerpt, file_error, read_config_file
 from flexdispatch._checks.values import finite, integer, show
 
 _GATED_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu"}
@@ -400,10 +400,10 @@ def _read_hf(config: Mapping[str, Any] | str | Path) -> dict[str, Any]:
     if path.is_dir():
         path = path / "config.json"
     if not path.exists():
-        raise ValueError(f"config file {path} does not exist: pass a config.json or its folder")
+        raise file_error("config file", path, "does not exist", "pass a config.json or its folder")
     data = read_config_file(path, kind="json", what="config file")
     if not isinstance(data, dict):
-        raise ValueError(f"config file {path} must hold a JSON object, got {type(data).__name__}")
+        raise file_error("config file", path, f"must hold a JSON object, got {type(data).__name__}")
     return data
 
 

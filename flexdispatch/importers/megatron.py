@@ -8,9 +8,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from flexdispatch._checks.files import excerpt, key_text, validation_message
+from flexdispatch._checks.files import excerpt, key_text
 from flexdispatch._checks.values import finite, integer, show
-from flexdispatch.config import MoEConfig
+from flexdispatch.config import MoEConfig, invalid_config
 
 # Megatron-Core argument -> RouterConfig field, by the type Megatron's argparse gives it (a
 # value of another type is refused naming the argument: `vars(args)` never holds one).
@@ -198,6 +198,4 @@ def moe_config_from_megatron(args: Mapping[str, Any], *, name: str = "megatron")
     try:
         return MoEConfig.model_validate(data)
     except ValidationError as exc:
-        raise ValueError(
-            f"Megatron args map to an invalid MoEConfig: {validation_message(exc)}"
-        ) from None
+        raise invalid_config(exc, "Megatron args map to an invalid MoEConfig") from None

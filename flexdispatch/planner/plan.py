@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flexdispatch._checks.errors import InputError
 from flexdispatch._checks.values import check_int
 from flexdispatch.config import MoEConfig, RouterConfig
 from flexdispatch.planner.deepep import (
@@ -103,24 +104,32 @@ def _sample_tokens(R: int, T: int, E: int, variants: int, max_logits: int | None
         n = R * T * E * variants
         if n > EXACT_MAX_LOGITS:
             minutes = n / EXACT_LOGITS_PER_S / 60
-            raise ValueError(
+            raise InputError(
                 f"plan --exact: routing every token means R x T x E x variants = {R} x {T} x "
                 f"{E} x {variants} = {n} router logits, about {_duration(minutes)} at the "
                 f"{EXACT_LOGITS_PER_S / 1e6:g} M logits/s the planner routes on 2 CPU cores, "
                 f"more than its exact limit of {EXACT_MAX_LOGITS} logits: drop --exact (each "
                 f"rank routes a sample of its tokens and the counts are scaled, within seconds) "
-                f"or plan fewer tokens (--tokens)"
+                f"or plan fewer tokens (--tokens)",
+                problem=f"--exact routes {n:.3g} logits, about {_duration(minutes)} (the limit "
+                f"is {EXACT_MAX_LOGITS:.3g})",
+                fix="drop --exact (a scaled sample), or plan fewer tokens",
             )
         return T
     if R * T * E * variants <= max_logits:
         return T
     per_token = R * E * variants
     if per_token > max_logits:
-        raise ValueError(
+        err = InputError(
             f"plan: one token per rank already routes R x E x variants = {R} x {E} x {variants} = "
             f"{per_token} logits, more than the planner's budget of {max_logits} "
-            f"(plan_cluster's max_logits): plan fewer ranks or experts, or fewer variants"
+            f"(plan_cluster's max_logits): plan fewer ranks or experts, or fewer variants",
+            problem=f"one token per rank routes R x E x variants = {per_token:.3g} logits, more "
+            f"than the budget of {max_logits:.3g}",
+            fix="plan fewer ranks or experts",
+            arg="num_experts",
         )
+        raise err
     f = math.ceil(T / (max_logits // per_token))
     # NOTE: a divisor of T close above f scales the counts exactly (bounded search).
     exact = next((d for d in range(f, min(T, 2 * f, f + 4096) + 1) if T % d == 0), None)

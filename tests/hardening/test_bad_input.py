@@ -474,12 +474,12 @@ def test_dispatch_errors_leave_the_stats_untouched() -> None:
 # --------------------------------------------------------------------------- the CLI
 
 CLI_ERRORS = [
-    (["demo", "--preset", "nope"], "flexdispatch demo: error: unknown preset 'nope'"),
-    (["demo", "--tokens", "-1"], "flexdispatch demo: error: argument --tokens: must be >= 0"),
-    (["demo", "--nodes", "0"], "argument --nodes: must be >= 1, got 0"),
+    (["demo", "--preset", "nope"], "flexdispatch demo: error: --preset nope: unknown preset"),
+    (["demo", "--tokens", "-1"], "flexdispatch demo: error: --tokens: must be >= 0"),
+    (["demo", "--nodes", "0"], "--nodes: must be >= 1, got 0"),
     (
         ["plan", "--preset", "tiny_cpu", "--nodes", "0", "--ranks-per-node", "2"],
-        "flexdispatch plan: error: argument --nodes: must be >= 1, got 0",
+        "flexdispatch plan: error: --nodes: must be >= 1, got 0",
     ),
     (
         ["plan", "--preset", "tiny_cpu", "--nodes", "2", "--ranks-per-node", "3"],
@@ -487,11 +487,11 @@ CLI_ERRORS = [
     ),
     (
         ["plan", "--preset", "tiny_cpu", "--nodes", "2", "--ranks-per-node", "2", "--tokens", "-5"],
-        "argument --tokens: must be >= 1, got -5",
+        "--tokens: must be >= 1, got -5",
     ),
     (
         ["plan", "--preset", "tiny_cpu", "--nodes", "2", "--ranks-per-node", "2", "--skew", "nan"],
-        "skew must be a finite number >= 0, got nan",
+        "flexdispatch plan: error: --skew: must be a finite number >= 0, got nan",
     ),
     (
         ["plan", "--preset", "tiny_cpu", "--nodes", "1", "--ranks-per-node", "2", "--num-sms", "3"],
@@ -499,10 +499,10 @@ CLI_ERRORS = [
     ),
     (
         ["plan", "--preset", "nope", "--nodes", "1", "--ranks-per-node", "2"],
-        "flexdispatch plan: error: unknown preset 'nope'",
+        "flexdispatch plan: error: --preset nope: unknown preset",
     ),
-    (["config", "--from-hf", "missing.json"], "config file missing.json does not exist"),
-    (["config", "--from-megatron", "missing.yaml"], "missing.yaml does not exist"),
+    (["config", "--from-hf", "missing.json"], "--from-hf missing.json: does not exist"),
+    (["config", "--from-megatron", "missing.yaml"], "--from-megatron missing.yaml: does not exist"),
 ]
 
 
@@ -524,7 +524,7 @@ def test_cli_argument_type_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit) as info:
         cli_main(["plan", "--preset", "tiny_cpu", "--nodes", "x", "--ranks-per-node", "2"])
     assert info.value.code == 2
-    assert "argument --nodes: invalid int value: 'x'" in capsys.readouterr().err
+    assert "--nodes: invalid int value: 'x'" in capsys.readouterr().err
 
 
 def test_cli_entry_point_in_a_subprocess() -> None:
@@ -536,7 +536,7 @@ def test_cli_entry_point_in_a_subprocess() -> None:
         cwd=ROOT,
     )
     assert proc.returncode == 2
-    assert "flexdispatch demo: error: unknown preset 'nope'" in proc.stderr
+    assert "flexdispatch demo: error: --preset nope: unknown preset" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

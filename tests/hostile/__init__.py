@@ -13,7 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["ROOT", "run_cli", "AS_LIMIT", "cli_error"]
+__all__ = ["ROOT", "run_cli", "AS_LIMIT", "cli_error", "verbose_error", "MAX_LINE"]
+
+MAX_LINE = 200
+"""Longest error line the command line prints (issue 45)."""
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,4 +57,24 @@ def cli_error(argv: list[str], capsys) -> str:
     err = capsys.readouterr().err
     assert code == 2, err
     assert err.startswith(f"flexdispatch {argv[0]}: error: ") and err.count("\n") == 1, err
+    assert len(err) <= MAX_LINE + 1, err
+    return err
+
+
+def verbose_error(argv: list[str], capsys, code: int = 2) -> str:
+    """``flexdispatch.cli.main`` with ``--verbose`` after the command, in process: it must exit
+    ``code`` with the one error line (``flexdispatch <command>: error: ...``, at most
+    ``MAX_LINE`` characters) and then the detail (the library's whole message, whole paths),
+    each line indented; the whole of stderr."""
+    from flexdispatch.cli import main as cli_main
+
+    try:
+        got = cli_main([argv[0], "--verbose", *argv[1:]])
+    except SystemExit as exc:
+        got = int(exc.code or 0)
+    err = capsys.readouterr().err
+    first, *rest = err.splitlines()
+    assert got == code, err
+    assert first.startswith(f"flexdispatch {argv[0]}: error: ") and len(first) <= MAX_LINE, err
+    assert "Traceback" not in err and all(line.startswith("  ") for line in rest), err
     return err

@@ -22,7 +22,7 @@ import torch
 
 import flexdispatch as fd
 from flexdispatch._checks import fits, sysmem
-from tests.hostile import AS_LIMIT, ROOT
+from tests.hostile import AS_LIMIT, ROOT, verbose_error
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -379,8 +379,10 @@ def test_bench_counts_the_runtime_of_every_spawned_rank(ranks, no_spawn, monkeyp
     argv[argv.index("--experts") + 1] = str(ranks)
     assert _cli(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err
-    assert f"error: --world-size={ranks} needs about" in err
+    assert err.count("\n") == 1 and "Traceback" not in err and len(err) <= 201
+    assert f"error: --world-size {ranks}: needs ~" in err and ": lower --world-size" in err
+    assert "12.8 GiB available (80% of $FLEXDISPATCH_MEMORY_AVAILABLE)" in err
+    err = verbose_error(argv, capsys)  # NOTE: the derivation, with --verbose
     assert f"R={ranks} spawned ranks and the parent, each with 300.0 MiB runtime" in err
     assert "more than the 12.8 GiB available on cpu (80% of 16.0 GiB" in err
 
@@ -404,7 +406,7 @@ def test_bench_rows_are_counted_with_their_temporaries(no_spawn, monkeypatch, ca
     argv += ["--experts", "8", "--topk", "2", "--what", "layout", "--reps", "1", "--warmup", "0"]
     assert _cli(argv) == 2
     err = capsys.readouterr().err
-    assert "error: --tokens=600000 needs about" in err and "more than the 4.0 GiB" in err
+    assert "error: --tokens 600000: needs ~" in err and "4.0 GiB available" in err
     assert bench_rank_bytes(T=200000, H=1024, E=8, k=2, R=1, elem=2, worst_case=False) > 4.19e9
 
 
@@ -413,13 +415,17 @@ def test_plan_exact_is_bounded_with_its_estimate(capsys):
     argv = ["plan", "--preset", "tiny_cpu", "--nodes", "2", "--ranks-per-node", "2", "--exact"]
     assert _cli([*argv, "--tokens", "1000000000000000"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1, err
+    assert err.count("\n") == 1 and len(err) <= 201, err
+    assert (
+        "error: --tokens 1000000000000000: --exact routes 1.28e+17 logits, about 812 years" in err
+    )
+    err = verbose_error([*argv, "--tokens", "1000000000000000"], capsys)
     assert "= 4 x 1000000000000000 x 16 x 2 = 128000000000000000 router logits" in err
     assert "about 812 years at the 5 M logits/s the planner routes on 2 CPU cores" in err
     t0 = time.process_time()  # NOTE: CPU time: the work done, whatever else loads the machine
     assert _cli([*argv, "--tokens", "100000000"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1, err
+    assert capsys.readouterr().err.count("\n") == 1
+    err = verbose_error([*argv, "--tokens", "100000000"], capsys)
     assert "routing every token means R x T x E x variants = 4 x 100000000 x 16 x 2" in err
     assert "about 43 minutes at the 5 M logits/s" in err
     assert "more than its exact limit of 2147483648 logits: drop --exact" in err

@@ -34,22 +34,22 @@ def _one_line(err: str, command: str) -> None:
 
 
 PARSE_ERRORS = [
-    (["demo", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
-    (["demo", "--timeout", "-5"], "argument --timeout: must be a finite number > 0, got -5"),
-    (["demo", "--timeout", "0"], "argument --timeout: must be a finite number > 0"),
-    (["demo", "--timeout", "nan"], "argument --timeout: must be a finite number > 0"),
-    (["demo", "--iters", "0"], "argument --iters: must be >= 1"),
-    (["bench", "--timeout", "0"], "argument --timeout: must be a finite number > 0"),
-    (["bench", "--seed", "-3"], "argument --seed: must be >= 0"),
-    (["bench", "--tokens", "0"], "argument --tokens: must be >= 1"),
+    (["demo", "--seed", "-1"], "--seed: must be >= 0, got -1"),
+    (["demo", "--timeout", "-5"], "--timeout: must be a finite number > 0, got -5"),
+    (["demo", "--timeout", "0"], "--timeout: must be a finite number > 0"),
+    (["demo", "--timeout", "nan"], "--timeout: must be a finite number > 0"),
+    (["demo", "--iters", "0"], "--iters: must be >= 1"),
+    (["bench", "--timeout", "0"], "--timeout: must be a finite number > 0"),
+    (["bench", "--seed", "-3"], "--seed: must be >= 0"),
+    (["bench", "--tokens", "0"], "--tokens: must be >= 1"),
     (
         ["bench", "--experts", str(1 << 31)],
-        "argument --experts: must be <= 2147483647, got 2147483648",
+        "--experts: must be <= 2147483647, got 2147483648",
     ),
-    (["bench", "--topk", "33"], "argument --topk: must be <= 32, got 33"),
-    ([*PLAN, "--seed", "-1"], "argument --seed: must be >= 0"),
-    ([*PLAN, "--nvlink-gbps", "inf"], "argument --nvlink-gbps: must be a finite number > 0"),
-    (["demo", "--seed", "x"], "argument --seed: invalid int value: 'x'"),
+    (["bench", "--topk", "33"], "--topk: must be <= 32, got 33"),
+    ([*PLAN, "--seed", "-1"], "--seed: must be >= 0"),
+    ([*PLAN, "--nvlink-gbps", "inf"], "--nvlink-gbps: must be a finite number > 0"),
+    (["demo", "--seed", "x"], "--seed: invalid int value: 'x'"),
 ]
 
 
@@ -85,7 +85,7 @@ def test_bench_sizes_are_refused_before_spawning(monkeypatch, capsys):
         assert _code(argv) == 2
         err = capsys.readouterr().err
         _one_line(err, "bench")
-        assert f"error: {flag}=" in err and "available on cpu" in err
+        assert f"error: {flag} 2147483632: needs ~" in err and len(err) <= 201, err
 
 
 def test_output_paths_are_checked_before_the_work(tmp_path, capsys, monkeypatch):
@@ -173,7 +173,7 @@ def test_an_unexpected_error_is_one_line_too(monkeypatch, capsys):
     assert cli_main(["presets"]) == 1
     err = capsys.readouterr().err
     _one_line(err, "presets")
-    assert "RuntimeError: disk on fire second line (--debug" in err
+    assert "RuntimeError: disk on fire second line: --debug" in err
 
 
 def test_demo_runs_on_empty_batches(tmp_path):
@@ -213,7 +213,7 @@ def test_cli_in_subprocesses_under_a_memory_limit(tmp_path):
     assert last.startswith(
         "flexdispatch demo: error: rank(s) 0, 1 did not finish within --timeout 0.5 s while [2/3]"
     ), last
-    assert "raise --timeout" in last and "(last phase: rank" in last
+    assert "raise --timeout" in last and len(last) <= 200
     bomb = tmp_path / "b.yaml"
     bomb.write_text(
         "a: &a [1, 1]\n"
@@ -222,7 +222,7 @@ def test_cli_in_subprocesses_under_a_memory_limit(tmp_path):
             for i in range(1, 12)
         )
     )
-    proc = run_cli("presets", str(bomb), timeout=60)
+    proc = run_cli("presets", "b.yaml", timeout=60, cwd=tmp_path)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "expands to more than" in proc.stderr
     assert not os.environ.get("FLEXDISPATCH_DEBUG")
@@ -234,10 +234,10 @@ def test_cli_in_subprocesses_under_a_memory_limit(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["demo", "--timeout", "1e-9"], "argument --timeout: must be between 0.001 and 2147483"),
-        (["demo", "--timeout", "1e300"], "argument --timeout: must be between 0.001 and 2147483"),
-        (["bench", "--timeout", "1e-4"], "argument --timeout: must be between 0.001 and 2147483"),
-        (["bench", "--timeout", "3e6"], "argument --timeout: must be between 0.001 and 2147483"),
+        (["demo", "--timeout", "1e-9"], "--timeout: must be between 0.001 and 2147483"),
+        (["demo", "--timeout", "1e300"], "--timeout: must be between 0.001 and 2147483"),
+        (["bench", "--timeout", "1e-4"], "--timeout: must be between 0.001 and 2147483"),
+        (["bench", "--timeout", "3e6"], "--timeout: must be between 0.001 and 2147483"),
     ],
 )
 def test_timeouts_the_process_group_cannot_take_are_refused(argv, message, capsys):
@@ -301,11 +301,9 @@ def test_a_missing_peer_names_the_timeout(capsys, monkeypatch):
         assert _code([command, "--backend", "torch", "--timeout", "15"]) == 1
         err = capsys.readouterr().err.splitlines()[-1] + "\n"  # NOTE: after the demo's progress
         _one_line(err, command)
-        assert (
-            "rank 1 could not join the launcher's process group of 2 ranks within --timeout 15 s "
-            "(DistStoreError: Timed out after 16 seconds waiting for clients. 1/2 clients "
-            "joined.): start every rank"
-        ) in err
+        # NOTE: one line of at most 200 characters: its start and its end (what to do)
+        assert "rank 1 could not join the launcher" in err
+        assert "check MASTER_ADDR and MASTER_PORT, or raise --timeout" in err and len(err) <= 201
 
 
 def test_a_bad_thread_count_is_named_before_spawning(capsys, monkeypatch):

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from flexdispatch import load_config
-from tests.hostile import cli_error
+from tests.hostile import cli_error, verbose_error
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,10 +33,10 @@ def test_a_shadow_file_is_not_quoted(tmp_path, capsys):
         ["plan", "--config", str(path), "--nodes", "1", "--ranks-per-node", "2"],
         ["config", "--from-megatron", str(path)],
     ):
-        err = cli_error(argv, capsys)
+        err = cli_error(argv, capsys) + verbose_error(argv, capsys)  # NOTE: --verbose too
         for secret in ("S3CR3T", "Zx9Q2sd8", "$6$", "salt", "20228", "19000"):
             assert secret not in err, (argv, err)
-    err = cli_error(["presets", str(path)], capsys)
+    err = verbose_error(["presets", str(path)], capsys)
     assert "key #2 (" in err and "characters, starting 'ali'…)" in err
 
 
@@ -62,8 +62,10 @@ def test_a_yaml_error_gives_the_position_not_the_value(tmp_path, capsys, text, w
     path = tmp_path / "t.yaml"
     path.write_text(text)
     err = cli_error(["presets", str(path)], capsys)
-    assert f"{path} at {where} " in err and what in err, err
-    assert SECRET[:13] not in err, err  # NOTE: at most 12 characters of the file
+    assert f": {where} " in err, err
+    full = verbose_error(["presets", str(path)], capsys)
+    assert f"{path} at {where} " in full and what in full, full
+    assert SECRET[:13] not in err + full, err  # NOTE: at most 12 characters of the file
 
 
 def test_megatron_unknown_keys_are_named_in_full_only_when_shaped_like_arguments():
@@ -136,10 +138,12 @@ def test_a_huge_integer_is_named_with_its_position(tmp_path, capsys, name, text,
     err = cli_error([*argv, str(path)], capsys)
     line = 2 if name.endswith(".json") else 1
     column = text.splitlines()[line - 1].index("7") + 1
+    assert f"line {line}, column {column} holds an integer of more than 4300 digits" in err
+    full = verbose_error([*argv, str(path)], capsys)
     assert (
-        f"{path} at line {line}, column {column} holds an integer of more than 4300 digits" in err
+        f"{path} at line {line}, column {column} holds an integer of more than 4300 digits" in full
     )
-    assert "7" * 20 not in err
+    assert "7" * 20 not in err + full
 
 
 @pytest.mark.parametrize(
@@ -154,5 +158,7 @@ def test_control_characters_in_yaml_have_a_position(tmp_path, capsys, text, wher
     path = tmp_path / "c.yaml"
     path.write_bytes(text.encode())
     err = cli_error(["presets", str(path)], capsys)
-    assert f"{path} at {where} is not valid YAML: special characters are not allowed" in err
-    assert char in err and "secret" not in err
+    assert f"{where} is not valid YAML: special characters are not allowed" in err
+    full = verbose_error(["presets", str(path)], capsys)
+    assert f"{path} at {where} is not valid YAML: special characters are not allowed" in full
+    assert char in full and "secret" not in err + full

@@ -18,7 +18,7 @@ from flexdispatch.cli import main as cli_main
 from flexdispatch.config import DispatchConfig, MoEConfig, load_config
 from flexdispatch.importers import moe_config_from_hf, moe_config_from_megatron
 from flexdispatch.routing.hash import hash_routing
-from tests.hostile import cli_error
+from tests.hostile import cli_error, verbose_error
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -157,7 +157,8 @@ def test_yaml_booleans_are_not_integers(tmp_path, capsys):
         "name: t\nhidden_size: yes\nffn_hidden_size: 96\nrouter:\n  num_experts: 16\n  topk: on\n"
     )
     err = cli_error(["presets", str(path)], capsys)
-    assert "hidden_size: Value error, true is not a number" in err
+    assert "bool.yaml: 2 validation errors: hidden_size: Value error, true is not a" in err
+    err = verbose_error(["presets", str(path)], capsys)
     assert "router.topk: Value error, true is not a number" in err
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from flexdispatch._checks.files import file_kind, read_config_file, write_file
 from flexdispatch.cli import main as cli_main
+from tests.hostile import verbose_error
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -98,20 +99,26 @@ def test_config_paths_that_are_not_files_are_named_so(specials, capsys):
         ):
             assert _code(argv) == 2, (name, argv)
             err = _one_line(capsys, argv[0])
+            assert f"not a regular file ({kind}" in err and "does not exist" not in err, err
+            err = verbose_error(argv, capsys)  # NOTE: the whole message, with --verbose
             assert f"{what} {path} is not a regular file ({kind}" in err, (name, err)
-            assert "does not exist" not in err
     with pytest.raises(ValueError, match=r"is not a regular file \(a FIFO\)"):
         read_config_file(specials["fifo"][0], kind="yaml")  # NOTE: no hang on the open
 
 
 def test_missing_and_folder_config_paths(tmp_path, capsys):
     assert _code(["presets", str(tmp_path / "nope.yaml")]) == 2
-    assert f"config file {tmp_path / 'nope.yaml'} does not exist" in _one_line(capsys, "presets")
+    assert "nope.yaml: does not exist" in _one_line(capsys, "presets")
+    err = verbose_error(["presets", str(tmp_path / "nope.yaml")], capsys)
+    assert f"config file {tmp_path / 'nope.yaml'} does not exist" in err
     assert _code(["presets", str(tmp_path)]) == 2
-    assert f"config file {tmp_path} is a folder" in _one_line(capsys, "presets")
+    assert ": is a folder: pass a YAML or JSON config file" in _one_line(capsys, "presets")
+    assert f"config file {tmp_path} is a folder" in verbose_error(
+        ["presets", str(tmp_path)], capsys
+    )
     (tmp_path / "dangling.yaml").symlink_to(tmp_path / "gone")
     assert _code(["presets", str(tmp_path / "dangling.yaml")]) == 2
-    assert "dangling.yaml does not exist" in _one_line(capsys, "presets")
+    assert "dangling.yaml: does not exist" in _one_line(capsys, "presets")
 
 
 @LINUX
@@ -134,6 +141,8 @@ def test_output_paths_that_are_not_files_are_refused_before_the_work(
         ):
             assert _code(argv) == 2, (name, argv)
             err = _one_line(capsys, argv[0])
+            assert f"error: {flag} " in err and f": is not a regular file ({kind})" in err, err
+            err = verbose_error(argv, capsys)
             assert f"{flag} {path} is not a regular file ({kind})" in err, err
     for argv, flag, path in (
         (["config", "--from-hf", str(HF), "-o", "/sys/x.yaml"], "--output", "/sys/x.yaml"),
@@ -141,15 +150,15 @@ def test_output_paths_that_are_not_files_are_refused_before_the_work(
     ):
         assert _code(argv) == 2
         err = _one_line(capsys, argv[0])
-        assert f"{flag} {path}: folder /{path.split('/')[1]} is in /proc or /sys" in err, err
+        assert f"{flag} {path}: its folder is in /proc or /sys: write elsewhere" in err, err
     assert not [p for p in opened if p in ("/dev/null.png", "/dev/full.png")], opened
 
 
 def test_plot_folder_suggests_a_png(tmp_path, capsys):
     assert _code([*PLAN, "--plot", str(tmp_path)]) == 2
-    assert f"is a folder: pass a file name, e.g. {tmp_path / 'out.png'}" in _one_line(
-        capsys, "plan"
-    )
+    assert "is a folder: pass a file name in it, e.g. out.png" in _one_line(capsys, "plan")
+    err = verbose_error([*PLAN, "--plot", str(tmp_path)], capsys)
+    assert f"is a folder: pass a file name, e.g. {tmp_path / 'out.png'}" in err
 
 
 @LINUX
@@ -216,6 +225,8 @@ def test_a_failed_write_names_the_flag_and_path(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(os, "fdopen", fdopen)
     assert _code(["config", "--from-hf", str(HF), "-o", str(out)]) == 2
     err = _one_line(capsys, "config")
+    assert "out.yaml: cannot be written: No space left on device" in err
+    err = verbose_error(["config", "--from-hf", str(HF), "-o", str(out)], capsys)
     assert f"--output {out} cannot be written: No space left on device" in err
 
 

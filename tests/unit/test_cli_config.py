@@ -163,8 +163,11 @@ def test_errors_exit_2_with_a_clear_message(
     code, out, err = _run(capsys, *(a.format(**files) for a in argv))
     assert code == 2
     assert out == ""
-    assert err.startswith("flexdispatch config: error: ")
-    assert message in err
+    assert err.startswith("flexdispatch config: error: ") and err.count("\n") == 1, err
+    assert len(err) <= 201, err
+    # NOTE: the whole message (a temporary folder's path is long) with --verbose
+    code, out, err = _run(capsys, "--verbose", *(a.format(**files) for a in argv))
+    assert code == 2 and message in err, err
 
 
 @pytest.mark.parametrize(

@@ -170,11 +170,19 @@ def test_cli_refuses_before_spawning(monkeypatch: pytest.MonkeyPatch, capsys) ->
     argv = ["demo", "--preset", "deepseek_v3", "--nodes", "2", "--ranks-per-node", "2"]
     assert cli_main(argv) == 2
     err = capsys.readouterr().err
-    assert "flexdispatch demo: error: preset 'deepseek_v3' on 4 rank(s) does not fit" in err
+    assert err == (
+        "flexdispatch demo: error: --nodes 2: 4 rank(s) need ~2.0 GiB, 819.2 MiB allowed (80% "
+        "of $FLEXDISPATCH_MEMORY_AVAILABLE): use fewer ranks\n"
+    )
+    assert cli_main([*argv, "--verbose"]) == 2
+    err = capsys.readouterr().err  # NOTE: the derivation with --verbose
+    assert "preset 'deepseek_v3' on 4 rank(s) does not fit" in err
     assert "would need" in err and "available ($FLEXDISPATCH_MEMORY_AVAILABLE)" in err
     assert "spawning" not in err and "Traceback" not in err
-    assert cli_main(["demo", "--max-memory", "much"]) == 2
-    assert "'much' is not a memory size" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # NOTE: refused at parse time, before the runtime probe
+        cli_main(["demo", "--max-memory", "much"])
+    err = capsys.readouterr().err
+    assert err.startswith("flexdispatch demo: error: --max-memory: 'much' is not a memory size")
 
 
 def test_cli_refusal_in_a_subprocess_is_quick_and_clean() -> None:
@@ -190,7 +198,9 @@ def test_cli_refusal_in_a_subprocess_is_quick_and_clean() -> None:
         env={**os.environ, "FLEXDISPATCH_RUNTIME_BYTES": "400MiB"},
     )
     assert proc.returncode == 2, proc.stderr
-    assert "does not fit" in proc.stderr and "600.0 MiB (--max-memory 600.0 MiB)" in proc.stderr
+    assert proc.stderr.startswith("flexdispatch demo: error: --max-memory 600.0MiB: 4 rank(s) need")
+    assert "600.0 MiB allowed (--max-memory): raise --max-memory" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and len(proc.stderr) <= 201, proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
