@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flexdispatch._checks.errors import InputError
 from flexdispatch._checks.files import excerpt
 
 __all__ = [
@@ -372,9 +373,13 @@ def _resolve_master_addr(port: int, timeout_s: float) -> None:
         if not found
         else (getattr(found[0], "strerror", None) or str(found[0]))
     )
-    raise ValueError(
+    raise InputError(
         f"$MASTER_ADDR={excerpt(addr, 40)} does not resolve ({why}): set MASTER_ADDR to the "
-        f"rank-0 host"
+        f"rank-0 host",
+        option="$MASTER_ADDR",
+        value=addr,
+        problem=f"does not resolve ({why})",
+        fix="set MASTER_ADDR to the rank-0 host",
     )
 
 

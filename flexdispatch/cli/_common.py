@@ -416,17 +416,16 @@ def check_backend(backend: str, flag: str = "--backend") -> None:
 
 _EXITED = re.compile(r"^process exited with code (.+?) before reporting \((.*)\)$")
 _ENDED = "ended by the parent"
-GROUP_LINE = 170
-"""The longest ``group_failure`` message: with ``flexdispatch CMD: error: `` the line stays
-within 200 characters."""
 
 
 def group_failure(exc: Any, *, phase: str, timeout_s: float) -> CliError:
-    """A spawned group's failure (``launch.GroupError``) as one line of at most ``GROUP_LINE``
-    characters: the first rank to fail (``exc.first``), what it was doing then (its own phase:
-    starting, joining the group; ``phase``, the caller's step, once it ran the work), what it
-    reported, and what became of the others; or, when ranks ran out of time, the flag to change."""
+    """A spawned group's failure (``launch.GroupError``) as one error: when ranks ran out of time,
+    ``--timeout`` and how to raise it; else the first rank to fail (``exc.first``), what it was
+    doing then (its own phase while it started or joined the group; ``phase``, the caller's step,
+    once it ran the work), what it reported and what became of the others. Each rank's last line
+    is the detail (``--verbose``); ``format_error`` fits the line in 200 characters."""
     errors: dict[int, str] = getattr(exc, "errors", {}) or {}
+    detail = "\n".join(f"rank {r}: {_last_line(errors[r])}" for r in sorted(errors))
     ended = {r for r, e in errors.items() if e.startswith(_ENDED)}
     timed_out = sorted(r for r, e in errors.items() if "timed out" in e and r not in ended)
     if timed_out and len(timed_out) == len(errors):
@@ -440,13 +439,15 @@ def group_failure(exc: Any, *, phase: str, timeout_s: float) -> CliError:
             f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}: {p}" for p, rs in where.items()
         )
         return CliError(
-            f"rank(s) {ranks} did not finish within --timeout {timeout_s:g} s while {phase}"
-            + (f" (last phase: {last})" if last else "")
-            + f": raise --timeout (e.g. --timeout {max(60.0, 4 * timeout_s):g}) or make the run "
-            f"smaller (--tokens)"
+            f"rank(s) {ranks} did not finish while {phase}"
+            + (f" (last phase: {last})" if last else ""),
+            option="--timeout",
+            value=f"{timeout_s:g}",
+            fix=f"raise it (e.g. --timeout {max(60.0, 4 * timeout_s):g}) or use fewer --tokens",
+            detail=detail,
         )
     if not errors:
-        return CliError(_fit(f"the spawned ranks failed while {phase}: ", one_line(exc, 400), ""))
+        return CliError(f"the spawned ranks failed while {phase}: {one_line(exc, 400)}")
     failed = [r for r in errors if r not in ended] or sorted(errors)
     first = getattr(exc, "first", None)
     if first not in failed:
@@ -461,34 +462,23 @@ def group_failure(exc: Any, *, phase: str, timeout_s: float) -> CliError:
     where_now = phase if not own or own.startswith("running") else own
     others = []
     if len(failed) > 1:
-        rest = ", ".join(str(r) for r in sorted(failed) if r != first)
-        others.append(f"rank(s) {rest} failed too")
+        others.append(f"rank(s) {', '.join(str(r) for r in sorted(failed) if r != first)} failed")
     if ended:
         others.append(f"rank(s) {', '.join(map(str, sorted(ended)))} ended by the parent")
-    tail = (
-        f" ({'; '.join(others)}; --debug shows every rank's traceback)"
-        if others
-        else (" (--debug shows its traceback)")
-    )
+    rest = f" ({'; '.join(others)})" if others else ""
+    fix = "--debug shows every rank's traceback"
     if died:
-        return CliError(
-            _fit(f"rank {first} exited with code {died.group(1)} while {where_now}", "", tail)
-        )
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    last = lines[-1] if lines else "no message"
+        problem = f"rank {first} exited with code {died.group(1)} while {where_now}{rest}"
+        return CliError(problem, fix=fix, detail=detail)
+    last = _last_line(text)
     if "timed out" in last.lower() or "timeout" in last.lower():
-        tail = f"; raise --timeout (now {timeout_s:g} s){tail}"
-    return CliError(_fit(f"rank {first} failed while {where_now}: ", last, tail))
+        fix = f"raise --timeout (now {timeout_s:g} s); {fix}"
+    return CliError(f"rank {first} failed while {where_now}{rest}: {last}", fix=fix, detail=detail)
 
 
-def _fit(head: str, middle: str, tail: str, limit: int = GROUP_LINE) -> str:
-    """``head + middle + tail`` in at most ``limit`` characters: ``middle`` (a rank's message)
-    is cut first, then ``head``."""
-    room = limit - len(head) - len(tail)
-    if len(middle) > room:
-        middle = middle[: max(0, room - 1)] + "…" if room > 1 else ""
-    text = head + middle + tail
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "no message"
 
 
 def print_error(command: str, exc: BaseException, args: argparse.Namespace | None) -> int:
