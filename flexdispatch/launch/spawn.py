@@ -215,29 +215,13 @@ def _worker(
 
 
 def _loopback_store(world_size: int, timeout_s: float) -> tuple[Any, int]:
-    """The group's rendezvous store, served by this process on 127.0.0.1 only.
+    """The group's rendezvous store, served by this process on 127.0.0.1 only
+    (``flexdispatch.distributed.loopback_store``: a ``TCPStore`` that binds its own socket
+    listens on every interface, so the socket is bound here and handed over); and its port."""
+    from flexdispatch.distributed import loopback_store
 
-    ``TCPStore`` listens on every interface when it binds its own socket, so the socket is bound
-    here (to 127.0.0.1) and handed over (``master_listen_fd``; the store closes it).
-    """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(max(128, world_size))
-        port = sock.getsockname()[1]
-    except BaseException:
-        sock.close()
-        raise
-    store = dist.TCPStore(
-        "127.0.0.1",
-        port,
-        world_size,
-        True,
-        timeout=timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-        master_listen_fd=sock.detach(),
-    )
-    return store, port
+    store = loopback_store("127.0.0.1", 0, True, world_size, timeout_s)
+    return store, store.port
 
 
 RANK_RUNTIME_BYTES = 160 << 20
