@@ -220,21 +220,23 @@ def test_s9_an_unresolvable_master_addr_is_one_line_at_once():
 
 
 # --------------------------------------------------------------------------------------- S2
-def _kill_first_rank(box: dict) -> threading.Thread:
+def _kill_first_rank(box: dict, sig: signal.Signals) -> threading.Thread:
     def run() -> None:
         kids = _wait_for(lambda: _at_least(2, _children(os.getpid(), b"spawn_main")), 60, 0.02)
         if kids:
-            os.kill(kids[0], signal.SIGKILL)
+            os.kill(kids[0], sig)
             box["killed"], box["pid"] = time.monotonic(), kids[0]
 
     return threading.Thread(target=run, daemon=True)
 
 
-def test_s2_a_rank_that_dies_while_it_starts_ends_the_group_within_seconds():
+# NOTE: SIGTERM: reliability-5's inconclusive "SIGTERM one rank" rows, the same cause
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=lambda s: s.name)
+def test_s2_a_rank_that_dies_while_it_starts_ends_the_group_within_seconds(sig):
     from flexdispatch.launch import GroupError, spawn_group
 
     box: dict = {}
-    t = _kill_first_rank(box)
+    t = _kill_first_rank(box, sig)
     t.start()
     with pytest.raises(GroupError) as info:
         spawn_group(os.getpid, 2, timeout_s=45)
@@ -246,7 +248,8 @@ def test_s2_a_rank_that_dies_while_it_starts_ends_the_group_within_seconds():
     exc = info.value
     first = str(exc).splitlines()[0]
     assert first.startswith("1 of 2 ranks failed (rank 0: "), first
-    assert "-9 (SIGKILL)" in first and "ended by the parent after rank 0 failed" in first, first
+    assert f"-{int(sig)} ({sig.name})" in first, first
+    assert "ended by the parent after rank 0 failed" in first, first
     assert exc.first == 0 and exc.ended == {1}, (exc.first, exc.ended)
     assert exc.phases[0].startswith("starting"), exc.phases
     assert not _children(os.getpid(), b"spawn_main"), "a rank was left running"

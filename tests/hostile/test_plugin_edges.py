@@ -94,6 +94,21 @@ def test_tt_update_config_checks_the_job(tp, cp, lbs, seq, name):
     assert c.num_max_tokens_per_rank is None
 
 
+def test_tt_a_torchtitan_without_the_interface_is_named(monkeypatch):
+    # NOTE: reliability-5's inconclusive "older torchtitan without config.override" row
+    import sys
+
+    import torchtitan.config
+
+    import flexdispatch.integrations.torchtitan as fd_tt
+
+    monkeypatch.delitem(sys.modules, "flexdispatch.integrations._torchtitan")
+    monkeypatch.delattr(torchtitan.config, "override")
+    monkeypatch.setitem(sys.modules, "torchtitan.config.override", None)
+    with pytest.raises(ImportError, match=r"needs torchtitan's 0\.3\.0 interface .* is installed"):
+        fd_tt.update_flex_token_dispatcher_config(None, None)
+
+
 def test_tt_selective_ac_saves_flexdispatch_ops_by_default():
     import torch
     from torchtitan.distributed import activation_checkpoint as ac
