@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from tests.hostile import ROOT
+from tests.hostile import run_cli as _cli
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -68,20 +69,6 @@ def slow_site(tmp_path: Path) -> Path:
     d.mkdir()
     (d / "sitecustomize.py").write_text(SLOW_IMPORT)
     return d
-
-
-def _cli(*argv: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
-    full = {**os.environ, "PYTHONPATH": str(ROOT), **env}
-    full.pop("FLEXDISPATCH_DEBUG", None)
-    return subprocess.run(
-        [sys.executable, "-m", "flexdispatch.cli", *argv],
-        capture_output=True,
-        text=True,
-        errors="replace",
-        timeout=timeout,
-        env=full,
-        cwd=ROOT,
-    )
 
 
 def _state(pid: int) -> str | None:
@@ -154,17 +141,23 @@ def _end(*procs: subprocess.Popen | int | None) -> None:
 
 
 # --------------------------------------------------------------------------------------- S1
+def _a_typo_leaves_alive(job: subprocess.Popen, env: dict[str, str], what: str) -> None:
+    """A bad-input exit of flexdispatch (exit 2) under ``env`` leaves the stopped ``job`` alive;
+    ``job`` is ended afterwards, whatever happened."""
+    try:
+        p = _cli("presets", "/nonexistent.yaml", env=env)
+        assert p.returncode == 2, p.stderr
+        time.sleep(0.3)
+        assert _alive(job.pid), f"{what} (S1)"
+    finally:
+        _end(job)
+
+
 def test_s1_a_bad_input_exit_never_kills_a_stopped_job_of_the_same_shell():
     # NOTE: anything started under torchrun inherits TORCHELASTIC_RUN_ID; a Ctrl-Z'd job of the
     # same shell (this process) was SIGKILLed by a typo in a flexdispatch argument
     job = _stopped(subprocess.Popen(["sleep", "60"], env={**os.environ, **WORKER_ENV}), b"sleep")
-    try:
-        p = _cli("presets", "/nonexistent.yaml", env=WORKER_ENV)
-        assert p.returncode == 2, p.stderr
-        time.sleep(0.3)
-        assert _alive(job.pid), "the user's stopped job was SIGKILLed by a typo (S1)"
-    finally:
-        _end(job)
+    _a_typo_leaves_alive(job, WORKER_ENV, "the user's stopped job was SIGKILLed by a typo")
 
 
 def test_s1_even_a_real_worker_exiting_on_bad_input_touches_nobody():
@@ -181,12 +174,10 @@ def test_s1_even_a_real_worker_exiting_on_bad_input_touches_nobody():
     )
     try:
         _stopped(peer, b"flexdispatch.cli")
-        p = _cli("presets", "/nonexistent.yaml", env=workers)
-        assert p.returncode == 2, p.stderr
-        time.sleep(0.3)
-        assert _alive(peer.pid), "a bad-input exit SIGKILLed a stopped peer (S1)"
-    finally:
+    except BaseException:
         _end(peer)
+        raise
+    _a_typo_leaves_alive(peer, workers, "a bad-input exit SIGKILLed a stopped peer")
 
 
 # --------------------------------------------------------------------- S9: the launcher variable
