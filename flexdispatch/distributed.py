@@ -17,16 +17,23 @@ timeout, with the original error chained.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
+import ipaddress
 import json
 import math
+import os
 import socket
+import threading
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from flexdispatch._checks.errors import InputError
+from flexdispatch._checks.files import excerpt
 from flexdispatch._checks.values import env_int
 
 __all__ = [
@@ -48,8 +55,10 @@ __all__ = [
     "MAX_JSON_BYTES",
     "all_gather_json",
     "env_int",
+    "is_loopback",
     "join_launcher_group",
     "launcher_env",
+    "loopback_store",
     "local_world_size",
     "stable_hash",
     "check_fingerprint",
@@ -243,21 +252,129 @@ def launcher_env() -> dict[str, int]:
     }
 
 
+def _resolve_master_addr(port: int, timeout_s: float) -> None:
+    """``$MASTER_ADDR`` resolves to an address (a name service that does not answer within
+    ``min(timeout_s, 30)`` seconds counts as not resolving).
+
+    Raises:
+        ValueError: naming the variable and its value (an excerpt).
+    """
+    addr = os.environ.get("MASTER_ADDR", "").strip()
+    if not addr:
+        return  # NOTE: init_process_group names a missing one itself
+    found: list[BaseException | None] = []
+
+    def look_up() -> None:
+        try:
+            socket.getaddrinfo(addr.strip("[]"), port or None, type=socket.SOCK_STREAM)
+            found.append(None)
+        except (OSError, UnicodeError, ValueError) as exc:
+            found.append(exc)
+
+    t = threading.Thread(target=look_up, name="flexdispatch-master-addr", daemon=True)
+    t.start()
+    t.join(min(timeout_s, 30.0))
+    if found and found[0] is None:
+        return
+    why = (
+        "no answer from the name service"
+        if not found
+        else (getattr(found[0], "strerror", None) or str(found[0]))
+    )
+    raise InputError(
+        f"$MASTER_ADDR={excerpt(addr, 40)} does not resolve ({why}): set MASTER_ADDR to the "
+        f"rank-0 host",
+        option="$MASTER_ADDR",
+        value=addr,
+        problem=f"does not resolve ({why})",
+        fix="set MASTER_ADDR to the rank-0 host",
+    )
+
+
+def is_loopback(addr: str) -> bool:
+    """``addr`` (a ``MASTER_ADDR``) is a loopback address or ``localhost``."""
+    text = addr.strip().strip("[]")
+    if text.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(text).is_loopback
+    except ValueError:
+        return False
+
+
+def loopback_store(
+    addr: str, port: int, is_master: bool, world_size: int | None, timeout_s: float
+) -> Any:
+    """A ``TCPStore`` on the loopback address ``addr``: the master binds ``addr:port`` itself and
+    hands the socket over (``master_listen_fd``), so the store listens there only; a client
+    connects to it.
+
+    Raises:
+        OSError: the master cannot bind the port (in use).
+    """
+    host = "127.0.0.1" if addr.strip().lower() == "localhost" else addr.strip().strip("[]")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(max(128, world_size or 0))
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    return dist.TCPStore(
+        host,
+        port,
+        world_size,
+        True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
+
+
 def join_launcher_group(backend: str, timeout_s: float) -> None:
     """``init_process_group`` from a launcher's environment (``launcher_env``, checked first),
     with a failure to assemble the group (a rank that never started, a wrong address) as one
     ``CollectiveError`` naming ``--timeout`` and the fix instead of the store's own message.
 
+    With a loopback ``MASTER_ADDR`` (one machine) and no store of the agent's to share
+    (``TORCHELASTIC_USE_AGENT_STORE``), rank 0's store is bound to that address only
+    (``loopback_store``): ``scripts/launch/torchrun_single_node.sh`` listens nowhere else.
+
     Raises:
-        ValueError: a launcher variable is missing or malformed.
+        ValueError: a launcher variable is missing or malformed, or ``MASTER_ADDR`` does not
+            resolve (checked first, within ``timeout_s``: the store would retry a name that never
+            resolves for the whole timeout, with pages of C++ warnings).
         CollectiveError: the group did not form within ``timeout_s``.
     """
     import datetime
 
     env = launcher_env()
+    _resolve_master_addr(env["MASTER_PORT"], timeout_s)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    addr = os.environ.get("MASTER_ADDR", "")
     try:
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    except RuntimeError as exc:
+        if is_loopback(addr) and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            # NOTE: rank 0 would host the store itself (env://), and a TCPStore that binds its
+            # own socket listens on every interface: bound here, to the loopback address only
+            store = loopback_store(
+                addr, env["MASTER_PORT"], env["RANK"] == 0, env["WORLD_SIZE"], timeout_s
+            )
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=env["RANK"],
+                world_size=env["WORLD_SIZE"],
+                timeout=timeout,
+            )
+        else:
+            dist.init_process_group(backend, timeout=timeout)
+    except (RuntimeError, OSError) as exc:
         detail = " ".join(str(exc).split())
         detail = detail if len(detail) <= 200 else detail[:199] + "…"
         raise CollectiveError(

@@ -45,13 +45,13 @@ _VERBOSE_HELP = (
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; every error is one line on stderr and a non-zero exit code."""
+    _die_with_launcher()  # NOTE: first: before anything imports torch (seconds)
     from flexdispatch.cli._common import CliError, print_error
 
     parser = build_parser()
     args = parser.parse_args(argv)
     watch = _StdoutWatch(sys.stdout)
     sys.stdout = watch  # type: ignore[assignment]
-    _die_with_launcher()
     try:
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # NOTE: here, so that a full disk or device is reported (below)
@@ -64,7 +64,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except OSError as exc:
         if exc is not watch.failed:
-            _end_stopped_peers()
             return print_error(args.command, exc, args)
         _drop_stdout(watch.stream)
         failed = CliError(
@@ -73,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return print_error(args.command, failed, args)
     except Exception as exc:
-        _end_stopped_peers()
+        _end_stopped_peers(exc)
         return print_error(args.command, exc, args)
     finally:
         if sys.stdout is watch:
@@ -116,22 +115,51 @@ def _drop_stdout(stream: Any) -> None:
 def _die_with_launcher() -> None:
     """A torchrun worker ends with its agent, however the agent ends (a SIGKILLed torchrun
     otherwise leaves its workers running until their process-group timeout), also one that ended
-    before this worker got here (``flexdispatch.launch.lifetime.die_with_agent``: the pid the launch
-    recipes record). Nothing without a launcher."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        from flexdispatch.launch.lifetime import die_with_agent
+    before this worker got here (``flexdispatch.launch.lifetime.die_with_agent``: the pid the
+    launch recipes record). Run first, so that the worker is tied to its agent from the
+    interpreter's start, not after the seconds its imports take. Only a process that is provably
+    a worker (``lifetime.torchrun_worker``) is tied; nothing without a launcher.
 
-        die_with_agent()
+    Under a launcher's environment (``RANK`` and ``WORLD_SIZE`` set) it also sets
+    ``TORCH_CPP_LOG_LEVEL=ERROR`` unless the user set it, before torch is imported: c10d's C++
+    warnings (a store that cannot connect prints dozens of lines of native frames) would bury
+    the command line's one-line error."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ and not (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    ):
+        return
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    from flexdispatch.launch.lifetime import die_with_agent
+
+    die_with_agent()
 
 
-def _end_stopped_peers() -> None:
-    """This rank fails under a launcher: end the local workers of this job that are stopped
-    (``flexdispatch.launch.end_stopped_local_peers``), so that torchrun ends the job now rather
-    than after its 30 s grace (the job is over either way). Nothing without a launcher."""
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        from flexdispatch.launch import end_stopped_local_peers
+def _end_stopped_peers(exc: BaseException) -> None:
+    """This worker fails in a collective (``CollectiveError``: a peer hung, died or stopped):
+    end the stopped workers of its own job on this node
+    (``flexdispatch.launch.lifetime.end_stopped_local_peers``), so that torchrun ends the job now
+    rather than after its 30 s grace (the job is over either way). Never for any other error (bad
+    input, a file, a refusal): those touch no other process. Nothing unless this process is a
+    torchrun worker."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not _collective_failure(exc):
+        return
+    from flexdispatch.launch.lifetime import end_stopped_local_peers
 
-        end_stopped_local_peers()
+    end_stopped_local_peers()
+
+
+def _collective_failure(exc: BaseException | None) -> bool:
+    """``exc`` is, or was raised from, a failed collective (``CollectiveError``)."""
+    module = sys.modules.get("flexdispatch.distributed")  # NOTE: none raised if not imported
+    if module is None:
+        return False
+    seen = 0
+    while exc is not None and seen < 16:
+        if isinstance(exc, module.CollectiveError):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 if __name__ == "__main__":  # pragma: no cover

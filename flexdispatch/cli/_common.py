@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import math
 import os
+import re
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -447,11 +448,20 @@ def check_open_files(ranks: int) -> None:
         )
 
 
+_EXITED = re.compile(r"^process exited with code (.+?) before reporting \((.*)\)$")
+_ENDED = "ended by the parent"
+
+
 def group_failure(exc: Any, *, phase: str, timeout_s: float) -> CliError:
-    """A spawned group's failure (``launch.GroupError``) as one line: which ranks, in which phase,
-    what they reported, and the flag to change."""
+    """A spawned group's failure (``launch.GroupError``) as one error: when ranks ran out of time,
+    ``--timeout`` and how to raise it; else the first rank to fail (``exc.first``), what it was
+    doing then (its own phase while it started or joined the group; ``phase``, the caller's step,
+    once it ran the work), what it reported and what became of the others. Each rank's last line
+    is the detail (``--verbose``); ``format_error`` fits the line in 200 characters."""
     errors: dict[int, str] = getattr(exc, "errors", {}) or {}
-    timed_out = sorted(r for r, e in errors.items() if "timed out" in e)
+    detail = "\n".join(f"rank {r}: {_last_line(errors[r])}" for r in sorted(errors))
+    ended = {r for r, e in errors.items() if e.startswith(_ENDED)}
+    timed_out = sorted(r for r, e in errors.items() if "timed out" in e and r not in ended)
     if timed_out and len(timed_out) == len(errors):
         ranks = ", ".join(map(str, timed_out))
         where: dict[str, list[int]] = {}
@@ -463,23 +473,46 @@ def group_failure(exc: Any, *, phase: str, timeout_s: float) -> CliError:
             f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}: {p}" for p, rs in where.items()
         )
         return CliError(
-            f"rank(s) {ranks} did not finish within --timeout {timeout_s:g} s while {phase}"
-            + (f" (last phase: {last})" if last else "")
-            + f": raise --timeout (e.g. --timeout {max(60.0, 4 * timeout_s):g}) or make the run "
-            f"smaller (--tokens)"
+            f"rank(s) {ranks} did not finish while {phase}"
+            + (f" (last phase: {last})" if last else ""),
+            option="--timeout",
+            value=f"{timeout_s:g}",
+            fix=f"raise it (e.g. --timeout {max(60.0, 4 * timeout_s):g}) or use fewer --tokens",
+            detail=detail,
         )
     if not errors:
         return CliError(f"the spawned ranks failed while {phase}: {one_line(exc, 400)}")
-    first = min(errors)
-    lines = [ln.strip() for ln in errors[first].strip().splitlines() if ln.strip()]
-    last = lines[-1] if lines else "no message"
-    hint = ""
+    failed = [r for r in errors if r not in ended] or sorted(errors)
+    first = getattr(exc, "first", None)
+    if first not in failed:
+        first = min(failed)
+    text = errors[first].strip()
+    own = (getattr(exc, "phases", None) or {}).get(first)
+    died = _EXITED.match(text)
+    if died:
+        own = own or died.group(2)
+    # NOTE: a rank's own phase says more while it starts or joins; once it runs the work, the
+    # caller's step says which part of it
+    where_now = phase if not own or own.startswith("running") else own
+    others = []
+    if len(failed) > 1:
+        others.append(f"rank(s) {', '.join(str(r) for r in sorted(failed) if r != first)} failed")
+    if ended:
+        others.append(f"rank(s) {', '.join(map(str, sorted(ended)))} ended by the parent")
+    rest = f" ({'; '.join(others)})" if others else ""
+    fix = "--debug shows every rank's traceback"
+    if died:
+        problem = f"rank {first} exited with code {died.group(1)} while {where_now}{rest}"
+        return CliError(problem, fix=fix, detail=detail)
+    last = _last_line(text)
     if "timed out" in last.lower() or "timeout" in last.lower():
-        hint = f"; raise --timeout (now {timeout_s:g} s)"
-    return CliError(
-        f"rank {first} failed while {phase} ({len(errors)} of the ranks failed): {last}{hint} "
-        f"(--debug shows every rank's traceback)"
-    )
+        fix = f"raise --timeout (now {timeout_s:g} s); {fix}"
+    return CliError(f"rank {first} failed while {where_now}{rest}: {last}", fix=fix, detail=detail)
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "no message"
 
 
 def print_error(command: str, exc: BaseException, args: argparse.Namespace | None) -> int:

@@ -7,6 +7,7 @@ M received rows · N permuted rows.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, cast
 
 import torch
@@ -26,6 +27,9 @@ from flexdispatch.routing.dense import routing_map_to_topk
 from flexdispatch.types import Permutation
 
 __all__ = ["FlexdispatchManager", "FlexdispatchTokenDispatcher", "refusal"]
+
+_NOTED = {"permute_fusion": False}
+"""What this process has been told once (a warning per process, not per layer)."""
 
 
 def refusal(config: Any) -> str | None:
@@ -211,6 +215,14 @@ class FlexdispatchTokenDispatcher(MoEFlexTokenDispatcher):
         why = refusal(config)
         if why is not None:
             raise ValueError(why)
+        if getattr(config, "moe_permute_fusion", False) and not _NOTED["permute_fusion"]:
+            _NOTED["permute_fusion"] = True
+            warnings.warn(
+                "flexdispatch's Megatron plug-in permutes the received rows with its own kernels: "
+                "moe_permute_fusion=True (TransformerEngine's fused permutation) is not used by "
+                "its layers (said once per process)",
+                stacklevel=2,
+            )
         dispatch_config = _installed.MEGATRON.get("config") or DispatchConfig()
         MoETokenDispatcher.__init__(self, config=config, pg_collection=pg_collection)
         self.num_local_experts = num_local_experts

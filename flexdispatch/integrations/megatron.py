@@ -48,6 +48,8 @@ or ``megatron.core.jit.disable_jit_fuser()`` before the model is built skips it.
 from __future__ import annotations
 
 import importlib
+import sys
+import warnings
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -100,9 +102,12 @@ def install(dispatch_config: DispatchConfig | None = None) -> None:
             ``"auto"``). ``moe_flex_dispatcher_num_sms`` from Megatron's config fills
             ``deepep_num_sms`` when the config leaves it unset.
 
+    Warns when the installed megatron-core is not ``MEGATRON_CORE_CHECKED``'s release.
+
     Raises:
         TypeError: ``dispatch_config`` is not a ``DispatchConfig``.
-        ImportError: megatron-core does not import.
+        ImportError: megatron-core does not import, or its dispatcher interface is not the one
+            the plug-in subclasses (naming the installed and the checked release).
     """
     if dispatch_config is None:
         dispatch_config = DispatchConfig()
@@ -112,8 +117,8 @@ def install(dispatch_config: DispatchConfig | None = None) -> None:
             f"{type(dispatch_config).__name__}"
         )
     moe_layer = _moe_layer_module()
-    from flexdispatch.integrations import _megatron
-
+    _check_version()
+    _megatron = _impl()
     if "original" not in _STATE:
         _STATE["original"] = moe_layer.MoEFlexTokenDispatcher
     _STATE["config"] = dispatch_config
@@ -122,11 +127,65 @@ def install(dispatch_config: DispatchConfig | None = None) -> None:
 
 def uninstall() -> None:
     """Give ``moe_layer.MoEFlexTokenDispatcher`` back to Megatron's own class (a no-op when not
-    installed). Layers already built keep their dispatcher."""
+    installed). Layers already built keep their dispatcher. A name that something else rebound
+    after ``install`` (another plug-in) is left as it is, with a warning naming it."""
     original = _STATE.pop("original", None)
     _STATE.pop("config", None)
-    if original is not None:
-        _moe_layer_module().MoEFlexTokenDispatcher = original
+    if original is None:
+        return
+    moe_layer = _moe_layer_module()
+    ours = sys.modules.get("flexdispatch.integrations._megatron")
+    current = moe_layer.MoEFlexTokenDispatcher
+    if ours is not None and current is not ours.FlexdispatchTokenDispatcher:
+        warnings.warn(
+            f"flexdispatch.integrations.megatron.uninstall: moe_layer.MoEFlexTokenDispatcher is "
+            f"now {getattr(current, '__qualname__', current)!s}, bound after install(): left as "
+            f"it is (Megatron's own class was not put back over it)",
+            stacklevel=2,
+        )
+        return
+    moe_layer.MoEFlexTokenDispatcher = original
+
+
+def _version(text: str) -> tuple[int, ...] | None:
+    """``"0.19.2"`` -> ``(0, 19)``; None when it does not start with two numbers."""
+    parts = str(text).split(".")[:2]
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
+        return None
+    return tuple(int(p) for p in parts)
+
+
+def _installed_version() -> str:
+    core = sys.modules.get("megatron.core")
+    return str(getattr(core, "__version__", "unknown"))
+
+
+def _check_version() -> None:
+    """Warn when the installed megatron-core is another release than ``MEGATRON_CORE_CHECKED``
+    (major.minor): the plug-in subclasses Megatron's dispatcher interface, which moves between
+    releases."""
+    installed = _installed_version()
+    if _version(installed) != _version(MEGATRON_CORE_CHECKED):
+        warnings.warn(
+            f"flexdispatch's Megatron plug-in is checked on megatron-core {MEGATRON_CORE_CHECKED}; "
+            f"megatron-core {installed} is installed: its flex dispatcher interface may differ "
+            f"(run scripts/megatron_acceptance against it)",
+            stacklevel=3,
+        )
+
+
+def _impl() -> ModuleType:
+    """``flexdispatch.integrations._megatron``; an import failure (Megatron's interface moved)
+    named with the installed and the checked release."""
+    try:
+        return importlib.import_module("flexdispatch.integrations._megatron")
+    except ImportError as exc:
+        if "flexdispatch" in str(getattr(exc, "name", "") or ""):
+            raise
+        raise ImportError(
+            f"flexdispatch's Megatron plug-in needs megatron-core {MEGATRON_CORE_CHECKED}'s "
+            f"dispatcher interface; megatron-core {_installed_version()} is installed: {exc}"
+        ) from exc
 
 
 def installed_config() -> DispatchConfig | None:
@@ -137,5 +196,5 @@ def installed_config() -> DispatchConfig | None:
 def __getattr__(name: str) -> Any:
     if name in _LAZY:  # NOTE: these subclass Megatron's classes: importing them imports Megatron
         _moe_layer_module()
-        return getattr(importlib.import_module("flexdispatch.integrations._megatron"), name)
+        return getattr(_impl(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

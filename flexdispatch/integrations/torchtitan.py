@@ -41,12 +41,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # NOTE: at run time these load lazily (__getattr__): they import torchtitan
     from flexdispatch.integrations._torchtitan import (
+        FLEXDISPATCH_SAVE_OPS,
         FlexDispatchMetadata,
         FlexTokenDispatcher,
         flexdispatch_override,
     )
 
 __all__ = [
+    "FLEXDISPATCH_SAVE_OPS",
     "FlexDispatchMetadata",
     "FlexTokenDispatcher",
     "TORCHTITAN_CHECKED",
@@ -57,7 +59,12 @@ __all__ = [
 TORCHTITAN_CHECKED = "0.3.0"
 """The torchtitan release the dispatcher is tested on."""
 
-_LAZY = ("FlexTokenDispatcher", "FlexDispatchMetadata", "flexdispatch_override")
+_LAZY = (
+    "FLEXDISPATCH_SAVE_OPS",
+    "FlexTokenDispatcher",
+    "FlexDispatchMetadata",
+    "flexdispatch_override",
+)
 
 
 def _impl() -> Any:
@@ -69,7 +76,17 @@ def _impl() -> Any:
             f"{TORCHTITAN_CHECKED}; pip install --no-deps torchtitan=={TORCHTITAN_CHECKED} "
             f"spmd_types==0.2.3 tyro, plus triton): {exc}"
         ) from exc
-    return importlib.import_module("flexdispatch.integrations._torchtitan")
+    try:
+        return importlib.import_module("flexdispatch.integrations._torchtitan")
+    except ImportError as exc:
+        if "flexdispatch" in str(getattr(exc, "name", "") or ""):
+            raise
+        installed = getattr(sys.modules.get("torchtitan"), "__version__", "unknown")
+        raise ImportError(
+            f"flexdispatch.integrations.torchtitan needs torchtitan's {TORCHTITAN_CHECKED} "
+            f"interface (config.override, models.common.token_dispatcher); torchtitan "
+            f"{installed} is installed: {exc}"
+        ) from exc
 
 
 def update_flex_token_dispatcher_config(model_config: Any, job_config: Any) -> None:
@@ -79,8 +96,9 @@ def update_flex_token_dispatcher_config(model_config: Any, job_config: Any) -> N
     (``context_parallel_degree * tensor_parallel_degree``).
 
     Raises:
-        ValueError: ``seq_len`` not divisible by CP × TP, or a configured
-            ``num_max_tokens_per_rank`` below the job's tokens per rank.
+        ValueError: naming the field: ``context_parallel_degree``, ``tensor_parallel_degree``,
+            ``local_batch_size`` or ``seq_len`` not an int >= 1, ``seq_len`` not divisible by
+            CP × TP, or a configured ``num_max_tokens_per_rank`` below the job's tokens per rank.
     """
     _impl().update_flex_token_dispatcher_config(model_config, job_config)
 

@@ -2,9 +2,13 @@
 
 - ``spawn``: ``spawn_group``, a simulated expert-parallel group on one machine (gloo on
   127.0.0.1), used by ``flexdispatch demo`` / ``bench`` and the multi-process tests;
-- ``lifetime``: a rank ends with its parent or its launcher's agent, never hangs on a stopped peer;
+- ``lifetime``: a rank ends with its parent or its launcher's agent (a reaper for spawned ranks),
+  never hangs on a stopped peer, and acts on no other process unless it provably is a torchrun
+  worker whose collective failed;
 - ``wire``: objects between the ranks and the parent as plain bytes, never an unrestricted pickle;
-- ``devices``: which device each local rank gets (``python -m flexdispatch.launch.devices``).
+- ``devices``: which device each local rank gets (``python -m flexdispatch.launch.devices``);
+- ``store``: the single-node torchrun recipe's rendezvous store, on 127.0.0.1 only
+  (``python -m flexdispatch.launch.store``).
 
 The public names below are resolved lazily, so that importing ``lifetime`` or ``devices`` (the
 command line does, before anything else) does not import torch.

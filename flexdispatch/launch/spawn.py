@@ -33,10 +33,7 @@ import torch.distributed as dist
 
 from flexdispatch._checks.files import excerpt
 from flexdispatch._checks.values import check_int
-from flexdispatch.launch.lifetime import (
-    check_timeout,
-    die_with_parent,
-)
+from flexdispatch.launch.lifetime import Reaper, check_timeout, die_with_parent
 from flexdispatch.launch.wire import _dumps, _loads
 
 # NOTE: the public names are listed once, in ``flexdispatch.launch.__all__``
@@ -46,12 +43,29 @@ class GroupError(RuntimeError):
     """One or more ranks of a spawned group failed, died or timed out.
 
     Attributes:
-        errors: rank → the failure text (a traceback, an exit code, or "timed out").
+        errors: rank → why it returned nothing: its traceback, its exit code, "timed out", or
+            "ended by the parent after rank R failed" (``ended``).
+        first: the first rank to fail, by the time its failure reached the parent (the lowest
+            timed-out rank when the deadline passed).
+        phases: rank → what it was doing when it last reported (``"starting: ..."``,
+            ``"joining the process group"``, ``"running FN"``).
+        ended: the ranks the parent ended because another rank had failed (not failures).
     """
 
-    def __init__(self, message: str, errors: dict[int, str]) -> None:
+    def __init__(
+        self,
+        message: str,
+        errors: dict[int, str],
+        *,
+        first: int | None = None,
+        phases: dict[int, str] | None = None,
+        ended: frozenset[int] = frozenset(),
+    ) -> None:
         super().__init__(message)
         self.errors = errors
+        self.first = first if first is not None else min(errors, default=-1)
+        self.phases = dict(phases or {})
+        self.ended = frozenset(ended)
 
 
 def free_port() -> int:
@@ -102,6 +116,26 @@ def threads_per_rank(env: dict[str, str] | None = None) -> int:
 
 
 THREADS_ENV = "FLEXDISPATCH_THREADS"
+
+FAIL_GRACE_S = 2.0
+"""Once a rank of a spawned group failed (raised, or ended without reporting), how long the
+others may still report before ``spawn_group`` ends them: a peer of a failed collective reports
+its own error within milliseconds, while one waiting to join the group (a rank that died while
+starting) would wait for the whole process-group timeout."""
+
+_STARTING = "starting: importing and unpickling its function"
+
+
+def _signal_name(code: int | None) -> str:
+    """An exit code as ``multiprocessing`` reports it: ``-9`` is named ``-9 (SIGKILL)``."""
+    if code is None or code >= 0:
+        return str(code)
+    try:
+        import signal
+
+        return f"{code} ({signal.Signals(-code).name})"
+    except ValueError:
+        return str(code)
 
 
 class _ParentGone(Exception):
@@ -181,29 +215,13 @@ def _worker(
 
 
 def _loopback_store(world_size: int, timeout_s: float) -> tuple[Any, int]:
-    """The group's rendezvous store, served by this process on 127.0.0.1 only.
+    """The group's rendezvous store, served by this process on 127.0.0.1 only
+    (``flexdispatch.distributed.loopback_store``: a ``TCPStore`` that binds its own socket
+    listens on every interface, so the socket is bound here and handed over); and its port."""
+    from flexdispatch.distributed import loopback_store
 
-    ``TCPStore`` listens on every interface when it binds its own socket, so the socket is bound
-    here (to 127.0.0.1) and handed over (``master_listen_fd``; the store closes it).
-    """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(max(128, world_size))
-        port = sock.getsockname()[1]
-    except BaseException:
-        sock.close()
-        raise
-    store = dist.TCPStore(
-        "127.0.0.1",
-        port,
-        world_size,
-        True,
-        timeout=timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-        master_listen_fd=sock.detach(),
-    )
-    return store, port
+    store = loopback_store("127.0.0.1", 0, True, world_size, timeout_s)
+    return store, store.port
 
 
 RANK_RUNTIME_BYTES = 160 << 20
@@ -322,9 +340,13 @@ def spawn_group(
             so ``world_size`` may not exceed the GPUs visible).
         env: extra environment variables for the ranks.
 
-    Every rank ends with this process, whatever ends it (SIGTERM, SIGHUP, SIGKILL:
-    ``die_with_parent``), and so does multiprocessing's resource tracker (it exits once no
-    process holds its pipe).
+    Every rank ends with this process, whatever ends it (SIGTERM, SIGHUP, SIGKILL), whatever
+    the rank is doing, from its first instruction on: a ``lifetime.Reaper`` started before the
+    ranks kills them when this process ends, and each rank also arms its own parent-death signal
+    (``die_with_parent``) once it runs. multiprocessing's resource tracker exits once no process
+    holds its pipe. A rank that fails (raises, or ends without reporting: killed, or dead while it
+    starts) ends the group: the others get ``FAIL_GRACE_S`` to report their own errors, then they
+    are killed, rather than waiting for it until the process-group timeout.
 
     Returns:
         Each rank's return value, indexed by rank.
@@ -338,7 +360,8 @@ def spawn_group(
             ``backend`` not ``"gloo"`` or ``"nccl"``; ``fn`` a lambda or a local function
             (also inside a ``functools.partial``). Other objects that do not pickle raise when
             the ranks start, with nothing left behind.
-        GroupError: a rank raised (its traceback is in the message), died, or the deadline passed.
+        GroupError: a rank raised (its traceback is in the message), died, or the deadline
+            passed; ``first`` names the first rank to fail and ``phases`` what each was doing.
     """
     _check_spawn_args(fn, world_size, args, ranks_per_node, timeout_s, pg_timeout_s, backend, env)
     L = world_size if ranks_per_node is None else ranks_per_node
@@ -377,6 +400,10 @@ def spawn_group(
         )
         for rank in range(world_size)
     ]
+    # NOTE: the ranks end with this process from their first instruction on (a SIGKILL of this
+    # process while they import torch included): the reaper holds a pipe only this process
+    # writes, and kills them when the kernel closes it
+    reaper = Reaper()
     # NOTE: CUDA_VISIBLE_DEVICES must be in the child's environment from its first instruction
     # (an import calling torch.cuda.is_available() would read it before _worker runs).
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -385,6 +412,7 @@ def spawn_group(
             os.environ["CUDA_VISIBLE_DEVICES"] = child_env["CUDA_VISIBLE_DEVICES"]
         for p in procs:
             p.start()
+            reaper.track(p.pid)  # type: ignore[arg-type]
     except BaseException:
         # NOTE: e.g. args that do not pickle: end what started, close every pipe and the store
         for p in procs:
@@ -394,6 +422,7 @@ def spawn_group(
         for reader, writer in pipes:
             reader.close()
             writer.close()
+        reaper.close()
         del store
         raise
     finally:
@@ -406,16 +435,28 @@ def spawn_group(
     readers = {pipes[rank][0]: rank for rank in range(world_size)}
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
-    phases = dict.fromkeys(range(world_size), "starting: importing and unpickling its function")
+    phases = dict.fromkeys(range(world_size), _STARTING)
     deadline = time.monotonic() + timeout_s
+    first: int | None = None
+    grace_end = float("inf")  # NOTE: FAIL_GRACE_S after the first failure
+    ended: set[int] = set()
     try:
         while readers:
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            if now >= grace_end:
+                # NOTE: a rank failed: the others would wait for it until the process-group
+                # timeout (in the rendezvous, or in a collective): end them now
+                for r in readers.values():
+                    ended.add(r)
+                    errors[r] = f"ended by the parent after rank {first} failed ({phases[r]})"
+                break
+            remaining = deadline - now
             if remaining <= 0:
                 for r in readers.values():
                     errors[r] = f"timed out after {timeout_s:g} s ({phases[r]})"
                 break
-            for conn in mp_connection.wait(list(readers), timeout=min(remaining, 0.5)):
+            wait_s = min(remaining, 0.5, grace_end - now)
+            for conn in mp_connection.wait(list(readers), timeout=wait_s):
                 rank = readers[conn]  # type: ignore[index]
                 try:
                     data = conn.recv_bytes()
@@ -429,13 +470,16 @@ def spawn_group(
                 if not data:
                     procs[rank].join(timeout=1)
                     errors[rank] = (
-                        f"process exited with code {procs[rank].exitcode} before reporting"
-                        f" ({phases[rank]})"
+                        f"process exited with code {_signal_name(procs[rank].exitcode)} before "
+                        f"reporting ({phases[rank]})"
                     )
                 elif data[:1] == b"\x01":
                     results[rank] = _loads(data[1:])
+                    continue
                 else:
                     errors[rank] = data[1:].decode("utf-8", "replace")
+                if first is None:
+                    first, grace_end = rank, time.monotonic() + FAIL_GRACE_S
     finally:
         for conn in readers:
             conn.close()
@@ -444,15 +488,26 @@ def spawn_group(
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        reaper.close()
         del store
     if errors:
-        first = min(errors)
+        if first is None:  # NOTE: the deadline passed with no failure before it
+            first = min(errors)
+        failed = len(errors) - len(ended)
         summary = "; ".join(
-            f"rank {r}: {errors[r].strip().splitlines()[-1]}" for r in sorted(errors)
+            f"rank {r}: {errors[r].strip().splitlines()[-1]}" for r in _by_first(errors, first)
         )
         raise GroupError(
-            f"{len(errors)} of {world_size} ranks failed ({summary})\n"
+            f"{failed} of {world_size} ranks failed ({summary})\n"
             f"--- rank {first} ---\n{errors[first]}",
             errors,
+            first=first,
+            phases=phases,
+            ended=frozenset(ended),
         )
     return [results[r] for r in range(world_size)]
+
+
+def _by_first(errors: dict[int, str], first: int) -> list[int]:
+    """The ranks of ``errors``, the first to fail first, then by rank."""
+    return [first, *sorted(r for r in errors if r != first)]

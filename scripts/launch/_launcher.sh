@@ -105,6 +105,12 @@ if [[ -n "${TORCHRUN:-}" ]]; then
   if [[ ${#launcher[@]} -eq 0 ]] || ! command -v "${launcher[0]}" >/dev/null 2>&1; then
     refuse TORCHRUN "is not a command: unset it (the venv's torchrun or \$PYTHON -m torch.distributed.run is used)"
   fi
+  # NOTE: a command that is not torchrun (/bin/false, a typo for another tool) would fail after
+  # the checks with nothing naming it: its --help must list torchrun's --nproc-per-node
+  help=$( (if command -v timeout >/dev/null 2>&1; then timeout 60 "${launcher[@]}" --help; else "${launcher[@]}" --help; fi) 2>&1 || true)
+  if [[ "$help" != *--nproc-per-node* && "$help" != *--nproc_per_node* ]]; then
+    refuse TORCHRUN "does not run torchrun (its --help does not list --nproc-per-node): unset it, or point it at torchrun"
+  fi
 elif [[ -x "$venv/bin/torchrun" && "$PYTHON" == "$venv/bin/python" ]]; then
   launcher=("$venv/bin/torchrun")
 else
@@ -127,9 +133,10 @@ check_int_list OMP_NUM_THREADS 1 4096 "a number of threads"
 check_int TORCH_ELASTIC_SHUTDOWN_TIMEOUT 0 86400 "a number of seconds"
 check_ifname FLEXDISPATCH_IFNAME
 check_ifname GLOO_SOCKET_IFNAME
-# NOTE: a worker that ignores SIGTERM (stopped, or hung in a collective) is SIGKILLed after this
-# many seconds once torchrun ends the job (torchrun's default is 30): a hung peer ends the job
-# within --timeout plus a few seconds (docs/security.md)
+# NOTE: a worker that ignores SIGTERM is SIGKILLed after this many seconds when torchrun itself is
+# signalled (torchrun's default is 30). When a worker fails, torchrun waits a fixed 30 s whatever
+# this says: what ends a stopped peer then is the failing worker, which SIGKILLs the stopped
+# workers of its job (flexdispatch.launch.lifetime.end_stopped_local_peers; docs/security.md)
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-5}
 # store_note: one line on stderr, on a single node, saying where torchrun's store listens
 store_note() {

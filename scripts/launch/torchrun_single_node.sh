@@ -12,8 +12,8 @@
 # Environment:
 #   NPROC_PER_NODE    processes on this node (default: the GPU count from nvidia-smi, else 2)
 #   FLEXDISPATCH_CMD  sub-command: demo (default), bench, doctor, ...
-#   MASTER_PORT       set: static rendezvous on 127.0.0.1:MASTER_PORT; unset: torchrun --standalone
-#                     (c10d rendezvous on a free local port; works offline)
+#   MASTER_PORT       the port of the rendezvous store this script serves on 127.0.0.1 (unset: a
+#                     free one); torchrun joins it (c10d rendezvous; works offline)
 #   FLEXDISPATCH_VENV virtual environment (default: <repo>/.venv when it exists)
 #   PYTHON            interpreter (default: the venv's python, else python3)
 #   TORCHRUN          launcher command (default: the venv's torchrun, else `$PYTHON -m torch.distributed.run`)
@@ -23,11 +23,13 @@
 # Before torchrun, `python -m flexdispatch.launch.devices` compares NPROC_PER_NODE with the GPUs visible:
 # more processes than GPUs is refused with one line (exit 2) naming both and what to pass.
 #   GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME  interface of the process-group sockets (default lo:
-#                     loopback only; torchrun's rendezvous store itself is not bound, see
-#                     docs/security.md: the script says so on stderr before torchrun starts)
+#                     loopback only; the stores listen on 127.0.0.1 only, see below and
+#                     docs/security.md)
 #   TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds torchrun waits for a worker to end after SIGTERM before
-#                     SIGKILL (default here 5; torchrun's own is 30): a hung or stopped worker ends
-#                     the job within --timeout plus a few seconds
+#                     SIGKILL when torchrun itself is signalled (default here 5; torchrun's own is
+#                     30). For a failed worker group torchrun waits a fixed 30 s instead; a worker
+#                     whose collective fails first SIGKILLs the stopped workers of its job, so a
+#                     stopped or hung worker ends the job within --timeout plus a few seconds
 #
 # Every variable above is checked before anything starts (MASTER_PORT 1-65535, NPROC_PER_NODE a
 # positive integer, FLEXDISPATCH_CMD a sub-command, PYTHON a Python 3.10+, TORCHRUN a command, the
@@ -41,25 +43,46 @@ if [[ -z "${NPROC_PER_NODE:-}" ]]; then
 fi
 cmd=${FLEXDISPATCH_CMD:-demo}
 check_port
-if [[ -n "${MASTER_PORT:-}" ]]; then
-  rdzv=(--nnodes 1 --node-rank 0 --rdzv-backend static --master-addr 127.0.0.1 --master-port "$MASTER_PORT")
-else
-  rdzv=(--standalone --nnodes 1)
-fi
 check_devices "$NPROC_PER_NODE"
-store_note
-# One node: the workers' process-group sockets (gloo pairs, NCCL bootstrap) listen on the loopback
-# interface only, unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are exported (docs/security.md).
+# One node, nothing listens beyond the loopback interface (docs/security.md): the workers'
+# process-group sockets (gloo pairs, NCCL bootstrap) on lo, unless GLOO_SOCKET_IFNAME /
+# NCCL_SOCKET_IFNAME are exported; the stores on 127.0.0.1. torchrun's own stores bind every
+# interface (PyTorch's TCPStore, whatever the address given), so this script serves the rendezvous
+# store itself on 127.0.0.1 (python -m flexdispatch.launch.store, which ends with torchrun) and
+# torchrun joins it as a client; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 keeps torchrun from making a
+# second store for the workers, whose own store flexdispatch binds to 127.0.0.1 (rank 0, from
+# MASTER_ADDR=127.0.0.1: --local-addr).
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo}
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-args=("${launcher[@]}" "${rdzv[@]}" --nproc-per-node "$NPROC_PER_NODE" --max-restarts 0
-      -m flexdispatch.cli "$cmd" "$@")
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+rdzv_args() {  # rdzv_args PORT: torchrun's rendezvous on the store at 127.0.0.1:PORT
+  rdzv=(--nnodes 1 --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$1" --rdzv-conf is_host=false
+        --rdzv-id "flexdispatch-$$" --local-addr 127.0.0.1)
+}
 if [[ "${FLEXDISPATCH_DRY_RUN:-0}" == "1" ]]; then
+  rdzv_args "${MASTER_PORT:-PORT}"
+  args=("${launcher[@]}" "${rdzv[@]}" --nproc-per-node "$NPROC_PER_NODE" --max-restarts 0
+        -m flexdispatch.cli "$cmd" "$@")
   printf '%q ' "${args[@]}"; echo
   exit 0
 fi
-# the agent's pid for its workers (exec keeps this shell's pid: flexdispatch.launch.lifetime)
+fifo_dir=$(mktemp -d)
+mkfifo "$fifo_dir/port"
+"$PYTHON" -m flexdispatch.launch.store --port "${MASTER_PORT:-0}" > "$fifo_dir/port" &
+store_pid=$!
+port=""
+read -r -t 120 port < "$fifo_dir/port" || true
+rm -rf "$fifo_dir"
+if [[ ! "$port" =~ ^[0-9]+$ ]]; then
+  kill "$store_pid" 2>/dev/null || true
+  exit 2  # NOTE: the store said why (a port in use), in one line
+fi
+rdzv_args "$port"
+args=("${launcher[@]}" "${rdzv[@]}" --nproc-per-node "$NPROC_PER_NODE" --max-restarts 0
+      -m flexdispatch.cli "$cmd" "$@")
+# the agent's pid for its workers (exec keeps this shell's pid: flexdispatch.launch.lifetime); the
+# store, this shell's child, is then torchrun's and ends with it
 export FLEXDISPATCH_LAUNCHER_PID=$$
 exec "${args[@]}"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -408,6 +409,12 @@ def plugin_lifecycle() -> dict[str, Any]:
             layer = build_layer(config, "flex")
             out["backend_name"] = layer.token_dispatcher.dispatcher.backend_name
             out["cudagraph_attrs"] = list(layer.token_dispatcher.cudagraph_attrs)
+            config.moe_permute_fusion = True  # NOTE: accepted, not used: said once per process
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                _build_layer_as_is(config), _build_layer_as_is(config)
+            out["permute_fusion"] = [str(w.message) for w in said if "permute" in str(w.message)]
+            config.moe_permute_fusion = False
             config.moe_pad_expert_input_to_capacity = True  # NOTE: after Megatron's own checks
             try:
                 _build_layer_as_is(config)

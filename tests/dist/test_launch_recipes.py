@@ -1,7 +1,7 @@
 """The launch recipes in scripts/launch/ on this CPU machine.
 
-- ``torchrun_single_node.sh`` runs ``flexdispatch demo`` (static rendezvous) and ``bench``
-  (``--standalone``) with two gloo ranks;
+- ``torchrun_single_node.sh`` runs ``flexdispatch demo`` (its store on ``MASTER_PORT``, every
+  listening socket of the job on 127.0.0.1) and ``bench`` (a free port) with two gloo ranks;
 - ``torchrun_multi_node.sh`` runs as two agents on 127.0.0.1 (2 nodes x 2 ranks, static
   rendezvous), and ``flexdispatch demo`` must see 2 nodes from the launcher's environment;
 - ``slurm_flexdispatch.sbatch`` passes ``bash -n`` and, with stand-ins for ``scontrol`` and
@@ -14,11 +14,14 @@ Every subprocess has a timeout. Shape letters: R ranks · L ranks per node · N 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shlex
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -54,6 +57,7 @@ _LAUNCHER_ENV = (
 # NOTE: the runs below are gloo runs on the CPU, whatever GPUs the machine has (the recipes hide
 # them from the workers); the dry runs fake 8 GPUs so that the device check passes everywhere.
 CPU = {"FLEXDISPATCH_DEVICE": "cpu"}
+LOOPBACK4 = "0100007F"  # NOTE: 127.0.0.1 as /proc/net/tcp writes it
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -76,13 +80,59 @@ def _demo_summary(text: str) -> tuple[int, int, int]:
     return int(m.group(1)), int(m.group(2)), int(m.group(3))
 
 
+def _tree(root: int) -> list[int]:
+    """``root`` and every process below it."""
+    kids: dict[int, list[int]] = {}
+    for e in os.listdir("/proc"):
+        if e.isdigit():
+            try:
+                stat = Path(f"/proc/{e}/stat").read_text()
+            except OSError:
+                continue
+            kids.setdefault(int(stat[stat.rindex(")") + 2 :].split()[1]), []).append(int(e))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += kids.get(pid, [])
+    return out
+
+
+def _run_watching_listeners(cmd: list[str], env: dict[str, str], timeout: float = 150):
+    """``cmd`` run to its end, and every (address hex, port) its process tree listened on (TCP,
+    sampled every 50 ms)."""
+    from tests.hostile.test_security import _listening
+
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    seen: set[tuple[str, int]] = set()
+    deadline = time.monotonic() + timeout
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                seen.update((addr, port) for _, addr, port in _listening(_tree(proc.pid)))
+            time.sleep(0.05)
+        out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), seen
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(200)
-def test_single_node_demo_under_torchrun() -> None:
+def test_single_node_demo_under_torchrun_listens_on_loopback_only() -> None:
+    # NOTE: reliability-5 S11: torchrun's stores listened on every interface (*:PORT, twice);
+    # the recipe now serves the rendezvous store on 127.0.0.1 and flexdispatch binds the
+    # workers' store there (join_launcher_group)
     env = _env(NPROC_PER_NODE="2", MASTER_PORT=str(free_port()), **CPU)
-    proc = _run(["bash", str(SINGLE), *DEMO_ARGS], env)
+    proc, listeners = _run_watching_listeners(["bash", str(SINGLE), *DEMO_ARGS], env)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-4000:]
+    assert (LOOPBACK4, int(env["MASTER_PORT"])) in listeners, listeners  # the recipe's store
+    assert {addr for addr, _ in listeners} == {LOOPBACK4}, listeners
     assert _demo_summary(proc.stdout) == (1, 2, 2)
     assert "check vs single-process reference" in proc.stdout and ": OK (" in proc.stdout
     assert proc.stdout.count("flexdispatch demo —") == 1  # rank 0 prints, rank 1 does not
@@ -161,12 +211,14 @@ def test_multi_node_script_options() -> None:
     pet = _dry_run(MULTI, _env(PET_NNODES="2", PET_NODE_RANK="1", PET_NPROC_PER_NODE="4"))
     assert (_opt(pet, "--nnodes"), _opt(pet, "--node-rank")) == ("2", "1")
     assert _opt(pet, "--nproc-per-node") == "4"
-    custom = _dry_run(MULTI, _env(TORCHRUN="python3 -m torch.distributed.run"))
-    assert custom[:3] == ["python3", "-m", "torch.distributed.run"]
+    custom = _dry_run(MULTI, _env(TORCHRUN=f"{sys.executable} -m torch.distributed.run"))
+    assert custom[:3] == [sys.executable, "-m", "torch.distributed.run"]
     bad = _run(["bash", str(MULTI)], _env(RDZV_BACKEND="etcd"), timeout=30)
     assert bad.returncode == 2 and "RDZV_BACKEND=etcd must be static or c10d" in bad.stderr
     single = _dry_run(SINGLE, _env(NPROC_PER_NODE="3"))
-    assert "--standalone" in single and _opt(single, "--nproc-per-node") == "3"
+    assert _opt(single, "--rdzv-backend") == "c10d" and _opt(single, "--nproc-per-node") == "3"
+    assert _opt(single, "--rdzv-endpoint") == "127.0.0.1:PORT"  # NOTE: the recipe's own store
+    assert _opt(single, "--rdzv-conf") == "is_host=false"
 
 
 @pytest.mark.timeout(120)
@@ -174,8 +226,10 @@ def test_recipes_refuse_more_ranks_than_gpus_before_torchrun(tmp_path: Path) -> 
     """NPROC_PER_NODE > the GPUs visible: one line naming both and what to pass, exit 2, torchrun
     never started; FLEXDISPATCH_DEVICE=cpu runs gloo with the GPUs hidden from the workers."""
     fake = tmp_path / "fake_torchrun"
-    fake.write_text(
-        '#!/usr/bin/env bash\necho "CUDA_VISIBLE_DEVICES=[${CUDA_VISIBLE_DEVICES-unset}]"\n'
+    fake.write_text(  # NOTE: it answers --help as torchrun does (the recipes check TORCHRUN)
+        "#!/usr/bin/env bash\n"
+        '[[ "$1" == --help ]] && { echo "usage: [--nproc-per-node N]"; exit; }\n'
+        'echo "CUDA_VISIBLE_DEVICES=[${CUDA_VISIBLE_DEVICES-unset}]"\n'
     )
     fake.chmod(0o755)
     serve = LAUNCH / "serve_hf_expert_parallel.sh"

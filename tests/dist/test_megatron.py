@@ -118,6 +118,9 @@ def test_install_and_uninstall() -> None:
             "_comm_manager.token_probs",
             "_comm_manager.token_indices",
         ], res
+        # NOTE: moe_permute_fusion=True was accepted and ignored silently (integrations-5)
+        (fusion,) = res["permute_fusion"]  # two layers built, one warning
+        assert "moe_permute_fusion=True (TransformerEngine's fused permutation)" in fusion, res
         assert "moe_pad_expert_input_to_capacity" in res["refusal"], res
         assert "num_worst_tokens" in res["refusal"], res
         assert "flexdispatch" not in res["hybridep_manager"].lower(), res

@@ -399,3 +399,86 @@ def spmd_types_of_a_dispatch(eager_ops: bool) -> dict[str, Any]:
     finally:
         ops.set_eager_ops(before)
     return {"rows": kinds, "partial": refused}
+
+
+# --------------------------------------------------------------------- integrations-5 section 4
+def _overridden_moe(options: dict[str, Any]) -> Any:
+    """torchtitan's MoE module (E 8, K 2) switched to flexdispatch by the ``@override`` with
+    ``options``, built and parallelized on ``ParallelDims(dp_shard=2, ep=2)``."""
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+
+    cfg = _moe_config({"E": 8, "K": 2})
+    target = "flexdispatch.integrations.torchtitan.flexdispatch_override"
+    apply_overrides(OverrideConfig(imports=[(target, options)]), cfg)
+    with _cpu_device_type():
+        torch.manual_seed(11)
+        moe = cfg.build()
+        moe.init_states()
+    with spmd_backend("spmd_types"):
+        moe.parallelize(parallel_dims("spmd_types"))
+    return moe
+
+
+def _moe_step(moe: Any, fn: Any, T: int = 6) -> dict[str, torch.Tensor]:
+    """One forward + backward of ``fn`` (the module, compiled or wrapped) on 2 x T tokens of
+    this rank: the output and the input's and the weights' gradients."""
+    gen = torch.Generator().manual_seed(300 + dist.get_rank())
+    x = torch.randn(2, T, 32, generator=gen).requires_grad_(True)
+    moe.zero_grad(set_to_none=True)
+    with spmd_backend("spmd_types"):
+        out = fn(x)
+        out.sum().backward()
+    got = {"out": out.detach().clone(), "dx": x.grad.clone()}
+    for name, p in moe.named_parameters():
+        if p.grad is not None:
+            g = p.grad
+            got[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+    return got
+
+
+def compiled_unfilled(fullgraph: bool) -> str:
+    """The documented override path (``num_worst_tokens=-1``, nothing filled: W comes from the
+    first dispatch) inside ``torch.compile``: what happens, as one line."""
+    moe = _overridden_moe({"backend": "torch", "num_worst_tokens": -1})
+    try:
+        _moe_step(moe, torch.compile(moe, backend="aot_eager", fullgraph=fullgraph))
+    except Exception as exc:  # NOTE: the message is what the test judges
+        return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    fd = moe.routed_experts.token_dispatcher.dispatcher
+    return f"ran W={fd.config.num_worst_tokens}"
+
+
+def selective_ac(steps: int = 2) -> dict[str, Any]:
+    """``steps`` forward + backward steps of the overridden module under torchtitan's
+    ``SelectiveAC`` (its defaults), against the same steps without checkpointing: the dispatches
+    each ran (a recomputed dispatch runs its all-to-all again) and the largest gaps."""
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+    plain = _overridden_moe({"backend": "torch"})
+    wrapped = _overridden_moe({"backend": "torch"})
+    wrapped.load_state_dict(plain.state_dict())
+    sac = SelectiveAC(SelectiveAC.Config())._wrap_block(wrapped)
+    gaps: dict[str, float] = {}
+    for _ in range(steps):
+        want = _moe_step(plain, plain)
+        got = _moe_step(wrapped, sac)
+        for k, v in _gaps({k: got[k] for k in want}, want).items():
+            gaps[k] = max(gaps.get(k, 0.0), v)
+    return {
+        "plain": plain.routed_experts.token_dispatcher.dispatcher.stats.dispatch_calls,
+        "sac": wrapped.routed_experts.token_dispatcher.dispatcher.stats.dispatch_calls,
+        "max_gap": max(gaps.values()),
+        "compared": len(gaps),
+    }
+
+
+def overflow_after_first_batch() -> str:
+    """``num_worst_tokens=-1`` unfilled: W from the first batch (T = 2 x 6 per rank), then a batch
+    of 2 x 15: the error, as one line."""
+    moe = _overridden_moe({"backend": "torch", "num_worst_tokens": -1})
+    _moe_step(moe, moe, T=6)
+    try:
+        _moe_step(moe, moe, T=15)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    return "ran"

@@ -106,6 +106,10 @@ def test_survivors_fail_fast_with_a_clear_error(
         code = 3 if how == "exit" else -signal.SIGKILL
         assert f"exited with code {code}" in error.errors[FAILING]
         assert FAILING not in records
+    elif how == "hang" and FAILING not in records:
+        # NOTE: spawn_group ends the other ranks FAIL_GRACE_S after the first failure (reliability-5
+        # S2): the survivors' timeouts come first, so the hung rank may be ended before it raises
+        assert "ended by the parent after rank" in error.errors[FAILING], error.errors
     else:
         assert records[FAILING]["type"] == "RuntimeError"
         assert "injected" in records[FAILING]["message"]

@@ -10,7 +10,8 @@ Every allocation of 64 KiB or more is served by its own ``mmap`` (``mallopt``), 
 tensor leaves the resident set at once and the high-water mark is the most the call held at once,
 never less (glibc would otherwise reuse freed heap blocks of up to 32 MiB).
 
-A case is a dict: ``kind`` (``dispatch`` or ``layer``), ``T``, ``H``, ``k``, ``E``, ``W``,
+A case is a dict: ``kind`` (``dispatch``, ``layer``, ``bench``, or ``gather``: the object
+exchange of ``flexdispatch.launch``, ``T`` bytes per rank), ``T``, ``H``, ``k``, ``E``, ``W``,
 ``dtype`` (``fp32`` or ``bf16``), ``grad``, ``L`` (ranks per node of a hierarchical dispatch; 0
 or absent: flat); a layer case also has ``F``.
 
@@ -61,6 +62,8 @@ def _run(case: dict[str, Any], rank: int) -> int:
     T, H, k, E, W = case["T"], case["H"], case["k"], case["E"], case["W"]
     if case["kind"] == "bench":
         return _bench(case)
+    if case["kind"] == "gather":
+        return _gather(case)
     dtype, grad = _DTYPES[case["dtype"]], case["grad"]
     L = case.get("L", 0)
     hier = {"hierarchical": True, "ranks_per_node": L} if L else {}
@@ -147,6 +150,20 @@ def _bench(case: dict[str, Any]) -> int:
     bench_rank(spec)
     peak = _status("VmHWM") - base
     OUTPUT_POOL.release()
+    return peak
+
+
+def _gather(case: dict[str, Any]) -> int:
+    """``flexdispatch.launch.gather_objects`` of a ``T``-byte tensor from every rank."""
+    from flexdispatch.launch import gather_objects
+
+    gather_objects(torch.zeros(4, dtype=torch.uint8))  # NOTE: lazy state loaded
+    payload = torch.ones(case["T"], dtype=torch.uint8)
+    _reset_peak()
+    base = _status("VmRSS")
+    got = gather_objects(payload)
+    peak = _status("VmHWM") - base
+    del got
     return peak
 
 

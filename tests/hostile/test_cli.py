@@ -114,19 +114,61 @@ def test_plot_reports_the_path_it_wrote(tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir()] == ["traffic.png"]
 
 
+def _line(exc) -> str:
+    from flexdispatch.cli._common import format_error
+
+    (line,) = format_error("demo", exc)
+    assert len(line) <= 200, line
+    return line
+
+
 def test_a_reached_deadline_is_one_line_with_rank_phase_and_flag():
     errors = {r: f"timed out after 5 s (running {r > 0})" for r in range(3)}
-    msg = str(group_failure(GroupError("x", errors), phase="[2/3] forward+backward", timeout_s=5))
-    assert msg == (
-        "rank(s) 0, 1, 2 did not finish within --timeout 5 s while [2/3] forward+backward (last "
-        "phase: rank 0: running False; ranks 1, 2: running True): raise --timeout (e.g. "
-        "--timeout 60) or make the run smaller (--tokens)"
-    )
+    exc = group_failure(GroupError("x", errors), phase="[2/3] forward+backward", timeout_s=5)
+    line = _line(exc)
+    assert line.startswith(
+        "flexdispatch demo: error: --timeout 5: rank(s) 0, 1, 2 did not finish while [2/3] "
+        "forward+backward (last phase: rank 0: running False; "
+    ), line
+    assert line.endswith(": raise it (e.g. --timeout 60) or use fewer --tokens"), line
     tb = "Traceback (most recent call last):\n  File x\nCollectiveError: boom"
-    msg = str(group_failure(GroupError("x", {1: tb}), phase="timing", timeout_s=9))
-    assert (
-        msg.startswith("rank 1 failed while timing (1 of the ranks failed): ") and "\n" not in msg
+    exc = group_failure(GroupError("x", {1: tb}), phase="timing", timeout_s=9)
+    assert _line(exc) == (
+        "flexdispatch demo: error: rank 1 failed while timing: CollectiveError: boom: --debug "
+        "shows every rank's traceback"
     )
+
+
+def test_a_rank_failure_names_the_first_rank_its_own_phase_and_fits_a_line():
+    # NOTE: reliability-5 S2: the line named the lowest failed rank and the caller's step
+    # ("[2/3] running forward+backward") for a rank that died while it started
+    from flexdispatch.cli._common import format_error
+
+    errors = {
+        0: "ended by the parent after rank 1 failed (joining the process group)",
+        1: "process exited with code -9 (SIGKILL) before reporting (starting: importing and "
+        "unpickling its function)",
+    }
+    exc = GroupError("x", errors, first=1, ended=frozenset({0}))
+    got = group_failure(exc, phase="[2/3] running forward+backward", timeout_s=300)
+    assert _line(got) == (
+        "flexdispatch demo: error: rank 1 exited with code -9 (SIGKILL) while starting: importing "
+        "and unpickling its function (rank(s) 0 ended by the parent): --debug shows every rank's "
+        "traceback"
+    )
+    assert format_error("demo", got, verbose=True)[1:] == [
+        "  rank 0: ended by the parent after rank 1 failed (joining the process group)",
+        "  rank 1: " + errors[1],
+    ]
+    long = {1: "Traceback\nValueError: " + "x" * 400, 2: "Traceback\nCollectiveError: peer"}
+    phases = {1: "running run_rank", 2: "running run_rank"}
+    exc = GroupError("x", long, first=1, phases=phases)
+    line = _line(group_failure(exc, phase="[2/3] forward+backward", timeout_s=300))
+    start = (
+        "flexdispatch demo: error: rank 1 failed while [2/3] forward+backward (rank(s) 2 failed)"
+    )
+    assert line.startswith(start + ": ValueError: xxx"), line
+    assert line.endswith(": --debug shows every rank's traceback"), line
 
 
 def test_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
@@ -190,9 +232,10 @@ def test_cli_in_subprocesses_under_a_memory_limit(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert "Traceback" not in proc.stderr
     assert last.startswith(
-        "flexdispatch demo: error: rank(s) 0, 1 did not finish within --timeout 0.5 s while [2/3]"
+        "flexdispatch demo: error: --timeout 0.5: rank(s) 0, 1 did not finish while [2/3]"
     ), last
-    assert "raise --timeout" in last and len(last) <= 200
+    assert last.endswith(": raise it (e.g. --timeout 60) or use fewer --tokens"), last
+    assert len(last) <= 200
     bomb = tmp_path / "b.yaml"
     bomb.write_text(
         "a: &a [1, 1]\n"

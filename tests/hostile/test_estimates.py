@@ -3,7 +3,8 @@
 Every size check of flexdispatch compares an estimate with the memory available
 (``flexdispatch._checks.fits``): ``dispatch_bytes`` (a dispatch and its combine, dropless and
 worst-case, with and without autograd), ``layer_bytes`` (``MoELayer.forward``) and
-``flexdispatch.cli.bench.bench_rank_bytes`` (one ``flexdispatch bench`` rank). Here each is
+``flexdispatch.cli.bench.bench_rank_bytes`` (one ``flexdispatch bench`` rank), and the buffers
+``flexdispatch.launch.gather_objects`` counts (``wire.gather_copies``). Here each is
 compared with the peak resident memory the call really adds (``tests/hostile/peak_probe.py``) at
 several sizes, on one rank (a subprocess under ``RLIMIT_AS``) and on two gloo ranks: the estimate
 must be at least ``LOW`` of the peak (the check refuses what would not fit: it plans for 80 % of
@@ -25,6 +26,7 @@ import pytest
 
 from flexdispatch._checks import fits
 from flexdispatch.cli.bench import bench_rank_bytes
+from flexdispatch.launch.wire import gather_copies
 from tests.dist.harness import spawn_group
 from tests.hostile import AS_LIMIT, ROOT
 from tests.hostile.peak_probe import measure_rank
@@ -75,12 +77,16 @@ TWO_RANKS = [
     _case("dispatch", 16, 32, 2, 8, W=100000),
     _case("layer", 4000, 128, 2, 8, F=64, grad=True),
     _case("bench", 4000, 256, 2, 8, W=1, dtype="bf16"),
+    # NOTE: reliability-5: 80 MB per rank grew the peak by 538 MB against 5 x 80 MB estimated
+    _case("gather", 20_000_000, 0, 0, 0),
 ]
 
 
 def _estimate(case: dict, R: int) -> int:
     elem = 4 if case["dtype"] == "fp32" else 2
     T, H, k, E, W = case["T"], case["H"], case["k"], case["E"], case["W"]
+    if case["kind"] == "gather":
+        return gather_copies(R) * T
     if case["kind"] == "bench":
         return bench_rank_bytes(T=T, H=H, E=E, k=k, R=R, elem=elem, worst_case=W > 0)
     if case["kind"] == "layer":

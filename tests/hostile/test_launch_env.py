@@ -10,6 +10,7 @@ barriers, the object exchange under a launcher) raise ``CollectiveError`` naming
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -46,8 +47,11 @@ _CLEAN = (
 @pytest.fixture
 def fake_torchrun(tmp_path: Path) -> Path:
     fake = tmp_path / "torchrun"
+    # NOTE: it answers --help as torchrun does (the recipes check that TORCHRUN is torchrun)
     fake.write_text(
-        '#!/usr/bin/env bash\necho "TORCHRUN $* SHUTDOWN=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT-unset}'
+        "#!/usr/bin/env bash\n"
+        '[[ "$1" == --help ]] && { echo "usage: [--nproc-per-node N]"; exit; }\n'
+        'echo "TORCHRUN $* SHUTDOWN=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT-unset}'
         ' OMP=${OMP_NUM_THREADS-unset} AGENT=${FLEXDISPATCH_LAUNCHER_PID-unset} SELF=$$"\n'
     )
     fake.chmod(0o755)
@@ -198,16 +202,20 @@ def test_the_launchers_environments_reach_torchrun(env, expected, fake_torchrun,
     assert me == f"SELF={agent}"  # NOTE: the agent's pid, for its workers (die_with_agent)
 
 
-def test_single_node_recipe_bounds_the_shutdown_and_says_where_its_store_listens(fake_torchrun):
-    proc = _recipe(SINGLE, fake_torchrun, MASTER_PORT="29517")
+def test_single_node_recipe_bounds_the_shutdown_and_serves_its_store_on_loopback(fake_torchrun):
+    from flexdispatch.launch import free_port
+
+    port = free_port()
+    proc = _recipe(SINGLE, fake_torchrun, MASTER_PORT=str(port))
     assert proc.returncode == 0, proc.stderr
     assert "SHUTDOWN=5" in proc.stdout  # NOTE: torchrun's own default grace is 30 s (N23)
     agent, me = proc.stdout.split(" AGENT=")[1].split()
     assert me == f"SELF={agent}"
-    assert "--master-addr 127.0.0.1 --master-port 29517" in proc.stdout
-    note = [line for line in proc.stderr.splitlines() if "note:" in line]
-    assert len(note) == 1 and "rendezvous store listens on every interface (port 29517)" in note[0]
-    assert "firewall the port" in note[0]
+    # NOTE: reliability-5 S11: torchrun joins the recipe's store on 127.0.0.1 as a client (its
+    # own stores listened on every interface, which the recipe could only say in a note)
+    rdzv = f"--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port} --rdzv-conf is_host=false"
+    assert rdzv in proc.stdout and "--local-addr 127.0.0.1" in proc.stdout, proc.stdout
+    assert "every interface" not in proc.stderr, proc.stderr
 
 
 # --------------------------------------------------------------------------- guarded collectives
@@ -263,57 +271,141 @@ def test_launcher_object_exchange_names_itself_when_a_peer_hangs(world_of_one, m
         broadcast_object({"a": 1})
 
 
+_WORKER = {
+    "RANK": "0",
+    "LOCAL_RANK": "0",
+    "GROUP_RANK": "0",
+    "WORLD_SIZE": "2",
+    "LOCAL_WORLD_SIZE": "2",
+}
+
+
+def _as_worker_of_this_process(monkeypatch, run_id: str) -> None:
+    """Make this process a torchrun worker whose agent is ... this process (its children are
+    then the agent's other workers): the worker variables, the recorded agent pid, the parent."""
+    from flexdispatch.launch import lifetime
+
+    for k, v in {**_WORKER, "TORCHELASTIC_RUN_ID": run_id}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv(lifetime.LAUNCHER_PID_ENV, str(os.getpid()))
+    monkeypatch.setattr(os, "getppid", os.getpid)
+
+
+def _wait_stopped(*procs: subprocess.Popen, needle: bytes = b"") -> None:
+    import signal
+
+    from flexdispatch.launch.lifetime import _cmdline, _stat
+
+    deadline = time.monotonic() + 30
+    for p in procs:
+        while needle not in b" ".join(_cmdline(p.pid) or []) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(p.pid, signal.SIGSTOP)
+        while (_stat(p.pid) or ("?",))[0] not in "Tt" and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 def test_a_failing_rank_ends_the_stopped_workers_of_its_job(monkeypatch):
     # NOTE: N23: a SIGSTOPped worker ignores torchrun's SIGTERM; torchrun waits 30 s (whatever
     # TORCH_ELASTIC_SHUTDOWN_TIMEOUT says, for a failed worker group) before its SIGKILL. This
-    # process stands in for the torchrun agent: the "workers" are its children.
+    # process stands in for the torchrun agent (and for the failing worker): the "workers" are
+    # its children. S1: only stopped flexdispatch workers of the same run are ended.
     import signal
 
     from flexdispatch.launch import end_stopped_local_peers
 
-    def worker(run_id: str) -> subprocess.Popen:
-        env = {**os.environ, "TORCHELASTIC_RUN_ID": run_id}
-        return subprocess.Popen(["sleep", "60"], env=env)
+    def worker(run_id: str, *argv: str) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **_WORKER, "TORCHELASTIC_RUN_ID": run_id}
+        cmd = list(argv) or [sys.executable, "-m", "flexdispatch.cli", "presets"]
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-    hung, running, other_job = worker("job1"), worker("job1"), worker("job2")
+    hung, running, other_job = worker("job1"), worker("job1", "sleep", "60"), worker("job2")
+    not_ours = worker("job1", "sleep", "60")  # NOTE: same run id, stopped, not flexdispatch
     try:
-        for p in (hung, other_job):
-            os.kill(p.pid, signal.SIGSTOP)
+        _wait_stopped(hung, other_job, needle=b"flexdispatch.cli")
+        _wait_stopped(not_ours, needle=b"sleep")
+        # NOTE: not a worker (no recorded agent, a parent that is not torchrun): nothing
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")
-        monkeypatch.setattr(os, "getppid", os.getpid)  # NOTE: "this rank" is the agent's child
-        deadline = time.monotonic() + 10
-        ended: list[int] = []
-        while hung.pid not in ended and time.monotonic() < deadline:
-            ended += end_stopped_local_peers()  # NOTE: until the kernel shows the stop
-            time.sleep(0.05)
+        assert end_stopped_local_peers() == []
+        _as_worker_of_this_process(monkeypatch, "job1")
+        ended = end_stopped_local_peers()
         assert ended == [hung.pid]
         assert hung.wait(timeout=10) == -signal.SIGKILL
-        assert running.poll() is None and other_job.poll() is None
+        assert all(p.poll() is None for p in (running, other_job, not_ours))
     finally:
-        for p in (hung, running, other_job):
-            p.kill()
+        for p in (hung, running, other_job, not_ours):
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                with contextlib.suppress(OSError):
+                    os.kill(p.pid, sig)
             p.wait()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_fork_of_the_agent_stopped_before_its_exec_is_ended(monkeypatch):
+    # NOTE: torchrun forks each worker: one stopped between the fork and its exec has neither the
+    # run id in its environment nor flexdispatch in its command line, only the agent's own
+    # executable and command line (here: this process's)
+    import signal
+
+    from flexdispatch.launch import end_stopped_local_peers
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        os._exit(0)
+    try:
+        deadline = time.monotonic() + 10
+        from flexdispatch.launch.lifetime import _stat
+
+        while (_stat(pid) or ("?",))[0] not in "Tt" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        _as_worker_of_this_process(monkeypatch, "job1")
+        assert end_stopped_local_peers() == [pid]
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
 
 
 def test_a_torchrun_worker_ends_with_its_agent(monkeypatch, capsys, tmp_path):
     # NOTE: a SIGKILLed torchrun left its workers running (reliability-4 section 5): the command
-    # line arms the parent-death signal of tests/hostile/test_processes.py under a launcher, and
-    # a worker whose agent (the pid the recipes record) ended before that exits at once
+    # line arms the parent-death signal of tests/hostile/test_processes.py in a torchrun worker
+    # (the worker variables, and a parent that is the recorded agent or runs torchrun), and a
+    # worker whose agent (the pid the recipes record) ended before that exits at once. A process
+    # that merely inherited the variables is tied to nothing (S1).
     import flexdispatch.launch.lifetime as lifetime
     from flexdispatch.cli import main
 
     armed: list[int] = []
     monkeypatch.setattr(lifetime, "die_with_parent", armed.append)
+    monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "WARNING")  # NOTE: main sets it under a launcher
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.delenv(lifetime.LAUNCHER_PID_ENV, raising=False)
     assert main(["presets"]) == 0 and armed == []
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")
+    assert main(["presets"]) == 0 and armed == []  # NOTE: an inherited run id alone
+    for k, v in _WORKER.items():
+        monkeypatch.setenv(k, v)
+    assert main(["presets"]) == 0 and armed == []  # NOTE: pytest's parent is not torchrun
+    monkeypatch.setenv(lifetime.LAUNCHER_PID_ENV, str(os.getppid()))
     assert main(["presets"]) == 0 and armed == [os.getppid()]
-    for agent in (os.getppid(), os.getpid()):  # the parent itself; a wrapper's agent, running
-        monkeypatch.setenv(lifetime.LAUNCHER_PID_ENV, str(agent))
+    armed.clear()
+    monkeypatch.setenv(lifetime.LAUNCHER_PID_ENV, str(os.getpid()))  # NOTE: running, not the parent
+    assert main(["presets"]) == 0 and armed == []
+    monkeypatch.delenv(lifetime.LAUNCHER_PID_ENV)
+    torchrun = [b"/venv/bin/python3", b"/venv/bin/torchrun", b"--nproc-per-node", b"2"]
+    for argv in (torchrun, [b"python", b"-m", b"torch.distributed.run", b"x.py"]):
+        monkeypatch.setattr(lifetime, "_cmdline", lambda pid, argv=argv: argv)
         armed.clear()
         assert main(["presets"]) == 0 and armed == [os.getppid()]
+    monkeypatch.undo()
+    for k, v in {**_WORKER, "TORCHELASTIC_RUN_ID": "job1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(lifetime, "die_with_parent", armed.append)
     capsys.readouterr()
     ended = subprocess.Popen(["true"])
     ended.wait()
