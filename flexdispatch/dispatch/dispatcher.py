@@ -32,9 +32,7 @@ import torch
 import torch.distributed as dist
 
 from flexdispatch._checks import fits, tensors
-from flexdispatch._checks.tensors import (
-    check_tensor,
-)
+from flexdispatch._checks.tensors import check_tensor, checks_flag
 from flexdispatch._checks.threads import CallGuard, guarded
 from flexdispatch._checks.values import check_int
 from flexdispatch.backends.base import DispatchBackend
@@ -52,7 +50,6 @@ from flexdispatch.dispatch.autograd import (
     records_grad,
 )
 from flexdispatch.dispatch.select import select_backend
-from flexdispatch.dispatch.values import Deferred
 from flexdispatch.distributed import (
     check_fingerprint,
     collective_device,
@@ -128,6 +125,8 @@ class FlexDispatcher:
         )
         self._stats = DispatchStats()
         self._bad_log = bad_values.BadValueLog()  # device counts of bad inputs, not yet folded
+        self._zero: torch.Tensor | None = None  # the unused slots of a backend's bad-id count
+        self._checks = checks_flag(config.checks or None)  # NOTE: the environment, read once
         self._backend, self.backend_reason = select_backend(
             config,
             group,
@@ -235,10 +234,9 @@ class FlexDispatcher:
         topk_idx: torch.Tensor,
         topk_probs: torch.Tensor,
         layout: DispatchLayout | None,
-    ) -> tuple[torch.Tensor, Deferred]:
+    ) -> torch.Tensor:
         """Check the inputs (metadata, then values as ``_check_values``); returns the ids to
-        dispatch (bad ones as -1 on the deferred path) and the counts that wait for the
-        backend's (``Deferred``)."""
+        dispatch (bad ones as -1 where they are screened on the device)."""
         values = x  # what the non-finite check reads (fp8 rows: their float32 scales)
         fp8 = isinstance(x, tuple)
         if isinstance(x, tuple):
@@ -276,26 +274,30 @@ class FlexDispatcher:
 
     def _check_values(
         self, topk_idx: torch.Tensor, values: torch.Tensor, topk_probs: torch.Tensor
-    ) -> tuple[torch.Tensor, Deferred]:
-        """The ids the backend gets and the counts that wait for its count of bad ids
-        (``values.screen_dispatch_values``: raise now, or screen on the device)."""
+    ) -> torch.Tensor:
+        """The ids the backend gets (``values.screen_dispatch_values``: raise now, screen on the
+        device, or, checks off, leave them to a backend that counts bad ids itself)."""
         return bad_values.screen_dispatch_values(
             topk_idx,
             self.num_experts,
             values,
             topk_probs,
-            checks=self.config.checks or None,
+            checks=self._checks,
             counts_bad_ids=self._backend.counts_bad_ids,
             log=self._bad_log,
             stats=self._stats,
         )
 
-    def _log_deferred(self, deferred: Deferred) -> None:
-        """Count a dispatch's deferred bad values, with its backend's count of bad ids."""
-        if deferred is not None:
-            bad_ids = self._backend.bad_ids
-            assert bad_ids is not None  # NOTE: set by every dispatch of a counting backend
-            self._bad_log.add(self._stats, (bad_ids, *deferred))
+    def _log_bad_ids(self) -> None:
+        """Count the ids outside ``[-1, E)`` the backend's last dispatch counted (checks off:
+        ``DispatchBackend.bad_ids``), without a launch."""
+        bad = self._backend.bad_ids
+        if bad is not None:
+            count, lowest, highest = bad
+            zero = self._zero
+            if zero is None or zero.device != count.device:
+                zero = self._zero = torch.zeros((), dtype=torch.int64, device=count.device)
+            self._bad_log.add(self._stats, (count, zero, zero, zero, highest, lowest))
 
     # ----------------------------------------------------------------- public API
     @guarded("FlexDispatcher.dispatch")
@@ -351,9 +353,9 @@ class FlexDispatcher:
     ) -> DispatchResult:
         """``dispatch`` on the eager path (``grad`` False: never through ``DispatchFunction``, as
         inside the ``flexdispatch::dispatch`` op, whose registered backward differentiates it)."""
-        ids, deferred = self._check_inputs(x, topk_idx, topk_probs, layout)
+        ids = self._check_inputs(x, topk_idx, topk_probs, layout)
         rows, ids, probs = _contiguous(x), ids.contiguous(), topk_probs.contiguous()
-        return self._finish(rows, ids, probs, layout, deferred, grad=grad)
+        return self._finish(rows, ids, probs, layout, grad=grad)
 
     def _finish(
         self,
@@ -361,13 +363,12 @@ class FlexDispatcher:
         topk_idx: torch.Tensor,
         topk_probs: torch.Tensor,
         layout: DispatchLayout | None,
-        deferred: Deferred,
         *,
         pending: Any = None,
         grad: bool = True,
     ) -> DispatchResult:
         """Run (or, with ``pending``, finish) the backend's dispatch of checked, contiguous
-        inputs, and count what ``_check_values`` deferred."""
+        inputs, and count the bad ids it counted."""
         backend = self._backend
         if pending is not None:  # NOTE: a launch_dispatch in flight: finish it
             run = functools.partial(backend.finish_dispatch, pending)
@@ -384,7 +385,7 @@ class FlexDispatcher:
             recv_x, recv_idx, recv_probs = res.recv_x, res.recv_topk_idx, res.recv_topk_probs
             counts, handle, pairs = res.num_recv_tokens_per_expert, res.handle, res.num_recv_pairs
         object.__setattr__(handle, "issuer", self._issuer)
-        self._log_deferred(deferred)
+        self._log_bad_ids()
         self._stats.dispatch_calls += 1
         return DispatchResult(
             recv_x=recv_x,
@@ -412,13 +413,11 @@ class FlexDispatcher:
         if not self._backend.supports_overlap(expanded=False)[0] or _ops.use_ops():
             res = self.dispatch(x, topk_idx, topk_probs, layout=layout)
             return PendingDispatch(lambda: res)
-        ids, deferred = self._check_inputs(x, topk_idx, topk_probs, layout)
+        ids = self._check_inputs(x, topk_idx, topk_probs, layout)
         rows, ids, probs = _contiguous(x), ids.contiguous(), topk_probs.contiguous()
         with torch.no_grad():
             pending = self._backend.launch_dispatch(rows, ids, probs, layout)
-        return PendingDispatch(
-            lambda: self._finish_launched(rows, ids, probs, layout, deferred, pending)
-        )
+        return PendingDispatch(lambda: self._finish_launched(rows, ids, probs, layout, pending))
 
     @guarded("FlexDispatcher.dispatch")
     def _finish_launched(
@@ -427,11 +426,10 @@ class FlexDispatcher:
         topk_idx: torch.Tensor,
         topk_probs: torch.Tensor,
         layout: DispatchLayout | None,
-        deferred: Deferred,
         pending: Any,
     ) -> DispatchResult:
         """``PendingDispatch.wait`` of ``dispatch_start``: one thread at a time, as ``dispatch``."""
-        return self._finish(rows, topk_idx, topk_probs, layout, deferred, pending=pending)
+        return self._finish(rows, topk_idx, topk_probs, layout, pending=pending)
 
     @guarded("FlexDispatcher.dispatch_expanded")
     def dispatch_expanded(
@@ -472,7 +470,7 @@ class FlexDispatcher:
         ok, why = backend.supports_expanded()
         if not ok:
             raise ValueError(f"dispatch_expanded is not available: {why}")
-        ids, deferred = self._check_inputs(x, topk_idx, topk_probs, None)
+        ids = self._check_inputs(x, topk_idx, topk_probs, None)
         args = (_contiguous(x), ids.contiguous(), topk_probs.contiguous())
         pending = None
         if overlap and backend.supports_overlap(expanded=True)[0]:
@@ -484,7 +482,7 @@ class FlexDispatcher:
                 backend, pending, *args
             )
             object.__setattr__(handle, "issuer", self._issuer)
-            self._log_deferred(deferred)
+            self._log_bad_ids()
             self._stats.dispatch_calls += 1
             return ExpandedDispatchResult(
                 recv_x=recv_x,
@@ -638,13 +636,15 @@ class FlexDispatcher:
         """Raise ``ValueError`` if a dispatch since construction dropped something: bad inputs
         counted on the device (below), or a worst-case overflow.
 
-        Bad inputs: on CPU, and on CUDA with checks enabled, expert ids outside ``[-1, E)``, an
-        expert named twice in one token, and NaN/inf in ``x`` or ``topk_probs`` raise inside
-        ``dispatch``. On CUDA without checks they are counted on the device (no sync; the bad ids
-        and the repeats after an id's first slot are sent as -1, on every backend); this method
-        reads the count (one sync), adds it to ``stats.extra`` (``invalid_expert_ids``,
-        ``nonfinite_x``, ``nonfinite_topk_probs``, ``repeated_expert_ids``) and raises naming
-        them, then and at every later call.
+        Bad inputs: with checks enabled, expert ids outside ``[-1, E)``, an expert named twice in
+        one token, and NaN/inf in ``x`` or ``topk_probs`` raise inside ``dispatch``, on every
+        device. With checks off no value is checked in ``dispatch`` (no host read, on CPU and CUDA
+        alike): the torch backend sends the ids outside ``[-1, E)`` nowhere and counts them on
+        the device; the DeepEP backends get them screened (raised on CPU; on CUDA the bad ids and
+        the repeats after an id's first slot sent as -1 and counted with the NaN/inf values).
+        This method reads those counts (one sync), adds them to ``stats.extra``
+        (``invalid_expert_ids``, ``nonfinite_x``, ``nonfinite_topk_probs``,
+        ``repeated_expert_ids``) and raises naming them, then and at every later call.
 
         Overflow:
         On CPU, and on CUDA with checks enabled, an overflow raises inside ``dispatch`` on every

@@ -121,6 +121,8 @@ def test_worst_case_cuda_path_with_the_triton_kernels(hierarchical: bool) -> Non
         got = run_group(_worker, 4, True, True, True, True, env={**env, "LOCAL_WORLD_SIZE": "2"})
     else:
         got = run_group(_worker, 2, True, True, False, True, env=env)
-    want = {"capped_slots", "screen_inputs"} | (set() if hierarchical else {"unpack_blocks"})
+    # NOTE: no ``screen_inputs`` since issue 46: with checks off the torch backend checks no value
+    # (the screen runs for the DeepEP backends, tests/unit/test_kernels_screen.py)
+    want = {"capped_slots"} | (set() if hierarchical else {"unpack_blocks"})
     for g in got:
         assert want <= set(g["launches"]), g["launches"]

@@ -68,8 +68,7 @@ import torch
 import torch.distributed as dist
 
 from flexdispatch import _pool
-from flexdispatch._checks import tensors
-from flexdispatch._checks.tensors import checks_enabled, cuda_code_path, is_capturing
+from flexdispatch._checks.tensors import checks_flag, cuda_code_path, is_capturing
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import (
     DTYPE_CODES,
@@ -91,7 +90,6 @@ from flexdispatch.backends.torch.rows import (
     rank_lut,
 )
 from flexdispatch.distributed import collective_guard
-from flexdispatch.kernels import screen as _screen
 from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult
 
 __all__ = ["TorchA2ABackend", "TorchDispatchState", "Hop", "DTYPE_CODES"]
@@ -106,19 +104,21 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
         ranks_per_node: L, dividing R.
         num_worst_tokens: W (0 = dropless); must be a multiple of R.
         hierarchical: two hops (across nodes, then inside the node) instead of one.
-        checks: value checks on CUDA in worst-case mode (host syncs).
+        checks: value checks (host syncs on CUDA; None: ``FLEXDISPATCH_CHECKS``, read once here).
         stats: counters to add to (shared with the dispatcher).
     """
 
     name = "torch"
     counts_bad_ids = True
-    """``dispatch`` counts the ids outside ``[-1, E)`` into ``bad_ids`` (0-dim int64 device
-    tensor, from the pair counts at no cost) for the dispatcher's deferred value check."""
+    """``dispatch`` sends the ids outside ``[-1, E)`` nowhere (``rows.clamp_ids`` and the rank
+    table's spare rank) and, with checks off, counts them into ``bad_ids`` (from the pair counts,
+    plus one ``aminmax`` for the lowest and highest id)."""
 
     def __init__(self, group: dist.ProcessGroup | None, **common: Any) -> None:
         super().__init__(group, **common)
         self.pinned_counts: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
-        self.bad_ids: torch.Tensor | None = None  # the last dispatch's, see ``counts_bad_ids``
+        self.checks_flag = checks_flag(self.checks)  # NOTE: the environment, read once
+        self.bad_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # NOTE: whether rows go through collectives; a group of one rank moves them as no group
         # does (it receives what it sends). Fixed with R, read once (hot path). Set True on a
         # group of one, it runs the collective paths of R ranks with R = 1 (the GPU tests do, to
@@ -170,6 +170,21 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
         return True, "torch: any world size"
 
     # ----------------------------------------------------------------- helpers
+    def checks_now(self, device: torch.device) -> bool:
+        """Whether this dispatch checks values (``checks`` resolved once; never while a CUDA
+        graph is being captured)."""
+        return self.checks_flag and not (device.type == "cuda" and is_capturing())
+
+    def count_bad_ids(
+        self, count: torch.Tensor, topk_idx: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``bad_ids`` of a dispatch: ``count`` (the pair counts' spare-rank bin) with the
+        lowest and highest id (one ``aminmax``; ``count`` itself, 0, when there is none)."""
+        if not topk_idx.numel():
+            return count, count, count
+        lowest, highest = torch.aminmax(topk_idx)
+        return count, lowest, highest
+
     @property
     def worst_case(self) -> bool:
         return self.num_worst_tokens > 0
@@ -539,13 +554,12 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
         R = self.num_ranks
         # NOTE: ids outside [-1, E) count as -1, as in get_dispatch_layout (never an OOB index):
         # clamped to -2 or E, they land on the spare rank R (-1 on R + 1), so the pair counts
-        # count them too (``bad_ids``: the dispatcher's deferred value check reads it). Where
-        # checks are not deferred (CPU) the dispatcher raised for them, and where they run as
-        # one kernel it set them to -1 and counted them: nothing to clamp. (The same tests as
-        # the dispatcher's, read through their modules, which the tests patch.)
+        # count them too (``bad_ids``, checks off). With checks on the dispatcher raised for
+        # them: nothing to clamp or count.
         dev = x.device
-        deferred = tensors.defer_value_checks(dev) and not _screen.screen_on_device(dev)
-        key_TK = clamp_ids(topk_idx, self.num_experts) if deferred else topk_idx
+        unchecked = not self.checks_now(dev)
+        count_bad = unchecked and self.counts_bad_ids
+        key_TK = clamp_ids(topk_idx, self.num_experts) if unchecked else topk_idx
         rank_TK = self.rank_lut(x.device)[key_TK]
         if layout is not None:
             mask_TR = layout.is_token_in_rank
@@ -561,9 +575,9 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
         # NOTE: the pair counts serve the bad ids and a dropless receiver only (``recv_pairs``);
         # a worst-case exchange sends zeros in their place (no launch)
         pairs_R2 = None
-        if deferred or not (inband or self.worst_case):
+        if count_bad or not (inband or self.worst_case):
             pairs_R2 = _bin_counts(rank_TK.view(-1), R + 2)
-        self.bad_ids = pairs_R2[R] if deferred else None
+        self.bad_ids = self.count_bad_ids(pairs_R2[R], topk_idx) if count_bad else None
         zeros_R = None if pairs_R2 is not None else _pool.scalar(0, torch.int64, dev).expand(R)
         pairs_R = pairs_R2[:R] if pairs_R2 is not None else zeros_R
         if inband:
@@ -609,7 +623,7 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
             return PendingCounts(self, G, counter="host_syncs", work=work)
         if not cuda_code_path(G.device):
             return PendingCounts(self, G, counter=None, work=work)
-        if checks_enabled(self.checks) and not is_capturing():
+        if self.checks_now(G.device):
             return PendingCounts(self, G, counter="check_syncs")
         return None
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from flexdispatch import _pool
-from flexdispatch._checks.tensors import checks_enabled, cuda_code_path
+from flexdispatch._checks.tensors import cuda_code_path
 from flexdispatch.backends.torch.hops import (
     A2AHost,
     Hop,
@@ -76,7 +76,7 @@ def inband_shape(be: A2AHost, x: torch.Tensor, k: int) -> tuple[int, int, torch.
     T, H = x.shape
     if not packs_meta(H * x.element_size()) or (T + 1) * R >= 2**31:
         return None
-    if checks_enabled(be.checks):
+    if be.checks_now(x.device):
         return None
     return (H, k, x.dtype)
 
