@@ -339,12 +339,11 @@ def test_world_of_one_worst_case_on_the_cuda_branch(
         assert outs[0][:11].abs().sum() > 0
 
 
-def test_a_worst_case_exchange_counts_no_pairs(dev, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The ``(token, expert)`` pairs per rank in the count exchange serve a dropless receiver
-    (``num_recv_pairs``) and the deferred bad-id count only: with the screen kernel (no bad id
-    left to count) a worst-case exchange sends zeros there instead of counting them, while
-    dropless still counts them (one ``scatter_add_``; the received rows per expert are counted
-    by the unpack kernel)."""
+def test_one_count_serves_the_bad_ids_and_the_pairs(dev, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The ``(token, rank)`` pair counts serve a dropless receiver (``num_recv_pairs``) and, with
+    checks off, the count of bad ids (issue 46: no value screen, the bad ids land in the rank
+    table's spare bin): one ``scatter_add_`` in either mode, and a worst-case dispatch reports
+    no pairs (the received rows per expert are counted by the unpack kernel)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import flexdispatch.backends.torch.a2a  # noqa: F401  (loaded before the patch)
@@ -358,7 +357,7 @@ def test_a_worst_case_exchange_counts_no_pairs(dev, monkeypatch) -> None:  # typ
     T, E, k, H = 12, 8, 2, 64
     idx = torch.rand(T, E, generator=g).argsort(1)[:, :k].contiguous()
     idx[3] = -1
-    idx[5, 0] = E + 3  # a bad id: the screen drops it
+    idx[5, 0] = E + 3  # a bad id: sent nowhere, counted
     probs = torch.rand(T, k, generator=g)
     x = torch.randn(T, H, generator=g).bfloat16()
     ops: list[str] = []
@@ -378,4 +377,4 @@ def test_a_worst_case_exchange_counts_no_pairs(dev, monkeypatch) -> None:  # typ
             res = d.dispatch(*(t.to(dev) for t in (x, idx, probs)))
         seen[W] = (ops.count("scatter_add_"), res.num_recv_pairs)
         d.close()
-    assert seen == {T: (0, None), 0: (1, 21)}, seen
+    assert seen == {T: (1, None), 0: (1, 21)}, seen
