@@ -28,12 +28,10 @@ How a dispatch runs (works on gloo and NCCL):
 Combine sends the rows back along the same hops and sums them per token. The sum runs in a fixed
 order — first over the ranks of each node (in rank order), then over nodes — so flat and
 hierarchical combine give bit-identical results, and every ``index_add_`` has unique indices
-(deterministic on CUDA too). On CPU the first term of each node's sum is a gather (a zero row
-where that rank sent nothing) rather than an add into zeros, except when this rank's own rows come
-first: they are added into zeros (``0 + a == a`` up to the sign of a zero) while the peers' rows
-are still travelling. On CUDA every node's sum starts from zeros (no inverse map to build: two
-launches fewer per node). The first two terms may swap (``a + b == b + a`` exactly), so that this
-rank's own rows are added straight from where they lie.
+(deterministic on CUDA too). Every node's sum starts from zeros, on every device (``0 + a == a``
+up to the sign of a zero, the same in every mode); on CPU this rank's own rows are added while
+the peers' rows are still travelling. The first two terms may swap (``a + b == b + a`` exactly),
+so that this rank's own rows are added straight from where they lie.
 
 Rows a rank sends to itself skip the collective (split 0 to itself) whenever they sit at one end
 of both buffers (always for R = 2): on CPU dispatch gathers them straight into the receive buffer

@@ -1,7 +1,7 @@
 """Hops of the ``torch`` backend: what one ``all_to_all_single`` moved (``Hop``), what a
 dispatch keeps for its combine (``TorchDispatchState``), the host copy of the count matrix
 (``PendingCounts``), and the row plumbing shared by the flat and hierarchical plans (``finish``,
-``first_rows``, ``row_of_input``). ``a2a.py`` holds the backend class; ``flat.py`` and
+``first_rows``). ``a2a.py`` holds the backend class; ``flat.py`` and
 ``hier.py`` the two dispatch plans.
 """
 
@@ -12,7 +12,6 @@ from typing import Any, Protocol
 
 import torch
 
-from flexdispatch import _pool
 from flexdispatch._checks.tensors import cuda_code_path
 from flexdispatch.backends.counts import EXCHANGE_NAME
 from flexdispatch.backends.torch.rows import unpack_local
@@ -26,7 +25,6 @@ __all__ = [
     "PendingCounts",
     "finish",
     "first_rows",
-    "row_of_input",
 ]
 
 
@@ -294,27 +292,3 @@ def first_rows(t: torch.Tensor, n: int) -> torch.Tensor:
         return t
     out = torch.empty((0,), dtype=t.dtype, device=t.device)
     return out.set_(t.untyped_storage(), t.storage_offset(), (n, *t.shape[1:]))
-
-
-def row_of_input(
-    hop: Hop, lo: int, hi: int, rows_out: int, *, base: int, missing: int
-) -> torch.Tensor:
-    """``[rows_out]`` int64: for each input row of ``hop``, the row ``base + i`` of its send row
-    ``lo + i`` among ``[lo, hi)``, or ``missing`` where that range has none.
-
-    Padding rows (worst-case mode) scatter into unique slots past the output and are cut off, so
-    every scatter index is unique (deterministic).
-    """
-    index = hop.send_index[lo:hi]
-    device = index.device
-    n = hi - lo
-    rows_from = _pool.arange(base + n, device)[base:]
-    size = rows_out
-    valid = hop.valid(lo, hi)
-    if valid is not None:
-        size += n
-        spare = _pool.arange(rows_out + n, device)[rows_out:]
-        index = torch.where(valid, index, spare)
-    first = torch.full((size,), missing, dtype=torch.int64, device=device)
-    first.scatter_(0, index, rows_from)
-    return first[:rows_out]
