@@ -67,6 +67,9 @@ class DispatchBackend(abc.ABC):
     """The DeepEP release a ``deepep`` backend runs (``"v1"``, ``"v2"``, ``"v25"``)."""
     counts_bad_ids: bool = False
     bad_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    issuer: int = 0
+    """The serial of the ``FlexDispatcher`` that owns this backend (set by it): a backend may
+    stamp it on the handles it makes (``DispatchHandle.issuer``), else the dispatcher does."""
     config_fields: dict[str, str] = {}  # noqa: RUF012 - read-only, replaced by subclasses
     """This backend's own constructor arguments -> the ``DispatchConfig`` fields they take."""
 

@@ -79,15 +79,17 @@ from flexdispatch.backends.torch import hier as torch_hier
 from flexdispatch.backends.torch.buffers import RowBuffers
 from flexdispatch.backends.torch.flat import dispatch_flat, inband_shape
 from flexdispatch.backends.torch.hops import Hop, PendingCounts, TorchDispatchState
+from flexdispatch.backends.torch.plan import FlatPlan, FlatState
 from flexdispatch.backends.torch.reduce import reduce_compacted, reduce_hop
 from flexdispatch.backends.torch.rows import (
     _bin_counts,
     clamp_ids,
     gather_rows,
     local_lut,
+    overflow_message,
     rank_lut,
 )
-from flexdispatch.distributed import collective_guard
+from flexdispatch.distributed import CollectiveError, collective_error, collective_guard
 from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult
 
 __all__ = ["TorchA2ABackend", "TorchDispatchState", "Hop", "DTYPE_CODES"]
@@ -126,8 +128,14 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
         self._overflow_scale = 1  # ``record_overflow``
         RowBuffers.__init__(self)  # NOTE: reusable CPU buffers (``scratch``, ``output``)
         self._luts: dict[torch.device, torch.Tensor] = {}
-        # NOTE: row shapes (H, k, dtype) the count exchange found equal on every rank (flat.py)
+        # NOTE: row shapes (H, k, dtype) the count exchange found equal on every rank (plan.py)
         self.agreed_shapes: set[tuple[int, int, torch.dtype]] = set()
+        # NOTE: the flat plans across ranks, by (T, H, k, dtype, device, checks) (plan.py)
+        self._plans: dict[tuple, FlatPlan] | None = None
+        if self.distributed and not self.hierarchical:
+            self._plans = {}
+        self._inband_acc: torch.Tensor | None = None  # ``inband_worst``
+        self.in_flight: str | None = None  # the collective a planned call is in (``_failed``)
         ok, reason = self.supports_world(self.num_ranks, self.ranks_per_node)
         if not ok:
             raise ValueError(reason)
@@ -231,20 +239,30 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
     def all_to_all(
         self,
         send: torch.Tensor,
-        send_splits: tuple[int, ...],
-        recv_splits: tuple[int, ...],
+        send_splits: tuple[int, ...] | list[int],
+        recv_splits: tuple[int, ...] | list[int],
         *,
         spare_row: bool = False,
         scratch_key: str | None = None,
+        out: torch.Tensor | None = None,
+        what: str = "all_to_all_single (rows)",
     ) -> torch.Tensor:
         """``all_to_all_single`` of rows; ``[sum(recv_splits), X]`` out, same dtype.
 
         ``spare_row`` appends one zero row to the output (``[sum(recv_splits) + 1, X]``), the
         target of the dummy index of a compaction, so that gathering needs no masking pass.
         ``scratch_key`` receives into a reused buffer (``scratch``): only for internal rows.
+        ``out``: receive into this ``[sum(recv_splits), X]`` tensor instead (a planned call,
+        ``plan.py``: lists as splits, no guard of its own; ``in_flight`` names ``what`` while it
+        runs, for the call's one error boundary).
         """
-        out, _ = self._all_to_all(send, send_splits, recv_splits, spare_row, scratch_key)
-        return out
+        if out is not None:
+            self.in_flight = what
+            dist.all_to_all_single(out, send, recv_splits, send_splits, group=self.group)
+            self.in_flight = None
+            return out
+        got, _ = self._all_to_all(send, send_splits, recv_splits, spare_row, scratch_key)
+        return got
 
     def _all_to_all(
         self,
@@ -526,17 +544,38 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
             self._required_w = torch.zeros((), dtype=torch.int64, device=required_w.device)
         self._required_w = torch.maximum(self._required_w, required_w)
 
+    def inband_worst(self, device: torch.device) -> torch.Tensor:
+        """The ``[R]`` int32 device record of the largest worst count each rank sent in band
+        (``count * R + destination``; ``FlatPlan``, checks off), made once."""
+        acc = self._inband_acc
+        if acc is None:
+            with torch.inference_mode(False):  # NOTE: written in place by later calls
+                acc = torch.zeros(self.num_ranks, dtype=torch.int32, device=device)
+            self._inband_acc = acc
+        return acc
+
+    def raise_inband_overflow(self, worst_R: list[int]) -> None:
+        """Raise the overflow that the worst counts of every rank (``count * R + destination``,
+        host ints) show, naming the sender, the destination and the fix; the same on every
+        rank."""
+        R, W = self.num_ranks, self.num_worst_tokens
+        cap = W // R
+        n, s, g = max((v // R, s, v % R) for s, v in enumerate(worst_R))
+        if n > cap:
+            raise ValueError(overflow_message(f"rank {s} sending to rank {g}", n, cap, W, R, R))
+
     def check_overflow(self) -> None:
-        if self._required_w is None:
-            return
-        need = int(self._required_w.item()) * self._overflow_scale
-        W, R = self.num_worst_tokens, self.num_ranks
-        if need > W:
-            raise ValueError(
-                f"a worst-case dispatch overflowed: it needed num_worst_tokens >= {need} but W={W} "
-                f"(R={R}); rows past the cap were dropped: raise DispatchConfig.num_worst_tokens "
-                f"to at least {need}"
-            )
+        if self._required_w is not None:
+            need = int(self._required_w.item()) * self._overflow_scale
+            W, R = self.num_worst_tokens, self.num_ranks
+            if need > W:
+                raise ValueError(
+                    f"a worst-case dispatch overflowed: it needed num_worst_tokens >= {need} but "
+                    f"W={W} (R={R}); rows past the cap were dropped: raise "
+                    f"DispatchConfig.num_worst_tokens to at least {need}"
+                )
+        if self._inband_acc is not None:  # NOTE: one read: every rank holds every rank's
+            self.raise_inband_overflow(self._inband_acc.tolist())
 
     # ----------------------------------------------------------------- primitives
     def dispatch(
@@ -546,7 +585,51 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
         topk_probs: torch.Tensor,
         layout: DispatchLayout | None = None,
     ) -> DispatchResult:
+        plans = self._plans
+        if plans is not None:  # NOTE: flat across ranks: the plan of this shape (plan.py)
+            checks = self.checks_flag and not (x.is_cuda and is_capturing())
+            key = (x.shape[0], x.shape[1], topk_idx.shape[1], x.dtype, x.device, checks)
+            plan = plans.get(key)
+            if plan is None:
+                plan = self._new_plan(key)
+            mask_TR = None if layout is None else layout.is_token_in_rank
+            try:
+                return plan.dispatch(x, topk_idx, topk_probs, mask_TR)
+            except CollectiveError:
+                raise
+            except RuntimeError as exc:
+                raise self._failed(exc) from exc
+        return self._dispatch_hops(x, topk_idx, topk_probs, layout)
 
+    def _new_plan(self, key: tuple) -> FlatPlan:
+        """Plan the calls of ``key`` (kept, at most 16 keys, unless a CUDA graph is being
+        captured: tables made there hold values only on replay)."""
+        with torch.inference_mode(False):  # NOTE: its buffers are written in place later
+            plan = FlatPlan(self, *key)
+        plans = self._plans
+        assert plans is not None
+        if not is_capturing():
+            if len(plans) >= 16:
+                del plans[next(iter(plans))]
+            plans[key] = plan
+        return plan
+
+    def _failed(self, exc: RuntimeError) -> RuntimeError:
+        """The error of a planned call: a ``CollectiveError`` naming the collective in flight
+        when it raised (one error boundary per call), else ``exc``."""
+        what, self.in_flight = self.in_flight, None
+        if what is None:
+            return exc
+        return collective_error(what, self.group, exc) or exc
+
+    def _dispatch_hops(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+        layout: DispatchLayout | None,
+    ) -> DispatchResult:
+        """A dispatch in hops: hierarchical, or in a world of one."""
         T, H = x.shape
         k = topk_idx.shape[1]
         R = self.num_ranks
@@ -626,7 +709,14 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
         return None
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        state: TorchDispatchState = handle.state
+        state = handle.state
+        if type(state) is FlatState:
+            try:
+                return state.plan.combine(y, state)
+            except CollectiveError:
+                raise
+            except RuntimeError as exc:
+                raise self._failed(exc) from exc
         rows = y
         one = not self.distributed and not self.hierarchical and len(state.hops) == 1
         one = one and state.out_index is not None
@@ -647,7 +737,14 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
         return rows
 
     def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        state: TorchDispatchState = handle.state
+        state = handle.state
+        if type(state) is FlatState:
+            try:
+                return state.plan.cached_dispatch(x, state)
+            except CollectiveError:
+                raise
+            except RuntimeError as exc:
+                raise self._failed(exc) from exc
         rows = x
         last = len(state.hops) - 1
         for i, hop in enumerate(state.hops):
