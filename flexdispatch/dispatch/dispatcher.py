@@ -127,6 +127,8 @@ class FlexDispatcher:
         self._bad_log = bad_values.BadValueLog()  # device counts of bad inputs, not yet folded
         self._zero: torch.Tensor | None = None  # the unused slots of a backend's bad-id count
         self._checks = checks_flag(config.checks or None)  # NOTE: the environment, read once
+        self._checked: set[tuple] = set()  # input metadata checked (``dispatch``)
+        self._devices_ok: set[torch.device] = set()  # devices ``combine`` checked
         self._backend, self.backend_reason = select_backend(
             config,
             group,
@@ -157,6 +159,7 @@ class FlexDispatcher:
         int64 CPU tensor (a graph input under ``torch.compile``, so that identical layers share
         one compiled graph)."""
         self._issuer = next_issuer()
+        self._backend.issuer = self._issuer  # NOTE: a backend may stamp its handles itself
         self._op_id = torch.tensor([self._issuer], dtype=torch.int64, device="cpu")
         _ops.register_dispatcher(self._issuer, self)
 
@@ -300,7 +303,6 @@ class FlexDispatcher:
             self._bad_log.add(self._stats, (count, zero, zero, zero, highest, lowest))
 
     # ----------------------------------------------------------------- public API
-    @guarded("FlexDispatcher.dispatch")
     def dispatch(
         self,
         x: Rows,
@@ -332,15 +334,59 @@ class FlexDispatcher:
 
         Raises:
             TypeError / ValueError: malformed inputs (raised before any collective); on every
-            rank: ranks disagree on H, k or dtype, or (dropless off, CPU or checks on) a
-            worst-case overflow.
+            rank: ranks disagree on H, k or dtype, or a worst-case overflow with checks on (or,
+            on CPU, at the first dispatch of a row shape; otherwise ``check_overflow`` raises
+            it).
             flexdispatch.distributed.CollectiveError: a peer rank failed (raised, exited, was
             killed) or did not join within the process-group timeout (docs/errors.md).
         """
-        if not isinstance(x, tuple) and _ops.use_ops():
-            # NOTE: torch.compile (or set_eager_ops): one custom op, this method run inside it
+        # NOTE: one compile test per call (the hot path, issue 46): traced, no guard (a lock
+        # cannot be traced: _checks/threads.py) and the custom op
+        if torch.compiler.is_compiling():
+            if isinstance(x, tuple):
+                return self._dispatch(x, topk_idx, topk_probs, layout=layout)
             return _ops.dispatch(self, x, topk_idx, topk_probs, layout)
-        return self._dispatch(x, topk_idx, topk_probs, layout=layout)
+        guard = self._guard
+        guard.enter("FlexDispatcher.dispatch")
+        try:
+            if _ops._EAGER[0] and not isinstance(x, tuple):  # NOTE: set_eager_ops
+                return _ops.dispatch(self, x, topk_idx, topk_probs, layout)
+            if (
+                layout is not None
+                or not isinstance(x, torch.Tensor)
+                or not isinstance(topk_idx, torch.Tensor)
+                or not isinstance(topk_probs, torch.Tensor)
+                or x.is_nested
+                or topk_idx.is_nested
+                or topk_probs.is_nested
+            ):
+                return self._dispatch(x, topk_idx, topk_probs, layout=layout)
+            # NOTE: the metadata checks run once per shape, dtype, device and layout (the
+            # values, where they are checked, every time)
+            key = (x.shape, x.dtype, x.device, x.layout, topk_idx.shape, topk_idx.dtype,
+                   topk_idx.device, topk_idx.layout, topk_probs.shape, topk_probs.dtype,
+                   topk_probs.device, topk_probs.layout)  # fmt: skip
+            if key not in self._checked:
+                topk_idx = self._check_inputs(x, topk_idx, topk_probs, None)
+                if len(self._checked) >= 64:
+                    self._checked.clear()
+                self._checked.add(key)
+                self._devices_ok.add(x.device)  # NOTE: what ``combine`` checks of its rows
+            elif self._checks or not self._backend.counts_bad_ids:
+                topk_idx = self._check_values(topk_idx, x, topk_probs)
+            x, topk_idx, topk_probs = x.contiguous(), topk_idx.contiguous(), topk_probs.contiguous()
+            if torch.is_grad_enabled() and (x.requires_grad or topk_probs.requires_grad):
+                return self._finish(x, topk_idx, topk_probs, None)
+            backend = self._backend
+            res = backend.dispatch(x, topk_idx, topk_probs, None)
+            if res.handle.issuer != self._issuer:  # NOTE: a backend that stamps none
+                object.__setattr__(res.handle, "issuer", self._issuer)
+            if backend.bad_ids is not None:
+                self._log_bad_ids()
+            self._stats.dispatch_calls += 1
+            return res
+        finally:
+            guard.exit()
 
     def _dispatch(
         self,
@@ -494,7 +540,6 @@ class FlexDispatcher:
         ready = None if pending is None else (lambda: backend.check_finish(pending))
         return PendingDispatch(finish, ready)
 
-    @guarded("FlexDispatcher.combine")
     def combine(
         self, y: torch.Tensor, handle: DispatchHandle, *, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -517,10 +562,51 @@ class FlexDispatcher:
             TypeError / ValueError: a foreign handle or a malformed ``y`` (before any collective).
             flexdispatch.distributed.CollectiveError: a peer rank failed or timed out.
         """
+        # NOTE: one compile test per call; traced, no guard (see ``dispatch``)
+        if torch.compiler.is_compiling():
+            return self._checked_combine(y, handle, bias, compiling=True)
+        guard = self._guard
+        guard.enter("FlexDispatcher.combine")
+        try:
+            # NOTE: the hot path: a handle of this dispatcher's eager dispatch (the serial
+            # compared on the host) and rows of a shape, dtype kind and device checked before
+            if (
+                bias is None
+                and not _ops._EAGER[0]
+                and type(handle) is DispatchHandle
+                and handle.issuer == self._issuer
+                and not isinstance(handle.state, torch.Tensor)
+                and isinstance(y, torch.Tensor)
+                and not y.is_nested
+                and y.layout == torch.strided
+                and y.dtype.is_floating_point
+                and y.device in self._devices_ok
+                and y.shape == (handle.num_recv_rows, handle.hidden)
+            ):
+                y = y.contiguous()
+                if torch.is_grad_enabled() and y.requires_grad:
+                    out = CombineFunction.apply(self._backend, handle, y)
+                else:  # NOTE: nothing to differentiate: no autograd Function
+                    out = self._backend.combine(y, handle)
+                self._stats.combine_calls += 1
+                return out
+            return self._checked_combine(y, handle, bias, compiling=False)
+        finally:
+            guard.exit()
+
+    def _checked_combine(
+        self,
+        y: torch.Tensor,
+        handle: DispatchHandle,
+        bias: torch.Tensor | None,
+        *,
+        compiling: bool,
+    ) -> torch.Tensor:
+        """``combine`` with every check (the hot path's conditions not met, or traced)."""
         # NOTE: traced, the serial is not read (dynamo would guard on it), nor on an op handle
         # (a compiled dispatch stamps none): ``flexdispatch::combine`` checks it when it runs
         op_handle = isinstance(handle, DispatchHandle) and isinstance(handle.state, torch.Tensor)
-        issuer = None if op_handle or torch.compiler.is_compiling() else self._issuer
+        issuer = None if op_handle or compiling else self._issuer
         check_handle(handle, self.backend_name, issuer)
         check_tensor("y", y, ndim=2, floating=True)
         self._check_device("y", y)
@@ -529,7 +615,9 @@ class FlexDispatcher:
                 f"y must have shape [{handle.num_recv_rows}, {handle.hidden}] (the rows dispatch "
                 f"returned), got {tuple(y.shape)}"
             )
-        if op_handle or _ops.use_ops():  # NOTE: see ``dispatch``
+        if not compiling:
+            self._devices_ok.add(y.device)
+        if op_handle or compiling or _ops._EAGER[0]:  # NOTE: see ``dispatch``
             return _ops.combine(self, y, handle, bias)
         return self._combine(y, handle, bias)
 
