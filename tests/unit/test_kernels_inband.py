@@ -147,14 +147,14 @@ def _step(d, me, rank):  # type: ignore[no-untyped-def]
     return [t.detach() for t in (*seen, out, x.grad, probs.grad)]
 
 
-# the flat worst-case layouts the kernels serve: (H, checks, collectives per dispatch + combine,
-# the launches of one dispatch)
+# the flat worst-case layouts the kernels serve: (H, checks, collectives per dispatch + combine
+# of the first two calls, the launches of one dispatch). Since issue 46 every one is in band
+# (backends/torch/plan.py): rows over 2 KiB too, and checks on after the first call's count
+# exchange (the agreement on the row shape)
 LAYOUTS = {
-    "in band": ("short", False, 2, ["pack", "unpack"]),  # short rows, no count exchange
-    # checks on: counts exchanged, rows and metadata in one collective
-    "packed, after the count exchange": ("short", True, 3, ["pack_blocks", "unpack"]),
-    # rows over 2 KiB: two collectives
-    "rows and metadata apart": ("long", False, 4, ["pack_blocks", "unpack"]),
+    "in band": ("short", False, [2, 2], ["pack", "unpack"]),  # no count exchange
+    "in band, checks on": ("short", True, [3, 2], ["pack", "unpack"]),
+    "in band, long rows": ("long", False, [2, 2], ["pack", "unpack"]),
 }
 
 
@@ -171,10 +171,9 @@ def _cases_worker(rank: int, R: int, layout: str) -> dict:
     rows, checks = LAYOUTS[layout][:2]
     H = SHORT_H if rows == "short" else LONG_H
     launches: list[str] = []
-    pack, unpack, blocks = inband.pack_inband, inband.unpack_blocks, inband.pack_blocks
+    pack, unpack = inband.pack_inband, inband.unpack_blocks
     inband.pack_inband = lambda *a: launches.append("pack") or pack(*a)  # type: ignore[assignment]
     inband.unpack_blocks = lambda *a, **kw: launches.append("unpack") or unpack(*a, **kw)  # type: ignore[assignment]
-    inband.pack_blocks = lambda *a: launches.append("pack_blocks") or blocks(*a)  # type: ignore[assignment]
     W = R * (5 + 2 * (R - 1))  # the largest T of make_inputs on every peer: never an overflow
     got: dict = {"collectives": {}, "same": {}}
     for case in CASES:
@@ -198,8 +197,8 @@ def _cases_worker(rank: int, R: int, layout: str) -> dict:
 def test_flat_worst_case_with_the_kernels_on_four_ranks(dev, layout) -> None:  # type: ignore[no-untyped-def]
     """Every routing case of the reference (uneven T, an empty rank, a rank sending or receiving
     nothing) through the kernels, against the reference (the zero tail included) and against
-    the torch ops, gradients included: in band (pack + unpack), and after the count exchange
-    (pack_blocks + unpack), with rows and metadata in one buffer or apart."""
+    the torch ops, gradients included: in band (pack + unpack), short and long rows, checks off
+    and on."""
     from tests.dist.harness import run_group
     from tests.dist.reference import CASES
 
@@ -207,7 +206,7 @@ def test_flat_worst_case_with_the_kernels_on_four_ranks(dev, layout) -> None:  #
         pytest.skip("drives CPU ranks")
     collectives, one = LAYOUTS[layout][2:]
     for got in run_group(_cases_worker, 4, layout, timeout=240.0):
-        assert got["collectives"] == {case: [collectives] * 2 for case in CASES}, got
+        assert got["collectives"] == {case: collectives for case in CASES}, got
         assert got["same"] == {case: [True] * 7 for case in CASES}, got["same"]
         # every dispatch through the kernels: 2 checked + 1 with gradients per case, and the
         # backward's dispatch (cached_dispatch) needs neither

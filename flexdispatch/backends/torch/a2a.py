@@ -6,24 +6,29 @@ W worst-case rows · S rows one rank sends in one hop · P peers one hop sends t
 
 How a dispatch runs (works on gloo and NCCL):
 
+- Flat across ranks (the decode path): planned once per call shape (``plan.py``, issue 46):
+  worst-case one ``all_to_all_single`` each way, the counts in band (the count exchange only at
+  the first call of a row shape, for the agreement); dropless the count exchange plus one each
+  way, rows and metadata in one collective while the call is small. No value check with checks
+  off; one error boundary per call.
+- Hierarchical mode, and a world of one (no group, or a group of one rank), dispatch in *hops*:
+
 1. Count exchange: one ``all_gather_into_tensor`` of a ``[2R + N + 4]`` int64 vector per rank
    (rows for every rank, rows for every node (hierarchical mode; zeros in flat mode), H, k, dtype
    code, T, pairs for every rank). Every rank then holds the ``[R, 2R + N + 4]`` matrix ``G``
    and can raise the same error on every rank: mismatching H / k / dtype, or a worst-case
-   overflow. On CPU in flat mode it runs asynchronously while the send rows are prepared. Flat
-   worst-case short rows with checks off skip it (``flat.py``).
+   overflow. A world of one counts locally.
 2. Dropless mode copies ``G`` to the host once (``stats.host_syncs += 1``); on CUDA that copy is
    issued on a side stream into pinned memory right after the exchange and waited on just before
    the rows move. Worst-case mode never reads it on CUDA (only with checks enabled; counted in
    ``stats.extra["check_syncs"]``); on CPU it is read directly (no device to sync with).
 3. One *hop* = one ``all_to_all_single`` of the rows plus one of an int32 ``[S, 2k]`` metadata
-   block (``topk_idx`` as int32 beside the fp32 bits of the probs); flat rows of at most
-   ``flat.PACK_MAX_ROW_BYTES`` bytes carry their metadata in the rows' collective instead. Rows
-   keep their dtype. Flat mode is one hop; hierarchical mode is two (see ``hier.py``). Both use
-   the dispatcher's own group: ranks outside a hop get zero-sized splits, so no sub-groups exist.
-4. Worst-case mode pads every hop to ``cap`` rows per peer on the device (``W / R`` flat) and
-   compacts the received rows on the device so the real rows come first, in (source rank, source
-   token) order; the tail is zero / ``-1`` / 0.
+   block (``topk_idx`` as int32 beside the fp32 bits of the probs). Rows keep their dtype.
+   Hierarchical mode is two hops (see ``hier.py``), on the dispatcher's own group: ranks outside
+   a hop get zero-sized splits, so no sub-groups exist.
+4. Worst-case mode pads every hop to ``cap`` rows per peer on the device (``W / N`` and ``W / L``)
+   and compacts the received rows on the device so the real rows come first, in (source rank,
+   source token) order; the tail is zero / ``-1`` / 0.
 
 Combine sends the rows back along the same hops and sums them per token. The sum runs in a fixed
 order — first over the ranks of each node (in rank order), then over nodes — so flat and
@@ -33,26 +38,28 @@ up to the sign of a zero, the same in every mode); on CPU this rank's own rows a
 the peers' rows are still travelling. The first two terms may swap (``a + b == b + a`` exactly),
 so that this rank's own rows are added straight from where they lie.
 
-Rows a rank sends to itself skip the collective (split 0 to itself) whenever they sit at one end
-of both buffers (always for R = 2): on CPU dispatch gathers them straight into the receive buffer
-while the peers' rows travel (``async_op``; on CUDA, where the collective is issued synchronously
-and nothing would overlap, they go through it: one gather instead of two), and combine reads them
-from the rows it was given. This changes no byte on the wire. In flat mode the
-metadata carries global expert ids and each receiver keeps its own (one offset, ``rank * e``).
+In a hop, rows a rank sends to itself skip the collective (split 0 to itself) whenever they sit
+at one end of both buffers: on CPU dispatch gathers them straight into the receive buffer while
+the peers' rows travel (``async_op``; on CUDA, where the collective is issued synchronously and
+nothing would overlap, they go through it: one gather instead of two), and combine reads them
+from the rows it was given. This changes no byte on the wire. The metadata carries global expert
+ids and each receiver keeps its own (one offset, ``rank * e``).
 
 On CPU, buffers that never leave a call (send buffers, padded receive buffers, returning rows)
-are kept per backend and reused (``buffers.RowBuffers.scratch``): fresh buffers over 32 MiB are
-page-faulted on every call. Tensors handed to the caller come from ``_pool.OUTPUT_POOL``,
-which lends an earlier output's memory again only once nothing refers to it any more.
+are kept per backend (``buffers.RowBuffers.scratch``) or per plan and reused: fresh buffers over
+32 MiB are page-faulted on every call. Tensors handed to the caller come from
+``_pool.OUTPUT_POOL``, which lends an earlier output's memory again only once nothing refers to
+it any more.
 
 The code is split by concern: this module holds the backend class (counts, hops, combine,
-stats); ``flat.py`` the flat dispatch plan; ``hier.py`` the hierarchical one; ``buffers.py``
-the reusable row buffers;
-``hops.py`` what both plans share (``Hop``, the dispatch state, the host count copy and the
-row plumbing that finishes a dispatch); ``rows.py`` the row and metadata kernels.
+stats); ``plan.py`` the flat dispatch across ranks; ``flat.py`` the flat dispatch of a world of
+one; ``hier.py`` the hierarchical one; ``buffers.py`` the reusable row buffers; ``hops.py`` what
+the hop dispatches share (``Hop``, the dispatch state, the host count copy and the row plumbing
+that finishes a dispatch); ``rows.py`` the row and metadata kernels.
 
-Every collective runs inside ``collective_guard``: a peer that fails, exits or times out turns
-into a ``flexdispatch.distributed.CollectiveError`` on this rank, naming the collective.
+A peer that fails, exits or times out turns into a ``flexdispatch.distributed.CollectiveError``
+on this rank, naming the collective: a planned call names the one in flight (``in_flight``) at
+its one error boundary, a hop runs each collective inside ``collective_guard``.
 """
 
 from __future__ import annotations
@@ -73,11 +80,10 @@ from flexdispatch.backends.counts import (
     check_agreement,
     exchange_counts,
     recv_pairs,
-    start_exchange,
 )
 from flexdispatch.backends.torch import hier as torch_hier
 from flexdispatch.backends.torch.buffers import RowBuffers
-from flexdispatch.backends.torch.flat import dispatch_flat, inband_shape
+from flexdispatch.backends.torch.flat import dispatch_flat
 from flexdispatch.backends.torch.hops import Hop, PendingCounts, TorchDispatchState
 from flexdispatch.backends.torch.plan import FlatPlan, FlatState
 from flexdispatch.backends.torch.reduce import reduce_compacted, reduce_hop
@@ -131,9 +137,7 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
         # NOTE: row shapes (H, k, dtype) the count exchange found equal on every rank (plan.py)
         self.agreed_shapes: set[tuple[int, int, torch.dtype]] = set()
         # NOTE: the flat plans across ranks, by (T, H, k, dtype, device, checks) (plan.py)
-        self._plans: dict[tuple, FlatPlan] | None = None
-        if self.distributed and not self.hierarchical:
-            self._plans = {}
+        self._plans: dict[tuple, FlatPlan] = {}
         self._inband_acc: torch.Tensor | None = None  # ``inband_worst``
         self.in_flight: str | None = None  # the collective a planned call is in (``_failed``)
         ok, reason = self.supports_world(self.num_ranks, self.ranks_per_node)
@@ -585,8 +589,8 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
         topk_probs: torch.Tensor,
         layout: DispatchLayout | None = None,
     ) -> DispatchResult:
-        plans = self._plans
-        if plans is not None:  # NOTE: flat across ranks: the plan of this shape (plan.py)
+        if self.distributed and not self.hierarchical:  # NOTE: the plan of this shape (plan.py)
+            plans = self._plans
             checks = self.checks_flag and not (x.is_cuda and is_capturing())
             key = (x.shape[0], x.shape[1], topk_idx.shape[1], x.dtype, x.device, checks)
             plan = plans.get(key)
@@ -607,7 +611,6 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
         with torch.inference_mode(False):  # NOTE: its buffers are written in place later
             plan = FlatPlan(self, *key)
         plans = self._plans
-        assert plans is not None
         if not is_capturing():
             if len(plans) >= 16:
                 del plans[next(iter(plans))]
@@ -648,41 +651,18 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
             mask_TR = torch.zeros(T, R + 2, dtype=torch.bool, device=x.device)
             mask_TR.scatter_(1, rank_TK, True)
             mask_TR = mask_TR[:, :R]
-        work = G = pending = None
-        shape = inband_shape(self, x, k)
-        # NOTE: counts in band (flat.py) once the ranks agreed on this row shape (CPU; CUDA
-        # with checks off never reads the exchange: in band at once)
-        inband = shape is not None and (shape in self.agreed_shapes or cuda_code_path(x.device))
         # NOTE: the pair counts serve the bad ids and a dropless receiver only (``recv_pairs``);
         # a worst-case exchange sends zeros in their place (no launch)
         pairs_R2 = None
-        if count_bad or not (inband or self.worst_case):
+        if count_bad or not self.worst_case:
             pairs_R2 = _bin_counts(rank_TK.view(-1), R + 2)
         self.bad_ids = self.count_bad_ids(pairs_R2[R], topk_idx) if count_bad else None
         zeros_R = None if pairs_R2 is not None else _pool.scalar(0, torch.int64, dev).expand(R)
         pairs_R = pairs_R2[:R] if pairs_R2 is not None else zeros_R
-        if inband:
-            pass
-        elif self.hierarchical or cuda_code_path(x.device) or not self.distributed:
-            G = self.exchange_counts(mask_TR, H, k, x.dtype, pairs_R)
-        else:
-            # NOTE: CPU flat: the exchange runs (gloo, async) while the plan prepares its send
-            # rows; the plan reads G only through ``pending.wait()``, which waits for it first.
-            G, work = start_exchange(
-                mask_TR,
-                hidden=H,
-                topk=k,
-                dtype=x.dtype,
-                ranks_per_node=self.ranks_per_node,
-                group=self.group,
-                pairs_R=pairs_R,
-            )
-        if G is not None:
-            pending = self.start_host_counts(G, work)
+        G = self.exchange_counts(mask_TR, H, k, x.dtype, pairs_R)
+        pending = self.start_host_counts(G)
         plan = torch_hier.dispatch_hier if self.hierarchical else dispatch_flat
         result = plan(self, x, key_TK, topk_probs, mask_TR, G, pending)
-        if shape is not None and not inband:
-            self.agreed_shapes.add(shape)  # NOTE: ``pending.wait()`` checked it (CPU)
         self.stats.rows_received += result.recv_x.shape[0]
         if not self.worst_case and pending is not None:
             Gh = pending.wait()  # NOTE: already on the host (the dispatch's one sync)
@@ -690,20 +670,17 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
             result = dataclasses.replace(result, num_recv_pairs=pairs)
         return result
 
-    def start_host_counts(
-        self, G: torch.Tensor, work: dist.Work | None = None
-    ) -> PendingCounts | None:
+    def start_host_counts(self, G: torch.Tensor) -> PendingCounts | None:
         """Start the host copy of ``G`` that this mode needs, or return None (no copy at all).
-        ``work``: the async exchange still writing ``G`` (``start_exchange``).
 
         Dropless: the one host sync of the dispatch. Worst-case on CPU: read directly (no device
         to wait for, not a sync). Worst-case on CUDA: only with checks enabled and not capturing
         (counted in ``stats.extra["check_syncs"]``, never in ``host_syncs``).
         """
         if not self.worst_case:
-            return PendingCounts(self, G, counter="host_syncs", work=work)
+            return PendingCounts(self, G, counter="host_syncs")
         if not cuda_code_path(G.device):
-            return PendingCounts(self, G, counter=None, work=work)
+            return PendingCounts(self, G, counter=None)
         if self.checks_now(G.device):
             return PendingCounts(self, G, counter="check_syncs")
         return None

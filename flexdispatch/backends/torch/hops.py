@@ -13,9 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from flexdispatch._checks.tensors import cuda_code_path
-from flexdispatch.backends.counts import EXCHANGE_NAME
 from flexdispatch.backends.torch.rows import unpack_local
-from flexdispatch.distributed import collective_guard
 from flexdispatch.types import DispatchHandle, DispatchResult
 
 __all__ = [
@@ -158,15 +156,10 @@ class PendingCounts:
         backend: the backend whose stats count the copy.
         G: ``[R, 2R + N + 4]`` int64 gathered counts.
         counter: ``"host_syncs"``, ``"check_syncs"`` (``stats.extra``) or None (not counted).
-        work: the async all-gather still writing ``G`` (CPU), waited on by ``wait()``; None
-            when ``G`` is complete.
     """
 
-    def __init__(
-        self, backend: A2AHost, G: torch.Tensor, *, counter: str | None, work: Any = None
-    ) -> None:
+    def __init__(self, backend: A2AHost, G: torch.Tensor, *, counter: str | None) -> None:
         self._backend = backend
-        self._work = work  # NOTE: an async exchange still filling G (CPU); waited on first
         self._counter = counter
         self._values: list[list[int]] | None = None
         self._event: torch.cuda.Event | None = None
@@ -194,10 +187,6 @@ class PendingCounts:
     def wait(self) -> list[list[int]]:
         """Host values of ``G`` (``[R][2R + N + 4]`` ints), after the cross-rank agreement check."""
         if self._values is None:
-            if self._work is not None:
-                with collective_guard(EXCHANGE_NAME, getattr(self._backend, "group", None)):
-                    self._work.wait()
-                self._work = None
             if self._event is not None:
                 self._event.synchronize()
             self._values = self._host.tolist()

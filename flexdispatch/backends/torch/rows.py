@@ -25,7 +25,6 @@ __all__ = [
     "slot_tables",
     "send_rows",
     "flat_compaction",
-    "valid_compaction",
     "pack_meta",
     "pack_token_meta",
     "pack_key_meta",
@@ -163,13 +162,6 @@ def flat_compaction(sizes_R: torch.Tensor, cap: int) -> tuple[torch.Tensor, torc
     device = sizes_R.device
     col = _pool.cached(("cap_cols", cap), device, lambda: torch.arange(cap, device=device))
     return _compaction((col < sizes_R[:, None]).view(-1), W)
-
-
-def valid_compaction(mine_W: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``flat_compaction`` of a receive buffer whose real rows are known by their ids:
-    ``mine_W`` ``[W]`` bool marks the rows with one of this rank's ids (``local_lut`` of the
-    ids, any non-zero); padding rows carry only dropped ids."""
-    return _compaction(mine_W, W)
 
 
 def _compaction(real_W: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
