@@ -357,17 +357,22 @@ class PyCallCounter:
         return rows[:top]
 
 
-def count_call(fn: Callable[[], Any], *, where: bool = False, top: int = 40) -> dict[str, Any]:
+def count_call(
+    fn: Callable[[], Any], *, where: bool = False, top: int = 40, collect: bool = True
+) -> dict[str, Any]:
     """Every count of the module docstring for one run of ``fn`` (two passes: ops, then Python
-    calls; ``fn`` runs once in each). Garbage collection is off while ``fn`` runs."""
-    gc.collect()
+    calls; ``fn`` runs once in each). Garbage collection is off while ``fn`` runs (``collect``:
+    a full collection before each pass, ~0.3 s with torch loaded: the test skips it)."""
+    if collect:
+        gc.collect()
     gc.disable()
     try:
         reads: collections.Counter[str] = collections.Counter()
         mode = OpCounter(where=where)
         with _count_method_reads(reads), mode:
             fn()
-        gc.collect()
+        if collect:
+            gc.collect()
         prof = PyCallCounter()
         prof.run(fn)
     finally:
@@ -459,19 +464,28 @@ def _one_case(case: Case, opts: dict[str, Any]) -> dict[str, Any]:
     W = R * case.T if case.mode == "worst" else 0
     cfg = DispatchConfig(backend="torch", checks=case.checks, num_worst_tokens=W)
     d = FlexDispatcher(cfg, num_experts=case.E)
-    bare = _bare_pair(case, idx, rank)
+    with_bare = opts.get("bare", True) or opts["time"]
+    bare = _bare_pair(case, idx, rank) if with_bare else None
 
     def step() -> None:
         res = d.dispatch(x, idx, probs)
         d.combine(res.recv_x, res.handle)
 
-    rec: dict[str, Any] = {"rank": rank}
+    import flexdispatch
+
+    # NOTE: which tree the rank imported (a baseline run sets PYTHONPATH to another checkout)
+    rec: dict[str, Any] = {"rank": rank, "flexdispatch": os.path.dirname(flexdispatch.__file__)}
     with torch.no_grad():
         for _ in range(WARMUP_CALLS):
             step()
-            bare()
+            if bare is not None:
+                bare()
         syncs0 = d.stats.host_syncs
-        counts = [count_call(step, where=opts["where"], top=opts["top"]) for _ in range(2)]
+        collect = opts.get("collect", True)
+        counts = [
+            count_call(step, where=opts["where"], top=opts["top"], collect=collect)
+            for _ in range(2)
+        ]
         syncs = (d.stats.host_syncs - syncs0) / 4  # 2 counted calls x 2 passes
         keys = (*DETERMINISTIC, "python_calls")
         rec["stable"] = all(counts[0][k] == counts[1][k] for k in keys)
@@ -479,11 +493,10 @@ def _one_case(case: Case, opts: dict[str, Any]) -> dict[str, Any]:
             rec["second_call"] = {k: counts[1][k] for k in keys}
         rec.update(counts[0])
         rec["stats_host_syncs_per_call"] = syncs
-        rec["bare"] = {
-            k: v
-            for k, v in count_call(bare, top=opts["top"]).items()
-            if k in (*DETERMINISTIC, "python_calls", "host_reads_by_kind", "collectives_by_name")
-        }
+        if bare is not None and opts.get("bare", True):
+            keep = (*DETERMINISTIC, "python_calls", "host_reads_by_kind", "collectives_by_name")
+            got = count_call(bare, top=opts["top"], collect=collect)
+            rec["bare"] = {k: v for k, v in got.items() if k in keep}
         if opts["time"]:
             rec["time"] = _time({"call": step, "bare": bare}, opts["reps"], opts["inner"])
     d.close()
@@ -495,12 +508,14 @@ def rank_counts(
 ) -> dict[str, Any]:
     """Inside a rank of an initialised 2-rank group (e.g. a test's ``run_group`` worker, every
     rank calling it alike): the deterministic counts of one dispatch + combine of this rank
-    (``decode_counts``'s keys). No timing."""
+    (``decode_counts``'s keys). No timing, no count of the bare pair, no full garbage collection
+    before the counted passes (the counts do not depend on it: ``stable`` says so)."""
     if dist.get_world_size() != R:
         raise ValueError(f"rank_counts needs a group of {R} ranks, got {dist.get_world_size()}")
     case = Case(T=T, H=H, E=E, k=k, mode=mode, checks=checks)
     os.environ.pop("FLEXDISPATCH_CHECKS", None)
-    rec = _one_case(case, {"time": False, "where": False, "top": 0})
+    opts = {"time": False, "where": False, "top": 0, "bare": False, "collect": False}
+    rec = _one_case(case, opts)
     return {key: rec[key] for key in (*DETERMINISTIC, "python_calls", "stable")}
 
 
@@ -732,6 +747,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         where=args.where,
         top=args.top,
     )
+    trees = {r["flexdispatch"] for rec in records for r in rec["ranks"]}
+    print(f"\nthe ranks imported flexdispatch from: {', '.join(sorted(trees))}\n")
     print_table(records, args.rank)
     if args.breakdown or args.where:
         print_breakdown(records, args.rank, args.top)
