@@ -368,7 +368,8 @@ class FlexdispatchBatchedPrepareAndFinalize(mk.FusedMoEPrepareAndFinalizeModular
         res = self.decoder.dispatch(a1, topk_ids.to(torch.int64), weights)
         self._inflight = res.handle
         meta = mk.ExpertTokensMetadata(
-            expert_num_tokens=res.num_recv_tokens_per_expert.to(torch.int32), expert_num_tokens_cpu=None
+            expert_num_tokens=res.num_recv_tokens_per_expert.to(torch.int32),
+            expert_num_tokens_cpu=None,
         )
         x = res.recv_x
         scale = None
