@@ -734,12 +734,13 @@ class FlexDispatcher:
         (``invalid_expert_ids``, ``nonfinite_x``, ``nonfinite_topk_probs``,
         ``repeated_expert_ids``) and raises naming them, then and at every later call.
 
-        Overflow:
-        On CPU, and on CUDA with checks enabled, an overflow raises inside ``dispatch`` on every
-        rank. On CUDA without checks (e.g. under CUDA-graph capture) the dispatch cannot look at
-        the counts without a host sync, so it records the largest W needed on the device and drops
-        the rows past each cap (never writing out of bounds); call this method (it syncs) at a
-        safe point, e.g. after a step, to turn that record into an error.
+        Overflow: with checks enabled an overflow raises inside ``dispatch`` on every rank (and
+        so it does on CPU at the first dispatch of a row shape, which runs the count exchange,
+        and in hierarchical mode). Otherwise (checks off, e.g. under CUDA-graph capture, and the
+        torch backend's flat dispatch on CPU too) the dispatch does not read the counts on the
+        host: it records the largest count on the device and drops the rows past each cap (never
+        writing out of bounds); call this method (it syncs) at a safe point, e.g. after a step,
+        to turn that record into an error, the same on every rank.
         """
         self._fold_bad_values()
         problems = bad_values.bad_input_problems(self.stats.extra, self.num_experts)
