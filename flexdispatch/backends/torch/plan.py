@@ -161,6 +161,8 @@ class FlatPlan:
         # alignment nor the worst-count column, which stands in for the count exchange
         self.payload = rb + 8 * k
         self.bufs: dict[tuple, torch.Tensor] = {}
+        # NOTE: a Python 0.0 would be wrapped into a tensor by every ``where`` (one op)
+        self.zero = _pool.scalar(0.0, torch.float32, device)
         self.one: torch.Tensor | None = None
         if self.cuda:  # NOTE: the bincount of the CUDA branch (no host read of the maximum)
             self.one = torch.ones((), dtype=torch.int64, device=device)
@@ -357,7 +359,7 @@ class FlatPlan:
             shifted = shifted_all.index_select(0, out_index)
             ids = shifted - 1
             probs_all = meta_all[:, k : 2 * k].view(torch.float32)
-            probs = torch.where(shifted > 0, probs_all.index_select(0, out_index), 0.0)
+            probs = torch.where(shifted > 0, probs_all.index_select(0, out_index), self.zero)
             counts = self._bincount(shifted.view(-1), self.e + 1)[1:]
         state = FlatState(self, send_index, out_index, self.splits, self.splits)
         handle = DispatchHandle(backend="torch", num_tokens=T, hidden=self.H, num_recv_rows=W,
@@ -454,7 +456,7 @@ class FlatPlan:
         stats.rows_received += B
         shifted = self.local_lut[meta_in[:, :k]]
         ids = shifted - 1
-        probs = torch.where(shifted > 0, meta_in[:, k:].view(torch.float32), 0.0)
+        probs = torch.where(shifted > 0, meta_in[:, k:].view(torch.float32), self.zero)
         counts = self._bincount(shifted.view(-1), self.e + 1)[1:]
         state = FlatState(self, send_index, None, send_splits, recv_splits)
         handle = DispatchHandle(backend="torch", num_tokens=T, hidden=self.H, num_recv_rows=B,
