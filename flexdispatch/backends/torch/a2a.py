@@ -599,10 +599,8 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
             mask_TR = None if layout is None else layout.is_token_in_rank
             try:
                 return plan.dispatch(x, topk_idx, topk_probs, mask_TR)
-            except CollectiveError:
-                raise
             except RuntimeError as exc:
-                raise self._failed(exc) from exc
+                raise self._failed(exc)  # noqa: B904 - chained there
         return self._dispatch_hops(x, topk_idx, topk_probs, layout)
 
     def _new_plan(self, key: tuple) -> FlatPlan:
@@ -617,13 +615,31 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
             plans[key] = plan
         return plan
 
+    def _planned(
+        self,
+        run: Callable[[torch.Tensor, FlatState], torch.Tensor],
+        rows: torch.Tensor,
+        state: FlatState,
+    ) -> torch.Tensor:
+        """``run(rows, state)`` (a plan's combine or cached dispatch) inside the call's one error
+        boundary (``_failed``)."""
+        try:
+            return run(rows, state)
+        except RuntimeError as exc:
+            raise self._failed(exc)  # noqa: B904 - chained there
+
     def _failed(self, exc: RuntimeError) -> RuntimeError:
-        """The error of a planned call: a ``CollectiveError`` naming the collective in flight
-        when it raised (one error boundary per call), else ``exc``."""
+        """The error to raise for ``exc`` in a planned call (one error boundary per call): a
+        ``CollectiveError`` naming the collective in flight when it raised, chained to ``exc``;
+        else ``exc`` itself (an op's error, or a ``CollectiveError`` already)."""
         what, self.in_flight = self.in_flight, None
-        if what is None:
+        if what is None or isinstance(exc, CollectiveError):
             return exc
-        return collective_error(what, self.group, exc) or exc
+        err = collective_error(what, self.group, exc)
+        if err is None:
+            return exc
+        err.__cause__ = exc
+        return err
 
     def _dispatch_hops(
         self,
@@ -688,12 +704,7 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         state = handle.state
         if type(state) is FlatState:
-            try:
-                return state.plan.combine(y, state)
-            except CollectiveError:
-                raise
-            except RuntimeError as exc:
-                raise self._failed(exc) from exc
+            return self._planned(state.plan.combine, y, state)
         rows = y
         one = not self.distributed and not self.hierarchical and len(state.hops) == 1
         one = one and state.out_index is not None
@@ -716,12 +727,7 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
     def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         state = handle.state
         if type(state) is FlatState:
-            try:
-                return state.plan.cached_dispatch(x, state)
-            except CollectiveError:
-                raise
-            except RuntimeError as exc:
-                raise self._failed(exc) from exc
+            return self._planned(state.plan.cached_dispatch, x, state)
         rows = x
         last = len(state.hops) - 1
         for i, hop in enumerate(state.hops):

@@ -134,7 +134,7 @@ def dispatch_flat(
         )
         if cap is None:  # NOTE: dropless: the rows sent, all real (no compaction maps)
             got = (*got[:4], None, None)
-        return dispatch_result(be, (hop,), T, H, *got)
+        return dispatch_result(be, (hop,), T, H, got)
     spare = cap is not None
     if xp is not None:
         recv = be.run_hop_rows(hop, xp, spare_row=spare, scratch_key="recv0")
@@ -187,5 +187,3 @@ def _rows_then_meta(
         scratch_key="recv0" if spare else None,
         meta_spare=be.num_experts,  # the dropped id: the compaction's dummy row is no pair
     )
-
-

@@ -23,6 +23,7 @@ __all__ = [
     "PendingCounts",
     "finish",
     "first_rows",
+    "make_result",
 ]
 
 
@@ -237,30 +238,44 @@ def finish(
         lut=be.local_lut(recv_meta.device),
         counts=True,
     )
-    return dispatch_result(be, hop_list, T, H, recv_x, ids, probs, counts, out_index, in_index)
+    return dispatch_result(be, hop_list, T, H, (recv_x, ids, probs, counts, out_index, in_index))
 
 
 def dispatch_result(
-    be: A2AHost,
-    hop_list: tuple[Hop, ...],
-    T: int,
-    H: int,
-    recv_x: torch.Tensor,
-    ids: torch.Tensor,
-    probs: torch.Tensor,
-    counts: torch.Tensor,
-    out_index: torch.Tensor | None,
-    in_index: torch.Tensor | None,
+    be: A2AHost, hop_list: tuple[Hop, ...], T: int, H: int, got: tuple[Any, ...]
 ) -> DispatchResult:
-    """The ``DispatchResult`` of a finished dispatch and its handle (``finish``'s last step)."""
+    """The ``DispatchResult`` of a finished dispatch and its handle (``finish``'s last step):
+    ``got`` is ``(recv_x, ids, probs, counts, out_index, in_index)``."""
+    recv_x, ids, probs, counts, out_index, in_index = got
     state = TorchDispatchState(
         hops=hop_list,
         out_index=out_index,
         in_index=in_index,
         worst_case=be.worst_case,
     )
+    return make_result(state, T, H, recv_x, ids, probs, counts)
+
+
+def make_result(
+    state: Any,
+    T: int,
+    H: int,
+    recv_x: torch.Tensor,
+    ids: torch.Tensor,
+    probs: torch.Tensor,
+    counts: torch.Tensor,
+    pairs: int | None = None,
+    issuer: int = 0,
+) -> DispatchResult:
+    """The torch backend's ``DispatchResult`` of ``T`` tokens of width ``H`` and its handle
+    holding ``state`` (``issuer``: the dispatcher's serial, when the backend knows it)."""
     handle = DispatchHandle(
-        backend="torch", num_tokens=T, hidden=H, num_recv_rows=recv_x.shape[0], state=state
+        backend="torch",
+        num_tokens=T,
+        hidden=H,
+        num_recv_rows=recv_x.shape[0],
+        state=state,
+        issuer=issuer,
     )
     return DispatchResult(
         recv_x=recv_x,
@@ -268,6 +283,7 @@ def dispatch_result(
         recv_topk_probs=probs,
         num_recv_tokens_per_expert=counts,
         handle=handle,
+        num_recv_pairs=pairs,
     )
 
 

@@ -59,10 +59,10 @@ import torch.distributed as dist
 from flexdispatch import _pool
 from flexdispatch._checks.tensors import cuda_code_path
 from flexdispatch.backends.counts import DTYPE_CODES, EXCHANGE_NAME, check_agreement
-from flexdispatch.backends.torch.hops import first_rows
+from flexdispatch.backends.torch.hops import first_rows, make_result
 from flexdispatch.backends.torch.rows import overflow_message, slot_tables
 from flexdispatch.kernels import inband as _inband
-from flexdispatch.types import DispatchHandle, DispatchResult
+from flexdispatch.types import DispatchResult
 
 if TYPE_CHECKING:
     from flexdispatch.backends.torch.a2a import TorchA2ABackend
@@ -362,15 +362,7 @@ class FlatPlan:
             probs = torch.where(shifted > 0, probs_all.index_select(0, out_index), self.zero)
             counts = self._bincount(shifted.view(-1), self.e + 1)[1:]
         state = FlatState(self, send_index, out_index, self.splits, self.splits)
-        handle = DispatchHandle(backend="torch", num_tokens=T, hidden=self.H, num_recv_rows=W,
-                                state=state, issuer=be.issuer)  # fmt: skip
-        return DispatchResult(
-            recv_x=recv_x,
-            recv_topk_idx=ids,
-            recv_topk_probs=probs,
-            num_recv_tokens_per_expert=counts,
-            handle=handle,
-        )
+        return make_result(state, T, self.H, recv_x, ids, probs, counts, None, be.issuer)
 
     def _agree_worst(self, mask_TR: torch.Tensor) -> None:
         """The first call of a row shape: the count exchange, for the agreement on (H, k, dtype)
@@ -459,16 +451,7 @@ class FlatPlan:
         probs = torch.where(shifted > 0, meta_in[:, k:].view(torch.float32), self.zero)
         counts = self._bincount(shifted.view(-1), self.e + 1)[1:]
         state = FlatState(self, send_index, None, send_splits, recv_splits)
-        handle = DispatchHandle(backend="torch", num_tokens=T, hidden=self.H, num_recv_rows=B,
-                                state=state, issuer=be.issuer)  # fmt: skip
-        return DispatchResult(
-            recv_x=recv_x,
-            recv_topk_idx=ids,
-            recv_topk_probs=probs,
-            num_recv_tokens_per_expert=counts,
-            handle=handle,
-            num_recv_pairs=pairs_in,
-        )
+        return make_result(state, T, self.H, recv_x, ids, probs, counts, pairs_in, be.issuer)
 
     def _rows_then_meta(
         self,
