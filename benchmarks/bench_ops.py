@@ -16,8 +16,9 @@ Rows:
 - ``dispatch + combine``: ``FlexDispatcher.dispatch`` then ``combine`` (forward only), torch
   backend, flat, dropless and worst-case (``W = R*T``); hierarchical with ``LOCAL_WORLD_SIZE=1``
   (2 nodes of one rank) as well.
-- ``long rows``: flat, 2 ranks, at the world-of-one rows' shape: rows of 14 KiB, past the
-  in-band limit, so worst-case mode exchanges its counts and sends rows and metadata apart.
+- ``long rows``: flat, 2 ranks, at the world-of-one rows' shape: rows of 14 KiB (until issue 46
+  past the in-band limit of 2 KiB; since then packed with their metadata like short rows, the
+  decision taken on the call's bytes: ``backends/torch/plan.py``).
 - ``world of one``: dropless and worst-case (``W = T``) on a gloo group of one rank, as
   ``bench_gpu.py``'s NCCL group of one, at its host-time shape (T=128, H=7,168, E=256, k=8).
 - ``permute + unpermute``: ``permute(x, idx, E, topk_probs=p)`` then
@@ -25,10 +26,10 @@ Rows:
 
 Code paths: ``cpu`` is what runs on CPU. ``cuda (forced)`` runs the CUDA branch of every
 device-dependent choice on CPU: ``flexdispatch._checks.tensors.cuda_code_path`` and
-``defer_value_checks`` are forced to True (value checks counted on the device, no CPU memory
-reuse, synchronous collectives, ``scatter_add_`` instead of ``bincount``), and the Triton
-kernels CUDA runs when triton imports (the deferred value checks, ``kernels.screen``; the in-band
-send rows, ``kernels.inband``) run interpreted: the interpreter's own ATen calls are not counted,
+``defer_value_checks`` are forced to True (no CPU memory reuse, synchronous collectives,
+``scatter_add_`` instead of ``bincount``; since issue 46 no value check with checks off on any
+device), and the Triton kernels CUDA runs when triton imports (the in-band send rows and the
+receive side, ``kernels.inband``) run interpreted: the interpreter's own ATen calls are not counted,
 each launch counts as one op (without triton, the torch ops). The one CUDA-only
 piece that cannot run on CPU is the dropless count copy into pinned host memory on a side stream
 (``torch_hops.PendingCounts``): ``copy_`` into the backend's pinned buffer (allocated by the first

@@ -91,9 +91,8 @@ def _kernel_bytes(name: str, args: tuple) -> None:
     """One Triton launch (``tests.cuda_path.force_triton_kernels``) as one op: what it reads and
     writes. The value screen reads the ids, the probs and all of ``x`` and writes the ids; the
     worst-case receive side (``unpack_blocks``) reads the real rows and writes all ``W``; the
-    send slots (``capped_slots``) read the mask and write the send index; the send rows
-    (``pack_blocks``, multi-rank) read and write the real rows (``pack_inband``, in band: every
-    send row, padding included)."""
+    send slots (``capped_slots``) read the mask and write the send index; the in-band send rows
+    (``pack_inband``) read the real rows and write every send row, padding included."""
     if not _ACTIVE:
         return
     m = _ACTIVE[-1]
@@ -108,14 +107,13 @@ def _kernel_bytes(name: str, args: tuple) -> None:
         _, out, n, _, _, cap = args[:6]
         m.read += n * (out.numel() // cap)  # one byte per row and participant
         m.written += _nbytes(out)
-    elif name in ("pack_blocks", "pack_inband"):  # reads and writes the rows it sends
+    elif name == "pack_inband":  # reads the real rows, writes every send row
         words, key, _, index = args[:4]
         T = words.shape[0]
         real = int((index < T).sum())  # padding rows read nothing
         row = words.shape[1] * 4 if T else 0
         m.read += _nbytes(index) + real * (row + key.shape[1] * 12)
-        sent = real if name == "pack_blocks" else index.numel()  # in band: padding rows too
-        m.written += sent * (row + key.shape[1] * 8)
+        m.written += index.numel() * (row + key.shape[1] * 8)  # padding rows too
     elif name == "unpack_blocks":
         rows, _, _, _, n_R, *outs = args[:11]
         real = int(n_R.sum())  # the rows it reads: the real ones (their bytes and metadata)

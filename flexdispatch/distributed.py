@@ -38,6 +38,7 @@ from flexdispatch._checks.values import env_int
 
 __all__ = [
     "CollectiveError",
+    "collective_error",
     "collective_guard",
     "process_group_timeout_s",
     "is_distributed",
@@ -105,17 +106,29 @@ def collective_guard(name: str, group: dist.ProcessGroup | None = None) -> Itera
     except CollectiveError:
         raise
     except RuntimeError as exc:
-        if not is_distributed(group):
+        err = collective_error(name, group, exc)
+        if err is None:
             raise
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        timeout = process_group_timeout_s(group)
-        within = f"{timeout:g} s" if timeout is not None else "the process-group timeout"
-        raise CollectiveError(
-            f"flexdispatch: collective {name} failed on rank {rank} of {size}: a peer rank "
-            f"raised, exited or was killed, or did not reach this collective within {within} "
-            f"(look for the first error in the other ranks' logs; the group cannot be used any "
-            f"more): {type(exc).__name__}: {exc}"
-        ) from exc
+        raise err from exc
+
+
+def collective_error(
+    name: str, group: dist.ProcessGroup | None, exc: RuntimeError
+) -> CollectiveError | None:
+    """The ``CollectiveError`` naming collective ``name`` that failed with ``exc`` (what
+    ``collective_guard`` raises), or None when no process group is initialised (``exc`` is then
+    not a collective's)."""
+    if not is_distributed(group):
+        return None
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    timeout = process_group_timeout_s(group)
+    within = f"{timeout:g} s" if timeout is not None else "the process-group timeout"
+    return CollectiveError(
+        f"flexdispatch: collective {name} failed on rank {rank} of {size}: a peer rank "
+        f"raised, exited or was killed, or did not reach this collective within {within} "
+        f"(look for the first error in the other ranks' logs; the group cannot be used any "
+        f"more): {type(exc).__name__}: {exc}"
+    )
 
 
 def is_distributed(group: dist.ProcessGroup | None = None) -> bool:

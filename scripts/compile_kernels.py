@@ -168,17 +168,17 @@ def _record(quick: bool) -> list:
         idx = torch.zeros(40, k, dtype=torch.int64)
         screen_inputs(idx, 256, torch.zeros(40, V, dtype=dtype), torch.zeros(40, k), acc)
 
-    from flexdispatch.kernels.inband import capped_slots, pack_blocks, pack_inband, unpack_blocks
+    from flexdispatch.kernels.inband import capped_slots, pack_inband, unpack_blocks
 
     # the worst-case send slots: a sliced [T, R + 2] mask, short and long (several chunks)
     for n, P, cap in [(8, 2, 8)] + ([] if quick else [(16384, 8, 16384)]):
         capped_slots(torch.zeros(n, P + 2, dtype=torch.bool)[:, :P], cap)
 
-    # the in-band send rows of a flat worst-case dispatch and their receive side: short rows
-    # (the path's limit, 2 KiB)
-    packs = [(2, torch.bfloat16, 64), (8, torch.float32, 512)]
+    # the in-band send rows of a flat worst-case dispatch and their receive side, short rows and
+    # long ones (every width since issue 46: DeepSeek-V3's 7168 bf16 columns included)
+    packs = [(2, torch.bfloat16, 64), (8, torch.float32, 512), (8, torch.bfloat16, 7168)]
     if not quick:
-        packs += [(6, torch.bfloat16, 1024), (32, torch.float16, 8)]
+        packs += [(6, torch.bfloat16, 1024), (32, torch.float16, 8), (2, torch.bfloat16, 4096)]
     for k, dtype, H in packs:
         x, key = torch.zeros(8, H, dtype=dtype), torch.zeros(8, k, dtype=torch.int64)
         need = torch.zeros((), dtype=torch.int64)
@@ -188,19 +188,16 @@ def _record(quick: bool) -> list:
         rb = H * dtype.itemsize
         rows, meta = recv[:, :rb].view(dtype), recv[:, rb:].view(torch.int32)[:, : 2 * k]
         unpack_blocks(rows, meta, n, cap=4, k=k, lo=32, num_local=32)
-    # the receive side after the count exchange: long rows and their metadata apart
+    # a world of one: the rows, ids and probs read where they are, through the send order
     longs = [(8, torch.bfloat16, 7168)]
     if not quick:
         longs += [(2, torch.bfloat16, 4096), (8, torch.float16, 2048)]
     for k, dtype, H in longs:
-        n = torch.zeros(2, dtype=torch.int64)
-        rows, meta = torch.zeros(9, H, dtype=dtype), torch.zeros(9, 2 * k, dtype=torch.int32)
-        x, key = torch.zeros(8, H, dtype=dtype), torch.zeros(8, k, dtype=torch.int64)
-        pack_blocks(x, key, torch.zeros(8, k), torch.zeros(9, dtype=torch.int64), rows, meta)
-        unpack_blocks(rows, meta, n, cap=4, k=k, lo=32, num_local=32)
-        # a world of one: the rows read where they are, through the send order
+        n = torch.zeros(1, dtype=torch.int64)
+        rows, key = torch.zeros(8, H, dtype=dtype), torch.zeros(8, k, dtype=torch.int64)
         order = torch.zeros(8, dtype=torch.int64)
-        unpack_blocks(rows, meta, n[:1], cap=8, k=k, lo=0, num_local=256, row_map=order)
+        probs = torch.zeros(8, k)
+        unpack_blocks(rows, key, n, cap=8, k=k, lo=0, num_local=256, row_map=order, probs=probs)
     return log
 
 

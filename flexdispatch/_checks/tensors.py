@@ -4,10 +4,12 @@ Checks on metadata (dtype, rank, shape, device: ``check_tensor``, ``check_routin
 ``(x, topk_idx, topk_probs)`` triplet) are free and always run. Checks on values (id ranges, NaN)
 need a device-to-host sync on CUDA, so there they run only when enabled (``checks=True`` or the
 environment variable ``FLEXDISPATCH_CHECKS=1``) and never while a CUDA graph is being captured
-(``checks_enabled``). On CPU a value check costs no sync, so the dispatcher runs it always; on CUDA
-without checks it counts the bad values on the device instead (``flexdispatch.dispatch.values``)
-and a safe point reads the count (``FlexDispatcher.check_overflow``). ``defer_value_checks``
-picks the path from the tensor's device (tests force it to drive the CUDA path on CPU).
+(``checks_enabled``). With checks off the dispatcher checks no value on any device
+(``flexdispatch.dispatch.values``): the torch backend maps bad ids safely and counts them on the
+device, and a safe point reads the count (``FlexDispatcher.check_overflow``); the DeepEP backends,
+whose kernels must not see a bad id, get their ids screened, raising now on CPU and counted on the
+device on CUDA. ``defer_value_checks`` picks that path from the tensor's device (tests force it to
+drive the CUDA path on CPU).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = [
     "check_routing",
     "check_same_device",
     "checks_enabled",
+    "checks_flag",
     "is_capturing",
     "check_ids_in_range",
     "check_finite",
@@ -40,12 +43,19 @@ def is_capturing() -> bool:
     return bool(torch.cuda.is_current_stream_capturing())
 
 
+def checks_flag(flag: bool | None = None) -> bool:
+    """``flag``, or where it is None ``FLEXDISPATCH_CHECKS`` (read now): whether value checks are
+    asked for, before the capture test of ``checks_enabled``. A dispatcher reads it once, when it
+    is built (its hot path then reads no environment)."""
+    if flag is None:
+        flag = os.environ.get("FLEXDISPATCH_CHECKS", "").strip().lower() in ("1", "true", "yes")
+    return bool(flag)
+
+
 def checks_enabled(flag: bool | None = None) -> bool:
     """Whether value checks (host syncs) may run: ``flag`` or ``FLEXDISPATCH_CHECKS``, never
     during CUDA-graph capture."""
-    if flag is None:
-        flag = os.environ.get("FLEXDISPATCH_CHECKS", "").strip().lower() in ("1", "true", "yes")
-    return bool(flag) and not is_capturing()
+    return checks_flag(flag) and not is_capturing()
 
 
 def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:

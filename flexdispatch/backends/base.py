@@ -54,17 +54,22 @@ class DispatchBackend(abc.ABC):
         ranks_per_node: L.
         num_experts: E.
         stats: cumulative counters; the backend adds bytes, rows and host syncs to them.
-        counts_bad_ids: ``dispatch`` counts the ids outside ``[-1, E)`` itself (the torch
-            backend, from its pair counts at no cost) and leaves that dispatch's 0-dim int64
-            device count in ``bad_ids``; the dispatcher then passes such ids through (the
-            backend takes them as -1) and counts only the other bad values.
+        counts_bad_ids: ``dispatch`` maps the ids outside ``[-1, E)`` safely itself (the torch
+            backend sends them nowhere) and, with checks off, counts them where it computes
+            counts anyway, leaving ``bad_ids``: that dispatch's ``(count, lowest id, highest
+            id)`` as 0-dim int64 device tensors (None with checks on, where they raised before
+            any collective). The dispatcher then checks no value with checks off and logs the
+            count (``FlexDispatcher.check_overflow`` raises naming it).
     """
 
     name: str
     api: str | None = None
     """The DeepEP release a ``deepep`` backend runs (``"v1"``, ``"v2"``, ``"v25"``)."""
     counts_bad_ids: bool = False
-    bad_ids: torch.Tensor | None = None
+    bad_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    issuer: int = 0
+    """The serial of the ``FlexDispatcher`` that owns this backend (set by it): a backend may
+    stamp it on the handles it makes (``DispatchHandle.issuer``), else the dispatcher does."""
     config_fields: dict[str, str] = {}  # noqa: RUF012 - read-only, replaced by subclasses
     """This backend's own constructor arguments -> the ``DispatchConfig`` fields they take."""
 

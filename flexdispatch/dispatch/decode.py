@@ -295,7 +295,7 @@ class DecodeDispatcher:
                 # low-latency workspace past its counters and a repeated id overruns a sender's
                 # num_max slots; raised (checks on, CPU) or masked to -1 and counted (DeepEP V1
                 # counts no bad ids itself: nothing is deferred)
-                idx, _ = self.dispatcher._check_values(topk_idx, x, topk_probs)
+                idx = self.dispatcher._check_values(topk_idx, x, topk_probs)
                 return self.dispatcher.backend.low_latency_dispatch(x, idx, topk_probs)
             res: DispatchResult = self.dispatcher.dispatch(x, topk_idx, topk_probs)
             e = self.dispatcher.num_local_experts

@@ -32,9 +32,7 @@ import torch
 import torch.distributed as dist
 
 from flexdispatch._checks import fits, tensors
-from flexdispatch._checks.tensors import (
-    check_tensor,
-)
+from flexdispatch._checks.tensors import check_tensor, checks_flag
 from flexdispatch._checks.threads import CallGuard, guarded
 from flexdispatch._checks.values import check_int
 from flexdispatch.backends.base import DispatchBackend
@@ -52,7 +50,6 @@ from flexdispatch.dispatch.autograd import (
     records_grad,
 )
 from flexdispatch.dispatch.select import select_backend
-from flexdispatch.dispatch.values import Deferred
 from flexdispatch.distributed import (
     check_fingerprint,
     collective_device,
@@ -128,6 +125,10 @@ class FlexDispatcher:
         )
         self._stats = DispatchStats()
         self._bad_log = bad_values.BadValueLog()  # device counts of bad inputs, not yet folded
+        self._zero: torch.Tensor | None = None  # the unused slots of a backend's bad-id count
+        self._checks = checks_flag(config.checks or None)  # NOTE: the environment, read once
+        self._checked: set[tuple] = set()  # input metadata checked (``dispatch``)
+        self._devices_ok: set[torch.device] = set()  # devices ``combine`` checked
         self._backend, self.backend_reason = select_backend(
             config,
             group,
@@ -158,6 +159,7 @@ class FlexDispatcher:
         int64 CPU tensor (a graph input under ``torch.compile``, so that identical layers share
         one compiled graph)."""
         self._issuer = next_issuer()
+        self._backend.issuer = self._issuer  # NOTE: a backend may stamp its handles itself
         self._op_id = torch.tensor([self._issuer], dtype=torch.int64, device="cpu")
         _ops.register_dispatcher(self._issuer, self)
 
@@ -235,10 +237,9 @@ class FlexDispatcher:
         topk_idx: torch.Tensor,
         topk_probs: torch.Tensor,
         layout: DispatchLayout | None,
-    ) -> tuple[torch.Tensor, Deferred]:
+    ) -> torch.Tensor:
         """Check the inputs (metadata, then values as ``_check_values``); returns the ids to
-        dispatch (bad ones as -1 on the deferred path) and the counts that wait for the
-        backend's (``Deferred``)."""
+        dispatch (bad ones as -1 where they are screened on the device)."""
         values = x  # what the non-finite check reads (fp8 rows: their float32 scales)
         fp8 = isinstance(x, tuple)
         if isinstance(x, tuple):
@@ -276,29 +277,32 @@ class FlexDispatcher:
 
     def _check_values(
         self, topk_idx: torch.Tensor, values: torch.Tensor, topk_probs: torch.Tensor
-    ) -> tuple[torch.Tensor, Deferred]:
-        """The ids the backend gets and the counts that wait for its count of bad ids
-        (``values.screen_dispatch_values``: raise now, or screen on the device)."""
+    ) -> torch.Tensor:
+        """The ids the backend gets (``values.screen_dispatch_values``: raise now, screen on the
+        device, or, checks off, leave them to a backend that counts bad ids itself)."""
         return bad_values.screen_dispatch_values(
             topk_idx,
             self.num_experts,
             values,
             topk_probs,
-            checks=self.config.checks or None,
+            checks=self._checks,
             counts_bad_ids=self._backend.counts_bad_ids,
             log=self._bad_log,
             stats=self._stats,
         )
 
-    def _log_deferred(self, deferred: Deferred) -> None:
-        """Count a dispatch's deferred bad values, with its backend's count of bad ids."""
-        if deferred is not None:
-            bad_ids = self._backend.bad_ids
-            assert bad_ids is not None  # NOTE: set by every dispatch of a counting backend
-            self._bad_log.add(self._stats, (bad_ids, *deferred))
+    def _log_bad_ids(self) -> None:
+        """Count the ids outside ``[-1, E)`` the backend's last dispatch counted (checks off:
+        ``DispatchBackend.bad_ids``), without a launch."""
+        bad = self._backend.bad_ids
+        if bad is not None:
+            count, lowest, highest = bad
+            zero = self._zero
+            if zero is None or zero.device != count.device:
+                zero = self._zero = torch.zeros((), dtype=torch.int64, device=count.device)
+            self._bad_log.add(self._stats, (count, zero, zero, zero, highest, lowest))
 
     # ----------------------------------------------------------------- public API
-    @guarded("FlexDispatcher.dispatch")
     def dispatch(
         self,
         x: Rows,
@@ -330,15 +334,59 @@ class FlexDispatcher:
 
         Raises:
             TypeError / ValueError: malformed inputs (raised before any collective); on every
-            rank: ranks disagree on H, k or dtype, or (dropless off, CPU or checks on) a
-            worst-case overflow.
+            rank: ranks disagree on H, k or dtype, or a worst-case overflow with checks on (or,
+            on CPU, at the first dispatch of a row shape; otherwise ``check_overflow`` raises
+            it).
             flexdispatch.distributed.CollectiveError: a peer rank failed (raised, exited, was
             killed) or did not join within the process-group timeout (docs/errors.md).
         """
-        if not isinstance(x, tuple) and _ops.use_ops():
-            # NOTE: torch.compile (or set_eager_ops): one custom op, this method run inside it
+        # NOTE: one compile test per call (the hot path, issue 46): traced, no guard (a lock
+        # cannot be traced: _checks/threads.py) and the custom op
+        if torch.compiler.is_compiling():
+            if isinstance(x, tuple):
+                return self._dispatch(x, topk_idx, topk_probs, layout=layout)
             return _ops.dispatch(self, x, topk_idx, topk_probs, layout)
-        return self._dispatch(x, topk_idx, topk_probs, layout=layout)
+        guard = self._guard
+        guard.enter("FlexDispatcher.dispatch")
+        try:
+            if _ops._EAGER[0] and not isinstance(x, tuple):  # NOTE: set_eager_ops
+                return _ops.dispatch(self, x, topk_idx, topk_probs, layout)
+            if (
+                layout is not None
+                or not isinstance(x, torch.Tensor)
+                or not isinstance(topk_idx, torch.Tensor)
+                or not isinstance(topk_probs, torch.Tensor)
+                or x.is_nested
+                or topk_idx.is_nested
+                or topk_probs.is_nested
+            ):
+                return self._dispatch(x, topk_idx, topk_probs, layout=layout)
+            # NOTE: the metadata checks run once per shape, dtype, device and layout (the
+            # values, where they are checked, every time)
+            key = (x.shape, x.dtype, x.device, x.layout, topk_idx.shape, topk_idx.dtype,
+                   topk_idx.device, topk_idx.layout, topk_probs.shape, topk_probs.dtype,
+                   topk_probs.device, topk_probs.layout)  # fmt: skip
+            if key not in self._checked:
+                topk_idx = self._check_inputs(x, topk_idx, topk_probs, None)
+                if len(self._checked) >= 64:
+                    self._checked.clear()
+                self._checked.add(key)
+                self._devices_ok.add(x.device)  # NOTE: what ``combine`` checks of its rows
+            elif self._checks or not self._backend.counts_bad_ids:
+                topk_idx = self._check_values(topk_idx, x, topk_probs)
+            x, topk_idx, topk_probs = x.contiguous(), topk_idx.contiguous(), topk_probs.contiguous()
+            if torch.is_grad_enabled() and (x.requires_grad or topk_probs.requires_grad):
+                return self._finish(x, topk_idx, topk_probs, None)
+            backend = self._backend
+            res = backend.dispatch(x, topk_idx, topk_probs, None)
+            if res.handle.issuer != self._issuer:  # NOTE: a backend that stamps none
+                object.__setattr__(res.handle, "issuer", self._issuer)
+            if backend.bad_ids is not None:
+                self._log_bad_ids()
+            self._stats.dispatch_calls += 1
+            return res
+        finally:
+            guard.exit()
 
     def _dispatch(
         self,
@@ -351,9 +399,9 @@ class FlexDispatcher:
     ) -> DispatchResult:
         """``dispatch`` on the eager path (``grad`` False: never through ``DispatchFunction``, as
         inside the ``flexdispatch::dispatch`` op, whose registered backward differentiates it)."""
-        ids, deferred = self._check_inputs(x, topk_idx, topk_probs, layout)
+        ids = self._check_inputs(x, topk_idx, topk_probs, layout)
         rows, ids, probs = _contiguous(x), ids.contiguous(), topk_probs.contiguous()
-        return self._finish(rows, ids, probs, layout, deferred, grad=grad)
+        return self._finish(rows, ids, probs, layout, grad=grad)
 
     def _finish(
         self,
@@ -361,13 +409,12 @@ class FlexDispatcher:
         topk_idx: torch.Tensor,
         topk_probs: torch.Tensor,
         layout: DispatchLayout | None,
-        deferred: Deferred,
         *,
         pending: Any = None,
         grad: bool = True,
     ) -> DispatchResult:
         """Run (or, with ``pending``, finish) the backend's dispatch of checked, contiguous
-        inputs, and count what ``_check_values`` deferred."""
+        inputs, and count the bad ids it counted."""
         backend = self._backend
         if pending is not None:  # NOTE: a launch_dispatch in flight: finish it
             run = functools.partial(backend.finish_dispatch, pending)
@@ -384,7 +431,7 @@ class FlexDispatcher:
             recv_x, recv_idx, recv_probs = res.recv_x, res.recv_topk_idx, res.recv_topk_probs
             counts, handle, pairs = res.num_recv_tokens_per_expert, res.handle, res.num_recv_pairs
         object.__setattr__(handle, "issuer", self._issuer)
-        self._log_deferred(deferred)
+        self._log_bad_ids()
         self._stats.dispatch_calls += 1
         return DispatchResult(
             recv_x=recv_x,
@@ -412,13 +459,11 @@ class FlexDispatcher:
         if not self._backend.supports_overlap(expanded=False)[0] or _ops.use_ops():
             res = self.dispatch(x, topk_idx, topk_probs, layout=layout)
             return PendingDispatch(lambda: res)
-        ids, deferred = self._check_inputs(x, topk_idx, topk_probs, layout)
+        ids = self._check_inputs(x, topk_idx, topk_probs, layout)
         rows, ids, probs = _contiguous(x), ids.contiguous(), topk_probs.contiguous()
         with torch.no_grad():
             pending = self._backend.launch_dispatch(rows, ids, probs, layout)
-        return PendingDispatch(
-            lambda: self._finish_launched(rows, ids, probs, layout, deferred, pending)
-        )
+        return PendingDispatch(lambda: self._finish_launched(rows, ids, probs, layout, pending))
 
     @guarded("FlexDispatcher.dispatch")
     def _finish_launched(
@@ -427,11 +472,10 @@ class FlexDispatcher:
         topk_idx: torch.Tensor,
         topk_probs: torch.Tensor,
         layout: DispatchLayout | None,
-        deferred: Deferred,
         pending: Any,
     ) -> DispatchResult:
         """``PendingDispatch.wait`` of ``dispatch_start``: one thread at a time, as ``dispatch``."""
-        return self._finish(rows, topk_idx, topk_probs, layout, deferred, pending=pending)
+        return self._finish(rows, topk_idx, topk_probs, layout, pending=pending)
 
     @guarded("FlexDispatcher.dispatch_expanded")
     def dispatch_expanded(
@@ -472,7 +516,7 @@ class FlexDispatcher:
         ok, why = backend.supports_expanded()
         if not ok:
             raise ValueError(f"dispatch_expanded is not available: {why}")
-        ids, deferred = self._check_inputs(x, topk_idx, topk_probs, None)
+        ids = self._check_inputs(x, topk_idx, topk_probs, None)
         args = (_contiguous(x), ids.contiguous(), topk_probs.contiguous())
         pending = None
         if overlap and backend.supports_overlap(expanded=True)[0]:
@@ -484,7 +528,7 @@ class FlexDispatcher:
                 backend, pending, *args
             )
             object.__setattr__(handle, "issuer", self._issuer)
-            self._log_deferred(deferred)
+            self._log_bad_ids()
             self._stats.dispatch_calls += 1
             return ExpandedDispatchResult(
                 recv_x=recv_x,
@@ -496,7 +540,6 @@ class FlexDispatcher:
         ready = None if pending is None else (lambda: backend.check_finish(pending))
         return PendingDispatch(finish, ready)
 
-    @guarded("FlexDispatcher.combine")
     def combine(
         self, y: torch.Tensor, handle: DispatchHandle, *, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -519,10 +562,51 @@ class FlexDispatcher:
             TypeError / ValueError: a foreign handle or a malformed ``y`` (before any collective).
             flexdispatch.distributed.CollectiveError: a peer rank failed or timed out.
         """
+        # NOTE: one compile test per call; traced, no guard (see ``dispatch``)
+        if torch.compiler.is_compiling():
+            return self._checked_combine(y, handle, bias, compiling=True)
+        guard = self._guard
+        guard.enter("FlexDispatcher.combine")
+        try:
+            # NOTE: the hot path: a handle of this dispatcher's eager dispatch (the serial
+            # compared on the host) and rows of a shape, dtype kind and device checked before
+            if (
+                bias is None
+                and not _ops._EAGER[0]
+                and type(handle) is DispatchHandle
+                and handle.issuer == self._issuer
+                and not isinstance(handle.state, torch.Tensor)
+                and isinstance(y, torch.Tensor)
+                and not y.is_nested
+                and y.layout == torch.strided
+                and y.dtype.is_floating_point
+                and y.device in self._devices_ok
+                and y.shape == (handle.num_recv_rows, handle.hidden)
+            ):
+                y = y.contiguous()
+                if torch.is_grad_enabled() and y.requires_grad:
+                    out = CombineFunction.apply(self._backend, handle, y)
+                else:  # NOTE: nothing to differentiate: no autograd Function
+                    out = self._backend.combine(y, handle)
+                self._stats.combine_calls += 1
+                return out
+            return self._checked_combine(y, handle, bias, compiling=False)
+        finally:
+            guard.exit()
+
+    def _checked_combine(
+        self,
+        y: torch.Tensor,
+        handle: DispatchHandle,
+        bias: torch.Tensor | None,
+        *,
+        compiling: bool,
+    ) -> torch.Tensor:
+        """``combine`` with every check (the hot path's conditions not met, or traced)."""
         # NOTE: traced, the serial is not read (dynamo would guard on it), nor on an op handle
         # (a compiled dispatch stamps none): ``flexdispatch::combine`` checks it when it runs
         op_handle = isinstance(handle, DispatchHandle) and isinstance(handle.state, torch.Tensor)
-        issuer = None if op_handle or torch.compiler.is_compiling() else self._issuer
+        issuer = None if op_handle or compiling else self._issuer
         check_handle(handle, self.backend_name, issuer)
         check_tensor("y", y, ndim=2, floating=True)
         self._check_device("y", y)
@@ -531,7 +615,9 @@ class FlexDispatcher:
                 f"y must have shape [{handle.num_recv_rows}, {handle.hidden}] (the rows dispatch "
                 f"returned), got {tuple(y.shape)}"
             )
-        if op_handle or _ops.use_ops():  # NOTE: see ``dispatch``
+        if not compiling:
+            self._devices_ok.add(y.device)
+        if op_handle or compiling or _ops._EAGER[0]:  # NOTE: see ``dispatch``
             return _ops.combine(self, y, handle, bias)
         return self._combine(y, handle, bias)
 
@@ -638,20 +724,23 @@ class FlexDispatcher:
         """Raise ``ValueError`` if a dispatch since construction dropped something: bad inputs
         counted on the device (below), or a worst-case overflow.
 
-        Bad inputs: on CPU, and on CUDA with checks enabled, expert ids outside ``[-1, E)``, an
-        expert named twice in one token, and NaN/inf in ``x`` or ``topk_probs`` raise inside
-        ``dispatch``. On CUDA without checks they are counted on the device (no sync; the bad ids
-        and the repeats after an id's first slot are sent as -1, on every backend); this method
-        reads the count (one sync), adds it to ``stats.extra`` (``invalid_expert_ids``,
-        ``nonfinite_x``, ``nonfinite_topk_probs``, ``repeated_expert_ids``) and raises naming
-        them, then and at every later call.
+        Bad inputs: with checks enabled, expert ids outside ``[-1, E)``, an expert named twice in
+        one token, and NaN/inf in ``x`` or ``topk_probs`` raise inside ``dispatch``, on every
+        device. With checks off no value is checked in ``dispatch`` (no host read, on CPU and CUDA
+        alike): the torch backend sends the ids outside ``[-1, E)`` nowhere and counts them on
+        the device; the DeepEP backends get them screened (raised on CPU; on CUDA the bad ids and
+        the repeats after an id's first slot sent as -1 and counted with the NaN/inf values).
+        This method reads those counts (one sync), adds them to ``stats.extra``
+        (``invalid_expert_ids``, ``nonfinite_x``, ``nonfinite_topk_probs``,
+        ``repeated_expert_ids``) and raises naming them, then and at every later call.
 
-        Overflow:
-        On CPU, and on CUDA with checks enabled, an overflow raises inside ``dispatch`` on every
-        rank. On CUDA without checks (e.g. under CUDA-graph capture) the dispatch cannot look at
-        the counts without a host sync, so it records the largest W needed on the device and drops
-        the rows past each cap (never writing out of bounds); call this method (it syncs) at a
-        safe point, e.g. after a step, to turn that record into an error.
+        Overflow: with checks enabled an overflow raises inside ``dispatch`` on every rank (and
+        so it does on CPU at the first dispatch of a row shape, which runs the count exchange,
+        and in hierarchical mode). Otherwise (checks off, e.g. under CUDA-graph capture, and the
+        torch backend's flat dispatch on CPU too) the dispatch does not read the counts on the
+        host: it records the largest count on the device and drops the rows past each cap (never
+        writing out of bounds); call this method (it syncs) at a safe point, e.g. after a step,
+        to turn that record into an error, the same on every rank.
         """
         self._fold_bad_values()
         problems = bad_values.bad_input_problems(self.stats.extra, self.num_experts)

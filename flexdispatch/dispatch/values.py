@@ -1,15 +1,20 @@
 """The dispatcher's bad input values: one place decides whether they raise now, or are screened
-on the device by one Triton launch, or by torch ops, and the log of the counts a safe point reads.
+on the device by one Triton launch, or by torch ops, or are left to the backend, and the log of
+the counts a safe point reads.
 
 Shape letters (ARCHITECTURE.md): T tokens on this rank · k top-k · E experts in total.
 
-Ids outside ``[-1, E)``, an expert named twice in one token, and NaN/inf rows or probs never pass
-silently (``screen_dispatch_values``). Checks on (or CPU, where reading values costs no sync):
-raise now. CUDA without checks (or while capturing a graph): the bad ids become -1 on the device
-(no backend kernel sees them) and everything is counted on the device into
-``stats.pending_bad_values`` (``BadValueLog``: after the first dispatch, kept without a launch and
-folded in at the check); ``FlexDispatcher.check_overflow`` raises naming them
-(``bad_input_problems``).
+Ids outside ``[-1, E)``, an expert named twice in one token, and NaN/inf rows or probs
+(``screen_dispatch_values``). Checks on (``checks=True`` or ``FLEXDISPATCH_CHECKS=1``, not while
+capturing a graph): raise now, on every device. Checks off, no value is checked on any device:
+a backend that maps bad ids safely itself (``DispatchBackend.counts_bad_ids``: the torch backend's
+rank table sends them nowhere) counts them where it computes counts anyway, into
+``stats.pending_bad_values`` (``BadValueLog``: kept without a launch and folded in at the check),
+and ``FlexDispatcher.check_overflow`` raises naming them (``bad_input_problems``); a repeated id or
+a NaN is not looked at (a wrong answer from wrong input, no memory hazard). The other backends
+(DeepEP, whose kernels trap on a repeated id or index past their counters on a bad one) get
+their ids screened as before: raised now on CPU, and on CUDA set to -1 on the device and counted
+(one Triton launch, or torch ops).
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ from flexdispatch.types import DispatchStats
 __all__ = [
     "BAD_VALUE_SLOTS",
     "BadValueLog",
-    "Deferred",
     "bad_ids_message",
     "bad_input_problems",
     "check_dispatch_values",
@@ -42,10 +46,6 @@ __all__ = [
 
 _INT64 = torch.iinfo(torch.int64)
 
-Deferred = tuple[torch.Tensor, ...] | None
-"""The counts of a dispatch's bad values that wait for its backend's count of bad ids
-(``DispatchBackend.counts_bad_ids``), or None."""
-
 
 def screen_dispatch_values(
     topk_idx: torch.Tensor,
@@ -57,34 +57,36 @@ def screen_dispatch_values(
     counts_bad_ids: bool,
     log: BadValueLog,
     stats: DispatchStats,
-) -> tuple[torch.Tensor, Deferred]:
+) -> torch.Tensor:
     """The one decision about a dispatch's values (module docstring): returns the ids the backend
-    gets and the counts that wait for its count of bad ids (``counts_bad_ids``: it takes ids
-    outside ``[-1, E)`` as -1 itself; the dispatcher adds them once it returned).
+    gets. ``counts_bad_ids``: the backend maps ids outside ``[-1, E)`` safely and counts them
+    itself (its ``bad_ids``), so with checks off nothing is looked at here.
 
     Under CUDA-graph capture the counter accumulates across replays when it already exists (one
     eager dispatch before capturing, as warm-up does); created inside the capture it holds the
     latest replay's counts.
     """
     E = num_experts
-    if tensors.checks_enabled(checks) or not tensors.defer_value_checks(topk_idx.device):
+    if tensors.checks_enabled(checks):
         check_dispatch_values(topk_idx, E, values, topk_probs)
-        return topk_idx, None
+        return topk_idx
+    if counts_bad_ids:
+        return topk_idx  # NOTE: checks off: no value checks (the backend counts bad ids)
+    if not tensors.defer_value_checks(topk_idx.device):
+        check_dispatch_values(topk_idx, E, values, topk_probs)
+        return topk_idx
     if _screen.screen_on_device(topk_idx.device):
         # NOTE: one fused launch: every bad id as -1, the counts added into the pending
-        # vector in place (no parts kept, nothing left for the backend to count)
+        # vector in place (no parts kept)
         acc = log.accumulator(stats, topk_idx.device)
-        return _screen.screen_inputs(topk_idx, E, values, topk_probs, acc), None
-    # NOTE: a backend that counts the bad ids itself (the torch backend's pair counts) gives them
-    # after its dispatch; it takes ids >= E as -1 itself, the others get them as -1 (DeepEP V2
-    # would index past its counters)
-    idx, repeats, oob = mask_bad_ids(topk_idx, E, out_of_range=not counts_bad_ids)
+        return _screen.screen_inputs(topk_idx, E, values, topk_probs, acc)
+    # NOTE: DeepEP V2 would index past its counters on a bad id, and V2 / 2.5 trap on a repeat:
+    # both as -1, counted
+    idx, repeats, oob = mask_bad_ids(topk_idx, E, out_of_range=True)
     parts = count_bad_parts(topk_idx, E, values, topk_probs, count_ids=False, repeats=repeats)
-    if counts_bad_ids:
-        return idx, parts
     assert oob is not None
     log.add(stats, (oob, *parts))
-    return idx, None
+    return idx
 
 
 BAD_VALUE_SLOTS = (
@@ -250,8 +252,8 @@ def count_bad_parts(
     repeats: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``count_bad_values`` as six 0-dim int64 device tensors (not stacked); with
-    ``count_ids=False`` the last five only (the caller has the count of bad ids already: the
-    torch backend's pair counts hold it, ``TorchA2ABackend.bad_ids``). ``repeats``: the count of
+    ``count_ids=False`` the last five only (the caller has the count of bad ids already:
+    ``mask_bad_ids``). ``repeats``: the count of
     repeated ids when the caller has it (``mask_bad_ids``), else it is counted here."""
     device = topk_idx.device
     if repeats is None:
@@ -317,7 +319,7 @@ class BadValueLog:
         if acc is None:
             stats.pending_bad_values = torch.stack(parts)
             return
-        if not tensors.is_capturing():
+        if not (parts[0].is_cuda and tensors.is_capturing()):
             self._kept.append(parts)  # NOTE: no launch; folded later
             if len(self._kept) >= self.max_kept:
                 self.fold(stats)

@@ -26,7 +26,7 @@ def pack_inband(
     XW: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
-    """Send row ``s`` of the in-band layout (``flat._dispatch_inband``): the int32 words of row
+    """Send row ``s`` of the in-band layout (``backends/torch/plan.py``): the int32 words of row
     ``t = index[s]`` of ``x``, then its ids as int32, its probs' fp32 bits and the worst count
     ``need``; a padding row (``t == T``) carries zeros, the dropped id ``E`` in every slot and
     ``need``."""
@@ -49,43 +49,6 @@ def pack_inband(
     p = tl.load(probs_ptr + src * K + kk, mask=kr, other=0)
     tl.store(dst + XW + K + kk, p, mask=km)
     tl.store(dst + XW + 2 * K, tl.load(need_ptr).to(tl.int32))
-
-
-def pack_blocks(
-    x_ptr,
-    key_ptr,
-    probs_ptr,
-    index_ptr,
-    rows_ptr,
-    meta_ptr,
-    T,
-    ROW_STRIDE,
-    META_STRIDE,
-    K: tl.constexpr,
-    K_PAD: tl.constexpr,
-    XW: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-):
-    """Send row ``s`` of a flat worst-case hop after the count exchange: the int32 words of row
-    ``t = index[s]`` of ``x`` at ``rows + s * ROW_STRIDE``, its ids as int32 and then its
-    probs' fp32 bits at ``meta + s * META_STRIDE``. A padding row (``t == T``) is not written:
-    its receiver knows the real rows from the exchanged counts and reads no others."""
-    s = tl.program_id(0).to(tl.int64)
-    t = tl.load(index_ptr + s)
-    real = t < T
-    src = tl.where(real, t, 0)
-    offs = tl.arange(0, BLOCK_W)
-    lim = tl.where(real, XW, 0)
-    for w0 in range(0, XW, BLOCK_W):
-        m = (w0 + offs) < lim
-        v = tl.load(x_ptr + src * XW + w0 + offs, mask=m, other=0)
-        tl.store(rows_ptr + s * ROW_STRIDE + w0 + offs, v, mask=m)
-    kk = tl.arange(0, K_PAD)
-    kr = kk < tl.where(real, K, 0)
-    ids = tl.load(key_ptr + src * K + kk, mask=kr, other=0)
-    tl.store(meta_ptr + s * META_STRIDE + kk, ids.to(tl.int32), mask=kr)
-    p = tl.load(probs_ptr + src * K + kk, mask=kr, other=0)
-    tl.store(meta_ptr + s * META_STRIDE + K + kk, p, mask=kr)
 
 
 def unpack_blocks(

@@ -1,6 +1,6 @@
 """The flat worst-case dispatch in Triton launches, for the CUDA branch of
-``backends/torch/flat.py``: the in-band send rows (``_inband_src.pack_inband``) and the receive
-side of every flat worst-case dispatch, in band or after the count exchange
+``backends/torch/plan.py`` (and ``flat.py`` in a world of one): the in-band send rows
+(``_inband_src.pack_inband``) and the receive side of every flat worst-case dispatch
 (``_inband_src.unpack_blocks``).
 
 In torch ops the send rows take a packed ``[T + 1, row + metadata]`` buffer (an allocation,
@@ -17,7 +17,7 @@ import torch
 
 from flexdispatch.kernels._triton import Kernel, dispatch_kernels, next_pow2
 
-__all__ = ["capped_slots", "pack_blocks", "pack_inband", "pack_on_device", "unpack_blocks"]
+__all__ = ["capped_slots", "pack_inband", "pack_on_device", "unpack_blocks"]
 
 _KERNELS: dict[str, Kernel] = {}
 _BLOCK_WORDS = 512  # int32 words of a row chunk per program iteration (2 KiB)
@@ -92,49 +92,6 @@ def pack_inband(
             BLOCK_W=_block_words(XW),
         )
     return out.view(torch.uint8)
-
-
-def pack_blocks(
-    x: torch.Tensor,
-    key_TK: torch.Tensor,
-    probs_TK: torch.Tensor,
-    send_index: torch.Tensor,
-    rows: torch.Tensor,
-    meta: torch.Tensor,
-) -> None:
-    """The send rows of a flat worst-case hop after the count exchange, in one launch: for each
-    ``t = send_index[s] < T`` row ``s`` of ``rows`` gets ``x[t]`` and row ``s`` of ``meta`` its
-    ids as int32 and then its probs' fp32 bits (``pack_key_meta``'s layout); padding rows
-    (``t == T``) are left as they are (their receiver reads no padding row).
-
-    Args:
-        x: ``[T, H]`` rows (row bytes a multiple of 4). key_TK: ``[T, k]`` int64 ids.
-            probs_TK: ``[T, k]`` float32. send_index: ``[S]`` int64 in ``[0, T]``.
-            rows: ``[S, H]`` of ``x``'s dtype, each row contiguous. meta: ``[S, >= 2k]`` int32,
-            each row contiguous (both may be views of one packed buffer).
-    """
-    T, k = key_TK.shape
-    S = send_index.shape[0]
-    if not S:
-        return
-    words, key, probs_bits, XW = _sources(x, key_TK, probs_TK)
-    out = rows.view(torch.int32)
-    assert out.stride(1) == 1 and meta.stride(1) == 1 and meta.dtype == torch.int32
-    _kernel("pack_blocks").get()[(S,)](
-        words,
-        key,
-        probs_bits,
-        send_index,
-        out,
-        meta,
-        T,
-        out.stride(0),
-        meta.stride(0),
-        K=k,
-        K_PAD=next_pow2(k),
-        XW=XW,
-        BLOCK_W=_block_words(XW),
-    )
 
 
 def unpack_blocks(

@@ -3,8 +3,8 @@
 Every device-dependent choice of the torch backend goes through
 ``flexdispatch._checks.tensors.cuda_code_path`` (and value checks through ``defer_value_checks``);
 forcing both to True inside the spawned ranks runs the CUDA branch on gloo: ``scatter_add_``
-instead of ``bincount``, synchronous collectives, no CPU buffer reuse, the gather-first combine,
-value checks counted on the device. Its results must equal the slow reference exactly, like
+instead of ``bincount``, synchronous collectives, no CPU buffer reuse. Its results must equal
+the slow reference exactly, like
 the CPU branch's. The op counts (non-view ATen ops, ``benchmarks/bench_ops.py``) are held under
 ceilings: on both branches at most half of what they were before the lean path (78 dropless /
 118 worst-case), held at the counts reached; hierarchical mode (4 ranks, 2 nodes) is held at the
@@ -92,7 +92,9 @@ def test_flat_paths_match_the_reference_and_stay_lean(worst: bool, cuda: bool) -
     # (``dispatch.values.mask_bad_ids``: one [T, k, k] comparison, counted and set to -1 on the
     # device), +6 on the cpu path (``check_repeated_ids``, which raises).
     # Issue 26: cpu-path worst-case skips the exchange (counts in band) at the same count.
-    ceiling = (68 if worst else 47) if cuda else (61 if worst else 41)
+    # Issue 46 (the flat plan, no value checks with checks off): 61 / 41 -> 34 / 25 (cpu), 68 /
+    # 47 -> 42 / 31 (cuda), measured 2026-12-07.
+    ceiling = (42 if worst else 31) if cuda else (34 if worst else 25)
     assert all(g["ops"] <= ceiling for g in got), [g["ops"] for g in got]
 
 
@@ -105,7 +107,9 @@ def test_hierarchical_paths_match_the_reference_and_stay_lean(worst: bool, cuda:
     # 64 / 103 (cuda), down from 162 / 165 and 161 / 171 before hierarchical mode took flat
     # mode's metadata path.
     # (+9 / +7 since issue 25: the repeated-expert-id rule, see above)
-    ceiling = (112 if worst else 73) if cuda else (106 if worst else 72)
+    # Issue 46 (no value checks with checks off, sums from zeros on CPU too): 106 / 72 -> 88 /
+    # 58 (cpu), 112 / 73 -> 97 / 58 (cuda), measured 2026-12-07.
+    ceiling = (97 if worst else 58) if cuda else (88 if worst else 58)
     assert all(g["ops"] <= ceiling for g in got), [g["ops"] for g in got]
 
 
@@ -121,6 +125,8 @@ def test_worst_case_cuda_path_with_the_triton_kernels(hierarchical: bool) -> Non
         got = run_group(_worker, 4, True, True, True, True, env={**env, "LOCAL_WORLD_SIZE": "2"})
     else:
         got = run_group(_worker, 2, True, True, False, True, env=env)
-    want = {"capped_slots", "screen_inputs"} | (set() if hierarchical else {"unpack_blocks"})
+    # NOTE: no ``screen_inputs`` since issue 46: with checks off the torch backend checks no value
+    # (the screen runs for the DeepEP backends, tests/unit/test_kernels_screen.py)
+    want = {"capped_slots"} | (set() if hierarchical else {"unpack_blocks"})
     for g in got:
         assert want <= set(g["launches"]), g["launches"]

@@ -2,14 +2,18 @@
 
 Shape letters (ARCHITECTURE.md): T tokens · H hidden · E experts · R ranks · k top-k.
 
-Two paths, chosen by ``flexdispatch._checks.tensors.defer_value_checks(device)``:
+Three paths (``flexdispatch.dispatch.values.screen_dispatch_values``):
 
-- CPU (or checks on): reading values costs no sync, so ``dispatch`` raises at once;
-- CUDA without checks: ``dispatch`` counts the bad values on the device (no sync) into
-  ``stats.pending_bad_values`` and ``check_overflow()`` / ``check()`` raise naming them.
-
-The CUDA path is driven here on CPU by forcing ``defer_value_checks`` (the ``deferred_value_checks``
-fixture in tests/conftest.py; inside spawned ranks, by setting the module attribute).
+- checks on (any device): ``dispatch`` raises at once, before any collective;
+- checks off, torch backend (any device, issue 46): no value is checked; the backend sends bad ids
+  nowhere and counts them from the counts it computes anyway, and ``check_overflow()`` raises
+  naming them (a NaN is moved like any value, not looked at);
+- checks off, a backend that does not count bad ids (DeepEP, whose kernels must not see them):
+  raised at once on CPU; on CUDA the bad values are counted on the device (no sync) into
+  ``stats.pending_bad_values`` and ``check_overflow()`` raises naming them. Driven here through
+  the torch backend with its ``counts_bad_ids`` switched off (``_screened``) and
+  ``defer_value_checks`` forced (the ``deferred_value_checks`` fixture in tests/conftest.py; inside
+  spawned ranks, by setting the module attribute).
 """
 
 from __future__ import annotations
@@ -37,20 +41,26 @@ def _disp(**kw: Any) -> FlexDispatcher:
     return FlexDispatcher(DispatchConfig(backend="torch", **kw), num_experts=E)
 
 
+def _screened(d: FlexDispatcher) -> FlexDispatcher:
+    """``d`` with the dispatcher's screen of a backend that counts no bad ids (DeepEP's path)."""
+    d.backend.counts_bad_ids = False  # type: ignore[misc]
+    return d
+
+
 def test_defer_value_checks_follows_the_device() -> None:
     assert tensors.defer_value_checks(torch.device("cuda")) is True
     assert tensors.defer_value_checks(torch.device("cuda", 1)) is True
     assert tensors.defer_value_checks(torch.device("cpu")) is False
 
 
-# --------------------------------------------------------------------------- CPU: raise now
+# --------------------------------------------------------------------------- checks on: raise now
 
 
-def test_cpu_bad_ids_raise_in_dispatch_by_default() -> None:
+def test_bad_ids_raise_in_dispatch_with_checks_on() -> None:
     x, idx, p = _inputs()
     idx[0, 0], idx[2, 1], idx[4, 0] = 2 * E, -3, 2 * E  # e.g. a router built for 2E experts
-    d = _disp()
-    assert d.config.checks is False
+    d = _disp(checks=True)
+    assert d.config.checks is True
     with pytest.raises(ValueError) as info:
         d.dispatch(x, idx, p)
     msg = str(info.value)
@@ -62,12 +72,54 @@ def test_cpu_bad_ids_raise_in_dispatch_by_default() -> None:
 
 @pytest.mark.parametrize("what", ["x", "topk_probs"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
-def test_cpu_nonfinite_inputs_raise_in_dispatch_by_default(what: str, value: float) -> None:
+def test_nonfinite_inputs_raise_in_dispatch_with_checks_on(what: str, value: float) -> None:
     x, idx, p = _inputs()
     (x if what == "x" else p)[1, 0] = value
     (x if what == "x" else p)[3, 1] = value
     with pytest.raises(ValueError, match=rf"^{what} holds 2 NaN/inf value\(s\): check"):
-        _disp().dispatch(x, idx, p)
+        _disp(checks=True).dispatch(x, idx, p)
+
+
+# --------------------------------------------------------------------------- checks off: counted
+
+
+def test_checks_off_bad_ids_are_counted_and_raised_at_the_safe_point(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """CPU, nothing forced: no value check in ``dispatch`` (no scalar read); the bad ids go
+    nowhere, their count is folded at ``check_overflow``; a NaN is not looked at."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def no_check(*args: Any) -> None:
+        raise AssertionError("a value check ran with checks off")
+
+    monkeypatch.setattr(bad_values, "check_dispatch_values", no_check)
+    x, idx, p = _inputs()
+    clean_idx = idx.clone()
+    idx[0, 0], idx[4, 1] = 2 * E, -7
+    x[2, 0] = float("nan")
+    reads: list[str] = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func.__name__.startswith("_local_scalar_dense"):
+                reads.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    for W in (0, 16):
+        d = _disp(num_worst_tokens=W)
+        with Reads():
+            res = d.dispatch(x, idx, p)
+        assert reads == [], reads
+        cleaned = torch.where((idx >= 0) & (idx < E), idx, -1)
+        ref = ref_dispatch([Inputs(x=x, idx=cleaned, probs=p.masked_fill(cleaned < 0, 0))], 0, E)
+        M = ref.x.shape[0]
+        assert torch.equal(res.recv_topk_idx[:M], ref.idx) and not torch.equal(cleaned, clean_idx)
+        assert torch.equal(res.recv_x[:M].nan_to_num(), ref.x.nan_to_num())
+        with pytest.raises(ValueError) as info:
+            d.check_overflow()
+        msg = str(info.value)
+        assert "topk_idx held 2 id(s) outside [-1, 8) (lowest -7, highest 16)" in msg, msg
+        assert "NaN" not in msg and "nonfinite_x" not in d.stats.extra
+        assert d.stats.extra["invalid_expert_ids"] == 2
 
 
 def test_cpu_valid_inputs_unchanged() -> None:
@@ -129,12 +181,12 @@ def test_deferred_path_counts_and_the_safe_point_raises(deferred_value_checks: N
         d.check_overflow()
 
 
-def test_deferred_path_counts_nonfinite_values(deferred_value_checks: None) -> None:
+def test_screened_deferred_path_counts_nonfinite_values(deferred_value_checks: None) -> None:
     x, idx, p = _inputs()
     x[0, 0] = float("nan")
     x[1, :] = float("inf")
     p[2, 1] = float("nan")
-    d = _disp()
+    d = _screened(_disp())
     d.dispatch(x, idx, p)
     d.dispatch(x, idx, p)
     with pytest.raises(ValueError) as info:
@@ -223,21 +275,24 @@ def deferred_worker(rank: int, world: int) -> dict[str, Any]:
     x, idx, p = _rank_inputs(rank)
     out: dict[str, Any] = {}
     for W in (0, 32):
-        d = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=W), num_experts=E)
-        res = d.dispatch(x, idx, p)
-        y = d.combine(res.recv_x, res.handle)
-        try:
-            d.check_overflow()
-            msg = None
-        except ValueError as exc:
-            msg = str(exc)
-        out[W] = {
-            "msg": msg,
-            "extra": dict(d.stats.extra),
-            "recv_idx": res.recv_topk_idx.tolist(),
-            "rows": int((res.recv_topk_idx >= 0).any(1).sum()),
-            "finite_out": torch.isfinite(y).all(1).tolist(),
-        }
+        for screened in (True, False):  # DeepEP's screen, or the torch backend's own count
+            d = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=W), num_experts=E)
+            if screened:
+                _screened(d)
+            res = d.dispatch(x, idx, p)
+            y = d.combine(res.recv_x, res.handle)
+            try:
+                d.check_overflow()
+                msg = None
+            except ValueError as exc:
+                msg = str(exc)
+            out[(W, screened)] = {
+                "msg": msg,
+                "extra": dict(d.stats.extra),
+                "recv_idx": res.recv_topk_idx.tolist(),
+                "rows": int((res.recv_topk_idx >= 0).any(1).sum()),
+                "finite_out": torch.isfinite(y).all(1).tolist(),
+            }
     return out
 
 
@@ -251,26 +306,32 @@ def test_two_ranks_deferred_path_reports_on_the_rank_that_sent_them() -> None:
         ok = (idx >= 0) & (idx < E)
         cleaned.append(Inputs(x=x, idx=torch.where(ok, idx, -1), probs=p.masked_fill(~ok, 0.0)))
     for W in (0, 32):
-        r0, r1 = results[0][W], results[1][W]
-        assert r0["msg"] is None and r0["extra"] == {}, r0["msg"]
-        assert r1["msg"] is not None
-        assert f"topk_idx held 2 id(s) outside [-1, {E}) (highest {2 * E - 1})" in r1["msg"]
-        assert "x held 1 NaN/inf value(s)" in r1["msg"]
-        assert r1["extra"]["invalid_expert_ids"] == 2 and r1["extra"]["nonfinite_x"] == 1
-        for r in range(R2):  # the valid pairs arrived, the bad ones were dropped
-            ref = ref_dispatch(cleaned, r, E)
-            M = ref.x.shape[0]
-            assert results[r][W]["rows"] == M
-            assert results[r][W]["recv_idx"][:M] == ref.idx.tolist()
-        # only rank 1's NaN token comes back non-finite
-        assert all(results[0][W]["finite_out"])
-        assert results[1][W]["finite_out"] == [t != 1 for t in range(len(r1["finite_out"]))]
+        for screened in (True, False):
+            r0, r1 = results[0][(W, screened)], results[1][(W, screened)]
+            assert r0["msg"] is None and r0["extra"] == {}, r0["msg"]
+            assert r1["msg"] is not None
+            assert f"topk_idx held 2 id(s) outside [-1, {E}) (highest {2 * E - 1})" in r1["msg"]
+            assert r1["extra"]["invalid_expert_ids"] == 2
+            if screened:
+                assert "x held 1 NaN/inf value(s)" in r1["msg"]
+                assert r1["extra"]["nonfinite_x"] == 1
+            else:  # checks off: a NaN is moved, not looked at
+                assert "NaN" not in r1["msg"] and "nonfinite_x" not in r1["extra"]
+            for r in range(R2):  # the valid pairs arrived, the bad ones were dropped
+                ref = ref_dispatch(cleaned, r, E)
+                M = ref.x.shape[0]
+                assert results[r][(W, screened)]["rows"] == M
+                assert results[r][(W, screened)]["recv_idx"][:M] == ref.idx.tolist()
+            # only rank 1's NaN token comes back non-finite
+            assert all(results[0][(W, screened)]["finite_out"])
+            n = len(r1["finite_out"])
+            assert r1["finite_out"] == [t != 1 for t in range(n)]
 
 
 def cpu_worker(rank: int, world: int) -> str:
     x, idx, p = _rank_inputs(0)
     idx[0, 0] = 2 * E  # every rank passes a bad id: all raise before any collective
-    d = FlexDispatcher(DispatchConfig(backend="torch"), num_experts=E)
+    d = FlexDispatcher(DispatchConfig(backend="torch", checks=True), num_experts=E)
     try:
         d.dispatch(x, idx, p)
     except ValueError as exc:
@@ -280,7 +341,7 @@ def cpu_worker(rank: int, world: int) -> str:
 
 @pytest.mark.dist
 @pytest.mark.timeout(120)
-def test_two_ranks_cpu_path_raises_in_dispatch() -> None:
+def test_two_ranks_checks_on_raise_in_dispatch() -> None:
     for msg in run_group(cpu_worker, R2, timeout=90):
         assert msg.startswith(f"topk_idx holds 1 id(s) outside [-1, {E}) (first: {2 * E})"), msg
 

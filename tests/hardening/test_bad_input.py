@@ -98,15 +98,28 @@ def _with_nan(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _deferred_check(x: torch.Tensor, idx: torch.Tensor, probs: torch.Tensor) -> None:
-    """Dispatch on the CUDA-without-checks path (forced), then the safe-point check."""
+def _deferred_check(
+    x: torch.Tensor, idx: torch.Tensor, probs: torch.Tensor, *, screened: bool = False
+) -> None:
+    """Dispatch on the CUDA-without-checks path (forced), then the safe-point check.
+    ``screened``: as a backend that counts no bad ids itself does (DeepEP: the dispatcher screens
+    the values on the device; the torch backend checks no value with checks off)."""
     saved = tensors.defer_value_checks
     tensors.defer_value_checks = lambda device: True
     try:
         d = _disp()
+        if screened:
+            d.backend.counts_bad_ids = False  # type: ignore[misc]
         d.dispatch(x, idx, probs)
     finally:
         tensors.defer_value_checks = saved
+    d.check_overflow()
+
+
+def _unchecked(x: torch.Tensor, idx: torch.Tensor, probs: torch.Tensor) -> None:
+    """Dispatch with checks off on CPU (nothing forced), then the safe-point check."""
+    d = _disp()
+    d.dispatch(x, idx, probs)
     d.check_overflow()
 
 
@@ -391,18 +404,25 @@ ERRORS: list[tuple[str, Callable[[Path], Any], type[Exception], str]] = [
      lambda t: _disp(checks=True).dispatch(_x(), _out_of_range(), _probs()), ValueError,
      r"topk_idx holds 1 id\(s\) outside \[-1, 8\) \(first: 8\)"),
     ("dispatch/out-of-range-cpu",
-     lambda t: _disp().dispatch(_x(), _out_of_range(), _probs()), ValueError,
+     lambda t: _disp(checks=True).dispatch(_x(), _out_of_range(), _probs()), ValueError,
      r"topk_idx holds 1 id\(s\) outside \[-1, 8\) \(first: 8\), distinct bad ids \[8\]: expert "
      r"ids must be -1 \(dropped\) or in \[0, 8\); the dispatcher was built for num_experts=8"),
-    ("dispatch/nan-x-cpu", lambda t: _disp().dispatch(_with_nan(_x()), _idx(), _probs()),
+    ("dispatch/nan-x-cpu",
+     lambda t: _disp(checks=True).dispatch(_with_nan(_x()), _idx(), _probs()),
      ValueError, r"x holds 1 NaN/inf value\(s\): check the layer that feeds the MoE block"),
-    ("dispatch/nan-probs-cpu", lambda t: _disp().dispatch(_x(), _idx(), _with_nan(_probs())),
+    ("dispatch/nan-probs-cpu",
+     lambda t: _disp(checks=True).dispatch(_x(), _idx(), _with_nan(_probs())),
      ValueError, r"topk_probs holds 1 NaN/inf value\(s\): check the router's logits"),
+    ("check_overflow/out-of-range-unchecked",
+     lambda t: _unchecked(_x(), _out_of_range(), _probs()), ValueError,
+     r"topk_idx held 1 id\(s\) outside \[-1, 8\) \(highest 8\) since the dispatcher was built; "
+     r"they were treated as -1"),
     ("check_overflow/out-of-range-cuda",
      lambda t: _deferred_check(_x(), _out_of_range(), _probs()), ValueError,
      r"topk_idx held 1 id\(s\) outside \[-1, 8\) \(highest 8\) since the dispatcher was built; "
      r"they were treated as -1"),
-    ("check_overflow/nan-x-cuda", lambda t: _deferred_check(_with_nan(_x()), _idx(), _probs()),
+    ("check_overflow/nan-x-cuda",
+     lambda t: _deferred_check(_with_nan(_x()), _idx(), _probs(), screened=True),
      ValueError, r"x held 1 NaN/inf value\(s\) since the dispatcher was built"),
     ("combine/foreign-handle", lambda t: _combine(lambda y: y, lambda h: object()), TypeError,
      r"handle must be the DispatchHandle of this dispatcher's dispatch"),
@@ -672,26 +692,33 @@ def test_routing_and_layer_on_non_contiguous_and_empty_input() -> None:
 
 
 def test_nan_rows_stay_in_their_own_tokens(deferred_value_checks: None) -> None:
-    """On the sync-free path (CUDA, checks off), a NaN row is moved, never spread: only its own
-    token's output is NaN; the safe-point check then reports it."""
+    """On the sync-free paths (checks off), a NaN row is moved, never spread: only its own
+    token's output is NaN. The torch backend looks at no value; the dispatcher's screen of a
+    backend that counts no bad ids (DeepEP's, CUDA) reports it at the safe point."""
     x = _x()
     x[2, 1] = float("nan")
-    d = _disp()
-    res = d.dispatch(x, _idx(), _probs())
-    out = d.combine(res.recv_x, res.handle)
-    bad = torch.isnan(out).any(1)
-    assert bad.tolist() == [t == 2 for t in range(T)]
-    with pytest.raises(ValueError, match=r"x held 1 NaN/inf value\(s\) since the dispatcher"):
-        d.check_overflow()
-    assert d.stats.extra["nonfinite_x"] == 1
+    for screened in (False, True):
+        d = _disp()
+        if screened:
+            d.backend.counts_bad_ids = False  # type: ignore[misc]
+        res = d.dispatch(x, _idx(), _probs())
+        out = d.combine(res.recv_x, res.handle)
+        bad = torch.isnan(out).any(1)
+        assert bad.tolist() == [t == 2 for t in range(T)]
+        if not screened:
+            d.check_overflow()  # not looked at
+            continue
+        with pytest.raises(ValueError, match=r"x held 1 NaN/inf value\(s\) since the dispatcher"):
+            d.check_overflow()
+        assert d.stats.extra["nonfinite_x"] == 1
 
 
-def test_nan_rows_raise_in_dispatch_on_cpu() -> None:
+def test_nan_rows_raise_in_dispatch_with_checks_on() -> None:
     x = _x()
     x[2, 1] = float("nan")
     x[3, 0] = float("inf")
     with pytest.raises(ValueError, match=r"x holds 2 NaN/inf value\(s\): check the layer"):
-        _disp().dispatch(x, _idx(), _probs())
+        _disp(checks=True).dispatch(x, _idx(), _probs())
 
 
 # --------------------------------------------------------------------------- one bad rank
@@ -781,8 +808,10 @@ def test_environment_checks_flag_turns_value_checks_on(monkeypatch: pytest.Monke
     with pytest.raises(ValueError, match=r"outside \[-1, 8\)"):
         _disp().dispatch(_x(), _out_of_range(), _probs())
     monkeypatch.setenv("FLEXDISPATCH_CHECKS", "0")
-    with pytest.raises(ValueError, match=r"outside \[-1, 8\)"):  # CPU: checked without a sync
-        _disp().dispatch(_x(), _out_of_range(), _probs())
+    d = _disp()  # checks off, on CPU too: counted, raised at the safe point
+    assert d.dispatch(_x(), _out_of_range(), _probs()).recv_x.shape[1] == H
+    with pytest.raises(ValueError, match=r"held 1 id\(s\) outside \[-1, 8\) \(highest 8\)"):
+        d.check_overflow()
     monkeypatch.setattr(tensors, "defer_value_checks", lambda device: True)
     d = _disp()  # the CUDA path: counted, raised at the safe point
     assert d.dispatch(_x(), _out_of_range(), _probs()).recv_x.shape[1] == H

@@ -147,14 +147,14 @@ def _step(d, me, rank):  # type: ignore[no-untyped-def]
     return [t.detach() for t in (*seen, out, x.grad, probs.grad)]
 
 
-# the flat worst-case layouts the kernels serve: (H, checks, collectives per dispatch + combine,
-# the launches of one dispatch)
+# the flat worst-case layouts the kernels serve: (H, checks, collectives per dispatch + combine
+# of the first two calls, the launches of one dispatch). Since issue 46 every one is in band
+# (backends/torch/plan.py): rows over 2 KiB too, and checks on after the first call's count
+# exchange (the agreement on the row shape)
 LAYOUTS = {
-    "in band": ("short", False, 2, ["pack", "unpack"]),  # short rows, no count exchange
-    # checks on: counts exchanged, rows and metadata in one collective
-    "packed, after the count exchange": ("short", True, 3, ["pack_blocks", "unpack"]),
-    # rows over 2 KiB: two collectives
-    "rows and metadata apart": ("long", False, 4, ["pack_blocks", "unpack"]),
+    "in band": ("short", False, [2, 2], ["pack", "unpack"]),  # no count exchange
+    "in band, checks on": ("short", True, [3, 2], ["pack", "unpack"]),
+    "in band, long rows": ("long", False, [2, 2], ["pack", "unpack"]),
 }
 
 
@@ -171,10 +171,9 @@ def _cases_worker(rank: int, R: int, layout: str) -> dict:
     rows, checks = LAYOUTS[layout][:2]
     H = SHORT_H if rows == "short" else LONG_H
     launches: list[str] = []
-    pack, unpack, blocks = inband.pack_inband, inband.unpack_blocks, inband.pack_blocks
+    pack, unpack = inband.pack_inband, inband.unpack_blocks
     inband.pack_inband = lambda *a: launches.append("pack") or pack(*a)  # type: ignore[assignment]
     inband.unpack_blocks = lambda *a, **kw: launches.append("unpack") or unpack(*a, **kw)  # type: ignore[assignment]
-    inband.pack_blocks = lambda *a: launches.append("pack_blocks") or blocks(*a)  # type: ignore[assignment]
     W = R * (5 + 2 * (R - 1))  # the largest T of make_inputs on every peer: never an overflow
     got: dict = {"collectives": {}, "same": {}}
     for case in CASES:
@@ -198,8 +197,8 @@ def _cases_worker(rank: int, R: int, layout: str) -> dict:
 def test_flat_worst_case_with_the_kernels_on_four_ranks(dev, layout) -> None:  # type: ignore[no-untyped-def]
     """Every routing case of the reference (uneven T, an empty rank, a rank sending or receiving
     nothing) through the kernels, against the reference (the zero tail included) and against
-    the torch ops, gradients included: in band (pack + unpack), and after the count exchange
-    (pack_blocks + unpack), with rows and metadata in one buffer or apart."""
+    the torch ops, gradients included: in band (pack + unpack), short and long rows, checks off
+    and on."""
     from tests.dist.harness import run_group
     from tests.dist.reference import CASES
 
@@ -207,7 +206,7 @@ def test_flat_worst_case_with_the_kernels_on_four_ranks(dev, layout) -> None:  #
         pytest.skip("drives CPU ranks")
     collectives, one = LAYOUTS[layout][2:]
     for got in run_group(_cases_worker, 4, layout, timeout=240.0):
-        assert got["collectives"] == {case: [collectives] * 2 for case in CASES}, got
+        assert got["collectives"] == {case: collectives for case in CASES}, got
         assert got["same"] == {case: [True] * 7 for case in CASES}, got["same"]
         # every dispatch through the kernels: 2 checked + 1 with gradients per case, and the
         # backward's dispatch (cached_dispatch) needs neither
@@ -339,12 +338,11 @@ def test_world_of_one_worst_case_on_the_cuda_branch(
         assert outs[0][:11].abs().sum() > 0
 
 
-def test_a_worst_case_exchange_counts_no_pairs(dev, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The ``(token, expert)`` pairs per rank in the count exchange serve a dropless receiver
-    (``num_recv_pairs``) and the deferred bad-id count only: with the screen kernel (no bad id
-    left to count) a worst-case exchange sends zeros there instead of counting them, while
-    dropless still counts them (one ``scatter_add_``; the received rows per expert are counted
-    by the unpack kernel)."""
+def test_one_count_serves_the_bad_ids_and_the_pairs(dev, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The ``(token, rank)`` pair counts serve a dropless receiver (``num_recv_pairs``) and, with
+    checks off, the count of bad ids (issue 46: no value screen, the bad ids land in the rank
+    table's spare bin): one ``scatter_add_`` in either mode, and a worst-case dispatch reports
+    no pairs (the received rows per expert are counted by the unpack kernel)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import flexdispatch.backends.torch.a2a  # noqa: F401  (loaded before the patch)
@@ -358,7 +356,7 @@ def test_a_worst_case_exchange_counts_no_pairs(dev, monkeypatch) -> None:  # typ
     T, E, k, H = 12, 8, 2, 64
     idx = torch.rand(T, E, generator=g).argsort(1)[:, :k].contiguous()
     idx[3] = -1
-    idx[5, 0] = E + 3  # a bad id: the screen drops it
+    idx[5, 0] = E + 3  # a bad id: sent nowhere, counted
     probs = torch.rand(T, k, generator=g)
     x = torch.randn(T, H, generator=g).bfloat16()
     ops: list[str] = []
@@ -378,4 +376,4 @@ def test_a_worst_case_exchange_counts_no_pairs(dev, monkeypatch) -> None:  # typ
             res = d.dispatch(*(t.to(dev) for t in (x, idx, probs)))
         seen[W] = (ops.count("scatter_add_"), res.num_recv_pairs)
         d.close()
-    assert seen == {T: (0, None), 0: (1, 21)}, seen
+    assert seen == {T: (1, None), 0: (1, 21)}, seen

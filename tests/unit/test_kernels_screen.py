@@ -113,7 +113,9 @@ def test_screen_accumulates_and_reads_strided_inputs(dev) -> None:  # type: igno
 def _dispatch_log(monkeypatch, screen: bool, cuda: bool) -> dict:  # type: ignore[no-untyped-def]
     """Three deferred dispatches + combines in a world of one (bad ids, a repeat, NaN/inf, then
     clean inputs), with the screen kernel or the torch ops; what the user sees, and the ATen ops
-    of the second dispatch (the first also makes the pending vector)."""
+    of the second dispatch (the first also makes the pending vector). The torch backend's
+    ``counts_bad_ids`` is switched off: the dispatcher then screens the values as it does for
+    DeepEP (the torch backend itself checks no value with checks off)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from flexdispatch import DispatchConfig, FlexDispatcher
@@ -147,6 +149,7 @@ def _dispatch_log(monkeypatch, screen: bool, cuda: bool) -> dict:  # type: ignor
     out: dict = {"results": []}
     for W in (0, 2 * T):
         d = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=W), num_experts=E)
+        d.backend.counts_bad_ids = False  # type: ignore[misc]  # NOTE: the screen DeepEP gets
         for i, (xx, ii, pp) in enumerate(
             ((bad_x, bad_idx, bad_p), (x, bad_idx, probs), (x, idx, probs))
         ):
@@ -229,6 +232,7 @@ def _ranks_worker(rank: int, R: int) -> dict:
     out: dict = {}
     for W in (0, R * 16):
         d = FlexDispatcher(DispatchConfig(backend="torch", num_worst_tokens=W), num_experts=E)
+        d.backend.counts_bad_ids = False  # type: ignore[misc]  # NOTE: the screen DeepEP gets
         me = inputs[rank]
         res = d.dispatch(me.x, me.idx, me.probs)
         ok = torch.equal(res.recv_x[:M], ref.x) and torch.equal(res.recv_topk_idx[:M], ref.idx)

@@ -6,55 +6,60 @@ W worst-case rows · S rows one rank sends in one hop · P peers one hop sends t
 
 How a dispatch runs (works on gloo and NCCL):
 
+- Flat across ranks (the decode path): planned once per call shape (``plan.py``, issue 46):
+  worst-case one ``all_to_all_single`` each way, the counts in band (the count exchange only at
+  the first call of a row shape, for the agreement); dropless the count exchange plus one each
+  way, rows and metadata in one collective while the call is small. No value check with checks
+  off; one error boundary per call.
+- Hierarchical mode, and a world of one (no group, or a group of one rank), dispatch in *hops*:
+
 1. Count exchange: one ``all_gather_into_tensor`` of a ``[2R + N + 4]`` int64 vector per rank
    (rows for every rank, rows for every node (hierarchical mode; zeros in flat mode), H, k, dtype
    code, T, pairs for every rank). Every rank then holds the ``[R, 2R + N + 4]`` matrix ``G``
    and can raise the same error on every rank: mismatching H / k / dtype, or a worst-case
-   overflow. On CPU in flat mode it runs asynchronously while the send rows are prepared. Flat
-   worst-case short rows with checks off skip it (``flat.py``).
+   overflow. A world of one counts locally.
 2. Dropless mode copies ``G`` to the host once (``stats.host_syncs += 1``); on CUDA that copy is
    issued on a side stream into pinned memory right after the exchange and waited on just before
    the rows move. Worst-case mode never reads it on CUDA (only with checks enabled; counted in
    ``stats.extra["check_syncs"]``); on CPU it is read directly (no device to sync with).
 3. One *hop* = one ``all_to_all_single`` of the rows plus one of an int32 ``[S, 2k]`` metadata
-   block (``topk_idx`` as int32 beside the fp32 bits of the probs); flat rows of at most
-   ``flat.PACK_MAX_ROW_BYTES`` bytes carry their metadata in the rows' collective instead. Rows
-   keep their dtype. Flat mode is one hop; hierarchical mode is two (see ``hier.py``). Both use
-   the dispatcher's own group: ranks outside a hop get zero-sized splits, so no sub-groups exist.
-4. Worst-case mode pads every hop to ``cap`` rows per peer on the device (``W / R`` flat) and
-   compacts the received rows on the device so the real rows come first, in (source rank, source
-   token) order; the tail is zero / ``-1`` / 0.
+   block (``topk_idx`` as int32 beside the fp32 bits of the probs). Rows keep their dtype.
+   Hierarchical mode is two hops (see ``hier.py``), on the dispatcher's own group: ranks outside
+   a hop get zero-sized splits, so no sub-groups exist.
+4. Worst-case mode pads every hop to ``cap`` rows per peer on the device (``W / N`` and ``W / L``)
+   and compacts the received rows on the device so the real rows come first, in (source rank,
+   source token) order; the tail is zero / ``-1`` / 0.
 
 Combine sends the rows back along the same hops and sums them per token. The sum runs in a fixed
 order — first over the ranks of each node (in rank order), then over nodes — so flat and
 hierarchical combine give bit-identical results, and every ``index_add_`` has unique indices
-(deterministic on CUDA too). On CPU the first term of each node's sum is a gather (a zero row
-where that rank sent nothing) rather than an add into zeros, except when this rank's own rows come
-first: they are added into zeros (``0 + a == a`` up to the sign of a zero) while the peers' rows
-are still travelling. On CUDA every node's sum starts from zeros (no inverse map to build: two
-launches fewer per node). The first two terms may swap (``a + b == b + a`` exactly), so that this
-rank's own rows are added straight from where they lie.
+(deterministic on CUDA too). Every node's sum starts from zeros, on every device (``0 + a == a``
+up to the sign of a zero, the same in every mode); on CPU this rank's own rows are added while
+the peers' rows are still travelling. The first two terms may swap (``a + b == b + a`` exactly),
+so that this rank's own rows are added straight from where they lie.
 
-Rows a rank sends to itself skip the collective (split 0 to itself) whenever they sit at one end
-of both buffers (always for R = 2): on CPU dispatch gathers them straight into the receive buffer
-while the peers' rows travel (``async_op``; on CUDA, where the collective is issued synchronously
-and nothing would overlap, they go through it: one gather instead of two), and combine reads them
-from the rows it was given. This changes no byte on the wire. In flat mode the
-metadata carries global expert ids and each receiver keeps its own (one offset, ``rank * e``).
+In a hop, rows a rank sends to itself skip the collective (split 0 to itself) whenever they sit
+at one end of both buffers: on CPU dispatch gathers them straight into the receive buffer while
+the peers' rows travel (``async_op``; on CUDA, where the collective is issued synchronously and
+nothing would overlap, they go through it: one gather instead of two), and combine reads them
+from the rows it was given. This changes no byte on the wire. The metadata carries global expert
+ids and each receiver keeps its own (one offset, ``rank * e``).
 
 On CPU, buffers that never leave a call (send buffers, padded receive buffers, returning rows)
-are kept per backend and reused (``buffers.RowBuffers.scratch``): fresh buffers over 32 MiB are
-page-faulted on every call. Tensors handed to the caller come from ``_pool.OUTPUT_POOL``,
-which lends an earlier output's memory again only once nothing refers to it any more.
+are kept per backend (``buffers.RowBuffers.scratch``) or per plan and reused: fresh buffers over
+32 MiB are page-faulted on every call. Tensors handed to the caller come from
+``_pool.OUTPUT_POOL``, which lends an earlier output's memory again only once nothing refers to
+it any more.
 
 The code is split by concern: this module holds the backend class (counts, hops, combine,
-stats); ``flat.py`` the flat dispatch plan; ``hier.py`` the hierarchical one; ``buffers.py``
-the reusable row buffers;
-``hops.py`` what both plans share (``Hop``, the dispatch state, the host count copy and the
-row plumbing that finishes a dispatch); ``rows.py`` the row and metadata kernels.
+stats); ``plan.py`` the flat dispatch across ranks; ``flat.py`` the flat dispatch of a world of
+one; ``hier.py`` the hierarchical one; ``buffers.py`` the reusable row buffers; ``hops.py`` what
+the hop dispatches share (``Hop``, the dispatch state, the host count copy and the row plumbing
+that finishes a dispatch); ``rows.py`` the row and metadata kernels.
 
-Every collective runs inside ``collective_guard``: a peer that fails, exits or times out turns
-into a ``flexdispatch.distributed.CollectiveError`` on this rank, naming the collective.
+A peer that fails, exits or times out turns into a ``flexdispatch.distributed.CollectiveError``
+on this rank, naming the collective: a planned call names the one in flight (``in_flight``) at
+its one error boundary, a hop runs each collective inside ``collective_guard``.
 """
 
 from __future__ import annotations
@@ -68,30 +73,29 @@ import torch
 import torch.distributed as dist
 
 from flexdispatch import _pool
-from flexdispatch._checks import tensors
-from flexdispatch._checks.tensors import checks_enabled, cuda_code_path, is_capturing
+from flexdispatch._checks.tensors import checks_flag, cuda_code_path, is_capturing
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import (
     DTYPE_CODES,
     check_agreement,
     exchange_counts,
     recv_pairs,
-    start_exchange,
 )
 from flexdispatch.backends.torch import hier as torch_hier
 from flexdispatch.backends.torch.buffers import RowBuffers
-from flexdispatch.backends.torch.flat import dispatch_flat, inband_shape
+from flexdispatch.backends.torch.flat import dispatch_flat
 from flexdispatch.backends.torch.hops import Hop, PendingCounts, TorchDispatchState
+from flexdispatch.backends.torch.plan import FlatPlan, FlatState
 from flexdispatch.backends.torch.reduce import reduce_compacted, reduce_hop
 from flexdispatch.backends.torch.rows import (
     _bin_counts,
     clamp_ids,
     gather_rows,
     local_lut,
+    overflow_message,
     rank_lut,
 )
-from flexdispatch.distributed import collective_guard
-from flexdispatch.kernels import screen as _screen
+from flexdispatch.distributed import CollectiveError, collective_error, collective_guard
 from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult
 
 __all__ = ["TorchA2ABackend", "TorchDispatchState", "Hop", "DTYPE_CODES"]
@@ -106,19 +110,21 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
         ranks_per_node: L, dividing R.
         num_worst_tokens: W (0 = dropless); must be a multiple of R.
         hierarchical: two hops (across nodes, then inside the node) instead of one.
-        checks: value checks on CUDA in worst-case mode (host syncs).
+        checks: value checks (host syncs on CUDA; None: ``FLEXDISPATCH_CHECKS``, read once here).
         stats: counters to add to (shared with the dispatcher).
     """
 
     name = "torch"
     counts_bad_ids = True
-    """``dispatch`` counts the ids outside ``[-1, E)`` into ``bad_ids`` (0-dim int64 device
-    tensor, from the pair counts at no cost) for the dispatcher's deferred value check."""
+    """``dispatch`` sends the ids outside ``[-1, E)`` nowhere (``rows.clamp_ids`` and the rank
+    table's spare rank) and, with checks off, counts them into ``bad_ids`` (from the pair counts,
+    plus one ``aminmax`` for the lowest and highest id)."""
 
     def __init__(self, group: dist.ProcessGroup | None, **common: Any) -> None:
         super().__init__(group, **common)
         self.pinned_counts: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
-        self.bad_ids: torch.Tensor | None = None  # the last dispatch's, see ``counts_bad_ids``
+        self.checks_flag = checks_flag(self.checks)  # NOTE: the environment, read once
+        self.bad_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # NOTE: whether rows go through collectives; a group of one rank moves them as no group
         # does (it receives what it sends). Fixed with R, read once (hot path). Set True on a
         # group of one, it runs the collective paths of R ranks with R = 1 (the GPU tests do, to
@@ -128,8 +134,12 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
         self._overflow_scale = 1  # ``record_overflow``
         RowBuffers.__init__(self)  # NOTE: reusable CPU buffers (``scratch``, ``output``)
         self._luts: dict[torch.device, torch.Tensor] = {}
-        # NOTE: row shapes (H, k, dtype) the count exchange found equal on every rank (flat.py)
+        # NOTE: row shapes (H, k, dtype) the count exchange found equal on every rank (plan.py)
         self.agreed_shapes: set[tuple[int, int, torch.dtype]] = set()
+        # NOTE: the flat plans across ranks, by (T, H, k, dtype, device, checks) (plan.py)
+        self._plans: dict[tuple, FlatPlan] = {}
+        self._inband_acc: torch.Tensor | None = None  # ``inband_worst``
+        self.in_flight: str | None = None  # the collective a planned call is in (``_failed``)
         ok, reason = self.supports_world(self.num_ranks, self.ranks_per_node)
         if not ok:
             raise ValueError(reason)
@@ -170,6 +180,21 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
         return True, "torch: any world size"
 
     # ----------------------------------------------------------------- helpers
+    def checks_now(self, device: torch.device) -> bool:
+        """Whether this dispatch checks values (``checks`` resolved once; never while a CUDA
+        graph is being captured)."""
+        return self.checks_flag and not (device.type == "cuda" and is_capturing())
+
+    def count_bad_ids(
+        self, count: torch.Tensor, topk_idx: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``bad_ids`` of a dispatch: ``count`` (the pair counts' spare-rank bin) with the
+        lowest and highest id (one ``aminmax``; ``count`` itself, 0, when there is none)."""
+        if not topk_idx.numel():
+            return count, count, count
+        lowest, highest = torch.aminmax(topk_idx)
+        return count, lowest, highest
+
     @property
     def worst_case(self) -> bool:
         return self.num_worst_tokens > 0
@@ -218,20 +243,30 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
     def all_to_all(
         self,
         send: torch.Tensor,
-        send_splits: tuple[int, ...],
-        recv_splits: tuple[int, ...],
+        send_splits: tuple[int, ...] | list[int],
+        recv_splits: tuple[int, ...] | list[int],
         *,
         spare_row: bool = False,
         scratch_key: str | None = None,
+        out: torch.Tensor | None = None,
+        what: str = "all_to_all_single (rows)",
     ) -> torch.Tensor:
         """``all_to_all_single`` of rows; ``[sum(recv_splits), X]`` out, same dtype.
 
         ``spare_row`` appends one zero row to the output (``[sum(recv_splits) + 1, X]``), the
         target of the dummy index of a compaction, so that gathering needs no masking pass.
         ``scratch_key`` receives into a reused buffer (``scratch``): only for internal rows.
+        ``out``: receive into this ``[sum(recv_splits), X]`` tensor instead (a planned call,
+        ``plan.py``: lists as splits, no guard of its own; ``in_flight`` names ``what`` while it
+        runs, for the call's one error boundary).
         """
-        out, _ = self._all_to_all(send, send_splits, recv_splits, spare_row, scratch_key)
-        return out
+        if out is not None:
+            self.in_flight = what
+            dist.all_to_all_single(out, send, recv_splits, send_splits, group=self.group)
+            self.in_flight = None
+            return out
+        got, _ = self._all_to_all(send, send_splits, recv_splits, spare_row, scratch_key)
+        return got
 
     def _all_to_all(
         self,
@@ -513,17 +548,38 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
             self._required_w = torch.zeros((), dtype=torch.int64, device=required_w.device)
         self._required_w = torch.maximum(self._required_w, required_w)
 
+    def inband_worst(self, device: torch.device) -> torch.Tensor:
+        """The ``[R]`` int32 device record of the largest worst count each rank sent in band
+        (``count * R + destination``; ``FlatPlan``, checks off), made once."""
+        acc = self._inband_acc
+        if acc is None:
+            with torch.inference_mode(False):  # NOTE: written in place by later calls
+                acc = torch.zeros(self.num_ranks, dtype=torch.int32, device=device)
+            self._inband_acc = acc
+        return acc
+
+    def raise_inband_overflow(self, worst_R: list[int]) -> None:
+        """Raise the overflow that the worst counts of every rank (``count * R + destination``,
+        host ints) show, naming the sender, the destination and the fix; the same on every
+        rank."""
+        R, W = self.num_ranks, self.num_worst_tokens
+        cap = W // R
+        n, s, g = max((v // R, s, v % R) for s, v in enumerate(worst_R))
+        if n > cap:
+            raise ValueError(overflow_message(f"rank {s} sending to rank {g}", n, cap, W, R, R))
+
     def check_overflow(self) -> None:
-        if self._required_w is None:
-            return
-        need = int(self._required_w.item()) * self._overflow_scale
-        W, R = self.num_worst_tokens, self.num_ranks
-        if need > W:
-            raise ValueError(
-                f"a worst-case dispatch overflowed: it needed num_worst_tokens >= {need} but W={W} "
-                f"(R={R}); rows past the cap were dropped: raise DispatchConfig.num_worst_tokens "
-                f"to at least {need}"
-            )
+        if self._required_w is not None:
+            need = int(self._required_w.item()) * self._overflow_scale
+            W, R = self.num_worst_tokens, self.num_ranks
+            if need > W:
+                raise ValueError(
+                    f"a worst-case dispatch overflowed: it needed num_worst_tokens >= {need} but "
+                    f"W={W} (R={R}); rows past the cap were dropped: raise "
+                    f"DispatchConfig.num_worst_tokens to at least {need}"
+                )
+        if self._inband_acc is not None:  # NOTE: one read: every rank holds every rank's
+            self.raise_inband_overflow(self._inband_acc.tolist())
 
     # ----------------------------------------------------------------- primitives
     def dispatch(
@@ -533,19 +589,77 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
         topk_probs: torch.Tensor,
         layout: DispatchLayout | None = None,
     ) -> DispatchResult:
+        if self.distributed and not self.hierarchical:  # NOTE: the plan of this shape (plan.py)
+            plans = self._plans
+            checks = self.checks_flag and not (x.is_cuda and is_capturing())
+            key = (x.shape[0], x.shape[1], topk_idx.shape[1], x.dtype, x.device, checks)
+            plan = plans.get(key)
+            if plan is None:
+                plan = self._new_plan(key)
+            mask_TR = None if layout is None else layout.is_token_in_rank
+            try:
+                return plan.dispatch(x, topk_idx, topk_probs, mask_TR)
+            except RuntimeError as exc:
+                raise self._failed(exc)  # noqa: B904 - chained there
+        return self._dispatch_hops(x, topk_idx, topk_probs, layout)
 
+    def _new_plan(self, key: tuple) -> FlatPlan:
+        """Plan the calls of ``key`` (kept, at most 16 keys, unless a CUDA graph is being
+        captured: tables made there hold values only on replay)."""
+        with torch.inference_mode(False):  # NOTE: its buffers are written in place later
+            plan = FlatPlan(self, *key)
+        plans = self._plans
+        if not is_capturing():
+            if len(plans) >= 16:
+                del plans[next(iter(plans))]
+            plans[key] = plan
+        return plan
+
+    def _planned(
+        self,
+        run: Callable[[torch.Tensor, FlatState], torch.Tensor],
+        rows: torch.Tensor,
+        state: FlatState,
+    ) -> torch.Tensor:
+        """``run(rows, state)`` (a plan's combine or cached dispatch) inside the call's one error
+        boundary (``_failed``)."""
+        try:
+            return run(rows, state)
+        except RuntimeError as exc:
+            raise self._failed(exc)  # noqa: B904 - chained there
+
+    def _failed(self, exc: RuntimeError) -> RuntimeError:
+        """The error to raise for ``exc`` in a planned call (one error boundary per call): a
+        ``CollectiveError`` naming the collective in flight when it raised, chained to ``exc``;
+        else ``exc`` itself (an op's error, or a ``CollectiveError`` already)."""
+        what, self.in_flight = self.in_flight, None
+        if what is None or isinstance(exc, CollectiveError):
+            return exc
+        err = collective_error(what, self.group, exc)
+        if err is None:
+            return exc
+        err.__cause__ = exc
+        return err
+
+    def _dispatch_hops(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+        layout: DispatchLayout | None,
+    ) -> DispatchResult:
+        """A dispatch in hops: hierarchical, or in a world of one."""
         T, H = x.shape
         k = topk_idx.shape[1]
         R = self.num_ranks
         # NOTE: ids outside [-1, E) count as -1, as in get_dispatch_layout (never an OOB index):
         # clamped to -2 or E, they land on the spare rank R (-1 on R + 1), so the pair counts
-        # count them too (``bad_ids``: the dispatcher's deferred value check reads it). Where
-        # checks are not deferred (CPU) the dispatcher raised for them, and where they run as
-        # one kernel it set them to -1 and counted them: nothing to clamp. (The same tests as
-        # the dispatcher's, read through their modules, which the tests patch.)
+        # count them too (``bad_ids``, checks off). With checks on the dispatcher raised for
+        # them: nothing to clamp or count.
         dev = x.device
-        deferred = tensors.defer_value_checks(dev) and not _screen.screen_on_device(dev)
-        key_TK = clamp_ids(topk_idx, self.num_experts) if deferred else topk_idx
+        unchecked = not self.checks_now(dev)
+        count_bad = unchecked and self.counts_bad_ids
+        key_TK = clamp_ids(topk_idx, self.num_experts) if unchecked else topk_idx
         rank_TK = self.rank_lut(x.device)[key_TK]
         if layout is not None:
             mask_TR = layout.is_token_in_rank
@@ -553,41 +667,18 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
             mask_TR = torch.zeros(T, R + 2, dtype=torch.bool, device=x.device)
             mask_TR.scatter_(1, rank_TK, True)
             mask_TR = mask_TR[:, :R]
-        work = G = pending = None
-        shape = inband_shape(self, x, k)
-        # NOTE: counts in band (flat.py) once the ranks agreed on this row shape (CPU; CUDA
-        # with checks off never reads the exchange: in band at once)
-        inband = shape is not None and (shape in self.agreed_shapes or cuda_code_path(x.device))
         # NOTE: the pair counts serve the bad ids and a dropless receiver only (``recv_pairs``);
         # a worst-case exchange sends zeros in their place (no launch)
         pairs_R2 = None
-        if deferred or not (inband or self.worst_case):
+        if count_bad or not self.worst_case:
             pairs_R2 = _bin_counts(rank_TK.view(-1), R + 2)
-        self.bad_ids = pairs_R2[R] if deferred else None
+        self.bad_ids = self.count_bad_ids(pairs_R2[R], topk_idx) if count_bad else None
         zeros_R = None if pairs_R2 is not None else _pool.scalar(0, torch.int64, dev).expand(R)
         pairs_R = pairs_R2[:R] if pairs_R2 is not None else zeros_R
-        if inband:
-            pass
-        elif self.hierarchical or cuda_code_path(x.device) or not self.distributed:
-            G = self.exchange_counts(mask_TR, H, k, x.dtype, pairs_R)
-        else:
-            # NOTE: CPU flat: the exchange runs (gloo, async) while the plan prepares its send
-            # rows; the plan reads G only through ``pending.wait()``, which waits for it first.
-            G, work = start_exchange(
-                mask_TR,
-                hidden=H,
-                topk=k,
-                dtype=x.dtype,
-                ranks_per_node=self.ranks_per_node,
-                group=self.group,
-                pairs_R=pairs_R,
-            )
-        if G is not None:
-            pending = self.start_host_counts(G, work)
+        G = self.exchange_counts(mask_TR, H, k, x.dtype, pairs_R)
+        pending = self.start_host_counts(G)
         plan = torch_hier.dispatch_hier if self.hierarchical else dispatch_flat
         result = plan(self, x, key_TK, topk_probs, mask_TR, G, pending)
-        if shape is not None and not inband:
-            self.agreed_shapes.add(shape)  # NOTE: ``pending.wait()`` checked it (CPU)
         self.stats.rows_received += result.recv_x.shape[0]
         if not self.worst_case and pending is not None:
             Gh = pending.wait()  # NOTE: already on the host (the dispatch's one sync)
@@ -595,26 +686,25 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
             result = dataclasses.replace(result, num_recv_pairs=pairs)
         return result
 
-    def start_host_counts(
-        self, G: torch.Tensor, work: dist.Work | None = None
-    ) -> PendingCounts | None:
+    def start_host_counts(self, G: torch.Tensor) -> PendingCounts | None:
         """Start the host copy of ``G`` that this mode needs, or return None (no copy at all).
-        ``work``: the async exchange still writing ``G`` (``start_exchange``).
 
         Dropless: the one host sync of the dispatch. Worst-case on CPU: read directly (no device
         to wait for, not a sync). Worst-case on CUDA: only with checks enabled and not capturing
         (counted in ``stats.extra["check_syncs"]``, never in ``host_syncs``).
         """
         if not self.worst_case:
-            return PendingCounts(self, G, counter="host_syncs", work=work)
+            return PendingCounts(self, G, counter="host_syncs")
         if not cuda_code_path(G.device):
-            return PendingCounts(self, G, counter=None, work=work)
-        if checks_enabled(self.checks) and not is_capturing():
+            return PendingCounts(self, G, counter=None)
+        if self.checks_now(G.device):
             return PendingCounts(self, G, counter="check_syncs")
         return None
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        state: TorchDispatchState = handle.state
+        state = handle.state
+        if type(state) is FlatState:
+            return self._planned(state.plan.combine, y, state)
         rows = y
         one = not self.distributed and not self.hierarchical and len(state.hops) == 1
         one = one and state.out_index is not None
@@ -635,7 +725,9 @@ class TorchA2ABackend(DispatchBackend, RowBuffers):
         return rows
 
     def cached_dispatch(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        state: TorchDispatchState = handle.state
+        state = handle.state
+        if type(state) is FlatState:
+            return self._planned(state.plan.cached_dispatch, x, state)
         rows = x
         last = len(state.hops) - 1
         for i, hop in enumerate(state.hops):

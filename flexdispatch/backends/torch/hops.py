@@ -1,7 +1,7 @@
 """Hops of the ``torch`` backend: what one ``all_to_all_single`` moved (``Hop``), what a
 dispatch keeps for its combine (``TorchDispatchState``), the host copy of the count matrix
 (``PendingCounts``), and the row plumbing shared by the flat and hierarchical plans (``finish``,
-``first_rows``, ``row_of_input``). ``a2a.py`` holds the backend class; ``flat.py`` and
+``first_rows``). ``a2a.py`` holds the backend class; ``flat.py`` and
 ``hier.py`` the two dispatch plans.
 """
 
@@ -12,11 +12,8 @@ from typing import Any, Protocol
 
 import torch
 
-from flexdispatch import _pool
 from flexdispatch._checks.tensors import cuda_code_path
-from flexdispatch.backends.counts import EXCHANGE_NAME
 from flexdispatch.backends.torch.rows import unpack_local
-from flexdispatch.distributed import collective_guard
 from flexdispatch.types import DispatchHandle, DispatchResult
 
 __all__ = [
@@ -26,7 +23,7 @@ __all__ = [
     "PendingCounts",
     "finish",
     "first_rows",
-    "row_of_input",
+    "make_result",
 ]
 
 
@@ -51,6 +48,7 @@ class A2AHost(Protocol):
     def num_local_experts(self) -> int: ...
     @property
     def worst_case(self) -> bool: ...
+    def checks_now(self, device: Any) -> bool: ...
     def node_groups(self) -> tuple[tuple[int, ...], ...]: ...
     def local_lut(self, device: Any) -> Any: ...
     def record_overflow(self, required_w: Any, scale: int = 1) -> None: ...
@@ -159,15 +157,10 @@ class PendingCounts:
         backend: the backend whose stats count the copy.
         G: ``[R, 2R + N + 4]`` int64 gathered counts.
         counter: ``"host_syncs"``, ``"check_syncs"`` (``stats.extra``) or None (not counted).
-        work: the async all-gather still writing ``G`` (CPU), waited on by ``wait()``; None
-            when ``G`` is complete.
     """
 
-    def __init__(
-        self, backend: A2AHost, G: torch.Tensor, *, counter: str | None, work: Any = None
-    ) -> None:
+    def __init__(self, backend: A2AHost, G: torch.Tensor, *, counter: str | None) -> None:
         self._backend = backend
-        self._work = work  # NOTE: an async exchange still filling G (CPU); waited on first
         self._counter = counter
         self._values: list[list[int]] | None = None
         self._event: torch.cuda.Event | None = None
@@ -195,10 +188,6 @@ class PendingCounts:
     def wait(self) -> list[list[int]]:
         """Host values of ``G`` (``[R][2R + N + 4]`` ints), after the cross-rank agreement check."""
         if self._values is None:
-            if self._work is not None:
-                with collective_guard(EXCHANGE_NAME, getattr(self._backend, "group", None)):
-                    self._work.wait()
-                self._work = None
             if self._event is not None:
                 self._event.synchronize()
             self._values = self._host.tolist()
@@ -249,30 +238,44 @@ def finish(
         lut=be.local_lut(recv_meta.device),
         counts=True,
     )
-    return dispatch_result(be, hop_list, T, H, recv_x, ids, probs, counts, out_index, in_index)
+    return dispatch_result(be, hop_list, T, H, (recv_x, ids, probs, counts, out_index, in_index))
 
 
 def dispatch_result(
-    be: A2AHost,
-    hop_list: tuple[Hop, ...],
-    T: int,
-    H: int,
-    recv_x: torch.Tensor,
-    ids: torch.Tensor,
-    probs: torch.Tensor,
-    counts: torch.Tensor,
-    out_index: torch.Tensor | None,
-    in_index: torch.Tensor | None,
+    be: A2AHost, hop_list: tuple[Hop, ...], T: int, H: int, got: tuple[Any, ...]
 ) -> DispatchResult:
-    """The ``DispatchResult`` of a finished dispatch and its handle (``finish``'s last step)."""
+    """The ``DispatchResult`` of a finished dispatch and its handle (``finish``'s last step):
+    ``got`` is ``(recv_x, ids, probs, counts, out_index, in_index)``."""
+    recv_x, ids, probs, counts, out_index, in_index = got
     state = TorchDispatchState(
         hops=hop_list,
         out_index=out_index,
         in_index=in_index,
         worst_case=be.worst_case,
     )
+    return make_result(state, T, H, recv_x, ids, probs, counts)
+
+
+def make_result(
+    state: Any,
+    T: int,
+    H: int,
+    recv_x: torch.Tensor,
+    ids: torch.Tensor,
+    probs: torch.Tensor,
+    counts: torch.Tensor,
+    pairs: int | None = None,
+    issuer: int = 0,
+) -> DispatchResult:
+    """The torch backend's ``DispatchResult`` of ``T`` tokens of width ``H`` and its handle
+    holding ``state`` (``issuer``: the dispatcher's serial, when the backend knows it)."""
     handle = DispatchHandle(
-        backend="torch", num_tokens=T, hidden=H, num_recv_rows=recv_x.shape[0], state=state
+        backend="torch",
+        num_tokens=T,
+        hidden=H,
+        num_recv_rows=recv_x.shape[0],
+        state=state,
+        issuer=issuer,
     )
     return DispatchResult(
         recv_x=recv_x,
@@ -280,6 +283,7 @@ def dispatch_result(
         recv_topk_probs=probs,
         num_recv_tokens_per_expert=counts,
         handle=handle,
+        num_recv_pairs=pairs,
     )
 
 
@@ -293,27 +297,3 @@ def first_rows(t: torch.Tensor, n: int) -> torch.Tensor:
         return t
     out = torch.empty((0,), dtype=t.dtype, device=t.device)
     return out.set_(t.untyped_storage(), t.storage_offset(), (n, *t.shape[1:]))
-
-
-def row_of_input(
-    hop: Hop, lo: int, hi: int, rows_out: int, *, base: int, missing: int
-) -> torch.Tensor:
-    """``[rows_out]`` int64: for each input row of ``hop``, the row ``base + i`` of its send row
-    ``lo + i`` among ``[lo, hi)``, or ``missing`` where that range has none.
-
-    Padding rows (worst-case mode) scatter into unique slots past the output and are cut off, so
-    every scatter index is unique (deterministic).
-    """
-    index = hop.send_index[lo:hi]
-    device = index.device
-    n = hi - lo
-    rows_from = _pool.arange(base + n, device)[base:]
-    size = rows_out
-    valid = hop.valid(lo, hi)
-    if valid is not None:
-        size += n
-        spare = _pool.arange(rows_out + n, device)[rows_out:]
-        index = torch.where(valid, index, spare)
-    first = torch.full((size,), missing, dtype=torch.int64, device=device)
-    first.scatter_(0, index, rows_from)
-    return first[:rows_out]

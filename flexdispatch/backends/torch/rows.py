@@ -22,9 +22,9 @@ from flexdispatch.kernels import inband as _inband
 __all__ = [
     "gather_rows",
     "slot_positions",
+    "slot_tables",
     "send_rows",
     "flat_compaction",
-    "valid_compaction",
     "pack_meta",
     "pack_token_meta",
     "pack_key_meta",
@@ -123,31 +123,32 @@ def _capped_slots(mask_NP: torch.Tensor, cap: int) -> torch.Tensor:
     device = mask_NP.device
     if _inband.pack_on_device(device):  # NOTE: CUDA with triton: one launch
         return _inband.capped_slots(mask_NP, cap)
-    size = P * cap
-    i64 = torch.int64
-    # slot of the j-th row (1-based count c) for participant p: p * cap + c - 1; everything in
-    # the [n, P] layout of the mask (the scatter's order does not matter: its indices are unique)
-    base_1P = _pool.cached(
-        ("slot_base", P, cap), device, lambda: (torch.arange(P, device=device) * cap - 1)[None]
+    base_1P, spare_NP, rows_NP = _pool.cached(
+        ("slot_tables", n, P, cap), device, lambda: slot_tables(n, P, cap, device)
     )
-    # NOTE: rows that are not sent scatter into unique spare slots past ``size``, so every scatter
-    # index is unique (deterministic) and nothing is written out of bounds.
-    spare_NP = _pool.cached(
-        ("slot_spare", P, n, cap),
-        device,
-        lambda: torch.arange(size, size + P * n, device=device, dtype=i64).view(n, P),
-    )
-    rows_NP = _pool.cached(
-        ("slot_rows", P, n),
-        device,
-        lambda: torch.arange(n, device=device, dtype=i64).repeat_interleave(P),
-    )
-    count_NP = mask_NP.cumsum(0, dtype=i64)
+    count_NP = mask_NP.cumsum(0, dtype=torch.int64)
     keep_NP = mask_NP & (count_NP <= cap)
     slot_NP = torch.where(keep_NP, count_NP + base_1P, spare_NP)
-    buf = torch.full((size + P * n,), n, dtype=i64, device=device)
+    buf = torch.full((P * cap + P * n,), n, dtype=torch.int64, device=device)
     buf.scatter_(0, slot_NP.reshape(-1), rows_NP)  # NOTE: no copy unless a transposed mask
-    return buf[:size]
+    return buf[: P * cap]
+
+
+def slot_tables(
+    n: int, P: int, cap: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The index tables of ``_capped_slots`` for an ``[n, P]`` mask: ``[1, P]`` the slot before
+    each participant's first (``p * cap - 1``), ``[n, P]`` unique spare slots past ``P * cap``
+    (rows that are not sent scatter there: every scatter index is unique, so the scatter is
+    deterministic and writes nothing out of bounds), and ``[n * P]`` the input row of each mask
+    entry. The slot of the j-th row (1-based running count c) for participant p is then
+    ``p * cap + c - 1``, all in the ``[n, P]`` layout of the mask."""
+    size = P * cap
+    i64 = torch.int64
+    base_1P = (torch.arange(P, device=device, dtype=i64) * cap - 1)[None]
+    spare_NP = torch.arange(size, size + P * n, device=device, dtype=i64).view(n, P)
+    rows_NP = torch.arange(n, device=device, dtype=i64).repeat_interleave(P)
+    return base_1P, spare_NP, rows_NP
 
 
 def flat_compaction(sizes_R: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,13 +162,6 @@ def flat_compaction(sizes_R: torch.Tensor, cap: int) -> tuple[torch.Tensor, torc
     device = sizes_R.device
     col = _pool.cached(("cap_cols", cap), device, lambda: torch.arange(cap, device=device))
     return _compaction((col < sizes_R[:, None]).view(-1), W)
-
-
-def valid_compaction(mine_W: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``flat_compaction`` of a receive buffer whose real rows are known by their ids:
-    ``mine_W`` ``[W]`` bool marks the rows with one of this rank's ids (``local_lut`` of the
-    ids, any non-zero); padding rows carry only dropped ids."""
-    return _compaction(mine_W, W)
 
 
 def _compaction(real_W: torch.Tensor, W: int) -> tuple[torch.Tensor, torch.Tensor]:
