@@ -193,6 +193,13 @@ class FlexTokenDispatcher(BaseEPTokenDispatcher):
                     topk_scores_TK.to(torch.float32),
                     None,
                 )
+                W = fd.config.num_worst_tokens
+                if W > 0 and x_TD.shape[0] * fd.num_ranks > W:
+                    # NOTE: only a rank with more than W / R tokens can overflow W, and the
+                    # dispatch records that on the device without a host read: read it here,
+                    # on this path only (torchtitan gives every rank the same T, so every rank
+                    # reads it and raises together)
+                    fd.check_overflow()
             except ValueError as exc:
                 self._name_the_field(exc, fd, x_TD.shape[0])
                 raise
