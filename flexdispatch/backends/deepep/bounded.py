@@ -63,7 +63,7 @@ from flexdispatch.backends.deepep import sizing
 from flexdispatch.backends.deepep.agreement import Agreement, pinned_buffers
 from flexdispatch.backends.deepep.buffer import BoundedSize
 from flexdispatch.backends.deepep.counters import TrafficCounters
-from flexdispatch.distributed import collective_device
+from flexdispatch.distributed import collective_device, group_size, is_distributed
 from flexdispatch.types import (
     DispatchHandle,
     DispatchResult,
@@ -210,6 +210,8 @@ class BoundedBackend(DispatchBackend):
         self._worst = self.num_worst_tokens > 0
         self._local_experts = self.num_local_experts
         self._sized: dict[tuple[int, int, int], int] = {}
+        self._device = collective_device(self.group)  # NOTE: the agreement's group facts
+        self._group_size = group_size(self.group) if is_distributed(self.group) else 1
 
     # ----------------------------------------------------------------- what a subclass gives
     def _compiled_bound(self, tokens: int) -> int:
@@ -308,8 +310,8 @@ class BoundedBackend(DispatchBackend):
                 self._need_tokens = max(self._need_tokens, T)
                 return M, None
             return T, None
-        device = collective_device(self.group)
-        agreement = Agreement(self.group, device, self._pinned)
+        device = self._device
+        agreement = Agreement(self.group, device, self._pinned, self._group_size)
         name = f"all_gather ({self.api} token count)"
         agreement.start(Agreement.values(T, shape, refusal is not None), name)
         extra = self._stats.extra
