@@ -34,10 +34,14 @@ WIDTH = 5  # [T, X, k, dtype code, refused]
 
 class Agreement:
     """One dispatch's all-gather (module docstring): ``start`` before the dispatch, ``rows``
-    after it (or right away). ``pinned``: the backend's ``pinned_buffers``."""
+    after it (or right away). ``pinned``: the backend's ``pinned_buffers``; ``size``: the
+    group's size where the caller knows it (1 where it is not distributed), else looked up."""
 
-    def __init__(self, group: Any, device: torch.device, pinned: list[Any]) -> None:
+    def __init__(
+        self, group: Any, device: torch.device, pinned: list[Any], size: int | None = None
+    ) -> None:
         self.group, self.device, self.pinned = group, device, pinned
+        self.size = size
         self._rows: list[list[int]] | None = None
         self._work: Any = None
         self._out: torch.Tensor | None = None
@@ -49,10 +53,12 @@ class Agreement:
 
     def start(self, vals: list[int], name: str) -> Agreement:
         """Start the all-gather of ``vals`` (``values``) on the group, without a host wait."""
-        if not is_distributed(self.group) or group_size(self.group) == 1:
+        R = self.size
+        if R is None:
+            R = group_size(self.group) if is_distributed(self.group) else 1
+        if R == 1:
             self._rows = [list(vals)]
             return self
-        R = group_size(self.group)
         host_in, host_out, last = self.pinned
         if self.device.type != "cuda":
             for i, v in enumerate(vals):

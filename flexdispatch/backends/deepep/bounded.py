@@ -56,14 +56,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flexdispatch._checks.tensors import checks_enabled
+from flexdispatch._checks.tensors import checks_flag, is_capturing
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import check_token_rows
 from flexdispatch.backends.deepep import sizing
 from flexdispatch.backends.deepep.agreement import Agreement, pinned_buffers
 from flexdispatch.backends.deepep.buffer import BoundedSize
 from flexdispatch.backends.deepep.counters import TrafficCounters
-from flexdispatch.distributed import collective_device
+from flexdispatch.distributed import collective_device, group_size, is_distributed
 from flexdispatch.types import (
     DispatchHandle,
     DispatchResult,
@@ -203,6 +203,15 @@ class BoundedBackend(DispatchBackend):
         self._pinned = pinned_buffers(collective_device(self.group))  # the agreement's, on CUDA
         self._agreed_shapes: set[tuple] = set()  # dropless row shapes whose refusals were agreed
         self._closed = False
+        # NOTE: the decode path's per-call constants (issue 46): the environment's checks flag
+        # read once (as the dispatcher does), the mode, e, and the buffer sizes that the shared
+        # buffer's current build covers (``_buffer``)
+        self._checks_flag = checks_flag(self.checks)
+        self._worst = self.num_worst_tokens > 0
+        self._local_experts = self.num_local_experts
+        self._sized: dict[tuple[int, int, int], int] = {}
+        self._device = collective_device(self.group)  # NOTE: the agreement's group facts
+        self._group_size = group_size(self.group) if is_distributed(self.group) else 1
 
     # ----------------------------------------------------------------- what a subclass gives
     def _compiled_bound(self, tokens: int) -> int:
@@ -246,6 +255,18 @@ class BoundedBackend(DispatchBackend):
     # ----------------------------------------------------------------- the token bound
     def _buffer(self, hidden: int, topk: int) -> Any:
         """The shared buffer, grown (collectively) for M tokens of ``hidden`` bf16 columns."""
+        shared = self._shared
+        key = (self.num_max_tokens_per_rank, hidden, topk)
+        if (
+            self._sized.get(key) == shared.allocations
+            and shared.buffer is not None
+            and not self._closed
+        ):
+            # NOTE: this build of the shared buffer covered this size already (sizes only grow
+            # while it lives): what ``ensure`` would answer, without rebuilding the size
+            shared.settle()
+            self._grown_from = None
+            return shared.buffer
         if self._closed:
             raise RuntimeError("this deepep backend was closed")
         before = self._shared.allocations
@@ -263,6 +284,9 @@ class BoundedBackend(DispatchBackend):
         if self._shared.allocations != before:
             extra = self._stats.extra
             extra["deepep_buffer_allocations"] = extra.get("deepep_buffer_allocations", 0) + 1
+        if len(self._sized) >= 64:
+            self._sized.clear()
+        self._sized[key] = self._shared.allocations
         return buffer
 
     def _check_tokens(
@@ -278,16 +302,16 @@ class BoundedBackend(DispatchBackend):
         can hold on one rank's device only, which must not leave its peers inside DeepEP); M
         grows before a dispatch only then, else after it, alike on every rank."""
         M, R = self.max_tokens, self.num_ranks
-        checks = checks_enabled(self.checks)
-        if self.worst_case and not checks:  # NOTE: no collective: the refusal is a function
+        checks = self._checks_flag and not is_capturing()  # NOTE: checks_enabled(self.checks)
+        if self._worst and not checks:  # NOTE: no collective: the refusal is a function
             if refusal is not None:  # of the shape the ranks must agree on
                 raise ValueError(refusal)
             if T > M:
                 self._need_tokens = max(self._need_tokens, T)
                 return M, None
             return T, None
-        device = collective_device(self.group)
-        agreement = Agreement(self.group, device, self._pinned)
+        device = self._device
+        agreement = Agreement(self.group, device, self._pinned, self._group_size)
         name = f"all_gather ({self.api} token count)"
         agreement.start(Agreement.values(T, shape, refusal is not None), name)
         extra = self._stats.extra
@@ -369,9 +393,9 @@ class BoundedBackend(DispatchBackend):
         """DeepEP's non-expanded receive as the contract's result: (source rank, token) order,
         local ids or -1, weights 0 where the id is not local, worst-case tails masked; the rows
         cut to ``cols`` wire columns in the same gather."""
-        rows, e = recv.shape[0], self.num_local_experts
+        rows, e = recv.shape[0], self._local_experts
         valid = pairs = None
-        if self.worst_case:
+        if self._worst:
             W = self.num_worst_tokens
             n = handle.psum_num_recv_tokens_per_scaleup_rank[-1].to(torch.int64)
             order = token_order(handle, rows, n, W)
@@ -416,7 +440,13 @@ class BoundedBackend(DispatchBackend):
             recv_topk_idx=recv_idx,
             recv_topk_probs=torch.where(local, recv_w.float(), 0.0),
             num_recv_tokens_per_expert=counts,
-            handle=launch.handle(recv.shape[0], state),
+            handle=DispatchHandle(
+                backend="deepep",
+                num_tokens=launch.T,
+                hidden=launch.X,
+                num_recv_rows=recv.shape[0],
+                state=state,
+            ),
             num_recv_pairs=pairs,
         )
 
@@ -480,6 +510,18 @@ class BoundedBackend(DispatchBackend):
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Unweighted sum over the receiving ranks (module docstring for precision)."""
+        X = y.shape[1]
+        if y.dtype == torch.bfloat16 or X > _NARROW:
+            # NOTE: ``combine_bias(y, handle, None)`` of rows DeepEP sums, straight-line (the
+            # decode path)
+            state: BoundedState = handle.state
+            out, _ = self._combine_call(self._combine_rows(y, state), state)
+            out = out[:, :X]
+            out = out if out.dtype == y.dtype else out.to(y.dtype)
+            sent = state.handle.topk_idx.shape[0]  # NOTE: sent_tokens(state)
+            if sent < handle.num_tokens:  # NOTE: tokens not sent (over M): zero rows
+                out = torch.cat([out, out.new_zeros(handle.num_tokens - sent, X)])
+            return out
         return self.combine_bias(y, handle, None)
 
     def combine_bias(

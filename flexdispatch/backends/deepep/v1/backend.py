@@ -57,7 +57,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from flexdispatch._checks.tensors import checks_enabled, is_capturing
+from flexdispatch._checks.tensors import checks_enabled, checks_flag, is_capturing
 from flexdispatch.backends.base import Capability, DispatchBackend
 from flexdispatch.backends.counts import check_agreement, exchange_counts
 from flexdispatch.backends.deepep import buffer as deepep_buffer
@@ -71,6 +71,50 @@ from flexdispatch.distributed import collective_device
 from flexdispatch.types import DispatchHandle, DispatchLayout, DispatchResult
 
 __all__ = ["DeepEPV1Backend", "DeepEPDispatchState"]
+
+_MAX_PLANS = 16  # row shapes planned per backend (decode T varies with the batch)
+
+
+class _Plan:
+    """What one ``(T, X, dtype, k, id dtype, device)`` dispatch fixes, worked out by its first
+    call (every refusal and check of ``launch_dispatch`` ran there) and reused while the shared
+    buffer is the one that call sized (``allocations``): the wire format, the column chunks,
+    DeepEP's ``Config`` pair, the worst-case cap decision and the bytes a call adds to the
+    statistics. Python values only (nothing a result or a handle holds)."""
+
+    __slots__ = (
+        "allocations",
+        "cap",
+        "cast_idx",
+        "chunks",
+        "config",
+        "dropless",
+        "row_bytes",
+        "wire",
+    )
+
+    def __init__(self, backend: DeepEPV1Backend, launched: Launched, idx_dtype: torch.dtype):
+        self.wire = launched.wire
+        self.chunks = launched.chunks
+        self.dropless = not backend.worst_case
+        self.cap = backend.worst_case and backend.num_worst_tokens // backend.num_ranks < launched.T
+        self.cast_idx = idx_dtype != backend.topk_idx_dtype
+        self.config = backend._configs[0]
+        self.row_bytes = backend._dispatch_row_bytes(launched.chunks, 0, launched.k)
+        self.allocations = backend._shared.allocations
+
+
+class _CombinePlan:
+    """What a combine of ``[M, X]`` wide rows fixes (``_Plan``'s rules): the column chunks,
+    DeepEP's combine ``Config`` and the bytes it adds to the statistics."""
+
+    __slots__ = ("allocations", "back_bytes", "chunks", "config")
+
+    def __init__(self, backend: DeepEPV1Backend, X: int) -> None:
+        self.chunks = backend._combine_chunks(max(-(-X // 8) * 8, 8))
+        self.config = backend._configs[1]
+        self.back_bytes = sum(backend._row_bytes(2 * c.padded) for c in self.chunks)
+        self.allocations = backend._shared.allocations
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,6 +249,17 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
         device = collective_device(self.group)
         self._need_w = DeviceMax(device)  # largest W a worst-case dispatch needed
         self._counters = TrafficCounters(device)  # statistics, no host read on the hot path
+        # NOTE: the per-shape plans of the decode path (issue 46): synchronous, checks off
+        # (the environment read once, as the dispatcher does), no caller layout, one node span
+        self._checks_flag = checks_flag(self.checks)
+        self._plannable = not async_finish and not self._checks_flag
+        self._plannable &= not (
+            self.num_nodes > refusals.MAX_TOPK_NODES or self._normal_refusal is not None
+        )
+        self._internode = self.num_nodes > 1
+        self._local_experts = self.num_local_experts
+        self._plans: dict[tuple, _Plan] = {}
+        self._combine_plans: dict[tuple, _CombinePlan] = {}
 
     # ----------------------------------------------------------------- capabilities
     def supports_worst_case(self) -> Capability:
@@ -463,7 +518,75 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
             ValueError: with checks on, ranks disagree on shapes or a worst-case overflow (on
                 every rank); a row DeepEP cannot take.
         """
+        if layout is None and self._plannable and isinstance(x, torch.Tensor):
+            key = (x.shape, x.dtype, x.device, topk_idx.shape[1], topk_idx.dtype)
+            plan = self._plans.get(key)
+            if plan is not None and self._plan_current(plan.allocations):
+                return self._planned_dispatch(plan, x, topk_idx, topk_probs)
+            launched = self.launch_dispatch(x, topk_idx, topk_probs, None)
+            result = self.finish_dispatch(launched)
+            if len(self._plans) >= _MAX_PLANS:
+                del self._plans[next(iter(self._plans))]
+            self._plans[key] = _Plan(self, launched, topk_idx.dtype)
+            return result
         return self.finish_dispatch(self.launch_dispatch(x, topk_idx, topk_probs, layout))
+
+    def _combine_plan(self, X: int) -> _CombinePlan:
+        return _CombinePlan(self, X)
+
+    def _plan_current(self, allocations: int) -> bool:
+        """Whether a plan made on the shared buffer's ``allocations``-th build still holds: the
+        same buffer (nothing grew it since), this backend open, and no low-latency capture that
+        refuses normal internode kernels (``_buffer_for_rows``' refusals)."""
+        shared = self._shared
+        return (
+            shared.allocations == allocations
+            and shared.buffer is not None
+            and not self._closed
+            and not (self._internode and shared.low_latency_captured)
+        )
+
+    def _planned_dispatch(
+        self, p: _Plan, x: torch.Tensor, topk_idx: torch.Tensor, topk_probs: torch.Tensor
+    ) -> DispatchResult:
+        """``finish_dispatch(launch_dispatch(...))`` of a planned shape, straight-line: what the
+        shape fixes comes from ``p``; the ops and DeepEP calls are those of the first call."""
+        if p.dropless:
+            refusals.check_dropless_capture("DeepEP V1")
+        buffer = self._shared.buffer
+        idx = (topk_idx.to(self.topk_idx_dtype) if p.cast_idx else topk_idx).contiguous()
+        probs = topk_probs if topk_probs.dtype == torch.float32 else topk_probs.float()
+        probs = probs.contiguous()
+        w = p.wire.send(x)
+        chunks = p.chunks
+        ntr, ntrr, nte, itr, _ = buffer.get_dispatch_layout(idx, self.num_experts)
+        if p.cap:
+            itr, ntr = self._cap_worst_case(itr, ntr)
+        W = self.num_worst_tokens
+        recv_w, recv_idx, recv_probs, count_list, handle, _ = buffer.dispatch(
+            self._chunk(w, chunks[0]),
+            num_tokens_per_rank=ntr,
+            num_tokens_per_rdma_rank=ntrr,
+            is_token_in_rank=itr,
+            num_tokens_per_expert=nte,
+            topk_idx=idx,
+            topk_weights=probs,
+            num_worst_tokens=W,
+            config=p.config,
+        )
+        if len(chunks) > 1:
+            parts = [recv_w[:, : chunks[0].width]]
+            for c in chunks[1:]:
+                got, *_ = buffer.dispatch(
+                    self._chunk(w, c), handle=handle, num_worst_tokens=W, config=p.config
+                )
+                parts.append(got[:, : c.width])
+            recv_w = torch.cat(parts, dim=1)
+        T, X = x.shape
+        return self._dispatch_result(
+            T, X, p.wire, chunks, recv_w, None, recv_idx, recv_probs, count_list, handle, ntr,
+            ntrr, p.row_bytes,
+        )  # fmt: skip
 
     def supports_overlap(self, *, expanded: bool) -> Capability:
         if expanded:
@@ -583,7 +706,6 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
         result."""
         self._wait(p.event)
         T, X, k, wire, chunks, num_scales = p.T, p.X, p.k, p.wire, p.chunks, p.num_scales
-        e = self.num_local_experts
         recv_idx, recv_probs, count_list, handle = p.recv_idx, p.recv_probs, p.count_list, p.handle
         recv_scales = None
         if isinstance(p.parts[0], tuple):  # fp8 (x, scales): one call
@@ -594,8 +716,39 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
             recv_w = torch.cat(
                 [got[:, : c.width] for got, c in zip(p.parts, chunks, strict=True)], dim=1
             )
-        self._after_normal_kernel()
+        row_bytes = self._dispatch_row_bytes(chunks, num_scales, k)
+        return self._dispatch_result(
+            T, X, wire, chunks, recv_w, recv_scales, recv_idx, recv_probs, count_list, handle,
+            p.ntr, p.ntrr, row_bytes,
+        )  # fmt: skip
 
+    def _dispatch_row_bytes(self, chunks: tuple, num_scales: int, k: int) -> int:
+        """Bytes one dispatched row takes on the wire: its chunks, scales, ids and weights."""
+        row_bytes = sum(self._row_bytes(2 * c.padded) for c in chunks)
+        return row_bytes + self._row_bytes(num_scales * 4, ids=k, weights=k) - self._row_bytes(0)
+
+    def _dispatch_result(
+        self,
+        T: int,
+        X: int,
+        wire: sizing.WireFormat,
+        chunks: tuple,
+        recv_w: torch.Tensor,
+        recv_scales: torch.Tensor | None,
+        recv_idx: torch.Tensor,
+        recv_probs: torch.Tensor,
+        count_list: Any,
+        handle: tuple,
+        ntr: torch.Tensor,
+        ntrr: torch.Tensor | None,
+        row_bytes: int,
+    ) -> DispatchResult:
+        """What DeepEP returned (chunks joined) as the contract's result; the call's traffic
+        recorded (``row_bytes`` per row)."""
+        shared = self._shared  # NOTE: _after_normal_kernel, inline
+        shared.normal_kernel_ran = True
+        shared.normal_calls += 1
+        e = self._local_experts
         pairs = None
         valid = None
         if self.worst_case:
@@ -620,15 +773,11 @@ class DeepEPV1Backend(LowLatencyMixin, CombineMixin, DispatchBackend):
             counts = sizing.count_valid(ids, ids >= 0, e)
         if recv_idx.dtype != torch.int64:
             recv_idx = recv_idx.to(torch.int64)
-
-        scale_bytes = num_scales * 4
-        row_bytes = sum(self._row_bytes(2 * c.padded) for c in chunks)
-        row_bytes += self._row_bytes(scale_bytes, ids=k, weights=k) - self._row_bytes(0)
         links = LazyLinks(
             lambda: handle_links(
                 handle,
-                p.ntr,
-                p.ntrr,
+                ntr,
+                ntrr,
                 num_ranks=self.num_ranks,
                 ranks_per_node=self.ranks_per_node,
                 rank=self.rank,

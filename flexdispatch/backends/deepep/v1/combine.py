@@ -76,6 +76,11 @@ class CombineMixin:
     num_sms: int
     _account: Any
     _row_bytes: Any
+    _plannable: bool
+    _combine_plans: dict
+    _plan_current: Any
+    _combine_plan: Any
+    _shared: Any
 
     @property
     def _configs(self) -> tuple[Any, Any]:
@@ -97,7 +102,42 @@ class CombineMixin:
     # ----------------------------------------------------------------- combine
     def combine(self, y: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """Unweighted sum over the receiving ranks (see the module docstring for precision)."""
+        X = y.shape[1]
+        if self._plannable and (y.dtype == torch.bfloat16 or X > NARROW_FP32_COLUMNS):
+            # NOTE: wide rows on the decode path: the chunks, Config and bytes of this width
+            # planned once (``backend._CombinePlan``), while the shared buffer is the same
+            plans = self._combine_plans
+            plan = plans.get(X)
+            if plan is not None and self._plan_current(plan.allocations):
+                return self._planned_combine(plan, y, handle.state)
+            out = self._combine(y, handle, None)[0]
+            if len(plans) >= 16:
+                del plans[next(iter(plans))]
+            plans[X] = self._combine_plan(X)
+            return out
         return self._combine(y, handle, None)[0]
+
+    def _planned_combine(self, plan: Any, y: torch.Tensor, state: Any) -> torch.Tensor:
+        """``_combine(y, handle, None)`` of wide rows, straight-line from ``plan``."""
+        X = y.shape[1]
+        shared = self._shared
+        buffer = shared.buffer
+        yb = y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16)
+        parts = []
+        for c in plan.chunks:
+            width = min(c.width, X - c.start)
+            part = yb[:, c.start : c.start + width]
+            pad = c.padded - width
+            part = F.pad(part, (0, pad)) if pad else part.contiguous()
+            combined, _, _ = buffer.combine(part, state.handle, config=plan.config)
+            parts.append(combined[:, :width])
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        if out.dtype != y.dtype:
+            out = out.to(y.dtype)
+        shared.normal_kernel_ran = True  # NOTE: _after_normal_kernel, inline
+        shared.normal_calls += 1
+        self._account("combine", state.links, plan.back_bytes)
+        return out
 
     def combine_with_probs(
         self, y: torch.Tensor | None, probs: torch.Tensor, handle: DispatchHandle

@@ -137,6 +137,10 @@ class DeepEPV2Backend(BoundedBackend):
         bound = num_worst_tokens // R if num_worst_tokens else num_max_tokens_per_rank
         self._setup(module, max_tokens=bound)
         self._shared = deepep_buffer.acquire_v2(module, self.group, id(self))
+        # NOTE: the decode path's per-shape plans (issue 46): (T, X, dtype, k, expand, M) ->
+        # (Launch, padded width, row bytes); combine's row bytes per kernel key
+        self._plans: dict[tuple, tuple[Launch, int, int]] = {}
+        self._combine_bytes: dict[tuple, int] = {}
 
     # ----------------------------------------------------------------- capabilities
     def supports_worst_case(self) -> Capability:
@@ -231,10 +235,19 @@ class DeepEPV2Backend(BoundedBackend):
         topk_idx: torch.Tensor,
         topk_probs: torch.Tensor,
         expand: bool,
+        *,
+        plan: bool = True,
     ) -> tuple[Any, ...]:
         """Checks, padding and the one ``ElasticBuffer.dispatch`` call of both layouts:
         ``(recv, recv_idx, recv_w, handle, recv_scales, Launch)`` (dropless over the bound:
         dispatched again, every rank, once the bound grew: ``bounded``)."""
+        if plan and not isinstance(x, tuple):
+            # NOTE: a planned row shape (the decode path): what it fixes comes from its first
+            # call (every check ran there)
+            key = (x.shape[0], x.shape[1], x.dtype, topk_idx.shape[1], expand)
+            planned = self._plans.get((*key, self.num_max_tokens_per_rank))
+            if planned is not None:
+                return self._planned_launch(planned, x, topk_idx, topk_probs, expand)
         given = (x, topk_idx, topk_probs)
         x, scales, wire = sizing.split_rows(x, fp8_multiple=32)
         T, X = x.shape
@@ -286,7 +299,55 @@ class DeepEPV2Backend(BoundedBackend):
         if self._agreed(agreement):  # NOTE: a rank was over M: M grew on every rank, again
             return self._launch(*given, expand)
         launch = Launch(wire=wire, fp8=scales is not None, T=T, X=X, k=k, sms=self.num_sms)
+        if scales is None and sent == T:  # NOTE: plan this row shape (``_planned_launch``)
+            plans = self._plans
+            if len(plans) >= 16:
+                del plans[next(iter(plans))]
+            plans[(T, X, x.dtype, k, expand, M)] = (launch, hidden, row)
         return recv, recv_idx, recv_w, handle, recv_scales, launch
+
+    def _planned_launch(
+        self,
+        plan: tuple[Launch, int, int],
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+        expand: bool,
+    ) -> tuple[Any, ...]:
+        """``_launch`` of a row shape planned by its first call: the wire format, the padded
+        width, the row bytes and the ``Launch`` record (immutable, shared by the calls) are the
+        plan's; the token bound, the buffer and DeepEP's dispatch run as in ``_launch``."""
+        launch, hidden, row = plan
+        T, k = launch.T, launch.k
+        if self._worst and not self._checks_flag and self.max_tokens >= T:
+            agreement = None  # NOTE: what _check_tokens answers here, without a call
+        else:
+            if not self._worst:
+                refusals.check_dropless_capture("DeepEP V2")
+            sent, agreement = self._check_tokens(T, (launch.X, k, x.dtype))
+            if sent < T:  # NOTE: over M (checks off): the unplanned path cuts the rows
+                return self._launch(x, topk_idx, topk_probs, expand, plan=False)
+        w = sizing.pad_cols(launch.wire.send(x), _DISPATCH_COL_MULTIPLE)
+        buffer = self._buffer(max(hidden, COMBINE_COLS), k)
+        idx = (
+            topk_idx if topk_idx.dtype == self.topk_idx_dtype else topk_idx.to(self.topk_idx_dtype)
+        )
+        probs = topk_probs if topk_probs.dtype == torch.float32 else topk_probs.float()
+        recv, recv_idx, recv_w, handle, _ = buffer.dispatch(
+            w,
+            topk_idx=idx.contiguous(),
+            topk_weights=probs.contiguous(),
+            num_experts=self.num_experts,
+            num_max_tokens_per_rank=self.num_max_tokens_per_rank,
+            expert_alignment=1,
+            num_sms=self.num_sms,
+            do_cpu_sync=not self._worst,
+            do_expand=expand,
+        )
+        self._account("dispatch", handle, row)
+        if agreement is not None and self._agreed(agreement):  # NOTE: M grew everywhere: again
+            return self._launch(x, topk_idx, topk_probs, expand)
+        return recv, recv_idx, recv_w, handle, None, launch
 
     def dispatch(
         self,
@@ -353,12 +414,15 @@ class DeepEPV2Backend(BoundedBackend):
         buffer = self._buffer(part.shape[1], k)
         key = ("combine", part.shape[1], k, h.num_max_tokens_per_rank, self.num_sms)
         key = (*key, weights is not None, bool(h.do_expand))
-        refusals.first_use(self.deep_ep, key, "combine")  # NOTE: refused inside a capture if new
+        row = self._combine_bytes.get(key)
+        if row is None:  # NOTE: a first use, refused inside a capture; its bytes kept
+            refusals.first_use(self.deep_ep, key, "combine")
+            row = self._combine_bytes[key] = self._combine_row_bytes(part.shape[1], k)
         if weights is None:
             out, out_w, _ = buffer.combine(part, h, num_sms=self.num_sms)
         else:
             out, out_w, _ = buffer.combine(part, h, topk_weights=weights, num_sms=self.num_sms)
-        self._account("combine", h, self._combine_row_bytes(part.shape[1], k))
+        self._account("combine", h, row)
         return out, (out_w if weights is not None else None)
 
     def _combine_rows(self, y: torch.Tensor, state: BoundedState) -> torch.Tensor:

@@ -100,6 +100,30 @@ from flexdispatch.types import (
 __all__ = ["DeepEPV25Backend", "PendingExpanded"]
 
 
+class _Plan:
+    """What a (not deferred) dispatch of one ``(T, X, dtype, k, expand, M)`` key fixes, kept by
+    its first call: the wire format, the column multiple and padded width, the row bytes, the
+    SM count, the kernel key (run: compiled), the id policy (``raise_now``), the expert
+    alignment and the buffer width (these rows and their combine)."""
+
+    __slots__ = ("align", "buffer_cols", "hidden", "key", "mult", "raise_now", "row", "sms", "wire")
+
+    def __init__(
+        self,
+        wire: sizing.WireFormat,
+        mult: int,
+        hidden: int,
+        row: int,
+        sms: int,
+        key: tuple,
+        raise_now: bool,
+        align: int,
+    ) -> None:
+        self.wire, self.mult, self.hidden, self.row = wire, mult, hidden, row
+        self.sms, self.key, self.raise_now, self.align = sms, key, raise_now, align
+        self.buffer_cols = max(hidden, -(-wire.width // COMBINE_COLS) * COMBINE_COLS)
+
+
 class DeepEPV25Backend(BoundedBackend):
     """Dispatch/combine over ``deep_ep_v25.EPBuffer`` (DeepEP 2.5).
 
@@ -173,6 +197,10 @@ class DeepEPV25Backend(BoundedBackend):
         self._shared = acquire_v25(module, self.group, self.hybrid, id(self), rdma=nvl < R)
         self._kernels = kernels_of(module)
         self._traffic: V25Traffic | None = None
+        # NOTE: the decode path's per-shape plans (issue 46): (T, X, dtype, k, expand, M) ->
+        # _Plan; combine's kernel key and row bytes per (width, k, M, expand, SMs)
+        self._plans: dict[tuple, _Plan] = {}
+        self._combines: dict[tuple, tuple[tuple, int]] = {}
 
     # ----------------------------------------------------------------- capabilities
     def supports_worst_case(self) -> Capability:
@@ -252,11 +280,19 @@ class DeepEPV25Backend(BoundedBackend):
         *,
         expand: bool,
         defer: bool = False,
+        plan: bool = True,
     ) -> tuple[Any, Launch, int]:
         """Checks, padding and the one ``EPBuffer.dispatch`` call of both layouts: ``(what
         DeepEP returned, Launch, dispatched row bytes)``. Dropless over the bound: dispatched
         again, every rank, once the bound grew (``bounded``; deferred: at ``finish_expanded``,
         ``Launch.again``)."""
+        if plan and not defer and not isinstance(x, tuple):
+            # NOTE: a planned row shape (the decode path): what it fixes comes from its first
+            # call (every check and refusal ran there)
+            key = (x.shape[0], x.shape[1], x.dtype, topk_idx.shape[1], expand)
+            planned = self._plans.get((*key, self.num_max_tokens_per_rank))
+            if planned is not None:
+                return self._planned_launch(planned, x, topk_idx, topk_probs, expand)
         given = (x, topk_idx, topk_probs)
         x, scales, wire = sizing.split_rows(x, fp8_multiple=32)
         T, X = x.shape
@@ -347,7 +383,65 @@ class DeepEPV25Backend(BoundedBackend):
             self._account_dispatch(out[3], traffic, row)
             return self._launch(*given, expand=expand)
         launch = Launch(wire=wire, fp8=scales is not None, T=T, X=X, k=k, sms=sms, traffic=traffic)
+        if scales is None and sent == T and not self._checks_flag:  # NOTE: plan this shape
+            plans = self._plans  # (checks on: raise_now depends on a capture, not planned)
+            if len(plans) >= 16:
+                del plans[next(iter(plans))]
+            M = self.num_max_tokens_per_rank
+            plans[(T, X, x.dtype, k, expand, M)] = _Plan(
+                wire, mult, hidden, row, sms, key, raise_now, align
+            )
         return out, launch, row
+
+    def _planned_launch(
+        self,
+        p: _Plan,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_probs: torch.Tensor,
+        expand: bool,
+    ) -> tuple[Any, Launch, int]:
+        """``_launch`` (not deferred) of a row shape planned by its first call: the wire
+        format, padding, refusal, row bytes, SM count, kernel key (run once: no compile, nothing
+        to refuse inside a capture) and the id policy are the plan's; the token bound, the ids'
+        guard, the buffer, the traffic rows and DeepEP's dispatch run as in ``_launch``."""
+        T, X = x.shape
+        k = topk_idx.shape[1]
+        if self._worst and not self._checks_flag and self.max_tokens >= T:
+            agreement = None  # NOTE: what _check_tokens answers here, without a call
+        else:
+            if not self._worst:
+                refusals.check_dropless_capture("DeepEP 2.5")
+            sent, agreement = self._check_tokens(T, (X, k, x.dtype), None)
+            if sent < T:  # NOTE: over the bound (checks off): the unplanned path cuts the rows
+                return self._launch(x, topk_idx, topk_probs, expand=expand, plan=False)
+        idx = guard_ids(topk_idx.to(torch.int64), self.num_experts, raise_now=p.raise_now)
+        send = sizing.pad_cols(p.wire.send(x), p.mult)
+        buffer = self._buffer(p.buffer_cols, k)
+        if self.topk_idx_dtype != torch.int64:
+            idx = idx.to(self.topk_idx_dtype)
+        probs = topk_probs if topk_probs.dtype == torch.float32 else topk_probs.float()
+        traffic = self._traffic_rows(idx)
+        sms, align = p.sms, p.align
+        out = buffer.dispatch(
+            send,
+            topk_idx=idx.contiguous(),
+            topk_weights=probs.contiguous(),
+            num_experts=self.num_experts,
+            num_max_tokens_per_rank=self.num_max_tokens_per_rank,
+            expert_alignment=align,
+            num_sms=sms,
+            do_cpu_sync=not self._worst,
+            do_expand=expand,
+            do_zero_padding=expand and align > 1,
+            async_with_compute_stream=False,
+            defer_epilogue=False,
+        )
+        if agreement is not None and self._agreed(agreement):  # NOTE: it grew everywhere: again
+            self._account_dispatch(out[3], traffic, p.row)
+            return self._launch(x, topk_idx, topk_probs, expand=expand)
+        launch = Launch(wire=p.wire, fp8=False, T=T, X=X, k=k, sms=sms, traffic=traffic)
+        return out, launch, p.row
 
     def _account_dispatch(self, handle: Any, traffic: torch.Tensor, row: int) -> None:
         received = handle.psum_num_recv_tokens_per_scaleup_rank[-1]
@@ -512,6 +606,14 @@ class DeepEPV25Backend(BoundedBackend):
         """One ``EPBuffer.combine``, its kernel template refused inside a capture when new."""
         h, k = state.handle, state.topk
         buffer = self._buffer(part.shape[1], k)
+        known = self._combines.get((part.shape[1], k, h.num_max_tokens_per_rank, h.do_expand))
+        if known is not None and known[0][0] == state.sms:  # NOTE: run before: no compile
+            out, out_w, _ = buffer.combine(
+                part, h, topk_weights=weights, bias=bias, num_sms=state.sms
+            )
+            t, row = state.traffic, known[1]
+            self._count([0, 0, t[1] * row, t[2] * row])
+            return out, out_w
         key = kernel_key(
             "combine",
             M=h.num_max_tokens_per_rank,  # the handle's (a dropless bound may have grown)
@@ -530,4 +632,10 @@ class DeepEPV25Backend(BoundedBackend):
         row = combine_row_bytes(part.shape[1], k)
         t = state.traffic
         self._count([0, 0, t[1] * row, t[2] * row])
+        if len(self._combines) >= 64:
+            self._combines.clear()
+        self._combines[(part.shape[1], k, h.num_max_tokens_per_rank, h.do_expand)] = (
+            (state.sms, key),
+            row,
+        )
         return out, out_w
