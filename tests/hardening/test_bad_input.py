@@ -35,7 +35,6 @@ from flexdispatch import (
     TopKRouter,
     get_dispatch_layout,
     load_config,
-    ops,
     permute,
     routing_map_to_topk,
     topk_routing,
@@ -43,6 +42,7 @@ from flexdispatch import (
 )
 from flexdispatch._checks import tensors
 from flexdispatch.cli import main as cli_main
+from flexdispatch.dispatch import ops
 from flexdispatch.integrations import megatron as fd_megatron
 from tests.dist.reference import Inputs, ref_dispatch
 from tests.hardening import spawn_recorded
