@@ -28,8 +28,9 @@ __all__ = [
 
 
 class A2AHost(Protocol):
-    """What the flat / hierarchical / hop helpers use of the torch backend (``TorchA2ABackend``
-    satisfies it); a protocol, so that the helpers below the backend never import it."""
+    """What the flat plan and the flat / hierarchical / hop helpers use of the torch backend
+    (``TorchA2ABackend`` satisfies it); a protocol, so that the modules below the backend never
+    import it."""
 
     num_ranks: int
     rank: int
@@ -59,6 +60,21 @@ class A2AHost(Protocol):
     def all_to_all(self, *args: Any, **kwargs: Any) -> Any: ...
     def run_hop(self, *args: Any, **kwargs: Any) -> Any: ...
     def run_hop_rows(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    # NOTE: what the flat plan (plan.py) uses besides
+    group: Any
+    in_flight: str | None
+    agreed_shapes: Any
+    bad_ids: Any
+    counts_bad_ids: bool
+    issuer: Any
+    _stats: Any
+
+    def rank_lut(self, device: Any) -> Any: ...
+    def exchange_counts(self, *args: Any, **kwargs: Any) -> Any: ...
+    def start_host_counts(self, G: Any) -> Any: ...
+    def inband_worst(self, device: Any) -> Any: ...
+    def raise_inband_overflow(self, worst_R: list[int]) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -51,7 +51,7 @@ One error boundary per call: the backend names the collective in flight
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,13 +59,10 @@ import torch.distributed as dist
 from flexdispatch import _pool
 from flexdispatch._checks.tensors import cuda_code_path
 from flexdispatch.backends.counts import DTYPE_CODES, EXCHANGE_NAME, check_agreement
-from flexdispatch.backends.torch.hops import first_rows, make_result
+from flexdispatch.backends.torch.hops import A2AHost, first_rows, make_result
 from flexdispatch.backends.torch.rows import overflow_message, slot_tables
 from flexdispatch.kernels import inband as _inband
 from flexdispatch.types import DispatchResult
-
-if TYPE_CHECKING:
-    from flexdispatch.backends.torch.a2a import TorchA2ABackend
 
 __all__ = ["PACK_MAX_CALL_BYTES", "FlatPlan", "FlatState"]
 
@@ -125,7 +122,7 @@ class FlatPlan:
 
     def __init__(
         self,
-        be: TorchA2ABackend,
+        be: A2AHost,
         T: int,
         H: int,
         k: int,
