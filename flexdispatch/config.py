@@ -21,8 +21,9 @@ from pydantic import (
     model_validator,
 )
 
+from flexdispatch._checks.config_text import read_config_file
 from flexdispatch._checks.errors import InputError
-from flexdispatch._checks.files import read_config_file, validation_message
+from flexdispatch._checks.files import validation_message
 from flexdispatch._checks.values import not_bool
 from flexdispatch.backends.deepep import limits as deepep_limits
 

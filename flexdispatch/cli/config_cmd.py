@@ -61,7 +61,8 @@ def read_megatron_args(path: str | Path) -> dict[str, Any]:
     Raises:
         ValueError: the file is missing, does not parse, or does not hold a mapping.
     """
-    from flexdispatch._checks.files import file_error, read_config_file
+    from flexdispatch._checks.config_text import read_config_file
+    from flexdispatch._checks.files import file_error
 
     path = Path(path)
     kind = "json" if path.suffix == ".json" else "yaml"

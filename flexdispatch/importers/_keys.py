@@ -11,8 +11,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from flexdispatch._checks.config_text import read_config_file
 from flexdispatch._checks.errors import InputError
-from flexdispatch._checks.files import excerpt, file_error, read_config_file
+from flexdispatch._checks.files import excerpt, file_error
 from flexdispatch._checks.values import finite, integer, show
 
 _GATED_ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu"}

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from flexdispatch._checks.config_text import read_config_file
 from flexdispatch._checks.files import (
     MAX_CONFIG_BYTES,
     MAX_CONFIG_DEPTH,
     MAX_CONFIG_NODES,
-    read_config_file,
 )
 from flexdispatch.cli import main as cli_main
 from flexdispatch.cli.config_cmd import read_megatron_args

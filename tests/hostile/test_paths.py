@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from flexdispatch._checks.files import file_kind, read_config_file, write_file
+from flexdispatch._checks.config_text import read_config_file
+from flexdispatch._checks.files import file_kind, write_file
 from flexdispatch.cli import main as cli_main
 from tests.hostile import cli_error, verbose_error
 
