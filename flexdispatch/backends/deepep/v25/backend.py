@@ -358,20 +358,7 @@ class DeepEPV25Backend(BoundedBackend):
         out = self._run(
             key,
             "dispatch",
-            lambda: buffer.dispatch(
-                send,
-                topk_idx=idx.contiguous(),
-                topk_weights=probs.contiguous(),
-                num_experts=self.num_experts,
-                num_max_tokens_per_rank=self.num_max_tokens_per_rank,
-                expert_alignment=align,
-                num_sms=sms,
-                do_cpu_sync=not self.worst_case,
-                do_expand=expand,
-                do_zero_padding=expand and align > 1,
-                async_with_compute_stream=defer,
-                defer_epilogue=defer,
-            ),
+            lambda: self._kernel(buffer, send, idx, probs, align, sms, expand, defer),
         )
         if defer:  # NOTE: read at finish_expanded, after DeepEP's CPU wait
             launch = Launch(
@@ -392,6 +379,34 @@ class DeepEPV25Backend(BoundedBackend):
                 wire, mult, hidden, row, sms, key, raise_now, align
             )
         return out, launch, row
+
+    def _kernel(
+        self,
+        buffer: Any,
+        send: torch.Tensor,
+        idx: torch.Tensor,
+        probs: torch.Tensor,
+        align: int,
+        sms: int,
+        expand: bool,
+        defer: bool,
+    ) -> Any:
+        """``EPBuffer.dispatch`` of a launch, planned or not (``defer``: DeepEP 2.5's deferred
+        epilogue on the compute stream)."""
+        return buffer.dispatch(
+            send,
+            topk_idx=idx.contiguous(),
+            topk_weights=probs.contiguous(),
+            num_experts=self.num_experts,
+            num_max_tokens_per_rank=self.num_max_tokens_per_rank,
+            expert_alignment=align,
+            num_sms=sms,
+            do_cpu_sync=not self._worst,
+            do_expand=expand,
+            do_zero_padding=expand and align > 1,
+            async_with_compute_stream=defer,
+            defer_epilogue=defer,
+        )
 
     def _planned_launch(
         self,
@@ -422,21 +437,8 @@ class DeepEPV25Backend(BoundedBackend):
             idx = idx.to(self.topk_idx_dtype)
         probs = topk_probs if topk_probs.dtype == torch.float32 else topk_probs.float()
         traffic = self._traffic_rows(idx)
-        sms, align = p.sms, p.align
-        out = buffer.dispatch(
-            send,
-            topk_idx=idx.contiguous(),
-            topk_weights=probs.contiguous(),
-            num_experts=self.num_experts,
-            num_max_tokens_per_rank=self.num_max_tokens_per_rank,
-            expert_alignment=align,
-            num_sms=sms,
-            do_cpu_sync=not self._worst,
-            do_expand=expand,
-            do_zero_padding=expand and align > 1,
-            async_with_compute_stream=False,
-            defer_epilogue=False,
-        )
+        sms = p.sms
+        out = self._kernel(buffer, send, idx, probs, p.align, sms, expand, False)
         if agreement is not None and self._agreed(agreement):  # NOTE: it grew everywhere: again
             self._account_dispatch(out[3], traffic, p.row)
             return self._launch(x, topk_idx, topk_probs, expand=expand)
